@@ -1,0 +1,5 @@
+import sys
+
+from elastic.cli.main import main
+
+sys.exit(main())

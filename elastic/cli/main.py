@@ -1,0 +1,48 @@
+"""The `elastic` command: one subcommand per module in this package.
+
+Each subcommand module exposes `register(subparsers)`, which adds its parser and sets
+`func` (a callable taking the parsed namespace and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Subcommand modules, in the order `elastic --help` lists them.
+SUBCOMMANDS: tuple[str, ...] = ("run", "plan", "profile")
+
+
+class UsageError(ValueError):
+    """A bad command-line value: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="elastic",
+        description="Fault-tolerant elastic training: plan, run and operate heterogeneous pipeline jobs.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"elastic.cli.{name}_cmd")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"elastic {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"elastic {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

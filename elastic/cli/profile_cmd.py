@@ -1,0 +1,16 @@
+"""`elastic profile` (placeholder until the planner lands)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("profile", help="(not yet implemented)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    print("elastic profile: not yet implemented")
+    return 2

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Idempotent install into ./.venv: torch first (pinned, CPU build), then the package with
+# its dev tools, constrained so nothing replaces torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    .venv/bin/pip install -q -c scripts/constraints.txt torch==2.13.0
+fi
+stamp=.venv/.elastic-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/pip install -q -c scripts/constraints.txt -e '.[dev]'
+    touch "$stamp"
+fi

@@ -1,0 +1,259 @@
+"""The Plan: a concrete instantiation of pipeline templates over live nodes.
+
+A plan is frozen and JSON-serialisable with a schema version. It is the contract between the
+planner (which writes it), the coordinator (which publishes it per generation) and the engine
+(which runs it). `Plan.from_dict` validates everything a user or a peer could get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """One stage: a node runs layers [first, last) tensor-parallel over its devices."""
+
+    node: int
+    """Id of the node that runs this stage."""
+    layers: tuple[int, int]
+    """Half-open layer range [first, last+1)."""
+
+    @property
+    def first(self) -> int:
+        return self.layers[0]
+
+    @property
+    def last(self) -> int:
+        """One past the stage's last layer."""
+        return self.layers[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"node": self.node, "layers": [self.layers[0], self.layers[1]]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelinePlan:
+    """One pipeline replica: stages in order, and its share of the global batch."""
+
+    stages: tuple[StagePlan, ...]
+    """Stages in pipeline order; together they hold every layer exactly once."""
+    microbatches: int
+    """Microbatches of the global batch this pipeline processes per step."""
+    iteration_time: float = 0.0
+    """Estimated time of one step of this pipeline (seconds; 0 when unknown)."""
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return tuple(s.node for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nodes": list(self.nodes),
+            "stages": [s.to_dict() for s in self.stages],
+            "microbatches": self.microbatches,
+            "iteration_time": self.iteration_time,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Pipelines covering all live nodes; the global batch split across them."""
+
+    num_layers: int
+    """Planning layers of the model (embedding, blocks, head)."""
+    microbatch_size: int
+    """Samples per microbatch."""
+    pipelines: tuple[PipelinePlan, ...]
+    """Pipeline replicas; pipeline p takes the global batch's microbatches right after those of p-1."""
+    gpus_per_node: int = 1
+    """Workers per node, which is the tensor-parallel degree of every stage."""
+    fault_tolerance: int = 0
+    """f: the plan has at least f+1 pipelines."""
+    iteration_time: float = 0.0
+    """Estimated step time of the slowest pipeline (seconds; 0 when unknown)."""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- derived views -------------------------------------------------------------------
+
+    @property
+    def global_microbatches(self) -> int:
+        return sum(p.microbatches for p in self.pipelines)
+
+    @property
+    def global_batch(self) -> int:
+        return self.global_microbatches * self.microbatch_size
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """All nodes of the plan, sorted."""
+        return tuple(sorted(n for p in self.pipelines for n in p.nodes))
+
+    def microbatch_offset(self, pipeline: int) -> int:
+        """Index (in the global batch) of pipeline `pipeline`'s first microbatch."""
+        return sum(p.microbatches for p in self.pipelines[:pipeline])
+
+    def locate(self, node: int) -> tuple[int, int]:
+        """(pipeline, stage) run by `node`; PlanError if the node is not in the plan."""
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                if stage.node == node:
+                    return p, s
+        raise PlanError(f"node {node} is not part of this plan (nodes: {list(self.nodes)})")
+
+    # ---- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "num_layers": self.num_layers,
+            "microbatch_size": self.microbatch_size,
+            "gpus_per_node": self.gpus_per_node,
+            "fault_tolerance": self.fault_tolerance,
+            "iteration_time": self.iteration_time,
+            "pipelines": [p.to_dict() for p in self.pipelines],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanError(f"unsupported plan schema_version {version!r} (this code reads {SCHEMA_VERSION})")
+        try:
+            pipelines = tuple(
+                PipelinePlan(
+                    stages=tuple(
+                        StagePlan(node=_int(s["node"], "node"), layers=_range(s["layers"]))
+                        for s in p["stages"]
+                    ),
+                    microbatches=_int(p["microbatches"], "microbatches"),
+                    iteration_time=float(p.get("iteration_time", 0.0)),
+                )
+                for p in data["pipelines"]
+            )
+            return cls(
+                num_layers=_int(data["num_layers"], "num_layers"),
+                microbatch_size=_int(data["microbatch_size"], "microbatch_size"),
+                pipelines=pipelines,
+                gpus_per_node=_int(data.get("gpus_per_node", 1), "gpus_per_node"),
+                fault_tolerance=_int(data.get("fault_tolerance", 0), "fault_tolerance"),
+                iteration_time=float(data.get("iteration_time", 0.0)),
+            )
+        except KeyError as exc:
+            raise PlanError(f"plan is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"malformed plan: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _range(value: Any) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise PlanError(f"layers must be [first, last+1], got {value!r}")
+    return (_int(value[0], "layers[0]"), _int(value[1], "layers[1]"))
+
+
+def _validate(plan: Plan) -> None:
+    if plan.num_layers < 1:
+        raise PlanError(f"num_layers must be >= 1, got {plan.num_layers}")
+    if plan.microbatch_size < 1:
+        raise PlanError(f"microbatch_size must be >= 1, got {plan.microbatch_size}")
+    if plan.gpus_per_node < 1:
+        raise PlanError(f"gpus_per_node must be >= 1, got {plan.gpus_per_node}")
+    if not plan.pipelines:
+        raise PlanError("a plan needs at least one pipeline")
+    if len(plan.pipelines) < plan.fault_tolerance + 1:
+        raise PlanError(
+            f"plan has {len(plan.pipelines)} pipelines; fault tolerance {plan.fault_tolerance} needs at least "
+            f"{plan.fault_tolerance + 1}"
+        )
+    seen: set[int] = set()
+    for p, pipe in enumerate(plan.pipelines):
+        if pipe.microbatches < 1:
+            raise PlanError(f"pipeline {p} has {pipe.microbatches} microbatches; each needs at least 1")
+        if not pipe.stages:
+            raise PlanError(f"pipeline {p} has no stages")
+        expected_first = 0
+        for s, stage in enumerate(pipe.stages):
+            first, last = stage.layers
+            if first != expected_first or last <= first:
+                raise PlanError(
+                    f"pipeline {p} stage {s} holds layers [{first}, {last}); stages must cover "
+                    f"[0, {plan.num_layers}) contiguously, in order, each non-empty"
+                )
+            expected_first = last
+            if stage.node in seen:
+                raise PlanError(f"node {stage.node} appears more than once in the plan")
+            if stage.node < 0:
+                raise PlanError(f"node ids must be >= 0, got {stage.node}")
+            seen.add(stage.node)
+        if expected_first != plan.num_layers:
+            raise PlanError(f"pipeline {p} covers layers [0, {expected_first}) but the model has {plan.num_layers}")
+
+
+def even_plan(
+    *,
+    num_layers: int,
+    nodes: list[int] | tuple[int, ...],
+    num_pipelines: int,
+    global_microbatches: int,
+    microbatch_size: int,
+    gpus_per_node: int = 1,
+    fault_tolerance: int = 0,
+) -> Plan:
+    """A simple hand-built plan: nodes dealt into `num_pipelines` pipelines as evenly as
+    possible, layers split evenly over each pipeline's stages, microbatches split evenly."""
+    if num_pipelines < 1 or num_pipelines > len(nodes):
+        raise PlanError(f"cannot form {num_pipelines} pipelines from {len(nodes)} nodes")
+    if global_microbatches < num_pipelines:
+        raise PlanError(f"{global_microbatches} microbatches cannot feed {num_pipelines} pipelines")
+    node_list = sorted(nodes)
+    pipelines = []
+    start = 0
+    for p in range(num_pipelines):
+        depth = len(node_list) // num_pipelines + (1 if p < len(node_list) % num_pipelines else 0)
+        if depth > num_layers:
+            raise PlanError(f"a pipeline of {depth} stages cannot split {num_layers} layers")
+        members = node_list[start : start + depth]
+        start += depth
+        bounds = [round(i * num_layers / depth) for i in range(depth + 1)]
+        stages = tuple(StagePlan(node=n, layers=(bounds[i], bounds[i + 1])) for i, n in enumerate(members))
+        mbs = global_microbatches // num_pipelines + (1 if p < global_microbatches % num_pipelines else 0)
+        pipelines.append(PipelinePlan(stages=stages, microbatches=mbs))
+    return Plan(
+        num_layers=num_layers,
+        microbatch_size=microbatch_size,
+        pipelines=tuple(pipelines),
+        gpus_per_node=gpus_per_node,
+        fault_tolerance=fault_tolerance,
+    )
