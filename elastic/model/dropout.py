@@ -1,0 +1,29 @@
+"""Dropout whose masks depend only on (seed, key, site), never on the layout.
+
+A mask is drawn for the full (unsharded) activation and sliced by the caller where the
+activation is sharded, so replicated activations get identical masks on every
+tensor-parallel rank, and sharded ones (attention heads) get each rank's slice of the one
+full mask: a model with dropout computes the same function whatever its TP degree or stages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from elastic.model.init import name_seed
+
+
+def dropout_mask(
+    shape: tuple[int, ...], p: float, *, seed: int, key: int, site: str, device: torch.device
+) -> torch.Tensor:
+    """Keep-mask scaled by 1/(1-p): multiply an activation of `shape` by it."""
+    generator = torch.Generator(device=device).manual_seed(name_seed(seed, f"{key}:{site}"))
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.to(torch.float32) / (1.0 - p)
+
+
+def apply_dropout(x: torch.Tensor, p: float, *, seed: int, key: int, site: str, training: bool) -> torch.Tensor:
+    """Dropout of a replicated activation (the whole tensor is the full activation)."""
+    if not training or p == 0.0:
+        return x
+    return x * dropout_mask(tuple(x.shape), p, seed=seed, key=key, site=site, device=x.device).to(x.dtype)

@@ -1,0 +1,190 @@
+"""GPT-2 as an ordered list of planning layers, any contiguous range of which is a stage.
+
+Planning layers: 0 = embedding (tokens + learned positions), 1..n_layer = transformer blocks
+(pre-LayerNorm attention and 4x GELU MLP), n_layer+1 = final LayerNorm + output head.
+Parameter names are canonical (`embed.*`, `blocks.<k>.*`, `head.*`) whatever stage holds them.
+Tensor parallelism splits attention heads, the MLP's hidden width and the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastic.model.config import GPTConfig
+from elastic.model.dropout import apply_dropout, dropout_mask
+from elastic.model.init import full_initial_value, shard_tensor
+from elastic.model.tensor_parallel import TensorParallel
+from elastic.model.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    sharded_parameter,
+    vocab_parallel_cross_entropy,
+)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dimension; replicated on every tensor-parallel rank."""
+
+    def __init__(self, dim: int, *, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = sharded_parameter((dim,), None, tp)
+        self.bias = sharded_parameter((dim,), None, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=1e-5)
+
+
+class Embedding(nn.Module):
+    """Planning layer 0: vocab-parallel token embedding + learned positions."""
+
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp=tp)
+        self.wpe = sharded_parameter((cfg.seq_len, cfg.d_model), None, tp)
+
+    def forward(self, tokens: torch.Tensor, key: int) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.cfg.seq_len:
+            raise ValueError(f"sequence of {seq} tokens exceeds the model's seq_len={self.cfg.seq_len}")
+        x = self.wte(tokens) + self.wpe[:seq]  # (batch, seq, d_model)
+        return apply_dropout(x, self.cfg.dropout, seed=self.cfg.init_seed, key=key, site="embed", training=self.training)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; this rank computes n_head / tp of the heads."""
+
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str) -> None:
+        super().__init__()
+        self.cfg, self.tp, self.site = cfg, tp, site
+        self.local_heads = tp.divide(cfg.n_head, "n_head")
+        # Full qkv rows are laid out head-major, (n_head, 3, head_dim), so a contiguous row slice
+        # holds the q, k and v of this rank's heads.
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp=tp)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp)
+
+    def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        hd = self.cfg.head_dim
+        qkv = self.qkv(x).view(batch, seq, self.local_heads, 3, hd)  # (batch, seq, heads, 3, head_dim)
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (batch, heads, seq, head_dim)
+        p = self.cfg.dropout if self.training else 0.0
+        if p == 0.0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)  # (batch, heads, seq, seq)
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            full = dropout_mask(
+                (batch, self.cfg.n_head, seq, seq), p, seed=self.cfg.init_seed, key=key, site=f"{self.site}.attn", device=x.device
+            )
+            heads = slice(self.tp.rank * self.local_heads, (self.tp.rank + 1) * self.local_heads)
+            y = (probs * full[:, heads].to(probs.dtype)) @ v
+        y = y.transpose(1, 2).reshape(batch, seq, self.local_heads * hd)  # (batch, seq, local width)
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    """GELU MLP of 4x width; the hidden width is split across tensor-parallel ranks."""
+
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+        super().__init__()
+        self.fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp=tp)
+        self.proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block (planning layers 1..n_layer)."""
+
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str) -> None:
+        super().__init__()
+        self.cfg, self.site = cfg, site
+        self.ln1 = LayerNorm(cfg.d_model, tp=tp)
+        self.attn = Attention(cfg, tp=tp, site=site)
+        self.ln2 = LayerNorm(cfg.d_model, tp=tp)
+        self.mlp = MLP(cfg, tp=tp)
+
+    def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        p, seed, training = self.cfg.dropout, self.cfg.init_seed, self.training
+        x = x + apply_dropout(self.attn(self.ln1(x), key), p, seed=seed, key=key, site=f"{self.site}.res1", training=training)
+        return x + apply_dropout(self.mlp(self.ln2(x)), p, seed=seed, key=key, site=f"{self.site}.res2", training=training)
+
+
+class Head(nn.Module):
+    """Last planning layer: final LayerNorm + untied output projection (vocab-sharded logits)."""
+
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+        super().__init__()
+        self.ln_f = LayerNorm(cfg.d_model, tp=tp)
+        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp=tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))  # (batch, seq, vocab / tp)
+
+
+class GPTStage(nn.Module):
+    """Planning layers [first, last) of a GPT, tensor-parallel over `tp`.
+
+    forward(x): x is token ids (batch, seq) when first == 0, else hidden states
+    (batch, seq, d_model); returns hidden states, or this rank's vocabulary shard of the
+    logits when the stage ends with the head.
+    """
+
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        first: int = 0,
+        last: int | None = None,
+        tp: TensorParallel | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        last = cfg.num_layers if last is None else last
+        if not 0 <= first < last <= cfg.num_layers:
+            raise ValueError(f"stage layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
+        self.cfg, self.first, self.last = cfg, first, last
+        self.tp = tp or TensorParallel.single()
+        self.tp.divide(cfg.n_head, "n_head")
+        self.tp.divide(cfg.vocab_size, "vocab_size")
+        self.embed = Embedding(cfg, tp=self.tp) if first == 0 else None
+        block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
+        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}") for k in block_ids})
+        self.head = Head(cfg, tp=self.tp) if last == cfg.num_layers else None
+        self._initialise()
+        if device is not None:
+            self.to(device)
+
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
+
+    def _initialise(self) -> None:
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                full = full_initial_value(name, param.full_shape, self.cfg)  # type: ignore[attr-defined]
+                param.copy_(shard_tensor(full, param.tp_dim, self.tp.rank, self.tp.size))  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor, *, dropout_key: int | None = None) -> torch.Tensor:
+        key = dropout_key if dropout_key is not None else int(torch.randint(0, 2**62, ()).item())
+        if self.embed is not None:
+            x = self.embed(x, key)
+        for block in self.blocks.values():
+            x = block(x, key)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every token of the batch, from vocabulary-sharded logits."""
+        if self.head is None:
+            raise ValueError(f"stage [{self.first}, {self.last}) has no head: it cannot compute a loss")
+        return vocab_parallel_cross_entropy(logits, targets, self.tp).mean()

@@ -1,0 +1,125 @@
+"""Megatron-style tensor-parallel layers, built from the four collectives.
+
+Each parameter carries two attributes used by initialisation, checkpointing and shard transfer:
+`tp_dim` (the dimension split across tensor-parallel ranks, or None when replicated) and
+`full_shape` (its unsharded shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from elastic.model.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from elastic.model.tensor_parallel import TensorParallel
+
+
+def sharded_parameter(full_shape: tuple[int, ...], tp_dim: int | None, tp: TensorParallel) -> nn.Parameter:
+    """An uninitialised parameter holding this rank's shard of a `full_shape` tensor."""
+    shape = list(full_shape)
+    if tp_dim is not None:
+        shape[tp_dim] = tp.divide(shape[tp_dim], f"dimension {tp_dim} of {full_shape}")
+    param = nn.Parameter(torch.empty(shape))
+    param.tp_dim = tp_dim  # type: ignore[attr-defined]
+    param.full_shape = tuple(full_shape)  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: each rank computes a slice of the outputs.
+
+    Input is replicated across ranks; output is this rank's slice unless `gather_output`.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True, gather_output: bool = False
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gather_output = gather_output
+        self.weight = sharded_parameter((out_features, in_features), 0, tp)
+        self.bias = sharded_parameter((out_features,), 0, tp) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return gather_from_tp(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns: each rank takes a slice of the inputs.
+
+    Partial products are summed across ranks; the bias is added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = sharded_parameter((out_features, in_features), 1, tp)
+        self.bias = sharded_parameter((out_features,), None, tp) if bias else None
+
+    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x_shard, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks; lookups are summed across ranks."""
+
+    def __init__(self, vocab_size: int, dim: int, *, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = sharded_parameter((vocab_size, dim), 0, tp)
+        self.vocab_start = tp.rank * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (batch, seq, dim)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, without gathering them."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        # logits: (tokens, vocab_shard) fp32; targets: (tokens,)
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - local_max.unsqueeze(-1)
+        vocab_shard = logits.shape[-1]
+        start = tp.rank * vocab_shard
+        local_target = targets - start
+        outside = (local_target < 0) | (local_target >= vocab_shard)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if tp.size > 1:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp.group)
+            target_logit, sum_exp = both[0], both[1]
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_target, outside)
+        return torch.log(sum_exp) - target_logit  # (tokens,)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        softmax, local_target, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
+        grad_logits[rows, local_target] -= (~outside).to(grad_logits.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Per-token loss (same leading shape as `targets`) from vocabulary-sharded logits."""
+    flat = _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), tp)
+    return flat.reshape(targets.shape)
