@@ -1,16 +1,158 @@
-"""`elastic run` (placeholder until the runner lands)."""
+"""`elastic run`: train a model on simulated nodes of this machine."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from elastic.cli.main import UsageError
+from elastic.model.config import PRESETS, get_preset
+from elastic.runtime.job import JobSpec
+from elastic.runtime.launcher import WorkerFailed, launch
+from elastic.runtime.optim import OptimConfig
+from elastic.runtime.summary import load_final_state
+from templates.plan import Plan, PlanError, even_plan
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("run", help="(not yet implemented)")
+    parser = subparsers.add_parser(
+        "run",
+        help="train on N simulated nodes x G workers on this machine",
+        description="Train a GPT with pipeline replicas (one stage per node) and tensor parallelism "
+        "(G workers per node), on local worker processes.",
+    )
+    parser.add_argument("--model", default="tiny", help=f"model preset ({', '.join(PRESETS)})")
+    parser.add_argument("--nodes", type=int, default=None, help="simulated nodes (default 1, or the plan's)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="workers per node = tensor-parallel degree (default 1)"
+    )
+    parser.add_argument(
+        "--fault-tolerance", type=int, default=None, help="f: run at least f+1 pipelines (default 0)"
+    )
+    parser.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8)")
+    parser.add_argument("--microbatch", type=int, default=None, help="samples per microbatch (default 2)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
+    parser.add_argument("--plan", type=Path, default=None, help="plan JSON file (instead of an even split)")
+    parser.add_argument("--final-state", type=Path, default=None, help="write the full fp32 parameters here")
+    parser.add_argument("--summary", type=Path, default=None, help="write the run summary JSON here")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
+    parser.add_argument("--seed", type=int, default=0, help="data order seed")
+    parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="logs and per-worker outputs (default: temp)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     parser.set_defaults(func=_run)
 
 
+def _positive(name: str, value: int | None, default: int) -> int:
+    v = default if value is None else value
+    if v < 1:
+        raise UsageError(f"--{name} must be >= 1, got {v}")
+    return v
+
+
+def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
+    """The plan of the run: --plan FILE, or an even split into f+1 pipelines."""
+    if args.plan is not None:
+        try:
+            plan = Plan.from_json(args.plan.read_text())
+        except OSError as exc:
+            raise UsageError(f"cannot read --plan {args.plan}: {exc.strerror}") from None
+        except PlanError as exc:
+            raise UsageError(f"--plan {args.plan}: {exc}") from None
+        checks = {
+            "nodes": (args.nodes, len(plan.nodes)),
+            "gpus-per-node": (args.gpus_per_node, plan.gpus_per_node),
+            "microbatch": (args.microbatch, plan.microbatch_size),
+            "global-batch": (args.global_batch, plan.global_batch),
+        }
+        for flag, (given, planned) in checks.items():
+            if given is not None and given != planned:
+                raise UsageError(f"--{flag} {given} disagrees with the plan's {planned}")
+        if args.fault_tolerance is not None and len(plan.pipelines) < args.fault_tolerance + 1:
+            raise UsageError(
+                f"the plan has {len(plan.pipelines)} pipelines; --fault-tolerance {args.fault_tolerance} needs "
+                f"{args.fault_tolerance + 1}"
+            )
+        return plan
+    nodes = _positive("nodes", args.nodes, 1)
+    gpus = _positive("gpus-per-node", args.gpus_per_node, 1)
+    micro = _positive("microbatch", args.microbatch, 2)
+    batch = _positive("global-batch", args.global_batch, 8)
+    f = 0 if args.fault_tolerance is None else args.fault_tolerance
+    if f < 0:
+        raise UsageError(f"--fault-tolerance must be >= 0, got {f}")
+    if batch % micro:
+        raise UsageError(f"--global-batch {batch} is not a multiple of --microbatch {micro}")
+    if nodes < f + 1:
+        raise UsageError(f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {nodes}")
+    if batch // micro < f + 1:
+        raise UsageError(f"{batch // micro} microbatches cannot feed {f + 1} pipelines; raise --global-batch")
+    try:
+        return even_plan(
+            num_layers=num_layers,
+            nodes=list(range(nodes)),
+            num_pipelines=f + 1,
+            global_microbatches=batch // micro,
+            microbatch_size=micro,
+            gpus_per_node=gpus,
+            fault_tolerance=f,
+        )
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _run(args: argparse.Namespace) -> int:
-    print("elastic run: not yet implemented")
-    return 2
+    try:
+        cfg = get_preset(args.model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    plan = build_plan(args, cfg.num_layers)
+    for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
+        if size % plan.gpus_per_node:
+            raise UsageError(f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node")
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
+    try:
+        optim = OptimConfig(lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps)
+        spec = JobSpec(
+            model=args.model,
+            plan=plan,
+            steps=args.steps,
+            run_dir=str(run_dir),
+            data_seed=args.seed,
+            data_path=args.data,
+            optim=optim,
+            device=args.device,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
+    print(
+        f"elastic run: {args.model}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
+        f"global batch {plan.global_batch}, run dir {run_dir}",
+        flush=True,
+    )
+    try:
+        summary = launch(spec, timeout_s=args.timeout)
+    except (WorkerFailed, TimeoutError) as exc:
+        print(f"elastic run: error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"elastic run: {summary.steps_committed} steps committed, final loss "
+        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {summary.tokens_per_s:.0f} tokens/s",
+        flush=True,
+    )
+    if args.final_state is not None:
+        torch.save(load_final_state(spec), args.final_state)
+    if args.summary is not None:
+        args.summary.write_text(json.dumps(summary.to_dict(), indent=1))
+    return 0

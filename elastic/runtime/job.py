@@ -1,0 +1,100 @@
+"""JobSpec: everything a worker needs to know about a training job, as one JSON file.
+
+The launcher writes it once; every worker reads the same file, so every worker agrees on the
+model, the plan, the data and the optimizer without talking to the others.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic.model.config import GPTConfig, get_preset
+from elastic.runtime.optim import OptimConfig
+from templates.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A training job: model, plan, data, optimizer and where results go."""
+
+    model: str
+    """Name of the model preset (elastic.model.config.PRESETS)."""
+    plan: Plan
+    """The plan of generation `generation`."""
+    steps: int
+    """Optimizer steps to run (steps [0, steps))."""
+    run_dir: str
+    """Directory for the job's logs and per-worker outputs."""
+    generation: int = 0
+    """Plan version; names the store prefix of the process groups."""
+    data_seed: int = 0
+    """Seed of the sample order (sample i depends on the corpus, this seed and i)."""
+    data_path: str | None = None
+    """Corpus file; None uses the built-in corpus."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    device: str = "auto"
+    """"auto" (accelerator when present), "cpu" or "cuda"."""
+    threads_per_worker: int = 1
+    """torch intra-op threads of each worker process (CPU runs share few cores)."""
+    collective_timeout_s: float = 120.0
+    """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
+
+    def __post_init__(self) -> None:
+        get_preset(self.model)
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.plan.num_layers != self.model_config.num_layers:
+            raise ValueError(
+                f"plan has {self.plan.num_layers} layers but model {self.model!r} has "
+                f"{self.model_config.num_layers}"
+            )
+        if self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return get_preset(self.model)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.plan.nodes) * self.plan.gpus_per_node
+
+    # ---- files a job writes ---------------------------------------------------------------
+
+    def stage_state_path(self, stage: int) -> Path:
+        """Full parameters of one stage of pipeline 0, written by its TP rank 0."""
+        return Path(self.run_dir) / "state" / f"stage{stage}.pt"
+
+    @property
+    def result_path(self) -> Path:
+        """Per-step losses and timings, written by rank 0."""
+        return Path(self.run_dir) / "result.json"
+
+    def log_path(self, node: int, local_rank: int) -> Path:
+        return Path(self.run_dir) / "logs" / f"node{node}.worker{local_rank}.log"
+
+    # ---- JSON ----------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("plan", "optim")}
+        data["plan"] = self.plan.to_dict()
+        data["optim"] = asdict(self.optim)
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data = json.loads(text)
+        optim = dict(data.pop("optim"))
+        optim["betas"] = tuple(optim["betas"])
+        return cls(plan=Plan.from_dict(data.pop("plan")), optim=OptimConfig(**optim), **data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,73 @@
+"""What a finished run produced: per-step results and the merged final parameters."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from elastic.runtime.job import JobSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """Results of a run, as written to `elastic run --summary`."""
+
+    steps_committed: int
+    """Optimizer steps committed."""
+    losses: list[float]
+    """Mean global-batch loss of each committed step."""
+    tokens_per_s: float
+    """Training tokens per second over all committed steps (setup excluded)."""
+    steady_step_s: float
+    """Median step time excluding the first step (the first step when there is only one)."""
+    step_seconds: list[float]
+    """Wall time of each committed step on rank 0."""
+    grad_norms: list[float]
+    """Global gradient norm (before clipping) of each committed step."""
+    global_batch: int
+    """Samples per step."""
+    seq_len: int
+    """Tokens per sample."""
+    world_size: int
+    """Worker processes of the run."""
+    pipelines: int
+    """Pipelines of the plan."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def collect_summary(spec: JobSpec) -> RunSummary:
+    """Read rank 0's result file of a finished run of `spec`."""
+    result = json.loads(spec.result_path.read_text())
+    steps: list[float] = result["step_seconds"]
+    tokens = spec.plan.global_batch * spec.model_config.seq_len
+    steady = steps[1:] or steps
+    return RunSummary(
+        steps_committed=int(result["steps_committed"]),
+        losses=[float(x) for x in result["losses"]],
+        tokens_per_s=tokens * len(steps) / result["train_seconds"] if steps else 0.0,
+        steady_step_s=statistics.median(steady) if steady else 0.0,
+        step_seconds=steps,
+        grad_norms=[float(x) for x in result["grad_norms"]],
+        global_batch=spec.plan.global_batch,
+        seq_len=spec.model_config.seq_len,
+        world_size=spec.world_size,
+        pipelines=len(spec.plan.pipelines),
+    )
+
+
+def load_final_state(spec: JobSpec) -> dict[str, torch.Tensor]:
+    """Merge pipeline 0's per-stage full states into one canonical name -> fp32 tensor dict."""
+    state: dict[str, torch.Tensor] = {}
+    for s in range(len(spec.plan.pipelines[0].stages)):
+        part = torch.load(spec.stage_state_path(s), map_location="cpu", weights_only=True)
+        state.update(part)
+    return state
