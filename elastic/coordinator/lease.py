@@ -1,0 +1,68 @@
+"""A lease kept alive by a background thread, shared by membership and leader election."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .client import TRANSIENT_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+class KeptLease:
+    """Grant a lease of `ttl` seconds and refresh it every `interval` until revoked or lost.
+
+    While etcd is unreachable the refresh is retried every 0.1 s; etcd extends all leases when
+    it comes back, so an outage shorter than the TTL costs nobody their lease. If a refresh
+    finds the lease already expired (this process was hung longer than the TTL), `lost` is set
+    and `on_lost` runs once: whatever hung on the lease was deleted and peers saw it go.
+    """
+
+    def __init__(self, client: Any, ttl: int, *, interval: float | None = None,
+                 on_lost: Callable[[], None] | None = None, name: str = "lease") -> None:  # fmt: skip
+        if ttl < 2:
+            raise ValueError(f"lease ttl must be >= 2 s, got {ttl}")
+        self.client = client
+        self.ttl = ttl
+        self.interval = interval if interval is not None else ttl / 4
+        self.lost = threading.Event()
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self.id: int = client.lease(ttl).id
+        self._thread = threading.Thread(target=self._run, name=f"{name}-keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.interval
+        while not self._stop.wait(interval):
+            try:
+                responses = list(self.client.refresh_lease(self.id))
+            except TRANSIENT_ERRORS:
+                interval = 0.1
+                continue
+            interval = self.interval
+            if responses and responses[0].TTL <= 0:
+                log.warning("lease %x expired before it could be refreshed", self.id)
+                self.lost.set()
+                if self._on_lost is not None:
+                    self._on_lost()
+                return
+
+    def stop_refreshing(self) -> None:
+        """Stop the refresh thread; the lease then expires after its TTL."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+
+    def revoke(self) -> None:
+        """Stop refreshing and revoke now: every key on the lease is deleted at once."""
+        self._stop.set()
+        try:
+            self.client.revoke_lease(self.id)
+        except TRANSIENT_ERRORS:
+            log.warning("could not revoke lease %x; it will expire", self.id)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
