@@ -1,0 +1,117 @@
+"""A profile derived from FLOP and byte counts instead of timing the model.
+
+Used for models too large to run here and for `elastic plan`'s instant default. Each layer is
+described by plain counts (the planner knows nothing of the model code); its times are its
+FLOPs divided by a device speed. Backward is counted as 2x the forward FLOPs (gradients with
+respect to inputs and to weights), which is a FLOP count, not a measurement: a measured
+profile times backward on its own. Sizes assume fp32 weights, gradients and activations and
+AdamW (two fp32 moments per parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from templates.profile import DeviceProfile, LayerProfile, Profile
+
+BYTES_PER_ELEMENT = 4
+"""fp32 everywhere."""
+ADAMW_STATE_PER_PARAM = 2
+"""exp_avg and exp_avg_sq, one fp32 each."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCounts:
+    """Size and work of one planning layer, per token or per parameter."""
+
+    kind: str
+    """Free-text layer kind ('embedding', 'block', 'head', ...), kept in the profile notes."""
+    params: int
+    """Number of parameters."""
+    flops_per_token: float
+    """Forward FLOPs per token (2 per multiply-add)."""
+    saved_elements_per_token: float
+    """Elements kept from forward to backward per token."""
+    output_elements_per_token: int
+    """Elements of the layer's output per token (what is sent to the next stage)."""
+    tp_allreduces: int = 0
+    """All-reduces of the output per microbatch (forward + backward) under tensor parallelism."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpeed:
+    """The device the derived times and the memory budget refer to."""
+
+    flops_per_second: float
+    """Achieved FLOP/s of one device on the model's matmuls."""
+    memory_bytes: int
+    """Memory budget of one device."""
+    p2p_latency: float = 20e-6
+    """Seconds of fixed cost of one inter-node transfer."""
+    p2p_bandwidth: float = 12.5e9
+    """Inter-node bytes per second (100 Gbit/s by default)."""
+    allreduce_latency: float = 5e-6
+    """Seconds per ring step of an intra-node all-reduce."""
+    allreduce_bandwidth: float = 150e9
+    """Intra-node bytes per second per ring link."""
+    description: str = ""
+    """Where these numbers come from."""
+
+
+def derive_profile(
+    *,
+    model: str,
+    layers: Sequence[LayerCounts],
+    seq_len: int,
+    microbatch_size: int,
+    device: DeviceSpeed,
+) -> Profile:
+    """The profile of `layers` at `microbatch_size` samples of `seq_len` tokens on `device`."""
+    if seq_len < 1 or microbatch_size < 1:
+        raise ValueError(f"seq_len and microbatch_size must be >= 1, got {seq_len} and {microbatch_size}")
+    if not device.flops_per_second > 0:
+        raise ValueError(f"flops_per_second must be > 0, got {device.flops_per_second}")
+    tokens = seq_len * microbatch_size
+    out = []
+    for layer in layers:
+        forward = layer.flops_per_token * tokens / device.flops_per_second
+        out.append(
+            LayerProfile(
+                forward=forward,
+                backward=2.0 * forward,
+                param_bytes=layer.params * BYTES_PER_ELEMENT,
+                optimizer_bytes=layer.params * BYTES_PER_ELEMENT * ADAMW_STATE_PER_PARAM,
+                activation_bytes=int(layer.saved_elements_per_token * tokens * BYTES_PER_ELEMENT),
+                output_bytes=layer.output_elements_per_token * tokens * BYTES_PER_ELEMENT,
+                tp_allreduces=layer.tp_allreduces,
+            )
+        )
+    kinds = ", ".join(f"{kind} x{sum(1 for ly in layers if ly.kind == kind)}" for kind in _kinds(layers))
+    notes = (
+        f"derived from FLOP/byte counts at {device.flops_per_second:.3g} FLOP/s per device"
+        f"{' (' + device.description + ')' if device.description else ''}; backward = 2x forward FLOPs; "
+        f"fp32 weights/grads/activations, AdamW moments; layers: {kinds}"
+    )
+    return Profile(
+        model=model,
+        microbatch_size=microbatch_size,
+        layers=tuple(out),
+        device=DeviceProfile(
+            memory_bytes=device.memory_bytes,
+            p2p_latency=device.p2p_latency,
+            p2p_bandwidth=device.p2p_bandwidth,
+            allreduce_latency=device.allreduce_latency,
+            allreduce_bandwidth=device.allreduce_bandwidth,
+        ),
+        source="derived",
+        notes=notes,
+    )
+
+
+def _kinds(layers: Sequence[LayerCounts]) -> list[str]:
+    seen: list[str] = []
+    for layer in layers:
+        if layer.kind not in seen:
+            seen.append(layer.kind)
+    return seen

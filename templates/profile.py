@@ -1,0 +1,237 @@
+"""The profile: what the planner knows about each layer and about the devices.
+
+A profile is versioned JSON. Times are seconds for ONE microbatch on ONE device (no tensor
+parallelism); bytes are full (unsharded) sizes. Memory accounting assumes fp32 training with
+AdamW: a layer's static memory is its weights plus their gradients (2 x `param_bytes`) plus
+`optimizer_bytes` (the two AdamW moments, 8 bytes per parameter; weights are already fp32, so
+there is no separate master copy). `source` says whether the numbers were measured on a device
+or derived from FLOP/byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+SOURCES = ("measured", "derived")
+
+
+class ProfileError(ValueError):
+    """A profile that is malformed or inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """Cost of one planning layer for one microbatch on one device."""
+
+    forward: float
+    """Forward time in seconds."""
+    backward: float
+    """Backward time in seconds (measured or derived separately, never a fixed multiple)."""
+    param_bytes: int
+    """Bytes of the layer's weights."""
+    optimizer_bytes: int
+    """Bytes of the layer's optimizer state (AdamW moments)."""
+    activation_bytes: int
+    """Bytes kept alive from forward to backward for one microbatch."""
+    output_bytes: int
+    """Bytes of the layer's output for one microbatch: what a p2p send or a TP all-reduce moves."""
+    tp_allreduces: int = 0
+    """All-reduces of `output_bytes` per microbatch (forward + backward) when tensor-parallel."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "forward": self.forward,
+            "backward": self.backward,
+            "param_bytes": self.param_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "output_bytes": self.output_bytes,
+            "tp_allreduces": self.tp_allreduces,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """Memory and link costs of one device and the links between devices and nodes."""
+
+    memory_bytes: int
+    """Memory budget of one device for weights, gradients, optimizer state and activations."""
+    p2p_latency: float
+    """Seconds of fixed cost of one point-to-point transfer between nodes."""
+    p2p_bandwidth: float
+    """Bytes per second of a point-to-point transfer between nodes."""
+    allreduce_latency: float
+    """Seconds of fixed cost per ring step of an all-reduce among the devices of a node."""
+    allreduce_bandwidth: float
+    """Bytes per second of one ring link inside a node."""
+
+    def p2p_time(self, nbytes: float) -> float:
+        """Seconds to send `nbytes` from one node to the next."""
+        return self.p2p_latency + nbytes / self.p2p_bandwidth
+
+    def allreduce_time(self, nbytes: float, workers: int) -> float:
+        """Seconds of a ring all-reduce of `nbytes` among `workers` devices (0 for one worker)."""
+        if workers <= 1:
+            return 0.0
+        steps = 2 * (workers - 1)
+        return steps * self.allreduce_latency + steps / workers * nbytes / self.allreduce_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "memory_bytes": self.memory_bytes,
+            "p2p_latency": self.p2p_latency,
+            "p2p_bandwidth": self.p2p_bandwidth,
+            "allreduce_latency": self.allreduce_latency,
+            "allreduce_bandwidth": self.allreduce_bandwidth,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Per-layer costs of a model at one microbatch size, plus the device they apply to."""
+
+    model: str
+    """Name of the profiled model (a preset name or free text)."""
+    microbatch_size: int
+    """Samples per microbatch the layer numbers refer to."""
+    layers: tuple[LayerProfile, ...]
+    """One entry per planning layer, in model order."""
+    device: DeviceProfile
+    """The device and link model."""
+    source: str = "derived"
+    """'measured' (timed on a device) or 'derived' (FLOP/byte counts scaled by a device speed)."""
+    notes: str = ""
+    """Free text: assumptions, the device, how it was measured."""
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_bytes(self, index: int) -> int:
+        """Bytes a node must receive to take over layer `index`: weights plus optimizer state."""
+        layer = self.layers[index]
+        return layer.param_bytes + layer.optimizer_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "model": self.model,
+            "microbatch_size": self.microbatch_size,
+            "source": self.source,
+            "notes": self.notes,
+            "device": self.device.to_dict(),
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        if not isinstance(data, dict):
+            raise ProfileError(f"a profile must be a JSON object, got {type(data).__name__}")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(
+                f"unsupported profile version {data.get('version')!r} (this code reads {PROFILE_VERSION})"
+            )
+        try:
+            dev = data["device"]
+            device = DeviceProfile(
+                memory_bytes=_int(dev["memory_bytes"], "memory_bytes"),
+                p2p_latency=_num(dev["p2p_latency"], "p2p_latency"),
+                p2p_bandwidth=_num(dev["p2p_bandwidth"], "p2p_bandwidth"),
+                allreduce_latency=_num(dev["allreduce_latency"], "allreduce_latency"),
+                allreduce_bandwidth=_num(dev["allreduce_bandwidth"], "allreduce_bandwidth"),
+            )
+            layers = tuple(
+                LayerProfile(
+                    forward=_num(layer["forward"], "forward"),
+                    backward=_num(layer["backward"], "backward"),
+                    param_bytes=_int(layer["param_bytes"], "param_bytes"),
+                    optimizer_bytes=_int(layer["optimizer_bytes"], "optimizer_bytes"),
+                    activation_bytes=_int(layer["activation_bytes"], "activation_bytes"),
+                    output_bytes=_int(layer["output_bytes"], "output_bytes"),
+                    tp_allreduces=_int(layer.get("tp_allreduces", 0), "tp_allreduces"),
+                )
+                for layer in data["layers"]
+            )
+            return cls(
+                model=str(data["model"]),
+                microbatch_size=_int(data["microbatch_size"], "microbatch_size"),
+                layers=layers,
+                device=device,
+                source=str(data.get("source", "derived")),
+                notes=str(data.get("notes", "")),
+            )
+        except KeyError as exc:
+            raise ProfileError(f"profile is missing field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise ProfileError(f"malformed profile: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {str(path)!r}: {exc.strerror}") from None
+        return cls.from_json(text)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProfileError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _num(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _validate(profile: Profile) -> None:
+    if profile.source not in SOURCES:
+        raise ProfileError(f"profile source must be one of {SOURCES}, got {profile.source!r}")
+    if profile.microbatch_size < 1:
+        raise ProfileError(f"microbatch_size must be >= 1, got {profile.microbatch_size}")
+    if not profile.layers:
+        raise ProfileError("a profile needs at least one layer")
+    dev = profile.device
+    if dev.memory_bytes <= 0:
+        raise ProfileError(f"device memory_bytes must be > 0, got {dev.memory_bytes}")
+    for name in ("p2p_bandwidth", "allreduce_bandwidth"):
+        value = getattr(dev, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ProfileError(f"device {name} must be a positive number, got {value}")
+    for name in ("p2p_latency", "allreduce_latency"):
+        value = getattr(dev, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ProfileError(f"device {name} must be a number >= 0, got {value}")
+    for i, layer in enumerate(profile.layers):
+        for name in ("forward", "backward"):
+            value = getattr(layer, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ProfileError(f"layer {i} {name} time must be a number >= 0, got {value}")
+        for name in ("param_bytes", "optimizer_bytes", "activation_bytes", "output_bytes", "tp_allreduces"):
+            if getattr(layer, name) < 0:
+                raise ProfileError(f"layer {i} {name} must be >= 0, got {getattr(layer, name)}")

@@ -1,0 +1,102 @@
+"""Templates for every useful pipeline size: n in [n0, n_max].
+
+n0 is the fewest nodes whose memory holds the model (as a pipeline, with 1F1B's in-flight
+activations); n_max defaults to N - f * n0, the largest pipeline that still leaves room for f
+more pipelines of n0 nodes. Each template is optimised for the share of the global batch a
+pipeline of its size would get if the batch were split in proportion to nodes:
+round(global_microbatches * n / N), at least 1. Instantiation re-times every template for the
+microbatch count it actually gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from templates.cost import StageCosts
+from templates.profile import Profile
+from templates.search import PipelineTemplate, feasible_stage_counts, search_templates
+
+
+class PlanningError(ValueError):
+    """No template or plan satisfies the request; the message says what is missing."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TemplateSet:
+    """The templates of one model and cluster shape, keyed by node count."""
+
+    profile: Profile
+    """The profile the templates were computed from."""
+    gpus_per_node: int
+    """Devices per node, the tensor-parallel degree of every stage."""
+    min_nodes: int
+    """n0: the fewest nodes that can hold the model."""
+    max_nodes: int
+    """n_max: the largest pipeline considered."""
+    templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
+    """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.profile.num_layers
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.templates)
+
+    def template(self, num_nodes: int) -> PipelineTemplate:
+        try:
+            return self.templates[num_nodes]
+        except KeyError:
+            raise PlanningError(
+                f"no pipeline template for {num_nodes} nodes (templates exist for {self.sizes})"
+            ) from None
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [self.templates[n].to_dict() for n in self.sizes]
+
+
+def build_templates(
+    profile: Profile,
+    *,
+    gpus_per_node: int,
+    num_nodes: int,
+    fault_tolerance: int,
+    global_microbatches: int,
+    max_nodes: int | None = None,
+) -> TemplateSet:
+    """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes."""
+    if num_nodes < 1:
+        raise PlanningError(f"the cluster needs at least 1 node, got {num_nodes}")
+    if fault_tolerance < 0:
+        raise PlanningError(f"fault tolerance must be >= 0, got {fault_tolerance}")
+    if global_microbatches < fault_tolerance + 1:
+        raise PlanningError(
+            f"{global_microbatches} microbatches cannot feed the {fault_tolerance + 1} pipelines "
+            f"fault tolerance {fault_tolerance} needs"
+        )
+    costs = StageCosts(profile, gpus_per_node)
+    feasible = feasible_stage_counts(costs, min(num_nodes, profile.num_layers))
+    if not feasible:
+        raise PlanningError(
+            f"the model does not fit in {num_nodes} nodes of {gpus_per_node} x "
+            f"{profile.device.memory_bytes / 2**30:.2f} GiB"
+        )
+    n0 = feasible[0]
+    n_max = num_nodes - fault_tolerance * n0 if max_nodes is None else max_nodes
+    if n_max < n0:
+        raise PlanningError(
+            f"fault tolerance {fault_tolerance} needs {fault_tolerance + 1} pipelines of at least {n0} nodes "
+            f"= {(fault_tolerance + 1) * n0} nodes, but the cluster has {num_nodes}"
+        )
+    n_max = min(n_max, profile.num_layers)
+    shares = {n: max(1, round(global_microbatches * n / num_nodes)) for n in range(n0, n_max + 1)}
+    return TemplateSet(
+        profile=profile,
+        gpus_per_node=gpus_per_node,
+        min_nodes=n0,
+        max_nodes=n_max,
+        templates=search_templates(costs, shares),
+    )
