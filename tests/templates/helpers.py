@@ -1,0 +1,70 @@
+"""Random profiles and brute-force references for the planner tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import strategies as st
+
+from templates.profile import DeviceProfile, LayerProfile, Profile
+
+
+@st.composite
+def layer_profiles(draw: st.DrawFn) -> LayerProfile:
+    return LayerProfile(
+        forward=draw(st.floats(0.01, 2.0)),
+        backward=draw(st.floats(0.01, 4.0)),
+        param_bytes=draw(st.integers(0, 100)),
+        optimizer_bytes=draw(st.integers(0, 200)),
+        activation_bytes=draw(st.integers(0, 60)),
+        output_bytes=draw(st.integers(0, 50)),
+        tp_allreduces=draw(st.integers(0, 4)),
+    )
+
+
+@st.composite
+def profiles(draw: st.DrawFn, min_layers: int = 1, max_layers: int = 10, tight: bool = True) -> Profile:
+    """Random profiles; `tight` memory makes some layouts (and some node counts) infeasible."""
+    layers = tuple(draw(st.lists(layer_profiles(), min_size=min_layers, max_size=max_layers)))
+    need = max(2 * ly.param_bytes + ly.optimizer_bytes + ly.activation_bytes for ly in layers)
+    memory = draw(st.integers(need, need * 4 + 1)) if tight else 10**9
+    device = DeviceProfile(
+        memory_bytes=max(memory, 1),
+        p2p_latency=draw(st.floats(0.0, 0.3)),
+        p2p_bandwidth=draw(st.floats(10.0, 100.0)),
+        allreduce_latency=draw(st.floats(0.0, 0.05)),
+        allreduce_bandwidth=draw(st.floats(10.0, 100.0)),
+    )
+    return Profile(model="random", microbatch_size=1, layers=layers, device=device)
+
+
+def stage_cost(profile: Profile, gpus: int, first: int, last: int, k: int) -> tuple[float, float]:
+    """(time, memory) of stage [first, last) placed k-th from the end, summed layer by layer."""
+    dev = profile.device
+    layers = profile.layers[first:last]
+    time = sum((ly.forward + ly.backward) / gpus for ly in layers)
+    time += sum(ly.tp_allreduces * dev.allreduce_time(ly.output_bytes, gpus) for ly in layers)
+    if k > 1:
+        time += 2 * dev.p2p_time(layers[-1].output_bytes)
+    memory = sum(2 * ly.param_bytes + ly.optimizer_bytes + k * ly.activation_bytes for ly in layers)
+    return time, memory
+
+
+def exhaustive_best(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
+    """Least 1F1B iteration time over every split into `stages` stages that fits memory."""
+    num_layers = profile.num_layers
+    capacity = gpus * profile.device.memory_bytes
+    best = None
+    for cuts in itertools.combinations(range(1, num_layers), stages - 1):
+        bounds = (0, *cuts, num_layers)
+        times = []
+        for s in range(stages):
+            time, memory = stage_cost(profile, gpus, bounds[s], bounds[s + 1], stages - s)
+            if memory > capacity:
+                break
+            times.append(time)
+        else:
+            value = sum(times) + (microbatches - 1) * max(times)
+            if best is None or value < best:
+                best = value
+    return best
