@@ -53,6 +53,10 @@ class LeaderElection:
         self._thread.start()
         return self
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def is_leader(self) -> bool:
         return self._is_leader.is_set()
 

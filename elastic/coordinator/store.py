@@ -69,6 +69,7 @@ class EtcdStore(dist.Store):
         self.client.transaction(
             compare=[],
             success=[txn.put(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)],
+            failure=[],
         )
 
     def add(self, key: str, value: int) -> int:
