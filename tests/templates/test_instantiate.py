@@ -16,18 +16,18 @@ from tests.templates.helpers import profiles
 
 def check_plan(plan: Plan, tset: TemplateSet, nodes: list[int], microbatches: int, f: int) -> None:
     """Every invariant a plan must satisfy, checked directly (not through Plan's own validation)."""
-    placed = [st.node for pipe in plan.pipelines for st in pipe.stages]
+    placed = [stage.node for pipe in plan.pipelines for stage in pipe.stages]
     assert sorted(placed) == sorted(nodes), "every node exactly once"
     assert len(plan.pipelines) >= f + 1
     assert sum(p.microbatches for p in plan.pipelines) == microbatches
     costs = StageCosts(tset.profile, tset.gpus_per_node)
     for pipe in plan.pipelines:
         assert pipe.microbatches >= 1
-        covered = [layer for st in pipe.stages for layer in range(st.first, st.last)]
+        covered = [layer for stage in pipe.stages for layer in range(stage.first, stage.last)]
         assert covered == list(range(tset.num_layers)), "each layer once, in order"
         depth = len(pipe.stages)
-        for s, st in enumerate(pipe.stages):
-            assert costs.stage_fits(st.first, st.last, depth - s), "stage exceeds memory"
+        for s, stage in enumerate(pipe.stages):
+            assert costs.stage_fits(stage.first, stage.last, depth - s), "stage exceeds memory"
     assert plan.iteration_time == pytest.approx(max(p.iteration_time for p in plan.pipelines))
 
 

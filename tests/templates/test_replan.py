@@ -19,12 +19,12 @@ from tests.templates.test_instantiate import check_plan
 
 def expected_fetch(profile: Profile, old: Plan, result: Replan) -> dict[int, int]:
     """Reference: a node fetches each layer of its new stage it did not hold, weights + optimizer."""
-    held = {st.node: set(range(st.first, st.last)) for p in old.pipelines for st in p.stages}
+    held = {stage.node: set(range(stage.first, stage.last)) for p in old.pipelines for stage in p.stages}
     out = {}
     for pipe in result.plan.pipelines:
-        for st in pipe.stages:
-            mine = held.get(st.node, set())
-            out[st.node] = sum(profile.layer_bytes(i) for i in range(st.first, st.last) if i not in mine)
+        for stage in pipe.stages:
+            mine = held.get(stage.node, set())
+            out[stage.node] = sum(profile.layer_bytes(i) for i in range(stage.first, stage.last) if i not in mine)
     return out
 
 
@@ -72,8 +72,8 @@ def test_keeps_nodes_in_place_when_a_pipeline_survives_intact() -> None:
     # every remaining pipeline keeps its nodes and layers untouched.
     victim = plan.pipelines[-1].nodes[0]
     result = replan(tset, plan, [n for n in range(8) if n != victim])
-    after = {st.node: st.layers for p in result.plan.pipelines for st in p.stages}
-    untouched = [p for p in plan.pipelines[:-1] if all(after[st.node] == st.layers for st in p.stages)]
+    after = {stage.node: stage.layers for p in result.plan.pipelines for stage in p.stages}
+    untouched = [p for p in plan.pipelines[:-1] if all(after[stage.node] == stage.layers for stage in p.stages)]
     assert len(untouched) >= len(plan.pipelines) - 2
     assert result.strategy.startswith("keep")
     moved = {n for n, b in result.fetch_bytes.items() if b}
