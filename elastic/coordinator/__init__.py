@@ -7,16 +7,32 @@ prefix watch), `lease`, `membership`, `monitor` (local worker death -> report), 
 (job token), `rendezvous` (torchrun handler), `events` (event log) and `coordinator` (facade).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .access import JobAccessError, admit
 from .client import EtcdConfig, connect
-from .coordinator import Coordinator, CoordinatorConfig
 from .election import LeaderElection, current_leader
 from .etcd_server import EtcdServer
 from .generations import CommittedStep, Generation, GenerationConflict, Generations
 from .keys import JobKeys
 from .membership import MemberEvent, Membership, MembershipConfig, NodeIdentity
 from .monitor import WorkerMonitor, watch_workers
-from .store import EtcdStore
+
+if TYPE_CHECKING:
+    from .coordinator import Coordinator, CoordinatorConfig
+    from .store import EtcdStore
+
+# These import torch (seconds); member processes and the CLI that only need etcd skip that.
+_LAZY = {"Coordinator": "coordinator", "CoordinatorConfig": "coordinator", "EtcdStore": "store"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CommittedStep",
