@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,10 +85,8 @@ class Members:
         for node_id, proc in self.procs.items():
             for rec in self.records(node_id):
                 if rec["event"] == "worker":
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(rec["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
             if proc.poll() is None:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()

@@ -34,7 +34,7 @@ from elastic.coordinator import (
 def main() -> None:
     endpoint, job, node_id, out_path, ttl, role = sys.argv[1:7]
     lifetime = float(sys.argv[7]) if len(sys.argv) > 7 else 120.0
-    out = open(out_path, "a", buffering=1)
+    out = open(out_path, "a", buffering=1)  # noqa: SIM115 (open for the whole life of the process)
     lock = threading.Lock()
 
     def emit(**record: object) -> None:
