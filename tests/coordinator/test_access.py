@@ -1,0 +1,65 @@
+"""Job access: a wrong token is refused with a clear error and the running job is not disturbed."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from conftest import wait_for
+
+from elastic.coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    EtcdConfig,
+    EtcdServer,
+    JobAccessError,
+    MemberEvent,
+    NodeIdentity,
+)
+from elastic.coordinator.events import read_events
+
+
+def _node(name: str) -> NodeIdentity:
+    return NodeIdentity(node_id=name, incarnation=0, address="127.0.0.1:0", devices=1)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: Any, job: str) -> None:
+    etcd = EtcdConfig(endpoint=etcd_server.endpoint)
+    good = CoordinatorConfig(etcd=etcd, job=job, ttl=2, token="s3cret")
+    a = Coordinator(good, _node("a")).start()
+    try:
+        assert a.election.wait_leader(5.0)
+        a.generations.publish('{"plan": 1}', expected=0, fence=a.election.leader_compare())
+        seen: list[MemberEvent] = []
+        watch = a.membership.watch(seen.append)
+        assert watch.wait_ready(5.0)
+        token_before = client.get(a.keys.token)[0]
+        events_before = read_events(client, a.keys)
+
+        for bad_token, message in (("wrong", "wrong job token"), (None, "requires a job token")):
+            intruder = Coordinator(CoordinatorConfig(etcd=etcd, job=job, ttl=2, token=bad_token), _node("b"))
+            with pytest.raises(JobAccessError, match=message):
+                intruder.start()
+            intruder.client.close()
+
+        time.sleep(0.5)  # give any stray write time to show up in the watch
+        watch.cancel()
+        assert seen == []
+        assert set(a.membership.members()) == {"a"}
+        assert a.election.leader() == "a" and a.election.is_leader()
+        assert a.generations.current_number() == 1
+        assert client.get(a.keys.token)[0] == token_before
+        assert read_events(client, a.keys) == events_before
+
+        # The right token is admitted, and the job sees the join.
+        seen2: list[MemberEvent] = []
+        watch2 = a.membership.watch(seen2.append)
+        assert watch2.wait_ready(5.0)
+        c = Coordinator(good, _node("c")).start(campaign=False)
+        wait_for(lambda: [e.identity.node_id for e in seen2 if e.kind == "join"] == ["c"], 5.0, "c to join")
+        watch2.cancel()
+        c.close()
+    finally:
+        a.close()
