@@ -1,0 +1,38 @@
+"""Shard transfer: move named tensors (a layer shard's parameters and optimizer state) between
+workers over gRPC, in checksummed chunks, without pickling.
+
+- `codec`: tensor <-> header + raw bytes chunks, CRC-32 verification.
+- `shards`: `ShardKey` and the spreading of shards over holders.
+- `server`: `ShardServer`, serving shards from a provider callable.
+- `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
+- `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
+
+Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.
+"""
+
+from elastic.transfer.client import (
+    FetchConfig,
+    FetchResult,
+    Holdings,
+    TransferError,
+    fetch_shards,
+    list_shards,
+)
+from elastic.transfer.codec import CorruptTensorError
+from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
+from elastic.transfer.shards import ShardKey, assign_shards
+
+__all__ = [
+    "CorruptTensorError",
+    "FetchConfig",
+    "FetchResult",
+    "Holdings",
+    "ServerConfig",
+    "ShardKey",
+    "ShardProvider",
+    "ShardServer",
+    "TransferError",
+    "assign_shards",
+    "fetch_shards",
+    "list_shards",
+]

@@ -1,0 +1,207 @@
+"""The ShardTransfer gRPC server: streams the shards this worker holds to workers that need them.
+
+The runtime gives it a provider `(layer, tp_rank) -> {name: tensor}` (raising KeyError for a
+shard this worker does not hold), the shards it holds (for the List call), and keeps its
+generation current with `set_generation`. Every call must carry the job token.
+
+Generation rule: a requester whose generation is *older* than the server's is refused
+(FAILED_PRECONDITION): it is acting on a superseded plan. A *newer* requester is served: a
+holder may learn of generation g+1 a moment after the workers that fetch from it, and the
+state it serves (the last committed step) is the same under either plan.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from elastic.transfer import shard_transfer_pb2 as pb
+from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
+from elastic.transfer.codec import crc32, encode_tensor, iter_chunks
+from elastic.transfer.shards import ShardKey
+
+ShardProvider = Callable[[int, int], Mapping[str, torch.Tensor]]
+"""`(layer, tp_rank) -> {name: tensor}`; raises KeyError for a shard that is not held here."""
+
+HEADER_ALLOWANCE = 64 << 10
+"""Bytes allowed on top of a data chunk in one reply message (tensor names, shapes, framing)."""
+
+MISSING_SHARDS_KEY = "missing-shards"
+"""Trailing-metadata key of a NOT_FOUND answer: the missing shards as `layer:tp_rank,...`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """How a ShardTransfer server listens and streams."""
+
+    token: str
+    """The job token; a call presenting any other token is refused (UNAUTHENTICATED)."""
+    host: str = "127.0.0.1"
+    """Interface to bind; loopback by default."""
+    port: int = 0
+    """TCP port; 0 picks a free one (read it back from `ShardServer.port`)."""
+    chunk_bytes: int = 4 << 20
+    """Largest data chunk per reply message (a requester may ask for smaller ones)."""
+    max_request_bytes: int = 1 << 20
+    """Largest request message accepted; larger ones are refused with RESOURCE_EXHAUSTED."""
+    max_workers: int = 4
+    """Threads serving calls concurrently."""
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("ServerConfig.token must be the (non-empty) job token")
+        if self.chunk_bytes <= 0:
+            raise ValueError(f"ServerConfig.chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.max_request_bytes <= 0:
+            raise ValueError(f"ServerConfig.max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.max_workers <= 0:
+            raise ValueError(f"ServerConfig.max_workers must be positive, got {self.max_workers}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"ServerConfig.port must be in [0, 65535], got {self.port}")
+
+    @property
+    def max_reply_bytes(self) -> int:
+        """The server's send limit: one chunk plus header allowance."""
+        return self.chunk_bytes + HEADER_ALLOWANCE
+
+
+class _Servicer(pb_grpc.ShardTransferServicer):
+    def __init__(self, server: ShardServer) -> None:
+        self._server = server
+
+    def _check(self, credentials: pb.Credentials, context: grpc.ServicerContext) -> None:
+        server = self._server
+        if not hmac.compare_digest(credentials.token.encode(), server.config.token.encode()):
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong or missing job token: this shard server serves only members of its job",
+            )
+        generation = server.generation
+        if credentials.generation < generation:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stale generation: the request is for generation {credentials.generation}, "
+                f"this server is at generation {generation}",
+            )
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchReply]:
+        self._check(request.credentials, context)
+        keys = [ShardKey(s.layer, s.tp_rank) for s in request.shards]
+        if not keys:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request names no shards")
+        if len(set(keys)) != len(keys):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request names a shard twice")
+        chunk = self._server.config.chunk_bytes
+        if request.max_chunk_bytes:
+            chunk = min(chunk, request.max_chunk_bytes)
+        # Resolve every shard before sending a byte, so a missing one fails the call cleanly.
+        shards: list[tuple[ShardKey, Mapping[str, torch.Tensor]]] = []
+        missing: list[ShardKey] = []
+        for key in keys:
+            try:
+                shards.append((key, self._server.provider(key.layer, key.tp_rank)))
+            except KeyError:
+                missing.append(key)
+        if missing:
+            context.set_trailing_metadata(
+                ((MISSING_SHARDS_KEY, ",".join(f"{k.layer}:{k.tp_rank}" for k in missing)),)
+            )
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                "this server does not hold shard(s) "
+                + ", ".join(f"(layer={k.layer}, tp_rank={k.tp_rank})" for k in missing),
+            )
+        for key, tensors in shards:
+            shard_id = pb.ShardId(layer=key.layer, tp_rank=key.tp_rank)
+            yield pb.FetchReply(shard_start=pb.ShardStart(shard=shard_id, num_tensors=len(tensors)))
+            for name, tensor in tensors.items():
+                yield from _tensor_replies(name, tensor, chunk)
+            yield pb.FetchReply(shard_end=pb.ShardEnd(shard=shard_id))
+
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListReply:
+        self._check(request.credentials, context)
+        shards = [pb.ShardId(layer=k[0], tp_rank=k[1]) for k in sorted(self._server.holdings())]
+        return pb.ListReply(shards=shards, generation=self._server.generation)
+
+
+def _tensor_replies(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.FetchReply]:
+    header, data = encode_tensor(name, tensor)
+    yield pb.FetchReply(
+        tensor_start=pb.TensorStart(
+            name=header.name, dtype=header.dtype, shape=header.shape, nbytes=header.nbytes
+        )
+    )
+    crc = 0
+    for piece in iter_chunks(data, chunk_bytes):
+        crc = crc32(piece, crc)
+        yield pb.FetchReply(data=piece.tobytes())
+    yield pb.FetchReply(tensor_end=pb.TensorEnd(crc32=crc))
+
+
+class ShardServer:
+    """A running ShardTransfer service (use as a context manager, or `start()` / `stop()`)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        provider: ShardProvider,
+        holdings: Callable[[], Iterable[tuple[int, int]]] = tuple,
+        generation: int = 0,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ) -> None:
+        self.config = config
+        self.provider = provider
+        self.holdings = holdings
+        self._generation = generation
+        self._lock = threading.Lock()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="shard-server"),
+            interceptors=list(interceptors),
+            options=[
+                ("grpc.max_receive_message_length", config.max_request_bytes),
+                ("grpc.max_send_message_length", config.max_reply_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        pb_grpc.add_ShardTransferServicer_to_server(_Servicer(self), self._server)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind the shard server to {config.host}:{config.port}")
+
+    @property
+    def address(self) -> str:
+        """`host:port` to give to clients."""
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    def set_generation(self, generation: int) -> None:
+        """Move to a newer plan generation (requests for older ones are then refused)."""
+        with self._lock:
+            if generation < self._generation:
+                raise ValueError(f"generation may only grow: {self._generation} -> {generation}")
+            self._generation = generation
+
+    def start(self) -> ShardServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving; calls in flight get `grace` seconds to finish (None: cancelled now)."""
+        self._server.stop(grace).wait()
+
+    def __enter__(self) -> ShardServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
