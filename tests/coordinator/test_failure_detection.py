@@ -7,10 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 import pytest
 from conftest import REPO, Members, wait_for
+
+from elastic.coordinator import JobKeys, Membership, MembershipConfig, NodeIdentity
 
 TTL = 2
 
@@ -75,3 +78,27 @@ def test_etcd_dies_with_its_launcher() -> None:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+@pytest.mark.timeout(30)
+def test_suspicion_is_confirmed_only_through_etcd(client: Any, job: str) -> None:
+    keys = JobKeys(job)
+    a = Membership(client, keys, NodeIdentity(node_id="a", incarnation=0, address="h:1", devices=1),
+                   config=MembershipConfig(ttl=TTL))  # fmt: skip
+    b = Membership(client, keys, NodeIdentity(node_id="b", incarnation=0, address="h:2", devices=1),
+                   config=MembershipConfig(ttl=TTL))  # fmt: skip
+    a.join()
+    b.join()
+    try:
+        # b is alive: a collective error alone does not make it lost.
+        assert not a.confirm_loss("b", 0, reason="all_reduce timed out", timeout=0.5)
+        assert set(a.members()) == {"a", "b"}
+        # b's agent reports its own failure: the suspicion is now confirmed, at once.
+        assert b.report_failure(reason="worker died")
+        t0 = time.monotonic()
+        assert a.confirm_loss("b", 0, reason="all_reduce failed")
+        assert time.monotonic() - t0 < 0.5
+        assert not a.report_failure("b", 0, reason="late report")  # already gone
+    finally:
+        a.leave()
+        b.leave()
