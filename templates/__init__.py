@@ -5,10 +5,10 @@ Pure Python + numpy; imports nothing from `elastic`.
 
 from templates.cost import StageCosts, pipeline_time
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
-from templates.instantiate import build_plan, choose_sizes, instantiate, split_microbatches
+from templates.instantiation import build_plan, choose_sizes, instantiate, split_microbatches
 from templates.plan import PipelinePlan, Plan, PlanError, StagePlan, even_plan
 from templates.profile import DeviceProfile, LayerProfile, Profile, ProfileError
-from templates.replan import Replan, replan
+from templates.replanning import Replan, replan
 from templates.search import PipelineTemplate, search_templates
 from templates.template_set import PlanningError, TemplateSet, build_templates
 

@@ -23,6 +23,8 @@ from templates.search import PipelineTemplate
 from templates.template_set import PlanningError, TemplateSet
 
 _EPS = 1e-9
+_PROBES = 48
+_LADDER = np.array([0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0])
 
 
 def instantiate(
@@ -64,20 +66,32 @@ def choose_sizes(
         )
     search = _SizeSearch(tset, num_nodes, global_microbatches, need)
     candidates = search.candidate_times()
-    sizes = search.feasible(candidates[-1])
-    if sizes is None:
+    # Bracket the answer first: a relaxation bound, then a geometric ladder of targets above it
+    # up to the slowest candidate (feasible there, or nowhere).
+    bound = search.lower_bound()
+    ladder = np.append(bound * (1 + _LADDER), candidates[-1])
+    reached = search.feasible(ladder)
+    if not reached.any():
         raise PlanningError(
             f"{num_nodes} nodes cannot be split exactly into {need} or more pipelines of the available "
             f"template sizes {tset.sizes} with at most {global_microbatches} pipelines"
         )
-    lo, hi = 0, len(candidates) - 1  # invariant: candidates[hi] is feasible, with `sizes`
+    # A many-way search: each round probes up to _PROBES targets in one vectorised DP.
+    # Invariant: candidates[hi] is feasible and the answer lies in [lo, hi].
+    first = int(np.argmax(reached))
+    hi = int(np.searchsorted(candidates, ladder[first] * (1 + _EPS), side="right")) - 1
+    lo = int(np.searchsorted(candidates, (ladder[first - 1] if first else bound) * (1 - _EPS)))
+    lo = min(lo, hi)
     while lo < hi:
-        mid = (lo + hi) // 2
-        found = search.feasible(candidates[mid])
-        if found is None:
-            lo = mid + 1
+        probes = np.unique(np.linspace(lo, hi - 1, num=min(_PROBES, hi - lo)).round().astype(np.int64))
+        ok = search.feasible(candidates[probes])
+        if ok.any():
+            first = int(np.argmax(ok))
+            hi = int(probes[first])
+            lo = int(probes[first - 1]) + 1 if first > 0 else lo
         else:
-            hi, sizes = mid, found
+            lo = int(probes[-1]) + 1
+    sizes = search.sizes_for(float(candidates[hi]))
     return sorted(sizes, reverse=True)
 
 
@@ -132,53 +146,68 @@ class _SizeSearch:
         self.capped = microbatches >= most_pipelines
         self.pdim = need + 1 if self.capped else microbatches + 1
 
+    def lower_bound(self) -> float:
+        """No plan beats this: each node takes at most (T - a_n) / (n b_n) microbatches."""
+        per_node = self.microbatches / self.num_nodes
+        return float(np.min(self.rest + per_node * self.sizes * self.bottleneck))
+
     def candidate_times(self) -> np.ndarray:
         m = np.arange(1, self.microbatches + 1, dtype=np.float64)
         return np.unique((self.rest[:, None] + m[None, :] * self.bottleneck[:, None]).ravel())
 
-    def feasible(self, target: float) -> list[int] | None:
-        """Pipeline sizes reaching `target` (fewest pipelines on ties), or None."""
-        caps = np.floor((target * (1 + _EPS) - self.rest) / self.bottleneck + _EPS)
-        caps = np.clip(caps, 0, self.microbatches).astype(np.int64)
-        usable = caps >= 1
-        sizes, caps = self.sizes[usable], caps[usable]
-        index = np.flatnonzero(usable)
-        if sizes.size == 0:
-            return None
-        n_total, pdim = self.num_nodes, self.pdim
-        best = np.full((n_total + 1, pdim), -1, dtype=np.int64)  # most capacity; -1: impossible
-        choice = np.full((n_total + 1, pdim), -1, dtype=np.int64)
-        came_from = np.full((n_total + 1, pdim), -1, dtype=np.int64)
-        best[0, 0] = 0
-        prev_state = np.arange(pdim) - 1  # state p comes from p - 1 ...
+    def feasible(self, targets: np.ndarray) -> np.ndarray:
+        """Whether each target iteration time is reachable (one DP for all targets)."""
+        best, _, _ = self._knapsack(np.asarray(targets, dtype=np.float64))
+        return (best[self.num_nodes][:, self.finals] >= self.microbatches).any(axis=1)
+
+    def sizes_for(self, target: float) -> list[int]:
+        """Pipeline sizes reaching `target`, with the fewest pipelines among equals."""
+        best, choice, came_from = self._knapsack(np.array([target]))
+        for p in self.finals:
+            if best[self.num_nodes, 0, p] >= self.microbatches:
+                return self._unwind(choice[:, 0], came_from[:, 0], p)
+        raise AssertionError(f"target {target} is not reachable")
+
+    @property
+    def finals(self) -> list[int]:
+        """Pipeline-count states that satisfy f + 1 <= P <= M."""
+        return [self.pdim - 1] if self.capped else list(range(self.need, self.pdim))
+
+    def _knapsack(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """best[v, q, p]: most microbatches P pipelines on exactly v nodes can take in targets[q]."""
+        q_count, n_total, pdim = len(targets), self.num_nodes, self.pdim
+        caps = np.floor((targets[:, None] * (1 + _EPS) - self.rest[None, :]) / self.bottleneck[None, :] + _EPS)
+        caps = np.clip(caps, 0, self.microbatches).astype(np.int64).T  # (templates, Q)
+        best = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)  # -1: impossible
+        choice = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)
+        came_from = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)
+        best[0, :, 0] = 0
+        origin_row = np.arange(pdim) - 1  # state p comes from p - 1 ...
         for v in range(1, n_total + 1):
-            fit = sizes <= v
-            if not fit.any():
+            fit = np.flatnonzero(self.sizes <= v)
+            if fit.size == 0:
                 continue
-            prev = best[v - sizes[fit]]  # (templates, pdim)
+            prev = best[v - self.sizes[fit]]  # (templates, Q, pdim)
             shifted = np.full_like(prev, -1)
-            shifted[:, 1:] = prev[:, :-1]
-            origin = np.broadcast_to(prev_state, prev.shape).copy()
-            if self.capped:  # ... and the capped state also from itself
-                stay = prev[:, -1] > prev[:, -2]
-                shifted[:, -1] = np.where(stay, prev[:, -1], prev[:, -2])
-                origin[:, -1] = np.where(stay, pdim - 1, pdim - 2)
-            value = np.where(shifted >= 0, shifted + caps[fit][:, None], -1)
-            pick = value.argmax(axis=0)
-            cols = np.arange(pdim)
-            best[v] = value[pick, cols]
-            choice[v] = index[fit][pick]
-            came_from[v] = origin[pick, cols]
-        finals = range(self.need, pdim) if not self.capped else range(pdim - 1, pdim)
-        for p in finals:
-            if best[n_total, p] >= self.microbatches:
-                return self._unwind(choice, came_from, p)
-        return None
+            shifted[..., 1:] = prev[..., :-1]
+            origin = np.broadcast_to(origin_row, prev.shape).copy()
+            if self.capped:  # ... and the capped state "at least need" also from itself
+                stay = prev[..., -1] > prev[..., -2]
+                shifted[..., -1] = np.where(stay, prev[..., -1], prev[..., -2])
+                origin[..., -1] = np.where(stay, pdim - 1, pdim - 2)
+            cap = caps[fit][:, :, None]
+            value = np.where((shifted >= 0) & (cap >= 1), shifted + cap, -1)
+            pick = value.argmax(axis=0)[None]  # (1, Q, pdim)
+            best[v] = np.take_along_axis(value, pick, axis=0)[0]
+            choice[v] = fit[pick[0]]
+            came_from[v] = np.take_along_axis(origin, pick, axis=0)[0]
+        return best, choice, came_from
 
     def _unwind(self, choice: np.ndarray, came_from: np.ndarray, p: int) -> list[int]:
         out = []
         v = self.num_nodes
         while v > 0:
+            assert choice[v, p] >= 0, "unwinding an unreachable state"
             size = int(self.sizes[choice[v, p]])
             out.append(size)
             v, p = v - size, int(came_from[v, p])

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from templates.instantiate import build_plan, choose_sizes
+from templates.instantiation import build_plan, choose_sizes
 from templates.plan import Plan
 from templates.template_set import PlanningError, TemplateSet
 

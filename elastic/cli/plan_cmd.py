@@ -14,7 +14,7 @@ from typing import Any
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS, GPTConfig, get_preset
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
-from templates.instantiate import instantiate
+from templates.instantiation import instantiate
 from templates.plan import Plan
 from templates.profile import Profile, ProfileError
 from templates.template_set import PlanningError, TemplateSet, build_templates

@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from templates.cost import StageCosts
-from templates.instantiate import instantiate, split_microbatches
+from templates.instantiation import instantiate, split_microbatches
 from templates.plan import Plan
 from templates.profile import Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates

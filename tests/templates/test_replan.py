@@ -8,10 +8,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from templates.instantiate import instantiate
+from templates.instantiation import instantiate
 from templates.plan import Plan
 from templates.profile import DeviceProfile, LayerProfile, Profile
-from templates.replan import Replan, replan
+from templates.replanning import Replan, replan
 from templates.template_set import PlanningError, TemplateSet, build_templates
 from tests.templates.helpers import profiles
 from tests.templates.test_instantiate import check_plan
