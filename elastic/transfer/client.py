@@ -88,14 +88,16 @@ class FetchConfig:
 class FetchResult:
     """Verified shards plus what it cost to get them."""
 
-    shards: dict[ShardKey, dict[str, torch.Tensor]]
-    """(layer, tp_rank) -> tensor name -> tensor, every tensor checksum-verified."""
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]]
+    """(layer, tp_rank) -> tensor name -> tensor, every tensor checksum-verified (keys are ShardKeys)."""
     bytes_by_holder: dict[str, int]
     """Tensor data bytes received from each holder, discarded (corrupt) ones included."""
     seconds: float
     """Wall time of the whole fetch."""
     refetches: int
     """Shard fetches repeated after a checksum failure or a broken call."""
+    incidents: dict[tuple[int, int], list[str]]
+    """For each shard that needed more than one try, why each failed try failed."""
 
     @property
     def bytes_moved(self) -> int:
@@ -333,6 +335,7 @@ def fetch_shards(
         bytes_by_holder=bytes_by_holder,
         seconds=time.monotonic() - start,
         refetches=refetches,
+        incidents={k: v for k, v in failures.items() if v},
     )
 
 
