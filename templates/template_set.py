@@ -78,11 +78,11 @@ def build_templates(
             f"fault tolerance {fault_tolerance} needs"
         )
     costs = StageCosts(profile, gpus_per_node)
-    feasible = feasible_stage_counts(costs, min(num_nodes, profile.num_layers))
+    feasible = feasible_stage_counts(costs, profile.num_layers)
     if not feasible:
         raise PlanningError(
-            f"the model does not fit in {num_nodes} nodes of {gpus_per_node} x "
-            f"{profile.device.memory_bytes / 2**30:.2f} GiB"
+            f"the model does not fit in nodes of {gpus_per_node} x {profile.device.memory_bytes / 2**30:.2f} GiB "
+            f"even with one layer per node"
         )
     n0 = feasible[0]
     n_max = num_nodes - fault_tolerance * n0 if max_nodes is None else max_nodes

@@ -1,0 +1,89 @@
+"""`elastic plan` through elastic.cli.main.main: JSON contract, table, profile files, bad arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from elastic.cli.main import main
+from elastic.cli.plan_cmd import derived_profile
+from elastic.model.config import get_preset
+from templates.derive import DeviceSpeed
+from templates.plan import Plan
+
+BASE = ["plan", "--model", "gpt3-350m", "--nodes", "8", "--gpus-per-node", "2", "--global-batch", "64"]
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.timeout(60)
+def test_json_has_the_contract_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run([*BASE, "--microbatch", "2", "--fault-tolerance", "1", "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["templates"], "at least one template"
+    for template in data["templates"]:
+        assert len(template["stages"]) == template["nodes"]
+        assert template["stages"][0]["layers"][0] == 0 and template["stages"][-1]["layers"][1] == 26
+        assert template["iteration_time"] > 0
+    plan = data["plan"]
+    assert len(plan["pipelines"]) >= 2
+    assert sorted(n for p in plan["pipelines"] for n in p["nodes"]) == list(range(8))
+    assert sum(p["microbatches"] for p in plan["pipelines"]) == 32
+    for pipe in plan["pipelines"]:
+        assert pipe["nodes"] == [s["node"] for s in pipe["stages"]]
+    assert plan["iteration_time"] == max(p["iteration_time"] for p in plan["pipelines"])
+    Plan.from_dict(plan)  # the engine can load it as is
+
+
+@pytest.mark.timeout(60)
+def test_table_and_measured_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A profile file with a 4x slower device: same layout choices scale, times are 4x.
+    slow = derived_profile(
+        "gpt3-350m", get_preset("gpt3-350m"), 2, DeviceSpeed(flops_per_second=25e12, memory_bytes=80 * 2**30)
+    )
+    path = tmp_path / "profile.json"
+    slow.save(path)
+    code, out, _ = run([*BASE, "--microbatch", "2", "--json"], capsys)
+    fast_time = json.loads(out)["plan"]["iteration_time"]
+    code, out, err = run([*BASE, "--microbatch", "2", "--json", "--profile", str(path)], capsys)
+    assert code == 0, err
+    slow_time = json.loads(out)["plan"]["iteration_time"]
+    assert slow_time > 2 * fast_time
+    code, out, err = run([*BASE, "--microbatch", "2"], capsys)
+    assert code == 0 and "plan:" in out and "templates for n in" in out and "iteration" in out
+    # A profile taken at another microbatch size is refused.
+    code, _, err = run([*BASE, "--microbatch", "4", "--profile", str(path)], capsys)
+    assert code == 2 and "microbatch 2, not 4" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([*BASE, "--microbatch", "3"], "--microbatch 3 does not divide --global-batch 64"),
+        (["plan", "--model", "gpt9", "--nodes", "4", "--global-batch", "8", "--microbatch", "2"], "unknown model preset"),
+        ([*BASE, "--microbatch", "2", "--fault-tolerance", "8"], "needs at least 9 nodes"),
+        ([*BASE, "--microbatch", "0"], "--microbatch must be >= 1"),
+        ([*BASE, "--microbatch", "2", "--fault-tolerance", "-1"], "--fault-tolerance must be >= 0"),
+        ([*BASE, "--microbatch", "32", "--fault-tolerance", "2"], "2 microbatches (64/32) cannot feed the 3 pipelines"),
+        ([*BASE, "--microbatch", "2", "--device-tflops", "nan"], "--device-tflops must be a positive number"),
+        ([*BASE, "--microbatch", "2", "--profile", "/nonexistent.json"], "cannot read profile"),
+        (
+            ["plan", "--model", "gpt3-6.7b", "--nodes", "4", "--gpus-per-node", "8", "--fault-tolerance", "3",
+             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "40"],
+            "fault tolerance 3 needs 4 pipelines of at least 3 nodes = 12 nodes, but the cluster has 4",
+        ),
+    ],
+)
+def test_bad_arguments_one_line_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and message in err, err
