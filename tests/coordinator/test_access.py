@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 import pytest
-from conftest import wait_for
 
 from elastic.coordinator import (
     Coordinator,
@@ -18,6 +17,8 @@ from elastic.coordinator import (
     NodeIdentity,
 )
 from elastic.coordinator.events import read_events
+
+from .support import wait_for
 
 
 def _node(name: str) -> NodeIdentity:

@@ -9,7 +9,6 @@ import time
 from typing import Any
 
 import pytest
-from conftest import Members, wait_for
 
 from elastic.coordinator import (
     EtcdConfig,
@@ -22,6 +21,8 @@ from elastic.coordinator import (
     connect,
     current_leader,
 )
+
+from .support import Members, wait_for
 
 TTL = 2
 

@@ -6,10 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Members, wait_for
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
 from elastic.coordinator.membership import read_members
+
+from .support import Members, wait_for
 
 TTL = 2
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import REPO, Members, wait_for
 
 from elastic.coordinator import JobKeys, Membership, MembershipConfig, NodeIdentity
+
+from .support import REPO, Members, wait_for
 
 TTL = 2
 

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO
 
 from elastic.coordinator import EtcdServer, EtcdStore, JobKeys
+
+from .support import REPO
 
 WORKER = r"""
 import sys, torch, torch.distributed as dist

@@ -14,10 +14,11 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import REPO, wait_for
 
 from elastic.coordinator import EtcdServer, JobKeys
 from elastic.coordinator.membership import read_members
+
+from .support import REPO, wait_for
 
 TTL = 2
 WORKER = str(Path(__file__).parent / "rdzv_worker.py")
