@@ -1,16 +1,83 @@
-"""`elastic profile` (placeholder until the planner lands)."""
+"""`elastic profile`: measure a model's per-layer profile on this machine and write it as JSON.
+
+Models too large to run here (or `--mode derive`) get a profile derived from FLOP/byte counts
+scaled by this device's measured matmul speed; the file's `source` and `notes` say which.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+from pathlib import Path
 from typing import Any
+
+from elastic.cli.main import UsageError
+from elastic.cli.plan_cmd import gpt_layer_counts
+from elastic.model.config import PRESETS, get_preset
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("profile", help="(not yet implemented)")
+    parser = subparsers.add_parser(
+        "profile",
+        help="measure per-layer times and sizes of a model on this machine (JSON)",
+        description="Time every planning layer's forward and backward on this device and write the "
+        "profile `elastic plan --profile` reads.",
+    )
+    parser.add_argument("--model", required=True, help=f"model preset ({', '.join(PRESETS)})")
+    parser.add_argument("--microbatch", type=int, required=True, help="samples per microbatch")
+    parser.add_argument("--output", type=Path, default=None, help="write the JSON here (default: stdout)")
+    parser.add_argument(
+        "--mode",
+        choices=("auto", "measure", "derive"),
+        default="auto",
+        help="auto: measure if the model fits and runs quickly here, else derive",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer (median kept)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: all)")
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    print("elastic profile: not yet implemented")
-    return 2
+    try:
+        cfg = get_preset(args.model)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.microbatch < 1:
+        raise UsageError(f"--microbatch must be >= 1, got {args.microbatch}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.memory_gib is not None and not (math.isfinite(args.memory_gib) and args.memory_gib > 0):
+        raise UsageError(f"--memory-gib must be a positive number, got {args.memory_gib}")
+
+    # torch is imported here, not at module level, so that `elastic plan` stays light.
+    from elastic.runtime.device import select_device
+    from elastic.runtime.profiler import (
+        ProfilerConfig,
+        default_memory_bytes,
+        derived_from_speed,
+        matmul_flops_per_second,
+        measure_profile,
+        should_measure,
+    )
+
+    try:
+        device = select_device(0, want=args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    memory = default_memory_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
+    conf = ProfilerConfig(microbatch=args.microbatch, device=device, memory_bytes=memory, repeats=args.repeats)
+    counts = gpt_layer_counts(cfg)
+    flops = matmul_flops_per_second(device)
+    measure = args.mode == "measure" or (args.mode == "auto" and should_measure(cfg, counts, conf, flops))
+    if measure:
+        profile = measure_profile(args.model, cfg, counts, conf)
+    else:
+        profile = derived_from_speed(args.model, cfg, counts, conf, flops)
+    if args.output is None:
+        sys.stdout.write(profile.to_json() + "\n")
+    else:
+        profile.save(args.output)
+        print(f"wrote {profile.source} profile of {args.model} ({profile.num_layers} layers) to {args.output}")
+    return 0
