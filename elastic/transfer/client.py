@@ -29,6 +29,7 @@ from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import CorruptTensorError, TensorAssembler, parse_header
 from elastic.transfer.server import HEADER_ALLOWANCE, MISSING_SHARDS_KEY
 from elastic.transfer.shards import ShardKey, assign_shards
+from elastic.transfer.wire import fetch_callable
 
 # Codes that another holder would answer the same way: retrying elsewhere cannot help.
 _FATAL = frozenset(
@@ -181,7 +182,7 @@ def _fetch_from(
         shards=[pb.ShardId(layer=k.layer, tp_rank=k.tp_rank) for k in keys],
         max_chunk_bytes=config.max_reply_bytes - HEADER_ALLOWANCE,
     )
-    call = pb_grpc.ShardTransferStub(channel).Fetch(request, wait_for_ready=False)
+    call = fetch_callable(channel)(request, wait_for_ready=False)
     stamp = watchdog.track(call)
     wanted = set(keys)
     shard: ShardKey | None = None
@@ -192,17 +193,19 @@ def _fetch_from(
     try:
         for reply in call:
             stamp[0] = time.monotonic()
-            kind = reply.WhichOneof("item")
-            if kind == "data":
+            if isinstance(reply, memoryview) or reply.WhichOneof("item") == "data":
+                data = reply if isinstance(reply, memoryview) else memoryview(reply.data)
                 if assembler is None:
                     raise CorruptTensorError("data chunk outside a tensor")
-                out.nbytes += len(reply.data)
+                out.nbytes += len(data)
                 if bad is None:
                     try:
-                        assembler.add(reply.data)
+                        assembler.add(data)
                     except CorruptTensorError as e:
                         bad = str(e)
-            elif kind == "tensor_start":
+                continue
+            kind = reply.WhichOneof("item")
+            if kind == "tensor_start":
                 if shard is None or assembler is not None:
                     raise CorruptTensorError("tensor header outside a shard or inside another tensor")
                 t = reply.tensor_start

@@ -129,7 +129,7 @@ class TensorAssembler:
         self._filled = 0
         self._crc = 0
 
-    def add(self, chunk: bytes) -> None:
+    def add(self, chunk: bytes | memoryview) -> None:
         """Append the next chunk; CorruptTensorError if it overruns the announced size."""
         end = self._filled + len(chunk)
         if end > self.header.nbytes:

@@ -25,6 +25,7 @@ from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import crc32, encode_tensor, iter_chunks
 from elastic.transfer.shards import ShardKey
+from elastic.transfer.wire import DataChunk, FetchItem, add_servicer
 
 ShardProvider = Callable[[int, int], Mapping[str, torch.Tensor]]
 """`(layer, tp_rank) -> {name: tensor}`; raises KeyError for a shard that is not held here."""
@@ -90,7 +91,7 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 f"this server is at generation {generation}",
             )
 
-    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchReply]:
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[FetchItem]:
         self._check(request.credentials, context)
         keys = [ShardKey(s.layer, s.tp_rank) for s in request.shards]
         if not keys:
@@ -130,7 +131,7 @@ class _Servicer(pb_grpc.ShardTransferServicer):
         return pb.ListReply(shards=shards, generation=self._server.generation)
 
 
-def _tensor_replies(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.FetchReply]:
+def _tensor_replies(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[FetchItem]:
     header, data = encode_tensor(name, tensor)
     yield pb.FetchReply(
         tensor_start=pb.TensorStart(
@@ -140,7 +141,7 @@ def _tensor_replies(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterat
     crc = 0
     for piece in iter_chunks(data, chunk_bytes):
         crc = crc32(piece, crc)
-        yield pb.FetchReply(data=piece.tobytes())
+        yield DataChunk(piece)  # serialized straight from the tensor's memory (see wire.py)
     yield pb.FetchReply(tensor_end=pb.TensorEnd(crc32=crc))
 
 
@@ -170,7 +171,7 @@ class ShardServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_ShardTransferServicer_to_server(_Servicer(self), self._server)
+        add_servicer(_Servicer(self), self._server)
         self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not bind the shard server to {config.host}:{config.port}")

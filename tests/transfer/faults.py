@@ -10,8 +10,16 @@ from typing import Any
 import grpc
 
 from elastic.transfer import shard_transfer_pb2 as pb
+from elastic.transfer.wire import DataChunk, FetchItem
 
-ReplyHook = Callable[[pb.FetchReply], pb.FetchReply]
+ReplyHook = Callable[[FetchItem], FetchItem]
+
+
+def chunk_bytes(item: FetchItem) -> bytes | None:
+    """The payload of a data reply (either form the server may yield), None for other replies."""
+    if isinstance(item, DataChunk):
+        return item.view.tobytes()
+    return item.data if item.WhichOneof("item") == "data" else None
 
 
 class FetchReplyInterceptor(grpc.ServerInterceptor):
@@ -26,7 +34,7 @@ class FetchReplyInterceptor(grpc.ServerInterceptor):
             return handler
         inner = handler.unary_stream
 
-        def stream(request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.FetchReply]:
+        def stream(request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[FetchItem]:
             for reply in inner(request, context):
                 yield self._hook(reply)
 
@@ -45,15 +53,16 @@ class CorruptChunks:
         self.corrupted = 0
         self._lock = threading.Lock()
 
-    def __call__(self, reply: pb.FetchReply) -> pb.FetchReply:
-        if reply.WhichOneof("item") != "data" or not reply.data:
+    def __call__(self, reply: FetchItem) -> FetchItem:
+        payload = chunk_bytes(reply)
+        if not payload:
             return reply
         with self._lock:
             if self.remaining == 0:
                 return reply
             self.remaining -= 1
             self.corrupted += 1
-        data = bytearray(reply.data)
+        data = bytearray(payload)
         data[len(data) // 2] ^= 0x40
         return pb.FetchReply(data=bytes(data))
 
@@ -64,9 +73,10 @@ class RecordChunks:
     def __init__(self) -> None:
         self.sizes: list[int] = []
 
-    def __call__(self, reply: pb.FetchReply) -> pb.FetchReply:
-        if reply.WhichOneof("item") == "data":
-            self.sizes.append(len(reply.data))
+    def __call__(self, reply: FetchItem) -> FetchItem:
+        payload = chunk_bytes(reply)
+        if payload is not None:
+            self.sizes.append(len(payload))
         return reply
 
 
@@ -77,8 +87,8 @@ class StallAfterChunks:
         self.n = n
         self.seen = 0
 
-    def __call__(self, reply: pb.FetchReply) -> pb.FetchReply:
-        if reply.WhichOneof("item") == "data":
+    def __call__(self, reply: FetchItem) -> FetchItem:
+        if chunk_bytes(reply) is not None:
             self.seen += 1
             if self.seen == self.n:
                 print("PAUSED", flush=True)

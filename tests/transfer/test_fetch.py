@@ -193,6 +193,24 @@ def test_oversized_reply_is_rejected_by_the_client_channel(serve: ServeFn) -> No
         channel.close()
 
 
+def test_a_plain_generated_stub_reads_the_stream(serve: ServeFn) -> None:
+    """The server's hand-framed data chunks are ordinary protobuf to any client."""
+    shards = {ShardKey(2, 1): {"w": torch.randn(3000), "b": torch.arange(5)}}
+    a = serve(shards, chunk_bytes=1000)
+    channel = grpc.insecure_channel(a.address)
+    try:
+        request = pb.FetchRequest(
+            credentials=pb.Credentials(token=TOKEN, generation=0), shards=[pb.ShardId(layer=2, tp_rank=1)]
+        )
+        replies = list(pb_grpc.ShardTransferStub(channel).Fetch(request, timeout=20))
+    finally:
+        channel.close()
+    kinds = [r.WhichOneof("item") for r in replies]
+    assert kinds == ["shard_start", "tensor_start"] + ["data"] * 12 + ["tensor_end", "tensor_start", "data", "tensor_end", "shard_end"]
+    raw = b"".join(r.data for r in replies[2:14])
+    assert raw == shards[ShardKey(2, 1)]["w"].numpy().tobytes()
+
+
 def test_no_listed_holder_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"no holder is listed for shards \[\(2, 0\)\]"):
         fetch_shards([(2, 0)], {"127.0.0.1:1": [(1, 0)]}, config())
