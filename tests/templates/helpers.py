@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from templates.profile import DeviceProfile, LayerProfile, Profile
+
+SLOW_OR_FILTERED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+"""Health checks to waive: a loaded 2-core machine is slow, and assume() rejects unfit clusters."""
 
 
 @st.composite

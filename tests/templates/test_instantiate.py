@@ -11,7 +11,7 @@ from templates.instantiation import instantiate, split_microbatches
 from templates.plan import Plan
 from templates.profile import Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
-from tests.templates.helpers import profiles
+from tests.templates.helpers import SLOW_OR_FILTERED, profiles
 
 
 def check_plan(plan: Plan, tset: TemplateSet, nodes: list[int], microbatches: int, f: int) -> None:
@@ -52,7 +52,7 @@ def best_over_multisets(tset: TemplateSet, num_nodes: int, microbatches: int, f:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=SLOW_OR_FILTERED)
 @given(
     profile=profiles(min_layers=8, max_layers=12),
     gpus=st.sampled_from([1, 2]),
@@ -92,7 +92,7 @@ def test_plans_valid_optimal_and_exist_for_every_cluster_size(
 
 
 @pytest.mark.timeout(60)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=SLOW_OR_FILTERED)
 @given(
     bottlenecks=st.lists(st.floats(0.1, 5.0), min_size=1, max_size=4),
     rests=st.lists(st.floats(0.0, 5.0), min_size=4, max_size=4),

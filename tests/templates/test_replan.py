@@ -13,7 +13,7 @@ from templates.plan import Plan
 from templates.profile import DeviceProfile, LayerProfile, Profile
 from templates.replanning import Replan, replan
 from templates.template_set import PlanningError, TemplateSet, build_templates
-from tests.templates.helpers import profiles
+from tests.templates.helpers import SLOW_OR_FILTERED, profiles
 from tests.templates.test_instantiate import check_plan
 
 
@@ -110,7 +110,7 @@ def test_too_few_survivors_is_a_clear_error() -> None:
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, suppress_health_check=SLOW_OR_FILTERED)
 @given(
     profile=profiles(min_layers=8, max_layers=12),
     total=st.integers(3, 9),

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 from templates.cost import StageCosts
 from templates.profile import DeviceProfile, LayerProfile, Profile
 from templates.search import search_templates
-from tests.templates.helpers import exhaustive_best, profiles, stage_cost
+from tests.templates.helpers import SLOW_OR_FILTERED, exhaustive_best, profiles, stage_cost
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80, deadline=None, suppress_health_check=SLOW_OR_FILTERED)
 @given(
     profile=profiles(max_layers=10),
     gpus=st.sampled_from([1, 2, 4]),
@@ -37,7 +37,6 @@ def test_templates_equal_exhaustive_search(profile: Profile, gpus: int, microbat
             time, memory = stage_cost(profile, gpus, a, b, n - s)
             assert memory <= gpus * profile.device.memory_bytes
             assert template.stage_times[s] == pytest.approx(time, rel=1e-9, abs=1e-12)
-
 
 def _one_best_subplan(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
     """Oobleck-style DP: one locally best sub-layout per (layer suffix, stages). Not exact."""
