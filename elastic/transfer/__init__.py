@@ -4,6 +4,7 @@ workers over gRPC, in checksummed chunks, without pickling.
 - `codec`: tensor <-> header + raw bytes chunks, CRC-32 verification.
 - `shards`: `ShardKey` and the spreading of shards over holders.
 - `server`: `ShardServer`, serving shards from a provider callable.
+- `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
