@@ -30,7 +30,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--model", default="tiny", help=f"model preset ({', '.join(PRESETS)})")
     parser.add_argument("--nodes", type=int, default=None, help="simulated nodes (default 1, or the plan's)")
     parser.add_argument(
-        "--gpus-per-node", type=int, default=None, help="workers per node = tensor-parallel degree (default 1)"
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="workers per node = tensor-parallel degree (default 1)",
     )
     parser.add_argument(
         "--fault-tolerance", type=int, default=None, help="f: run at least f+1 pipelines (default 0)"
@@ -45,7 +48,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
     parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")
-    parser.add_argument("--run-dir", type=Path, default=None, help="logs and per-worker outputs (default: temp)")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="logs and per-worker outputs (default: temp)"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     parser.set_defaults(func=_run)
@@ -92,7 +97,9 @@ def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
     if batch % micro:
         raise UsageError(f"--global-batch {batch} is not a multiple of --microbatch {micro}")
     if nodes < f + 1:
-        raise UsageError(f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {nodes}")
+        raise UsageError(
+            f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {nodes}"
+        )
     if batch // micro < f + 1:
         raise UsageError(f"{batch // micro} microbatches cannot feed {f + 1} pipelines; raise --global-batch")
     try:
@@ -119,7 +126,9 @@ def _run(args: argparse.Namespace) -> int:
     plan = build_plan(args, cfg.num_layers)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
-            raise UsageError(f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node")
+            raise UsageError(
+                f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node"
+            )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
     try:
         optim = OptimConfig(lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps)

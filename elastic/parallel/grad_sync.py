@@ -1,7 +1,8 @@
 """finalize_grads: every non-obvious gradient reduction of a step, in one place.
 
-Before this runs, each microbatch's loss was scaled by 1 / (global microbatch count), so a
-worker's gradient is its pipeline's share of the global-batch mean. Then:
+Before this runs, each microbatch's loss was scaled by 1 / (global microbatch count) and its
+gradient summed into a GradAccumulator, so a worker's sums are its pipeline's share of the
+global-batch mean. Then:
 
 1. Cross-pipeline sum per gradient bucket: every worker holding the same (layers, tp_rank)
    sums its bucket with the others, one all-reduce per bucket. The sum of the pipelines' shares
@@ -16,12 +17,14 @@ their own: with replicated activations their gradients are already equal on ever
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 
@@ -38,15 +41,8 @@ class GradStats:
     """Whether every worker reported a usable step (finite gradients, no local error)."""
 
 
-def _bucket_params(
-    module: torch.nn.Module, layers: tuple[int, ...], layer_of: Callable[[str], int]
-) -> list[torch.nn.Parameter]:
-    wanted = set(layers)
-    return [p for name, p in sorted(module.named_parameters()) if layer_of(name) in wanted]
-
-
 def finalize_grads(
-    module: torch.nn.Module,
+    accum: GradAccumulator,
     *,
     layout: ParallelLayout,
     groups: ParallelGroups,
@@ -55,49 +51,46 @@ def finalize_grads(
     grad_clip: float,
     ok: bool = True,
 ) -> GradStats:
-    """Reduce, measure and clip the gradients of `module` (this worker's stage).
+    """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
     `loss_sum` is this worker's contribution to the global loss (the sum of its microbatch
     losses divided by the global microbatch count; 0 except on a last stage's TP rank 0).
-    Collective over every bucket group and then the world group.
+    Collective over every bucket group of mine and then the world group.
     """
-    for p in module.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    grads = accum.buffers
 
     # 1. Cross-pipeline bucket all-reduce. Buckets are launched in ascending layer order on
     # every worker, which is a single global order, so waits cannot form a cycle.
-    pending: list[tuple[dist.Work, torch.Tensor, list[torch.nn.Parameter]]] = []
+    pending: list[tuple[dist.Work, torch.Tensor, list[str]]] = []
     for bucket in layout.buckets:
         group = groups.bucket_group(bucket.ranks)
         if group is None:
             continue
-        params = _bucket_params(module, bucket.layers, layer_of)
-        if not params:
+        wanted = set(bucket.layers)
+        names = [name for name, _ in accum.named if layer_of(name) in wanted]
+        if not names:
             continue
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         assert work is not None
-        pending.append((work, flat, params))
-    for work, flat, params in pending:
+        pending.append((work, flat, names))
+    for work, flat, names in pending:
         work.wait()
         offset = 0
-        for p in params:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for n in names:
+            g = grads[n]
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
-    device = next(module.parameters()).device
+    device = next(iter(grads.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for name, p in sorted(module.named_parameters()):
+    for name, p in accum.named:
         if not layout.counts_layer_for_norm(layer_of(name)):
             continue
         if getattr(p, "tp_dim", None) is None and layout.tp_rank != 0:
             continue
-        assert p.grad is not None
-        sq += p.grad.double().pow(2).sum()
+        sq += grads[name].double().pow(2).sum()
     stats = torch.stack(
         [
             sq,
@@ -107,13 +100,12 @@ def finalize_grads(
     )
     dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world)
     total_sq, loss, failures = stats.tolist()
-    norm = total_sq**0.5
-    usable = failures == 0 and norm == norm and norm != float("inf")
+    norm = math.sqrt(total_sq)
+    usable = failures == 0 and math.isfinite(norm)
 
     # 3. Clip by one factor everywhere.
     if usable and grad_clip > 0 and norm > grad_clip:
         coef = grad_clip / (norm + 1e-6)
-        for p in module.parameters():
-            assert p.grad is not None
-            p.grad.mul_(coef)
+        for g in grads.values():
+            g.mul_(coef)
     return GradStats(grad_norm=norm, loss=loss, ok=usable)

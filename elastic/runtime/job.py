@@ -40,6 +40,10 @@ class JobSpec:
     """"auto" (accelerator when present), "cpu" or "cuda"."""
     threads_per_worker: int = 1
     """torch intra-op threads of each worker process (CPU runs share few cores)."""
+    exact_grad_sum: bool = True
+    """Accumulate and all-reduce gradients in float64, so the global-batch gradient does not
+    depend on how the plan splits microbatches across pipelines (False: float32, half the
+    gradient traffic)."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
 

@@ -130,4 +130,3 @@ def _watch(workers: list[_Worker], *, start: float, timeout_s: float | None) -> 
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped all workers")
         time.sleep(_POLL_S)
-

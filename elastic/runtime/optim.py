@@ -1,8 +1,8 @@
 """AdamW over fp32 master weights, and the warmup + cosine learning-rate schedule.
 
 Parameters are kept in fp32 at all times; lower precision exists only inside autocast regions
-of the forward pass (bf16 on CUDA). The optimizer therefore updates the fp32 master copy
-directly, and its moments are fp32 too.
+of the forward pass (bf16 on CUDA). The optimizer (adamw.py) therefore updates the fp32 master
+copy directly, and its moments are fp32 too.
 
 The learning rate is a pure function of the step number, set on the optimizer before each
 update, so a replayed or migrated step needs no scheduler state.
@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from elastic.runtime.adamw import MasterAdamW
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,27 +63,8 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `module`'s parameters, which must be fp32 (the master weights).
-
-    Parameters are taken in name order so that every worker holding the same layers builds the
-    same parameter groups in the same order.
-    """
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
-        if p.dtype != torch.float32:
-            raise ValueError(f"parameter {name} is {p.dtype}; master weights must be float32")
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # foreach=False: the per-parameter loop gives the same arithmetic whatever the set of
-    # parameters a stage holds, so a layer's update does not depend on the plan.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> MasterAdamW:
+    """AdamW over `module`'s parameters (fp32: they are the master weights), keyed by name."""
+    return MasterAdamW(
+        list(module.named_parameters()), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )

@@ -20,12 +20,14 @@ import torch
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.parallel.executor import StageSpec, run_schedule
+from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import GradStats, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
+from elastic.runtime.adamw import MasterAdamW
 from elastic.runtime.device import compute_precision
-from elastic.runtime.optim import OptimConfig, lr_at, set_lr
+from elastic.runtime.optim import OptimConfig, lr_at
 
 
 class StepDiscarded(RuntimeError):
@@ -61,7 +63,7 @@ class StepTransaction:
         self,
         *,
         module: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: MasterAdamW,
         layout: ParallelLayout,
         groups: ParallelGroups,
         dataset: TokenDataset,
@@ -69,11 +71,13 @@ class StepTransaction:
         layer_of: Callable[[str], int],
         d_model: int,
         device: torch.device,
+        grad_dtype: torch.dtype = torch.float64,
     ) -> None:
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
         self.device = device
+        self.accum = GradAccumulator(module, dtype=grad_dtype)
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
@@ -95,24 +99,30 @@ class StepTransaction:
     def run(self, step: int) -> StepReport:
         """Run and commit step `step`; StepDiscarded (state unchanged) if it cannot commit."""
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
+        self.accum.zero()
         try:
             report = self._forward_backward_reduce(step)
         except Exception as exc:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             raise StepDiscarded(f"step {step} discarded on rank {self.layout.rank}: {exc}") from exc
         if not report.ok:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()
             raise StepDiscarded(
                 f"step {step} discarded: a worker failed or the gradient norm is {report.grad_norm}"
             )
         # Commit: every worker got here with the same norm, loss and verdict.
         lr = lr_at(step, self.optim)
-        set_lr(self.optimizer, lr)
+        self.optimizer.lr = lr
+        self.accum.write_grads()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         return StepReport(
-            step=step, loss=report.loss, grad_norm=report.grad_norm, lr=lr, seconds=time.perf_counter() - start
+            step=step,
+            loss=report.loss,
+            grad_norm=report.grad_norm,
+            lr=lr,
+            seconds=time.perf_counter() - start,
         )
 
     def _forward_backward_reduce(self, step: int) -> GradStats:
@@ -142,7 +152,7 @@ class StepTransaction:
         loss_sum = sum(result.losses.values()) / total_mbs if counted else 0.0
         finite = all(math.isfinite(v) for v in result.losses.values())
         return finalize_grads(
-            self.module,
+            self.accum,
             layout=layout,
             groups=self.groups,
             layer_of=self.layer_of,

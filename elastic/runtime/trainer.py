@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,13 +29,20 @@ from elastic.runtime.optim import build_optimizer
 from elastic.runtime.step import StepReport, StepTransaction
 
 
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 class Trainer:
     """One worker of a job, joined to its generation's process groups."""
 
     def __init__(self, spec: JobSpec, *, node: int, local_rank: int, store: dist.Store) -> None:
         self.spec = spec
+        t0 = time.perf_counter()
         cfg = spec.model_config
-        self.layout = ParallelLayout(plan=spec.plan, generation=spec.generation, node=node, local_rank=local_rank)
+        self.layout = ParallelLayout(
+            plan=spec.plan, generation=spec.generation, node=node, local_rank=local_rank
+        )
         self.device = select_device(local_rank, want=spec.device)
         timeout = timedelta(seconds=spec.collective_timeout_s)
         # One prefix per generation: groups of different generations never share store keys.
@@ -48,7 +56,9 @@ class Trainer:
         )
         world = dist.group.WORLD
         assert world is not None
+        t1 = time.perf_counter()
         self.groups: ParallelGroups = build_groups(self.layout, world, timeout=timeout)
+        t2 = time.perf_counter()
         first, last = self.layout.layers
         self.module = GPTStage(cfg, first=first, last=last, tp=self.groups.tp, device=self.device)
         self.module.train()
@@ -65,9 +75,15 @@ class Trainer:
             layer_of=functools.partial(layer_of, cfg=cfg),
             d_model=cfg.d_model,
             device=self.device,
+            grad_dtype=torch.float64 if spec.exact_grad_sum else torch.float32,
         )
         self.step = 0
         """Committed steps so far (the index of the next step)."""
+        _log(
+            f"rank {self.layout.rank} (pipeline {self.layout.pipeline} stage {self.layout.stage} tp "
+            f"{self.layout.tp_rank}): joined the world in {t1 - t0:.2f} s, built "
+            f"{len(self.layout.all_group_ranks())} groups in {t2 - t1:.2f} s, ready in {time.perf_counter() - t0:.2f} s"
+        )
 
     def train(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
         """Run steps until `steps` are committed; a discarded step propagates StepDiscarded."""

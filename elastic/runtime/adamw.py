@@ -1,0 +1,84 @@
+"""AdamW over fp32 master weights, with its state keyed by canonical parameter name.
+
+The update is decoupled weight decay Adam (Loshchilov & Hutter), with bias correction:
+
+    p <- p * (1 - lr * wd)
+    m <- b1 * m + (1 - b1) * g            v <- b2 * v + (1 - b2) * g^2
+    p <- p - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+State lives per canonical name (`exp_avg`, `exp_avg_sq`, `step`), so a reconfiguration can move
+a layer's parameters and optimizer state together by name. Written here rather than taken from
+torch.optim because constructing a torch optimizer imports torch._dynamo (about 1.5 s of CPU
+per worker process, which dominates start-up of a many-process CPU job), and because
+name-keyed state is what shard transfer needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParamState:
+    """AdamW state of one parameter (this worker's shard of it)."""
+
+    exp_avg: torch.Tensor
+    """First moment estimate (fp32)."""
+    exp_avg_sq: torch.Tensor
+    """Second moment estimate (fp32)."""
+    step: int = 0
+    """Updates applied to this parameter."""
+
+
+class MasterAdamW:
+    """AdamW over named fp32 parameters; `step` reads each parameter's `.grad`."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> None:
+        self.params = sorted(named_params, key=lambda kv: kv[0])
+        for name, p in self.params:
+            if p.dtype != torch.float32:
+                raise ValueError(f"parameter {name} is {p.dtype}; master weights must be float32")
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.lr = 0.0
+        """Learning rate of the next update (set per step from the schedule)."""
+        self.state: dict[str, ParamState] = {
+            name: ParamState(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            for name, p in self.params
+        }
+
+    @staticmethod
+    def decays(p: torch.Tensor) -> bool:
+        """Weight decay applies to matrices (2-D and up), not to biases, norms or positions' rows."""
+        return p.dim() >= 2
+
+    @torch.no_grad()
+    def step(self) -> None:
+        b1, b2 = self.betas
+        for name, p in self.params:
+            g = p.grad
+            if g is None:
+                raise RuntimeError(f"parameter {name} has no gradient at the optimizer step")
+            st = self.state[name]
+            st.step += 1
+            if self.weight_decay and self.decays(p):
+                p.mul_(1.0 - self.lr * self.weight_decay)
+            st.exp_avg.lerp_(g, 1.0 - b1)
+            st.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            bias1 = 1.0 - b1**st.step
+            bias2 = 1.0 - b2**st.step
+            denom = (st.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.eps)
+            p.addcdiv_(st.exp_avg, denom, value=-self.lr / bias1)
+
+    def zero_grad(self) -> None:
+        for _, p in self.params:
+            p.grad = None

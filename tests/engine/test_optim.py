@@ -1,0 +1,90 @@
+"""AdamW against torch's reference implementation; the LR schedule; exact gradient sums."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from elastic.parallel.grad_accum import GradAccumulator
+from elastic.runtime.optim import OptimConfig, build_optimizer, lr_at
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine() -> None:
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=14)
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, cfg) == 1.0
+    assert lr_at(9, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 2)))
+    assert lr_at(14, cfg) == 0.1 and lr_at(100, cfg) == 0.1
+    values = [lr_at(s, cfg) for s in range(4, 15)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_bad_optimizer_settings() -> None:
+    with pytest.raises(ValueError, match="min_lr"):
+        OptimConfig(lr=1e-3, min_lr=1e-2)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        OptimConfig(warmup_steps=10, decay_steps=5)
+
+
+def test_adamw_matches_torch_adamw() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    reference = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    cfg = OptimConfig(weight_decay=0.1)
+    ours = build_optimizer(model, cfg)
+    names = [n for n, _ in model.named_parameters()]
+    by_name = dict(zip(names, reference, strict=True))
+    decay = [by_name[n] for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [by_name[n] for n, p in model.named_parameters() if p.dim() < 2]
+    theirs = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1.0, betas=cfg.betas, eps=cfg.eps, foreach=False,
+    )  # fmt: skip
+    for step in range(6):
+        lr = lr_at(step, cfg)
+        ours.lr = lr
+        for group in theirs.param_groups:
+            group["lr"] = lr
+        for p, q in zip(model.parameters(), reference, strict=True):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, q in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_master_weights_must_be_fp32() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        build_optimizer(torch.nn.Linear(2, 2).to(torch.bfloat16), OptimConfig())
+
+
+def test_float64_accumulation_is_independent_of_the_microbatch_split() -> None:
+    """Sums of the same microbatch gradients in different groupings agree bit for bit in
+    float64 (after rounding to fp32), which float32 accumulation does not guarantee."""
+    torch.manual_seed(1)
+    grads = [torch.randn(4096) * 10 ** torch.randint(-6, 1, (4096,)).float() for _ in range(8)]
+
+    def accumulate(groups: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        layer = torch.nn.Linear(4096, 1, bias=False)
+        partials = []
+        for members in groups:
+            acc = GradAccumulator(layer, dtype=dtype)
+            for i in members:
+                # Autograd writes each microbatch's gradient; the hook moves it into the buffer.
+                x = grads[i].view(1, -1)
+                (layer(x).sum()).backward()
+            partials.append(acc.buffers["weight"].clone())
+            acc.remove()
+        return sum(partials[1:], partials[0]).to(torch.float32)
+
+    one = accumulate([list(range(8))], torch.float64)
+    split = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float64)
+    assert torch.equal(one, split)
+    one32 = accumulate([list(range(8))], torch.float32)
+    split32 = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float32)
+    assert not torch.equal(one32, split32)

@@ -1,0 +1,80 @@
+"""The 1F1B schedule as data: order, memory bound, and freedom from deadlock by simulation."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.parallel.schedule import (
+    Action,
+    Op,
+    ScheduleError,
+    one_f_one_b,
+    peak_in_flight,
+    pipeline_schedule,
+    simulate,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [(s, m) for s in range(1, 6) for m in range(1, 9)]
+
+
+@pytest.mark.parametrize(("stages", "mbs"), SHAPES)
+def test_every_stage_runs_each_microbatch_once_in_order(stages: int, mbs: int) -> None:
+    for s in range(stages):
+        actions = one_f_one_b(num_stages=stages, stage=s, microbatches=mbs)
+        fwd = [a.mb for a in actions if a.op is Op.FORWARD]
+        bwd = [a.mb for a in actions if a.op is Op.BACKWARD]
+        assert fwd == list(range(mbs)) and bwd == list(range(mbs))
+        # 1F1B bound: at most stages - s microbatches hold activations at once.
+        assert peak_in_flight(actions) == min(stages - s, mbs)
+        ops = {a.op for a in actions}
+        assert (Op.RECV_ACT in ops) == (s > 0) and (Op.SEND_GRAD in ops) == (s > 0)
+        assert (Op.SEND_ACT in ops) == (s < stages - 1) and (Op.RECV_GRAD in ops) == (s < stages - 1)
+
+
+@pytest.mark.parametrize(("stages", "mbs"), SHAPES)
+def test_pipelines_of_any_depth_run_to_completion(stages: int, mbs: int) -> None:
+    order = simulate(pipeline_schedule(num_stages=stages, microbatches=mbs))
+    assert len(order) == sum(len(a) for a in pipeline_schedule(num_stages=stages, microbatches=mbs))
+
+
+def test_the_last_stage_alternates_forward_and_backward() -> None:
+    actions = one_f_one_b(num_stages=3, stage=2, microbatches=3)
+    assert [str(a) for a in actions] == [
+        "recv_act(0)", "forward(0)", "backward(0)", "send_grad(0)",
+        "recv_act(1)", "forward(1)", "backward(1)", "send_grad(1)",
+        "recv_act(2)", "forward(2)", "backward(2)", "send_grad(2)",
+    ]  # fmt: skip
+
+
+def test_first_stage_warms_up_then_alternates() -> None:
+    actions = one_f_one_b(num_stages=3, stage=0, microbatches=4)
+    compute = [str(a) for a in actions if a.op in (Op.FORWARD, Op.BACKWARD)]
+    assert compute == [
+        "forward(0)", "forward(1)", "forward(2)", "backward(0)", "forward(3)", "backward(1)", "backward(2)", "backward(3)",
+    ]  # fmt: skip
+
+
+def test_simulator_detects_a_deadlock() -> None:
+    # Stage 1 waits for a gradient it would only get after stage 0 received one from it.
+    stage0 = [Action(Op.FORWARD, 0), Action(Op.RECV_GRAD, 0), Action(Op.SEND_ACT, 0), Action(Op.BACKWARD, 0)]
+    stage1 = [Action(Op.RECV_ACT, 0), Action(Op.FORWARD, 0), Action(Op.BACKWARD, 0), Action(Op.SEND_GRAD, 0)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([stage0, stage1])
+
+
+def test_simulator_detects_out_of_order_transfers() -> None:
+    good = pipeline_schedule(num_stages=2, microbatches=2)
+    swapped = list(good[1])
+    i, j = swapped.index(Action(Op.RECV_ACT, 0)), swapped.index(Action(Op.RECV_ACT, 1))
+    swapped[i], swapped[j] = swapped[j], swapped[i]
+    with pytest.raises(ScheduleError):
+        simulate([good[0], swapped])
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="stage 3"):
+        one_f_one_b(num_stages=3, stage=3, microbatches=1)
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        one_f_one_b(num_stages=1, stage=0, microbatches=0)
