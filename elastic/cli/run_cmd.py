@@ -46,6 +46,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--summary", type=Path, default=None, help="write the run summary JSON here")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
+    parser.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
     parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")
     parser.add_argument(
@@ -131,7 +132,9 @@ def _run(args: argparse.Namespace) -> int:
             )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
     try:
-        optim = OptimConfig(lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps)
+        optim = OptimConfig(
+            lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
+        )
         spec = JobSpec(
             model=args.model,
             plan=plan,

@@ -1,0 +1,96 @@
+"""`elastic run` end to end: equivalence across node counts and TP degrees, bad arguments,
+and a crashed worker stopping the job with a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.engine.runs import max_rel_diff
+
+pytestmark = [pytest.mark.slow]
+
+COMMON = ["--model", "tiny", "--global-batch", "16", "--microbatch", "2", "--steps", "4", "--device", "cpu"]
+EPS = ["--adam-eps", "1e-6"]  # bounds AdamW's amplification of TP rounding (see runs.py)
+
+
+def elastic(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "elastic.cli", "run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(tmp: Path, name: str, *flags: str) -> tuple[dict, dict[str, torch.Tensor]]:  # type: ignore[type-arg]
+    state, summary = tmp / f"{name}.pt", tmp / f"{name}.json"
+    out = elastic(*COMMON, *EPS, *flags, "--final-state", str(state), "--summary", str(summary), "--run-dir", str(tmp / name))
+    assert out.returncode == 0, out.stderr
+    assert "step 4/4" in out.stdout and "loss" in out.stdout
+    return json.loads(summary.read_text()), torch.load(state, weights_only=True)
+
+
+@pytest.mark.timeout(240)
+def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -> None:
+    one, one_state = run_cli(tmp_path, "one", "--nodes", "1")
+    four, four_state = run_cli(tmp_path, "four", "--nodes", "4", "--fault-tolerance", "1")
+    tp, tp_state = run_cli(tmp_path, "tp", "--nodes", "2", "--gpus-per-node", "2", "--fault-tolerance", "1")
+    for summary in (one, four, tp):
+        assert summary["steps_committed"] == 4 and len(summary["losses"]) == 4 and summary["tokens_per_s"] > 0
+    assert four["pipelines"] == 2 and four["world_size"] == 4 and tp["world_size"] == 4
+    assert four["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert tp["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert max_rel_diff(four_state, one_state) <= 1e-5
+    assert max_rel_diff(tp_state, one_state) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "nope"], "unknown model preset"),
+        (["--global-batch", "7", "--microbatch", "2"], "not a multiple"),
+        (["--nodes", "1", "--fault-tolerance", "1"], "needs at least 2 nodes"),
+        (["--gpus-per-node", "3"], "not divisible by 3"),
+        (["--plan", "/nonexistent/plan.json"], "cannot read --plan"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> None:
+    out = elastic(*flags, timeout=50)
+    assert out.returncode == 2
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_stops_the_job_and_is_named(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "elastic.cli", "run", *COMMON[:-4], "--steps", "1000", "--device", "cpu"]
+    cmd += ["--nodes", "2", "--fault-tolerance", "1", "--run-dir", str(tmp_path)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list[psutil.Process] = []
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:  # wait until training runs
+            if line.startswith("step 2/"):
+                break
+        workers = psutil.Process(launcher.pid).children()
+        assert len(workers) == 2
+        victim = workers[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 1
+        assert f"(pid {victim.pid}) exited with code -9" in err
+        time.sleep(0.5)
+        assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
+    finally:
+        for p in [*workers, launcher]:
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait(10)
