@@ -18,7 +18,7 @@ their own: with replicated activations their gradients are already equal on ever
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
-from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.layout import GradBucket, ParallelLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,18 @@ class GradStats:
     """Mean loss over the global batch."""
     ok: bool
     """Whether every worker reported a usable step (finite gradients, no local error)."""
+
+
+def bucket_plan(
+    names: Sequence[str], layout: ParallelLayout, layer_of: Callable[[str], int]
+) -> list[tuple[GradBucket, tuple[str, ...]]]:
+    """My gradient buckets with the parameter names each holds (name order): the partition a
+    GradAccumulator should be built with, so each bucket is one flat buffer."""
+    out = []
+    for bucket in layout.buckets:
+        wanted = set(bucket.layers)
+        out.append((bucket, tuple(name for name in sorted(names) if layer_of(name) in wanted)))
+    return out
 
 
 def finalize_grads(
@@ -58,39 +70,34 @@ def finalize_grads(
     Collective over every bucket group of mine and then the world group.
     """
     grads = accum.buffers
+    plan = bucket_plan(list(grads), layout, layer_of)
+    params = dict(accum.named)
 
     # 1. Cross-pipeline bucket all-reduce. Buckets are launched in ascending layer order on
     # every worker, which is a single global order, so waits cannot form a cycle.
-    pending: list[tuple[dist.Work, torch.Tensor, list[str]]] = []
-    for bucket in layout.buckets:
+    pending: list[dist.Work] = []
+    for bucket, names in plan:
         group = groups.bucket_group(bucket.ranks)
-        if group is None:
+        if group is None or not names:
             continue
-        wanted = set(bucket.layers)
-        names = [name for name, _ in accum.named if layer_of(name) in wanted]
-        if not names:
-            continue
-        flat = torch.cat([grads[n].reshape(-1) for n in names])
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = dist.all_reduce(accum.flat(names), op=dist.ReduceOp.SUM, group=group, async_op=True)
         assert work is not None
-        pending.append((work, flat, names))
-    for work, flat, names in pending:
+        pending.append(work)
+    for work in pending:
         work.wait()
-        offset = 0
-        for n in names:
-            g = grads[n]
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
     device = next(iter(grads.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for name, p in accum.named:
-        if not layout.counts_layer_for_norm(layer_of(name)):
+    for bucket, names in plan:
+        if not names or not layout.counts_layer_for_norm(bucket.layers[0]):
             continue
-        if getattr(p, "tp_dim", None) is None and layout.tp_rank != 0:
-            continue
-        sq += grads[name].double().pow(2).sum()
+        if layout.tp_rank == 0:
+            sq += accum.flat(names).double().pow(2).sum()
+        else:  # replicated parameters are counted on TP rank 0 only
+            for name in names:
+                if getattr(params[name], "tp_dim", None) is not None:
+                    sq += grads[name].double().pow(2).sum()
     stats = torch.stack(
         [
             sq,

@@ -21,7 +21,7 @@ import torch
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import GradStats, finalize_grads
+from elastic.parallel.grad_sync import GradStats, bucket_plan, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
@@ -77,7 +77,9 @@ class StepTransaction:
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
         self.device = device
-        self.accum = GradAccumulator(module, dtype=grad_dtype)
+        names = [name for name, _ in module.named_parameters()]
+        partition = [group for _, group in bucket_plan(names, layout, layer_of)]
+        self.accum = GradAccumulator(module, dtype=grad_dtype, partition=partition)
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches

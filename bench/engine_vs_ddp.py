@@ -1,0 +1,159 @@
+"""Steady-state step time of the engine vs plain DistributedDataParallel, side by side.
+
+Same model, same number of worker processes, same global batch, same microbatch size, one
+thread per process. The engine runs P pipelines of one stage each (pure data parallelism
+through its own schedule, float64 or float32 gradient sums, and its bucketed all-reduce); DDP
+runs the same P processes with gradient accumulation (no_sync on all but the last microbatch)
+and torch's AdamW. Rounds alternate engine / DDP so that load from anything else on the
+machine hits both alike. Prints each median and the ratio engine / DDP (1.00 = same speed).
+
+    .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.model.config import get_preset
+from elastic.model.gpt import GPTStage
+from elastic.runtime.job import JobSpec
+from elastic.runtime.launcher import host_store, launch
+from elastic.runtime.optim import OptimConfig, lr_at
+from templates.plan import even_plan
+
+WARMUP_STEPS = 2
+"""Steps excluded from the steady-state median (first-touch allocation, connection set-up)."""
+
+
+def engine_steps(args: argparse.Namespace, run_dir: Path, *, exact: bool) -> list[float]:
+    cfg = get_preset(args.model)
+    plan = even_plan(
+        num_layers=cfg.num_layers,
+        nodes=list(range(args.procs)),
+        num_pipelines=args.procs,
+        global_microbatches=args.global_batch // args.microbatch,
+        microbatch_size=args.microbatch,
+    )
+    spec = JobSpec(
+        model=args.model,
+        plan=plan,
+        steps=args.steps,
+        run_dir=str(run_dir),
+        device="cpu",
+        exact_grad_sum=exact,
+        optim=OptimConfig(),
+    )
+    return launch(spec, quiet=True, timeout_s=600).step_seconds
+
+
+def ddp_steps(args: argparse.Namespace, run_dir: Path) -> list[float]:
+    store, port = host_store(timeout_s=120)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], "--ddp-rank", str(r), "--ddp-port", str(port),
+             "--ddp-out", str(run_dir / "ddp.json")],
+        )  # fmt: skip
+        for r in range(args.procs)
+    ]
+    try:
+        for p in procs:
+            if p.wait(timeout=600) != 0:
+                raise RuntimeError(f"DDP worker pid {p.pid} exited with {p.returncode}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
+    return json.loads((run_dir / "ddp.json").read_text())
+
+
+def ddp_worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    rank, world = args.ddp_rank, args.procs
+    store = dist.TCPStore("127.0.0.1", args.ddp_port, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    cfg = get_preset(args.model)
+    model = torch.nn.parallel.DistributedDataParallel(GPTStage(cfg))
+    optim_cfg = OptimConfig()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
+    )  # fmt: skip
+    data = TokenDataset(seq_len=cfg.seq_len)
+    per_rank = args.global_batch // world
+    local_mbs = per_rank // args.microbatch
+    times = []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        samples = step_sample_indices(step, args.global_batch)[rank * per_rank : (rank + 1) * per_rank]
+        optimizer.zero_grad(set_to_none=True)
+        for m in range(local_mbs):
+            x, y = data.batch(samples[m * args.microbatch : (m + 1) * args.microbatch])
+            sync = m == local_mbs - 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = model.module.loss(model(x, dropout_key=m), y) / local_mbs
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, optim_cfg)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    dist.barrier()
+    if rank == 0:
+        Path(args.ddp_out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--procs", type=int, default=2, help="worker processes (= pipelines / DDP ranks)")
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating engine/DDP rounds")
+    parser.add_argument("--ddp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.ddp_rank is not None:
+        ddp_worker(args)
+        return
+    if args.global_batch % (args.procs * args.microbatch):
+        raise SystemExit("--global-batch must be a multiple of --procs x --microbatch")
+    results: dict[str, list[float]] = {"engine (fp64 grad sums)": [], "engine (fp32 grad sums)": [], "DDP": []}
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        for r in range(args.rounds):
+            base = Path(tmp) / f"round{r}"
+            base.mkdir()
+            results["engine (fp64 grad sums)"] += engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:]
+            results["engine (fp32 grad sums)"] += engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:]
+            results["DDP"] += ddp_steps(args, base)[WARMUP_STEPS:]
+    ddp = statistics.median(results["DDP"])
+    print(
+        f"model {args.model}, {args.procs} processes, global batch {args.global_batch}, "
+        f"microbatch {args.microbatch}, {args.rounds} rounds x {args.steps - WARMUP_STEPS} steady steps"
+    )
+    for name, times in results.items():
+        med = statistics.median(times)
+        print(f"  {name:26s} median step {med * 1000:8.1f} ms   ratio vs DDP {med / ddp:5.3f}")
+
+
+if __name__ == "__main__":
+    main()
