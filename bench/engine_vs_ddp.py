@@ -63,8 +63,17 @@ def ddp_steps(args: argparse.Namespace, run_dir: Path) -> list[float]:
     store, port = host_store(timeout_s=120)
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, *sys.argv[1:], "--ddp-rank", str(r), "--ddp-port", str(port),
-             "--ddp-out", str(run_dir / "ddp.json")],
+            [
+                sys.executable,
+                __file__,
+                *sys.argv[1:],
+                "--ddp-rank",
+                str(r),
+                "--ddp-port",
+                str(port),
+                "--ddp-out",
+                str(run_dir / "ddp.json"),
+            ],
         )  # fmt: skip
         for r in range(args.procs)
     ]
@@ -121,7 +130,9 @@ def ddp_worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--procs", type=int, default=2, help="worker processes (= pipelines / DDP ranks)")
     parser.add_argument("--global-batch", type=int, default=16)
@@ -137,7 +148,11 @@ def main() -> None:
         return
     if args.global_batch % (args.procs * args.microbatch):
         raise SystemExit("--global-batch must be a multiple of --procs x --microbatch")
-    results: dict[str, list[float]] = {"engine (fp64 grad sums)": [], "engine (fp32 grad sums)": [], "DDP": []}
+    results: dict[str, list[float]] = {
+        "engine (fp64 grad sums)": [],
+        "engine (fp32 grad sums)": [],
+        "DDP": [],
+    }
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         for r in range(args.rounds):
             base = Path(tmp) / f"round{r}"

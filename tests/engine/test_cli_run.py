@@ -3,6 +3,7 @@ and a crashed worker stopping the job with a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,7 +31,17 @@ def elastic(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str
 
 def run_cli(tmp: Path, name: str, *flags: str) -> tuple[dict, dict[str, torch.Tensor]]:  # type: ignore[type-arg]
     state, summary = tmp / f"{name}.pt", tmp / f"{name}.json"
-    out = elastic(*COMMON, *EPS, *flags, "--final-state", str(state), "--summary", str(summary), "--run-dir", str(tmp / name))
+    out = elastic(
+        *COMMON,
+        *EPS,
+        *flags,
+        "--final-state",
+        str(state),
+        "--summary",
+        str(summary),
+        "--run-dir",
+        str(tmp / name),
+    )
     assert out.returncode == 0, out.stderr
     assert "step 4/4" in out.stdout and "loss" in out.stdout
     return json.loads(summary.read_text()), torch.load(state, weights_only=True)
@@ -89,8 +100,6 @@ def test_a_killed_worker_stops_the_job_and_is_named(tmp_path: Path) -> None:
         assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     finally:
         for p in [*workers, launcher]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         launcher.wait(10)

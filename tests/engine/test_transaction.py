@@ -43,7 +43,14 @@ def make_trainer(tmp_path: Path) -> Iterator[Any]:
     made: list[Trainer] = []
 
     def make() -> Trainer:
-        spec = JobSpec(model="tiny", plan=single(microbatches=4), steps=2, run_dir=str(tmp_path), optim=OPTIM, device="cpu")
+        spec = JobSpec(
+            model="tiny",
+            plan=single(microbatches=4),
+            steps=2,
+            run_dir=str(tmp_path),
+            optim=OPTIM,
+            device="cpu",
+        )
         trainer = Trainer(spec, node=0, local_rank=0, store=dist.HashStore())
         made.append(trainer)
         return trainer
