@@ -8,60 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.model.config import PRESETS, GPTConfig, get_preset
-from templates.derive import DeviceSpeed, LayerCounts, derive_profile
-from templates.instantiation import instantiate
+from elastic.model.config import PRESETS
+from elastic.runtime.planning import (
+    DEFAULT_MEMORY_GIB,
+    DEFAULT_TFLOPS,
+    ClusterSpec,
+    cluster_templates,
+    initial_plan,
+)
 from templates.plan import Plan
-from templates.profile import Profile, ProfileError
-from templates.template_set import PlanningError, TemplateSet, build_templates
-
-DEFAULT_TFLOPS = 100.0
-"""Nominal achieved TFLOP/s of one device for derived profiles."""
-DEFAULT_MEMORY_GIB = 80.0
-"""Nominal memory of one device for derived profiles."""
-
-
-def gpt_layer_counts(cfg: GPTConfig) -> list[LayerCounts]:
-    """The planner's plain description of each planning layer of `cfg`.
-
-    Saved activations per token (no recomputation, dropout masks not counted): a block keeps
-    16 * d_model elements (LayerNorm, QKV, q, k, v, projection, MLP inputs, the 4x-wide GELU
-    input and output) plus 2 * n_head * seq_len (attention scores and softmax output); the head
-    keeps its two d_model-wide inputs and the logits; the embedding keeps only token ids.
-    Tensor-parallel all-reduces per microbatch: 4 per block (2 forward, 2 backward), 1 for the
-    vocabulary-parallel embedding, 1 for the head's input gradient.
-    """
-    d = cfg.d_model
-    out = []
-    for i in range(cfg.num_layers):
-        kind = cfg.layer_kind(i)
-        if kind == "embedding":
-            saved, allreduces = 0.0, 1
-        elif kind == "head":
-            saved, allreduces = 2.0 * d + cfg.vocab_size, 1
-        else:
-            saved, allreduces = 16.0 * d + 2.0 * cfg.n_head * cfg.seq_len, 4
-        out.append(
-            LayerCounts(
-                kind=kind,
-                params=cfg.layer_param_count(i),
-                flops_per_token=cfg.layer_flops_per_token(i),
-                saved_elements_per_token=saved,
-                output_elements_per_token=d,
-                tp_allreduces=allreduces,
-            )
-        )
-    return out
-
-
-def derived_profile(name: str, cfg: GPTConfig, microbatch: int, device: DeviceSpeed) -> Profile:
-    return derive_profile(
-        model=name, layers=gpt_layer_counts(cfg), seq_len=cfg.seq_len, microbatch_size=microbatch, device=device
-    )
+from templates.template_set import TemplateSet
 
 
 def register(subparsers: Any) -> None:
@@ -90,75 +49,26 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        cfg = get_preset(args.model)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    for flag, value in (
-        ("nodes", args.nodes),
-        ("gpus-per-node", args.gpus_per_node),
-        ("global-batch", args.global_batch),
-        ("microbatch", args.microbatch),
-    ):
-        if value < 1:
-            raise UsageError(f"--{flag} must be >= 1, got {value}")
-    f = args.fault_tolerance
-    if f < 0:
-        raise UsageError(f"--fault-tolerance must be >= 0, got {f}")
-    if args.global_batch % args.microbatch:
-        raise UsageError(f"--microbatch {args.microbatch} does not divide --global-batch {args.global_batch}")
-    microbatches = args.global_batch // args.microbatch
-    if f + 1 > args.nodes:
-        raise UsageError(f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {args.nodes}")
-    if microbatches < f + 1:
-        raise UsageError(
-            f"{microbatches} microbatches ({args.global_batch}/{args.microbatch}) cannot feed the "
-            f"{f + 1} pipelines --fault-tolerance {f} needs"
-        )
-    profile = _profile(args, cfg)
-    try:
-        tset = build_templates(
-            profile,
+        spec = ClusterSpec(
+            model=args.model,
+            nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
-            num_nodes=args.nodes,
-            fault_tolerance=f,
-            global_microbatches=microbatches,
+            fault_tolerance=args.fault_tolerance,
+            global_batch=args.global_batch,
+            microbatch=args.microbatch,
+            profile_path=args.profile,
+            device_tflops=args.device_tflops,
+            device_memory_gib=args.device_memory_gib,
         )
-        plan = instantiate(tset, list(range(args.nodes)), global_microbatches=microbatches, fault_tolerance=f)
-    except PlanningError as exc:
+        tset = cluster_templates(spec)
+        plan = initial_plan(spec, tset)
+    except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     if args.json:
         print(json.dumps(_as_json(args, tset, plan), indent=2))
     else:
         print(_as_table(args, tset, plan))
     return 0
-
-
-def _profile(args: argparse.Namespace, cfg: GPTConfig) -> Profile:
-    if args.profile is None:
-        tflops, gib = args.device_tflops, args.device_memory_gib
-        if not (math.isfinite(tflops) and tflops > 0):
-            raise UsageError(f"--device-tflops must be a positive number, got {tflops}")
-        if not (math.isfinite(gib) and gib > 0):
-            raise UsageError(f"--device-memory-gib must be a positive number, got {gib}")
-        device = DeviceSpeed(
-            flops_per_second=tflops * 1e12,
-            memory_bytes=int(gib * 2**30),
-            description=f"nominal device: {tflops:g} TFLOP/s, {gib:g} GiB",
-        )
-        return derived_profile(args.model, cfg, args.microbatch, device)
-    try:
-        profile = Profile.load(args.profile)
-    except ProfileError as exc:
-        raise UsageError(str(exc)) from None
-    if profile.num_layers != cfg.num_layers:
-        raise UsageError(
-            f"profile {args.profile} has {profile.num_layers} layers but {args.model} has {cfg.num_layers}"
-        )
-    if profile.microbatch_size != args.microbatch:
-        raise UsageError(
-            f"profile {args.profile} was taken at microbatch {profile.microbatch_size}, not {args.microbatch}"
-        )
-    return profile
 
 
 def _as_json(args: argparse.Namespace, tset: TemplateSet, plan: Plan) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.plan_cmd import gpt_layer_counts
 from elastic.model.config import PRESETS, get_preset
+from elastic.runtime.planning import gpt_layer_counts
 
 
 def register(subparsers: Any) -> None:

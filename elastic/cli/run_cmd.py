@@ -9,15 +9,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS, get_preset
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import WorkerFailed, launch
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.summary import load_final_state
-from templates.plan import Plan, PlanError, even_plan
+from elastic.runtime.planning import (
+    DEFAULT_MEMORY_GIB,
+    DEFAULT_TFLOPS,
+    ClusterSpec,
+    cluster_templates,
+    initial_plan,
+)
+from templates.plan import Plan, PlanError
 
 
 def register(subparsers: Any) -> None:
@@ -41,12 +42,27 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--global-batch", type=int, default=None, help="samples per step (default 8)")
     parser.add_argument("--microbatch", type=int, default=None, help="samples per microbatch (default 2)")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run")
-    parser.add_argument("--plan", type=Path, default=None, help="plan JSON file (instead of an even split)")
+    parser.add_argument("--plan", type=Path, default=None, help="plan JSON file (instead of the planner's plan)")
+    parser.add_argument("--profile", default=None, help="planner profile JSON (default: derived from the preset)")
+    parser.add_argument(
+        "--device-tflops", type=float, default=DEFAULT_TFLOPS, help="derived profile: achieved TFLOP/s per device"
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=DEFAULT_MEMORY_GIB,
+        help="derived profile: GiB per device (a small value forces multi-stage pipelines)",
+    )
     parser.add_argument("--final-state", type=Path, default=None, help="write the full fp32 parameters here")
     parser.add_argument("--summary", type=Path, default=None, help="write the run summary JSON here")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
-    parser.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    parser.add_argument(
+        "--adam-eps",
+        type=float,
+        default=1e-6,
+        help="AdamW epsilon (default 1e-6: see README, 'Optimizer numerics')",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
     parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")
     parser.add_argument(
@@ -57,15 +73,8 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=_run)
 
 
-def _positive(name: str, value: int | None, default: int) -> int:
-    v = default if value is None else value
-    if v < 1:
-        raise UsageError(f"--{name} must be >= 1, got {v}")
-    return v
-
-
 def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
-    """The plan of the run: --plan FILE, or an even split into f+1 pipelines."""
+    """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines."""
     if args.plan is not None:
         try:
             plan = Plan.from_json(args.plan.read_text())
@@ -88,36 +97,33 @@ def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
                 f"{args.fault_tolerance + 1}"
             )
         return plan
-    nodes = _positive("nodes", args.nodes, 1)
-    gpus = _positive("gpus-per-node", args.gpus_per_node, 1)
-    micro = _positive("microbatch", args.microbatch, 2)
-    batch = _positive("global-batch", args.global_batch, 8)
-    f = 0 if args.fault_tolerance is None else args.fault_tolerance
-    if f < 0:
-        raise UsageError(f"--fault-tolerance must be >= 0, got {f}")
-    if batch % micro:
-        raise UsageError(f"--global-batch {batch} is not a multiple of --microbatch {micro}")
-    if nodes < f + 1:
-        raise UsageError(
-            f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {nodes}"
-        )
-    if batch // micro < f + 1:
-        raise UsageError(f"{batch // micro} microbatches cannot feed {f + 1} pipelines; raise --global-batch")
     try:
-        return even_plan(
-            num_layers=num_layers,
-            nodes=list(range(nodes)),
-            num_pipelines=f + 1,
-            global_microbatches=batch // micro,
-            microbatch_size=micro,
-            gpus_per_node=gpus,
-            fault_tolerance=f,
+        spec = ClusterSpec(
+            model=args.model,
+            nodes=1 if args.nodes is None else args.nodes,
+            gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
+            fault_tolerance=0 if args.fault_tolerance is None else args.fault_tolerance,
+            global_batch=8 if args.global_batch is None else args.global_batch,
+            microbatch=2 if args.microbatch is None else args.microbatch,
+            profile_path=args.profile,
+            device_tflops=args.device_tflops,
+            device_memory_gib=args.device_memory_gib,
         )
-    except PlanError as exc:
+        return initial_plan(spec, cluster_templates(spec))
+    except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
 
 
 def _run(args: argparse.Namespace) -> int:
+    # torch and the runtime load here, not at import, so that `elastic --help` and the planner
+    # commands start without torch.
+    import torch
+
+    from elastic.runtime.job import JobSpec
+    from elastic.runtime.launcher import WorkerFailed, launch
+    from elastic.runtime.optim import OptimConfig
+    from elastic.runtime.summary import load_final_state
+
     try:
         cfg = get_preset(args.model)
     except ValueError as exc:

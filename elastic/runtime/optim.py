@@ -32,8 +32,10 @@ class OptimConfig:
     """Step at which the cosine decay reaches min_lr."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW moment decay rates."""
-    eps: float = 1e-8
-    """AdamW denominator epsilon."""
+    eps: float = 1e-6
+    """AdamW denominator epsilon. 1e-6 rather than 1e-8: a parameter whose true gradient is zero
+    (the attention key bias) would otherwise take lr-sized steps on rounding noise, so runs that
+    differ only in reduction order (tensor-parallel degree) would drift apart."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices (2-D and up) only."""
     grad_clip: float = 1.0

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from elastic.cli.main import main
-from elastic.cli.plan_cmd import derived_profile
 from elastic.model.config import get_preset
+from elastic.runtime.planning import derived_profile
 from templates.derive import DeviceSpeed
 from templates.plan import Plan
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from elastic.cli.main import main
-from elastic.cli.plan_cmd import gpt_layer_counts
 from elastic.model.config import get_preset
+from elastic.runtime.planning import gpt_layer_counts
 from templates.derive import DeviceSpeed, derive_profile
 from templates.profile import Profile, ProfileError
 

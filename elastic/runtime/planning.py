@@ -1,0 +1,168 @@
+"""From a preset and cluster flags to pipeline templates and a plan: the runtime's use of the
+planner, shared by `elastic plan`, `elastic run` and the leader's re-planning.
+
+Without a measured profile, the profile is derived from the preset's FLOP and byte counts on a
+nominal device (`device_tflops`, `device_memory_gib`). A small memory budget is how a run on
+this machine emulates devices too small to hold the model, which forces multi-stage pipelines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from elastic.model.config import GPTConfig, get_preset
+from templates.derive import DeviceSpeed, LayerCounts, derive_profile
+from templates.instantiation import instantiate
+from templates.plan import Plan
+from templates.profile import Profile
+from templates.template_set import TemplateSet, build_templates
+
+DEFAULT_TFLOPS = 100.0
+"""Nominal achieved TFLOP/s of one device for derived profiles."""
+DEFAULT_MEMORY_GIB = 80.0
+"""Nominal memory of one device for derived profiles."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """What the planner needs to know about the job and the cluster."""
+
+    model: str
+    """Model preset name."""
+    nodes: int
+    """N: live nodes."""
+    gpus_per_node: int = 1
+    """G: devices per node, the tensor-parallel degree."""
+    fault_tolerance: int = 0
+    """f: keep at least f+1 pipelines."""
+    global_batch: int = 8
+    """Samples per optimizer step."""
+    microbatch: int = 2
+    """Samples per microbatch."""
+    profile_path: str | None = None
+    """Measured profile JSON; None derives one from the preset."""
+    device_tflops: float = DEFAULT_TFLOPS
+    """Derived profiles: achieved TFLOP/s of one device."""
+    device_memory_gib: float = DEFAULT_MEMORY_GIB
+    """Derived profiles: memory of one device in GiB."""
+
+    def __post_init__(self) -> None:
+        get_preset(self.model)  # ValueError naming the known presets
+        for flag, value in (
+            ("nodes", self.nodes),
+            ("gpus-per-node", self.gpus_per_node),
+            ("global-batch", self.global_batch),
+            ("microbatch", self.microbatch),
+        ):
+            if value < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {value}")
+        f = self.fault_tolerance
+        if f < 0:
+            raise ValueError(f"--fault-tolerance must be >= 0, got {f}")
+        if self.global_batch % self.microbatch:
+            raise ValueError(f"--microbatch {self.microbatch} does not divide --global-batch {self.global_batch}")
+        if f + 1 > self.nodes:
+            raise ValueError(f"--fault-tolerance {f} needs at least {f + 1} nodes (one per pipeline), got {self.nodes}")
+        if self.global_microbatches < f + 1:
+            raise ValueError(
+                f"{self.global_microbatches} microbatches ({self.global_batch}/{self.microbatch}) cannot feed the "
+                f"{f + 1} pipelines --fault-tolerance {f} needs"
+            )
+        if self.profile_path is None:
+            if not (math.isfinite(self.device_tflops) and self.device_tflops > 0):
+                raise ValueError(f"--device-tflops must be a positive number, got {self.device_tflops}")
+            if not (math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0):
+                raise ValueError(f"--device-memory-gib must be a positive number, got {self.device_memory_gib}")
+        cfg = self.config
+        for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
+            if size % self.gpus_per_node:
+                raise ValueError(
+                    f"model {self.model}'s {what}={size} is not divisible by --gpus-per-node {self.gpus_per_node}"
+                )
+
+    @property
+    def config(self) -> GPTConfig:
+        return get_preset(self.model)
+
+    @property
+    def global_microbatches(self) -> int:
+        return self.global_batch // self.microbatch
+
+
+def gpt_layer_counts(cfg: GPTConfig) -> list[LayerCounts]:
+    """The planner's plain description of each planning layer of `cfg`.
+
+    Saved activations per token (no recomputation, dropout masks not counted): a block keeps
+    16 * d_model elements (LayerNorm, QKV, q, k, v, projection, MLP inputs, the 4x-wide GELU
+    input and output) plus 2 * n_head * seq_len (attention scores and softmax output); the head
+    keeps its two d_model-wide inputs and the logits; the embedding keeps only token ids.
+    Tensor-parallel all-reduces per microbatch: 4 per block (2 forward, 2 backward), 1 for the
+    vocabulary-parallel embedding, 1 for the head's input gradient.
+    """
+    d = cfg.d_model
+    out = []
+    for i in range(cfg.num_layers):
+        kind = cfg.layer_kind(i)
+        if kind == "embedding":
+            saved, allreduces = 0.0, 1
+        elif kind == "head":
+            saved, allreduces = 2.0 * d + cfg.vocab_size, 1
+        else:
+            saved, allreduces = 16.0 * d + 2.0 * cfg.n_head * cfg.seq_len, 4
+        out.append(
+            LayerCounts(
+                kind=kind,
+                params=cfg.layer_param_count(i),
+                flops_per_token=cfg.layer_flops_per_token(i),
+                saved_elements_per_token=saved,
+                output_elements_per_token=d,
+                tp_allreduces=allreduces,
+            )
+        )
+    return out
+
+
+def derived_profile(name: str, cfg: GPTConfig, microbatch: int, device: DeviceSpeed) -> Profile:
+    return derive_profile(
+        model=name, layers=gpt_layer_counts(cfg), seq_len=cfg.seq_len, microbatch_size=microbatch, device=device
+    )
+
+
+def cluster_profile(spec: ClusterSpec) -> Profile:
+    """The measured profile at `spec.profile_path`, or one derived from the preset."""
+    cfg = spec.config
+    if spec.profile_path is None:
+        device = DeviceSpeed(
+            flops_per_second=spec.device_tflops * 1e12,
+            memory_bytes=int(spec.device_memory_gib * 2**30),
+            description=f"nominal device: {spec.device_tflops:g} TFLOP/s, {spec.device_memory_gib:g} GiB",
+        )
+        return derived_profile(spec.model, cfg, spec.microbatch, device)
+    profile = Profile.load(spec.profile_path)  # ProfileError (a ValueError) when malformed
+    if profile.num_layers != cfg.num_layers:
+        raise ValueError(f"profile {spec.profile_path} has {profile.num_layers} layers but {spec.model} has {cfg.num_layers}")
+    if profile.microbatch_size != spec.microbatch:
+        raise ValueError(
+            f"profile {spec.profile_path} was taken at microbatch {profile.microbatch_size}, not {spec.microbatch}"
+        )
+    return profile
+
+
+def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> TemplateSet:
+    """Templates for every pipeline size the cluster can use (PlanningError if none fits)."""
+    return build_templates(
+        cluster_profile(spec),
+        gpus_per_node=spec.gpus_per_node,
+        num_nodes=spec.nodes,
+        fault_tolerance=spec.fault_tolerance,
+        global_microbatches=spec.global_microbatches,
+        max_nodes=max_nodes,
+    )
+
+
+def initial_plan(spec: ClusterSpec, tset: TemplateSet) -> Plan:
+    """The fastest plan over nodes 0..N-1 with at least f+1 pipelines."""
+    return instantiate(
+        tset, list(range(spec.nodes)), global_microbatches=spec.global_microbatches, fault_tolerance=spec.fault_tolerance
+    )
