@@ -1,0 +1,289 @@
+"""Asynchronous sharded checkpoints: the fallback when a layer has no surviving holder.
+
+Shards are the dicts `Trainer.export_shard` serves: `{(layer, tp_rank): {name: tensor}}` with
+names `param/<canonical>`, `exp_avg/<canonical>`, `exp_avg_sq/<canonical>` and `step`. Every
+shard is written by exactly one worker (`checkpoint_writer_shards`), each with its own
+`torch.distributed.checkpoint` save in single-process mode: no process group is involved, so a
+checkpoint never waits on a peer and survives any peer's failure. The training thread only pays
+for a copy of the tensors; the write, fsync and commit marker happen on a background thread.
+See `checkpoint_files` for the on-disk layout and why a partly written step never counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from elastic.runtime.checkpoint_files import (
+    CheckpointError,
+    ShardKey,
+    all_keys,
+    complete_steps,
+    list_steps,
+    missing_shards,
+    new_data_dir,
+    prune,
+    read_marker,
+    shard_stem,
+    step_dir,
+    write_marker,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriter",
+    "SaveRecord",
+    "ShardKey",
+    "checkpoint_writer_shards",
+    "latest_complete",
+    "load_shards",
+]
+
+Shards = dict[ShardKey, dict[str, torch.Tensor]]
+
+# Single-process saves and loads are the intent here (one writer per shard, no process group);
+# torch warns about it on every call.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveRecord:
+    """What one `save_async` cost, for benchmarks and logs."""
+
+    step: int
+    """Step the shards belong to."""
+    shards: int
+    """Number of (layer, tp_rank) shards written."""
+    bytes: int
+    """Tensor bytes written."""
+    copy_s: float
+    """Seconds `save_async` spent on the calling (training) thread."""
+    write_s: float
+    """Seconds the background thread spent writing, syncing and committing."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    step: int
+    shards: Shards
+    copy_s: float
+
+
+class CheckpointWriter:
+    """Writes this worker's shards of a step in the background; one writer per worker process."""
+
+    def __init__(self, directory: Path, *, num_layers: int, tp_degree: int, keep: int = 2) -> None:
+        all_keys(num_layers, tp_degree)  # validates both
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 complete checkpoint, got {keep}")
+        self.directory = Path(directory)
+        self.num_layers = num_layers
+        self.tp_degree = tp_degree
+        self.keep = keep
+        self.records: list[SaveRecord] = []
+        """One record per finished `save_async`, in order."""
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    # ---- training thread -----------------------------------------------------------------
+
+    def save_async(self, step: int, shards: Shards) -> None:
+        """Copy `shards` (the caller may change its tensors as soon as this returns), then
+        write them as part of `step` on the background thread."""
+        self._raise_pending()
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        start = time.perf_counter()
+        copied: Shards = {}
+        for key, tensors in shards.items():
+            self._check_key(key)
+            if not tensors:
+                raise ValueError(f"shard {key} has no tensors")
+            copy = {}
+            for name, t in tensors.items():
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"shard {key} entry {name!r} is a {type(t).__name__}, not a tensor")
+                copy[name] = t.detach().to(device="cpu", copy=True)
+            copied[key] = copy
+        job = _Job(step=step, shards=copied, copy_s=time.perf_counter() - start)
+        self._ensure_thread()
+        self._queue.put(job)
+
+    def flush(self) -> None:
+        """Wait until every queued save is on disk; raise CheckpointError if one failed."""
+        if self._thread is not None:
+            self._queue.join()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Flush, then stop the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = None
+
+    def _check_key(self, key: ShardKey) -> None:
+        layer, tp_rank = key
+        if not (0 <= layer < self.num_layers and 0 <= tp_rank < self.tp_degree):
+            raise ValueError(
+                f"shard (layer {layer}, tp {tp_rank}) outside the model's "
+                f"{self.num_layers} layers x {self.tp_degree} tensor-parallel ranks"
+            )
+
+    def _raise_pending(self) -> None:
+        with self._lock:
+            err, self._error = self._error, None
+        if err is not None:
+            raise CheckpointError(f"a background checkpoint write in {self.directory} failed: {err}") from err
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+
+    # ---- background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._write(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread by flush()
+                if job is not None and not step_dir(self.directory, job.step).exists():
+                    continue  # pruned by another writer: a newer complete checkpoint exists
+                with self._lock:
+                    self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _write(self, job: _Job) -> None:
+        start = time.perf_counter()
+        nbytes = 0
+        for key in sorted(job.shards):
+            tensors = job.shards[key]
+            data = new_data_dir(self.directory, job.step, key)
+            data.parent.mkdir(parents=True, exist_ok=True)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
+            write_marker(self.directory, job.step, key, data, list(tensors))
+            _remove_stale_data(data)
+            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        prune(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree, keep=self.keep)
+        record = SaveRecord(
+            step=job.step,
+            shards=len(job.shards),
+            bytes=nbytes,
+            copy_s=job.copy_s,
+            write_s=time.perf_counter() - start,
+        )
+        with self._lock:
+            self.records.append(record)
+
+
+def _remove_stale_data(current: Path) -> None:
+    """Drop data directories of earlier (superseded or killed) writes of the same shard."""
+    stem = current.name.rsplit(".", 1)[0]
+    for entry in current.parent.iterdir():
+        if entry != current and entry.is_dir() and entry.name.startswith(stem + "."):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(entry)
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+
+def latest_complete(directory: Path, *, num_layers: int, tp_degree: int) -> int | None:
+    """The newest step whose every (layer, tp_rank) shard is committed, or None."""
+    steps = complete_steps(Path(directory), num_layers=num_layers, tp_degree=tp_degree)
+    return steps[-1] if steps else None
+
+
+def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
+    """The committed shards `keys` of `step`, as CPU tensors named like `Trainer.export_shard`."""
+    directory = Path(directory)
+    if not step_dir(directory, step).is_dir():
+        present = list_steps(directory)
+        raise CheckpointError(
+            f"no checkpoint of step {step} in {directory} (steps present: {present or 'none'})"
+        )
+    missing = missing_shards(directory, step, keys)
+    if missing:
+        named = ", ".join(f"(layer {layer}, tp {t})" for layer, t in missing)
+        raise CheckpointError(
+            f"checkpoint step {step} in {directory} lacks committed shards {named}: "
+            "their writer did not finish"
+        )
+    out: Shards = {}
+    for key in keys:
+        out[key] = _load_one(directory, step, key)
+    return out
+
+
+def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
+    marker = read_marker(directory, step, key)
+    assert marker is not None  # checked by the caller
+    data = step_dir(directory, step) / str(marker["data"])
+    where = f"shard {shard_stem(key)} of step {step} in {directory}"
+    try:
+        reader = dcp.FileSystemReader(data)
+        metadata = reader.read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"{where}: cannot read {data}: {e}") from e
+    if sorted(metadata) != marker["names"]:
+        raise CheckpointError(
+            f"{where}: tensors {sorted(metadata)} differ from the marker's {marker['names']}"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, meta in metadata.items():
+        if not isinstance(meta, dcp.TensorStorageMetadata):
+            raise CheckpointError(f"{where}: entry {name!r} is not a tensor")
+        tensors[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+# ---- policy --------------------------------------------------------------------------------
+
+
+class LayoutLike(Protocol):
+    """What `checkpoint_writer_shards` needs of a `ParallelLayout`."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def tp_rank(self) -> int: ...
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    def holders(self, layer: int, tp_rank: int | None = None) -> tuple[int, ...]: ...
+
+
+def checkpoint_writer_shards(layout: LayoutLike) -> list[ShardKey]:
+    """The shards this worker writes: those of its stage for which it is the holder of the
+    lowest-numbered pipeline. Ranks are dealt pipeline by pipeline, so that holder is the one
+    with the lowest global rank; every (layer, tp_rank) gets exactly one writer."""
+    first, last = layout.layers
+    t = layout.tp_rank
+    return [(layer, t) for layer in range(first, last) if layout.holders(layer, t)[0] == layout.rank]
