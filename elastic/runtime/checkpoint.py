@@ -170,12 +170,18 @@ class CheckpointWriter:
                     return
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread by flush()
-                if job is not None and not step_dir(self.directory, job.step).exists():
-                    continue  # pruned by another writer: a newer complete checkpoint exists
+                if job is not None and self._pruned(job.step):
+                    continue  # another writer pruned the step: newer complete checkpoints exist
                 with self._lock:
                     self._error = e
             finally:
                 self._queue.task_done()
+
+    def _pruned(self, step: int) -> bool:
+        if step_dir(self.directory, step).exists():
+            return False
+        done = complete_steps(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree)
+        return len(done) >= self.keep and done[-self.keep] > step
 
     def _write(self, job: _Job) -> None:
         start = time.perf_counter()
