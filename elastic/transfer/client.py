@@ -10,7 +10,9 @@ there is one; a holder whose call breaks (dead, hung past `stall_timeout_s`, clo
 and its unfinished shards move to others. Every shard gets at most `max_attempts` tries; after
 that, or when no holder is left, `TransferError` says which shards failed and why. A refusal
 that no other holder would answer differently (wrong token, stale generation, malformed or
-oversized messages) ends the fetch at once.
+oversized messages) ends the fetch at once. A holder still at an older generation answers
+"not yet" (UNAVAILABLE with its generation): its shards are asked again every
+`behind_retry_s` until `behind_wait_s` has passed, without counting as failed tries.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import CorruptTensorError, TensorAssembler, parse_header
-from elastic.transfer.server import HEADER_ALLOWANCE, MISSING_SHARDS_KEY
+from elastic.transfer.server import GENERATION_BEHIND_KEY, HEADER_ALLOWANCE, MISSING_SHARDS_KEY
 from elastic.transfer.shards import ShardKey, assign_shards
 from elastic.transfer.wire import fetch_callable
 
@@ -69,6 +71,10 @@ class FetchConfig:
     """A call that delivers nothing for this long is cancelled and its holder dropped."""
     parallel: int = 4
     """Holders streamed from at the same time."""
+    behind_wait_s: float = 60.0
+    """How long to keep asking a holder that has not reached the requester's generation yet."""
+    behind_retry_s: float = 0.02
+    """Pause between asks of such a holder."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -83,6 +89,8 @@ class FetchConfig:
             raise ValueError("FetchConfig.stall_timeout_s must be positive")
         if self.parallel < 1:
             raise ValueError(f"FetchConfig.parallel must be >= 1, got {self.parallel}")
+        if self.behind_wait_s < 0 or self.behind_retry_s <= 0:
+            raise ValueError("FetchConfig.behind_wait_s must be >= 0 and behind_retry_s positive")
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,8 @@ class _Outcome:
     error: grpc.StatusCode | None = None
     error_text: str = ""
     missing: frozenset[ShardKey] = frozenset()
+    behind: bool = False
+    """The holder refused because it has not reached the requester's generation yet."""
 
 
 class _Watchdog:
@@ -243,6 +253,8 @@ def _fetch_from(
         out.error = e.code()
         out.error_text = f"{e.code().name}: {e.details()}"
         for k, v in e.trailing_metadata() or ():
+            if k == GENERATION_BEHIND_KEY and e.code() == grpc.StatusCode.UNAVAILABLE:
+                out.behind = True
             if k == MISSING_SHARDS_KEY:
                 out.missing = frozenset(
                     ShardKey(*map(int, item.split(":"))) for item in str(v).split(",") if item
@@ -299,10 +311,21 @@ def fetch_shards(
                 for address, shard_keys in plan.items():
                     channel = channels.get(address) or channels.setdefault(address, _channel(address, config))
                     jobs[address] = pool.submit(_fetch_from, address, channel, shard_keys, config, watchdog)
+                behind = False
                 for address, job in jobs.items():
                     out = job.result()
                     bytes_by_holder[address] = bytes_by_holder.get(address, 0) + out.nbytes
                     results.update(out.done)
+                    if out.behind:
+                        # Not a failure: the holder resolves its in-flight step first; ask again.
+                        if time.monotonic() - start > config.behind_wait_s:
+                            raise TransferError(
+                                f"holder {address} did not reach generation {config.generation} within "
+                                f"{config.behind_wait_s:.0f} s: {out.error_text}",
+                                failures,
+                            )
+                        behind = True
+                        continue
                     for k, reason in out.corrupt.items():
                         failures[k].append(f"{address}: {reason}")
                         tried_bad[k].add(address)
@@ -329,6 +352,8 @@ def fetch_shards(
                                     + "; ".join(failures[k]),
                                     failures,
                                 )
+                if behind:
+                    time.sleep(config.behind_retry_s)
     finally:
         watchdog.close()
         for channel in channels.values():
@@ -355,12 +380,22 @@ class Holdings:
 def list_shards(address: str, config: FetchConfig, *, timeout_s: float = 10.0) -> Holdings:
     """Ask one server what it holds; TransferError if it refuses or cannot be reached."""
     channel = _channel(address, config)
+    start = time.monotonic()
     try:
-        reply = pb_grpc.ShardTransferStub(channel).List(
-            pb.ListRequest(credentials=_credentials(config)), timeout=timeout_s
-        )
-    except grpc.RpcError as e:
-        raise TransferError(f"List on {address} failed: {e.code().name}: {e.details()}") from e
+        while True:
+            try:
+                reply = pb_grpc.ShardTransferStub(channel).List(
+                    pb.ListRequest(credentials=_credentials(config)), timeout=timeout_s
+                )
+                break
+            except grpc.RpcError as e:
+                behind = e.code() == grpc.StatusCode.UNAVAILABLE and any(
+                    k == GENERATION_BEHIND_KEY for k, _ in e.trailing_metadata() or ()
+                )
+                if behind and time.monotonic() - start < config.behind_wait_s:
+                    time.sleep(config.behind_retry_s)
+                    continue
+                raise TransferError(f"List on {address} failed: {e.code().name}: {e.details()}") from e
     finally:
         channel.close()
     return Holdings(shards=[ShardKey(s.layer, s.tp_rank) for s in reply.shards], generation=reply.generation)

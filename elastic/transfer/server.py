@@ -5,9 +5,11 @@ shard this worker does not hold), the shards it holds (for the List call), and k
 generation current with `set_generation`. Every call must carry the job token.
 
 Generation rule: a requester whose generation is *older* than the server's is refused
-(FAILED_PRECONDITION): it is acting on a superseded plan. A *newer* requester is served: a
-holder may learn of generation g+1 a moment after the workers that fetch from it, and the
-state it serves (the last committed step) is the same under either plan.
+(FAILED_PRECONDITION): it is acting on a superseded plan. A *newer* requester is refused as
+retryable (UNAVAILABLE, with the server's generation in the `server-generation` trailing
+metadata): the holder has not yet resolved its in-flight step of the old generation, so what it
+would serve might be from before that step's decision. The runtime moves the server to g+1
+(`set_generation`) once that step is committed or discarded; the client retries until then.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ ShardProvider = Callable[[int, int], Mapping[str, torch.Tensor]]
 
 HEADER_ALLOWANCE = 64 << 10
 """Bytes allowed on top of a data chunk in one reply message (tensor names, shapes, framing)."""
+
+GENERATION_BEHIND_KEY = "server-generation"
+"""Trailing-metadata key of an UNAVAILABLE answer to a newer requester: the server's generation."""
 
 MISSING_SHARDS_KEY = "missing-shards"
 """Trailing-metadata key of a NOT_FOUND answer: the missing shards as `layer:tp_rank,...`."""
@@ -89,6 +94,13 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"stale generation: the request is for generation {credentials.generation}, "
                 f"this server is at generation {generation}",
+            )
+        if credentials.generation > generation:
+            context.set_trailing_metadata(((GENERATION_BEHIND_KEY, str(generation)),))
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"generation {credentials.generation} not reached yet: this server is at generation "
+                f"{generation} until its in-flight step is resolved; retry",
             )
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[FetchItem]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 import torch
@@ -147,15 +150,26 @@ def test_holder_missing_a_listed_shard_is_bypassed_without_penalising_the_rest(s
     assert "NOT_FOUND" in result.incidents[ShardKey(0, 0)][0]
 
 
-def test_stale_generation_is_refused_and_newer_is_served(serve: ServeFn) -> None:
+def test_stale_generation_is_refused_and_newer_waits_for_the_holder(serve: ServeFn) -> None:
     shards = shard_set([(0, 0)])
     a = serve(shards, generation=3)
     with pytest.raises(TransferError, match="FAILED_PRECONDITION: stale generation: .* generation 2, .* generation 3"):
         fetch_shards(shards, {a.address: shards}, config(generation=2))
-    assert shards_equal(
-        fetch_shards(shards, {a.address: shards}, config(generation=4)).shards[ShardKey(0, 0)],
-        shards[ShardKey(0, 0)],
-    )
+    # A newer requester is told "not yet" (retryable) until the holder resolves its step and moves on.
+    with pytest.raises(TransferError, match="did not reach generation 4 within 0 s: UNAVAILABLE"):
+        fetch_shards(shards, {a.address: shards}, config(generation=4, behind_wait_s=0.0))
+    with pytest.raises(TransferError, match="UNAVAILABLE: generation 4 not reached yet"):
+        list_shards(a.address, config(generation=4, behind_wait_s=0.0))
+    timer = threading.Timer(0.5, a.set_generation, args=(4,))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        result = fetch_shards(shards, {a.address: shards}, config(generation=4, behind_wait_s=30.0))
+        waited = time.monotonic() - t0
+    finally:
+        timer.join()
+    assert shards_equal(result.shards[ShardKey(0, 0)], shards[ShardKey(0, 0)])
+    assert waited >= 0.45 and result.refetches == 0 and not result.incidents  # retries are not failures
     a.set_generation(5)
     with pytest.raises(TransferError, match="stale generation"):
         fetch_shards(shards, {a.address: shards}, config(generation=4))
