@@ -70,6 +70,25 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="run under the control plane (etcd, one agent per node): failures are survived live "
+        "(implied by --inject, --etcd and --checkpoint-every)",
+    )
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="KIND:node=N,step=S",
+        help="inject a fault (elastic): kill:node=2,step=8 (SIGKILL), hang:node=2,step=8 (SIGSTOP), "
+        "kill:node=3,when=reconfig, rejoin:node=2,step=15; repeatable",
+    )
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="use this etcd (default: start one)")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="elastic: checkpoint every N committed steps (default 5)"
+    )
+    parser.add_argument("--lease-ttl", type=int, default=2, help="elastic: seconds before a silent node is lost")
     parser.set_defaults(func=_run)
 
 
@@ -120,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from elastic.runtime.job import JobSpec
-    from elastic.runtime.launcher import WorkerFailed, launch
+    from elastic.runtime.launcher import JobFailed, WorkerFailed, launch, launch_elastic
     from elastic.runtime.optim import OptimConfig
     from elastic.runtime.summary import load_final_state
 
@@ -159,9 +178,14 @@ def _run(args: argparse.Namespace) -> int:
         f"global batch {plan.global_batch}, run dir {run_dir}",
         flush=True,
     )
+    elastic = args.elastic or bool(args.inject) or args.etcd is not None or args.checkpoint_every is not None
     try:
-        summary = launch(spec, timeout_s=args.timeout)
-    except (WorkerFailed, TimeoutError) as exc:
+        if elastic:
+            config = _elastic_config(args, spec, plan)
+            summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout)
+        else:
+            summary = launch(spec, timeout_s=args.timeout)
+    except (WorkerFailed, JobFailed, TimeoutError) as exc:
         print(f"elastic run: error: {exc}", file=sys.stderr)
         return 1
     print(
@@ -169,8 +193,45 @@ def _run(args: argparse.Namespace) -> int:
         f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {summary.tokens_per_s:.0f} tokens/s",
         flush=True,
     )
+    if summary.recoveries or elastic:
+        print(
+            f"elastic run: {len(summary.recoveries)} recoveries, worker restarts {summary.worker_restarts}",
+            flush=True,
+        )
     if args.final_state is not None:
         torch.save(load_final_state(spec), args.final_state)
     if args.summary is not None:
         args.summary.write_text(json.dumps(summary.to_dict(), indent=1))
     return 0
+
+
+def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
+    """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
+    from elastic.runtime.injection import check_injections, parse_injection
+    from elastic.runtime.protocol import ElasticConfig
+
+    try:
+        injections = [parse_injection(text) for text in args.inject]
+        check_injections(injections, nodes=max(plan.nodes) + 1, steps=args.steps)
+        every = 5 if args.checkpoint_every is None else args.checkpoint_every
+        if every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+        if args.lease_ttl < 2:
+            raise ValueError(f"--lease-ttl must be >= 2 (etcd's minimum), got {args.lease_ttl}")
+        cluster = ClusterSpec(
+            model=args.model,
+            nodes=len(plan.nodes),
+            gpus_per_node=plan.gpus_per_node,
+            fault_tolerance=plan.fault_tolerance,
+            global_batch=plan.global_batch,
+            microbatch=plan.microbatch_size,
+            profile_path=args.profile,
+            device_tflops=args.device_tflops,
+            device_memory_gib=args.device_memory_gib,
+        )
+        return ElasticConfig(
+            spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,
+            lease_ttl=args.lease_ttl,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None

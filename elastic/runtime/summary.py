@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,14 @@ class RunSummary:
     world_size: int
     """Worker processes of the run."""
     pipelines: int
-    """Pipelines of the plan."""
+    """Pipelines of the plan (of the last generation in an elastic run)."""
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+    """Elastic runs: one entry per reconfiguration (generation, lost and joined nodes, seconds
+    detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved)."""
+    worker_restarts: int = 0
+    """Elastic runs: extra PIDs registered by a worker of the same node incarnation (must be 0)."""
+    worker_pids: dict[str, list[int]] = field(default_factory=dict)
+    """Elastic runs: "node/local_rank/incarnation" -> the PIDs it registered."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,9 +73,16 @@ def collect_summary(spec: JobSpec) -> RunSummary:
 
 
 def load_final_state(spec: JobSpec) -> dict[str, torch.Tensor]:
-    """Merge pipeline 0's per-stage full states into one canonical name -> fp32 tensor dict."""
+    """Merge pipeline 0's per-stage full states into one canonical name -> fp32 tensor dict.
+
+    An elastic run's last generation may have another plan: its pipeline 0 wrote final_plan.json.
+    """
+    from templates.plan import Plan
+
+    final_plan = Path(spec.run_dir) / "final_plan.json"
+    plan = Plan.from_json(final_plan.read_text()) if final_plan.exists() else spec.plan
     state: dict[str, torch.Tensor] = {}
-    for s in range(len(spec.plan.pipelines[0].stages)):
+    for s in range(len(plan.pipelines[0].stages)):
         part = torch.load(spec.stage_state_path(s), map_location="cpu", weights_only=True)
         state.update(part)
     return state

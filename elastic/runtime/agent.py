@@ -1,0 +1,267 @@
+"""Node agent: `python -m elastic.runtime.agent --etcd HOST:PORT --job J --node N --incarnation I`.
+
+One per node. It joins the job's membership with a lease, campaigns for leader (running
+`Leader` while elected), spawns the node's G elastic workers (once: a survivor's workers are
+never restarted) and watches them: a worker that exits before finishing, or that is found
+stopped (SIGSTOP: hung), makes it report the node failed at once (its lease is revoked, every
+watcher sees the loss), kill the node's other workers and exit. It also carries out the
+injections addressed to its node (see injection.py). Exit codes: 0 when its workers finished
+the job, 3 when the node failed. The job token comes in the ELASTIC_JOB_TOKEN environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from elastic.coordinator.access import admit
+from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.election import LeaderElection
+from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
+from elastic.coordinator.monitor import WorkerMonitor
+from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.runtime.injection import Injection
+from elastic.runtime.leader import Leader
+from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id
+
+TOKEN_ENV = "ELASTIC_JOB_TOKEN"
+EXIT_FAILED = 3
+_STOPPED_CHECK_S = 0.1
+
+log = logging.getLogger("elastic.agent")
+
+
+def worker_log_path(run_dir: str, node: int, local_rank: int, incarnation: int) -> Path:
+    return Path(run_dir) / "logs" / f"node{node}.worker{local_rank}.inc{incarnation}.log"
+
+
+class InjectionTrigger:
+    """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins."""
+
+    def __init__(self, client: Any, keys: JobKeys) -> None:
+        self._commits: set[int] = set()
+        self._generations = 0
+        self._cond = threading.Condition()
+        rk = RunKeys(keys)
+        self._steps_prefix = rk.steps
+        self._watches = [
+            PrefixWatch(client, rk.steps, self._on_steps, start_revision=1),
+            PrefixWatch(client, keys.plans, self._on_plans, start_revision=1),
+        ]
+
+    def _on_steps(self, events: list[WatchEvent]) -> None:
+        with self._cond:
+            for ev in events:
+                parts = ev.key[len(self._steps_prefix) :].split("/")
+                if ev.kind == "put" and len(parts) == 3 and parts[2] == "decision" and ev.value.decode() == COMMIT:
+                    self._commits.add(int(parts[1]))
+            self._cond.notify_all()
+
+    def _on_plans(self, events: list[WatchEvent]) -> None:
+        with self._cond:
+            self._generations += sum(1 for ev in events if ev.kind == "put")
+            self._cond.notify_all()
+
+    def wait(self, inj: Injection, stop: threading.Event) -> bool:
+        """Block until `inj` should fire (True) or `stop` is set (False)."""
+
+        def due() -> bool:
+            if stop.is_set():
+                return True
+            if inj.when == "reconfig":
+                return self._generations >= 2
+            assert inj.step is not None
+            # Step k (1-based) is in flight once step k-1 (index k-2) is decided "commit".
+            return self._generations >= 1 if inj.step == 1 else (inj.step - 2) in self._commits
+
+        with self._cond:
+            while not due():
+                self._cond.wait(0.5)
+        return not stop.is_set()
+
+    def close(self) -> None:
+        for w in self._watches:
+            w.cancel()
+
+
+class Agent:
+    """One node's agent (see the module doc)."""
+
+    def __init__(self, *, endpoint: str, job: str, node: int, incarnation: int, token: str) -> None:
+        self.endpoint, self.node, self.incarnation, self.token = endpoint, node, incarnation, token
+        self.client = connect(EtcdConfig(endpoint=endpoint))
+        self.keys = JobKeys(job)
+        self.rk = RunKeys(self.keys)
+        admit(self.client, self.keys, token or None)
+        value, _ = self.client.get(self.rk.config)
+        if value is None:
+            raise SystemExit(f"job {job} has no config in etcd at {endpoint}")
+        self.config = ElasticConfig.from_json(value)
+        self.who = node_id(node)
+        gpus = self.config.spec.plan.gpus_per_node
+        identity = NodeIdentity(node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=gpus)
+        self.membership = Membership(self.client, self.keys, identity,
+                                     config=MembershipConfig(ttl=self.config.lease_ttl))  # fmt: skip
+        self.election = LeaderElection(self.client, self.keys, self.who, ttl=self.config.lease_ttl)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.exit_code: int | None = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._finished: set[int] = set()
+        self._hanging = False
+        self.monitor: WorkerMonitor | None = None
+        self.leader: Leader | None = None
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.membership.join()
+        trigger = InjectionTrigger(self.client, self.keys)
+        self.election.start()
+        self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
+        self._spawn_workers()
+        self.monitor = WorkerMonitor(list(self.procs), self._on_death)
+        threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
+        for inj in self.config.injections:
+            if inj.node == self.node and inj.kind != "rejoin" and self.incarnation == 0:
+                threading.Thread(target=self._inject, args=(inj, trigger), name=f"inject-{inj.name}",
+                                 daemon=True).start()  # fmt: skip
+        self.done.wait()
+        trigger.close()
+        self._shutdown()
+        assert self.exit_code is not None
+        return self.exit_code
+
+    def _spawn_workers(self) -> None:
+        spec = self.config.spec
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = str(spec.threads_per_worker)
+        env[TOKEN_ENV] = self.token
+        lease = self.membership.lease_id
+        assert lease is not None
+        for local_rank in range(spec.plan.gpus_per_node):
+            path = worker_log_path(spec.run_dir, self.node, local_rank, self.incarnation)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as out:
+                cmd = [
+                    sys.executable, "-m", "elastic.runtime.elastic_worker", "--etcd", self.endpoint,
+                    "--job", self.keys.job, "--node", str(self.node), "--local-rank", str(local_rank),
+                    "--incarnation", str(self.incarnation), "--lease", str(lease),
+                ]  # fmt: skip
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.procs[proc.pid] = proc
+        log.warning("%s (incarnation %d): workers %s", self.who, self.incarnation, sorted(self.procs))
+
+    def _on_death(self, pid: int) -> None:
+        code = self.procs[pid].wait()
+        done, _ = self.client.get(self.rk.worker_done(self.node, _local_rank(self.procs, pid)))
+        if code == 0 and done is not None:
+            with self._lock:
+                self._finished.add(pid)
+                if len(self._finished) == len(self.procs):
+                    self._finish(0)
+            return
+        self._fail(f"worker pid {pid} exited with code {code}")
+
+    def _watch_stopped(self) -> None:
+        while not self.done.wait(_STOPPED_CHECK_S):
+            if self._hanging:  # an injected hang: the lease must expire, not be revoked
+                return
+            for pid in list(self.procs):
+                try:
+                    stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
+                except psutil.NoSuchProcess:
+                    continue
+                if stopped:
+                    self._fail(f"worker pid {pid} is stopped (hung)")
+                    return
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.exit_code is not None:
+                return
+            log.warning("%s failed: %s", self.who, reason)
+            try:
+                self.membership.report_failure(reason=reason)
+            finally:
+                self._kill_workers()
+                self._finish(EXIT_FAILED)
+
+    def _finish(self, code: int) -> None:
+        if self.exit_code is None:
+            self.exit_code = code
+            self.done.set()
+
+    def _kill_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+
+    def _shutdown(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.leader is not None:
+            self.leader.stop()
+        self.election.resign()
+        self._kill_workers()
+        for proc in self.procs.values():
+            proc.wait()
+        self.membership.leave()
+        self.client.close()
+
+    # ---- injections ----------------------------------------------------------------------
+
+    def _inject(self, inj: Injection, trigger: InjectionTrigger) -> None:
+        if not trigger.wait(inj, self.done):
+            return
+        self.client.put(self.rk.injected(inj.name), repr(time.time()))
+        log.warning("%s: injecting %s", self.who, inj.name)
+        if inj.kind == "kill":
+            for proc in self.procs.values():
+                proc.send_signal(signal.SIGKILL)
+        elif inj.kind == "hang":
+            self._hanging = True
+            if self.monitor is not None:
+                self.monitor.stop()
+            for proc in self.procs.values():
+                proc.send_signal(signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:
+    return list(procs).index(pid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic.runtime.agent", description=__doc__)
+    parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    parser.add_argument("--job", required=True, help="job id")
+    parser.add_argument("--node", type=int, required=True, help="plan node of this agent")
+    parser.add_argument("--incarnation", type=int, default=0, help="how many times this node restarted")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,
+                  token=os.environ.get(TOKEN_ENV, ""))  # fmt: skip
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: object) -> None:
+        stop.set()
+        agent._finish(EXIT_FAILED)
+
+    signal.signal(signal.SIGTERM, on_term)
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

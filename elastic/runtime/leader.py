@@ -1,0 +1,259 @@
+"""The leader: commit decisions, failure handling and re-planning, inside the elected agent.
+
+It keeps nothing that etcd does not have: a newly elected leader reads the current generation,
+its record and the decisions written so far, and goes on from there. Each round (woken by any
+change under members/, workers/ or steps/, or every 0.2 s):
+
+- a member of the current generation is gone (lease revoked or expired): the in-flight step is
+  decided "abort" (created only if no decision exists; if "commit" won, the next step is
+  aborted instead), the live nodes are re-planned on the precomputed templates, and generation
+  g+1 is published (fenced: only the leader can). If a layer has no surviving holder, or the
+  survivors cannot form f+1 pipelines, the plan is rebuilt from scratch over the live nodes,
+  relaxing f only as far as needed, and every worker restores the latest complete checkpoint;
+- every rank of the current generation is ready for the in-flight step: "commit";
+- a new node (a node id absent from the plan, or a new incarnation) has registered all its
+  workers: at the next step boundary the step after it is decided "abort" and g+1 takes it in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic.coordinator.election import LeaderElection
+from elastic.coordinator.events import record_event
+from elastic.coordinator.generations import GenerationConflict, Generations
+from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.membership import read_members
+from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.runtime.planning import cluster_templates
+from elastic.runtime.protocol import (
+    ABORT,
+    COMMIT,
+    ElasticConfig,
+    GenerationRecord,
+    RunKeys,
+    WorkerInfo,
+    node_of,
+)
+from templates.instantiation import instantiate
+from templates.plan import Plan
+from templates.replanning import replan
+from templates.template_set import PlanningError, TemplateSet
+
+log = logging.getLogger(__name__)
+
+
+class FallbackImpossible(RuntimeError):
+    """The survivors lost a layer and there is no complete checkpoint to restore."""
+
+
+def decide(client: Any, rk: RunKeys, generation: int, step: int, decision: str) -> str:
+    """Create the decision of (generation, step) if absent; return the decision that stands."""
+    key = rk.decision(generation, step)
+    txn = client.transactions
+    ok, _ = client.transaction(compare=[txn.create(key) == 0], success=[txn.put(key, decision)], failure=[])
+    if ok:
+        return decision
+    value, _ = client.get(key)
+    assert value is not None, f"decision {key} vanished"
+    return str(value.decode())
+
+
+def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
+    """Whether every layer of `plan` has a holder among `live` nodes."""
+    return all(
+        any(st.node in live for pipe in plan.pipelines for st in pipe.stages if st.first <= layer < st.last)
+        for layer in range(plan.num_layers)
+    )
+
+
+class Leader:
+    """Runs the leader's rounds while `election` says this agent leads (see the module doc)."""
+
+    def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, election: LeaderElection,
+                 *, who: str) -> None:  # fmt: skip
+        self.client, self.keys, self.rk = client, keys, RunKeys(keys)
+        self.config, self.election, self.who = config, election, who
+        self.generations = Generations(client, keys)
+        self.tset: TemplateSet = cluster_templates(config.cluster)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._detected: float | None = None
+        self._thread: threading.Thread | None = None
+        self.finished = threading.Event()
+
+    def start(self) -> Leader:
+        self._thread = threading.Thread(target=self._run, name="leader", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        watches = [PrefixWatch(self.client, p, self._on_events)
+                   for p in (self.keys.members, self.rk.workers, self.rk.steps)]  # fmt: skip
+        try:
+            while not self._stop.is_set() and not self.finished.is_set():
+                if not self.election.wait_leader(0.2):
+                    continue
+                self._wake.clear()
+                try:
+                    self._round()
+                except GenerationConflict as exc:
+                    log.warning("leader %s: %s", self.who, exc)
+                except FallbackImpossible as exc:
+                    log.error("leader %s: %s", self.who, exc)
+                    record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
+                    self.client.put(self.keys.root + "fatal", str(exc))
+                    return
+                self._wake.wait(0.2)
+        except Exception:
+            log.exception("leader %s failed", self.who)
+            raise
+        finally:
+            for w in watches:
+                w.cancel()
+
+    # ---- one round -----------------------------------------------------------------------
+
+    def _round(self) -> None:
+        g = self.generations.current_number()
+        gen = self.generations.get(g)
+        if gen is None:
+            return
+        record = GenerationRecord.from_json(gen.plan)
+        members = self._members()
+        steps = self.config.spec.steps
+        in_flight, ready, decided = self._in_flight(g, record)
+        if in_flight >= steps:
+            self.finished.set()
+            return
+        lost = sorted(n for n, inc in record.incarnations.items() if members.get(n) != inc)
+        if lost:
+            if self._detected is None:
+                self._detected = time.time()
+            self._resolve_and_publish(g, record, in_flight, members, lost=lost, joined=[])
+            return
+        if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
+            decide(self.client, self.rk, g, in_flight, COMMIT)
+            return
+        joined = self._ready_newcomers(record, members)
+        if joined and decided is None:
+            # A step boundary: the in-flight step is aborted (nothing committed is lost) and the
+            # newcomers are taken in from it on.
+            self._detected = time.time()
+            self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
+
+    def _members(self) -> dict[int, int]:
+        out = {}
+        for member_id, ident in read_members(self.client, self.keys)[0].items():
+            try:
+                out[node_of(member_id)] = ident.incarnation
+            except ValueError:
+                continue
+        return out
+
+    def _in_flight(self, g: int, record: GenerationRecord) -> tuple[int, int, str | None]:
+        """(first step of g not committed, ranks ready for it, its decision if any)."""
+        decisions: dict[int, str] = {}
+        ready: dict[int, int] = {}
+        prefix = f"{self.rk.steps}{g}/"
+        for value, meta in self.client.get_prefix(prefix):
+            parts = meta.key.decode()[len(prefix) :].split("/")
+            step = int(parts[0])
+            if parts[1] == "decision":
+                decisions[step] = value.decode()
+            elif parts[1] == "ready":
+                ready[step] = ready.get(step, 0) + 1
+        step = record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint
+        while decisions.get(step) == COMMIT:
+            step += 1
+        return step, ready.get(step, 0), decisions.get(step)
+
+    def _ready_newcomers(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
+        """Nodes alive but not in the generation whose workers have all registered."""
+        gpus = record.plan.gpus_per_node
+        out = []
+        for node, inc in sorted(members.items()):
+            if record.incarnations.get(node) == inc:
+                continue
+            registered = [
+                WorkerInfo.from_json(v) for v, _ in self.client.get_prefix(self.rk.node_workers(node))
+            ]
+            if sum(1 for w in registered if w.incarnation == inc) >= gpus:
+                out.append(node)
+        return out
+
+    def _resolve_and_publish(self, g: int, record: GenerationRecord, in_flight: int,
+                             members: dict[int, int], *, lost: list[int], joined: list[int]) -> None:  # fmt: skip
+        # The in-flight step is decided before anyone moves on: abort, unless commit already won.
+        resume = in_flight
+        if decide(self.client, self.rk, g, resume, ABORT) == COMMIT:
+            resume += 1
+            if resume >= self.config.spec.steps:
+                self.finished.set()
+                return
+            decide(self.client, self.rk, g, resume, ABORT)
+        live = sorted(n for n, inc in members.items() if record.incarnations.get(n) == inc or n in joined)
+        plan, restore, reason = self._plan_for(record.plan, live, lost=lost, joined=joined)
+        new = GenerationRecord(
+            plan=plan,
+            resume_step=resume if restore is None else restore,
+            incarnations={n: members[n] for n in plan.nodes},
+            lost=lost,
+            joined=joined,
+            restore_checkpoint=restore,
+            reason=reason,
+            detected_at=self._detected,
+            published_at=time.time(),
+        )
+        self.generations.publish(new.to_json(), expected=g, fence=self.election.leader_compare())
+        self._detected = None
+        log.warning("leader %s: published generation %d: %s", self.who, g + 1, reason)
+        record_event(self.client, self.keys, who=self.who, kind="generation", generation=g + 1,
+                     lost=lost, joined=joined, reason=reason, restore_checkpoint=restore)  # fmt: skip
+
+    def _plan_for(self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]) -> tuple[Plan, int | None, str]:
+        what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
+        f = plan.fault_tolerance
+        mbs = plan.global_microbatches
+        if surviving_holders_cover(plan, set(live)):
+            for f_now in range(f, -1, -1):
+                try:
+                    new = replan(self.tset, plan, live, global_microbatches=mbs, fault_tolerance=f_now).plan
+                except PlanningError:
+                    continue
+                relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
+                return new, None, f"{what}: re-planned over nodes {live}{relaxed}"
+        from elastic.runtime.checkpoint import latest_complete
+
+        spec = self.config.spec
+        ckpt = latest_complete(Path(self.config.checkpoint_path), num_layers=plan.num_layers,
+                               tp_degree=plan.gpus_per_node)  # fmt: skip
+        if ckpt is None:
+            raise FallbackImpossible(
+                f"{what}: a layer has no surviving holder and no complete checkpoint exists in "
+                f"{self.config.checkpoint_path}; the job cannot continue"
+            )
+        for f_now in range(f, -1, -1):
+            try:
+                new = instantiate(self.tset, live, global_microbatches=mbs, fault_tolerance=f_now)
+            except PlanningError:
+                continue
+            relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
+            return new, ckpt, (
+                f"{what}: no surviving holder of some layer or too few nodes for {f + 1} pipelines; "
+                f"CHECKPOINT FALLBACK: restoring step {ckpt} of {spec.steps} on nodes {live}{relaxed}"
+            )
+        raise FallbackImpossible(f"{what}: no plan fits the live nodes {live} even with fault tolerance 0")
