@@ -14,6 +14,7 @@ generation's `resume_step`. The job token comes in the ELASTIC_JOB_TOKEN environ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -150,6 +151,7 @@ class ElasticWorker:
         ).start()
         info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation)
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
+        self.lease = lease
         self.generations = GenerationFeed(Generations(client, keys))
         self.decisions = DecisionFeed(client, self.rk)
         self.timeout = self.spec.collective_timeout_s
@@ -216,6 +218,8 @@ class ElasticWorker:
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
         )
         self._pending_recovery = (seen_at, timings, time.time())
+        held = json.dumps(sorted(self.trainer.holdings()))
+        self.client.put(self.rk.worker_holdings(self.node, self.local_rank), held, lease=self.lease)
         _log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
             f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "

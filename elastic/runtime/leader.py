@@ -17,6 +17,7 @@ change under members/, workers/ or steps/, or every 0.2 s):
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -69,6 +70,21 @@ def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
         any(st.node in live for pipe in plan.pipelines for st in pipe.stages if st.first <= layer < st.last)
         for layer in range(plan.num_layers)
     )
+
+
+def live_holdings_cover(client: Any, rk: RunKeys, plan: Plan, live: dict[int, int]) -> bool | None:
+    """Whether the shards that live workers report holding cover every (layer, tp_rank); None
+    when no worker has reported yet (nothing trained: the seed state is everywhere)."""
+    held: set[tuple[int, int]] = set()
+    reported = False
+    for value, meta in client.get_prefix(rk.holdings):
+        reported = True
+        node = int(meta.key.decode().split("/")[-2])
+        if node in live:
+            held.update((int(a), int(b)) for a, b in json.loads(value))
+    if not reported:
+        return None
+    return all((layer, t) in held for layer in range(plan.num_layers) for t in range(plan.gpus_per_node))
 
 
 class Leader:
@@ -228,7 +244,12 @@ class Leader:
         what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
         f = plan.fault_tolerance
         mbs = plan.global_microbatches
-        if surviving_holders_cover(plan, set(live)):
+        # What live workers report holding decides, not the plan: a reconfiguration cut short by
+        # a second failure may have left a plan's holder without its shards.
+        covered = live_holdings_cover(self.client, self.rk, plan, {n: 0 for n in live})
+        if covered is None:
+            covered = surviving_holders_cover(plan, set(live))
+        if covered:
             for f_now in range(f, -1, -1):
                 try:
                     new = replan(self.tset, plan, live, global_microbatches=mbs, fault_tolerance=f_now).plan

@@ -5,6 +5,7 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
 
     config                          ElasticConfig JSON: the job spec, planning inputs, injections
     workers/<node>/<local_rank>     {"pid", "transfer_address", "incarnation"} on the node's lease
+    holdings/<node>/<local_rank>    [[layer, tp_rank], ...] the worker holds now, on the node's lease
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     steps/<g>/<s>/ready/<rank>      a worker's prepare_step of step s in generation g succeeded
     steps/<g>/<s>/decision          "commit" | "abort", created once by the leader
@@ -63,6 +64,13 @@ class RunKeys:
 
     def node_workers(self, node: int) -> str:
         return f"{self.workers}{node}/"
+
+    @property
+    def holdings(self) -> str:
+        return self.job.root + "holdings/"
+
+    def worker_holdings(self, node: int, local_rank: int) -> str:
+        return f"{self.holdings}{node}/{local_rank}"
 
     @property
     def steps(self) -> str:
