@@ -198,6 +198,7 @@ def launch_elastic(
     """
     from elastic.coordinator import EtcdServer
 
+    started_at = time.time()
     spec = config.spec
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -265,7 +266,7 @@ def launch_elastic(
                 raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped everything")
             time.sleep(_POLL_S)
         _poll(client, keys, config, progress, say)
-        return _elastic_summary(config, progress)
+        return _elastic_summary(config, progress, started_at=started_at)
     finally:
         _stop_agents(agents)
         _kill_workers(progress)
@@ -379,7 +380,7 @@ def _recovery(client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: 
     }
 
 
-def _elastic_summary(config: ElasticConfig, progress: _Progress) -> RunSummary:
+def _elastic_summary(config: ElasticConfig, progress: _Progress, *, started_at: float) -> RunSummary:
     spec = config.spec
     results = [progress.results[s] for s in sorted(progress.results)]
     restarts = sum(len(pids) - 1 for pids in progress.pids.values())
@@ -401,6 +402,7 @@ def _elastic_summary(config: ElasticConfig, progress: _Progress) -> RunSummary:
         pipelines=len(last.plan.pipelines),
         recoveries=progress.recoveries,
         worker_restarts=restarts,
+        startup_s=(results[0].committed_at - started_at) if results else 0.0,
         worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
     )
 

@@ -42,6 +42,8 @@ class RunSummary:
     detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved)."""
     worker_restarts: int = 0
     """Elastic runs: extra PIDs registered by a worker of the same node incarnation (must be 0)."""
+    startup_s: float = 0.0
+    """Elastic runs: seconds from the launcher's start (etcd, agents, workers) to the first commit."""
     worker_pids: dict[str, list[int]] = field(default_factory=dict)
     """Elastic runs: "node/local_rank/incarnation" -> the PIDs it registered."""
 
