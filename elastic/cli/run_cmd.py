@@ -88,7 +88,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--checkpoint-every", type=int, default=None, help="elastic: checkpoint every N committed steps (default 5)"
     )
-    parser.add_argument("--lease-ttl", type=int, default=2, help="elastic: seconds before a silent node is lost")
+    parser.add_argument("--lease-ttl", type=int, default=3, help="elastic: seconds before a silent node is lost")
     parser.set_defaults(func=_run)
 
 

@@ -124,7 +124,7 @@ class ElasticConfig:
     """Committed steps between checkpoints (0: never)."""
     checkpoint_dir: str = ""
     """Directory of the checkpoints; empty means `<run_dir>/checkpoints`."""
-    lease_ttl: int = 2
+    lease_ttl: int = 3
     """Seconds of silence after which etcd declares a node lost."""
 
     @property
