@@ -31,7 +31,7 @@ from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.store import EtcdStore
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
 from elastic.runtime.protocol import (
     ABORT,
@@ -43,7 +43,6 @@ from elastic.runtime.protocol import (
     StepResult,
     WorkerInfo,
 )
-from elastic.runtime.step import StepDiscarded
 from elastic.runtime.trainer import Trainer
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, list_shards
 from elastic.transfer.server import ServerConfig, ShardServer
@@ -169,7 +168,12 @@ class ElasticWorker:
     def run(self) -> None:
         generation = self._next_generation(0)
         while True:
-            layout = self._reconfigure(generation)
+            try:
+                layout = self._reconfigure(generation)
+            except Exception as exc:  # aborted by g+1, or a peer died while groups were built
+                _log(f"reconfiguration into generation {generation} failed: {type(exc).__name__}: {exc}")
+                generation = self._next_generation(generation)
+                continue
             if self._train(generation, layout):
                 break
             generation = self._next_generation(generation)
@@ -275,8 +279,8 @@ class ElasticWorker:
             start, started_at = time.perf_counter(), time.time()
             try:
                 prepared = self.trainer.prepare_step()
-            except (StepAborted, StepDiscarded) as exc:
-                _log(f"step {step} of generation {generation} not prepared: {exc}")
+            except Exception as exc:  # StepAborted, StepDiscarded, or a peer's death seen by gloo
+                _log(f"step {step} of generation {generation} not prepared: {type(exc).__name__}: {exc}")
                 decision = self.decisions.wait(generation, step, self.timeout * 2)
                 assert decision == ABORT, "a step some worker did not prepare cannot commit"
                 self.generations.wait_newer(generation, self.timeout * 2)

@@ -17,6 +17,7 @@ change under members/, workers/ or steps/, or every 0.2 s):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -72,9 +73,9 @@ def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
     )
 
 
-def live_holdings_cover(client: Any, rk: RunKeys, plan: Plan, live: dict[int, int]) -> bool | None:
-    """Whether the shards that live workers report holding cover every (layer, tp_rank); None
-    when no worker has reported yet (nothing trained: the seed state is everywhere)."""
+def live_holdings_gaps(client: Any, rk: RunKeys, plan: Plan, live: set[int]) -> list[tuple[int, int]] | None:
+    """The (layer, tp_rank) shards that no live worker reports holding; None when no worker has
+    reported yet (nothing trained: the seed state is everywhere)."""
     held: set[tuple[int, int]] = set()
     reported = False
     for value, meta in client.get_prefix(rk.holdings):
@@ -84,7 +85,7 @@ def live_holdings_cover(client: Any, rk: RunKeys, plan: Plan, live: dict[int, in
             held.update((int(a), int(b)) for a, b in json.loads(value))
     if not reported:
         return None
-    return all((layer, t) in held for layer in range(plan.num_layers) for t in range(plan.gpus_per_node))
+    return [(layer, t) for layer in range(plan.num_layers) for t in range(plan.gpus_per_node) if (layer, t) not in held]
 
 
 class Leader:
@@ -95,7 +96,8 @@ class Leader:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.election, self.who = config, election, who
         self.generations = Generations(client, keys)
-        self.tset: TemplateSet = cluster_templates(config.cluster)
+        # Templates for every pipeline size up to N (f = 0): relaxing f may need the longer ones.
+        self.tset: TemplateSet = cluster_templates(dataclasses.replace(config.cluster, fault_tolerance=0))
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._detected: float | None = None
@@ -246,10 +248,10 @@ class Leader:
         mbs = plan.global_microbatches
         # What live workers report holding decides, not the plan: a reconfiguration cut short by
         # a second failure may have left a plan's holder without its shards.
-        covered = live_holdings_cover(self.client, self.rk, plan, {n: 0 for n in live})
-        if covered is None:
-            covered = surviving_holders_cover(plan, set(live))
-        if covered:
+        gaps = live_holdings_gaps(self.client, self.rk, plan, set(live))
+        if gaps is None:
+            gaps = [] if surviving_holders_cover(plan, set(live)) else [(-1, -1)]
+        if not gaps:
             for f_now in range(f, -1, -1):
                 try:
                     new = replan(self.tset, plan, live, global_microbatches=mbs, fault_tolerance=f_now).plan
@@ -264,7 +266,7 @@ class Leader:
                                tp_degree=plan.gpus_per_node)  # fmt: skip
         if ckpt is None:
             raise FallbackImpossible(
-                f"{what}: a layer has no surviving holder and no complete checkpoint exists in "
+                f"{what}: shards {gaps} have no live holder and no complete checkpoint exists in "
                 f"{self.config.checkpoint_path}; the job cannot continue"
             )
         for f_now in range(f, -1, -1):
@@ -274,7 +276,8 @@ class Leader:
                 continue
             relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
             return new, ckpt, (
-                f"{what}: no surviving holder of some layer or too few nodes for {f + 1} pipelines; "
+                f"{what}: " + (f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines")
+                + "; "
                 f"CHECKPOINT FALLBACK: restoring step {ckpt} of {spec.steps} on nodes {live}{relaxed}"
             )
         raise FallbackImpossible(f"{what}: no plan fits the live nodes {live} even with fault tolerance 0")
