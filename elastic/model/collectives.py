@@ -20,13 +20,13 @@ from elastic.model.tensor_parallel import TensorParallel
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous().clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
+    tp.complete(dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group, async_op=True))
     return x
 
 
 def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
+    tp.complete(dist.all_gather(parts, x.contiguous(), group=tp.group, async_op=True))
     return torch.cat(parts, dim=-1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -17,6 +18,9 @@ class TensorParallel:
     """This process's rank inside the tensor-parallel group."""
     size: int = 1
     """Tensor-parallel degree (number of shards)."""
+    wait: Callable[[dist.Work], None] | None = None
+    """How the collectives wait for their (async) operations; None means `work.wait()`. The
+    runtime passes an abortable wait here, so the model itself stays failure-agnostic."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -33,6 +37,14 @@ class TensorParallel:
     def from_group(cls, group: dist.ProcessGroup) -> TensorParallel:
         """The context of the calling process inside `group`."""
         return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+
+    def complete(self, work: dist.Work | None) -> None:
+        """Wait for a collective launched with `async_op=True` on this group."""
+        assert work is not None
+        if self.wait is None:
+            work.wait()
+        else:
+            self.wait(work)
 
     def divide(self, value: int, what: str) -> int:
         """value / size, with a clear error when it does not divide."""

@@ -92,7 +92,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         local_max = logits.max(dim=-1).values
         if tp.size > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
+            tp.complete(dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group, async_op=True))
         shifted = logits - local_max.unsqueeze(-1)
         vocab_shard = logits.shape[-1]
         start = tp.rank * vocab_shard
@@ -104,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp.size > 1:
             both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp.group)
+            tp.complete(dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp.group, async_op=True))
             target_logit, sum_exp = both[0], both[1]
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target, outside)

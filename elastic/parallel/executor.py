@@ -2,7 +2,9 @@
 
 Sends are posted asynchronously and only waited for at the end of the step (a send never
 blocks the schedule, matching `schedule.simulate`); receives block. Activations travel on tag
-0 and gradients on tag 1, so each direction of each link is one FIFO channel.
+0 and gradients on tag 1, so each direction of each link is one FIFO channel. Every wait goes
+through the `wait` callable the caller gives (an abortable wait in the runtime), and peers are
+addressed by their rank inside `group` (the generation's world group: the layout's ranks).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ class StageSpec:
     """Where a stage sits in its pipeline and what flows across its links."""
 
     rank: int
-    """Global rank of this worker (for error messages)."""
+    """World-group rank of this worker (for error messages)."""
     prev_rank: int | None
-    """Global rank of the previous stage's worker with my TP rank; None on the first stage."""
+    """World-group rank of the previous stage's worker with my TP rank; None on the first stage."""
     next_rank: int | None
-    """Global rank of the next stage's worker with my TP rank; None on the last stage."""
+    """World-group rank of the next stage's worker with my TP rank; None on the last stage."""
     act_shape: tuple[int, ...]
     """Shape of one microbatch's activation sent between stages: (batch, seq, d_model)."""
     act_dtype: torch.dtype = torch.float32
@@ -53,6 +55,7 @@ def run_schedule(
     *,
     spec: StageSpec,
     group: dist.ProcessGroup,
+    wait: Callable[[dist.Work | None], None],
     device: torch.device,
     tokens: Inputs | None,
     targets: Inputs | None,
@@ -64,6 +67,7 @@ def run_schedule(
 
     `loss_scale` multiplies every microbatch loss before its backward (1 / global microbatch
     count, so accumulated gradients are this pipeline's share of the global-batch mean).
+    `wait` blocks until one posted transfer completed (it may raise to abandon the step).
     `autocast` returns a context manager wrapping each forward (bf16 on CUDA, no-op on CPU).
     """
     first, last = spec.prev_rank is None, spec.next_rank is None
@@ -79,14 +83,12 @@ def run_schedule(
 
     def recv(src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(spec.act_shape, dtype=spec.act_dtype, device=device)
-        work = dist.irecv(buf, src=src, group=group, tag=tag)
-        assert work is not None
-        work.wait()
+        wait(dist.irecv(buf, group=group, group_src=src, tag=tag))
         return buf
 
     def send(t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.contiguous()
-        work = dist.isend(t, dst=dst, group=group, tag=tag)
+        work = dist.isend(t, group=group, group_dst=dst, tag=tag)
         assert work is not None
         sends.append((work, t))
 
@@ -125,6 +127,6 @@ def run_schedule(
             assert x.grad is not None, f"rank {spec.rank}: no input gradient for microbatch {m}"
             send(x.grad, spec.prev_rank, _GRAD_TAG)
     for work, _ in sends:
-        work.wait()
+        wait(work)
     assert not outputs and not out_grads, f"rank {spec.rank}: schedule left unfinished microbatches"
     return result

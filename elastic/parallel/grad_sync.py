@@ -67,7 +67,8 @@ def finalize_grads(
 
     `loss_sum` is this worker's contribution to the global loss (the sum of its microbatch
     losses divided by the global microbatch count; 0 except on a last stage's TP rank 0).
-    Collective over every bucket group of mine and then the world group.
+    Collective over every bucket group of mine and then the world group; every wait goes
+    through `groups.wait` (StepAborted when the generation's abort flag is set).
     """
     grads = accum.buffers
     plan = bucket_plan(list(grads), layout, layer_of)
@@ -84,7 +85,7 @@ def finalize_grads(
         assert work is not None
         pending.append(work)
     for work in pending:
-        work.wait()
+        groups.wait(work)
 
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
     device = next(iter(grads.values())).device
@@ -105,7 +106,7 @@ def finalize_grads(
             torch.tensor(0.0 if ok else 1.0, dtype=torch.float64, device=device),
         ]
     )
-    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world)
+    groups.wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world, async_op=True))
     total_sq, loss, failures = stats.tolist()
     norm = math.sqrt(total_sq)
     usable = failures == 0 and math.isfinite(norm)

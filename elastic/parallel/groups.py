@@ -1,18 +1,25 @@
-"""Create the process groups a ParallelLayout names, in one order on every worker.
+"""Create the process groups a ParallelLayout names, fresh for each generation.
 
-`dist.new_group` is collective over the whole world: every worker must call it for every group,
-in the same order, even for groups it is not a member of. The layout's `all_group_ranks()` gives
-that order. The result is a plain object passed explicitly to whoever needs a group.
+No default process group is used (it cannot be re-initialised in a live process). Each group
+is a backend process group built directly on a store prefix of its own,
+`generation/<g>/group/<ranks>`, so groups of different generations never share store keys.
+Building a group is a rendezvous of its members only: a worker builds just the groups it is a
+member of, in the single order of `layout.all_group_ranks()` (world first), so two workers
+never wait for each other in opposite orders. Peers are addressed by their rank inside a
+group; in the world group that is the layout's global rank.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
 from elastic.model.tensor_parallel import TensorParallel
+from elastic.parallel.abort import AbortSignal, wait_work
 from elastic.parallel.layout import ParallelLayout
 
 
@@ -21,36 +28,78 @@ class ParallelGroups:
     """The process groups one worker uses in one generation."""
 
     world: dist.ProcessGroup
-    """Every worker of the generation (step agreement, global grad norm, loss)."""
+    """Every worker of the generation (p2p between stages, step agreement, grad norm, loss)."""
     tp: TensorParallel
     """My tensor-parallel context (group of my node's workers)."""
     buckets: dict[tuple[int, ...], dist.ProcessGroup | None]
     """Gradient-bucket group for each holder rank set of mine; None for a set of one."""
+    abort: AbortSignal | None = None
+    """The generation's abort flag every cross-worker wait of a step checks; None: plain waits."""
 
     def bucket_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self.buckets[ranks]
 
+    def wait(self, work: dist.Work | None) -> None:
+        """Wait for one operation of a step, abortably when the groups have an abort flag."""
+        assert work is not None
+        wait_work(work, self.abort)
+
+
+def new_group(
+    store: dist.Store, *, rank: int, size: int, timeout: timedelta, backend: str
+) -> dist.ProcessGroup:
+    """A process group of `size` members on `store` (blocks until every member joined).
+
+    The backend object is used as the group itself: the collective and p2p functions of
+    torch.distributed accept it (measured with gloo on torch 2.13), and it needs no default
+    group, which a live process could not re-create for a later generation.
+    """
+    if backend == "gloo":
+        return cast(dist.ProcessGroup, dist.ProcessGroupGloo(store, rank, size, timeout))
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # the public constructor takes the timeout only through Options
+        return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(store, rank, size, options))
+    raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
+
+
+def group_prefix(generation: int, ranks: tuple[int, ...] | None) -> str:
+    """Store prefix of one group of one generation (None: the world group)."""
+    name = "world" if ranks is None else "-".join(map(str, ranks))
+    return f"generation/{generation}/group/{name}"
+
 
 def build_groups(
-    layout: ParallelLayout, world: dist.ProcessGroup, *, timeout: timedelta | None = None
+    layout: ParallelLayout,
+    store: dist.Store,
+    *,
+    timeout: timedelta,
+    backend: str = "gloo",
+    abort: AbortSignal | None = None,
 ) -> ParallelGroups:
-    """Create every group of `layout` (collective over `world`, which must be its world)."""
-    if dist.get_world_size(world) != layout.world_size:
-        raise ValueError(
-            f"world group has {dist.get_world_size(world)} ranks but the plan needs {layout.world_size}"
+    """Build every group of `layout` that this worker belongs to, world group included."""
+
+    def make(ranks: tuple[int, ...] | None) -> dist.ProcessGroup:
+        members = tuple(range(layout.world_size)) if ranks is None else ranks
+        return new_group(
+            dist.PrefixStore(group_prefix(layout.generation, ranks), store),
+            rank=members.index(layout.rank),
+            size=len(members),
+            timeout=timeout,
+            backend=backend,
         )
-    if dist.get_rank(world) != layout.rank:
-        raise ValueError(f"world rank {dist.get_rank(world)} differs from the layout's rank {layout.rank}")
+
+    world = make(None)
     created: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for ranks in layout.all_group_ranks():
-        group = dist.new_group(list(ranks), timeout=timeout)
         if layout.rank in ranks:
-            created[ranks] = group
+            created[ranks] = make(ranks)
     tp_ranks = layout.tp_ranks
+    wait = None if abort is None else functools.partial(wait_work, abort=abort)
     tp = (
-        TensorParallel(group=created[tp_ranks], rank=layout.tp_rank, size=layout.tp_size)
+        TensorParallel(group=created[tp_ranks], rank=layout.tp_rank, size=layout.tp_size, wait=wait)
         if len(tp_ranks) > 1
         else TensorParallel.single()
     )
     buckets = {b.ranks: created.get(b.ranks) for b in layout.buckets}
-    return ParallelGroups(world=world, tp=tp, buckets=buckets)
+    return ParallelGroups(world=world, tp=tp, buckets=buckets, abort=abort)

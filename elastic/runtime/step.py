@@ -2,8 +2,9 @@
 
 The step runs the pipeline schedule over this pipeline's slice of step s's global batch,
 reduces gradients across pipelines, and agrees with every worker (one world all-reduce that
-also carries the gradient norm and loss). Only then does it commit: set the learning rate of
-step s, apply AdamW, advance the step counter. Any error before the commit (a peer that died,
+also carries the gradient norm and loss). Only then may it commit: set the learning rate of
+step s, apply AdamW (the caller advances its step counter). Preparing and committing are two
+calls, so a control plane can collect every worker's "ready" between them. Any error before the commit (a peer that died,
 a timeout, a non-finite gradient anywhere) discards the step: gradients are cleared, and the
 parameters, optimizer moments and step counter are exactly as they were, so the same step can
 be replayed with the same samples.
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import GradStats, bucket_plan, finalize_grads
@@ -31,7 +33,22 @@ from elastic.runtime.optim import OptimConfig, lr_at
 
 
 class StepDiscarded(RuntimeError):
-    """A step that did not commit; the training state is unchanged."""
+    """A step that did not commit because of a local error or a non-finite gradient anywhere;
+    the training state is unchanged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedStep:
+    """A step whose gradients are reduced and agreed on everywhere, not yet applied."""
+
+    step: int
+    """Index of the step."""
+    loss: float
+    """Mean loss over the global batch."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    started: float
+    """`time.perf_counter()` when the step began on this worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +64,7 @@ class StepReport:
     lr: float
     """Learning rate applied."""
     seconds: float
-    """Wall time of the step on this worker."""
+    """Wall time of the step on this worker (prepare to commit)."""
 
 
 def dropout_key(step: int, global_microbatch: int) -> int:
@@ -98,34 +115,55 @@ class StepTransaction:
         mbs = plan.microbatch_size
         return self.dataset.batch(samples[g * mbs : (g + 1) * mbs])
 
-    def run(self, step: int) -> StepReport:
-        """Run and commit step `step`; StepDiscarded (state unchanged) if it cannot commit."""
+    def prepare(self, step: int) -> PreparedStep:
+        """Run step `step` up to, not including, the optimizer update.
+
+        StepAborted when the generation's abort flag was set during the step, StepDiscarded on
+        any other failure or a non-finite gradient anywhere; in both cases gradients are
+        cleared and parameters, optimizer state and step counts are untouched.
+        """
         start = time.perf_counter()
-        self.optimizer.zero_grad()
-        self.accum.zero()
+        self.discard()
         try:
-            report = self._forward_backward_reduce(step)
+            stats = self._forward_backward_reduce(step)
         except Exception as exc:
-            self.optimizer.zero_grad()
+            self.discard()
+            abort = self.groups.abort
+            if abort is not None and abort.is_set():
+                if isinstance(exc, StepAborted):
+                    raise
+                raise StepAborted(f"step {step} aborted on rank {self.layout.rank}: {abort.reason}") from exc
             raise StepDiscarded(f"step {step} discarded on rank {self.layout.rank}: {exc}") from exc
-        if not report.ok:
-            self.optimizer.zero_grad()
+        if not stats.ok:
+            self.discard()
             raise StepDiscarded(
-                f"step {step} discarded: a worker failed or the gradient norm is {report.grad_norm}"
+                f"step {step} discarded: a worker failed or the gradient norm is {stats.grad_norm}"
             )
-        # Commit: every worker got here with the same norm, loss and verdict.
-        lr = lr_at(step, self.optim)
+        return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start)
+
+    def commit(self, prepared: PreparedStep) -> StepReport:
+        """Apply the optimizer with the prepared gradients (no communication)."""
+        lr = lr_at(prepared.step, self.optim)
         self.optimizer.lr = lr
         self.accum.write_grads()
         self.optimizer.step()
-        self.optimizer.zero_grad()
+        self.discard()
         return StepReport(
-            step=step,
-            loss=report.loss,
-            grad_norm=report.grad_norm,
+            step=prepared.step,
+            loss=prepared.loss,
+            grad_norm=prepared.grad_norm,
             lr=lr,
-            seconds=time.perf_counter() - start,
+            seconds=time.perf_counter() - prepared.started,
         )
+
+    def discard(self) -> None:
+        """Drop any gradients of a step (state unchanged)."""
+        self.optimizer.zero_grad()
+        self.accum.zero()
+
+    def run(self, step: int) -> StepReport:
+        """Prepare and commit step `step` back to back (the non-elastic path)."""
+        return self.commit(self.prepare(step))
 
     def _forward_backward_reduce(self, step: int) -> GradStats:
         layout = self.layout
@@ -143,6 +181,7 @@ class StepTransaction:
             self.actions,
             spec=self.spec,
             group=self.groups.world,
+            wait=self.groups.wait,
             device=self.device,
             tokens=lambda m: batch(m)[0],
             targets=lambda m: batch(m)[1],

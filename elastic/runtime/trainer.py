@@ -1,8 +1,12 @@
-"""The training loop of one worker for one generation: build the stage, run steps, save.
+"""The training engine of one worker process, for the whole job, across generations.
 
-`Trainer` owns the process groups, the model stage, its optimizer and the committed step
-counter. Everything distributed is reached through the objects it was given (store, layout,
-groups); nothing is global, so a later generation can build a new Trainer beside a new layout.
+`Trainer` is built once per worker process and joins one generation after another with
+`start()`: each generation brings a new layout, new process groups (built directly on a store
+prefix of their own, no default group) and a new stage module. The (layer, tensor-parallel
+rank) shards the worker held before and still needs are kept in place (the same parameter
+tensors and AdamW state objects); the missing ones come from a fetch function (in a live job:
+over gRPC from their surviving holders). Steps are two calls, `prepare_step()` and
+`commit()`, so a control plane can decide between them whether the step commits.
 """
 
 from __future__ import annotations
@@ -10,91 +14,312 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from elastic.data.dataset import TokenDataset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
+from elastic.parallel.abort import AbortSignal
 from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout
+from elastic.runtime.adamw import MasterAdamW, ParamState
 from elastic.runtime.device import backend_for, select_device
 from elastic.runtime.job import JobSpec
 from elastic.runtime.optim import build_optimizer
-from elastic.runtime.step import StepReport, StepTransaction
+from elastic.runtime.step import PreparedStep, StepReport, StepTransaction
+from templates.plan import Plan
+
+ShardKey = tuple[int, int]
+"""(planning layer, tensor-parallel rank)."""
+
+ShardState = dict[str, torch.Tensor]
+"""One shard's committed state: `param/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` per
+parameter of the layer (CPU tensors), and `step` (0-d int64: the AdamW step count)."""
+
+FetchFn = Callable[[list[ShardKey]], dict[ShardKey, ShardState]]
+"""Gets the state of shards this worker does not hold from their holders."""
+
+_Held = dict[ShardKey, dict[str, tuple[nn.Parameter, ParamState]]]
+"""Shard -> canonical name -> (parameter, its AdamW state)."""
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class Trainer:
-    """One worker of a job, joined to its generation's process groups."""
+@dataclass(frozen=True, kw_only=True)
+class ReconfigTimings:
+    """Where the time of joining one generation went."""
 
-    def __init__(self, spec: JobSpec, *, node: int, local_rank: int, store: dist.Store) -> None:
-        self.spec = spec
-        t0 = time.perf_counter()
-        cfg = spec.model_config
-        self.layout = ParallelLayout(
-            plan=spec.plan, generation=spec.generation, node=node, local_rank=local_rank
-        )
+    transfer_s: float
+    """Seconds spent getting the missing shards (the fetch function)."""
+    rebuild_s: float
+    """Seconds spent building the process groups, the stage module and its optimizer state."""
+    bytes_fetched: int
+    """Bytes of fetched tensors (parameters and optimizer moments)."""
+
+
+def _shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
+    return sum(t.numel() * t.element_size() for shard in shards.values() for t in shard.values())
+
+
+def _load_shard(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], shard: ShardState) -> None:
+    """Copy a fetched shard's tensors into the (new) parameters and AdamW state of its layer."""
+    if "step" not in shard:
+        raise ValueError(f"fetched shard {key} has no 'step' count")
+    step = int(shard["step"])
+    with torch.no_grad():
+        for name, (param, state) in entries.items():
+            for kind, dst in (("param", param), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
+                src = shard.get(f"{kind}/{name}")
+                if src is None:
+                    raise ValueError(f"fetched shard {key} lacks {kind}/{name}")
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"fetched shard {key}: {kind}/{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                    )
+                dst.copy_(src)
+            state.step = step
+
+
+def _export(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]]) -> ShardState:
+    out: ShardState = {}
+    steps = set()
+    for name, (param, state) in entries.items():
+        out[f"param/{name}"] = param.detach().to("cpu", copy=True)
+        out[f"exp_avg/{name}"] = state.exp_avg.to("cpu", copy=True)
+        out[f"exp_avg_sq/{name}"] = state.exp_avg_sq.to("cpu", copy=True)
+        steps.add(state.step)
+    assert len(steps) == 1, f"shard {key}: parameters disagree on the AdamW step count {steps}"
+    out["step"] = torch.tensor(steps.pop(), dtype=torch.int64)
+    return out
+
+
+def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Put `param` (a tensor kept from the previous generation) in place of `module`'s `name`."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, leaf, param)
+
+
+class Trainer:
+    """One worker of a job: its stage, optimizer and step counter, across generations."""
+
+    def __init__(self, spec: JobSpec, *, node: int, local_rank: int) -> None:
+        self.spec, self.node, self.local_rank = spec, node, local_rank
+        self.cfg = spec.model_config
         self.device = select_device(local_rank, want=spec.device)
-        timeout = timedelta(seconds=spec.collective_timeout_s)
-        # One prefix per generation: groups of different generations never share store keys.
-        gen_store = dist.PrefixStore(f"generation/{spec.generation}", store)
-        dist.init_process_group(
-            backend=backend_for(self.device),
-            store=gen_store,
-            rank=self.layout.rank,
-            world_size=self.layout.world_size,
-            timeout=timeout,
-        )
-        world = dist.group.WORLD
-        assert world is not None
-        t1 = time.perf_counter()
-        self.groups: ParallelGroups = build_groups(self.layout, world, timeout=timeout)
-        t2 = time.perf_counter()
-        first, last = self.layout.layers
-        self.module = GPTStage(cfg, first=first, last=last, tp=self.groups.tp, device=self.device)
-        self.module.train()
-        self.optimizer = build_optimizer(self.module, spec.optim)
-        dataset = TokenDataset(seq_len=cfg.seq_len, seed=spec.data_seed, path=spec.data_path)
-        dataset.check_vocab(cfg.vocab_size)
-        self.transaction = StepTransaction(
-            module=self.module,
-            optimizer=self.optimizer,
-            layout=self.layout,
-            groups=self.groups,
-            dataset=dataset,
-            optim=spec.optim,
-            layer_of=functools.partial(layer_of, cfg=cfg),
-            d_model=cfg.d_model,
-            device=self.device,
-            grad_dtype=torch.float64 if spec.exact_grad_sum else torch.float32,
-        )
+        self.dataset = TokenDataset(seq_len=self.cfg.seq_len, seed=spec.data_seed, path=spec.data_path)
+        self.dataset.check_vocab(self.cfg.vocab_size)
+        self.layer_of = functools.partial(layer_of, cfg=self.cfg)
         self.step = 0
-        """Committed steps so far (the index of the next step)."""
-        _log(
-            f"rank {self.layout.rank} (pipeline {self.layout.pipeline} stage {self.layout.stage} tp "
-            f"{self.layout.tp_rank}): joined the world in {t1 - t0:.2f} s, built "
-            f"{len(self.layout.all_group_ranks())} groups in {t2 - t1:.2f} s, ready in {time.perf_counter() - t0:.2f} s"
+        """Index of the next step to run (= committed steps so far)."""
+        self._layout: ParallelLayout | None = None
+        self._groups: ParallelGroups | None = None
+        self._module: GPTStage | None = None
+        self._optimizer: MasterAdamW | None = None
+        self._transaction: StepTransaction | None = None
+        self._prepared: PreparedStep | None = None
+        self._graveyard: list[ParallelGroups] = []
+        """Groups of past generations: never destroyed, an abandoned operation may be pending."""
+        self._lock = threading.Lock()
+        """Guards what export_shard serves against the optimizer update and the switch."""
+        self._served: _Held = {}
+        self._retired: _Held = {}
+        """Shards dropped at the last switch, still at that switch's committed state, so slower
+        peers of the same reconfiguration can fetch them from this worker."""
+
+    # ---- the current generation ----------------------------------------------------------
+
+    def _require(self) -> StepTransaction:
+        if self._transaction is None:
+            raise RuntimeError("the trainer has joined no generation yet: call start() first")
+        return self._transaction
+
+    @property
+    def layout(self) -> ParallelLayout:
+        self._require()
+        assert self._layout is not None
+        return self._layout
+
+    @property
+    def groups(self) -> ParallelGroups:
+        self._require()
+        assert self._groups is not None
+        return self._groups
+
+    @property
+    def module(self) -> GPTStage:
+        self._require()
+        assert self._module is not None
+        return self._module
+
+    @property
+    def optimizer(self) -> MasterAdamW:
+        self._require()
+        assert self._optimizer is not None
+        return self._optimizer
+
+    def holdings(self) -> list[ShardKey]:
+        """The (layer, tp_rank) shards this worker holds now, ascending."""
+        with self._lock:
+            return sorted(self._served)
+
+    # ---- joining a generation ------------------------------------------------------------
+
+    def start(
+        self,
+        *,
+        plan: Plan,
+        generation: int,
+        store: torch.distributed.Store,
+        abort: AbortSignal | None,
+        fetch: FetchFn | None,
+        step: int,
+    ) -> ReconfigTimings:
+        """Join generation `generation` of `plan` and make `step` the next step to run.
+
+        Kept shards stay in place; missing ones come from `fetch` (with `fetch=None` and
+        nothing held, the model is initialised from its seed). The process groups are built
+        on `store` under the generation's prefix; `abort` (None: plain waits) is the flag
+        every cross-worker wait of this generation's steps checks.
+        """
+        if self._layout is not None and generation <= self._layout.generation:
+            raise ValueError(f"generation {generation} is not newer than the current {self._layout.generation}")
+        if self._layout is not None and plan.gpus_per_node != self._layout.tp_size:
+            raise ValueError(
+                f"tensor-parallel degree changes from {self._layout.tp_size} to {plan.gpus_per_node}: "
+                "shards of different degrees do not map onto each other"
+            )
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        layout = ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank)
+        first, last = layout.layers
+        needed = [(layer, layout.tp_rank) for layer in range(first, last)]
+        with self._lock:
+            held = dict(self._served)
+        missing = [k for k in needed if k not in held]
+
+        t0 = time.perf_counter()
+        fetched: dict[ShardKey, ShardState] = {}
+        if missing and fetch is not None:
+            fetched = fetch(missing)
+            absent = sorted(set(missing) - set(fetched))
+            if absent:
+                raise ValueError(f"fetch did not return shards {absent}")
+        elif missing and held:
+            raise ValueError(f"shards {missing} are not held here and no fetch function was given")
+        t1 = time.perf_counter()
+
+        timeout = timedelta(seconds=self.spec.collective_timeout_s)
+        groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
+        # The new stage starts from the seed initialisation; kept parameters replace their
+        # fresh copies (the same tensors, in place), fetched ones are copied in.
+        module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device)
+        module.train()
+        for name, _ in list(module.named_parameters()):
+            key = (self.layer_of(name), layout.tp_rank)
+            if key in held:
+                _set_parameter(module, name, held[key][name][0])
+        optimizer = build_optimizer(module, self.spec.optim)
+        served: _Held = {k: {} for k in needed}
+        for name, param in optimizer.params:
+            key = (self.layer_of(name), layout.tp_rank)
+            if key in held:
+                optimizer.state[name] = held[key][name][1]
+            served[key][name] = (param, optimizer.state[name])
+        for key, shard in fetched.items():
+            _load_shard(key, served[key], shard)
+        if self._transaction is not None:
+            self._transaction.accum.remove()  # kept parameters must not feed the old buffers
+        transaction = StepTransaction(
+            module=module,
+            optimizer=optimizer,
+            layout=layout,
+            groups=groups,
+            dataset=self.dataset,
+            optim=self.spec.optim,
+            layer_of=self.layer_of,
+            d_model=self.cfg.d_model,
+            device=self.device,
+            grad_dtype=torch.float64 if self.spec.exact_grad_sum else torch.float32,
         )
+        with self._lock:
+            self._retired = {k: v for k, v in self._served.items() if k not in served}
+            self._served = served
+            if self._groups is not None:
+                self._graveyard.append(self._groups)
+            self._layout, self._groups, self._module = layout, groups, module
+            self._optimizer, self._transaction = optimizer, transaction
+            self._prepared = None
+            self.step = step
+        t2 = time.perf_counter()
+        _log(
+            f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
+            f"tp {layout.tp_rank}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
+            f"({_shard_bytes(fetched)} B) in {t1 - t0:.3f} s, rebuilt in {t2 - t1:.3f} s"
+        )
+        return ReconfigTimings(transfer_s=t1 - t0, rebuild_s=t2 - t1, bytes_fetched=_shard_bytes(fetched))
+
+    def export_shard(self, layer: int, tp_rank: int) -> ShardState:
+        """The committed state of one held shard as CPU tensors (KeyError if not held).
+
+        Safe to call from other threads at any time: during `start()` it serves the previous
+        generation's state until the switch; shards dropped at the last switch stay
+        available, at that switch's state, until the next one.
+        """
+        key = (layer, tp_rank)
+        with self._lock:
+            entries = self._served.get(key, self._retired.get(key))
+            if entries is None:
+                raise KeyError(f"shard (layer {layer}, tp_rank {tp_rank}) is not held by this worker")
+            return _export(key, entries)
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def prepare_step(self) -> PreparedStep:
+        """Run step `self.step` up to the optimizer update; StepAborted or StepDiscarded leave
+        the state unchanged and the gradients cleared."""
+        transaction = self._require()
+        if self._prepared is not None:
+            raise RuntimeError(f"step {self._prepared.step} is prepared: commit or discard it first")
+        self._prepared = transaction.prepare(self.step)
+        return self._prepared
+
+    def commit(self, prepared: PreparedStep) -> StepReport:
+        """Apply the prepared step's update (no communication) and advance the step counter."""
+        transaction = self._require()
+        if prepared is not self._prepared:
+            raise ValueError(f"step {prepared.step} is not the step prepared by this trainer")
+        with self._lock:
+            report = transaction.commit(prepared)
+            self.step += 1
+            self._prepared = None
+        return report
+
+    def discard(self) -> None:
+        """Drop the prepared step's gradients; parameters and optimizer state are unchanged."""
+        self._require().discard()
+        self._prepared = None
 
     def train(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
-        """Run steps until `steps` are committed; a discarded step propagates StepDiscarded."""
+        """Prepare and commit steps back to back until `steps` are committed (non-elastic)."""
         reports = []
         while self.step < steps:
-            report = self.transaction.run(self.step)
-            self.step += 1
+            report = self.commit(self.prepare_step())
             reports.append(report)
             if on_step is not None:
                 on_step(report)
         return reports
+
+    # ---- outputs -------------------------------------------------------------------------
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters of my stage (collective over my tensor-parallel group)."""
@@ -103,11 +328,12 @@ class Trainer:
     def save_outputs(self, reports: list[StepReport], train_seconds: float) -> None:
         """Pipeline 0's stages write their full parameters; rank 0 writes the step results."""
         state = self.full_state()
-        if self.layout.pipeline == 0 and self.layout.tp_rank == 0:
-            path = self.spec.stage_state_path(self.layout.stage)
+        layout = self.layout
+        if layout.pipeline == 0 and layout.tp_rank == 0:
+            path = self.spec.stage_state_path(layout.stage)
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(state, path)
-        if self.layout.rank == 0:
+        if layout.rank == 0:
             result = {
                 "steps_committed": self.step,
                 "losses": [r.loss for r in reports],
@@ -119,14 +345,16 @@ class Trainer:
             self.spec.result_path.write_text(json.dumps(result, indent=1))
 
     def close(self) -> None:
-        dist.barrier(group=self.groups.world)
-        dist.destroy_process_group()
+        """Wait until every worker of the generation is done with collectives (world barrier)."""
+        done = torch.zeros((), device=self.device)
+        self.groups.wait(torch.distributed.all_reduce(done, group=self.groups.world, async_op=True))
 
 
-def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: dist.Store) -> None:
-    """Train `spec` as worker `local_rank` of `node`, then save and leave the groups."""
+def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: torch.distributed.Store) -> None:
+    """Train `spec` as worker `local_rank` of `node` (one generation, no control plane)."""
     torch.set_num_threads(spec.threads_per_worker)
-    trainer = Trainer(spec, node=node, local_rank=local_rank, store=store)
+    trainer = Trainer(spec, node=node, local_rank=local_rank)
+    trainer.start(plan=spec.plan, generation=spec.generation, store=store, abort=None, fetch=None, step=0)
     seq_tokens = spec.plan.global_batch * spec.model_config.seq_len
 
     def progress(r: StepReport) -> None:

@@ -51,13 +51,12 @@ def make_trainer(tmp_path: Path) -> Iterator[Any]:
             optim=OPTIM,
             device="cpu",
         )
-        trainer = Trainer(spec, node=0, local_rank=0, store=dist.HashStore())
+        trainer = Trainer(spec, node=0, local_rank=0)
+        trainer.start(plan=spec.plan, generation=0, store=dist.HashStore(), abort=None, fetch=None, step=0)
         made.append(trainer)
         return trainer
 
     yield make
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def test_failed_steps_change_nothing_and_replay_matches(make_trainer: Any) -> None:

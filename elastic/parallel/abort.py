@@ -1,0 +1,107 @@
+"""Abandoning a step on the control plane's word: an abort flag and an abortable wait.
+
+gloo cannot cancel a pending operation, and `work.wait(timeout)` closes the connection pair
+when it times out, so it cannot be used to poll. Worse, a gloo send or receive never reports
+`is_completed()` until someone calls `wait()` on it (measured with torch 2.13: a receive whose
+data has arrived still reports False). So a blocking `work.wait()` runs on a waiter thread
+owned by the AbortSignal, and the caller waits for that thread's completion event while
+checking the abort flag every couple of milliseconds. When the flag is set the caller raises
+StepAborted and leaves the waiter thread blocked on the abandoned operation; it ends when the
+operation fails (peer gone, group timeout). Each generation has its own AbortSignal, hence its
+own waiter thread, so an abandoned wait never delays the next generation.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch.distributed as dist
+
+_ABORT_POLL_S = 0.002
+"""How often a waiting caller checks the abort flag while the operation is pending."""
+
+
+class StepAborted(RuntimeError):
+    """A step abandoned because the control plane said so (a peer failed or hung)."""
+
+
+class _Pending:
+    """One operation handed to the waiter thread."""
+
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class AbortSignal:
+    """The abort flag of one generation, settable from any thread, with its waiter thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Pending] | None = None
+
+    def set(self, reason: str) -> None:
+        """Abort the current step (idempotent: the first reason is kept)."""
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def reason(self) -> str | None:
+        """Why the step was aborted; None while it is not."""
+        return self._reason
+
+    def _submit(self, work: dist.Work) -> _Pending:
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._serve, args=(self._queue,), name="abortable-wait", daemon=True).start()
+            pending = _Pending(work)
+            self._queue.put(pending)
+        return pending
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[_Pending]) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                job.work.wait()
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                job.error = exc
+            job.done.set()
+
+
+def _raise_aborted(abort: AbortSignal) -> None:
+    raise StepAborted(f"step aborted: {abort.reason}")
+
+
+def wait_work(work: dist.Work, abort: AbortSignal | None) -> None:
+    """Wait for `work`; raise StepAborted if `abort` is set before it completes.
+
+    With `abort=None` this is `work.wait()`. An error of the operation itself (a peer reset
+    the connection, the group timed out) propagates as raised by `work.wait()`.
+    """
+    if abort is None:
+        work.wait()
+        return
+    if abort.is_set():
+        _raise_aborted(abort)
+    if work.is_completed():  # collectives report completion asynchronously: no thread hop
+        work.wait()
+        return
+    pending = abort._submit(work)
+    while not pending.done.wait(_ABORT_POLL_S):
+        if abort.is_set():
+            _raise_aborted(abort)
+    if pending.error is not None:
+        raise pending.error
