@@ -20,10 +20,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from elastic.coordinator.access import admit
 from elastic.coordinator.client import EtcdConfig, connect
@@ -49,10 +51,34 @@ from elastic.transfer.server import ServerConfig, ShardServer
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 _LIST_RETRY_S = 0.02
+_STORE_SLICE_S = 0.2
 
 
 def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class AbortableStore(EtcdStore):
+    """The generation's etcd Store, whose blocking waits end as soon as the generation is
+    aborted: a rendezvous with a peer that died during the reconfiguration does not wait out
+    the store timeout."""
+
+    def __init__(self, client: Any, prefix: str, *, timeout: timedelta, abort: AbortSignal) -> None:
+        super().__init__(client, prefix, timeout=timeout)
+        self._abort = abort
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout if timeout is not None else self.timeout).total_seconds()
+        while True:
+            if self._abort.is_set():
+                raise dist.DistStoreError(f"rendezvous abandoned: {self._abort.reason}")
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                super().wait(keys, timedelta(seconds=min(_STORE_SLICE_S, remaining)))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() >= deadline:
+                    raise
 
 
 class GenerationFeed:
@@ -216,7 +242,8 @@ class ElasticWorker:
         timings = self.trainer.start(
             plan=record.plan,
             generation=generation,
-            store=EtcdStore(self.client, self.keys.store(f"gen-{generation}"), timeout=_td(self.timeout)),
+            store=AbortableStore(self.client, self.keys.store(f"gen-{generation}"), timeout=timedelta(seconds=self.timeout),
+                                 abort=abort),  # fmt: skip
             abort=abort,
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
@@ -336,12 +363,6 @@ class ElasticWorker:
         self.generations.close()
         self.decisions.close()
         self.server.stop(grace=1.0)
-
-
-def _td(seconds: float) -> Any:
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

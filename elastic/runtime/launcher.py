@@ -338,9 +338,15 @@ def _poll(client: Any, keys: JobKeys, config: ElasticConfig, progress: _Progress
             continue
         world = len(rec.plan.nodes) * rec.plan.gpus_per_node
         timings = [RecoveryTimings.from_json(v) for v, _ in client.get_prefix(f"{rk.recoveries}{g}/")]
-        if len(timings) < world:
+        superseded = any(later > g for later in progress.generations)
+        trained = any(r.generation == g for r in progress.results.values())
+        if len(timings) < world and not (superseded and (not trained or timings)):
             continue
         progress.reported.add(g)
+        if not timings:  # a further failure cut this reconfiguration short
+            say(f"elastic run: generation {g} (lost {rec.lost}, joined {rec.joined}) was superseded before it trained")
+            progress.recoveries.append(_interrupted(g, rec))
+            continue
         recovery = _recovery(client, rk, g, rec, timings)
         progress.recoveries.append(recovery)
         say(
@@ -350,6 +356,18 @@ def _poll(client: Any, keys: JobKeys, config: ElasticConfig, progress: _Progress
             f"replay {recovery['replaying_s']:.2f} s, {recovery['bytes_moved']} bytes moved"
             + (f", restored checkpoint of step {rec.restore_checkpoint}" if rec.restore_checkpoint is not None else "")
         )
+
+
+def _interrupted(g: int, rec: GenerationRecord) -> dict[str, Any]:
+    """A generation that never committed a step: superseded during its reconfiguration."""
+    return {
+        "generation": g,
+        "lost_nodes": rec.lost,
+        "joined_nodes": rec.joined,
+        "restore_checkpoint": rec.restore_checkpoint,
+        "reason": rec.reason,
+        "interrupted": True,
+    }
 
 
 def _recovery(client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]) -> dict[str, Any]:
@@ -377,6 +395,7 @@ def _recovery(client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: 
         "replaying_s": max(0.0, first_commit - started),
         "total_s": max(0.0, first_commit - origin),
         "bytes_moved": sum(t.bytes_fetched for t in timings),
+        "interrupted": False,
     }
 
 
