@@ -65,7 +65,9 @@ class AbortSignal:
         with self._lock:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
-                threading.Thread(target=self._serve, args=(self._queue,), name="abortable-wait", daemon=True).start()
+                threading.Thread(
+                    target=self._serve, args=(self._queue,), name="abortable-wait", daemon=True
+                ).start()
             pending = _Pending(work)
             self._queue.put(pending)
         return pending

@@ -3,11 +3,11 @@
 The step runs the pipeline schedule over this pipeline's slice of step s's global batch,
 reduces gradients across pipelines, and agrees with every worker (one world all-reduce that
 also carries the gradient norm and loss). Only then may it commit: set the learning rate of
-step s, apply AdamW (the caller advances its step counter). Preparing and committing are two
-calls, so a control plane can collect every worker's "ready" between them. Any error before the commit (a peer that died,
-a timeout, a non-finite gradient anywhere) discards the step: gradients are cleared, and the
-parameters, optimizer moments and step counter are exactly as they were, so the same step can
-be replayed with the same samples.
+step s and apply AdamW (the caller advances its step counter). Preparing and committing are
+two calls, so a control plane can collect every worker's "ready" between them. Any error
+before the commit (a peer that died, a timeout, an abort, a non-finite gradient anywhere)
+discards the step: gradients are cleared, and the parameters, optimizer moments and step
+counts are exactly as they were, so the same step can be replayed with the same samples.
 """
 
 from __future__ import annotations

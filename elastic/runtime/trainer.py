@@ -71,7 +71,9 @@ def _shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
     return sum(t.numel() * t.element_size() for shard in shards.values() for t in shard.values())
 
 
-def _load_shard(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], shard: ShardState) -> None:
+def _load_shard(
+    key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], shard: ShardState
+) -> None:
     """Copy a fetched shard's tensors into the (new) parameters and AdamW state of its layer."""
     if "step" not in shard:
         raise ValueError(f"fetched shard {key} has no 'step' count")
@@ -192,7 +194,9 @@ class Trainer:
         every cross-worker wait of this generation's steps checks.
         """
         if self._layout is not None and generation <= self._layout.generation:
-            raise ValueError(f"generation {generation} is not newer than the current {self._layout.generation}")
+            raise ValueError(
+                f"generation {generation} is not newer than the current {self._layout.generation}"
+            )
         if self._layout is not None and plan.gpus_per_node != self._layout.tp_size:
             raise ValueError(
                 f"tensor-parallel degree changes from {self._layout.tp_size} to {plan.gpus_per_node}: "

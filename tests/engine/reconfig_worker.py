@@ -119,7 +119,9 @@ def main() -> None:
             break  # this worker leaves: the new generation does without it
         abort = AbortSignal()
         fetch = file_fetch(out, g - 1) if g > 0 else None
-        timings = trainer.start(plan=plan, generation=g, store=store, abort=abort, fetch=fetch, step=trainer.step)
+        timings = trainer.start(
+            plan=plan, generation=g, store=store, abort=abort, fetch=fetch, step=trainer.step
+        )
         result["generations"].append(
             {"generation": g, "pid": os.getpid(), "rank": trainer.layout.rank, "holdings": trainer.holdings(),
              "bytes_fetched": timings.bytes_fetched, "transfer_s": timings.transfer_s, "rebuild_s": timings.rebuild_s}
@@ -143,7 +145,9 @@ def main() -> None:
                 left = time.perf_counter()
                 after = snapshot(trainer)
                 assert before is not None
-                unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+                unchanged = before.keys() == after.keys() and all(
+                    torch.equal(before[k], after[k]) for k in before
+                )
                 result["aborted"] = {
                     "step": trainer.step, "latency_s": left - set_at[0], "unchanged": unchanged,
                     "reason": str(exc), "grads_cleared": all(p.grad is None for p in trainer.module.parameters()),

@@ -58,7 +58,9 @@ def plan_c() -> Plan:
     )  # fmt: skip
 
 
-def run_scenario(out: Path, scenario: dict[str, Any], *, tp: int = 1, wait_s: float = 150) -> dict[tuple[int, int], Any]:
+def run_scenario(
+    out: Path, scenario: dict[str, Any], *, tp: int = 1, wait_s: float = 150
+) -> dict[tuple[int, int], Any]:
     """Start one worker process per (node, local rank) of the first plan; return their results.
 
     Workers that do not finish within `wait_s` (a SIGSTOPped one) are SIGKILLed by PID.
@@ -76,7 +78,9 @@ def run_scenario(out: Path, scenario: dict[str, Any], *, tp: int = 1, wait_s: fl
                 log = open(out / f"log-{node}-{lr}.txt", "wb")  # noqa: SIM115 - the child owns it
                 cmd = [sys.executable, "-m", "tests.engine.reconfig_worker", "--scenario", str(path),
                        "--node", str(node), "--local-rank", str(lr), "--store-port", str(port)]  # fmt: skip
-                procs[(node, lr)] = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+                procs[(node, lr)] = subprocess.Popen(
+                    cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+                )
                 log.close()
         deadline = time.monotonic() + wait_s
         expected = {k for k in procs if not (scenario.get("stop") and k[0] == scenario["stop"]["node"])}
@@ -86,8 +90,10 @@ def run_scenario(out: Path, scenario: dict[str, Any], *, tp: int = 1, wait_s: fl
         for key, proc in procs.items():
             file = out / f"result-{key[0]}-{key[1]}.json"
             if key in expected:
-                log = (out / f"log-{key[0]}-{key[1]}.txt").read_text(errors="replace")[-3000:]
-                assert proc.poll() == 0 and file.exists(), f"worker {key} failed (code {proc.poll()}):\n{log}"
+                tail = (out / f"log-{key[0]}-{key[1]}.txt").read_text(errors="replace")[-3000:]
+                assert proc.poll() == 0 and file.exists(), (
+                    f"worker {key} failed (code {proc.poll()}):\n{tail}"
+                )
                 results[key] = {**json.loads(file.read_text()), "popen_pid": proc.pid}
         return results
     finally:
@@ -121,7 +127,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[tupl
     return out, run_scenario(out, scenario)
 
 
-def check_reconfigured(out: Path, results: dict[tuple[int, int], Any], ref_out: Path, ref: Any, *, exact: bool) -> None:
+def check_reconfigured(
+    out: Path, results: dict[tuple[int, int], Any], ref_out: Path, ref: Any, *, exact: bool
+) -> None:
     for key, r in results.items():
         gens = [g["generation"] for g in r["generations"]]
         assert gens == ([0] if key[0] == 3 else [0, 1]), (key, gens)
@@ -136,7 +144,9 @@ def check_reconfigured(out: Path, results: dict[tuple[int, int], Any], ref_out: 
         diff = max_rel_diff(state, ref_state)
         print(f"step {step}: max relative difference vs plan A unchanged: {diff:.3e}")
         if exact:
-            assert all(torch.equal(state[n], t) for n, t in ref_state.items()), f"not bit-identical ({diff:.3e})"
+            assert all(torch.equal(state[n], t) for n, t in ref_state.items()), (
+                f"not bit-identical ({diff:.3e})"
+            )
         else:
             assert diff <= 1e-5
             assert survivors[0]["losses"] == pytest.approx(ref[(0, 0)]["losses"], rel=1e-6)
@@ -188,4 +198,6 @@ def test_sigstopped_peer_step_aborts_and_survivors_train_on(reference: Any, tmp_
     # The replayed step 1 and step 2 are the unchanged run's, bit for bit.
     assert results[(0, 0)]["losses"] == {s: ref[(0, 0)]["losses"][s] for s in ("0", "1", "2")}
     state, ref_state = full_state(tmp_path, 3), full_state(ref_out, 3)
-    assert all(torch.equal(state[n], t) for n, t in ref_state.items()), f"differs by {max_rel_diff(state, ref_state):.3e}"
+    assert all(torch.equal(state[n], t) for n, t in ref_state.items()), (
+        f"differs by {max_rel_diff(state, ref_state):.3e}"
+    )
