@@ -12,6 +12,7 @@ the job, 3 when the node failed. The job token comes in the ELASTIC_JOB_TOKEN en
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -32,8 +33,10 @@ from elastic.coordinator.membership import Membership, MembershipConfig, NodeIde
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.runtime.injection import Injection
-from elastic.runtime.leader import Leader
 from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id
+
+if TYPE_CHECKING:
+    from elastic.runtime.leader import Leader
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 EXIT_FAILED = 3
@@ -107,13 +110,17 @@ class Agent:
         value, _ = self.client.get(self.rk.config)
         if value is None:
             raise SystemExit(f"job {job} has no config in etcd at {endpoint}")
-        self.config = ElasticConfig.from_json(value)
+        # The raw JSON is enough to start the workers; the typed config (it imports torch) comes after.
+        self.raw_config = value
+        raw = json.loads(value)
+        self.gpus = int(raw["spec"]["plan"]["gpus_per_node"])
+        self.run_dir = str(raw["spec"]["run_dir"])
+        self.threads = int(raw["spec"]["threads_per_worker"])
+        ttl = int(raw["lease_ttl"])
         self.who = node_id(node)
-        gpus = self.config.spec.plan.gpus_per_node
-        identity = NodeIdentity(node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=gpus)
-        self.membership = Membership(self.client, self.keys, identity,
-                                     config=MembershipConfig(ttl=self.config.lease_ttl))  # fmt: skip
-        self.election = LeaderElection(self.client, self.keys, self.who, ttl=self.config.lease_ttl)
+        identity = NodeIdentity(node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=self.gpus)
+        self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl))
+        self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.exit_code: int | None = None
         self.done = threading.Event()
@@ -122,16 +129,20 @@ class Agent:
         self._hanging = False
         self.monitor: WorkerMonitor | None = None
         self.leader: Leader | None = None
+        self.config: ElasticConfig | None = None
 
     # ---- life cycle ----------------------------------------------------------------------
 
     def run(self) -> int:
         self.membership.join()
         trigger = InjectionTrigger(self.client, self.keys)
-        self.election.start()
-        self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
+        from elastic.runtime.leader import Leader
+
+        self.config = ElasticConfig.from_json(self.raw_config)
+        self.election.start()
+        self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
         for inj in self.config.injections:
             if inj.node == self.node and inj.kind != "rejoin" and self.incarnation == 0:
@@ -144,14 +155,13 @@ class Agent:
         return self.exit_code
 
     def _spawn_workers(self) -> None:
-        spec = self.config.spec
         env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = str(spec.threads_per_worker)
+        env["OMP_NUM_THREADS"] = str(self.threads)
         env[TOKEN_ENV] = self.token
         lease = self.membership.lease_id
         assert lease is not None
-        for local_rank in range(spec.plan.gpus_per_node):
-            path = worker_log_path(spec.run_dir, self.node, local_rank, self.incarnation)
+        for local_rank in range(self.gpus):
+            path = worker_log_path(self.run_dir, self.node, local_rank, self.incarnation)
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as out:
                 cmd = [
@@ -166,7 +176,7 @@ class Agent:
     def _on_death(self, pid: int) -> None:
         code = self.procs[pid].wait()
         done, _ = self.client.get(self.rk.worker_done(self.node, _local_rank(self.procs, pid)))
-        if code == 0 and done is not None:
+        if done is not None:  # finished its job (a crash in interpreter teardown does not matter)
             with self._lock:
                 self._finished.add(pid)
                 if len(self._finished) == len(self.procs):

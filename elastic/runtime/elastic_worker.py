@@ -321,7 +321,9 @@ class ElasticWorker:
                 return False
             report = self.trainer.commit(prepared)
             now = time.time()
-            if layout.rank == 0:
+            if layout.stage == 0 and layout.tp_rank == 0:
+                # One writer per pipeline: a node killed right after the commit cannot lose the
+                # step's report (every worker has the same global loss and norm).
                 result = StepResult(
                     step=step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
                     seconds=time.perf_counter() - start, generation=generation, committed_at=now,
@@ -389,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         worker.run()
     finally:
         worker.close()
-    return 0
+    # Skip interpreter teardown: destructors of old generations' gloo groups (kept alive on
+    # purpose, see the contract) may abort the process on exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -258,9 +258,13 @@ def launch_elastic(
             if _finished(client, rk, progress, spec.steps):
                 break
             if all(a.proc.poll() is not None for a in agents):
+                _poll(client, keys, config, progress, say)
+                if _finished(client, rk, progress, spec.steps):
+                    break
+                codes = ", ".join(f"node {a.node}.{a.incarnation}: {a.proc.returncode}" for a in agents)
                 raise JobFailed(
-                    f"every agent exited before step {spec.steps} was committed; last lines of "
-                    f"{agents[-1].log_path}:\n{_tail(agents[-1].log_path)}"
+                    f"every agent exited before step {spec.steps} was committed (exit codes {codes}); "
+                    f"last lines of {agents[-1].log_path}:\n{_tail(agents[-1].log_path)}"
                 )
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped everything")

@@ -9,7 +9,7 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     steps/<g>/<s>/ready/<rank>      a worker's prepare_step of step s in generation g succeeded
     steps/<g>/<s>/decision          "commit" | "abort", created once by the leader
-    results/<s>                     rank 0's StepResult of committed step s (a replay rewrites it)
+    results/<s>                     StepResult of committed step s, by each pipeline's first worker
     recoveries/<g>/<rank>           a worker's timings of its reconfiguration into g
     done/<node>/<local_rank>        a worker finished every step and saved its outputs
     injected/<name>                 when an agent carried out an injection (wall time)
@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.coordinator.keys import JobKeys
 from elastic.runtime.injection import Injection
-from elastic.runtime.job import JobSpec
 from elastic.runtime.planning import ClusterSpec
 from templates.plan import Plan
+
+if TYPE_CHECKING:  # job.py imports torch (seconds): agents read the config before they need it
+    from elastic.runtime.job import JobSpec
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -145,6 +147,8 @@ class ElasticConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ElasticConfig:
+        from elastic.runtime.job import JobSpec
+
         data = json.loads(text)
         return cls(
             spec=JobSpec.from_json(json.dumps(data["spec"])),
@@ -214,7 +218,7 @@ class WorkerInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
-    """What rank 0 reports of a committed step."""
+    """What the first worker of each pipeline reports of a committed step."""
 
     step: int
     """Index of the step (0-based)."""
@@ -225,11 +229,11 @@ class StepResult:
     lr: float
     """Learning rate applied."""
     seconds: float
-    """Wall time of the step on rank 0, prepare to commit."""
+    """Wall time of the step on the reporting worker, prepare to commit."""
     generation: int
     """Generation that committed it."""
     committed_at: float
-    """Wall time of the commit on rank 0."""
+    """Wall time of the commit on the reporting worker."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -53,12 +53,18 @@ def max_rel_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tens
     return worst
 
 
-def check_same_training(summary: RunSummary, state: dict[str, torch.Tensor], reference: tuple[RunSummary, dict[str, torch.Tensor]]) -> None:
+def check_same_training(
+    summary: RunSummary,
+    state: dict[str, torch.Tensor],
+    reference: tuple[RunSummary, dict[str, torch.Tensor]],
+    *,
+    steps: int = STEPS,
+) -> None:
     """The run committed every step, its losses and final parameters match the failure-free run,
     and no survivor's worker was restarted (each worker of a node incarnation registered one PID)."""
     ref_summary, ref_state = reference
-    assert summary.steps_committed == STEPS
-    assert len(summary.losses) == STEPS
+    assert summary.steps_committed == steps
+    assert len(summary.losses) == steps
     for step, (got, want) in enumerate(zip(summary.losses, ref_summary.losses, strict=True)):
         assert abs(got - want) <= TOLERANCE * abs(want), f"step {step + 1}: loss {got} vs failure-free {want}"
     diff = max_rel_diff(state, ref_state)

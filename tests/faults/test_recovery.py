@@ -19,6 +19,8 @@ from .runs import check_same_training, run_elastic
 
 pytestmark = pytest.mark.timeout(200)
 
+LONG = 40
+
 Reference = tuple[RunSummary, dict[str, torch.Tensor]]
 
 
@@ -79,10 +81,13 @@ def test_second_failure_during_reconfiguration(reference: Reference, tmp_path: P
     survivors_kept_pids(summary, {1, 2})
 
 
-def test_node_rejoins_later(reference: Reference, tmp_path: Path) -> None:
-    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2,
-                                 inject=("kill:node=2,step=3", "rejoin:node=2,step=4"))  # fmt: skip
-    check_same_training(summary, state, reference)
+def test_node_rejoins_later(tmp_path: Path) -> None:
+    # A fresh node needs seconds to start (torch import, workers): with 20 tiny steps the job
+    # would end first, so this run trains 40 steps, against its own failure-free reference.
+    reference = run_elastic(tmp_path / "reference", nodes=4, pipelines=2, steps=LONG)
+    summary, state = run_elastic(tmp_path / "rejoin", nodes=4, pipelines=2, steps=LONG,
+                                 inject=("kill:node=2,step=2", "rejoin:node=2,step=3"))  # fmt: skip
+    check_same_training(summary, state, reference, steps=LONG)
     assert [r["lost_nodes"] for r in summary.recoveries] == [[2], []]
     assert summary.recoveries[1]["joined_nodes"] == [2] and summary.recoveries[1]["bytes_moved"] > 0
     assert "2/0/1" in summary.worker_pids, "the rejoined node runs a new incarnation"
