@@ -4,6 +4,7 @@ checkpoint fallback. Nodes are real etcd members (leases); the workers' side of 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -140,7 +141,7 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
     writer.flush()
     for step in range(7):
         world.ready(1, step, range(4))
-        assert wait(lambda s=step: world.decision(1, s)) == COMMIT
+        assert wait(functools.partial(world.decision, 1, step)) == COMMIT
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     world.members[2].report_failure(reason="test")
     world.members[0].report_failure(reason="test")
