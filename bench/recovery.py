@@ -45,19 +45,25 @@ def run(model: str, nodes: int, steps: int, inject: tuple[str, ...], run_dir: Pa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-step", type=int, default=6)
-    parser.add_argument("--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
+    )
     args = parser.parse_args()
     rows = []
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     print(f"runs under {root}", file=sys.stderr)
     for model in args.models:
         base = run(model, args.nodes, args.steps, (), root / f"{model}-base")
-        hit = run(model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill")
+        hit = run(
+            model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill"
+        )
         same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(hit.losses, base.losses, strict=True))
         (rec,) = hit.recoveries
         row = {

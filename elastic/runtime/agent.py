@@ -67,7 +67,12 @@ class InjectionTrigger:
         with self._cond:
             for ev in events:
                 parts = ev.key[len(self._steps_prefix) :].split("/")
-                if ev.kind == "put" and len(parts) == 3 and parts[2] == "decision" and ev.value.decode() == COMMIT:
+                if (
+                    ev.kind == "put"
+                    and len(parts) == 3
+                    and parts[2] == "decision"
+                    and ev.value.decode() == COMMIT
+                ):
                     self._commits.add(int(parts[1]))
             self._cond.notify_all()
 
@@ -118,7 +123,9 @@ class Agent:
         self.threads = int(raw["spec"]["threads_per_worker"])
         ttl = int(raw["lease_ttl"])
         self.who = node_id(node)
-        identity = NodeIdentity(node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=self.gpus)
+        identity = NodeIdentity(
+            node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=self.gpus
+        )
         self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl))
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}

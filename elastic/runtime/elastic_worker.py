@@ -135,7 +135,9 @@ class DecisionFeed:
         resp = client.get_prefix_response(keys.steps)
         for kv in resp.kvs:
             self._add(kv.key.decode(), kv.value.decode())
-        self._watch = PrefixWatch(client, keys.steps, self._on_events, start_revision=int(resp.header.revision) + 1)
+        self._watch = PrefixWatch(
+            client, keys.steps, self._on_events, start_revision=int(resp.header.revision) + 1
+        )
 
     def _add(self, key: str, value: str) -> None:
         parts = key[len(self._prefix) :].split("/")
@@ -152,7 +154,9 @@ class DecisionFeed:
     def wait(self, generation: int, step: int, timeout: float) -> str:
         with self._cond:
             if not self._cond.wait_for(lambda: (generation, step) in self._decisions, timeout):
-                raise TimeoutError(f"no decision for step {step} of generation {generation} in {timeout:.0f} s")
+                raise TimeoutError(
+                    f"no decision for step {step} of generation {generation} in {timeout:.0f} s"
+                )
             return self._decisions[(generation, step)]
 
     def close(self) -> None:
@@ -186,7 +190,9 @@ class ElasticWorker:
 
             cfg = self.spec.model_config
             self.writer = CheckpointWriter(
-                Path(config.checkpoint_path), num_layers=cfg.num_layers, tp_degree=self.spec.plan.gpus_per_node
+                Path(config.checkpoint_path),
+                num_layers=cfg.num_layers,
+                tp_degree=self.spec.plan.gpus_per_node,
             )
 
     # ---- the loop ------------------------------------------------------------------------
@@ -218,7 +224,9 @@ class ElasticWorker:
 
     def _reconfigure(self, generation: int) -> ParallelLayout:
         record, seen_at = self.generations.get(generation)
-        layout = ParallelLayout(plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank)
+        layout = ParallelLayout(
+            plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank
+        )
         abort = AbortSignal()
         self.generations.enter(generation, abort)
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
@@ -242,8 +250,12 @@ class ElasticWorker:
         timings = self.trainer.start(
             plan=record.plan,
             generation=generation,
-            store=AbortableStore(self.client, self.keys.store(f"gen-{generation}"), timeout=timedelta(seconds=self.timeout),
-                                 abort=abort),  # fmt: skip
+            store=AbortableStore(
+                self.client,
+                self.keys.store(f"gen-{generation}"),
+                timeout=timedelta(seconds=self.timeout),
+                abort=abort,
+            ),  # fmt: skip
             abort=abort,
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
@@ -273,7 +285,9 @@ class ElasticWorker:
 
         return fetch
 
-    def _holders(self, generation: int, record: GenerationRecord, config: FetchConfig) -> dict[str, list[tuple[int, int]]]:
+    def _holders(
+        self, generation: int, record: GenerationRecord, config: FetchConfig
+    ) -> dict[str, list[tuple[int, int]]]:
         """address -> shards, asked of every live worker of the generation (they wait until resolved)."""
         holders: dict[str, list[tuple[int, int]]] = {}
         for value, _meta in self.client.get_prefix(self.rk.workers):

@@ -65,7 +65,9 @@ def parse_injection(text: str) -> Injection:
     """Parse one `--inject` value (see the module doc); ValueError with the reason otherwise."""
     kind, sep, rest = text.partition(":")
     if not sep or kind not in _KINDS:
-        raise ValueError(f"--inject {text!r}: expected KIND:key=value,... with KIND one of {', '.join(_KINDS)}")
+        raise ValueError(
+            f"--inject {text!r}: expected KIND:key=value,... with KIND one of {', '.join(_KINDS)}"
+        )
     fields: dict[str, str] = {}
     for part in rest.split(","):
         key, eq, value = part.partition("=")
@@ -76,7 +78,9 @@ def parse_injection(text: str) -> Injection:
         fields[key] = value
     unknown = set(fields) - {"node", "step", "when"}
     if unknown:
-        raise ValueError(f"--inject {text!r}: unknown key(s) {', '.join(sorted(unknown))} (use node, step, when)")
+        raise ValueError(
+            f"--inject {text!r}: unknown key(s) {', '.join(sorted(unknown))} (use node, step, when)"
+        )
     if "node" not in fields:
         raise ValueError(f"--inject {text!r}: node=N is required")
     try:
@@ -103,4 +107,6 @@ def check_injections(injections: list[Injection], *, nodes: int, steps: int) -> 
     rejoined = {i.node for i in injections if i.kind == "rejoin"}
     failed = {i.node for i in injections if i.kind != "rejoin"}
     if rejoined - failed:
-        raise ValueError(f"--inject rejoin of node(s) {sorted(rejoined - failed)} that no injection fails first")
+        raise ValueError(
+            f"--inject rejoin of node(s) {sorted(rejoined - failed)} that no injection fails first"
+        )

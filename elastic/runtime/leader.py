@@ -85,7 +85,12 @@ def live_holdings_gaps(client: Any, rk: RunKeys, plan: Plan, live: set[int]) -> 
             held.update((int(a), int(b)) for a, b in json.loads(value))
     if not reported:
         return None
-    return [(layer, t) for layer in range(plan.num_layers) for t in range(plan.gpus_per_node) if (layer, t) not in held]
+    return [
+        (layer, t)
+        for layer in range(plan.num_layers)
+        for t in range(plan.gpus_per_node)
+        if (layer, t) not in held
+    ]
 
 
 class Leader:
@@ -242,7 +247,9 @@ class Leader:
         record_event(self.client, self.keys, who=self.who, kind="generation", generation=g + 1,
                      lost=lost, joined=joined, reason=reason, restore_checkpoint=restore)  # fmt: skip
 
-    def _plan_for(self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]) -> tuple[Plan, int | None, str]:
+    def _plan_for(
+        self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]
+    ) -> tuple[Plan, int | None, str]:
         what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
         f = plan.fault_tolerance
         mbs = plan.global_microbatches
@@ -275,9 +282,18 @@ class Leader:
             except PlanningError:
                 continue
             relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
-            return new, ckpt, (
-                f"{what}: " + (f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines")
-                + "; "
-                f"CHECKPOINT FALLBACK: restoring step {ckpt} of {spec.steps} on nodes {live}{relaxed}"
+            return (
+                new,
+                ckpt,
+                (
+                    f"{what}: "
+                    + (
+                        f"shards {gaps} have no live holder"
+                        if gaps
+                        else f"too few nodes for {f + 1} pipelines"
+                    )
+                    + "; "
+                    f"CHECKPOINT FALLBACK: restoring step {ckpt} of {spec.steps} on nodes {live}{relaxed}"
+                ),
             )
         raise FallbackImpossible(f"{what}: no plan fits the live nodes {live} even with fault tolerance 0")

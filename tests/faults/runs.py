@@ -36,7 +36,9 @@ def run_elastic(
                      microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    collective_timeout_s=60.0)  # fmt: skip
-    cluster = ClusterSpec(model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2)
+    cluster = ClusterSpec(
+        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
+    )
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
                            checkpoint_every=checkpoint_every)  # fmt: skip
     summary = launch_elastic(config, quiet=True, timeout_s=timeout_s)

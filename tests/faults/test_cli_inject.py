@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(60)
         (["--elastic", "--lease-ttl", "1"], "--lease-ttl must be >= 2"),
     ],
 )
-def test_bad_injections_exit_2(flags: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+def test_bad_injections_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
     code = main(["run", "--nodes", "4", "--fault-tolerance", "1", "--run-dir", str(tmp_path), *flags])
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

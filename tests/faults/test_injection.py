@@ -39,7 +39,9 @@ def test_bad_values_are_refused_clearly(text: str, message: str) -> None:
 
 
 def test_checks_against_the_run() -> None:
-    check_injections([parse_injection("kill:node=2,step=8"), parse_injection("rejoin:node=2,step=15")], nodes=4, steps=20)
+    check_injections(
+        [parse_injection("kill:node=2,step=8"), parse_injection("rejoin:node=2,step=15")], nodes=4, steps=20
+    )
     with pytest.raises(ValueError, match="node 4 is not in the run"):
         check_injections([parse_injection("kill:node=4,step=8")], nodes=4, steps=20)
     with pytest.raises(ValueError, match="past the last step 20"):

@@ -57,7 +57,9 @@ class World:
             self.join(n, 0)
         for st in (st for pipe in plan.pipelines for st in pipe.stages):
             held = [[layer, 0] for layer in range(*st.layers)]
-            client.put(self.rk.worker_holdings(st.node, 0), json.dumps(held), lease=self.members[st.node].lease_id)
+            client.put(
+                self.rk.worker_holdings(st.node, 0), json.dumps(held), lease=self.members[st.node].lease_id
+            )
         first = GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(range(nodes), 0))
         Generations(client, self.keys).publish(first.to_json(), expected=0)
         self.election = LeaderElection(client, self.keys, "node0", ttl=2).start()
@@ -121,7 +123,9 @@ def test_commits_when_all_ready_aborts_and_replans_on_a_loss(world: World) -> No
     assert new.lost == [1] and new.resume_step == 1 and new.restore_checkpoint is None
     assert sorted(new.plan.nodes) == [0, 2, 3] and surviving_holders_cover(new.plan, {0, 2, 3})
     assert len(new.plan.pipelines) >= 2 and new.incarnations == {0: 0, 2: 0, 3: 0}
-    assert new.detected_at is not None and new.published_at is not None and new.published_at >= new.detected_at
+    assert (
+        new.detected_at is not None and new.published_at is not None and new.published_at >= new.detected_at
+    )
 
 
 def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
@@ -145,6 +149,7 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     world.members[2].report_failure(reason="test")
     world.members[0].report_failure(reason="test")
+
     # Seen together or one by one: generation 2 (node 3 to fetch layers 0-2 from node 0) never
     # came into effect, so what live workers report holding, not plan 2, shows that layers 0-2
     # are gone.

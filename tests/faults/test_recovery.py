@@ -94,7 +94,9 @@ def test_node_rejoins_later(tmp_path: Path) -> None:
     survivors_kept_pids(summary, {2})
 
 
-def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(reference: Reference, tmp_path: Path) -> None:
+def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(
+    reference: Reference, tmp_path: Path
+) -> None:
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2,
                                  inject=("kill:node=0,step=8", "kill:node=2,step=8"))  # fmt: skip
