@@ -71,10 +71,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     parser.add_argument(
-        "--elastic",
+        "--static",
         action="store_true",
-        help="run under the control plane (etcd, one agent per node): failures are survived live "
-        "(implied by --inject, --etcd and --checkpoint-every)",
+        help="run without the control plane (no etcd, no agents): any worker's death ends the job. "
+        "By default the job runs under the control plane and survives failures live",
     )
     parser.add_argument(
         "--inject",
@@ -149,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.steps < 0:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
+        raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
     plan = build_plan(args, cfg.num_layers)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
@@ -178,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         f"global batch {plan.global_batch}, run dir {run_dir}",
         flush=True,
     )
-    elastic = args.elastic or bool(args.inject) or args.etcd is not None or args.checkpoint_every is not None
+    elastic = not args.static
     try:
         if elastic:
             config = _elastic_config(args, spec, plan)

@@ -84,7 +84,7 @@ def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> N
 @pytest.mark.timeout(120)
 def test_a_killed_worker_stops_the_job_and_is_named(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "elastic.cli", "run", *COMMON[:-4], "--steps", "1000", "--device", "cpu"]
-    cmd += ["--nodes", "2", "--fault-tolerance", "1", "--run-dir", str(tmp_path)]
+    cmd += ["--nodes", "2", "--fault-tolerance", "1", "--run-dir", str(tmp_path), "--static"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers: list[psutil.Process] = []
     try:

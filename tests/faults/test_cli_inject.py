@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(60)
         (["--inject", "kill:node=7,step=2"], "node 7 is not in the run"),
         (["--inject", "kill:node=1,step=99"], "past the last step 10"),
         (["--inject", "rejoin:node=1,step=3"], "that no injection fails first"),
-        (["--elastic", "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
-        (["--elastic", "--lease-ttl", "1"], "--lease-ttl must be >= 2"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+        (["--lease-ttl", "1"], "--lease-ttl must be >= 2"),
+        (["--static", "--inject", "kill:node=1,step=2"], "--static runs without the control plane"),
     ],
 )
 def test_bad_injections_exit_2(
