@@ -364,13 +364,17 @@ def _poll(client: Any, keys: JobKeys, config: ElasticConfig, progress: _Progress
 
 def _interrupted(g: int, rec: GenerationRecord) -> dict[str, Any]:
     """A generation that never committed a step: superseded during its reconfiguration."""
+    return {**_generation_fields(g, rec), "interrupted": True}
+
+
+def _generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
+    """What every recovery entry says about the generation it recovered into."""
     return {
         "generation": g,
         "lost_nodes": rec.lost,
         "joined_nodes": rec.joined,
         "restore_checkpoint": rec.restore_checkpoint,
         "reason": rec.reason,
-        "interrupted": True,
     }
 
 
@@ -387,11 +391,7 @@ def _recovery(client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: 
     first_commit = max(t.first_commit_at for t in timings)
     started = max(t.started_at for t in timings)
     return {
-        "generation": g,
-        "lost_nodes": rec.lost,
-        "joined_nodes": rec.joined,
-        "restore_checkpoint": rec.restore_checkpoint,
-        "reason": rec.reason,
+        **_generation_fields(g, rec),
         "detecting_s": max(0.0, detected - origin),
         "planning_s": max(0.0, published - detected),
         "transferring_s": max(t.transfer_s for t in timings),

@@ -1,4 +1,4 @@
-"""Fixtures of the fault suite: a real etcd server for the control-plane tests."""
+"""Fixtures shared by the suites that need etcd: one real etcd server, unique job ids, a client."""
 
 from __future__ import annotations
 
