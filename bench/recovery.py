@@ -1,6 +1,7 @@
 """Recovery time of a live reconfiguration, kill -> next committed step, against bytes moved (issue 6).
 
     .venv/bin/python bench/recovery.py --models tiny small [--nodes 4] [--steps 12] [--kill-step 6]
+    .venv/bin/python bench/recovery.py --models gpt2-124m --steps 4 --kill-step 3 --microbatch 1 --microbatches 2
 
 For each model: a failure-free elastic run (4 nodes, 2 pipelines x 2 stages, so a lost node's
 layers must move), then the same run with `kill:node=2,step=K`. Prints the recovery breakdown
@@ -32,13 +33,17 @@ from elastic.runtime.summary import RunSummary  # noqa: E402
 from templates.plan import even_plan  # noqa: E402
 
 
-def run(model: str, nodes: int, steps: int, inject: tuple[str, ...], run_dir: Path) -> RunSummary:
+def run(
+    model: str, nodes: int, steps: int, inject: tuple[str, ...], run_dir: Path, *, microbatch: int, microbatches: int
+) -> RunSummary:
     layers = get_preset(model).num_layers
-    plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=1)  # fmt: skip
+    plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2, global_microbatches=microbatches,
+                     microbatch_size=microbatch, fault_tolerance=1)  # fmt: skip
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
                    device="cpu", collective_timeout_s=300.0)  # fmt: skip
-    cluster = ClusterSpec(model=model, nodes=nodes, fault_tolerance=1, global_batch=8, microbatch=2)
+    cluster = ClusterSpec(
+        model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch
+    )
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
                            checkpoint_every=0)  # fmt: skip
     return launch_elastic(config, quiet=True, timeout_s=1200.0)
@@ -52,6 +57,8 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-step", type=int, default=6)
+    parser.add_argument("--microbatch", type=int, default=2, help="samples per microbatch")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (global batch / microbatch)")
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
@@ -60,14 +67,16 @@ def main() -> None:
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     print(f"runs under {root}", file=sys.stderr)
     for model in args.models:
-        base = run(model, args.nodes, args.steps, (), root / f"{model}-base")
+        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches}
+        base = run(model, args.nodes, args.steps, (), root / f"{model}-base", **batch)
         hit = run(
-            model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill"
+            model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill", **batch
         )
         same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(hit.losses, base.losses, strict=True))
         (rec,) = hit.recoveries
         row = {
             "model": model,
+            "global_batch": args.microbatch * args.microbatches,
             "recovery_s": round(rec["total_s"], 3),
             "detect_s": round(rec["detecting_s"], 3),
             "plan_s": round(rec["planning_s"], 3),
