@@ -58,6 +58,16 @@ class DeviceSpeed:
     description: str = ""
     """Where these numbers come from."""
 
+    def device_profile(self) -> DeviceProfile:
+        """The profile's per-device part: memory budget and link costs."""
+        return DeviceProfile(
+            memory_bytes=self.memory_bytes,
+            p2p_latency=self.p2p_latency,
+            p2p_bandwidth=self.p2p_bandwidth,
+            allreduce_latency=self.allreduce_latency,
+            allreduce_bandwidth=self.allreduce_bandwidth,
+        )
+
 
 def derive_profile(
     *,
@@ -97,13 +107,7 @@ def derive_profile(
         model=model,
         microbatch_size=microbatch_size,
         layers=tuple(out),
-        device=DeviceProfile(
-            memory_bytes=device.memory_bytes,
-            p2p_latency=device.p2p_latency,
-            p2p_bandwidth=device.p2p_bandwidth,
-            allreduce_latency=device.allreduce_latency,
-            allreduce_bandwidth=device.allreduce_bandwidth,
-        ),
+        device=device.device_profile(),
         source="derived",
         notes=notes,
     )

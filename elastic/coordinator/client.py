@@ -8,16 +8,12 @@ back; ours retries the endpoint at once, so callers only need to retry their own
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import etcd3
 import etcd3.exceptions
 import grpc
-
-T = TypeVar("T")
 
 #: Errors that mean "etcd is unreachable right now", as opposed to a refused operation.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
@@ -93,14 +89,3 @@ def connect(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
     return etcd3.MultiEndpointEtcd3Client(
         endpoints=[endpoint], timeout=config.timeout, user=config.user, password=config.password
     )
-
-
-def retry(op: Callable[[], T], *, deadline: float, pause: float = 0.1) -> T:
-    """Run `op` until it succeeds or `deadline` (time.monotonic) passes, retrying transient errors."""
-    while True:
-        try:
-            return op()
-        except TRANSIENT_ERRORS:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(pause)

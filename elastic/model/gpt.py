@@ -163,10 +163,6 @@ class GPTStage(nn.Module):
         if device is not None:
             self.to(device)
 
-    @property
-    def has_head(self) -> bool:
-        return self.head is not None
-
     def _initialise(self) -> None:
         with torch.no_grad():
             for name, param in self.named_parameters():

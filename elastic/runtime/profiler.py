@@ -27,7 +27,7 @@ import torch
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
 from templates.derive import ADAMW_STATE_PER_PARAM, DeviceSpeed, LayerCounts, derive_profile
-from templates.profile import DeviceProfile, LayerProfile, Profile
+from templates.profile import LayerProfile, Profile
 
 _T = TypeVar("_T")
 
@@ -96,13 +96,7 @@ def measure_profile(name: str, cfg: GPTConfig, counts: list[LayerCounts], conf: 
         model=name,
         microbatch_size=conf.microbatch,
         layers=tuple(layers),
-        device=DeviceProfile(
-            memory_bytes=conf.memory_bytes,
-            p2p_latency=speed.p2p_latency,
-            p2p_bandwidth=speed.p2p_bandwidth,
-            allreduce_latency=speed.allreduce_latency,
-            allreduce_bandwidth=speed.allreduce_bandwidth,
-        ),
+        device=speed.device_profile(),
         source="measured",
         notes=notes,
     )

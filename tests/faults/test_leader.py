@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from elastic.runtime.protocol import (
     node_id,
 )
 from templates.plan import even_plan
+from tests.polling import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,14 +92,6 @@ class World:
             m.leave()
 
 
-def wait(cond: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture
@@ -115,10 +108,10 @@ def test_commits_when_all_ready_aborts_and_replans_on_a_loss(world: World) -> No
     time.sleep(0.5)
     assert world.decision(1, 0) is None, "three of four ranks ready must not commit"
     world.ready(1, 0, range(3, 4))
-    assert wait(lambda: world.decision(1, 0)) == COMMIT
+    assert wait_for(lambda: world.decision(1, 0), 15.0, "the commit decision of step 0") == COMMIT
     world.ready(1, 1, range(2))
     world.members[1].report_failure(reason="test: node 1 lost")
-    new = wait(lambda: world.record(2))
+    new = wait_for(lambda: world.record(2), 15.0, "generation 2")
     assert world.decision(1, 1) == ABORT
     assert new.lost == [1] and new.resume_step == 1 and new.restore_checkpoint is None
     assert sorted(new.plan.nodes) == [0, 2, 3] and surviving_holders_cover(new.plan, {0, 2, 3})
@@ -134,7 +127,7 @@ def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
     assert world.record(2) is None, "a node whose workers have not registered is not taken in"
     info = WorkerInfo(pid=1, transfer_address="127.0.0.1:1", incarnation=0)
     world.client.put(world.rk.worker(4, 0), info.to_json(), lease=world.members[4].lease_id)
-    new = wait(lambda: world.record(2))
+    new = wait_for(lambda: world.record(2), 15.0, "generation 2")
     assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 0
     assert world.decision(1, 0) == ABORT
 
@@ -145,7 +138,7 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
     writer.flush()
     for step in range(7):
         world.ready(1, step, range(4))
-        assert wait(functools.partial(world.decision, 1, step)) == COMMIT
+        assert wait_for(functools.partial(world.decision, 1, step), 15.0, f"the commit decision of step {step}") == COMMIT
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     world.members[2].report_failure(reason="test")
     world.members[0].report_failure(reason="test")
@@ -156,6 +149,6 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
     def fallback() -> GenerationRecord | None:
         return next((r for g in (3, 2) if (r := world.record(g)) and sorted(r.plan.nodes) == [1, 3]), None)
 
-    record = wait(fallback)
+    record = wait_for(fallback, 15.0, "the checkpoint-fallback generation")
     assert record.restore_checkpoint == 5 and record.resume_step == 5
     assert "CHECKPOINT FALLBACK" in record.reason and sorted(record.plan.nodes) == [1, 3]
