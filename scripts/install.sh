@@ -16,7 +16,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 # pip's output is filtered above (this machine's mirror config warns per package), so check
 # the result explicitly rather than trusting pipe status.
-if ! .venv/bin/python -c "import torch, etcd3, grpc, google.protobuf, psutil, pytest, elastic, templates" \
+if ! .venv/bin/python -c "import torch, etcd3, grpc, google.protobuf, psutil, pytest, prometheus_client, matplotlib, yaml, elastic, templates" \
         || [ ! -x .venv/bin/elastic ]; then
     rm -f "$stamp"
     echo "install.sh: installation is incomplete (see pip's messages above)" >&2

@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order `elastic --help` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("run", "plan", "profile")
+SUBCOMMANDS: tuple[str, ...] = (
+    "run", "plan", "profile", "status", "events", "inject", "drain", "report", "simulate",
+)
 
 
 class UsageError(ValueError):

@@ -15,15 +15,15 @@ its exit code) or when it is interrupted.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -36,14 +36,12 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.runtime.job import JobSpec
+from elastic.runtime.progress import Progress, elastic_summary, poll_progress, run_finished
 from elastic.runtime.protocol import (
     COMMIT,
     ElasticConfig,
     GenerationRecord,
-    RecoveryTimings,
     RunKeys,
-    StepResult,
-    WorkerInfo,
 )
 from elastic.runtime.summary import RunSummary, collect_summary
 
@@ -171,19 +169,6 @@ class _Agent:
     log_path: Path
 
 
-@dataclass
-class _Progress:
-    """What the launcher has seen of an elastic run so far (read from etcd each poll)."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    printed: set[tuple[int, int]] = field(default_factory=set)
-    generations: dict[int, Any] = field(default_factory=dict)
-    reported: set[int] = field(default_factory=set)
-    recoveries: list[dict[str, Any]] = field(default_factory=list)
-    pids: dict[tuple[int, int, int], set[int]] = field(default_factory=dict)
-    rejoined: set[str] = field(default_factory=set)
-
-
 def launch_elastic(
     config: ElasticConfig,
     *,
@@ -211,7 +196,7 @@ def launch_elastic(
         etcd_endpoint = server.endpoint
     job, token = f"run-{secrets.token_hex(4)}", secrets.token_hex(16)
     agents: list[_Agent] = []
-    progress = _Progress()
+    progress = Progress()
     client = connect(EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
     rk = RunKeys(keys)
@@ -232,6 +217,7 @@ def launch_elastic(
 
     try:
         admit(client, keys, token)
+        write_job_file(run_dir, etcd=etcd_endpoint, job=job, token=token)
         client.put(rk.config, config.to_json())
         nodes = sorted(spec.plan.nodes)
         spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
@@ -244,9 +230,13 @@ def launch_elastic(
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
         while True:
-            _poll(client, keys, config, progress, say)
+            poll_progress(client, keys, config, progress, say)
             for inj in config.injections:
-                if inj.kind == "rejoin" and inj.name not in progress.rejoined and _step_in_flight(client, rk, inj.step):
+                if (
+                    inj.kind == "rejoin"
+                    and inj.name not in progress.rejoined
+                    and _step_in_flight(client, rk, inj.step)
+                ):
                     progress.rejoined.add(inj.name)
                     client.put(rk.injected(inj.name), repr(time.time()))
                     incarnation = 1 + max(a.incarnation for a in agents if a.node == inj.node)
@@ -255,11 +245,11 @@ def launch_elastic(
             fatal, _ = client.get(keys.root + "fatal")
             if fatal is not None:
                 raise JobFailed(f"the leader gave up: {fatal.decode()}")
-            if _finished(client, rk, progress, spec.steps):
+            if run_finished(client, rk, progress, spec.steps):
                 break
             if all(a.proc.poll() is not None for a in agents):
-                _poll(client, keys, config, progress, say)
-                if _finished(client, rk, progress, spec.steps):
+                poll_progress(client, keys, config, progress, say)
+                if run_finished(client, rk, progress, spec.steps):
                     break
                 codes = ", ".join(f"node {a.node}.{a.incarnation}: {a.proc.returncode}" for a in agents)
                 raise JobFailed(
@@ -269,14 +259,28 @@ def launch_elastic(
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped everything")
             time.sleep(_POLL_S)
-        _poll(client, keys, config, progress, say)
-        return _elastic_summary(config, progress, started_at=started_at)
+        poll_progress(client, keys, config, progress, say)
+        return elastic_summary(config, progress, started_at=started_at)
     finally:
         _stop_agents(agents)
         _kill_workers(progress)
         client.close()
         if server is not None:
             server.stop()
+
+
+JOB_FILE = "job.json"
+
+
+def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
+    """Write `<run_dir>/job.json` ({"etcd", "job", "token"}, mode 0600): how the operator CLI
+    (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job."""
+    path = run_dir / JOB_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"etcd": etcd, "job": job, "token": token}, out)
+    return path
 
 
 def _wait_for(cond: Callable[[], bool], timeout: float, what: str, agents: list[_Agent]) -> None:
@@ -306,130 +310,6 @@ def _step_in_flight(client: Any, rk: RunKeys, step: int | None) -> bool:
     return False
 
 
-def _finished(client: Any, rk: RunKeys, progress: _Progress, steps: int) -> bool:
-    if len(progress.results) < steps or not progress.generations:
-        return False
-    last = progress.generations[max(progress.generations)]
-    done = {(int(m.key.decode().split("/")[-2]), int(m.key.decode().split("/")[-1]))
-            for _, m in client.get_prefix(rk.done, keys_only=True)}  # fmt: skip
-    return all((n, r) in done for n in last.plan.nodes for r in range(last.plan.gpus_per_node))
-
-
-def _poll(client: Any, keys: JobKeys, config: ElasticConfig, progress: _Progress, say: Callable[[str], None]) -> None:
-    rk = RunKeys(keys)
-    spec = config.spec
-    for value, meta in client.get_prefix(rk.workers):
-        node, local_rank = (int(x) for x in meta.key.decode().split("/")[-2:])
-        info = WorkerInfo.from_json(value)
-        progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
-    for value, meta in client.get_prefix(keys.plans):
-        g = int(meta.key.decode().rsplit("/", 1)[1])
-        if g not in progress.generations:
-            progress.generations[g] = GenerationRecord.from_json(value)
-            rec = progress.generations[g]
-            if g > 1:
-                say(f"elastic run: generation {g}: {rec.reason} (resume at step {rec.resume_step + 1})")
-    for value, _ in client.get_prefix(rk.results):
-        r = StepResult.from_json(value)
-        progress.results[r.step] = r
-        if (r.step, r.generation) not in progress.printed:
-            progress.printed.add((r.step, r.generation))
-            tokens = spec.plan.global_batch * spec.model_config.seq_len
-            say(f"step {r.step + 1}/{spec.steps}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  lr {r.lr:.2e}  "
-                f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")  # fmt: skip
-    for g, rec in sorted(progress.generations.items()):
-        if g == 1 or g in progress.reported:
-            continue
-        world = len(rec.plan.nodes) * rec.plan.gpus_per_node
-        timings = [RecoveryTimings.from_json(v) for v, _ in client.get_prefix(f"{rk.recoveries}{g}/")]
-        superseded = any(later > g for later in progress.generations)
-        trained = any(r.generation == g for r in progress.results.values())
-        if len(timings) < world and not (superseded and (not trained or timings)):
-            continue
-        progress.reported.add(g)
-        if not timings:  # a further failure cut this reconfiguration short
-            say(f"elastic run: generation {g} (lost {rec.lost}, joined {rec.joined}) was superseded before it trained")
-            progress.recoveries.append(_interrupted(g, rec))
-            continue
-        recovery = _recovery(client, rk, g, rec, timings)
-        progress.recoveries.append(recovery)
-        say(
-            f"elastic run: recovered into generation {g} (lost {rec.lost}, joined {rec.joined}) in "
-            f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
-            f"transfer {recovery['transferring_s']:.2f} s, rebuild groups {recovery['rebuilding_s']:.2f} s, "
-            f"replay {recovery['replaying_s']:.2f} s, {recovery['bytes_moved']} bytes moved"
-            + (f", restored checkpoint of step {rec.restore_checkpoint}" if rec.restore_checkpoint is not None else "")
-        )
-
-
-def _interrupted(g: int, rec: GenerationRecord) -> dict[str, Any]:
-    """A generation that never committed a step: superseded during its reconfiguration."""
-    return {**_generation_fields(g, rec), "interrupted": True}
-
-
-def _generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
-    """What every recovery entry says about the generation it recovered into."""
-    return {
-        "generation": g,
-        "lost_nodes": rec.lost,
-        "joined_nodes": rec.joined,
-        "restore_checkpoint": rec.restore_checkpoint,
-        "reason": rec.reason,
-    }
-
-
-def _recovery(client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]) -> dict[str, Any]:
-    """One recovery's breakdown; `total_s` runs from the injected fault (or the detection) to the first commit."""
-    injected = []
-    for node in rec.lost:
-        for value, meta in client.get_prefix(rk.injected("")):
-            if f"-node{node}-" in meta.key.decode():
-                injected.append(float(value.decode()))
-    detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
-    origin = min(injected) if injected and rec.lost else detected
-    published = rec.published_at or detected
-    first_commit = max(t.first_commit_at for t in timings)
-    started = max(t.started_at for t in timings)
-    return {
-        **_generation_fields(g, rec),
-        "detecting_s": max(0.0, detected - origin),
-        "planning_s": max(0.0, published - detected),
-        "transferring_s": max(t.transfer_s for t in timings),
-        "rebuilding_s": max(t.rebuild_s for t in timings),
-        "replaying_s": max(0.0, first_commit - started),
-        "total_s": max(0.0, first_commit - origin),
-        "bytes_moved": sum(t.bytes_fetched for t in timings),
-        "interrupted": False,
-    }
-
-
-def _elastic_summary(config: ElasticConfig, progress: _Progress, *, started_at: float) -> RunSummary:
-    spec = config.spec
-    results = [progress.results[s] for s in sorted(progress.results)]
-    restarts = sum(len(pids) - 1 for pids in progress.pids.values())
-    tokens = spec.plan.global_batch * spec.model_config.seq_len
-    seconds = [r.seconds for r in results]
-    steady = seconds[1:] or seconds
-    last = progress.generations[max(progress.generations)]
-    wall = (results[-1].committed_at - results[0].committed_at + seconds[0]) if results else 0.0
-    return RunSummary(
-        steps_committed=len(results),
-        losses=[r.loss for r in results],
-        tokens_per_s=tokens * len(results) / wall if wall > 0 else 0.0,
-        steady_step_s=statistics.median(steady) if steady else 0.0,
-        step_seconds=seconds,
-        grad_norms=[r.grad_norm for r in results],
-        global_batch=spec.plan.global_batch,
-        seq_len=spec.model_config.seq_len,
-        world_size=len(last.plan.nodes) * last.plan.gpus_per_node,
-        pipelines=len(last.plan.pipelines),
-        recoveries=progress.recoveries,
-        worker_restarts=restarts,
-        startup_s=(results[0].committed_at - started_at) if results else 0.0,
-        worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
-    )
-
-
 def _stop_agents(agents: list[_Agent]) -> None:
     for a in agents:
         if a.proc.poll() is None:
@@ -445,7 +325,7 @@ def _stop_agents(agents: list[_Agent]) -> None:
         a.log.close()
 
 
-def _kill_workers(progress: _Progress) -> None:
+def _kill_workers(progress: Progress) -> None:
     """SIGKILL any worker an agent left behind (a hung node's stopped workers), by registered PID."""
     import psutil
 
