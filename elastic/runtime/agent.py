@@ -33,6 +33,7 @@ from elastic.coordinator.membership import Membership, MembershipConfig, NodeIde
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.runtime.injection import Injection
+from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ class Agent:
         ttl = int(raw["lease_ttl"])
         self.who = node_id(node)
         identity = NodeIdentity(
-            node_id=self.who, incarnation=incarnation, address="127.0.0.1:0", devices=self.gpus
+            node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
         )
         self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl))
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)

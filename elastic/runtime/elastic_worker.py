@@ -35,6 +35,7 @@ from elastic.coordinator.store import EtcdStore
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import (
     ABORT,
     COMMIT,
@@ -174,7 +175,7 @@ class ElasticWorker:
         torch.set_num_threads(self.spec.threads_per_worker)
         self.trainer = Trainer(self.spec, node=node, local_rank=local_rank)
         self.server = ShardServer(
-            ServerConfig(token=token),
+            ServerConfig(token=token, host=bind_host()),
             provider=lambda layer, tp: self.trainer.export_shard(layer, tp),
             holdings=lambda: self.trainer.holdings(),
         ).start()

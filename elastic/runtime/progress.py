@@ -110,6 +110,8 @@ def generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
         "joined_nodes": rec.joined,
         "restore_checkpoint": rec.restore_checkpoint,
         "reason": rec.reason,
+        "detected_at": rec.detected_at,
+        "published_at": rec.published_at,
     }
 
 
@@ -137,6 +139,8 @@ def recovery_breakdown(
         "total_s": max(0.0, first_commit - origin),
         "bytes_moved": sum(t.bytes_fetched for t in timings),
         "interrupted": False,
+        "fault_at": origin,
+        "first_commit_at": first_commit,
     }
 
 
@@ -156,6 +160,9 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         steady_step_s=statistics.median(steady) if steady else 0.0,
         step_seconds=seconds,
         grad_norms=[r.grad_norm for r in results],
+        step_committed_at=[r.committed_at for r in results],
+        step_generations=[r.generation for r in results],
+        started_at=started_at,
         global_batch=spec.plan.global_batch,
         seq_len=spec.model_config.seq_len,
         world_size=len(last.plan.nodes) * last.plan.gpus_per_node,

@@ -39,13 +39,20 @@ class RunSummary:
     """Pipelines of the plan (of the last generation in an elastic run)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """Elastic runs: one entry per reconfiguration (generation, lost and joined nodes, seconds
-    detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved)."""
+    detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved, and
+    the wall times `detected_at`, `published_at`, `fault_at`, `first_commit_at`)."""
     worker_restarts: int = 0
     """Elastic runs: extra PIDs registered by a worker of the same node incarnation (must be 0)."""
     startup_s: float = 0.0
     """Elastic runs: seconds from the launcher's start (etcd, agents, workers) to the first commit."""
     worker_pids: dict[str, list[int]] = field(default_factory=dict)
     """Elastic runs: "node/local_rank/incarnation" -> the PIDs it registered."""
+    step_committed_at: list[float] = field(default_factory=list)
+    """Elastic runs: wall time (Unix seconds) at which each committed step was committed."""
+    step_generations: list[int] = field(default_factory=list)
+    """Elastic runs: the generation that committed each step."""
+    started_at: float = 0.0
+    """Elastic runs: wall time (Unix seconds) at which the launcher started."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
