@@ -156,6 +156,10 @@ def _watch(workers: list[_Worker], *, start: float, timeout_s: float | None) -> 
 # ---- elastic runs: etcd, one agent per node, live reconfiguration --------------------------
 
 
+AgentPlacement = Callable[[int], tuple[list[str], dict[str, str]]]
+"""node -> (command prefix, extra environment) of that node's agent process."""
+
+
 class JobFailed(RuntimeError):
     """An elastic job could not finish (no progress possible, or the leader gave up)."""
 
@@ -175,11 +179,19 @@ def launch_elastic(
     etcd_endpoint: str | None = None,
     quiet: bool = False,
     timeout_s: float | None = None,
+    job: str | None = None,
+    token: str | None = None,
+    placement: AgentPlacement | None = None,
+    local_agents: bool = True,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.runtime.agent) and return its summary.
 
-    Starts an etcd server unless `etcd_endpoint` is given. Raises JobFailed or TimeoutError;
-    every process it started (etcd, agents, their workers) is stopped by PID on the way out.
+    Starts an etcd server unless `etcd_endpoint` is given. `job` and `token` default to fresh
+    random ones. `placement(node)` gives a command prefix and extra environment for that node's
+    agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
+    agent is started here: agents on other hosts (`python -m elastic.runtime.agent`) join the
+    job. Raises JobFailed or TimeoutError; every process it started (etcd, agents, their
+    workers) is stopped by PID on the way out.
     """
     from elastic.coordinator import EtcdServer
 
@@ -194,7 +206,8 @@ def launch_elastic(
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
         etcd_endpoint = server.endpoint
-    job, token = f"run-{secrets.token_hex(4)}", secrets.token_hex(16)
+    job = job or f"run-{secrets.token_hex(4)}"
+    token = token or secrets.token_hex(16)
     agents: list[_Agent] = []
     progress = Progress()
     client = connect(EtcdConfig(endpoint=etcd_endpoint))
@@ -209,8 +222,11 @@ def launch_elastic(
     def spawn(node: int, incarnation: int) -> None:
         log_path = run_dir / "logs" / f"agent{node}.inc{incarnation}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop_agents
-        env = dict(os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker))
-        cmd = [sys.executable, "-m", "elastic.runtime.agent", "--etcd", etcd_endpoint, "--job", job,
+        if not local_agents:
+            return
+        prefix, extra_env = placement(node) if placement is not None else ([], {})
+        env = dict(os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env)
+        cmd = [*prefix, sys.executable, "-m", "elastic.runtime.agent", "--etcd", etcd_endpoint, "--job", job,
                "--node", str(node), "--incarnation", str(incarnation)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
         agents.append(_Agent(node, incarnation, proc, log, log_path))
@@ -247,7 +263,7 @@ def launch_elastic(
                 raise JobFailed(f"the leader gave up: {fatal.decode()}")
             if run_finished(client, rk, progress, spec.steps):
                 break
-            if all(a.proc.poll() is not None for a in agents):
+            if agents and all(a.proc.poll() is not None for a in agents):
                 poll_progress(client, keys, config, progress, say)
                 if run_finished(client, rk, progress, spec.steps):
                     break
