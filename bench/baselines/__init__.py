@@ -1,0 +1,1 @@
+"""Peer systems the benchmarks compare this runtime against (torchrun restart, torchft)."""
