@@ -1,0 +1,31 @@
+"""`elastic simulate`: replay failure traces on clusters too large to run here, with the real planner.
+
+A discrete-event model: each policy turns a trace of node failures and joins into committed
+optimizer steps, with plan iteration times from the planner's cost model and recovery costs
+from `RecoveryCosts`. Every assumption is stated in the policy docstrings and in the output.
+"""
+
+from elastic.sim.config import RecoveryCosts, SimCluster
+from elastic.sim.planbook import PlanBook, sim_profile
+from elastic.sim.result import PolicyResult, Segment
+from elastic.sim.simulate import POLICIES, references, run_policy, simulate
+from elastic.sim.trace import Trace, TraceError, TraceEvent, load_trace, trace_from_json, trace_from_spec
+
+__all__ = [
+    "POLICIES",
+    "PlanBook",
+    "PolicyResult",
+    "RecoveryCosts",
+    "Segment",
+    "SimCluster",
+    "Trace",
+    "TraceError",
+    "TraceEvent",
+    "load_trace",
+    "references",
+    "run_policy",
+    "sim_profile",
+    "simulate",
+    "trace_from_json",
+    "trace_from_spec",
+]

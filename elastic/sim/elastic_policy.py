@@ -1,0 +1,106 @@
+"""The elastic policy: this runtime (Oobleck-like), re-planning in place on every change."""
+
+from __future__ import annotations
+
+import time
+
+from elastic.sim.config import RecoveryCosts
+from elastic.sim.planbook import PlanBook
+from elastic.sim.result import PolicyResult, segment_of, train_interrupted, whole_steps
+from elastic.sim.trace import Trace
+from templates.plan import Plan
+from templates.replanning import Replan, replan
+from templates.template_set import PlanningError
+
+
+class ElasticPolicy:
+    """Survivors keep running; the leader re-plans from the precomputed templates.
+
+    Assumptions (also printed with the results):
+    - t = 0: the fastest plan with >= f+1 pipelines over all N nodes (`instantiate`).
+    - On a failure: detection takes the lease TTL; then `templates.replanning.replan` is called
+      exactly as the leader calls it (fault tolerance relaxed from f towards 0 if needed) and
+      its wall time is charged (or the fixed `replan_s`); every node fetches the layers it now
+      needs (weights + AdamW state, `Replan.fetch_bytes`) over its own NIC, in parallel, from
+      sources that are not a bottleneck, so transfer = the largest node's bytes / bandwidth;
+      then a fixed group/stage rebuild; the in-flight step is discarded (its partial work lost).
+    - A join is the same without detection (the runtime also aborts the in-flight step).
+    - A change during a recovery abandons that recovery and starts a new one from the plan
+      being recovered to.
+    - Throughput = global batch / the plan's iteration time from the planner's cost model.
+    - If no plan fits or a layer lost every holder, the runtime would restore a checkpoint;
+      that path is not modelled here: the run stalls (trains nothing more) and says so.
+    """
+
+    name = "elastic"
+
+    def __init__(self, book: PlanBook, costs: RecoveryCosts) -> None:
+        self.book = book
+        self.costs = costs
+
+    def assumptions(self) -> list[str]:
+        c, cl = self.costs, self.book.cluster
+        return [
+            f"in-place re-plan with the real planner (templates.replanning.replan), f = {cl.fault_tolerance} "
+            "relaxed towards 0 only if no plan exists",
+            f"failure: detection {c.detect_s:g} s (lease TTL) + planner wall time"
+            + ("" if c.replan_s is None else f" fixed at {c.replan_s:g} s")
+            + f" + transfer (largest per-node fetch of weights + AdamW state / {cl.network_gbps:g} Gbit/s) "
+            f"+ rebuild {c.rebuild_s:g} s; the in-flight step is discarded",
+            "join: the same without detection",
+            "no plan possible (or a layer without holder): checkpoint fallback not modelled, the run stalls",
+        ]
+
+    def run(self, trace: Trace, horizon_s: float) -> PolicyResult:
+        book, costs = self.book, self.costs
+        res = PolicyResult(policy=self.name, assumptions=self.assumptions())
+        first = book.initial_plan()
+        plan: Plan | None = first
+        live = set(range(trace.initial_nodes))
+        resume = 0.0
+        res.segments.append(segment_of(0.0, len(live), first))
+        for ev in trace.until(horizon_s).events:
+            t = ev.time_s
+            if plan is not None and t > resume:
+                train_interrupted(res, t - resume, plan.iteration_time)
+            if ev.event == "fail":
+                live.discard(ev.node)
+                res.failures += 1
+            else:
+                live.add(ev.node)
+                res.joins += 1
+            if plan is None:
+                continue
+            new, planning_s = self._replan(plan, sorted(live))
+            if new is None:
+                res.stalled_at = t
+                plan = None
+                continue
+            fetch = max(new.fetch_bytes.values(), default=0)
+            cost = planning_s + fetch / book.cluster.network_bytes_per_s + costs.rebuild_s
+            if ev.event == "fail":
+                cost += costs.detect_s
+            resume = t + cost
+            plan = new.plan
+            res.reconfigurations += 1
+            res.segments.append(segment_of(resume, len(live), plan))
+        if plan is not None and horizon_s > resume:
+            ran = horizon_s - resume
+            res.steps += whole_steps(ran, plan.iteration_time)
+            res.training_s += ran
+        res.samples = res.steps * book.cluster.global_batch
+        res.recovery_s = horizon_s - res.training_s - res.checkpoint_s
+        return res
+
+    def _replan(self, plan: Plan, live: list[int]) -> tuple[Replan | None, float]:
+        start = time.perf_counter()
+        found: Replan | None = None
+        for f in range(self.book.f, -1, -1):
+            try:
+                found = replan(self.book.elastic, plan, live, global_microbatches=self.book.mbs, fault_tolerance=f)
+                break
+            except PlanningError:
+                continue
+        measured = time.perf_counter() - start
+        return found, measured if self.costs.replan_s is None else self.costs.replan_s
+
