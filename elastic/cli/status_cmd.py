@@ -1,17 +1,88 @@
-"""`elastic status`: placeholder until its module lands (see the operations and benchmark issues)."""
+"""`elastic status`: nodes, pipelines, generation, committed step, throughput and the last recovery
+of a running (or finished) elastic job, read from its etcd (fields: elastic/ops/status.py).
+
+Exit codes: 0 printed; 1 etcd unreachable within 5 s, or the job is not there (the message lists
+the jobs it has); 2 bad flags. `--watch` redraws until Ctrl-C, which ends it with code 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from typing import Any
 
 from elastic.cli.main import UsageError
+from elastic.coordinator.client import TRANSIENT_ERRORS
+from elastic.ops.job_target import CONNECT_TIMEOUT_S, OpsError, find_job, open_client, resolve_target
+from elastic.ops.status import DEFAULT_WINDOW, read_status, render_table
+
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    """--etcd, --job and --run-dir: how the operator commands find a job (elastic/ops/job_target.py)."""
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="the job's etcd")
+    parser.add_argument("--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)")
+    parser.add_argument(
+        "--run-dir", default=None, metavar="DIR",
+        help="run dir of `elastic run`: read etcd and job from DIR/job.json",
+    )  # fmt: skip
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("status", help="(not built yet)")
+    parser = subparsers.add_parser(
+        "status",
+        help="nodes, pipelines, progress and the last recovery of an elastic job",
+        description="Read an elastic job's state from etcd: nodes (alive, incarnation, lease, address, "
+        "workers), pipelines of the current generation, committed step, recent throughput and the "
+        "last recovery with its breakdown. Exit 1 if etcd cannot be reached or the job is unknown.",
+    )
+    add_target_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (fields: elastic/ops/status.py)")
+    parser.add_argument(
+        "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )  # fmt: skip
+    parser.add_argument(
+        "--window", type=int, default=DEFAULT_WINDOW, metavar="K", help="throughput over the last K steps"
+    )
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    raise UsageError("not built yet")
+    if args.watch is not None and args.watch <= 0:
+        raise UsageError(f"--watch must be positive, got {args.watch}")
+    if args.window < 2:
+        raise UsageError(f"--window must be >= 2, got {args.window}")
+    try:
+        target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    client = open_client(target)
+    try:
+        keys = find_job(client, target)
+        while True:
+            try:
+                status = read_status(client, keys, etcd=target.etcd, window=args.window)
+            except TRANSIENT_ERRORS:
+                raise OpsError(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+            if args.json:
+                text = status.to_json(indent=None if args.watch is not None else 1)
+            else:
+                text = render_table(status)
+                if args.watch is not None and sys.stdout.isatty():
+                    text = _CLEAR + text
+            print(text, flush=True)
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)
+            if not args.json and not sys.stdout.isatty():
+                print(flush=True)
+    except OpsError as exc:
+        print(f"elastic status: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()

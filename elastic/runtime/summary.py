@@ -6,11 +6,12 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch takes seconds to import; `elastic status` reads summaries without it
+    import torch
 
-from elastic.runtime.job import JobSpec
+    from elastic.runtime.job import JobSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +87,8 @@ def load_final_state(spec: JobSpec) -> dict[str, torch.Tensor]:
 
     An elastic run's last generation may have another plan: its pipeline 0 wrote final_plan.json.
     """
+    import torch
+
     from templates.plan import Plan
 
     final_plan = Path(spec.run_dir) / "final_plan.json"

@@ -1,0 +1,161 @@
+"""`elastic events`: a job's history, oldest first, merged from what etcd holds.
+
+Sources, in etcd revision order (one total order, whatever the writers' clocks say):
+
+    events/        the append-only log (elastic/coordinator/events.py): join, failure, fatal, and
+                   whatever else the runtime records there (kind and detail passed through)
+    plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
+                   resume step, restored checkpoint, pipelines)
+    injected/<n>   kind "injection": a fault an agent (or the launcher) carried out
+    recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
+                   the breakdown of elastic.runtime.progress.recovery_breakdown
+
+Each `HistoryEvent` has `time` (wall time, Unix seconds; null where the writer recorded none,
+e.g. the first generation), `kind`, `who` (member id, "leader", "launcher" or an agent),
+`revision` (etcd mod revision of the key it was read from), `key` and `detail` (a JSON object).
+`History.poll()` returns only events it has not returned before, so `--follow` re-reads
+and prints what is new.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from elastic.coordinator.keys import JobKeys
+from elastic.runtime.progress import recovery_breakdown
+from elastic.runtime.protocol import GenerationRecord, RecoveryTimings, RunKeys
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryEvent:
+    """One thing that happened to the job."""
+
+    kind: str
+    """join, failure, fatal, generation, injection, recovered, or a kind another writer logs."""
+    time: float | None
+    """Wall time (Unix seconds) the writer recorded, or None where it recorded none."""
+    who: str
+    """Who did or saw it: a member id (for an injection: its target), "leader" or "workers"."""
+    revision: int
+    """etcd mod revision of the key it comes from (the history's order)."""
+    key: str
+    """The etcd key it was read from."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """Kind-specific fields."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _from_log(value: bytes, meta: Any) -> HistoryEvent:
+    data = json.loads(value)
+    kind, who, when = data.pop("kind", "?"), data.pop("who", "?"), data.pop("time", None)
+    return HistoryEvent(kind=str(kind), time=when, who=str(who), revision=meta.mod_revision,
+                        key=meta.key.decode(), detail=data)  # fmt: skip
+
+
+def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
+    detail = {
+        "generation": g,
+        "reason": rec.reason,
+        "resume_step": rec.resume_step,
+        "lost_nodes": rec.lost,
+        "joined_nodes": rec.joined,
+        "restore_checkpoint": rec.restore_checkpoint,
+        "pipelines": [list(p.nodes) for p in rec.plan.pipelines],
+    }
+    return HistoryEvent(kind="generation", time=rec.published_at, who="leader", revision=meta.mod_revision,
+                        key=meta.key.decode(), detail=detail)  # fmt: skip
+
+
+class History:
+    """Reads a job's history; `poll()` returns events not returned by earlier polls."""
+
+    def __init__(self, client: Any, keys: JobKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self.rk = RunKeys(keys)
+        self._seen: set[str] = set()
+
+    def read_all(self) -> list[HistoryEvent]:
+        """Every event the job has now, oldest first (also marks them seen)."""
+        events = []
+        for value, meta in self.client.get_prefix(self.keys.events):
+            events.append(_from_log(value, meta))
+        generations: dict[int, GenerationRecord] = {}
+        for value, meta in self.client.get_prefix(self.keys.plans):
+            g = int(meta.key.decode().rsplit("/", 1)[1])
+            generations[g] = GenerationRecord.from_json(value)
+            events.append(_generation(g, generations[g], meta))
+        for value, meta in self.client.get_prefix(self.rk.injected("")):
+            key = meta.key.decode()
+            name = key.rsplit("/", 1)[1]
+            target = next((part for part in name.split("-") if part.startswith("node")), "?")
+            events.append(HistoryEvent(kind="injection", time=float(value.decode()), who=target,
+                                       revision=meta.mod_revision, key=key, detail={"name": name}))  # fmt: skip
+        events += self._recoveries(generations)
+        events.sort(key=lambda e: (e.revision, e.key))
+        self._seen.update(e.key for e in events)
+        return events
+
+    def _recoveries(self, generations: dict[int, GenerationRecord]) -> list[HistoryEvent]:
+        out = []
+        for g, rec in sorted(generations.items()):
+            if g == 1:
+                continue
+            pairs = list(self.client.get_prefix(f"{self.rk.recoveries}{g}/"))
+            if len(pairs) < len(rec.plan.nodes) * rec.plan.gpus_per_node:
+                continue  # still reconfiguring, or cut short by a later generation
+            timings = [RecoveryTimings.from_json(v) for v, _ in pairs]
+            b = recovery_breakdown(self.client, self.rk, g, rec, timings)
+            detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "detecting_s", "planning_s",
+                                        "transferring_s", "rebuilding_s", "replaying_s", "total_s", "bytes_moved")}  # fmt: skip
+            out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
+                                    revision=max(m.mod_revision for _, m in pairs),
+                                    key=f"{self.rk.recoveries}{g}/", detail=detail))  # fmt: skip
+        return out
+
+    def poll(self) -> list[HistoryEvent]:
+        """Events that appeared since the last `read_all`/`poll`, oldest first."""
+        seen = set(self._seen)
+        return [e for e in self.read_all() if e.key not in seen]
+
+
+def describe(event: HistoryEvent) -> str:
+    """One line of words for an event (the kind and time are printed beside it)."""
+    d = event.detail
+    if event.kind == "join":
+        return f"{event.who} joined (incarnation {d.get('incarnation')})"
+    if event.kind == "failure":
+        return f"{d.get('node')} (incarnation {d.get('incarnation')}) reported failed by {event.who}: {d.get('reason')}"
+    if event.kind == "generation":
+        text = f"generation {d['generation']}: {d['reason']}, from step {d['resume_step'] + 1}, pipelines {d['pipelines']}"
+        if d["restore_checkpoint"] is not None:
+            text += f", restoring the checkpoint of step {d['restore_checkpoint']}"
+        return text
+    if event.kind == "injection":
+        return f"injected {d['name']}"
+    if event.kind == "recovered":
+        return (
+            f"recovered into generation {d['generation']} in {d['total_s']:.2f} s (detect {d['detecting_s']:.2f}, "
+            f"plan {d['planning_s']:.2f}, transfer {d['transferring_s']:.2f}, rebuild {d['rebuilding_s']:.2f}, "
+            f"replay {d['replaying_s']:.2f}; {d['bytes_moved']} bytes)"
+        )
+    if event.kind == "fatal":
+        return f"the leader gave up: {d.get('reason')}"
+    rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
+    return f"{event.who}: {rest}" if rest else event.who
+
+
+def render_line(event: HistoryEvent, origin: float | None) -> str:
+    """`+SECONDS  KIND  description`, seconds relative to `origin` (the first event's time)."""
+    when = "?" if event.time is None or origin is None else f"+{event.time - origin:.3f}s"
+    return f"{when:>11}  {event.kind:<10}  {describe(event)}"
+
+
+def first_time(events: list[HistoryEvent]) -> float | None:
+    """The earliest recorded time among `events` (the origin of relative times)."""
+    times = [e.time for e in events if e.time is not None]
+    return min(times) if times else None

@@ -1,0 +1,105 @@
+"""Which job the operator CLI talks to, and a client to its etcd that fails fast.
+
+A job is found from, in order of precedence:
+
+- `--etcd HOST:PORT` and `--job ID` given on the command line;
+- `--run-dir DIR`: the `<DIR>/job.json` that `elastic run` writes ({"etcd", "job", "token"});
+  `--etcd`/`--job` given as well override its values;
+- `--etcd` alone: the only job under `/elastic/` on that etcd (several: an error naming them).
+
+Reading a job needs no job token: the token only guards joining (see
+elastic/coordinator/access.py); who may read etcd at all is etcd's own authentication.
+
+`OpsError` is what a command reports as one line with exit code 1: etcd unreachable within
+`CONNECT_TIMEOUT_S`, or no such job there (the message lists the jobs it has).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, connect
+from elastic.coordinator.keys import JobKeys
+
+CONNECT_TIMEOUT_S = 5.0
+"""Deadline of each etcd call the operator CLI makes: an unreachable etcd is reported, not waited on."""
+
+JOB_FILE = "job.json"
+"""Name of the file `elastic run` writes into its run directory (see launcher.write_job_file)."""
+
+_ROOT = "/elastic/"
+
+
+class OpsError(RuntimeError):
+    """The job cannot be read: etcd unreachable, or no such job there (exit code 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobTarget:
+    """Where a job lives."""
+
+    etcd: str
+    """`host:port` of the job's etcd."""
+    job: str | None
+    """Job id; None means "the only job on that etcd"."""
+
+
+def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) -> JobTarget:
+    """The target named by the command-line flags (module doc); ValueError for unusable flags."""
+    if run_dir is not None:
+        path = Path(run_dir) / JOB_FILE
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path} does not exist (is {run_dir} the run dir of an elastic run?)") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read {path}: {exc}") from None
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("etcd"), str)
+            or not isinstance(data.get("job"), str)
+        ):
+            raise ValueError(f"{path} must hold a JSON object with string fields etcd and job")
+        etcd = etcd or data["etcd"]
+        job = job or data["job"]
+    if etcd is None:
+        raise ValueError("give --etcd HOST:PORT or --run-dir DIR (elastic run prints both)")
+    EtcdConfig(endpoint=etcd)  # validates host:port
+    if job is not None:
+        JobKeys(job)  # validates the id
+    return JobTarget(etcd=etcd, job=job)
+
+
+def open_client(target: JobTarget) -> Any:
+    """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S."""
+    return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S))
+
+
+def list_jobs(client: Any, etcd: str) -> list[str]:
+    """Ids of the jobs under `/elastic/`, sorted; OpsError if etcd does not answer."""
+    try:
+        jobs = {
+            meta.key.decode()[len(_ROOT) :].split("/", 1)[0]
+            for _, meta in client.get_prefix(_ROOT, keys_only=True)
+        }
+    except TRANSIENT_ERRORS:
+        raise OpsError(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+    return sorted(j for j in jobs if j)
+
+
+def find_job(client: Any, target: JobTarget) -> JobKeys:
+    """The keys of the target's job; OpsError if etcd is unreachable or the job is not there."""
+    jobs = list_jobs(client, target.etcd)
+    known = ", ".join(jobs) if jobs else "none"
+    if target.job is None:
+        if len(jobs) == 1:
+            return JobKeys(jobs[0])
+        if not jobs:
+            raise OpsError(f"no job at etcd {target.etcd}")
+        raise OpsError(f"several jobs at etcd {target.etcd}: {known}; pick one with --job")
+    if target.job not in jobs:
+        raise OpsError(f"job {target.job} not found at etcd {target.etcd} (jobs there: {known})")
+    return JobKeys(target.job)
