@@ -23,7 +23,9 @@ _CLEAR = "\x1b[H\x1b[2J"
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """--etcd, --job and --run-dir: how the operator commands find a job (elastic/ops/job_target.py)."""
     parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="the job's etcd")
-    parser.add_argument("--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)")
+    parser.add_argument(
+        "--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)"
+    )
     parser.add_argument(
         "--run-dir", default=None, metavar="DIR",
         help="run dir of `elastic run`: read etcd and job from DIR/job.json",
@@ -39,7 +41,9 @@ def register(subparsers: Any) -> None:
         "last recovery with its breakdown. Exit 1 if etcd cannot be reached or the job is unknown.",
     )
     add_target_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object (fields: elastic/ops/status.py)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (fields: elastic/ops/status.py)"
+    )
     parser.add_argument(
         "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
         help="redraw every SECONDS (default 2) until Ctrl-C",
@@ -66,7 +70,9 @@ def _run(args: argparse.Namespace) -> int:
             try:
                 status = read_status(client, keys, etcd=target.etcd, window=args.window)
             except TRANSIENT_ERRORS:
-                raise OpsError(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+                raise OpsError(
+                    f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s"
+                ) from None
             if args.json:
                 text = status.to_json(indent=None if args.watch is not None else 1)
             else:
