@@ -1,0 +1,212 @@
+"""Run an elastic job with each node in its own network namespace (root only).
+
+    sudo .venv/bin/python deploy/netns/launch.py --nodes 3 --fault-tolerance 1 --steps 20 \\
+        --partition node=2,step=8,seconds=6
+
+Takes the flags of `elastic run` (same parser), plus --partition and --check. It builds a
+bridge and one namespace per node (topology.py), starts etcd on the bridge address, optionally
+checks that gloo and gRPC work between namespaces (probe.py), then runs the job with
+`launch_elastic`: each node's agent (and so its workers) runs under `ip netns exec`, with
+ELASTIC_HOST = the node's address and GLOO_SOCKET_IFNAME = its interface. Whatever happens
+(success, failure, Ctrl-C, SIGTERM) it stops every process it started, by PID, and deletes the
+namespaces, veths and bridge. Exit codes: 0 done, 1 the job or the check failed, 2 bad flags or
+no root / no `ip netns`, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bridge_etcd import BridgeEtcd
+from partition import Partitioner, PartitionSpec, parse_partition
+from topology import NetnsUnavailable, Topology, check_available
+
+PROBE = Path(__file__).with_name("probe.py")
+
+
+class _OneParser:
+    """Stands in for argparse subparsers so that `elastic run`'s register() fills our parser."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return self.parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from elastic.cli import run_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="deploy/netns/launch.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_cmd.register(_OneParser(parser))
+    parser.add_argument(
+        "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D",
+        help="down node N's link while step S is in flight, for D seconds; repeatable",
+    )  # fmt: skip
+    parser.add_argument(
+        "--check", action="store_true", help="first check gloo and gRPC between the namespaces"
+    )
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_probe(topo: Topology, etcd: str, *, timeout_s: float = 90.0) -> list[str]:
+    """Run probe.py in every namespace at once; their report lines, or RuntimeError."""
+    procs = []
+    try:
+        for m in topo.members:
+            cmd = [*m.exec_prefix(), sys.executable, str(PROBE), "--etcd", etcd, "--prefix", topo.prefix,
+                   "--rank", str(m.node), "--world", str(len(topo.members))]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, **m.env())))  # fmt: skip
+        lines = []
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            lines.append(
+                out.decode(errors="replace").strip().splitlines()[-1] if out.strip() else "(no output)"
+            )
+            if p.returncode != 0:
+                raise RuntimeError(f"cross-namespace check failed: {lines[-1]}")
+        return lines
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_available()
+    except NetnsUnavailable as exc:
+        print(f"deploy/netns/launch.py: {exc}", file=sys.stderr)
+        return 2
+    try:
+        config, partitions = _job_config(args)
+    except ValueError as exc:  # UsageError is a ValueError
+        print(f"deploy/netns/launch.py: error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return _run(args, config, partitions)
+    except KeyboardInterrupt:
+        print("deploy/netns/launch.py: interrupted; everything stopped and removed", file=sys.stderr)
+        return 130
+
+
+def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
+    """The ElasticConfig of `elastic run` with these flags, and the partitions (ValueError if bad)."""
+    from elastic.cli.run_cmd import _elastic_config, build_plan
+    from elastic.model.config import get_preset
+    from elastic.runtime.job import JobSpec
+    from elastic.runtime.optim import OptimConfig
+
+    if args.static or args.etcd is not None:
+        raise ValueError("--static and --etcd do not apply: this launcher runs its own etcd on the bridge")
+    if args.steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {args.steps}")
+    cfg = get_preset(args.model)
+    plan = build_plan(args, cfg.num_layers)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-netns-"))
+    args.run_dir = run_dir
+    optim = OptimConfig(
+        lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
+    )
+    spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
+                   data_path=args.data, optim=optim, device=args.device)  # fmt: skip
+    config = _elastic_config(args, spec, plan)
+    partitions = [parse_partition(text) for text in args.partition]
+    for p in partitions:
+        if p.node not in plan.nodes:
+            raise ValueError(f"--partition node {p.node} is not a node of the plan ({sorted(plan.nodes)})")
+        if p.step > args.steps:
+            raise ValueError(f"--partition step {p.step} is past the last step ({args.steps})")
+    return config, partitions
+
+
+def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
+    from elastic.runtime.launcher import JobFailed, launch_elastic
+
+    plan = config.spec.plan
+    run_dir = Path(args.run_dir)
+    topo = Topology(nodes=max(plan.nodes) + 1)
+    etcd: BridgeEtcd | None = None
+    partitioner: Partitioner | None = None
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        topo.create()
+        etcd = BridgeEtcd(host=topo.bridge_address, data_dir=run_dir / "etcd").start()
+        (run_dir / "netns.json").write_text(json.dumps({
+            "prefix": topo.prefix, "bridge": topo.bridge, "etcd": etcd.endpoint,
+            "nodes": {m.node: {"namespace": m.namespace, "host_veth": m.host_veth, "address": m.address}
+                      for m in topo.members},
+        }, indent=1))  # fmt: skip
+        say(f"netns: bridge {topo.bridge} {topo.bridge_address}, etcd {etcd.endpoint}, "
+            + ", ".join(f"node {m.node} {m.namespace} {m.address}" for m in topo.members)
+            + f"; partition by hand: deploy/netns/partition.sh --prefix {topo.prefix} NODE SECONDS")  # fmt: skip
+        if args.check:
+            for line in run_probe(topo, etcd.endpoint):
+                say(f"netns: {line}")
+        job = f"netns-{topo.prefix}"
+        if partitions:
+            partitioner = Partitioner(
+                partitions, etcd=etcd.endpoint, job=job,
+                set_link=lambda node, up: topo.set_link(node, up=up), say=say,
+            ).start()  # fmt: skip
+
+        def placement(node: int) -> tuple[list[str], dict[str, str]]:
+            net = topo.node(node)
+            return net.exec_prefix(), net.env()
+
+        summary = launch_elastic(config, etcd_endpoint=etcd.endpoint, timeout_s=args.timeout, job=job,
+                                 placement=placement)  # fmt: skip
+    except (JobFailed, TimeoutError, RuntimeError) as exc:
+        print(f"deploy/netns/launch.py: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if partitioner is not None:
+            partitioner.stop()
+            (run_dir / "partitions.json").write_text(partitioner.to_json())
+        if etcd is not None:
+            etcd.stop()
+        topo.destroy()
+    if partitioner is not None and partitioner.error is not None:
+        print(f"deploy/netns/launch.py: error: the partition failed: {partitioner.error}", file=sys.stderr)
+        return 1
+    say(f"netns: {summary.steps_committed} steps committed, final loss "
+        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {len(summary.recoveries)} recoveries")  # fmt: skip
+    if args.summary is not None:
+        args.summary.write_text(summary.to_json())
+    if args.final_state is not None:
+        import torch
+
+        from elastic.runtime.summary import load_final_state
+
+        torch.save(load_final_state(config.spec), args.final_state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
