@@ -1,0 +1,388 @@
+"""A Prometheus endpoint per node, fed from etcd: what the job did, as this node's agent sees it.
+
+The agent starts one `NodeMetrics` (one call, after it joined the membership):
+
+    NodeMetrics(client, keys, node=node, lease=membership.lease_id).start()
+
+It mirrors five prefixes of the job with watches from revision 1 (`plan/`, `results/`,
+`recoveries/`, `workers/<node>/`, `members/`), serves them in its own `CollectorRegistry` on
+`host:port` (default `elastic.runtime.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
+one) and publishes `metrics/<node_id>` = {"address": "host:port"} on the node's lease, so the key
+goes when the node does (`metrics_addresses` reads them all back, for `elastic status`).
+
+Every value is computed from the mirrored etcd state at scrape time; nothing is counted locally,
+so a metrics server started late (or restarted) reports the same numbers:
+
+| name | type | labels | meaning |
+| --- | --- | --- | --- |
+| elastic_node_info | info | job_id, node | which job and node this endpoint belongs to (value 1) |
+| elastic_step | gauge | | steps committed (index of the last committed step + 1) |
+| elastic_loss | gauge | | loss of the last committed step |
+| elastic_step_seconds | gauge | | wall time of the last committed step on its reporting worker |
+| elastic_tokens_per_second | gauge | | tokens of the last `window` committed steps over the wall time they spanned |
+| elastic_generation | gauge | | the latest published generation |
+| elastic_recoveries_total | counter | | reconfigurations: generations published after the first |
+| elastic_last_recovery_seconds | gauge | | the latest finished recovery, injected fault (or detection) to first commit |
+| elastic_last_recovery_phase_seconds | gauge | phase | that recovery's detecting, planning, transferring, rebuilding, replaying seconds |
+| elastic_recovery_seconds | histogram | | every finished recovery's total seconds |
+| elastic_transfer_bytes_total | counter | | shard bytes fetched by this node's workers, all reconfigurations |
+| elastic_job_transfer_bytes_total | counter | | shard bytes fetched by every worker of the job |
+| elastic_workers | gauge | | workers this node registered (their keys live on the node's lease) |
+| elastic_workers_alive | gauge | | of those, processes that exist here and are neither stopped nor zombies |
+| elastic_nodes_alive | gauge | | members of the job with a live lease |
+
+A recovery's breakdown follows elastic.runtime.progress (the run summary's recovery entries),
+so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
+generation reported its timings, or a later generation superseded it after some did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.model.config import get_preset
+from elastic.parallel.layout import assign_ranks
+from elastic.runtime.netaddr import bind_host
+from elastic.runtime.protocol import (
+    GenerationRecord,
+    RecoveryTimings,
+    RunKeys,
+    StepResult,
+    WorkerInfo,
+    node_id,
+)
+
+log = logging.getLogger(__name__)
+
+PORT_ENV = "ELASTIC_METRICS_PORT"
+PHASES = ("detecting", "planning", "transferring", "rebuilding", "replaying")
+BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+"""Upper bounds (seconds) of the recovery histogram's buckets (+Inf is added)."""
+
+
+def metrics_key(keys: JobKeys, node: int) -> str:
+    """`metrics/<node_id>`: where plan node `node` publishes its metrics address."""
+    return f"{keys.root}metrics/{node_id(node)}"
+
+
+def metrics_addresses(client: Any, keys: JobKeys) -> dict[str, str]:
+    """node id -> `host:port` of every metrics endpoint published in the job."""
+    prefix = f"{keys.root}metrics/"
+    found: dict[str, str] = {}
+    for value, meta in client.get_prefix(prefix):
+        found[meta.key.decode()[len(prefix) :]] = str(json.loads(value)["address"])
+    return found
+
+
+class _Mirror:
+    """A local copy of the keys under one prefix, parsed, kept current by a watch from revision 1."""
+
+    def __init__(self, client: Any, prefix: str, parse: Callable[[bytes], Any]) -> None:
+        self.prefix = prefix
+        self._parse = parse
+        self._lock = threading.Lock()
+        self._items: dict[str, Any] = {}
+        self._watch = PrefixWatch(client, prefix, self._on_events, start_revision=1)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            for ev in events:
+                name = ev.key[len(self.prefix) :]
+                if ev.kind == "delete":
+                    self._items.pop(name, None)
+                    continue
+                try:
+                    self._items[name] = self._parse(ev.value)
+                except (ValueError, TypeError, KeyError) as exc:
+                    log.warning("metrics: skipping malformed %s%s: %s", self.prefix, name, exc)
+
+    def items(self) -> dict[str, Any]:
+        """key (relative to the prefix) -> parsed value, a copy."""
+        with self._lock:
+            return dict(self._items)
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._watch.wait_ready(timeout)
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """A finished recovery as the metrics see it (the fields of the summary's recovery entry)."""
+
+    generation: int
+    """Generation it recovered into."""
+    total_s: float
+    """Fault (or detection) to the first commit."""
+    phases: dict[str, float]
+    """Seconds per phase, keys PHASES."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """Every value the endpoint serves, computed from the mirrored etcd state."""
+
+    step: int = 0
+    loss: float | None = None
+    step_seconds: float | None = None
+    tokens_per_s: float | None = None
+    generation: int = 0
+    recoveries: int = 0
+    finished: list[Recovery] = field(default_factory=list)
+    node_bytes: int = 0
+    job_bytes: int = 0
+    workers: int = 0
+    workers_alive: int = 0
+    nodes_alive: int = 0
+
+
+def recovery_of(
+    g: int, rec: GenerationRecord, timings: list[RecoveryTimings], injected: dict[str, float]
+) -> Recovery:
+    """The breakdown of elastic.runtime.progress.recovery_breakdown, from mirrored values."""
+    faults = [t for name, t in injected.items() for n in rec.lost if f"-node{n}-" in name]
+    detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
+    origin = min(faults) if faults and rec.lost else detected
+    published = rec.published_at or detected
+    first_commit = max(t.first_commit_at for t in timings)
+    started = max(t.started_at for t in timings)
+    phases = {
+        "detecting": max(0.0, detected - origin),
+        "planning": max(0.0, published - detected),
+        "transferring": max(t.transfer_s for t in timings),
+        "rebuilding": max(t.rebuild_s for t in timings),
+        "replaying": max(0.0, first_commit - started),
+    }
+    return Recovery(generation=g, total_s=max(0.0, first_commit - origin), phases=phases)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = psutil.Process(pid).status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return status not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def snapshot(
+    *,
+    node: int,
+    seq_len: int | None,
+    window: int,
+    plans: dict[int, GenerationRecord],
+    results: dict[int, StepResult],
+    timings: dict[int, dict[int, RecoveryTimings]],
+    injected: dict[str, float],
+    workers: list[WorkerInfo],
+    nodes_alive: int,
+) -> Snapshot:
+    """What the endpoint serves for plan node `node`, given the job's state (see the module doc).
+
+    `seq_len` None (the job config not read yet) leaves tokens/s out."""
+    ordered = [results[s] for s in sorted(results)]
+    last = ordered[-1] if ordered else None
+    tokens_per_s = None
+    if last is not None and seq_len and last.generation in plans:
+        tokens = plans[last.generation].plan.global_batch * seq_len
+        recent = ordered[-window:]
+        span = recent[-1].committed_at - recent[0].committed_at
+        if len(recent) >= 2 and span > 0:
+            tokens_per_s = tokens * (len(recent) - 1) / span
+        elif last.seconds > 0:
+            tokens_per_s = tokens / last.seconds
+    finished: list[Recovery] = []
+    node_bytes = job_bytes = 0
+    for g, rec in sorted(plans.items()):
+        got = timings.get(g, {})
+        world = len(rec.plan.nodes) * rec.plan.gpus_per_node
+        coords = assign_ranks(rec.plan)
+        for rank, t in got.items():
+            job_bytes += t.bytes_fetched
+            if rank < len(coords) and coords[rank].node == node:
+                node_bytes += t.bytes_fetched
+        superseded = any(later > g for later in plans)
+        if g > 1 and got and (len(got) >= world or superseded):
+            finished.append(recovery_of(g, rec, list(got.values()), injected))
+    return Snapshot(
+        step=last.step + 1 if last else 0,
+        loss=last.loss if last else None,
+        step_seconds=last.seconds if last else None,
+        tokens_per_s=tokens_per_s,
+        generation=max(plans, default=0),
+        recoveries=sum(1 for g in plans if g > 1),
+        finished=finished,
+        node_bytes=node_bytes,
+        job_bytes=job_bytes,
+        workers=len(workers),
+        workers_alive=sum(1 for w in workers if _alive(w.pid)),
+        nodes_alive=nodes_alive,
+    )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
+    """The Prometheus metric families of one snapshot (names and types: module doc)."""
+    yield InfoMetricFamily(
+        "elastic_node", "Job and node of this endpoint.", value={"job_id": job, "node": str(node)}
+    )
+    yield _gauge("elastic_step", "Steps committed (index of the last committed step + 1).", snap.step)
+    if snap.loss is not None:
+        yield _gauge("elastic_loss", "Loss of the last committed step.", snap.loss)
+    if snap.step_seconds is not None:
+        yield _gauge("elastic_step_seconds", "Wall time of the last committed step.", snap.step_seconds)
+    if snap.tokens_per_s is not None:
+        yield _gauge("elastic_tokens_per_second", "Tokens per second over the recent committed steps.",
+                     snap.tokens_per_s)  # fmt: skip
+    yield _gauge("elastic_generation", "Latest published generation.", snap.generation)
+    yield CounterMetricFamily(
+        "elastic_recoveries", "Generations published after the first.", value=snap.recoveries
+    )
+    if snap.finished:
+        last = snap.finished[-1]
+        yield _gauge("elastic_last_recovery_seconds", "Latest finished recovery, fault to first commit.",
+                     last.total_s)  # fmt: skip
+        phases = GaugeMetricFamily("elastic_last_recovery_phase_seconds", "Latest finished recovery by phase.",
+                                   labels=["phase"])  # fmt: skip
+        for phase in PHASES:
+            phases.add_metric([phase], last.phases[phase])
+        yield phases
+    totals = [r.total_s for r in snap.finished]
+    buckets = [(str(b), float(sum(1 for t in totals if t <= b))) for b in BUCKETS]
+    buckets.append(("+Inf", float(len(totals))))
+    yield HistogramMetricFamily("elastic_recovery_seconds", "Seconds of each finished recovery.",
+                                buckets=buckets, sum_value=sum(totals))  # fmt: skip
+    yield CounterMetricFamily("elastic_transfer_bytes", "Shard bytes fetched by this node's workers.",
+                              value=snap.node_bytes)  # fmt: skip
+    yield CounterMetricFamily("elastic_job_transfer_bytes", "Shard bytes fetched by every worker of the job.",
+                              value=snap.job_bytes)  # fmt: skip
+    yield _gauge("elastic_workers", "Workers this node registered.", snap.workers)
+    yield _gauge(
+        "elastic_workers_alive", "Registered workers of this node that are running.", snap.workers_alive
+    )
+    yield _gauge("elastic_nodes_alive", "Members of the job with a live lease.", snap.nodes_alive)
+
+
+class NodeMetrics(Collector):
+    """The metrics endpoint of one node (module doc); `start` serves it, `stop` ends it."""
+
+    def __init__(self, client: Any, keys: JobKeys, *, node: int, lease: int | None = None,
+                 window: int = 10) -> None:  # fmt: skip
+        if window < 1:
+            raise ValueError(f"window must be >= 1 step, got {window}")
+        self.client, self.keys, self.node, self.lease, self.window = client, keys, node, lease, window
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._mirrors: dict[str, _Mirror] = {}
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._seq_len: int | None = None
+        self.address: str | None = None
+        """`host:port` of the endpoint once started."""
+
+    def start(self, host: str | None = None, port: int | None = None) -> NodeMetrics:
+        """Mirror the job's state, serve `/metrics` on host:port and publish the address; returns self.
+
+        `host` defaults to bind_host(), `port` to $ELASTIC_METRICS_PORT, else 0 (a free port).
+        """
+        if self._server is not None:
+            raise RuntimeError("NodeMetrics already started")
+        host = host or bind_host()
+        if port is None:
+            raw = os.environ.get(PORT_ENV, "0").strip() or "0"
+            if not raw.isdigit():
+                raise ValueError(f"{PORT_ENV}={raw!r} is not a port number")
+            port = int(raw)
+        rk = RunKeys(self.keys)
+        self._mirrors = {
+            "plans": _Mirror(self.client, self.keys.plans, GenerationRecord.from_json),
+            "results": _Mirror(self.client, rk.results, StepResult.from_json),
+            "recoveries": _Mirror(self.client, rk.recoveries, RecoveryTimings.from_json),
+            "workers": _Mirror(self.client, rk.node_workers(self.node), WorkerInfo.from_json),
+            "members": _Mirror(self.client, self.keys.members, lambda v: v),
+            "injected": _Mirror(self.client, rk.injected(""), lambda v: float(v.decode())),
+        }
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound_host, bound_port = self._server.server_address[:2]
+        self.address = f"{bound_host}:{bound_port}"
+        value = json.dumps({"address": self.address})
+        if self.lease is not None:
+            self.client.put(metrics_key(self.keys, self.node), value, lease=self.lease)
+        else:
+            self.client.put(metrics_key(self.keys, self.node), value)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and watching, and withdraw the published address (if it is still ours)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        for mirror in self._mirrors.values():
+            mirror.close()
+        if self.address is not None:
+            key = metrics_key(self.keys, self.node)
+            try:
+                value, _ = self.client.get(key)
+                if value is not None and json.loads(value).get("address") == self.address:
+                    self.client.delete(key)
+            except Exception as exc:  # etcd gone at shutdown: the key goes with the lease or the job
+                log.warning("metrics: could not withdraw %s: %s", key, exc)
+        self.address = None
+
+    def _seq(self) -> int | None:
+        if self._seq_len is None:
+            raw, _ = self.client.get(RunKeys(self.keys).config)
+            if raw is not None:
+                self._seq_len = get_preset(json.loads(raw)["spec"]["model"]).seq_len
+        return self._seq_len
+
+    def snapshot(self) -> Snapshot:
+        """The values a scrape serves now."""
+        m = {name: mirror.items() for name, mirror in self._mirrors.items()}
+        timings: dict[int, dict[int, RecoveryTimings]] = {}
+        for key, t in m["recoveries"].items():
+            g, rank = key.split("/")
+            timings.setdefault(int(g), {})[int(rank)] = t
+        try:
+            seq_len = self._seq()
+        except Exception as exc:  # etcd unreachable: serve what the mirrors hold
+            log.warning("metrics: cannot read the job config: %s", exc)
+            seq_len = None
+        return snapshot(
+            node=self.node,
+            seq_len=seq_len,
+            window=self.window,
+            plans={int(k): v for k, v in m["plans"].items()},
+            results={int(k): v for k, v in m["results"].items()},
+            timings=timings,
+            injected=m["injected"],
+            workers=list(m["workers"].values()),
+            nodes_alive=len(m["members"]),
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self.snapshot(), job=self.keys.job, node=self.node)

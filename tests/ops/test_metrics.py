@@ -1,0 +1,203 @@
+"""The per-node Prometheus endpoint against a real elastic run: real etcd, agents, workers, SIGKILL.
+
+One run (tiny, 3 nodes: a 2-stage and a 1-stage pipeline, node 2 killed while step 5 is in
+flight) serves every test of this module. A NodeMetrics for the surviving node 1 runs in the test
+process, on node 1's own lease, and is scraped over HTTP during and after the run; every value is
+checked against the run summary or etcd.
+"""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
+from elastic.ops.metrics import NodeMetrics, metrics_addresses
+from elastic.ops.report import summary_text, write_report
+from elastic.parallel.layout import assign_ranks
+from elastic.runtime.injection import parse_injection
+from elastic.runtime.job import JobSpec
+from elastic.runtime.launcher import launch_elastic
+from elastic.runtime.optim import OptimConfig
+from elastic.runtime.planning import ClusterSpec
+from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RecoveryTimings, RunKeys, node_id
+from elastic.runtime.summary import RunSummary
+from templates.plan import even_plan
+
+from ..polling import wait_for
+
+pytestmark = pytest.mark.timeout(150)
+
+STEPS = 10
+NODE = 1  # survives; node 2 is killed
+SEQ_LEN = 64  # the tiny preset's
+
+
+def scrape(address: str) -> dict[str, float]:
+    """`name{labels}` -> value of every sample the endpoint serves."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+@dataclass
+class Live:
+    """What the module's run left: the summary, samples scraped during and after, etcd's view."""
+
+    summary: RunSummary
+    job: str
+    run_dir: Path
+    address: str
+    published_during: dict[str, str]
+    published_after: dict[str, str]
+    during: dict[str, float]
+    after: dict[str, float]
+    plans: dict[int, GenerationRecord]
+    timings: dict[int, dict[int, RecoveryTimings]]
+
+
+def elastic_config(run_dir: Path) -> ElasticConfig:
+    plan = even_plan(num_layers=6, nodes=[0, 1, 2], num_pipelines=2, global_microbatches=4, microbatch_size=2,
+                     fault_tolerance=1)  # fmt: skip
+    spec = JobSpec(model="tiny", plan=plan, steps=STEPS, run_dir=str(run_dir),
+                   optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), device="cpu", collective_timeout_s=60.0)  # fmt: skip
+    cluster = ClusterSpec(model="tiny", nodes=3, fault_tolerance=1, global_batch=8, microbatch=2)
+    return ElasticConfig(spec=spec, cluster=cluster, injections=(parse_injection("kill:node=2,step=5"),),
+                         checkpoint_every=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    run_dir = tmp_path_factory.mktemp("metrics-run")
+    job = f"metrics-{uuid.uuid4().hex[:8]}"
+    keys = JobKeys(job)
+    client = connect(EtcdConfig(endpoint=etcd_server.endpoint))
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["summary"] = launch_elastic(elastic_config(run_dir), etcd_endpoint=etcd_server.endpoint,
+                                                job=job, quiet=True, timeout_s=120)  # fmt: skip
+        except BaseException as exc:  # reported by the fixture below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="elastic-run", daemon=True)
+    thread.start()
+    metrics = None
+    try:
+        member = wait_for(lambda: client.get(keys.member(node_id(NODE)))[1], 90, "node 1 to join")
+        metrics = NodeMetrics(client, keys, node=NODE, lease=member.lease_id).start()
+        address = metrics.address
+        assert address is not None
+        published_during = metrics_addresses(client, keys)
+
+        def two_steps() -> dict[str, float] | None:
+            samples = scrape(address)
+            if samples.get("elastic_step", 0) >= 2 or not thread.is_alive():  # a failed run: raised below
+                return samples
+            return None
+
+        during: dict[str, float] = wait_for(two_steps, 110, "two committed steps on the endpoint")
+        thread.join(timeout=130)
+        assert not thread.is_alive(), "the elastic run did not end"
+        if "error" in outcome:
+            raise outcome["error"]
+        summary: RunSummary = outcome["summary"]
+        (run_dir / "summary.json").write_text(summary.to_json())
+        rk = RunKeys(keys)
+        # Node 1's agent left at the end: the worker keys on its lease went (the last delete
+        # reaches the mirror through a watch), while every result and timing stays.
+        wait_for(lambda: scrape(address)["elastic_workers"] == 0, 10, "node 1's workers to go")
+        after = scrape(address)
+        plans = {int(m.key.decode().rsplit("/", 1)[1]): GenerationRecord.from_json(v)
+                 for v, m in client.get_prefix(keys.plans)}  # fmt: skip
+        timings: dict[int, dict[int, RecoveryTimings]] = {}
+        for value, m in client.get_prefix(rk.recoveries):
+            g, rank = m.key.decode().split("/")[-2:]
+            timings.setdefault(int(g), {})[int(rank)] = RecoveryTimings.from_json(value)
+        yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
+                   published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
+                   timings=timings)  # fmt: skip
+    finally:
+        if metrics is not None:
+            metrics.stop()
+        thread.join(timeout=30)  # launch_elastic stops its agents and workers by PID on the way out
+        client.close()
+
+
+def test_run_had_one_recovery(live: Live) -> None:
+    assert live.summary.steps_committed == STEPS
+    (rec,) = live.summary.recoveries
+    assert rec["lost_nodes"] == [2] and not rec["interrupted"]
+
+
+def test_address_published_on_the_nodes_lease(live: Live) -> None:
+    assert live.published_during[node_id(NODE)] == live.address
+    assert live.address.startswith("127.0.0.1:")
+    assert node_id(NODE) not in live.published_after  # the lease went with the agent
+
+
+def test_values_during_the_run(live: Live) -> None:
+    s = live.during
+    assert s[f'elastic_node_info{{job_id="{live.job}",node="1"}}'] == 1
+    step = int(s["elastic_step"])
+    assert 2 <= step <= STEPS
+    assert s["elastic_loss"] == live.summary.losses[step - 1]
+    assert s["elastic_workers"] == 1 and s["elastic_workers_alive"] == 1
+    assert 2 <= s["elastic_nodes_alive"] <= 3
+
+
+def test_values_after_the_run(live: Live) -> None:
+    s, summary = live.after, live.summary
+    assert s["elastic_step"] == summary.steps_committed == STEPS
+    assert s["elastic_loss"] == summary.losses[-1]
+    assert s["elastic_step_seconds"] == summary.step_seconds[-1]
+    assert s["elastic_generation"] == max(live.plans) == summary.recoveries[-1]["generation"] == 2
+    assert s["elastic_recoveries_total"] == len(summary.recoveries) == 1
+    assert s["elastic_workers"] == 0 and s["elastic_workers_alive"] == 0
+
+
+def test_tokens_per_second_over_the_last_ten_commits(live: Live) -> None:
+    at = live.summary.step_committed_at[-10:]
+    want = live.summary.global_batch * SEQ_LEN * (len(at) - 1) / (at[-1] - at[0])
+    assert live.after["elastic_tokens_per_second"] == pytest.approx(want, rel=1e-9)
+
+
+def test_recovery_seconds_match_the_summary(live: Live) -> None:
+    s, (rec,) = live.after, live.summary.recoveries
+    assert s["elastic_last_recovery_seconds"] == pytest.approx(rec["total_s"], abs=1e-9)
+    for phase in ("detecting", "planning", "transferring", "rebuilding", "replaying"):
+        got = s[f'elastic_last_recovery_phase_seconds{{phase="{phase}"}}']
+        assert got == pytest.approx(rec[f"{phase}_s"], abs=1e-9), phase
+    assert s["elastic_recovery_seconds_count"] == 1
+    assert s["elastic_recovery_seconds_sum"] == pytest.approx(rec["total_s"], abs=1e-9)
+    assert s['elastic_recovery_seconds_bucket{le="+Inf"}'] == 1
+
+
+def test_bytes_transferred(live: Live) -> None:
+    (rec,) = live.summary.recoveries
+    assert live.after["elastic_job_transfer_bytes_total"] == rec["bytes_moved"] > 0
+    # This node's share: the ranks that generation 2's layout puts on node 1.
+    coords = assign_ranks(live.plans[2].plan)
+    mine = sum(t.bytes_fetched for rank, t in live.timings[2].items() if coords[rank].node == NODE)
+    assert 0 < live.after["elastic_transfer_bytes_total"] == mine < rec["bytes_moved"]
+
+
+def test_report_of_the_run(live: Live) -> None:
+    path = write_report(live.run_dir)
+    assert path == live.run_dir / "report.png" and path.stat().st_size > 0
+    text = summary_text(live.run_dir)
+    assert f"{STEPS} steps" in text and "1 recovery" in text and "node 2 lost" in text
