@@ -25,7 +25,8 @@ from templates.replanning import replan
 pytestmark = pytest.mark.timeout(120)
 
 CLUSTER = SimCluster(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
-COSTS = RecoveryCosts(replan_s=0.05, checkpoint_interval_s=120.0)
+REPLAN_S = 0.05
+COSTS = RecoveryCosts(replan_s=REPLAN_S, checkpoint_interval_s=120.0)
 HORIZON = 3600.0
 
 
@@ -78,7 +79,7 @@ def test_elastic_throughput_is_the_planners(book: PlanBook) -> None:
     # Each recovery window = detection + planning + transfer + rebuild, and transfer is bounded by the
     # bytes of a whole model replica over one NIC.
     for ev, seg in zip(trace.events, res.segments[1:], strict=True):
-        fixed = COSTS.detect_s + COSTS.replan_s + COSTS.rebuild_s
+        fixed = COSTS.detect_s + REPLAN_S + COSTS.rebuild_s
         assert fixed <= seg.start_s - ev.time_s <= fixed + book.model_bytes / CLUSTER.network_bytes_per_s
 
 
@@ -91,7 +92,7 @@ def test_checkpoint_restart_loses_exactly_the_work_since_the_last_checkpoint(boo
     # restart = process start + W (load) + planning time.
     write = book.model_bytes / COSTS.storage_bytes_per_s
     assert write == pytest.approx(book.model_bytes / 1e9)  # 8 Gbit/s = 1 GB/s
-    restart = COSTS.process_start_s + write + COSTS.replan_s
+    restart = COSTS.process_start_s + write + REPLAN_S
 
     def k(t: float) -> int:
         return max(1, round(120.0 / t))

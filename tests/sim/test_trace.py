@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ def test_spec_rejoin_brings_each_failed_node_back() -> None:
 
 
 def test_json_trace_round_trip(tmp_path: Path) -> None:
-    events = [{"time_s": 60, "event": "fail", "node": 2}, {"time_s": 120, "event": "join", "node": 2}]
+    events: list[dict[str, Any]] = [{"time_s": 60, "event": "fail", "node": 2}, {"time_s": 120, "event": "join", "node": 2}]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(events))
     trace = load_trace(path, initial_nodes=4)
