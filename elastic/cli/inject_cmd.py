@@ -1,17 +1,257 @@
-"""`elastic inject`: placeholder until its module lands (see the operations and benchmark issues)."""
+"""`elastic inject {kill,hang,slow,partition} --node N`: a fault for a running elastic job.
+
+The request goes into the job's etcd (`injections/<id>`, see elastic/runtime/injection.py); the
+agent of the node's current incarnation carries it out at once, or while `--at-step S` is in
+flight, and records its status and an event. `elastic drain` (drain_cmd.py) shares the helpers
+here. Exit codes: 0 written (and, within `--wait`, carried out); 1 the job cannot take it (etcd
+unreachable, no such job, wrong job token, node not a live member, step already committed,
+refused); 2 bad flags.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
 
+KINDS = ("kill", "hang", "slow", "partition")
+_DONE_STATES = ("done", "refused", "fenced")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, wait: float) -> None:
+    """--etcd/--job/--run-dir (which job), --token (may it be changed) and --wait."""
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="the job's etcd")
+    parser.add_argument(
+        "--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)"
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="run dir of `elastic run`: etcd, job and token from DIR/job.json",
+    )
+    parser.add_argument(
+        "--token", default=None,
+        help="the job token (default: $ELASTIC_JOB_TOKEN, else the token in DIR/job.json)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--wait", type=float, default=wait, metavar="SECONDS",
+        help=f"wait this long for the outcome (default {wait:g}; 0: write the request and return)",
+    )  # fmt: skip
+
+
+class JobError(RuntimeError):
+    """The job cannot take the request (printed as one line, exit code 1)."""
+
+
+class OperatorJob:
+    """A running job opened for a change: etcd client, keys, raw config; the token checked."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from elastic.coordinator.access import JobAccessError, admit
+        from elastic.ops.job_target import OpsError, find_job, open_client, resolve_target
+        from elastic.runtime.protocol import RunKeys
+
+        if args.wait < 0:
+            raise UsageError(f"--wait must be >= 0, got {args.wait}")
+        try:
+            target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        self.client = open_client(target)
+        try:
+            self.keys = find_job(self.client, target)
+        except OpsError as exc:
+            self.client.close()
+            raise JobError(str(exc)) from None
+        self.rk = RunKeys(self.keys)
+        value, _ = self.client.get(self.rk.config)
+        stored, _ = self.client.get(self.keys.token)
+        if value is None or stored is None:
+            self.close()
+            raise JobError(f"job {self.keys.job} at {target.etcd} is not an elastic run (no config or token)")
+        self.raw = json.loads(value)
+        token = args.token or os.environ.get("ELASTIC_JOB_TOKEN") or _token_of_run_dir(args.run_dir)
+        try:  # the token record exists, so admit only checks (it never installs ours)
+            admit(self.client, self.keys, token)
+        except JobAccessError as exc:
+            self.close()
+            raise JobError(f"{exc}; nothing was written") from None
+
+    @property
+    def steps(self) -> int:
+        return int(self.raw["spec"]["steps"])
+
+    @property
+    def lease_ttl(self) -> int:
+        return int(self.raw["lease_ttl"])
+
+    def members(self) -> dict[int, int]:
+        """Live plan node -> its incarnation."""
+        from elastic.coordinator.membership import read_members
+        from elastic.runtime.protocol import node_of
+
+        out = {}
+        for member_id, ident in read_members(self.client, self.keys)[0].items():
+            try:
+                out[node_of(member_id)] = ident.incarnation
+            except ValueError:
+                continue
+        return out
+
+    def committed_steps(self) -> int:
+        return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
+
+    def wait_outcome(self, request_id: str, timeout: float, say_running: bool = True) -> Any:
+        """The request's final status (done, refused, fenced) within `timeout` s, else the last seen."""
+        from elastic.runtime.injection import InjectionStatus
+
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            value, _ = self.client.get(self.rk.injection_status(request_id))
+            if value is not None:
+                status = InjectionStatus.from_json(value)
+                if status.state in _DONE_STATES:
+                    return status
+                if say_running and (last is None or last.state != status.state):
+                    print(f"elastic {request_id.split('-')[0]}: {request_id} {describe(status)}", flush=True)
+                last = status
+            if time.monotonic() >= deadline:
+                return last
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def describe(status: Any) -> str:
+    """One status in words: `done at 17:04:05.123 (step 9 in flight): workers SIGKILLed`."""
+    at = time.strftime("%H:%M:%S", time.localtime(status.at)) + f".{int(status.at % 1 * 1000):03d}"
+    where = f" (step {status.step} in flight)" if status.step is not None else ""
+    gen = f", generation {status.generation}" if status.generation is not None else ""
+    return f"{status.state} at {at}{where}{gen}" + (f": {status.detail}" if status.detail else "")
+
+
+def _token_of_run_dir(run_dir: str | None) -> str | None:
+    if run_dir is None:
+        return None
+    try:
+        token = json.loads((Path(run_dir) / "job.json").read_text()).get("token")
+    except (OSError, ValueError):
+        return None
+    return token if isinstance(token, str) else None
+
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("inject", help="(not built yet)")
+    parser = subparsers.add_parser(
+        "inject",
+        help="inject a fault (kill, hang, slow, partition) into a node of a running elastic job",
+        description="Ask the agent of a node of a running elastic job to inject a fault, through the job's "
+        "etcd: kill (SIGKILL its workers), hang (SIGSTOP workers and agent: its lease expires), slow "
+        "(SIGSTOP/SIGCONT duty cycle: steps take about FACTOR times longer, and no failure is declared), "
+        "partition (keepalives and peer traffic stop for SECONDS; the healed node finds itself fenced and "
+        "leaves). Needs the job token.",
+    )
+    parser.add_argument("kind", choices=KINDS, help="the fault")
+    parser.add_argument("--node", type=int, required=True, help="plan node to hit (a live member)")
+    parser.add_argument(
+        "--at-step",
+        type=int,
+        default=None,
+        metavar="S",
+        help="while step S (1-based, as printed) is in flight",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=None,
+        help="slow: how long (default 10); partition: how long (default 2 x lease TTL + 1; must exceed the TTL)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--factor", type=float, default=None, help="slow: steps take about F times longer (default 2)"
+    )
+    add_job_arguments(parser, wait=30.0)
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    raise UsageError("not built yet")
+    from elastic.runtime.injection import InjectionRequest, request_id, submit_request
+
+    if args.node < 0:
+        raise UsageError(f"--node must be >= 0, got {args.node}")
+    if args.at_step is not None and args.at_step < 1:
+        raise UsageError(f"--at-step must be >= 1 (steps are numbered from 1), got {args.at_step}")
+    if args.factor is not None and args.kind != "slow":
+        raise UsageError("--factor applies to slow only")
+    if args.seconds is not None and args.kind not in ("slow", "partition"):
+        raise UsageError("--seconds applies to slow and partition only")
+    if args.seconds is not None and args.seconds <= 0:
+        raise UsageError(f"--seconds must be positive, got {args.seconds}")
+    if args.factor is not None and args.factor <= 1:
+        raise UsageError(f"--factor must be > 1, got {args.factor}")
+    try:
+        job = OperatorJob(args)
+    except JobError as exc:
+        print(f"elastic inject: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        members = job.members()
+        if args.node not in members:
+            live = ", ".join(str(n) for n in sorted(members)) or "none"
+            raise JobError(
+                f"node {args.node} is not a live member of job {job.keys.job} (live nodes: {live})"
+            )
+        if args.at_step is not None:
+            committed = job.committed_steps()
+            if args.at_step > job.steps:
+                raise JobError(f"step {args.at_step} is past the job's last step {job.steps}")
+            if args.at_step <= committed:
+                raise JobError(
+                    f"step {args.at_step} is already committed (step {committed + 1} is in flight)"
+                )
+        seconds, factor = args.seconds, args.factor
+        if args.kind == "slow":
+            seconds, factor = seconds or 10.0, factor or 2.0
+        if args.kind == "partition":
+            seconds = seconds or 2.0 * job.lease_ttl + 1.0
+            if seconds <= job.lease_ttl:
+                raise JobError(
+                    f"a partition of {seconds:g} s would go unnoticed (lease TTL {job.lease_ttl} s): give --seconds "
+                    f"above {job.lease_ttl}"
+                )
+        req = InjectionRequest(
+            id=request_id(args.kind, args.node, args.at_step), kind=args.kind, node=args.node,
+            incarnation=members[args.node], when="step" if args.at_step is not None else "now", step=args.at_step,
+            seconds=seconds, factor=factor, requested_at=time.time(), by="cli",
+        )  # fmt: skip
+        submit_request(job.client, job.keys.root, req)
+        when = f"while step {args.at_step} is in flight" if args.at_step is not None else "at once"
+        what = {"slow": f" (x{factor:g} for {seconds:g} s)", "partition": f" ({seconds:g} s)"}.get(
+            args.kind, ""
+        )
+        print(
+            f"elastic inject: {req.id}: {args.kind}{what} node {args.node} (incarnation {req.incarnation}) "
+            f"of job {job.keys.job} {when}",
+            flush=True,
+        )
+        if args.wait == 0:
+            return 0
+        status = job.wait_outcome(req.id, args.wait)
+        if status is None:
+            print(
+                f"elastic inject: {req.id} not carried out yet after {args.wait:g} s (still pending)",
+                flush=True,
+            )
+            return 0
+        print(f"elastic inject: {req.id} {describe(status)}", flush=True)
+        return 1 if status.state == "refused" else 0
+    except JobError as exc:
+        print(f"elastic inject: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        job.close()

@@ -4,9 +4,18 @@ One per node. It joins the job's membership with a lease, campaigns for leader (
 `Leader` while elected), spawns the node's G elastic workers (once: a survivor's workers are
 never restarted) and watches them: a worker that exits before finishing, or that is found
 stopped (SIGSTOP: hung), makes it report the node failed at once (its lease is revoked, every
-watcher sees the loss), kill the node's other workers and exit. It also carries out the
-injections addressed to its node (see injection.py). Exit codes: 0 when its workers finished
-the job, 3 when the node failed. The job token comes in the ELASTIC_JOB_TOKEN environment variable.
+watcher sees the loss), kill the node's other workers and exit.
+
+It carries out the injection requests (injection.py) addressed to its node and incarnation,
+watching `injections/`: kill (SIGKILL the workers), hang (SIGSTOP workers and agent: the lease
+expires), slow (a SIGSTOP/SIGCONT duty cycle on the workers, which the hang detector knows is
+not a hang) and partition (emulated: keepalives stop, the leader steps down and the workers are
+SIGSTOPped for the given seconds; after the heal the node finds itself fenced, kills its
+workers before they run again and exits 3). An agent that finds its own lease expired (a real
+partition healed, a hang continued) likewise kills its workers and exits 3.
+
+Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed. The
+job token comes in the ELASTIC_JOB_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -28,11 +37,21 @@ import psutil
 from elastic.coordinator.access import admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import LeaderElection
+from elastic.coordinator.events import record_event
+from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.runtime.injection import Injection
+from elastic.runtime.injection import (
+    AGENT_KINDS,
+    InjectionRequest,
+    InjectionStatus,
+    State,
+    Throttle,
+    read_statuses,
+    write_status,
+)
 from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id
 
@@ -82,11 +101,16 @@ class InjectionTrigger:
             self._generations += sum(1 for ev in events if ev.kind == "put")
             self._cond.notify_all()
 
-    def wait(self, inj: Injection, stop: threading.Event) -> bool:
+    def in_flight(self) -> int:
+        """The step (1-based) in flight as far as this trigger has seen."""
+        with self._cond:
+            return max(self._commits) + 2 if self._commits else 1
+
+    def wait(self, inj: InjectionRequest, stop: threading.Event) -> bool:
         """Block until `inj` should fire (True) or `stop` is set (False)."""
 
         def due() -> bool:
-            if stop.is_set():
+            if stop.is_set() or inj.when == "now":
                 return True
             if inj.when == "reconfig":
                 return self._generations >= 2
@@ -127,7 +151,8 @@ class Agent:
         identity = NodeIdentity(
             node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
         )
-        self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl))
+        self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl),
+                                     on_self_lost=self._on_lease_lost)  # fmt: skip
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.exit_code: int | None = None
@@ -135,6 +160,11 @@ class Agent:
         self._lock = threading.Lock()
         self._finished: set[int] = set()
         self._hanging = False
+        self._partitioned = False
+        self._signal_lock = threading.Lock()  # held while workers are signalled by a Throttle
+        self._throttles: list[Throttle] = []
+        self._requests_seen: set[str] = set()
+        self._trigger: InjectionTrigger | None = None
         self.monitor: WorkerMonitor | None = None
         self.leader: Leader | None = None
         self.config: ElasticConfig | None = None
@@ -143,7 +173,7 @@ class Agent:
 
     def run(self) -> int:
         self.membership.join()
-        trigger = InjectionTrigger(self.client, self.keys)
+        self._trigger = trigger = InjectionTrigger(self.client, self.keys)
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
         from elastic.runtime.leader import Leader
@@ -152,11 +182,9 @@ class Agent:
         self.election.start()
         self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
-        for inj in self.config.injections:
-            if inj.node == self.node and inj.kind != "rejoin" and self.incarnation == 0:
-                threading.Thread(target=self._inject, args=(inj, trigger), name=f"inject-{inj.name}",
-                                 daemon=True).start()  # fmt: skip
+        requests = PrefixWatch(self.client, self.keys.injections, self._on_requests, start_revision=1)
         self.done.wait()
+        requests.cancel()
         trigger.close()
         self._shutdown()
         assert self.exit_code is not None
@@ -194,16 +222,37 @@ class Agent:
 
     def _watch_stopped(self) -> None:
         while not self.done.wait(_STOPPED_CHECK_S):
-            if self._hanging:  # an injected hang: the lease must expire, not be revoked
+            if self._hanging or self._partitioned:  # injected: the lease must expire, not be revoked
                 return
-            for pid in list(self.procs):
-                try:
-                    stopped = psutil.Process(pid).status() == psutil.STATUS_STOPPED
-                except psutil.NoSuchProcess:
+            stopped = None
+            with self._signal_lock:  # a Throttle changes `active` and signals only under this lock
+                if any(t.active for t in self._throttles):
                     continue
-                if stopped:
-                    self._fail(f"worker pid {pid} is stopped (hung)")
-                    return
+                for pid in list(self.procs):
+                    try:
+                        if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                            stopped = pid
+                            break
+                    except psutil.NoSuchProcess:
+                        continue
+            if stopped is not None:
+                self._fail(f"worker pid {stopped} is stopped (hung)")
+                return
+
+    def _on_lease_lost(self) -> None:
+        """Our lease expired while we could not refresh it: the job has fenced this node out."""
+        log.warning(
+            "%s (incarnation %d): lease expired, the node was fenced; leaving", self.who, self.incarnation
+        )
+        with self._lock:
+            if self.exit_code is not None:
+                return
+            try:
+                record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
+                             reason="lease expired")  # fmt: skip
+            finally:
+                self._kill_workers()
+                self._finish(EXIT_FAILED)
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -231,30 +280,115 @@ class Agent:
             self.monitor.stop()
         if self.leader is not None:
             self.leader.stop()
-        self.election.resign()
         self._kill_workers()
         for proc in self.procs.values():
             proc.wait()
-        self.membership.leave()
+        for step in (self.election.resign, self.membership.leave):
+            try:  # a partitioned or fenced node's leases are already gone
+                step()
+            except Exception as exc:
+                log.warning("%s: %s on the way out: %s", self.who, step.__name__, exc)
         self.client.close()
 
     # ---- injections ----------------------------------------------------------------------
 
-    def _inject(self, inj: Injection, trigger: InjectionTrigger) -> None:
-        if not trigger.wait(inj, self.done):
+    def _on_requests(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.kind != "put":
+                continue
+            try:
+                req = InjectionRequest.from_json(ev.value)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("%s: ignoring malformed injection request %s: %s", self.who, ev.key, exc)
+                continue
+            if (req.node, req.incarnation) != (self.node, self.incarnation) or req.kind not in AGENT_KINDS:
+                continue
+            if req.id in self._requests_seen:
+                continue
+            self._requests_seen.add(req.id)
+            threading.Thread(target=self._inject, args=(req,), name=f"inject-{req.id}", daemon=True).start()
+
+    def _status(self, req: InjectionRequest, state: State, step: int | None, *, detail: str = "",
+                generation: int | None = None) -> None:  # fmt: skip
+        status = InjectionStatus(state=state, at=time.time(), step=step, generation=generation, detail=detail)
+        write_status(self.client, self.keys.root, req.id, status)
+
+    def _inject(self, req: InjectionRequest) -> None:
+        trigger = self._trigger
+        assert trigger is not None
+        if req.id in read_statuses(self.client, self.keys.root):
+            return  # carried out before
+        if not trigger.wait(req, self.done):
             return
-        self.client.put(self.rk.injected(inj.name), repr(time.time()))
-        log.warning("%s: injecting %s", self.who, inj.name)
-        if inj.kind == "kill":
+        step = trigger.in_flight()
+        self.client.put(self.rk.injected(req.id), repr(time.time()))
+        record_event(self.client, self.keys, who=self.who, kind="injection", id=req.id, injection=req.kind,
+                     node=self.node, incarnation=self.incarnation, step=step)  # fmt: skip
+        log.warning("%s: injecting %s (step %d in flight)", self.who, req.id, step)
+        if req.kind == "kill":
+            self._status(req, "done", step, detail="workers SIGKILLed")
             for proc in self.procs.values():
                 proc.send_signal(signal.SIGKILL)
-        elif inj.kind == "hang":
+        elif req.kind == "hang":
+            self._status(req, "done", step, detail="workers and agent SIGSTOPped")
             self._hanging = True
             if self.monitor is not None:
                 self.monitor.stop()
             for proc in self.procs.values():
                 proc.send_signal(signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif req.kind == "slow":
+            self._slow(req, step)
+        elif req.kind == "partition":
+            self._partition(req, step)
+
+    def _slow(self, req: InjectionRequest, step: int) -> None:
+        assert req.factor is not None and req.seconds is not None
+        throttle = Throttle(list(self.procs), factor=req.factor, seconds=req.seconds, lock=self._signal_lock)
+        self._throttles.append(throttle)
+        self._status(
+            req, "running", step, detail=f"workers run 1/{req.factor:g} of the time for {req.seconds:g} s"
+        )
+        throttle.run(self.done)
+        self._throttles.remove(throttle)
+        assert self._trigger is not None
+        self._status(req, "done", self._trigger.in_flight(),
+                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of {req.seconds:g} s")  # fmt: skip
+
+    def _partition(self, req: InjectionRequest, step: int) -> None:
+        """Emulated partition (module doc); with a network-namespace launch the link is cut for real."""
+        assert req.seconds is not None and self.membership.lease is not None
+        self._partitioned = True
+        self._status(req, "running", step, detail=f"keepalives and workers stopped for {req.seconds:g} s")
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.leader is not None:
+            self.leader.stop()
+        # A partitioned leader reaches no one: its rounds stop here and it steps down (in a real
+        # partition its leader key would expire instead, a TTL later).
+        self.election.resign()
+        self.membership.lease.stop_refreshing()
+        for proc in self.procs.values():
+            proc.send_signal(signal.SIGSTOP)
+        if self.done.wait(req.seconds):
+            return  # torn down while partitioned
+        value, _ = self.client.get(self.keys.member(self.who))
+        fenced = value is None or NodeIdentity.from_json(value).incarnation != self.incarnation
+        generation = Generations(self.client, self.keys).current_number()
+        # The workers still hold generation-old state and are stopped mid-step: they are killed
+        # before they run again, so nothing of theirs can reach the job after the fencing.
+        with self._lock:
+            self._kill_workers()
+            if fenced:
+                self._status(req, "fenced", step, generation=generation,
+                             detail=f"healed after {req.seconds:g} s: lease gone, job at generation {generation}; "
+                             "workers killed before they ran again")  # fmt: skip
+                record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
+                             generation=generation, reason=f"partition of {req.seconds:g} s")  # fmt: skip
+            else:  # healed within the TTL, but keepalives stopped: leave cleanly rather than linger
+                self.membership.report_failure(reason=f"partition of {req.seconds:g} s healed; leaving")
+                self._status(req, "done", step, detail="healed before the lease expired; the node left")
+            self._finish(EXIT_FAILED)
 
 
 def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:

@@ -8,7 +8,10 @@ on a dead or stopped peer. At the boundary the worker moves to the newest genera
 includes it: it lets its ShardServer serve that generation (its committed state), then
 `Trainer.start` keeps the shards it holds, fetches the missing ones from live holders (or
 from the checkpoint the leader names) and builds the new groups; training replays from the
-generation's `resume_step`. The job token comes in the ELASTIC_JOB_TOKEN environment variable.
+generation's `resume_step`. A worker whose node was drained (`elastic drain`: a generation
+without it, naming it in `drained`) serves its committed shards to the survivors until a newer
+generation has committed a step, then reports itself done and exits 0. The job token comes in
+the ELASTIC_JOB_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -126,6 +129,14 @@ class GenerationFeed:
         self._watch.cancel()
 
 
+class Drained(Exception):
+    """This worker's node was drained out of the job by generation `generation`."""
+
+    def __init__(self, generation: int) -> None:
+        super().__init__(f"drained by generation {generation}")
+        self.generation = generation
+
+
 class DecisionFeed:
     """The leader's commit/abort decisions, (generation, step) -> decision."""
 
@@ -159,6 +170,11 @@ class DecisionFeed:
                     f"no decision for step {step} of generation {generation} in {timeout:.0f} s"
                 )
             return self._decisions[(generation, step)]
+
+    def committed_since(self, generation: int) -> bool:
+        """Whether some generation >= `generation` has committed a step."""
+        with self._cond:
+            return any(g >= generation and d == COMMIT for (g, _), d in self._decisions.items())
 
     def close(self) -> None:
         self._watch.cancel()
@@ -199,6 +215,15 @@ class ElasticWorker:
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            layout = self._run_generations()
+        except Drained as drained:
+            self._leave_drained(drained.generation)
+            return
+        self._finish(layout)
+
+    def _run_generations(self) -> ParallelLayout:
+        """Train through every generation that includes this node; the last one's layout."""
         generation = self._next_generation(0)
         while True:
             try:
@@ -208,9 +233,24 @@ class ElasticWorker:
                 generation = self._next_generation(generation)
                 continue
             if self._train(generation, layout):
-                break
+                return layout
             generation = self._next_generation(generation)
-        self._finish(layout)
+
+    def _leave_drained(self, generation: int) -> None:
+        """Serve this worker's committed shards until the survivors have them, then report done."""
+        _log(f"drained by generation {generation}: serving shards until it commits a step")
+        deadline = time.monotonic() + self.timeout * 4
+        while not self.decisions.committed_since(generation):
+            latest = self.generations.latest()
+            if latest > self.server.generation:  # a failure during the drain: serve the newer one
+                self.server.set_generation(latest)
+            if time.monotonic() > deadline:
+                _log(f"generation {generation} committed nothing in {self.timeout * 4:.0f} s; leaving anyway")
+                break
+            time.sleep(0.05)
+        if self.writer is not None:
+            self.writer.flush()
+        self.client.put(self.rk.worker_done(self.node, self.local_rank), "drained")
 
     def _next_generation(self, after: int) -> int:
         """The newest generation after `after` that includes this node's incarnation."""
@@ -219,6 +259,9 @@ class ElasticWorker:
             record, _ = self.generations.get(number)
             if record.incarnations.get(self.node) == self.incarnation:
                 return number
+            if self.node in record.drained and self.node not in record.incarnations:
+                self.server.set_generation(number)  # survivors fetch from us under this generation
+                raise Drained(number)
             if after > 0 and self.node not in record.incarnations:
                 raise RuntimeError(f"node {self.node} is not part of generation {number}: leaving the job")
             after = number

@@ -1,4 +1,7 @@
-"""Fault injections of `elastic run --inject`: what to do to which node, and when.
+"""Fault injections: `elastic run --inject` values, the etcd requests every injection becomes,
+and the SIGSTOP/SIGCONT duty cycle of a slowed node.
+
+`elastic run --inject` values (carried out like the operator's `elastic inject`, see below):
 
     kill:node=2,step=8        SIGKILL node 2's workers while step 8 (as printed, 1..K) is in flight
     hang:node=2,step=8        SIGSTOP node 2's workers, then its agent (its lease expires)
@@ -6,11 +9,24 @@
     rejoin:node=2,step=15     start a fresh agent (next incarnation) for the failed node 2
 
 A step is "in flight" from the moment the previous step's commit is decided.
+
+Every injection is an `InjectionRequest` under the job's `injections/<id>` key (the launcher
+writes the `--inject` ones when the job starts, `elastic inject`/`elastic drain` write the
+operator's). Who carries it out: the agent of the node's targeted incarnation for kill, hang,
+slow and partition; the leader for drain; the launcher for rejoin (it spawns the next
+incarnation). Whoever does writes an `InjectionStatus` under `injection-status/<id>`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Kind = Literal["kill", "hang", "rejoin"]
@@ -110,3 +126,166 @@ def check_injections(injections: list[Injection], *, nodes: int, steps: int) -> 
         raise ValueError(
             f"--inject rejoin of node(s) {sorted(rejoined - failed)} that no injection fails first"
         )
+
+
+# ---- requests in etcd ----------------------------------------------------------------------
+
+RequestKind = Literal["kill", "hang", "slow", "partition", "drain", "rejoin"]
+REQUEST_KINDS: tuple[RequestKind, ...] = ("kill", "hang", "slow", "partition", "drain", "rejoin")
+AGENT_KINDS: tuple[RequestKind, ...] = ("kill", "hang", "slow", "partition")
+"""Kinds carried out by the targeted node's agent (drain: the leader; rejoin: the launcher)."""
+RequestWhen = Literal["now", "step", "reconfig"]
+State = Literal["running", "done", "refused", "fenced"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class InjectionRequest:
+    """One fault (or drain, or rejoin) asked of a running job, stored at `injections/<id>`."""
+
+    id: str
+    """Key-safe request id; contains `-node<N>-` (the recovery breakdown finds a node's faults by it)."""
+    kind: RequestKind
+    """What to do (module doc)."""
+    node: int
+    """Plan node it targets."""
+    incarnation: int | None
+    """Incarnation of the node it targets (None for rejoin: the next one)."""
+    when: RequestWhen = "now"
+    """"now", "step" (while `step` is in flight) or "reconfig" (when the first reconfiguration begins)."""
+    step: int | None = None
+    """Step (1-based, as printed) for when="step"."""
+    seconds: float | None = None
+    """How long a slow or partition lasts."""
+    factor: float | None = None
+    """Slow: steps take about this many times longer (the workers run 1/factor of the time)."""
+    requested_at: float = 0.0
+    """Wall time of the request."""
+    by: str = "cli"
+    """Who asked: "cli" (an operator), "config" (`elastic run --inject`), or a test's name."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in REQUEST_KINDS:
+            raise ValueError(f"unknown request kind {self.kind!r}; use one of {', '.join(REQUEST_KINDS)}")
+        if self.node < 0:
+            raise ValueError(f"node must be >= 0, got {self.node}")
+        if (self.when == "step") != (self.step is not None):
+            raise ValueError("a step is given exactly when when='step'")
+        if self.step is not None and self.step < 1:
+            raise ValueError(f"step must be >= 1 (steps are numbered from 1), got {self.step}")
+        if self.kind in ("slow", "partition") and (self.seconds is None or self.seconds <= 0):
+            raise ValueError(f"{self.kind} needs seconds > 0, got {self.seconds}")
+        if self.kind == "slow" and (self.factor is None or self.factor <= 1.0):
+            raise ValueError(f"slow needs a factor > 1, got {self.factor}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> InjectionRequest:
+        return cls(**json.loads(text))
+
+    @classmethod
+    def from_injection(cls, inj: Injection) -> InjectionRequest:
+        """The request of one `--inject` value (targets incarnation 0; its id is `inj.name`)."""
+        return cls(id=inj.name, kind=inj.kind, node=inj.node, incarnation=None if inj.kind == "rejoin" else 0,
+                   when=inj.when, step=inj.step, requested_at=time.time(), by="config")  # fmt: skip
+
+
+def request_id(kind: str, node: int, step: int | None) -> str:
+    """A fresh request id, e.g. `slow-node1-step5-3f2a9c` or `kill-node2-now-07be11`."""
+    return f"{kind}-node{node}-{f'step{step}' if step is not None else 'now'}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class InjectionStatus:
+    """What became of a request, at `injection-status/<id>` (rewritten as it progresses)."""
+
+    state: State
+    """running (a slow or partition under way), done, refused, or fenced (a healed partition found its node fenced)."""
+    at: float
+    """Wall time of this state."""
+    step: int | None = None
+    """Step (1-based) in flight when it was carried out, as far as the carrier knew."""
+    generation: int | None = None
+    """Drain: the generation without the node; fenced: the generation found after the heal."""
+    detail: str = ""
+    """Why it was refused, or what happened, in words."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> InjectionStatus:
+        return cls(**json.loads(text))
+
+
+def submit_request(client: Any, root: str, request: InjectionRequest) -> None:
+    """Write `request` under `<root>injections/<id>` (create-only: ValueError if the id exists)."""
+    key = f"{root}injections/{request.id}"
+    txn = client.transactions
+    ok, _ = client.transaction(compare=[txn.create(key) == 0], success=[txn.put(key, request.to_json())],
+                               failure=[])  # fmt: skip
+    if not ok:
+        raise ValueError(f"injection request {request.id!r} already exists")
+
+
+def read_requests(client: Any, root: str) -> list[InjectionRequest]:
+    """Every request of the job, in id order."""
+    return [InjectionRequest.from_json(v) for v, _ in client.get_prefix(f"{root}injections/")]
+
+
+def read_statuses(client: Any, root: str) -> dict[str, InjectionStatus]:
+    """Request id -> its latest status, for the requests that have one."""
+    prefix = f"{root}injection-status/"
+    return {m.key.decode()[len(prefix) :]: InjectionStatus.from_json(v) for v, m in client.get_prefix(prefix)}
+
+
+def write_status(client: Any, root: str, request_id: str, status: InjectionStatus) -> None:
+    client.put(f"{root}injection-status/{request_id}", status.to_json())
+
+
+# ---- a slowed node: SIGSTOP/SIGCONT duty cycle -----------------------------------------------
+
+
+class Throttle:
+    """Slow processes down with real signals: each `period` they run `period / factor` seconds
+    and stay stopped the rest, for `seconds` (or until `stop` is set). `lock` is held while
+    signals are sent and `active` changes, so a hang detector that checks under the same lock
+    and skips while `active` never takes the throttling for a hang."""
+
+    def __init__(self, pids: Iterable[int], *, factor: float, seconds: float, lock: threading.Lock,
+                 period: float = 0.2) -> None:  # fmt: skip
+        if factor <= 1.0:
+            raise ValueError(f"factor must be > 1, got {factor}")
+        self.pids = list(pids)
+        self.factor, self.seconds, self.period = factor, seconds, period
+        self.lock = lock
+        self.active = False
+        self.stopped_s = 0.0
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                continue
+
+    def run(self, stop: threading.Event) -> None:
+        """Throttle until `seconds` have passed or `stop` is set; the processes run on afterwards."""
+        run_s = self.period / self.factor
+        end = time.monotonic() + self.seconds
+        try:
+            while time.monotonic() < end and not stop.wait(run_s):
+                with self.lock:
+                    self.active = True
+                    self._signal(signal.SIGSTOP)
+                t0 = time.monotonic()
+                stop.wait(min(self.period - run_s, max(0.0, end - t0)))
+                with self.lock:
+                    self._signal(signal.SIGCONT)
+                    self.active = False
+                self.stopped_s += time.monotonic() - t0
+        finally:
+            with self.lock:
+                self._signal(signal.SIGCONT)
+                self.active = False

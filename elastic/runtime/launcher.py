@@ -1,10 +1,13 @@
 """Local launcher: N simulated nodes x G worker processes on this machine.
 
 Two modes. `launch` (fixed plan, no failure handling) is described below. `launch_elastic`
-starts etcd (unless given one), writes the job's token-protected config, starts one agent per
-node (elastic.runtime.agent: membership, leader, workers), publishes generation 1, prints each
-committed step and each failure and recovery as it reads them from etcd, and counts restarts of
-survivors' workers from the PIDs the workers register.
+starts etcd (unless given one), writes the job's token-protected config and its `--inject`
+faults as injection requests (injection.py), starts one agent per node (elastic.runtime.agent:
+membership, leader, workers), publishes generation 1, prints each committed step and each
+failure and recovery as it reads them from etcd, and counts restarts of survivors' workers from
+the PIDs the workers register. It carries out rejoin requests itself: once the node's member is
+gone (and the request's step is in flight), any process left of the node's older incarnations
+is killed and an agent for the next incarnation is started.
 
 The launcher hosts the rendezvous store (a TCPStore on 127.0.0.1; the store is a parameter so
 an etcd-backed one can take its place), writes the job spec, starts one worker subprocess per
@@ -21,6 +24,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +39,14 @@ from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
+from elastic.runtime.injection import (
+    InjectionRequest,
+    InjectionStatus,
+    read_requests,
+    read_statuses,
+    submit_request,
+    write_status,
+)
 from elastic.runtime.job import JobSpec
 from elastic.runtime.progress import Progress, elastic_summary, poll_progress, run_finished
 from elastic.runtime.protocol import (
@@ -183,6 +195,7 @@ def launch_elastic(
     token: str | None = None,
     placement: AgentPlacement | None = None,
     local_agents: bool = True,
+    stop: threading.Event | None = None,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.runtime.agent) and return its summary.
 
@@ -190,8 +203,9 @@ def launch_elastic(
     random ones. `placement(node)` gives a command prefix and extra environment for that node's
     agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
     agent is started here: agents on other hosts (`python -m elastic.runtime.agent`) join the
-    job. Raises JobFailed or TimeoutError; every process it started (etcd, agents, their
-    workers) is stopped by PID on the way out.
+    job. Setting `stop` (from another thread) ends the run with JobFailed. Raises JobFailed or
+    TimeoutError; every process it started (etcd, agents, their workers) is stopped by PID on the
+    way out.
     """
     from elastic.coordinator import EtcdServer
 
@@ -225,7 +239,9 @@ def launch_elastic(
         if not local_agents:
             return
         prefix, extra_env = placement(node) if placement is not None else ([], {})
-        env = dict(os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env)
+        env = dict(
+            os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env
+        )
         cmd = [*prefix, sys.executable, "-m", "elastic.runtime.agent", "--etcd", etcd_endpoint, "--job", job,
                "--node", str(node), "--incarnation", str(incarnation)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
@@ -235,6 +251,8 @@ def launch_elastic(
         admit(client, keys, token)
         write_job_file(run_dir, etcd=etcd_endpoint, job=job, token=token)
         client.put(rk.config, config.to_json())
+        for inj in config.injections:
+            submit_request(client, keys.root, InjectionRequest.from_injection(inj))
         nodes = sorted(spec.plan.nodes)
         spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
         _wait_for(lambda: current_leader(client, keys) is not None, 60.0, "no leader elected", agents)
@@ -247,17 +265,18 @@ def launch_elastic(
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
         while True:
             poll_progress(client, keys, config, progress, say)
-            for inj in config.injections:
-                if (
-                    inj.kind == "rejoin"
-                    and inj.name not in progress.rejoined
-                    and _step_in_flight(client, rk, inj.step)
-                ):
-                    progress.rejoined.add(inj.name)
-                    client.put(rk.injected(inj.name), repr(time.time()))
-                    incarnation = 1 + max(a.incarnation for a in agents if a.node == inj.node)
-                    say(f"elastic run: node {inj.node} rejoins (incarnation {incarnation})")
-                    spawn(inj.node, incarnation)
+            for req in _due_rejoins(client, keys, progress):
+                progress.rejoined.add(req.id)
+                client.put(rk.injected(req.id), repr(time.time()))
+                incarnation = 1 + max((a.incarnation for a in agents if a.node == req.node), default=-1)
+                _stop_agents([a for a in agents if a.node == req.node and a.proc.poll() is None])
+                _kill_workers(progress, node=req.node)
+                say(f"elastic run: node {req.node} rejoins (incarnation {incarnation})")
+                spawn(req.node, incarnation)
+                status = InjectionStatus(
+                    state="done", at=time.time(), detail=f"incarnation {incarnation} started"
+                )
+                write_status(client, keys.root, req.id, status)
             fatal, _ = client.get(keys.root + "fatal")
             if fatal is not None:
                 raise JobFailed(f"the leader gave up: {fatal.decode()}")
@@ -274,6 +293,8 @@ def launch_elastic(
                 )
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped everything")
+            if stop is not None and stop.is_set():
+                raise JobFailed("stopped on request")
             time.sleep(_POLL_S)
         poll_progress(client, keys, config, progress, say)
         return elastic_summary(config, progress, started_at=started_at)
@@ -314,6 +335,24 @@ def _count(client: Any, prefix: str) -> int:
     return sum(1 for _ in client.get_prefix(prefix, keys_only=True))
 
 
+def _due_rejoins(client: Any, keys: JobKeys, progress: Progress) -> list[InjectionRequest]:
+    """Rejoin requests not yet carried out whose node is no member and whose step is in flight."""
+    out = []
+    statuses: dict[str, InjectionStatus] | None = None
+    for req in read_requests(client, keys.root):
+        if req.kind != "rejoin" or req.id in progress.rejoined:
+            continue
+        if statuses is None:
+            statuses = read_statuses(client, keys.root)
+        if req.id in statuses:
+            progress.rejoined.add(req.id)
+            continue
+        alive, _ = client.get(keys.member(f"node{req.node}"))
+        if alive is None and (req.when == "now" or _step_in_flight(client, RunKeys(keys), req.step)):
+            out.append(req)
+    return out
+
+
 def _step_in_flight(client: Any, rk: RunKeys, step: int | None) -> bool:
     """Whether step `step` (1-based) is in flight or past: step-1 was decided commit in some generation."""
     assert step is not None
@@ -341,11 +380,14 @@ def _stop_agents(agents: list[_Agent]) -> None:
         a.log.close()
 
 
-def _kill_workers(progress: Progress) -> None:
-    """SIGKILL any worker an agent left behind (a hung node's stopped workers), by registered PID."""
+def _kill_workers(progress: Progress, *, node: int | None = None) -> None:
+    """SIGKILL any worker an agent left behind (a hung node's stopped workers), by registered PID;
+    only `node`'s when given."""
     import psutil
 
-    for pids in progress.pids.values():
+    for (n, _, _), pids in progress.pids.items():
+        if node is not None and n != node:
+            continue
         for pid in pids:
             try:
                 proc = psutil.Process(pid)

@@ -12,7 +12,12 @@ change under members/, workers/ or steps/, or every 0.2 s):
   relaxing f only as far as needed, and every worker restores the latest complete checkpoint;
 - every rank of the current generation is ready for the in-flight step: "commit";
 - a new node (a node id absent from the plan, or a new incarnation) has registered all its
-  workers: at the next step boundary the step after it is decided "abort" and g+1 takes it in.
+  workers: at the next step boundary the step after it is decided "abort" and g+1 takes it in;
+- a drain request (`elastic drain`, injections/): refused (with its reason in the request's
+  status and an event) unless the other nodes of the generation can still form the job's f+1
+  pipelines; otherwise at the next step boundary g+1 is published without the node ("drained
+  node N"), whose workers serve their shards until g+1 has committed a step and then leave.
+  A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.runtime.injection import (
+    InjectionRequest,
+    InjectionStatus,
+    read_requests,
+    read_statuses,
+    write_status,
+)
 from elastic.runtime.planning import cluster_templates
 from elastic.runtime.protocol import (
     ABORT,
@@ -171,12 +183,64 @@ class Leader:
         if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
             decide(self.client, self.rk, g, in_flight, COMMIT)
             return
-        joined = self._ready_newcomers(record, members)
+        drains, drained = self._drain_requests()
+        joined = [n for n in self._ready_newcomers(record, members) if (n, members[n]) not in drained]
         if joined and decided is None:
             # A step boundary: the in-flight step is aborted (nothing committed is lost) and the
             # newcomers are taken in from it on.
             self._detected = time.time()
             self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
+            return
+        if drains:
+            self._drain(g, record, in_flight, members, drains, boundary=decided is None)
+
+    # ---- drains --------------------------------------------------------------------------
+
+    def _drain_requests(self) -> tuple[list[InjectionRequest], set[tuple[int, int | None]]]:
+        """(pending drain requests, (node, incarnation) of the drains carried out)."""
+        requests = [r for r in read_requests(self.client, self.keys.root) if r.kind == "drain"]
+        if not requests:
+            return [], set()
+        statuses = read_statuses(self.client, self.keys.root)
+        pending = [r for r in requests if r.id not in statuses]
+        done = {
+            (r.node, r.incarnation) for r in requests if r.id in statuses and statuses[r.id].state == "done"
+        }
+        return pending, done
+
+    def _answer(self, req: InjectionRequest, state: str, detail: str, generation: int | None = None) -> None:
+        status = InjectionStatus(state=state, at=time.time(), generation=generation, detail=detail)  # type: ignore[arg-type]
+        write_status(self.client, self.keys.root, req.id, status)
+        record_event(self.client, self.keys, who=self.who, kind="drain" if state == "done" else "drain-refused",
+                     node=req.node, id=req.id, reason=detail, generation=generation)  # fmt: skip
+        log.warning("leader %s: drain %s %s: %s", self.who, req.id, state, detail)
+
+    def _drain(self, g: int, record: GenerationRecord, in_flight: int, members: dict[int, int],
+               requests: list[InjectionRequest], *, boundary: bool) -> None:  # fmt: skip
+        for req in requests:
+            if req.node not in record.plan.nodes or record.incarnations.get(req.node) != req.incarnation:
+                self._answer(req, "refused", f"node {req.node} (incarnation {req.incarnation}) is not in "
+                             f"generation {g} (nodes {sorted(record.plan.nodes)})")  # fmt: skip
+                continue
+            others = sorted(n for n in record.plan.nodes if n != req.node)
+            f = record.plan.fault_tolerance
+            try:
+                plan = replan(self.tset, record.plan, others, global_microbatches=record.plan.global_microbatches,
+                              fault_tolerance=f).plan  # fmt: skip
+            except PlanningError as exc:
+                self._answer(req, "refused", f"draining node {req.node} would leave nodes {others}, which cannot "
+                             f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")  # fmt: skip
+                continue
+            if not boundary:
+                return  # at the next step boundary
+            reason = f"drained node {req.node}: re-planned over nodes {others}"
+            self._detected = time.time()
+            if self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=[], drained=[req.node],
+                                         planned=(plan, reason)):  # fmt: skip
+                self._answer(req, "done", reason, generation=g + 1)
+            else:
+                self._answer(req, "refused", "the job finished before a step boundary came")
+            return
 
     def _members(self) -> dict[int, int]:
         out = {}
@@ -219,23 +283,30 @@ class Leader:
         return out
 
     def _resolve_and_publish(self, g: int, record: GenerationRecord, in_flight: int,
-                             members: dict[int, int], *, lost: list[int], joined: list[int]) -> None:  # fmt: skip
+                             members: dict[int, int], *, lost: list[int], joined: list[int],
+                             drained: list[int] | None = None,
+                             planned: tuple[Plan, str] | None = None) -> bool:  # fmt: skip
+        """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
         # The in-flight step is decided before anyone moves on: abort, unless commit already won.
         resume = in_flight
         if decide(self.client, self.rk, g, resume, ABORT) == COMMIT:
             resume += 1
             if resume >= self.config.spec.steps:
                 self.finished.set()
-                return
+                return False
             decide(self.client, self.rk, g, resume, ABORT)
-        live = sorted(n for n, inc in members.items() if record.incarnations.get(n) == inc or n in joined)
-        plan, restore, reason = self._plan_for(record.plan, live, lost=lost, joined=joined)
+        if planned is not None:
+            plan, restore, reason = planned[0], None, planned[1]
+        else:
+            live = sorted(n for n, inc in members.items() if record.incarnations.get(n) == inc or n in joined)
+            plan, restore, reason = self._plan_for(record.plan, live, lost=lost, joined=joined)
         new = GenerationRecord(
             plan=plan,
             resume_step=resume if restore is None else restore,
             incarnations={n: members[n] for n in plan.nodes},
             lost=lost,
             joined=joined,
+            drained=drained or [],
             restore_checkpoint=restore,
             reason=reason,
             detected_at=self._detected,
@@ -245,7 +316,9 @@ class Leader:
         self._detected = None
         log.warning("leader %s: published generation %d: %s", self.who, g + 1, reason)
         record_event(self.client, self.keys, who=self.who, kind="generation", generation=g + 1,
-                     lost=lost, joined=joined, reason=reason, restore_checkpoint=restore)  # fmt: skip
+                     lost=lost, joined=joined, drained=drained or [], reason=reason,
+                     restore_checkpoint=restore)  # fmt: skip
+        return True
 
     def _plan_for(
         self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]

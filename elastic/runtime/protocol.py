@@ -12,7 +12,9 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     results/<s>                     StepResult of committed step s, by each pipeline's first worker
     recoveries/<g>/<rank>           a worker's timings of its reconfiguration into g
     done/<node>/<local_rank>        a worker finished every step and saved its outputs
-    injected/<name>                 when an agent carried out an injection (wall time)
+    injected/<name>                 when an injection (request id <name>) was carried out (wall time)
+    injections/<id>                 InjectionRequest JSON (see injection.py), from the CLI or the launcher
+    injection-status/<id>           InjectionStatus JSON: running, done, refused or fenced
 
 Node ids in etcd are `node<k>` for plan node k; a node's incarnation counts its (re)starts.
 """
@@ -111,6 +113,16 @@ class RunKeys:
     def injected(self, name: str) -> str:
         return f"{self.job.root}injected/{name}"
 
+    def injection(self, request_id: str) -> str:
+        return f"{self.job.injections}{request_id}"
+
+    @property
+    def injection_statuses(self) -> str:
+        return self.job.root + "injection-status/"
+
+    def injection_status(self, request_id: str) -> str:
+        return f"{self.injection_statuses}{request_id}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
@@ -174,6 +186,9 @@ class GenerationRecord:
     """Nodes of the previous generation that are gone."""
     joined: list[int] = field(default_factory=list)
     """Nodes new in this generation."""
+    drained: list[int] = field(default_factory=list)
+    """Nodes of the previous generation removed on request (`elastic drain`): their workers
+    serve their shards until this generation has committed a step, then leave with code 0."""
     restore_checkpoint: int | None = None
     """Checkpoint step every worker restores from (None: survivors keep their state)."""
     reason: str = "start"

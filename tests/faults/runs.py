@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -73,3 +75,103 @@ def check_same_training(
     assert diff <= TOLERANCE, f"final state differs from the failure-free run by {diff:.2e}"
     assert summary.worker_restarts == 0
     assert all(len(pids) == 1 for pids in summary.worker_pids.values()), summary.worker_pids
+
+
+def tiny_config(
+    run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3
+) -> ElasticConfig:
+    """The elastic config of `run_elastic`, for runs a test drives itself (LiveJob)."""
+    plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
+                     microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
+    spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
+                   collective_timeout_s=60.0)  # fmt: skip
+    cluster = ClusterSpec(
+        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
+    )
+    return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=5, lease_ttl=lease_ttl)
+
+
+def static_reference(run_dir: Path, *, steps: int) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+    """The failure-free result on a single worker: the parameters and losses after K steps do not
+    depend on the plan (DESIGN.md invariant 1), so one process stands for any elastic plan."""
+    from elastic.runtime.launcher import launch
+
+    plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2,
+                     fault_tolerance=0)  # fmt: skip
+    spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu")
+    summary = launch(spec, quiet=True, timeout_s=300)
+    return summary, load_final_state(spec)
+
+
+class LiveJob:
+    """`launch_elastic(config)` in a background thread on the caller's etcd, with a known job id
+    and token, so that the test can drive it (CLI, requests) and read its etcd afterwards."""
+
+    def __init__(self, config: ElasticConfig, *, etcd: str, timeout_s: float = 150.0) -> None:
+        import secrets
+
+        from elastic.coordinator import EtcdConfig, JobKeys, connect
+        from elastic.runtime.protocol import RunKeys
+
+        self.config, self.etcd = config, etcd
+        self.job, self.token = f"h2-{secrets.token_hex(4)}", secrets.token_hex(8)
+        self.keys = JobKeys(self.job)
+        self.rk = RunKeys(self.keys)
+        self.client = connect(EtcdConfig(endpoint=etcd))
+        self.summary: RunSummary | None = None
+        self.error: BaseException | None = None
+        self._timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="live-job", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.summary = launch_elastic(self.config, etcd_endpoint=self.etcd, quiet=True,
+                                          timeout_s=self._timeout_s, job=self.job, token=self.token,
+                                          stop=self._stop)  # fmt: skip
+        except BaseException as exc:  # handed to the test thread by result()
+            self.error = exc
+
+    def start(self) -> LiveJob:
+        self._thread.start()
+        return self
+
+    def committed(self) -> int:
+        """Steps committed so far."""
+        return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
+
+    def wait_committed(self, steps: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.committed() < steps:
+            if self.error is not None or not self._thread.is_alive():
+                raise AssertionError(f"the run ended before step {steps} was committed: {self.error!r}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {steps} not committed within {timeout} s")
+            time.sleep(0.05)
+
+    def result(self) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+        """Wait for the run's end; its summary and final state (re-raises the run's error)."""
+        self._thread.join(self._timeout_s + 30.0)
+        assert not self._thread.is_alive(), "the run did not stop"
+        if self.error is not None:
+            raise self.error
+        assert self.summary is not None
+        return self.summary, load_final_state(self.config.spec)
+
+    def cli(self, *argv: str) -> tuple[int, str]:
+        """Run `elastic ARGV --etcd .. --job .. --token ..` in this process: (exit code, output)."""
+        import contextlib
+        import io
+
+        from elastic.cli.main import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main([*argv, "--etcd", self.etcd, "--job", self.job, "--token", self.token])
+        return code, out.getvalue()
+
+    def close(self) -> None:
+        """Stop the run if it still goes (the launcher stops every process it started, by PID)."""
+        self._stop.set()
+        self._thread.join(60.0)
+        self.client.close()

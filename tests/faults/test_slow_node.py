@@ -1,0 +1,117 @@
+"""One live run (real etcd, agents, workers): `elastic inject slow` on node 1, then `elastic drain`
+of node 3, both through the CLI against the running job.
+
+Slow: the node's workers are throttled with real SIGSTOP/SIGCONT for a few seconds; no failure
+may be declared (no failure report, no new generation until the drain), the steps committed
+while it is slowed take visibly longer, and training is unchanged. Drain: generation 2 leaves
+node 3 out ("drained node 3", nothing lost), node 3's workers report done instead of failing,
+no failure is recorded, and the final state equals the failure-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.coordinator import EtcdServer
+from elastic.coordinator.events import read_events
+from elastic.runtime.injection import read_requests, read_statuses
+from elastic.runtime.protocol import GenerationRecord
+from elastic.runtime.summary import RunSummary
+
+from .runs import LiveJob, check_same_training, static_reference, tiny_config
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 24
+FACTOR = 4.0
+SLOW_S = 5.0
+
+
+class Outcome:
+    """What the run left: summary, final state, and what its etcd says afterwards."""
+
+    def __init__(self, job: LiveJob, result: tuple[RunSummary, dict[str, torch.Tensor]], outputs: dict[str, str],
+                 codes: dict[str, int]) -> None:  # fmt: skip
+        self.summary, self.state = result
+        self.outputs, self.codes = outputs, codes
+        client, keys = job.client, job.keys
+        self.statuses = read_statuses(client, keys.root)
+        self.requests = {r.id: r for r in read_requests(client, keys.root)}
+        self.events = read_events(client, keys)
+        self.failed = [m.key.decode() for _, m in client.get_prefix(keys.failed, keys_only=True)]
+        self.records = {
+            int(m.key.decode().rsplit("/", 1)[1]): GenerationRecord.from_json(v)
+            for v, m in client.get_prefix(keys.plans)
+        }
+        self.done = {m.key.decode(): v.decode() for v, m in client.get_prefix(job.rk.done)}
+
+    def status_of(self, kind: str) -> Any:
+        (rid,) = [i for i, r in self.requests.items() if r.kind == kind]
+        return self.statuses[rid]
+
+
+@pytest.fixture(scope="module")
+def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+    config = tiny_config(tmp_path_factory.mktemp("slow-drain"), nodes=4, pipelines=2, steps=STEPS)
+    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
+    try:
+        job.wait_committed(3)
+        outputs, codes = {}, {}
+        codes["slow"], outputs["slow"] = job.cli("inject", "slow", "--node", "1", "--factor", str(FACTOR),
+                                                 "--seconds", str(SLOW_S), "--wait", "60")  # fmt: skip
+        codes["drain"], outputs["drain"] = job.cli("drain", "--node", "3", "--wait", "60")
+        yield Outcome(job, job.result(), outputs, codes)
+    finally:
+        job.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+    return static_reference(tmp_path_factory.mktemp("reference"), steps=STEPS)
+
+
+def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference: Any) -> None:
+    print(outcome.outputs["slow"])
+    assert outcome.codes["slow"] == 0, outcome.outputs["slow"]
+    status = outcome.status_of("slow")
+    assert status.state == "done" and "stopped" in status.detail, status
+    # No false failure: nobody reported one, and the only reconfiguration is the drain.
+    assert outcome.failed == [] and not [e for e in outcome.events if e["kind"] == "failure"]
+    assert sorted(outcome.records) == [1, 2] and outcome.records[2].lost == []
+    # The steps committed while node 1 was throttled took longer than the ones before it.
+    summary = outcome.summary
+    running = [e for e in outcome.events if e["kind"] == "injection" and e["injection"] == "slow"][0]["time"]
+    ended = status.at
+    before = [
+        s for s, t in zip(summary.step_seconds[1:], summary.step_committed_at[1:], strict=True) if t < running
+    ]
+    during = [s for s, t in zip(summary.step_seconds, summary.step_committed_at, strict=True)
+              if running + 0.5 < t <= ended]  # fmt: skip
+    print(f"step seconds before the slow-down {before}, while slowed (x{FACTOR:g}) {during}")
+    assert before and during, (before, during)
+    ratio = statistics.median(during) / statistics.median(before)
+    print(f"slowed / normal median step time: {ratio:.2f}")
+    assert ratio > 1.5, f"steps while slowed x{FACTOR:g} took only {ratio:.2f} x as long"
+
+
+def test_drain_leaves_the_node_out_without_a_failure(outcome: Outcome, reference: Any) -> None:
+    print(outcome.outputs["drain"])
+    assert outcome.codes["drain"] == 0, outcome.outputs["drain"]
+    status = outcome.status_of("drain")
+    assert status.state == "done" and status.generation == 2, status
+    record = outcome.records[2]
+    assert record.drained == [3] and record.lost == [] and 3 not in record.plan.nodes
+    assert record.reason.startswith("drained node 3")
+    assert len(record.plan.pipelines) >= 2, "the drained generation keeps f+1 pipelines"
+    assert [v for k, v in outcome.done.items() if k.endswith("/done/3/0")] == ["drained"], outcome.done
+    assert outcome.failed == [], "a drained node reports no failure"
+    check_same_training(outcome.summary, outcome.state, reference, steps=STEPS)
+    drains = [r for r in outcome.summary.recoveries if r["generation"] == 2]
+    assert drains and drains[0]["lost_nodes"] == [] and "drained node 3" in drains[0]["reason"]
+    print(json.dumps({k: v for k, v in drains[0].items() if k.endswith("_s")}))
