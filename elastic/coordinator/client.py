@@ -3,17 +3,29 @@
 `EtcdConfig` is what a launcher, a worker or the torchrun handler carries around; `connect()`
 turns it into a `python3-etcd3` client. The stock client marks an endpoint "failed" for 300 s
 after one UNAVAILABLE error, which would make every call fail long after a restarted etcd is
-back; ours retries the endpoint at once, so callers only need to retry their own operation.
+back; ours retries the endpoint at once. Its unary calls (get, put, delete, transaction, lease
+grant/revoke, ...) also retry transient errors for up to `EtcdConfig.retry_s` seconds, so an
+etcd restart shorter than that is invisible to callers: they block, then succeed.
+
+One ambiguity remains: a transaction whose connection broke after etcd applied it is retried,
+and a compare-and-swap retried that way reports failure although its first attempt succeeded.
+Compare-and-swap callers already treat failure as "re-read and decide again", which covers it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import etcd3
 import etcd3.exceptions
 import grpc
+
+log = logging.getLogger(__name__)
 
 #: Errors that mean "etcd is unreachable right now", as opposed to a refused operation.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
@@ -52,6 +64,9 @@ class EtcdConfig:
     """Path of the client certificate for mutual TLS (with `cert_key`)."""
     timeout: float = 5.0
     """Deadline of each unary etcd call, in seconds."""
+    retry_s: float = 5.0
+    """How long a unary call keeps retrying while etcd is unreachable (0: fail at once); an etcd
+    restart shorter than this is invisible to callers."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.endpoint.rpartition(":")
@@ -65,6 +80,8 @@ class EtcdConfig:
             raise ValueError("mutual TLS (cert_key/cert_cert) needs ca_cert too")
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.retry_s < 0:
+            raise ValueError(f"retry_s must be >= 0, got {self.retry_s}")
 
     @property
     def host(self) -> str:
@@ -75,8 +92,54 @@ class EtcdConfig:
         return int(self.endpoint.rpartition(":")[2])
 
 
-def connect(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
-    """A client for `config` whose endpoint is retried immediately after a failure."""
+_RETRY_PAUSE_S = 0.1
+
+#: What a retried call retries: etcd3's translations of UNAVAILABLE, DEADLINE_EXCEEDED and
+#: INTERNAL. A raw grpc.RpcError (NOT_FOUND for a lease that expired, ...) is an answer.
+_RETRIED_ERRORS: tuple[type[BaseException], ...] = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.InternalServerError,
+    etcd3.exceptions.NoServerAvailableError,
+)
+
+#: The client's unary calls; `get`, `get_prefix` and friends go through the `*_response` ones.
+_UNARY_CALLS = (
+    "get_response", "get_prefix_response", "get_range_response", "get_all_response",
+    "put", "put_if_not_exists", "replace", "delete", "delete_prefix", "transaction",
+    "lease", "revoke_lease", "get_lease_info", "status",
+)  # fmt: skip
+
+
+class RetryingEtcdClient(etcd3.MultiEndpointEtcd3Client):
+    """A client whose unary calls retry transient errors for `retry_s` seconds (module doc)."""
+
+    retry_s: float = 0.0
+
+
+def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(call)
+    def retried(self: RetryingEtcdClient, *args: Any, **kwargs: Any) -> Any:
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return call(self, *args, **kwargs)
+            except _RETRIED_ERRORS as exc:
+                if time.monotonic() + _RETRY_PAUSE_S > deadline:
+                    raise
+                log.debug("etcd %s failed (%s); retrying", call.__name__, type(exc).__name__)
+                time.sleep(_RETRY_PAUSE_S)
+
+    return retried
+
+
+for _name in _UNARY_CALLS:
+    setattr(RetryingEtcdClient, _name, _retrying(getattr(etcd3.MultiEndpointEtcd3Client, _name)))
+
+
+def connect(config: EtcdConfig) -> RetryingEtcdClient:
+    """A client for `config`: its endpoint is retried at once after a failure, its unary calls
+    for `config.retry_s` seconds."""
     secure = config.ca_cert is not None
     creds = None
     if secure:
@@ -86,6 +149,8 @@ def connect(config: EtcdConfig) -> etcd3.MultiEndpointEtcd3Client:
     endpoint = etcd3.Endpoint(
         config.host, config.port, secure=secure, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
     )
-    return etcd3.MultiEndpointEtcd3Client(
+    client = RetryingEtcdClient(
         endpoints=[endpoint], timeout=config.timeout, user=config.user, password=config.password
     )
+    client.retry_s = config.retry_s
+    return client

@@ -8,7 +8,11 @@ Each round spreads the still-missing shards over the holders that can serve them
 whose tensor fails its checksum is fetched again in the next round, from another holder when
 there is one; a holder whose call breaks (dead, hung past `stall_timeout_s`, closed) is dropped
 and its unfinished shards move to others. Every shard gets at most `max_attempts` tries; after
-that, or when no holder is left, `TransferError` says which shards failed and why. A refusal
+that, or when no holder is left, `TransferError` says which shards failed and why. A reply that
+breaks the protocol (data outside a tensor, a wrong byte count, a checksum mismatch, a header
+announcing more than `max_tensor_bytes`, a truncated stream, bytes that do not parse) counts
+as a failed try of that holder; so does a shard the caller's `check` rejects (wrong names,
+dtypes or shapes). No tensor is handed out before its bytes and the caller's check pass. A refusal
 that no other holder would answer differently (wrong token, stale generation, malformed or
 oversized messages) ends the fetch at once. A holder still at an older generation answers
 "not yet" (UNAVAILABLE with its generation): its shards are asked again every
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -45,6 +49,11 @@ _FATAL = frozenset(
 )
 
 
+ShardCheck = Callable[[ShardKey, Mapping[str, torch.Tensor]], None]
+"""Raises ValueError when a received shard is not what the receiver expects (tensor names,
+dtypes, shapes); the shard then counts as corrupt and is fetched again elsewhere."""
+
+
 class TransferError(RuntimeError):
     """Shards could not be fetched; `failures` maps each failed shard to the reasons, in order."""
 
@@ -65,6 +74,8 @@ class FetchConfig:
     """Largest reply message accepted; the server is asked for chunks that fit in it."""
     max_request_bytes: int = 1 << 20
     """Largest request message this client sends."""
+    max_tensor_bytes: int = 4 << 30
+    """Largest tensor a reply may announce (its buffer is allocated up front); larger is corrupt."""
     max_attempts: int = 3
     """Tries per shard (first fetch included) before giving up on it."""
     stall_timeout_s: float = 30.0
@@ -83,6 +94,8 @@ class FetchConfig:
             raise ValueError(f"FetchConfig.max_reply_bytes must exceed {HEADER_ALLOWANCE} bytes")
         if self.max_request_bytes <= 0:
             raise ValueError("FetchConfig.max_request_bytes must be positive")
+        if self.max_tensor_bytes <= 0:
+            raise ValueError("FetchConfig.max_tensor_bytes must be positive")
         if self.max_attempts < 1:
             raise ValueError(f"FetchConfig.max_attempts must be >= 1, got {self.max_attempts}")
         if self.stall_timeout_s <= 0:
@@ -184,6 +197,7 @@ def _fetch_from(
     keys: list[ShardKey],
     config: FetchConfig,
     watchdog: _Watchdog,
+    check: ShardCheck | None,
 ) -> _Outcome:
     """Stream `keys` from one holder; never raises for gRPC or data errors (see `_Outcome`)."""
     out = _Outcome()
@@ -220,7 +234,8 @@ def _fetch_from(
                     raise CorruptTensorError("tensor header outside a shard or inside another tensor")
                 t = reply.tensor_start
                 assembler = TensorAssembler(
-                    parse_header(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes)
+                    parse_header(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes,
+                                 max_nbytes=config.max_tensor_bytes)  # fmt: skip
                 )
             elif kind == "tensor_end":
                 if assembler is None:
@@ -242,11 +257,18 @@ def _fetch_from(
                     raise CorruptTensorError("shard end outside a shard or inside a tensor")
                 if bad is None and len(tensors) != expected_tensors:
                     bad = f"announced {expected_tensors} tensors, received {len(tensors)} distinct ones"
+                if bad is None and check is not None:
+                    try:
+                        check(shard, tensors)
+                    except ValueError as e:
+                        bad = f"rejected by the receiver: {e}"
                 if bad is None:
                     out.done[shard] = tensors
                 else:
                     out.corrupt[shard] = bad
                 shard = None
+            else:
+                raise CorruptTensorError(f"a reply with no known item ({kind!r})")
         if set(out.done) | set(out.corrupt) != wanted:
             raise CorruptTensorError("the stream ended before every requested shard was sent")
     except grpc.RpcError as e:
@@ -274,8 +296,12 @@ def fetch_shards(
     wanted: Iterable[tuple[int, int]],
     holders: Mapping[str, Iterable[tuple[int, int]]],
     config: FetchConfig,
+    *,
+    check: ShardCheck | None = None,
 ) -> FetchResult:
-    """Fetch every shard of `wanted` from `holders` (address -> shards it holds); see module doc."""
+    """Fetch every shard of `wanted` from `holders` (address -> shards it holds); see module doc.
+
+    `check(shard, tensors)` may reject a received shard (ValueError), e.g. a wrong shape."""
     start = time.monotonic()
     keys = list(dict.fromkeys(ShardKey(*w) for w in wanted))
     holds = {address: {ShardKey(*s) for s in shards} for address, shards in holders.items()}
@@ -310,7 +336,7 @@ def fetch_shards(
                 jobs = {}
                 for address, shard_keys in plan.items():
                     channel = channels.get(address) or channels.setdefault(address, _channel(address, config))
-                    jobs[address] = pool.submit(_fetch_from, address, channel, shard_keys, config, watchdog)
+                    jobs[address] = pool.submit(_fetch_from, address, channel, shard_keys, config, watchdog, check)
                 behind = False
                 for address, job in jobs.items():
                     out = job.result()

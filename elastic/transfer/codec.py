@@ -72,8 +72,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def parse_header(*, name: str, dtype: str, shape: list[int] | tuple[int, ...], nbytes: int) -> TensorHeader:
-    """Validate a received header; CorruptTensorError if it is inconsistent."""
+def parse_header(*, name: str, dtype: str, shape: list[int] | tuple[int, ...], nbytes: int,
+                 max_nbytes: int | None = None) -> TensorHeader:  # fmt: skip
+    """Validate a received header; CorruptTensorError if it is inconsistent or announces more
+    than `max_nbytes` bytes (the receiver allocates the announced size up front)."""
+    if max_nbytes is not None and nbytes > max_nbytes:
+        raise CorruptTensorError(f"tensor {name!r}: announces {nbytes} bytes, more than the {max_nbytes} accepted")
     if dtype not in _DTYPES:
         raise CorruptTensorError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if any(d < 0 for d in shape):

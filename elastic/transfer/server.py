@@ -27,7 +27,7 @@ from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import crc32, encode_tensor, iter_chunks
 from elastic.transfer.shards import ShardKey
-from elastic.transfer.wire import DataChunk, FetchItem, add_servicer
+from elastic.transfer.wire import DataChunk, FetchItem, MalformedRequest, add_servicer
 
 ShardProvider = Callable[[int, int], Mapping[str, torch.Tensor]]
 """`(layer, tp_rank) -> {name: tensor}`; raises KeyError for a shard that is not held here."""
@@ -81,7 +81,15 @@ class _Servicer(pb_grpc.ShardTransferServicer):
     def __init__(self, server: ShardServer) -> None:
         self._server = server
 
-    def _check(self, credentials: pb.Credentials, context: grpc.ServicerContext) -> None:
+    def _check(self, request: pb.FetchRequest | pb.ListRequest | MalformedRequest,
+               context: grpc.ServicerContext) -> None:  # fmt: skip
+        if isinstance(request, MalformedRequest):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {request.method} request (not a valid protobuf message): {request.error}",
+            )
+        assert not isinstance(request, MalformedRequest)
+        credentials = request.credentials
         server = self._server
         if not hmac.compare_digest(credentials.token.encode(), server.config.token.encode()):
             context.abort(
@@ -103,13 +111,22 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 f"{generation} until its in-flight step is resolved; retry",
             )
 
-    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[FetchItem]:
-        self._check(request.credentials, context)
+    def Fetch(
+        self, request: pb.FetchRequest | MalformedRequest, context: grpc.ServicerContext
+    ) -> Iterator[FetchItem]:
+        self._check(request, context)
+        assert isinstance(request, pb.FetchRequest)
         keys = [ShardKey(s.layer, s.tp_rank) for s in request.shards]
         if not keys:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request names no shards")
         if len(set(keys)) != len(keys):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request names a shard twice")
+        negative = [k for k in keys if k.layer < 0 or k.tp_rank < 0]
+        if negative:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layer and tp_rank must be >= 0, got (layer={negative[0].layer}, tp_rank={negative[0].tp_rank})",
+            )
         chunk = self._server.config.chunk_bytes
         if request.max_chunk_bytes:
             chunk = min(chunk, request.max_chunk_bytes)
@@ -121,6 +138,12 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 shards.append((key, self._server.provider(key.layer, key.tp_rank)))
             except KeyError:
                 missing.append(key)
+            except Exception as exc:  # the provider's bug must not surface as a bare UNKNOWN
+                context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    f"exporting shard (layer={key.layer}, tp_rank={key.tp_rank}) failed: "
+                    f"{type(exc).__name__}: {exc}",
+                )
         if missing:
             context.set_trailing_metadata(
                 ((MISSING_SHARDS_KEY, ",".join(f"{k.layer}:{k.tp_rank}" for k in missing)),)
@@ -137,8 +160,8 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 yield from _tensor_replies(name, tensor, chunk)
             yield pb.FetchReply(shard_end=pb.ShardEnd(shard=shard_id))
 
-    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListReply:
-        self._check(request.credentials, context)
+    def List(self, request: pb.ListRequest | MalformedRequest, context: grpc.ServicerContext) -> pb.ListReply:
+        self._check(request, context)
         shards = [pb.ShardId(layer=k[0], tp_rank=k[1]) for k in sorted(self._server.holdings())]
         return pb.ListReply(shards=shards, generation=self._server.generation)
 

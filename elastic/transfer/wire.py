@@ -38,6 +38,29 @@ FetchItem = pb.FetchReply | DataChunk
 """What the server's Fetch handler yields."""
 
 
+@dataclass(frozen=True)
+class MalformedRequest:
+    """A request whose bytes do not parse; the handler answers it with INVALID_ARGUMENT.
+
+    gRPC's own answer to a deserializer error is INTERNAL ("Exception deserializing request"),
+    which reads like a server bug; parsing here lets the servicer say what was wrong."""
+
+    method: str
+    """The method the bytes were sent to."""
+    error: str
+    """The parser's complaint."""
+
+
+def _lenient(message: Any, method: str) -> Callable[[bytes], Any]:
+    def parse(buffer: bytes) -> Any:
+        try:
+            return message.FromString(buffer)
+        except Exception as exc:  # protobuf's DecodeError and friends: any parse failure
+            return MalformedRequest(method, f"{type(exc).__name__}: {exc}")
+
+    return parse
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n >= 0x80:
@@ -71,16 +94,18 @@ def decode_fetch_reply(buffer: bytes) -> pb.FetchReply | memoryview:
 
 
 def add_servicer(servicer: Any, server: grpc.Server) -> None:
-    """Register the ShardTransfer servicer with the fast Fetch serializer (List: generated one)."""
+    """Register the ShardTransfer servicer with the fast Fetch serializer (List: generated one).
+
+    Requests that do not parse reach the servicer as `MalformedRequest`."""
     handlers = {
         "Fetch": grpc.unary_stream_rpc_method_handler(
             servicer.Fetch,
-            request_deserializer=pb.FetchRequest.FromString,
+            request_deserializer=_lenient(pb.FetchRequest, "Fetch"),
             response_serializer=encode_fetch_reply,
         ),
         "List": grpc.unary_unary_rpc_method_handler(
             servicer.List,
-            request_deserializer=pb.ListRequest.FromString,
+            request_deserializer=_lenient(pb.ListRequest, "List"),
             response_serializer=pb.ListReply.SerializeToString,
         ),
     }

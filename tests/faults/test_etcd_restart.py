@@ -1,0 +1,115 @@
+"""etcd SIGKILLed and restarted mid-run, and a node with a wrong job token trying to join.
+
+One live run (3 nodes, a 2-stage and a 1-stage pipeline, lease TTL 3 s) serves both cases:
+
+- early on, an agent and a worker for a new node start with a wrong ELASTIC_JOB_TOKEN: both
+  exit non-zero with "wrong job token", and nothing under the job changes because of them;
+- at step 8 the test SIGKILLs etcd and restarts it on the same data dir and port 1 s later.
+  Leases are persisted and extended by the restarted etcd, keepalives and watches reconnect,
+  every etcd call blocks through the outage: the run loses no node (no new generation, no
+  recovery), commits every step, and ends bit-for-bit (1e-5) where the failure-free run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from elastic.coordinator import EtcdServer
+from elastic.runtime.summary import RunSummary
+
+from .live_run import LiveRun, Result, reference_run
+from .runs import check_same_training
+
+STEPS = 20
+KILL_AT = 8
+TOKEN = "the-right-token"
+
+
+@dataclass
+class Outcome:
+    reference: Result
+    result: Result
+    run: LiveRun
+    intruders: dict[str, subprocess.CompletedProcess[str]]
+    keys_before: dict[str, bytes]
+    keys_after: dict[str, bytes]
+    generation_after_intruders: int
+    outage_s: float
+
+
+def _intruder(cmd: list[str], etcd: str, job: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, ELASTIC_JOB_TOKEN="not-the-token", OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", *cmd, "--etcd", etcd, "--job", job, "--node", "7", "--incarnation", "0"]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
+    root = tmp_path_factory.mktemp("etcd-restart")
+    reference = reference_run(root / "reference", steps=STEPS)
+    server = EtcdServer(data_dir=root / "etcd").start()
+    run = LiveRun(root / "run", etcd=server.endpoint, job="restart", token=TOKEN, nodes=3, pipelines=2,
+                  steps=STEPS)  # fmt: skip
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        run.start()
+        run.wait_committed(2, 90.0)
+        # Job-scoped keys the intruders could touch; step keys move on with the run itself.
+        keys_before = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
+        procs = [
+            _intruder(["elastic.runtime.agent"], server.endpoint, run.job),
+            _intruder(["elastic.runtime.elastic_worker", "--local-rank", "0", "--lease", "1"],
+                      server.endpoint, run.job),  # fmt: skip
+        ]
+        intruders: dict[str, subprocess.CompletedProcess[str]] = {}
+        for name, proc in zip(("agent", "worker"), procs, strict=True):
+            out, err = proc.communicate(timeout=60)
+            intruders[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        generation = run.generation()
+        keys_after = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
+
+        run.wait_committed(KILL_AT, 90.0)
+        down = time.monotonic()
+        server.stop(kill=True)
+        time.sleep(1.0)
+        server.start()
+        outage = time.monotonic() - down
+        result = run.result()
+        yield Outcome(reference, result, run, intruders, keys_before, keys_after, generation, outage)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        run.close()
+        server.close()
+
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_etcd_restart_loses_no_node_and_no_step(outcome: Outcome) -> None:
+    summary: RunSummary = outcome.result[0]
+    check_same_training(summary, outcome.result[1], outcome.reference)
+    assert summary.recoveries == [], f"a false node loss after the etcd restart: {summary.recoveries}"
+    assert summary.step_generations == [1] * STEPS
+    print(f"etcd outage {outcome.outage_s:.2f} s")
+
+
+def test_bad_token_join_is_refused(outcome: Outcome) -> None:
+    for name, proc in outcome.intruders.items():
+        assert proc.returncode != 0, f"the {name} with a wrong token was not refused"
+        assert "wrong job token" in proc.stderr, f"{name}: {proc.stderr[-2000:]}"
+
+
+def test_bad_token_join_writes_nothing(outcome: Outcome) -> None:
+    assert outcome.keys_after == outcome.keys_before
+    assert not any("node7" in key for key in outcome.keys_after)
+    assert outcome.generation_after_intruders == 1
