@@ -6,7 +6,8 @@ Sources, in etcd revision order (one total order, whatever the writers' clocks s
                    whatever else the runtime records there (kind and detail passed through)
     plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
                    resume step, restored checkpoint, pipelines)
-    injected/<n>   kind "injection": a fault an agent (or the launcher) carried out
+    injected/<n>   kind "injection": a fault an agent (or the launcher) carried out, unless the
+                   log already has an "injection" event with that id
     recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
                    the breakdown of elastic.runtime.progress.recovery_breakdown
 
@@ -89,9 +90,12 @@ class History:
             g = int(meta.key.decode().rsplit("/", 1)[1])
             generations[g] = GenerationRecord.from_json(value)
             events.append(_generation(g, generations[g], meta))
+        logged = {e.detail.get("id") for e in events if e.kind == "injection"}
         for value, meta in self.client.get_prefix(self.rk.injected("")):
             key = meta.key.decode()
             name = key.rsplit("/", 1)[1]
+            if name in logged:  # the agent logged it in events/ too (with more detail)
+                continue
             target = next((part for part in name.split("-") if part.startswith("node")), "?")
             events.append(HistoryEvent(kind="injection", time=float(value.decode()), who=target,
                                        revision=meta.mod_revision, key=key, detail={"name": name}))  # fmt: skip
@@ -136,7 +140,11 @@ def describe(event: HistoryEvent) -> str:
             text += f", restoring the checkpoint of step {d['restore_checkpoint']}"
         return text
     if event.kind == "injection":
-        return f"injected {d['name']}"
+        text = f"injected {d.get('name') or d.get('id')}"
+        return text + (f" (step {d['step']} in flight)" if isinstance(d.get("step"), int) else "")
+    if event.kind in ("drain", "drain-refused"):
+        verb = "drained" if event.kind == "drain" else "drain refused"
+        return f"node {d.get('node')} {verb} by {event.who}: {d.get('reason')}"
     if event.kind == "recovered":
         return (
             f"recovered into generation {d['generation']} in {d['total_s']:.2f} s (detect {d['detecting_s']:.2f}, "

@@ -17,7 +17,7 @@ elastic/coordinator/access.py); who may read etcd at all is etcd's own authentic
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,10 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
 
 
 def open_client(target: JobTarget) -> Any:
-    """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S."""
-    return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S))
+    """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S, without retrying:
+    an operator wants to hear at once that etcd is gone, not wait out an etcd restart."""
+    no_retry: dict[str, Any] = {"retry_s": 0.0} if "retry_s" in {f.name for f in fields(EtcdConfig)} else {}
+    return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S, **no_retry))
 
 
 def list_jobs(client: Any, etcd: str) -> list[str]:
