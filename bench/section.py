@@ -1,0 +1,44 @@
+"""One part of `bench/run_all.py`'s report: its figures, the rows it could not measure, raw data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.stats import Figure
+
+
+@dataclass(kw_only=True)
+class Section:
+    """What one benchmark contributes to the table and the JSON."""
+
+    title: str
+    """Heading printed above its rows."""
+    figures: list[Figure] = field(default_factory=list)
+    """Measured quantities, one table row each."""
+    not_run: list[str] = field(default_factory=list)
+    """Rows that could not be measured here, each "name: not run: reason"."""
+    notes: list[str] = field(default_factory=list)
+    """Conditions a reader needs (model, batch, processes, trace)."""
+    raw: list[dict[str, Any]] = field(default_factory=list)
+    """Per-run details, written to the JSON only."""
+    wall_s: float = 0.0
+    """Seconds the section took."""
+
+    def lines(self) -> list[str]:
+        out = [f"== {self.title}  ({self.wall_s:.0f} s)"]
+        out += [f"   note: {n}" for n in self.notes]
+        out += [f"   {f.row()}" for f in self.figures]
+        out += [f"   {r}" for r in self.not_run]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"title": self.title, "figures": [f.to_dict() for f in self.figures], "not_run": self.not_run,
+                "notes": self.notes, "raw": self.raw, "wall_s": self.wall_s}  # fmt: skip
+
+
+def series(figures: dict[str, Figure], name: str, unit: str, value: float, note: str = "") -> None:
+    """Append `value` to the figure called `name` in `figures`, creating it on first use."""
+    if name not in figures:
+        figures[name] = Figure(name=name, unit=unit, note=note)
+    figures[name].samples.append(value)
