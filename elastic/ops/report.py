@@ -173,15 +173,17 @@ def write_report(run_dir: Path) -> Path:
 
     fig, (ax_loss, ax_tput) = plt.subplots(2, 1, sharex=True, figsize=FIGSIZE, dpi=DPI)
     try:
-        ax_loss.plot(t.times, t.losses, marker="o", markersize=3, color="tab:blue")
+        for lo, hi in _segments(t.generations, len(t.times)):  # no line across a reconfiguration
+            ax_loss.plot(t.times[lo:hi], t.losses[lo:hi], marker="o", markersize=3, color="tab:blue")
+            ax_tput.plot(t.times[lo:hi], t.throughput[lo:hi], marker="o", markersize=3, color="tab:orange")
         ax_loss.set_ylabel("loss")
-        ax_tput.plot(t.times, t.throughput, marker="o", markersize=3, color="tab:orange")
         ax_tput.set_ylabel("tokens/s (per step)")
         ax_tput.set_xlabel("seconds since start" if t.origin else "seconds of training (static run)")
         _mark_recoveries(t, (ax_loss, ax_tput))
-        ax_loss.set_title(
-            f"{len(t.losses)} steps, final loss {t.losses[-1]:.4f}" if t.losses else "no step committed"
-        )
+        title = f"{len(t.losses)} steps, final loss {t.losses[-1]:.4f}" if t.losses else "no step committed"
+        if t.origin and t.times:
+            title += f" (first commit {t.times[0]:.1f} s after the start)"
+        ax_loss.set_title(title)
         for ax in (ax_loss, ax_tput):
             ax.grid(alpha=0.3)
         if ax_loss.get_legend_handles_labels()[0]:
@@ -192,6 +194,15 @@ def write_report(run_dir: Path) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def _segments(generations: list[int], n: int) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges of consecutive steps committed by the same generation."""
+    if not generations:
+        return [(0, n)]
+    cuts = [i for i in range(1, n) if generations[i] != generations[i - 1]]
+    bounds = [0, *cuts, n]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _mark_recoveries(t: Timeline, axes: tuple[Any, ...]) -> None:
