@@ -1,0 +1,192 @@
+"""deploy/k8s and deploy/slurm: every manifest parses, and the parts refer to each other correctly.
+
+No Kubernetes schema validator (kubeconform, kubeval) can be installed offline here, so the
+checks are structural: each document has apiVersion/kind/metadata.name, and every Secret,
+ConfigMap, Service, claim, port and image that one object names exists in another with the
+same spelling. The SLURM script must pass `bash -n`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+K8S = DEPLOY / "k8s"
+NAMESPACE = "elastic"
+
+
+def _docs() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return docs
+
+
+DOCS = _docs()
+
+
+def _one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
+    return found[0]
+
+
+def _pod_specs() -> list[tuple[str, dict[str, Any]]]:
+    return [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in DOCS
+            if d["kind"] in ("Job", "StatefulSet")]  # fmt: skip
+
+
+def _containers() -> list[tuple[str, dict[str, Any]]]:
+    return [(owner, c) for owner, spec in _pod_specs() for c in spec["containers"]]
+
+
+def _script(container: dict[str, Any]) -> str:
+    return " ".join([*container.get("command", []), *container.get("args", [])])
+
+
+def test_every_document_is_a_named_kubernetes_object() -> None:
+    assert {p.name for p in K8S.glob("*.yaml")} >= {
+        "etcd.yaml",
+        "train.yaml",
+        "controller.yaml",
+        "secret.yaml",
+    }
+    for doc in DOCS:
+        assert {"apiVersion", "kind", "metadata"} <= doc.keys(), doc
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", doc["metadata"]["name"])
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == NAMESPACE, doc["metadata"]
+    assert _one("Namespace", NAMESPACE)
+
+
+def test_etcd_statefulset_service_and_cluster_agree() -> None:
+    sts = _one("StatefulSet", "etcd")
+    headless = _one("Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert headless["spec"]["selector"].items() <= labels.items()
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (
+        {p["name"]: p["port"] for p in headless["spec"]["ports"]} == ports == {"client": 2379, "peer": 2380}
+    )
+    # --initial-cluster names exactly the replicas, at their stable DNS names on the peer port.
+    flag = next(a for a in container["command"] if a.startswith("--initial-cluster="))
+    members = dict(m.split("=", 1) for m in flag.split("=", 1)[1].split(","))
+    replicas = sts["spec"]["replicas"]
+    assert replicas in (1, 3)
+    assert members == {
+        f"etcd-{i}": f"http://etcd-{i}.{headless['metadata']['name']}.{NAMESPACE}.svc:{ports['peer']}"
+        for i in range(replicas)
+    }
+    claim = sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"]
+    assert claim in {m["name"] for m in container["volumeMounts"]}
+
+
+def test_job_config_secret_and_etcd_endpoint_exist() -> None:
+    config = _one("ConfigMap", "elastic-job")["data"]
+    host, port = config["ETCD_ENDPOINT"].rsplit(":", 1)
+    service, namespace = host.split(".")[:2]
+    client = _one("Service", service)
+    assert namespace == NAMESPACE
+    assert int(port) in {p["port"] for p in client["spec"]["ports"]}
+    assert (
+        client["spec"]["selector"].items()
+        <= _one("StatefulSet", "etcd")["spec"]["selector"]["matchLabels"].items()
+    )
+    for owner, container in _containers():
+        for ref in container.get("envFrom", []):
+            _one("ConfigMap", ref["configMapRef"]["name"])
+        for env in container.get("env", []):
+            source = env.get("valueFrom", {})
+            if "secretKeyRef" in source:
+                secret = _one("Secret", source["secretKeyRef"]["name"])
+                assert source["secretKeyRef"]["key"] in secret.get("stringData", secret.get("data", {})), (
+                    owner
+                )
+            if "configMapKeyRef" in source:
+                cm = _one("ConfigMap", source["configMapKeyRef"]["name"])
+                assert source["configMapKeyRef"]["key"] in cm["data"], owner
+        # Every $VAR a shell command line uses is defined for that container.
+        defined = {e["name"] for e in container.get("env", [])}
+        for ref in container.get("envFrom", []):
+            defined |= set(_one("ConfigMap", ref["configMapRef"]["name"])["data"])
+        if container.get("command", [])[:2] == ["/bin/sh", "-c"]:
+            used = set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", _script(container)))
+            assert used <= defined, f"{owner}: {sorted(used - defined)} undefined"
+
+
+def test_training_job_one_pod_per_node_with_the_rendezvous() -> None:
+    config = _one("ConfigMap", "elastic-job")["data"]
+    train = _one("Job", "elastic-train")
+    spec = train["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == int(config["NODES"])
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] in ("OnFailure", "Never")
+    nodes_service = _one("Service", pod["subdomain"])
+    assert nodes_service["spec"]["clusterIP"] == "None"
+    assert nodes_service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    (node,) = pod["containers"]
+    script = _script(node)
+    assert "torchrun" in script and "--rdzv-backend=elastic-etcd" in script
+    assert '--rdzv-endpoint="$ETCD_ENDPOINT"' in script and '--rdzv-id="$ELASTIC_JOB"' in script
+    assert "-m elastic.runtime.agent" in script
+    assert "node_id=node$NODE_INDEX" in script
+    env = {e["name"]: e for e in node["env"]}
+    assert env["ELASTIC_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["GLOO_SOCKET_IFNAME"]["value"] == "eth0"
+    assert "job-completion-index" in env["NODE_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert node["resources"]["requests"]["cpu"] and node["resources"]["requests"]["memory"]
+    assert int(node["resources"]["limits"]["nvidia.com/gpu"]) == int(config["GPUS_PER_NODE"])
+    # Liveness probes the metrics port, which the agent is told to serve on.
+    probe_port = node["livenessProbe"]["httpGet"]["port"]
+    ports = {p["name"]: p["containerPort"] for p in node["ports"]}
+    assert ports[probe_port] == int(env["ELASTIC_METRICS_PORT"]["value"])
+    assert {p["name"]: p["port"] for p in nodes_service["spec"]["ports"]}[probe_port] == ports[probe_port]
+
+
+def test_controller_publishes_the_same_job_and_volumes_exist() -> None:
+    controller = _one("Job", "elastic-controller")
+    pod = controller["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    script = _script(pod["containers"][0])
+    assert "elastic run --agents external" in script
+    assert '--job "$ELASTIC_JOB"' in script and '--etcd "$ETCD_ENDPOINT"' in script
+    for _, spec in _pod_specs():
+        for volume in spec.get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                _one("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        mounts = {m["name"] for c in spec["containers"] for m in c.get("volumeMounts", [])}
+        assert mounts <= {v["name"] for v in spec.get("volumes", [])} | {"data"}
+
+
+def test_project_image_is_the_same_everywhere() -> None:
+    images = {c["image"] for owner, c in _containers() if owner != "etcd"}
+    assert len(images) == 1, images
+    (image,) = images
+    assert image in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_sbatch_script_parses_and_uses_the_rendezvous() -> None:
+    script = DEPLOY / "slurm" / "elastic.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    text = script.read_text()
+    assert "--rdzv-backend=elastic-etcd" in text and "srun" in text and "-m elastic.runtime.agent" in text
+    assert re.search(r"^#SBATCH --ntasks-per-node=1$", text, re.M)
+
+
+@pytest.mark.skipif(
+    shutil.which("kubeconform") is None, reason="kubeconform is not installed (no offline install)"
+)
+def test_kubeconform_accepts_the_manifests() -> None:
+    subprocess.run(["kubeconform", "-strict", "-summary", *map(str, sorted(K8S.glob("*.yaml")))],
+                   check=True, timeout=120)  # fmt: skip
