@@ -1,0 +1,80 @@
+"""One live run: `elastic inject partition` cuts node 2 off for 7 s (lease TTL 3 s), emulated by
+its agent (keepalives stop, workers SIGSTOPped). The survivors re-plan without it and train on;
+the healed node finds itself fenced and leaves without writing anything into the job; the final
+state equals the failure-free run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.coordinator import EtcdServer
+from elastic.coordinator.events import read_events
+from elastic.coordinator.generations import Generations
+from elastic.runtime.injection import read_requests, read_statuses
+from elastic.runtime.protocol import GenerationRecord, StepResult
+from elastic.runtime.summary import RunSummary
+
+from .runs import LiveJob, check_same_training, static_reference, tiny_config
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 40
+PARTITION_S = 7.0
+
+
+@pytest.fixture(scope="module")
+def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    config = tiny_config(tmp_path_factory.mktemp("partition"), nodes=4, pipelines=2, steps=STEPS)
+    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
+    try:
+        job.wait_committed(3)
+        code, output = job.cli(
+            "inject", "partition", "--node", "2", "--seconds", str(PARTITION_S), "--wait", "60"
+        )
+        summary, state = job.result()
+        client, keys = job.client, job.keys
+        (rid,) = [r.id for r in read_requests(client, keys.root) if r.kind == "partition"]
+        gens = Generations(client, keys)
+        records = {
+            g: GenerationRecord.from_json(gens.get(g).plan) for g in range(1, gens.current_number() + 1)
+        }  # type: ignore[union-attr]
+        revisions = {g: gens.get(g).revision for g in records}  # type: ignore[union-attr]
+        old_keys = [(m.key.decode(), m.mod_revision) for _, m in client.get_prefix(f"{job.rk.steps}1/")]
+        results = [(StepResult.from_json(v), m.mod_revision) for v, m in client.get_prefix(job.rk.results)]
+        yield {
+            "code": code, "output": output, "summary": summary, "state": state,
+            "status": read_statuses(client, keys.root)[rid], "events": read_events(client, keys),
+            "records": records, "revisions": revisions, "old_keys": old_keys, "results": results,
+        }  # fmt: skip
+    finally:
+        job.close()
+
+
+def test_partitioned_node_is_fenced_and_the_job_trains_on(run: dict[str, Any], tmp_path_factory: Any) -> None:
+    print(run["output"])
+    assert run["code"] == 0, run["output"]
+    status = run["status"]
+    assert status.state == "fenced" and status.generation >= 2, status
+    records = run["records"]
+    assert records[2].lost == [2] and 2 not in records[2].plan.nodes
+    assert all(2 not in r.plan.nodes for g, r in records.items() if g >= 2), "the fenced node never came back"
+    assert [e for e in run["events"] if e["kind"] == "fenced" and e["who"] == "node2"], "no fenced event"
+    reference: tuple[RunSummary, dict[str, torch.Tensor]] = static_reference(
+        tmp_path_factory.mktemp("reference"), steps=STEPS
+    )
+    check_same_training(run["summary"], run["state"], reference, steps=STEPS)
+
+
+def test_healed_node_wrote_nothing_after_its_fencing(run: dict[str, Any]) -> None:
+    # Generation 2 is the fencing: from its publication on, nothing may be written under
+    # generation 1 (ready marks, decisions) and no result may come from generation 1.
+    fenced_at = run["revisions"][2]
+    late = [key for key, rev in run["old_keys"] if rev > fenced_at]
+    assert late == [], f"written under generation 1 after generation 2 was published: {late}"
+    late_results = [r.step for r, rev in run["results"] if r.generation == 1 and rev > fenced_at]
+    assert late_results == [], late_results
