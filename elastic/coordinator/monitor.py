@@ -5,14 +5,22 @@ it the moment a worker exits, SIGKILL included, with no polling interval to wait
 pidfds are unavailable it falls back to psutil every `fallback_interval` seconds.
 `watch_workers(membership, pids)` wires a monitor to `Membership.report_failure`, which
 revokes the node's lease, so every other member's watch sees the loss within milliseconds.
+
+The other direction, `die_with_parent(agent_pid)`: a worker whose agent is SIGKILLed would
+otherwise live on as an orphan, unmonitored, until its peers' next reconfiguration or forever;
+with it the kernel SIGKILLs the worker the moment the agent dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import select
+import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import psutil
@@ -107,3 +115,31 @@ def watch_workers(membership: Membership, pids: Iterable[int]) -> WorkerMonitor:
         membership.report_failure(reason=f"worker pid {pid} exited")
 
     return WorkerMonitor(pids, on_death)
+
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_POLL_S = 0.2
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process as soon as `parent_pid` (its parent) dies; at once if it already has.
+
+    Linux: PR_SET_PDEATHSIG, delivered by the kernel when the parent *thread* that forked us
+    exits, so the parent must spawn from a thread that lives as long as it does (the agent's
+    main thread). Elsewhere: a daemon thread that polls the parent PID every 0.2 s.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(_PARENT_POLL_S)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        log.warning("parent %d is gone; exiting", parent_pid)
+        os.kill(os.getpid(), signal.SIGKILL)
