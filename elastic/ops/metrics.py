@@ -89,7 +89,10 @@ def metrics_addresses(client: Any, keys: JobKeys) -> dict[str, str]:
     prefix = f"{keys.root}metrics/"
     found: dict[str, str] = {}
     for value, meta in client.get_prefix(prefix):
-        found[meta.key.decode()[len(prefix) :]] = str(json.loads(value)["address"])
+        try:
+            found[meta.key.decode()[len(prefix) :]] = str(json.loads(value)["address"])
+        except (ValueError, TypeError, KeyError):
+            log.warning("metrics: ignoring malformed %s", meta.key.decode())
     return found
 
 
@@ -141,20 +144,32 @@ class Recovery:
 
 @dataclass(frozen=True, kw_only=True)
 class Snapshot:
-    """Every value the endpoint serves, computed from the mirrored etcd state."""
+    """Every value the endpoint serves, computed from the mirrored etcd state (names: module doc)."""
 
     step: int = 0
+    """elastic_step."""
     loss: float | None = None
+    """elastic_loss (None: no step committed yet)."""
     step_seconds: float | None = None
+    """elastic_step_seconds."""
     tokens_per_s: float | None = None
+    """elastic_tokens_per_second (None: no step yet, or the job config not read)."""
     generation: int = 0
+    """elastic_generation."""
     recoveries: int = 0
+    """elastic_recoveries_total."""
     finished: list[Recovery] = field(default_factory=list)
+    """Finished recoveries by generation: the last one's gauges and the histogram."""
     node_bytes: int = 0
+    """elastic_transfer_bytes_total."""
     job_bytes: int = 0
+    """elastic_job_transfer_bytes_total."""
     workers: int = 0
+    """elastic_workers."""
     workers_alive: int = 0
+    """elastic_workers_alive."""
     nodes_alive: int = 0
+    """elastic_nodes_alive."""
 
 
 def recovery_of(
