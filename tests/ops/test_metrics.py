@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
-from elastic.ops.metrics import NodeMetrics, metrics_addresses
+from elastic.ops.metrics import NodeMetrics, metrics_addresses, snapshot
 from elastic.ops.report import summary_text, write_report
 from elastic.parallel.layout import assign_ranks
 from elastic.runtime.injection import parse_injection
@@ -27,7 +27,14 @@ from elastic.runtime.job import JobSpec
 from elastic.runtime.launcher import launch_elastic
 from elastic.runtime.optim import OptimConfig
 from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RecoveryTimings, RunKeys, node_id
+from elastic.runtime.protocol import (
+    ElasticConfig,
+    GenerationRecord,
+    RecoveryTimings,
+    RunKeys,
+    StepResult,
+    node_id,
+)
 from elastic.runtime.summary import RunSummary
 from templates.plan import even_plan
 
@@ -203,3 +210,49 @@ def test_report_of_the_run(live: Live) -> None:
     text = summary_text(live.run_dir)
     assert text.startswith(f"{STEPS} steps committed") and f"final loss {live.summary.losses[-1]:.4f}" in text
     assert f"generation 2 (node 2 lost): {rec['total_s']:.2f} s, {rec['bytes_moved']} bytes moved" in text
+
+
+# ---- snapshot() as a pure function: cases the live run does not reach ------------------------
+
+
+def _record(nodes: list[int], pipelines: int, **kw: Any) -> GenerationRecord:
+    plan = even_plan(
+        num_layers=6, nodes=nodes, num_pipelines=pipelines, global_microbatches=4, microbatch_size=2
+    )
+    return GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0), **kw)
+
+
+def _timings(first_commit_at: float, bytes_fetched: int) -> RecoveryTimings:
+    return RecoveryTimings(seen_at=0.0, transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched,
+                           started_at=first_commit_at - 0.5, first_commit_at=first_commit_at)  # fmt: skip
+
+
+def test_snapshot_superseded_generation_and_rank_mapping() -> None:
+    plans = {
+        1: _record([0, 1, 2, 3], 2),
+        2: _record([0, 1, 3], 2, lost=[2], detected_at=10.0, published_at=10.5),
+        3: _record([0, 3], 2, lost=[1], detected_at=11.0, published_at=11.2),
+    }
+    # Generation 2 was superseded after one of its three workers reported; generation 3 finished.
+    timings = {2: {0: _timings(12.0, 100)}, 3: {0: _timings(14.0, 10), 1: _timings(14.5, 1000)}}
+    injected = {"kill-node2-step5": 9.0, "kill-node1-reconfig": 10.8}
+    snap = snapshot(node=3, seq_len=64, window=10, plans=plans, results={}, timings=timings, injected=injected,
+                    workers=[], nodes_alive=2)  # fmt: skip
+    assert snap.generation == 3 and snap.recoveries == 2 and snap.step == 0 and snap.tokens_per_s is None
+    assert [r.generation for r in snap.finished] == [2, 3]
+    last = snap.finished[-1]
+    assert last.total_s == pytest.approx(14.5 - 10.8) and last.phases["detecting"] == pytest.approx(
+        11.0 - 10.8
+    )
+    assert last.phases["replaying"] == pytest.approx(0.5)
+    # Generation 3: rank 1 is node 3 (pipeline 1's only stage); generation 2's rank 0 is node 0.
+    assert snap.node_bytes == 1000 and snap.job_bytes == 1110
+
+
+def test_snapshot_throughput_of_one_step() -> None:
+    result = StepResult(step=0, loss=2.5, grad_norm=1.0, lr=1e-3, seconds=0.5, generation=1, committed_at=5.0)
+    snap = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, results={0: result}, timings={},
+                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+    assert snap.step == 1 and snap.loss == 2.5 and snap.tokens_per_s == pytest.approx(8 * 64 / 0.5)
+    assert snapshot(node=0, seq_len=None, window=10, plans={1: _record([0, 1], 2)}, results={0: result},
+                    timings={}, injected={}, workers=[], nodes_alive=2).tokens_per_s is None  # fmt: skip
