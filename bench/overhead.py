@@ -26,6 +26,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -114,7 +115,7 @@ def pp_worker(args: argparse.Namespace) -> None:
     # Interleaved: rank r holds stages r, r + world, ... (the looping placement torch expects).
     ids = [rank + k * world for k in range(per_rank)]
     modules = [GPTStage(cfg, first=split[i].layers[0], last=split[i].layers[1]) for i in ids]
-    stages = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, ids, strict=True)]
+    stages: list[Any] = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, ids, strict=True)]
     n_mb = args.global_batch // args.microbatch
     last = modules[-1] if ids[-1] == n_stages - 1 else None
 
@@ -122,6 +123,7 @@ def pp_worker(args: argparse.Namespace) -> None:
         assert last is not None
         return last.loss(logits, target)
 
+    schedule: Schedule1F1B | ScheduleInterleaved1F1B
     if args.pp_worker == "interleaved":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn)
     else:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,17 @@ from elastic.runtime.optim import OptimConfig, lr_at
 
 OPTIM = OptimConfig(eps=1e-6)
 """The optimizer settings of bench/recovery.py's elastic runs."""
+
+
+class StepOptimizer(Protocol):
+    """What train_step needs of an optimizer (torch's, or a wrapper that decides the commit)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def step(self) -> None: ...
 
 
 def build(model: str) -> tuple[GPTStage, torch.optim.AdamW, TokenDataset]:
@@ -40,7 +51,7 @@ def build(model: str) -> tuple[GPTStage, torch.optim.AdamW, TokenDataset]:
 def train_step(
     model: torch.nn.Module,
     stage: GPTStage,
-    optimizer: torch.optim.Optimizer,
+    optimizer: StepOptimizer | torch.optim.Optimizer,
     data: TokenDataset,
     *,
     step: int,

@@ -74,7 +74,7 @@ class PeerRecovery:
     kill_step: int
     """The step the killed replica was starting."""
     steps_lost: int
-    """Committed steps redone: kill_step - the step of the first commit after the kill."""
+    """Committed steps redone: steps a replica committed again after the kill (0 unless a rollback)."""
     next_commit_s: float
     """SIGKILL -> the first step committed by a survivor."""
     rejoin_s: float
@@ -179,9 +179,13 @@ def _analyse(events: list[dict[str, Any]], *, started: float, ended: float) -> T
     recoveries = []
     for kill in kills:
         after = [c for c in commits if c["t"] > kill["t"]]
-        survivor = next(c for c in after if c["replica"] != kill["replica"])
+        # A survivor may still log the commit of kill_step - 1 just after the kill: that step
+        # was agreed before the kill. The next commit is the first of a step >= kill_step.
+        survivor = next(c for c in after if c["replica"] != kill["replica"] and c["step"] >= kill["step"])
         back = next(c for c in after if c["replica"] == kill["replica"])
-        recoveries.append(PeerRecovery(kill_step=kill["step"], steps_lost=kill["step"] - survivor["step"],
+        done = {(c["replica"], c["step"]) for c in commits if c["t"] <= kill["t"]}
+        redone = {c["step"] for c in after if (c["replica"], c["step"]) in done}
+        recoveries.append(PeerRecovery(kill_step=kill["step"], steps_lost=len(redone),
                                        next_commit_s=survivor["t"] - kill["t"], rejoin_s=back["t"] - kill["t"]))  # fmt: skip
     first_kill = kills[0]["t"] if kills else float("inf")
     mine = [c["t"] for c in commits if c["replica"] == 0]
