@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         if args.wait == 0:
             return 0
-        status = job.wait_outcome(req.id, args.wait, say_running=False)
+        status = job.wait_outcome(req.id, args.wait, command="drain", say_running=False)
         if status is None:
             print(
                 f"elastic drain: {req.id} not answered yet after {args.wait:g} s (still pending)", flush=True

@@ -108,7 +108,9 @@ class OperatorJob:
     def committed_steps(self) -> int:
         return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
 
-    def wait_outcome(self, request_id: str, timeout: float, say_running: bool = True) -> Any:
+    def wait_outcome(
+        self, request_id: str, timeout: float, *, command: str = "inject", say_running: bool = True
+    ) -> Any:
         """The request's final status (done, refused, fenced) within `timeout` s, else the last seen."""
         from elastic.runtime.injection import InjectionStatus
 
@@ -121,7 +123,7 @@ class OperatorJob:
                 if status.state in _DONE_STATES:
                     return status
                 if say_running and (last is None or last.state != status.state):
-                    print(f"elastic {request_id.split('-')[0]}: {request_id} {describe(status)}", flush=True)
+                    print(f"elastic {command}: {request_id} {describe(status)}", flush=True)
                 last = status
             if time.monotonic() >= deadline:
                 return last
