@@ -4,7 +4,9 @@
 free ports, starts etcd on a data directory (a fresh temporary one unless given), waits until
 `/health` answers, and stops it again. The child asks the kernel for SIGKILL when its parent
 dies (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphan; `atexit` and `stop()` cover
-the orderly paths. `stop()` followed by `start()` reuses the same data directory and ports, which
+the orderly paths. The kernel ties that signal to the *thread* that started etcd: call
+`start()` from a thread that outlives the server (the main thread), never from a short-lived
+one such as a `threading.Timer`, or etcd dies with that thread. `stop()` followed by `start()` reuses the same data directory and ports, which
 is how an etcd restart under live clients is exercised.
 
     with EtcdServer() as server:

@@ -13,8 +13,10 @@ from elastic.coordinator import (
     EtcdConfig,
     EtcdServer,
     JobAccessError,
+    JobKeys,
     MemberEvent,
     NodeIdentity,
+    admit,
 )
 from elastic.coordinator.events import read_events
 
@@ -64,3 +66,30 @@ def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: An
         c.close()
     finally:
         a.close()
+
+
+def _job_keys(client: Any, keys: JobKeys) -> dict[str, bytes]:
+    return {meta.key.decode(): value for value, meta in client.get_prefix(keys.root)}
+
+
+@pytest.mark.timeout(60)
+def test_admit_refuses_wrong_and_missing_tokens_without_writing(client: Any, job: str) -> None:
+    keys = JobKeys(job)
+    admit(client, keys, "s3cret")  # the first node installs the token hash
+    before = _job_keys(client, keys)
+    assert list(before) == [keys.token] and b"s3cret" not in before[keys.token]
+    for token, message in (("s3cret ", "wrong job token"), ("", "requires a job token"), (None, "requires a job token")):
+        with pytest.raises(JobAccessError, match=message):
+            admit(client, keys, token)
+        assert _job_keys(client, keys) == before
+    admit(client, keys, "s3cret")  # the right token still gets in
+    assert _job_keys(client, keys) == before
+
+
+@pytest.mark.timeout(60)
+def test_a_job_without_token_refuses_a_node_with_one(client: Any, job: str) -> None:
+    keys = JobKeys(job)
+    admit(client, keys, None)
+    with pytest.raises(JobAccessError, match="started without a job token"):
+        admit(client, keys, "anything")
+    admit(client, keys, None)

@@ -1,0 +1,74 @@
+"""The etcd client rides out an etcd restart: unary calls retry transient errors for `retry_s`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import etcd3.exceptions
+import grpc
+import pytest
+
+from elastic.coordinator import EtcdConfig, EtcdServer, connect
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_calls_during_an_outage_block_then_succeed(tmp_path: Path) -> None:
+    with EtcdServer(data_dir=tmp_path / "etcd") as server:
+        client = connect(EtcdConfig(endpoint=server.endpoint, retry_s=20.0))
+        client.put("/retry/before", "1")
+        server.stop(kill=True)
+        waited: list[float] = []
+        errors: list[BaseException] = []
+
+        def put_while_down() -> None:
+            start = time.monotonic()
+            try:
+                client.put("/retry/during", "2")
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+            waited.append(time.monotonic() - start)
+
+        writer = threading.Thread(target=put_while_down)
+        writer.start()
+        time.sleep(1.0)
+        # Restarted from this (the main) thread: etcd's PR_SET_PDEATHSIG follows the thread
+        # that started it, so a short-lived thread must not start it.
+        server.start()
+        writer.join(30.0)
+        try:
+            assert not writer.is_alive() and not errors, errors
+            assert waited[0] >= 0.9, f"the put returned after {waited[0]:.2f} s, before etcd was back"
+            value, _ = client.get("/retry/during")
+            assert value == b"2"
+            assert client.get("/retry/before")[0] == b"1"
+        finally:
+            client.close()
+
+
+def test_no_retry_fails_at_once(tmp_path: Path) -> None:
+    with EtcdServer(data_dir=tmp_path / "etcd") as server:
+        endpoint = server.endpoint
+    client = connect(EtcdConfig(endpoint=endpoint, retry_s=0.0))
+    start = time.monotonic()
+    with pytest.raises(etcd3.exceptions.ConnectionFailedError):
+        client.get("/retry/x")
+    assert time.monotonic() - start < 3.0
+    client.close()
+
+
+def test_a_refusal_is_not_retried(etcd_server: EtcdServer) -> None:
+    client = connect(EtcdConfig(endpoint=etcd_server.endpoint, retry_s=20.0))
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        client.revoke_lease(0x1234567)  # no such lease: NOT_FOUND is an answer, not an outage
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert time.monotonic() - start < 3.0
+    client.close()
+
+
+def test_retry_s_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="retry_s must be >= 0"):
+        EtcdConfig(endpoint="127.0.0.1:2379", retry_s=-1)
