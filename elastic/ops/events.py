@@ -6,8 +6,9 @@ Sources, in etcd revision order (one total order, whatever the writers' clocks s
                    whatever else the runtime records there (kind and detail passed through)
     plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
                    resume step, restored checkpoint, pipelines)
-    injected/<n>   kind "injection": a fault an agent (or the launcher) carried out, unless the
-                   log already has an "injection" event with that id
+    injected/<n>   kind "injection": a fault an agent (or the launcher) carried out
+
+A generation or an injection that both has its own key and is logged in events/ is shown once.
     recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
                    the breakdown of elastic.runtime.progress.recovery_breakdown
 
@@ -21,7 +22,7 @@ and prints what is new.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elastic.coordinator.keys import JobKeys
@@ -82,27 +83,51 @@ class History:
 
     def read_all(self) -> list[HistoryEvent]:
         """Every event the job has now, oldest first (also marks them seen)."""
-        events = []
-        for value, meta in self.client.get_prefix(self.keys.events):
-            events.append(_from_log(value, meta))
+        events = [_from_log(value, meta) for value, meta in self.client.get_prefix(self.keys.events)]
         generations: dict[int, GenerationRecord] = {}
         for value, meta in self.client.get_prefix(self.keys.plans):
             g = int(meta.key.decode().rsplit("/", 1)[1])
             generations[g] = GenerationRecord.from_json(value)
             events.append(_generation(g, generations[g], meta))
-        logged = {e.detail.get("id") for e in events if e.kind == "injection"}
         for value, meta in self.client.get_prefix(self.rk.injected("")):
             key = meta.key.decode()
             name = key.rsplit("/", 1)[1]
-            if name in logged:  # the agent logged it in events/ too (with more detail)
-                continue
             target = next((part for part in name.split("-") if part.startswith("node")), "?")
             events.append(HistoryEvent(kind="injection", time=float(value.decode()), who=target,
-                                       revision=meta.mod_revision, key=key, detail={"name": name}))  # fmt: skip
+                                       revision=meta.mod_revision, key=key, detail={"id": name}))  # fmt: skip
         events += self._recoveries(generations)
+        events = self._dedupe(events)
         events.sort(key=lambda e: (e.revision, e.key))
         self._seen.update(e.key for e in events)
         return events
+
+    def _dedupe(self, events: list[HistoryEvent]) -> list[HistoryEvent]:
+        """One event per generation and per injection id: both have a key of their own (plan/,
+        injected/) and may be logged in events/ too. The one already returned wins (so `poll`
+        never repeats), else the richer one: the plan record, the agent's log entry."""
+        groups: dict[tuple[str, Any], list[HistoryEvent]] = {}
+        out = []
+        for e in events:
+            ident = e.detail.get("generation") if e.kind == "generation" else e.detail.get("id")
+            if e.kind in ("generation", "injection") and ident is not None:
+                groups.setdefault((e.kind, ident), []).append(e)
+            else:
+                out.append(e)
+        for (kind, _), group in groups.items():
+            seen = [e for e in group if e.key in self._seen]
+            preferred = [
+                e
+                for e in group
+                if e.key.startswith(self.keys.plans if kind == "generation" else self.keys.events)
+            ]
+            chosen = (seen or preferred or group)[0]
+            for other in group:  # keep what only the other copy says (e.g. a generation's drained nodes)
+                extra = {k: v for k, v in other.detail.items()
+                         if k not in chosen.detail and f"{k}_nodes" not in chosen.detail}  # fmt: skip
+                chosen = replace(chosen, time=chosen.time if chosen.time is not None else other.time,
+                                 detail={**chosen.detail, **extra})  # fmt: skip
+            out.append(chosen)
+        return out
 
     def _recoveries(self, generations: dict[int, GenerationRecord]) -> list[HistoryEvent]:
         out = []
@@ -140,7 +165,7 @@ def describe(event: HistoryEvent) -> str:
             text += f", restoring the checkpoint of step {d['restore_checkpoint']}"
         return text
     if event.kind == "injection":
-        text = f"injected {d.get('name') or d.get('id')}"
+        text = f"injected {d.get('id')}"
         return text + (f" (step {d['step']} in flight)" if isinstance(d.get("step"), int) else "")
     if event.kind in ("drain", "drain-refused"):
         verb = "drained" if event.kind == "drain" else "drain refused"
@@ -151,6 +176,8 @@ def describe(event: HistoryEvent) -> str:
             f"plan {d['planning_s']:.2f}, transfer {d['transferring_s']:.2f}, rebuild {d['rebuilding_s']:.2f}, "
             f"replay {d['replaying_s']:.2f}; {d['bytes_moved']} bytes)"
         )
+    if event.kind == "fenced":
+        return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"
     if event.kind == "fatal":
         return f"the leader gave up: {d.get('reason')}"
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
