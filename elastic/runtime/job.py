@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.model.config import GPTConfig, get_preset
-from elastic.runtime.optim import OptimConfig
+from elastic.runtime.optim_config import OptimConfig
 from templates.plan import Plan
 
 
