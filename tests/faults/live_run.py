@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from elastic.coordinator import EtcdConfig, JobKeys, connect
@@ -29,12 +30,18 @@ def _spec(run_dir: Path, *, nodes: int, pipelines: int, fault_tolerance: int, st
                    collective_timeout_s=60.0)  # fmt: skip
 
 
-def reference_run(run_dir: Path, *, steps: int) -> Result:
+_REFERENCES: dict[int, Result] = {}
+
+
+def reference_run(factory: pytest.TempPathFactory, *, steps: int) -> Result:
     """The failure-free result on one worker (the parameters after K steps do not depend on the
-    plan: DESIGN.md invariant 1, proved by tests/engine), so it costs one process."""
-    spec = _spec(run_dir, nodes=1, pipelines=1, fault_tolerance=0, steps=steps)
-    summary = launch(spec, quiet=True, timeout_s=120)
-    return summary, load_final_state(spec)
+    plan: DESIGN.md invariant 1, proved by tests/engine), so it costs one process; computed once
+    per pytest session and number of steps, shared by the modules that compare against it."""
+    if steps not in _REFERENCES:
+        spec = _spec(factory.mktemp("reference"), nodes=1, pipelines=1, fault_tolerance=0, steps=steps)
+        summary = launch(spec, quiet=True, timeout_s=120)
+        _REFERENCES[steps] = (summary, load_final_state(spec))
+    return _REFERENCES[steps]
 
 
 class LiveRun:

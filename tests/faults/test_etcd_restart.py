@@ -53,7 +53,7 @@ def _intruder(cmd: list[str], etcd: str, job: str) -> subprocess.Popen[str]:
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     root = tmp_path_factory.mktemp("etcd-restart")
-    reference = reference_run(root / "reference", steps=STEPS)
+    reference = reference_run(tmp_path_factory, steps=STEPS)
     server = EtcdServer(data_dir=root / "etcd").start()
     run = LiveRun(root / "run", etcd=server.endpoint, job="restart", token=TOKEN, nodes=3, pipelines=2,
                   steps=STEPS)  # fmt: skip

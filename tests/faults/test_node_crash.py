@@ -53,7 +53,7 @@ def agent_pid(job: str, node: int) -> int:
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     root = tmp_path_factory.mktemp("node-crash")
-    reference = reference_run(root / "reference", steps=STEPS)
+    reference = reference_run(tmp_path_factory, steps=STEPS)
     server = EtcdServer(data_dir=root / "etcd").start()
     run = LiveRun(root / "run", etcd=server.endpoint, job="crash", token="crash-token", nodes=3, pipelines=2,
                   steps=STEPS)  # fmt: skip
