@@ -14,7 +14,7 @@ SIGSTOPped for the given seconds; after the heal the node finds itself fenced, k
 workers before they run again and exits 3). An agent that finds its own lease expired (a real
 partition healed, a hang continued) likewise kills its workers and exits 3.
 
-Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed. The
+Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed, 4 when the job token was refused. The
 job token comes in the ELASTIC_JOB_TOKEN environment variable.
 """
 
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from elastic.coordinator.access import admit
+from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
@@ -59,7 +59,9 @@ if TYPE_CHECKING:
     from elastic.runtime.leader import Leader
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
+AGENT_PID_ENV = "ELASTIC_AGENT_PID"
 EXIT_FAILED = 3
+EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
 
 log = logging.getLogger("elastic.agent")
@@ -194,6 +196,7 @@ class Agent:
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = str(self.threads)
         env[TOKEN_ENV] = self.token
+        env[AGENT_PID_ENV] = str(os.getpid())  # the worker dies with this agent (die_with_parent)
         lease = self.membership.lease_id
         assert lease is not None
         for local_rank in range(self.gpus):
@@ -403,8 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--incarnation", type=int, default=0, help="how many times this node restarted")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,
-                  token=os.environ.get(TOKEN_ENV, ""))  # fmt: skip
+    try:
+        agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,
+                      token=os.environ.get(TOKEN_ENV, ""))  # fmt: skip
+    except JobAccessError as exc:  # refused before writing anything under the job
+        print(f"elastic agent: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     stop = threading.Event()
 
     def on_term(signum: int, frame: object) -> None:

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.coordinator.access import admit
+from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.store import EtcdStore
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.abort import AbortSignal
@@ -434,10 +435,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--incarnation", type=int, required=True, help="incarnation of the node")
     parser.add_argument("--lease", type=int, required=True, help="the node's etcd lease id")
     args = parser.parse_args(argv)
+    agent_pid = os.environ.get("ELASTIC_AGENT_PID")
+    if agent_pid:  # an orphan of a SIGKILLed agent would train on unmonitored: die with it
+        die_with_parent(int(agent_pid))
     token = os.environ.get(TOKEN_ENV, "")
     client = connect(EtcdConfig(endpoint=args.etcd))
     keys = JobKeys(args.job)
-    admit(client, keys, token or None)
+    try:
+        admit(client, keys, token or None)
+    except JobAccessError as exc:  # refused before writing anything under the job
+        print(f"elastic worker: error: {exc}", file=sys.stderr)
+        return 4  # agent.EXIT_REFUSED
     value, _ = client.get(RunKeys(keys).config)
     if value is None:
         raise SystemExit(f"job {args.job} has no config in etcd at {args.etcd}")
