@@ -89,6 +89,15 @@ def register(subparsers: Any) -> None:
         "--checkpoint-every", type=int, default=None, help="elastic: checkpoint every N committed steps (default 5)"
     )
     parser.add_argument("--lease-ttl", type=int, default=3, help="elastic: seconds before a silent node is lost")
+    parser.add_argument(
+        "--agents",
+        choices=("local", "external"),
+        default="local",
+        help="elastic: start one agent per node here (local), or publish the job and follow it while "
+        "agents started elsewhere join it (external: torchrun -m elastic.runtime.agent, see deploy/; "
+        "needs --etcd, --job and $ELASTIC_JOB_TOKEN)",
+    )
+    parser.add_argument("--job", default=None, help="elastic: job id (default: a fresh random one)")
     parser.set_defaults(func=_run)
 
 
@@ -151,6 +160,13 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")
     if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
         raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
+    token = None
+    if args.agents == "external":
+        import os
+
+        token = os.environ.get("ELASTIC_JOB_TOKEN") or None
+        if args.static or args.etcd is None or args.job is None or token is None:
+            raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
     plan = build_plan(args, cfg.num_layers)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
@@ -184,7 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if elastic:
             config = _elastic_config(args, spec, plan)
-            summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout)
+            summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
+                                     token=token, local_agents=args.agents == "local")  # fmt: skip
         else:
             summary = launch(spec, timeout_s=args.timeout)
     except (WorkerFailed, JobFailed, TimeoutError) as exc:

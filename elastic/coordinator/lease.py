@@ -22,7 +22,8 @@ class KeptLease:
     """
 
     def __init__(self, client: Any, ttl: int, *, interval: float | None = None,
-                 on_lost: Callable[[], None] | None = None, name: str = "lease") -> None:  # fmt: skip
+                 on_lost: Callable[[], None] | None = None, name: str = "lease",
+                 lease_id: int | None = None) -> None:  # fmt: skip
         if ttl < 2:
             raise ValueError(f"lease ttl must be >= 2 s, got {ttl}")
         self.client = client
@@ -31,7 +32,8 @@ class KeptLease:
         self.lost = threading.Event()
         self._on_lost = on_lost
         self._stop = threading.Event()
-        self.id: int = client.lease(ttl).id
+        # lease_id: keep an existing lease alive (one another process granted) instead of a new one.
+        self.id: int = lease_id if lease_id is not None else client.lease(ttl).id
         self._thread = threading.Thread(target=self._run, name=f"{name}-keepalive", daemon=True)
         self._thread.start()
 

@@ -147,6 +147,22 @@ class Membership:
         record_event(self.client, self.keys, who=self.identity.node_id, kind="join",
                      incarnation=self.identity.incarnation)  # fmt: skip
 
+    def adopt(self) -> None:
+        """Take over the registration another process of this node made (torchrun's rendezvous
+        handler registers (node_id, incarnation) before it starts the node agent): keep its
+        lease alive from here too, so that the agent's lease id, failure reports and fencing
+        work as after `join`. ValueError if that registration is not there."""
+        if self.lease is not None:
+            raise RuntimeError("already joined")
+        value, meta = self.client.get(self.keys.member(self.identity.node_id))
+        if value is None or NodeIdentity.from_json(value).incarnation != self.identity.incarnation:
+            raise ValueError(
+                f"node {self.identity.node_id!r} incarnation {self.identity.incarnation} is not registered "
+                "(no rendezvous registration to adopt)"
+            )
+        self.lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
+                               name=f"member-{self.identity.node_id}", lease_id=meta.lease_id)  # fmt: skip
+
     def _lost(self) -> None:
         log.warning("lease of %s expired: this node was declared lost", self.identity.node_id)
         self.lost.set()

@@ -16,6 +16,11 @@ partition healed, a hang continued) likewise kills its workers and exits 3.
 
 Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed, 4 when the job token was refused. The
 job token comes in the ELASTIC_JOB_TOKEN environment variable.
+
+Under torchrun (`torchrun --rdzv-backend=elastic-etcd ... -m elastic.runtime.agent`, see
+deploy/) the flags may be left out: the agent takes etcd, job, node and incarnation from the
+ELASTIC_* variables the rendezvous sets (the rendezvous node id must be `node<N>`), waits for
+the job's config to be published, and adopts the member registration the rendezvous made.
 """
 
 from __future__ import annotations
@@ -53,13 +58,17 @@ from elastic.runtime.injection import (
     write_status,
 )
 from elastic.runtime.netaddr import bind_host
-from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id
+from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id, node_of
 
 if TYPE_CHECKING:
     from elastic.runtime.leader import Leader
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 AGENT_PID_ENV = "ELASTIC_AGENT_PID"
+RDZV_ROUND_ENV = "ELASTIC_RDZV_ROUND"
+"""Set by the elastic-etcd rendezvous: this agent runs under torchrun, which registered the node."""
+CONFIG_WAIT_S = 1800.0
+"""Under torchrun: how long to wait for the controller to publish the job's config."""
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
@@ -140,6 +149,10 @@ class Agent:
         self.rk = RunKeys(self.keys)
         admit(self.client, self.keys, token or None)
         value, _ = self.client.get(self.rk.config)
+        deadline = time.monotonic() + (CONFIG_WAIT_S if os.environ.get(RDZV_ROUND_ENV) else 0.0)
+        while value is None and time.monotonic() < deadline:  # the controller may start after the nodes
+            time.sleep(1.0)
+            value, _ = self.client.get(self.rk.config)
         if value is None:
             raise SystemExit(f"job {job} has no config in etcd at {endpoint}")
         # The raw JSON is enough to start the workers; the typed config (it imports torch) comes after.
@@ -174,7 +187,10 @@ class Agent:
     # ---- life cycle ----------------------------------------------------------------------
 
     def run(self) -> int:
-        self.membership.join()
+        if os.environ.get(RDZV_ROUND_ENV):
+            self.membership.adopt()
+        else:
+            self.membership.join()
         self._trigger = trigger = InjectionTrigger(self.client, self.keys)
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
@@ -400,11 +416,23 @@ def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastic.runtime.agent", description=__doc__)
-    parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
-    parser.add_argument("--job", required=True, help="job id")
-    parser.add_argument("--node", type=int, required=True, help="plan node of this agent")
-    parser.add_argument("--incarnation", type=int, default=0, help="how many times this node restarted")
+    env = os.environ
+    parser.add_argument("--etcd", default=env.get("ELASTIC_ETCD_ENDPOINT"),
+                        help="etcd endpoint host:port (default $ELASTIC_ETCD_ENDPOINT)")
+    parser.add_argument("--job", default=env.get("ELASTIC_JOB"), help="job id (default $ELASTIC_JOB)")
+    parser.add_argument("--node", type=int, default=None,
+                        help="plan node of this agent (default: N of $ELASTIC_NODE_ID=nodeN)")
+    parser.add_argument("--incarnation", type=int, default=int(env.get("ELASTIC_INCARNATION", "0")),
+                        help="how many times this node restarted (default $ELASTIC_INCARNATION or 0)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.node is None and env.get("ELASTIC_NODE_ID"):
+        try:
+            args.node = node_of(env["ELASTIC_NODE_ID"])
+        except ValueError:
+            parser.error(f"ELASTIC_NODE_ID={env['ELASTIC_NODE_ID']!r}: the rendezvous node_id must be node<N>")
+    for flag, value in (("--etcd", args.etcd), ("--job", args.job), ("--node", args.node)):
+        if value is None:
+            parser.error(f"{flag} is required (or run under torchrun's elastic-etcd rendezvous)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
         agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,

@@ -255,11 +255,12 @@ def launch_elastic(
             submit_request(client, keys.root, InjectionRequest.from_injection(inj))
         nodes = sorted(spec.plan.nodes)
         spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
-        _wait_for(lambda: current_leader(client, keys) is not None, 60.0, "no leader elected", agents)
+        join_s = 1.0 if local_agents else 30.0  # external agents: pods and hosts take their time to start
+        _wait_for(lambda: current_leader(client, keys) is not None, 60.0 * join_s, "no leader elected", agents)
         for node in nodes[1:]:
             spawn(node, 0)
         world = len(nodes) * spec.plan.gpus_per_node
-        _wait_for(lambda: _count(client, rk.workers) >= world, 120.0, "workers did not register", agents)
+        _wait_for(lambda: _count(client, rk.workers) >= world, 120.0 * join_s, "workers did not register", agents)
         first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0))
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")

@@ -296,10 +296,11 @@ def test_table_renderer(live: LiveRun) -> None:
     table = render_table(status)
     assert f"job {JOB} at etcd {live.etcd}: finished" in table
     assert f"committed {STEPS}/{STEPS} steps" in table
-    rows = {
-        line.split()[0]: line for line in table.splitlines() if line[:4].strip().isdigit() and "  " in line
-    }
-    assert rows[str(KILLED)].split()[1] == "NO" and "by node2" in rows[str(KILLED)]
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["node", "alive"])
+    rows = {line.split()[0]: line for line in lines[header + 1 : header + 5]}
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    assert rows[str(KILLED)].split()[1] == "NO" and "inc 0 by node" in rows[str(KILLED)]
     assert "recoveries: 1; last: generation 2" in table and "bytes moved" in table
     for p in status.pipelines:
         assert " ".join(f"{s.node}:[{s.layers[0]},{s.layers[1]})" for s in p.stages) in table
