@@ -219,9 +219,22 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.final_state is not None:
         torch.save(load_final_state(spec), args.final_state)
+    summary_json = json.dumps(summary.to_dict(), indent=1)
+    (run_dir / "summary.json").write_text(summary_json)
     if args.summary is not None:
-        args.summary.write_text(json.dumps(summary.to_dict(), indent=1))
+        args.summary.write_text(summary_json)
+    _write_report(run_dir)
     return 0
+
+
+def _write_report(run_dir: Path) -> None:
+    """The run report (elastic/ops/report.py): a PNG timeline; a failure here is only a warning."""
+    from elastic.ops.report import ReportError, write_report
+
+    try:
+        print(f"elastic run: report {write_report(run_dir)}", flush=True)
+    except (ReportError, OSError, ValueError) as exc:
+        print(f"elastic run: warning: no report: {exc}", file=sys.stderr)
 
 
 def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:

@@ -61,6 +61,7 @@ from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id, node_of
 
 if TYPE_CHECKING:
+    from elastic.ops.metrics import NodeMetrics
     from elastic.runtime.leader import Leader
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
@@ -181,6 +182,7 @@ class Agent:
         self._requests_seen: set[str] = set()
         self._trigger: InjectionTrigger | None = None
         self.monitor: WorkerMonitor | None = None
+        self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
         self.config: ElasticConfig | None = None
 
@@ -191,6 +193,7 @@ class Agent:
             self.membership.adopt()
         else:
             self.membership.join()
+        self._start_metrics()
         self._trigger = trigger = InjectionTrigger(self.client, self.keys)
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
@@ -294,7 +297,20 @@ class Agent:
             if proc.poll() is None:
                 proc.kill()
 
+    def _start_metrics(self) -> None:
+        """The node's Prometheus endpoint (elastic/ops/metrics.py); its address goes under
+        `metrics/<node>` on the node's lease. A port clash costs the metrics, not the node."""
+        from elastic.ops.metrics import NodeMetrics
+
+        try:
+            self.metrics = NodeMetrics(self.client, self.keys, node=self.node,
+                                       lease=self.membership.lease_id).start()  # fmt: skip
+        except OSError as exc:
+            log.warning("%s: no metrics endpoint: %s", self.who, exc)
+
     def _shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.monitor is not None:
             self.monitor.stop()
         if self.leader is not None:
