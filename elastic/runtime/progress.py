@@ -119,13 +119,12 @@ def recovery_breakdown(
     client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]
 ) -> dict[str, Any]:
     """One recovery's breakdown; `total_s` runs from the injected fault (or the detection) to the first commit."""
-    injected = []
-    for node in rec.lost:
-        for value, meta in client.get_prefix(rk.injected("")):
-            if f"-node{node}-" in meta.key.decode():
-                injected.append(float(value.decode()))
     detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
-    origin = min(injected) if injected and rec.lost else detected
+    prefix = rk.injected("")
+    carried_out = [(meta.key.decode()[len(prefix) :], float(value.decode()))
+                   for value, meta in client.get_prefix(prefix)]  # fmt: skip
+    faults = [t for node in rec.lost if (t := fault_time(carried_out, node, detected)) is not None]
+    origin = min(faults) if faults else detected
     published = rec.published_at or detected
     first_commit = max(t.first_commit_at for t in timings)
     started = max(t.started_at for t in timings)
@@ -142,6 +141,20 @@ def recovery_breakdown(
         "fault_at": origin,
         "first_commit_at": first_commit,
     }
+
+
+FAULT_KINDS = ("kill", "hang", "slow", "partition")
+"""Injection kinds that can make a node lost (drain and rejoin never do)."""
+
+
+def fault_time(carried_out: list[tuple[str, float]], node: int, detected: float) -> float | None:
+    """When the fault that lost `node` was injected: the latest injection of a fault kind into
+    the node (request id `<kind>-node<N>-...`, carried out at the wall time given) at or before
+    `detected`; None if there is none. A node failed and rejoined several times has several:
+    the earlier ones belong to earlier recoveries, later ones to later ones."""
+    times = [t for name, t in carried_out
+             if t <= detected and any(name.startswith(f"{k}-node{node}-") for k in FAULT_KINDS)]  # fmt: skip
+    return max(times, default=None)
 
 
 def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: float) -> RunSummary:
