@@ -47,7 +47,9 @@ def runtime_rate(model: str, steps: int, inject: tuple[str, ...], run_dir: Path)
     times = summary.step_committed_at
     if summary.steps_committed != steps or len(times) != steps:
         raise RuntimeError(f"runtime run committed {summary.steps_committed} of {steps} steps")
-    kills = sorted(r["fault_at"] for r in summary.recoveries if r.get("lost_nodes") and not r.get("interrupted"))
+    kills = sorted(
+        r["fault_at"] for r in summary.recoveries if r.get("lost_nodes") and not r.get("interrupted")
+    )
     return (steps - 1) / (times[-1] - times[0]), kills
 
 
@@ -62,11 +64,19 @@ def torchrun_rate(model: str, steps: int, kills: list[int], run_dir: Path) -> tu
     return (steps - 1) / result.train_s, kill_times
 
 
-def measure(*, model: str, steps: int, kills: list[int], rejoin_after: int, repeats: int, root: Path) -> Section:
+def measure(
+    *, model: str, steps: int, kills: list[int], rejoin_after: int, repeats: int, root: Path
+) -> Section:
     if any(k + rejoin_after > steps for k in kills):
         raise ValueError(f"every kill step + rejoin-after ({rejoin_after}) must be <= steps ({steps})")
-    inject = tuple(i for k in kills for i in (f"kill:node={KILLED},step={k}", f"rejoin:node={KILLED},step={k + rejoin_after}"))
-    section = Section(title="Effective training time under a failure trace (fraction of failure-free throughput)")
+    inject = tuple(
+        i
+        for k in kills
+        for i in (f"kill:node={KILLED},step={k}", f"rejoin:node={KILLED},step={k + rejoin_after}")
+    )
+    section = Section(
+        title="Effective training time under a failure trace (fraction of failure-free throughput)"
+    )
     period = kills[1] - kills[0] if len(kills) > 1 else None
     section.notes.append(
         f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}, {steps} steps; node {KILLED} "
@@ -92,21 +102,25 @@ def measure(*, model: str, steps: int, kills: list[int], rejoin_after: int, repe
                                 "kept": kept[side], "kill_intervals_s": gaps})  # fmt: skip
             print(f"  effective round {r} {side}: kept {kept[side]:.3f} (free {free:.2f} steps/s, "
                   f"trace {hit:.2f} steps/s, kill intervals {[round(g, 1) for g in gaps]} s)", file=sys.stderr, flush=True)  # fmt: skip
-            series(figures, f"{model} {'this runtime' if side == 'runtime' else 'torchrun restart'}: throughput kept",
+            series(figures, f"{model} {side}: throughput kept",
                    "%", 100 * kept[side])  # fmt: skip
             if gaps:
                 series(figures, f"{model} {side}: seconds between kills (T)", "s", sum(gaps) / len(gaps))
-        series(figures, f"{model} ratio kept, this runtime / torchrun restart", "x", kept["runtime"] / kept["torchrun"])
+        series(figures, f"{model} ratio kept, runtime / torchrun", "x", kept["runtime"] / kept["torchrun"])
     section.figures = list(figures.values())
     section.wall_s = time.time() - started
     return section
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=36)
-    parser.add_argument("--kills", type=int, nargs="+", default=[6, 16, 26], help="steps in flight at each kill")
+    parser.add_argument(
+        "--kills", type=int, nargs="+", default=[6, 16, 26], help="steps in flight at each kill"
+    )
     parser.add_argument("--rejoin-after", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)

@@ -38,13 +38,19 @@ WARMUP_STEPS = 2
 """Steps excluded from each run's median."""
 
 
-def _spawn(procs: int, argv: list[str], out: Path, *, flags: tuple[str, str] = ("--rank", "--port")) -> list[float]:
+def _spawn(
+    procs: int, argv: list[str], out: Path, *, flags: tuple[str, str] = ("--rank", "--port")
+) -> list[float]:
     """Start `procs` ranks of `argv` (given their rank and the store's port through `flags`) around
     a fresh TCPStore; rank 0's step times, read from `out`."""
     from elastic.runtime.launcher import host_store
 
     store, port = host_store(timeout_s=300)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     children = [subprocess.Popen([sys.executable, *argv, flags[0], str(r), flags[1], str(port)], env=env)
                 for r in range(procs)]  # fmt: skip
     try:
@@ -115,7 +121,9 @@ def pp_worker(args: argparse.Namespace) -> None:
     # Interleaved: rank r holds stages r, r + world, ... (the looping placement torch expects).
     ids = [rank + k * world for k in range(per_rank)]
     modules = [GPTStage(cfg, first=split[i].layers[0], last=split[i].layers[1]) for i in ids]
-    stages: list[Any] = [PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, ids, strict=True)]
+    stages: list[Any] = [
+        PipelineStage(m, i, n_stages, torch.device("cpu")) for m, i in zip(modules, ids, strict=True)
+    ]
     n_mb = args.global_batch // args.microbatch
     last = modules[-1] if ids[-1] == n_stages - 1 else None
 
@@ -185,8 +193,12 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
             root: Path) -> Section:  # fmt: skip
     """Rounds of every side; a Section with medians (ms) and per-round ratios."""
     if global_batch % (procs * microbatch):
-        raise ValueError(f"global batch {global_batch} must be a multiple of procs x microbatch = {procs * microbatch}")
-    args = argparse.Namespace(model=model, procs=procs, global_batch=global_batch, microbatch=microbatch, steps=steps)
+        raise ValueError(
+            f"global batch {global_batch} must be a multiple of procs x microbatch = {procs * microbatch}"
+        )
+    args = argparse.Namespace(
+        model=model, procs=procs, global_batch=global_batch, microbatch=microbatch, steps=steps
+    )
     section = Section(title="Failure-free step time: engine vs DDP vs torch.distributed.pipelining")
     section.notes.append(f"{model}, {procs} processes x 1 thread, global batch {global_batch}, microbatch "
                          f"{microbatch}, median of steps {WARMUP_STEPS + 1}..{steps} of each run")  # fmt: skip
@@ -196,7 +208,7 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
         base = root / f"round{r}"
         base.mkdir(parents=True, exist_ok=True)
         med: dict[str, float] = {}
-        for side in SIDES[r % len(SIDES):] + SIDES[: r % len(SIDES)]:
+        for side in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:
             try:
                 med[side] = statistics.median(run_side(side, args, base)[WARMUP_STEPS:])
             except Exception as exc:
@@ -207,7 +219,11 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
         for side in SIDES:
             if side in med:
                 series(figures, f"step time: {side}", "ms", med[side] * 1000)
-        for num, den in (("engine DP", "DDP"), ("engine PP", "torch 1F1B"), ("engine PP", "torch interleaved 1F1B")):
+        for num, den in (
+            ("engine DP", "DDP"),
+            ("engine PP", "torch 1F1B"),
+            ("engine PP", "torch interleaved 1F1B"),
+        ):
             if num in med and den in med:
                 series(figures, f"ratio {num} / {den}", "x", med[num] / med[den])
     section.figures = list(figures.values())
@@ -216,7 +232,9 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=16)

@@ -110,10 +110,12 @@ def run_torchft_side(model: str, preset: PresetRun, run_dir: Path) -> dict[str, 
 
 
 RUNNERS = {"runtime": run_runtime, "torchrun": run_torchrun, "torchft": run_torchft_side}
-LABELS = {"runtime": "this runtime", "torchrun": "torchrun restart", "torchft": "torchft"}
+LABELS = {"runtime": "runtime", "torchrun": "torchrun", "torchft": "torchft"}
 
 
-def measure(*, presets: list[str], repeats: int, quick: bool, root: Path, sides: tuple[str, ...] = SIDES) -> Section:
+def measure(
+    *, presets: list[str], repeats: int, quick: bool, root: Path, sides: tuple[str, ...] = SIDES
+) -> Section:
     """Run every side `repeats` times per preset, rotating their order each round."""
     table = QUICK if quick else FULL
     section = Section(title="Recovery: SIGKILL of one node -> next committed step")
@@ -128,7 +130,7 @@ def measure(*, presets: list[str], repeats: int, quick: bool, root: Path, sides:
         )
         for r in range(repeats):
             values: dict[str, dict[str, float]] = {}
-            for side in sides[r % len(sides):] + sides[: r % len(sides)]:
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 key = f"{model}/{side}"
                 if key in failed:
                     continue
@@ -145,13 +147,13 @@ def measure(*, presets: list[str], repeats: int, quick: bool, root: Path, sides:
                 series(figures, f"{label}: kill -> next commit", "s", v["next_commit_s"])
                 series(figures, f"{label}: steps lost", "steps", v["steps_lost"])
                 if side == "torchrun":
-                    series(figures, f"{label}: kill -> killed step recommitted", "s", v["regain_s"])
+                    series(figures, f"{label}: kill -> step K again", "s", v["regain_s"])
                 if side == "torchft":
-                    series(figures, f"{label}: kill -> restarted replica commits", "s", v["rejoin_s"])
+                    series(figures, f"{label}: kill -> replaced replica commits", "s", v["rejoin_s"])
             if "runtime" in values:
                 for side in ("torchrun", "torchft"):
                     if side in values:
-                        series(figures, f"{model} ratio {LABELS[side]} / this runtime (next commit)", "x",
+                        series(figures, f"{model} ratio {LABELS[side]} / runtime, next commit", "x",
                                values[side]["next_commit_s"] / values["runtime"]["next_commit_s"])  # fmt: skip
     section.figures = list(figures.values())
     section.not_run = [f"{k.replace('/', ' ')}: not run: {why}" for k, why in failed.items()]
@@ -160,7 +162,9 @@ def measure(*, presets: list[str], repeats: int, quick: bool, root: Path, sides:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--presets", nargs="+", default=list(FULL), choices=list(FULL))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="shorter runs (tiny: 14 steps, kill at 13)")
@@ -171,7 +175,9 @@ def main() -> None:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-compare-"))
-    section = measure(presets=args.presets, repeats=args.repeats, quick=args.quick, root=root, sides=tuple(args.sides))
+    section = measure(
+        presets=args.presets, repeats=args.repeats, quick=args.quick, root=root, sides=tuple(args.sides)
+    )
     print("\n".join(section.lines()))
     if args.json:
         args.json.write_text(json.dumps(section.to_dict(), indent=1))

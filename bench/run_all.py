@@ -37,7 +37,9 @@ SECTIONS = ("recovery", "overhead", "effective", "planner", "mfu")
 def _json_script(argv: list[str], timeout_s: float) -> dict[str, Any]:
     """Run a bench script that prints one JSON object as its last stdout output; return it."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    out = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{argv[0]} exited with {out.returncode}: {out.stderr.strip()[-500:]}")
     text = out.stdout.strip()
@@ -45,7 +47,9 @@ def _json_script(argv: list[str], timeout_s: float) -> dict[str, Any]:
 
 
 def planner(repeats: int, quick: bool) -> Section:
-    section = Section(title="Planner: GPT-3 175B shape (98 layers), templates n <= 64, instantiations N in [64, 256]")
+    section = Section(
+        title="Planner: GPT-3 175B shape (98 layers), templates n <= 64, instantiations N in [64, 256]"
+    )
     section.notes.append("baseline in the same run: the same exact search without its bottleneck window")
     started = time.time()
     figures: dict[str, Figure] = {}
@@ -99,15 +103,21 @@ def header() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke version: tiny only, short runs, 1 repeat")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs per figure (default 3; 1 with --quick)"
+    )
     parser.add_argument("--presets", nargs="+", default=None, choices=list(recovery_compare.FULL),
                         help="recovery presets (default: all three; tiny with --quick)")  # fmt: skip
     parser.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--json", type=Path, default=None,
                         help="output file (default bench/results.json, bench/results-quick.json with --quick)")  # fmt: skip
-    parser.add_argument("--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)")
+    parser.add_argument(
+        "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
+    )
     args = parser.parse_args()
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
@@ -122,7 +132,9 @@ def main() -> None:
     for name in args.only:
         print(f"-- {name}", file=sys.stderr, flush=True)
         if name == "recovery":
-            s = recovery_compare.measure(presets=presets, repeats=repeats, quick=args.quick, root=root / "recovery")
+            s = recovery_compare.measure(
+                presets=presets, repeats=repeats, quick=args.quick, root=root / "recovery"
+            )
         elif name == "overhead":
             s = overhead.measure(model="tiny", procs=2, global_batch=16, microbatch=4, steps=6 if args.quick else 12,
                                  repeats=repeats, root=root / "overhead")  # fmt: skip
@@ -138,7 +150,9 @@ def main() -> None:
         print("\n".join(s.lines()), file=sys.stderr, flush=True)
     for s in sections:
         lines += s.lines()
-    lines.append(f"total wall time {time.time() - started:.0f} s ({'quick' if args.quick else 'full'}, {repeats} repeats)")
+    lines.append(
+        f"total wall time {time.time() - started:.0f} s ({'quick' if args.quick else 'full'}, {repeats} repeats)"
+    )
     print("\n".join(lines))
     out.write_text(json.dumps({"header": lines[:2], "quick": args.quick, "repeats": repeats,
                                "wall_s": time.time() - started, "sections": [s.to_dict() for s in sections]}, indent=1))  # fmt: skip

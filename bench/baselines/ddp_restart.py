@@ -59,7 +59,9 @@ class DdpRestartConfig:
             )
         for rank, step in self.kills:
             if not (0 <= rank < self.procs and 1 <= step <= self.steps):
-                raise ValueError(f"kill (rank {rank}, step {step}) outside {self.procs} ranks x {self.steps} steps")
+                raise ValueError(
+                    f"kill (rank {rank}, step {step}) outside {self.procs} ranks x {self.steps} steps"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +79,7 @@ class Restart:
     regain_s: float
     """SIGKILL -> `kill_step` committed (progress regained)."""
     restart_s: float
-    """SIGKILL -> the first restarted worker running Python (torchrun's detection, stop, rendezvous, spawn)."""
+    """SIGKILL -> the first restarted worker up with torch imported (torchrun's detection, stop, rendezvous, spawn)."""
     load_s: float
     """SIGKILL -> the checkpoint loaded on rank 0."""
 
@@ -143,7 +145,9 @@ def run_ddp_restart(config: DdpRestartConfig) -> DdpRestartRun:
     return _analyse(read_events(events), config, started=started, ended=ended)
 
 
-def _analyse(events: list[dict[str, Any]], config: DdpRestartConfig, *, started: float, ended: float) -> DdpRestartRun:
+def _analyse(
+    events: list[dict[str, Any]], config: DdpRestartConfig, *, started: float, ended: float
+) -> DdpRestartRun:
     import statistics
 
     commits = [e for e in events if e["event"] == "commit"]
@@ -161,7 +165,11 @@ def _analyse(events: list[dict[str, Any]], config: DdpRestartConfig, *, started:
             restart_s=start - kill["t"], load_s=load["t"] - kill["t"],
         ))  # fmt: skip
     first = [c["t"] for c in commits if c["attempt"] == 0]
-    gaps = [b - a for a, b in zip(first[1:], first[2:], strict=False)] or [first[-1] - first[0]] if len(first) > 1 else [0.0]
+    gaps = (
+        [b - a for a, b in zip(first[1:], first[2:], strict=False)] or [first[-1] - first[0]]
+        if len(first) > 1
+        else [0.0]
+    )
     losses = {c["step"]: c["loss"] for c in commits}
     return DdpRestartRun(
         restarts=restarts, losses=[losses[s] for s in range(1, config.steps + 1)],
@@ -212,7 +220,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--global-batch", type=int, required=True)

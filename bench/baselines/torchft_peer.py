@@ -263,7 +263,9 @@ class _NoZero:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replica", type=int, required=True)
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--model", required=True)
