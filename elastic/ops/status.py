@@ -430,7 +430,7 @@ def _layers(layers: tuple[int, int] | list[int] | None) -> str:
 
 
 def _recovery_line(r: dict[str, Any]) -> str:
-    head = f"generation {r['generation']} ({r['reason']}; lost {r['lost_nodes']}, joined {r['joined_nodes']})"
+    head = f"generation {r['generation']} (lost {r['lost_nodes']}, joined {r['joined_nodes']})"
     if r["total_s"] is None:
         return f"{head}: in progress, no worker has reported yet"
     line = (

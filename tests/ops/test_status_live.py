@@ -9,6 +9,7 @@ launcher returned (our own etcd keeps the job's keys).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -321,3 +322,23 @@ def test_errors(live: LiveRun, tmp_path: Path) -> None:
     only = cli("status", "--etcd", live.etcd, "--json")
     assert only.returncode == 0 and json.loads(only.stdout)["job"] == JOB
     assert time.monotonic() - start < 60
+
+
+def test_watch_redraws_until_interrupted(live: LiveRun) -> None:
+    live.summary()
+    proc = subprocess.Popen(
+        [str(ELASTIC), "status", "--etcd", live.etcd, "--job", JOB, "--json", "--watch", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        snapshots = [json.loads(proc.stdout.readline()) for _ in range(2)]
+        assert [s["job"] for s in snapshots] == [JOB, JOB] and snapshots[1]["read_at"] > snapshots[0][
+            "read_at"
+        ]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20.0) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
