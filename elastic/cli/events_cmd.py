@@ -1,7 +1,7 @@
 """`elastic events`: a job's history (joins, failures, generations, injections, recoveries, fatal),
 oldest first, with times relative to the first event; `--json` prints one JSON object per line
 with absolute times (fields: elastic/ops/events.py). `--follow` keeps printing new events, woken
-by an etcd watch on the job, until Ctrl-C (exit 0). Exit codes as `elastic status`.
+by etcd watches on the history's sources, until Ctrl-C (exit 0). Exit codes as `elastic status`.
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     client = open_client(target)
-    watch: PrefixWatch | None = None
+    watches: list[PrefixWatch] = []
     try:
         keys = find_job(client, target)
         history = History(client, keys)
         wake = threading.Event()
         if args.follow:  # started before the first read, so nothing written in between is missed
-            watch = PrefixWatch(client, keys.root, lambda _events: wake.set())
+            watches = [PrefixWatch(client, prefix, lambda _events: wake.set()) for prefix in history.sources]
         origin: list[float | None] = [None]
 
         def show(events: list[HistoryEvent]) -> None:
@@ -86,6 +86,6 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        if watch is not None:
+        for watch in watches:
             watch.cancel()
         client.close()

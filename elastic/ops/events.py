@@ -81,6 +81,11 @@ class History:
         self.rk = RunKeys(keys)
         self._seen: set[str] = set()
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The key prefixes the history is read from (what `--follow` watches)."""
+        return (self.keys.events, self.keys.plans, self.rk.injected(""), self.rk.recoveries)
+
     def read_all(self) -> list[HistoryEvent]:
         """Every event the job has now, oldest first (also marks them seen)."""
         events = [_from_log(value, meta) for value, meta in self.client.get_prefix(self.keys.events)]
