@@ -65,15 +65,24 @@ class FallbackImpossible(RuntimeError):
     """The survivors lost a layer and there is no complete checkpoint to restore."""
 
 
-def decide(client: Any, rk: RunKeys, generation: int, step: int, decision: str) -> str:
-    """Create the decision of (generation, step) if absent; return the decision that stands."""
+class NotLeader(RuntimeError):
+    """A fenced write found that this agent no longer leads (a stale leader resumed after a hang)."""
+
+
+def decide(client: Any, rk: RunKeys, generation: int, step: int, decision: str, *, fence: Any = None) -> str:
+    """Create the decision of (generation, step) if absent; return the decision that stands.
+    With `fence` (the election's leader compare) the decision is written only while this agent
+    leads: NotLeader otherwise, so a leader that was SIGSTOPped and resumed cannot abort a step
+    of a generation it no longer runs."""
     key = rk.decision(generation, step)
     txn = client.transactions
-    ok, _ = client.transaction(compare=[txn.create(key) == 0], success=[txn.put(key, decision)], failure=[])
+    compare = [txn.create(key) == 0, *([fence] if fence is not None else [])]
+    ok, _ = client.transaction(compare=compare, success=[txn.put(key, decision)], failure=[])
     if ok:
         return decision
     value, _ = client.get(key)
-    assert value is not None, f"decision {key} vanished"
+    if value is None:
+        raise NotLeader(f"decision {key} not written: this agent is no longer the leader")
     return str(value.decode())
 
 
@@ -145,7 +154,7 @@ class Leader:
                 self._wake.clear()
                 try:
                     self._round()
-                except GenerationConflict as exc:
+                except (GenerationConflict, NotLeader) as exc:
                     log.warning("leader %s: %s", self.who, exc)
                 except FallbackImpossible as exc:
                     log.error("leader %s: %s", self.who, exc)
@@ -181,7 +190,7 @@ class Leader:
             self._resolve_and_publish(g, record, in_flight, members, lost=lost, joined=[])
             return
         if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
-            decide(self.client, self.rk, g, in_flight, COMMIT)
+            decide(self.client, self.rk, g, in_flight, COMMIT, fence=self.election.leader_compare())
             return
         drains, drained = self._drain_requests()
         joined = [n for n in self._ready_newcomers(record, members) if (n, members[n]) not in drained]
@@ -289,12 +298,13 @@ class Leader:
         """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
         # The in-flight step is decided before anyone moves on: abort, unless commit already won.
         resume = in_flight
-        if decide(self.client, self.rk, g, resume, ABORT) == COMMIT:
+        fence = self.election.leader_compare()
+        if decide(self.client, self.rk, g, resume, ABORT, fence=fence) == COMMIT:
             resume += 1
             if resume >= self.config.spec.steps:
                 self.finished.set()
                 return False
-            decide(self.client, self.rk, g, resume, ABORT)
+            decide(self.client, self.rk, g, resume, ABORT, fence=fence)
         if planned is not None:
             plan, restore, reason = planned[0], None, planned[1]
         else:

@@ -25,7 +25,7 @@ from elastic.coordinator import (
 from elastic.coordinator.generations import Generations
 from elastic.runtime.checkpoint import CheckpointWriter
 from elastic.runtime.job import JobSpec
-from elastic.runtime.leader import Leader, surviving_holders_cover
+from elastic.runtime.leader import Leader, NotLeader, decide, surviving_holders_cover
 from elastic.runtime.planning import ClusterSpec
 from elastic.runtime.protocol import (
     ABORT,
@@ -152,3 +152,17 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
     record = wait_for(fallback, 15.0, "the checkpoint-fallback generation")
     assert record.restore_checkpoint == 5 and record.resume_step == 5
     assert "CHECKPOINT FALLBACK" in record.reason and sorted(record.plan.nodes) == [1, 3]
+
+
+def test_decisions_are_fenced_by_the_leader_key(client: Any, job: str) -> None:
+    # A leader SIGSTOPped past its TTL and resumed must not abort a step of the generation its
+    # successor runs: a fenced decision is written only while the writer holds the leader key.
+    keys, rk = JobKeys(job), RunKeys(JobKeys(job))
+    stale = client.transactions.value(keys.leader) == "node0"
+    with pytest.raises(NotLeader):
+        decide(client, rk, 2, 7, ABORT, fence=stale)
+    assert client.get(rk.decision(2, 7))[0] is None
+    client.put(keys.leader, "node1")
+    current = client.transactions.value(keys.leader) == "node1"
+    assert decide(client, rk, 2, 7, COMMIT, fence=current) == COMMIT
+    assert decide(client, rk, 2, 7, ABORT, fence=stale) == COMMIT  # the decision that stands
