@@ -1,0 +1,128 @@
+"""Soak (`pytest -m soak tests/faults/test_soak.py -s`): one long run of tiny on 5 nodes, f = 1,
+with a seeded random schedule of faults (kill, hang, partition, slow; soak.py), each failed
+node rejoining as a new incarnation before the next fault.
+
+Asserts: every step committed exactly once and in order; no survivor's worker restarted; the
+final state and every loss equal the failure-free run's; every fault's request is done (or
+fenced, for a partition) and every rejoin done; every failing fault is one recovery of the
+summary (its node lost, timed from that very fault) and every rejoin one generation taking the
+node back in; slow-downs cost no node. Prints the fault log and the recovery totals.
+
+Knobs: ELASTIC_SOAK_FAULTS (default 30), ELASTIC_SOAK_SEED (default 0), ELASTIC_SOAK_STEPS
+(default 40 per fault: the run must outlast the schedule).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.coordinator import EtcdServer
+from elastic.runtime.injection import read_statuses
+from elastic.runtime.protocol import COMMIT
+
+from .runs import LiveJob, check_same_training, static_reference, tiny_config
+from .soak import SoakController, soak_schedule
+
+FAULTS = int(os.environ.get("ELASTIC_SOAK_FAULTS", "30"))
+SEED = int(os.environ.get("ELASTIC_SOAK_SEED", "0"))
+STEPS = int(os.environ.get("ELASTIC_SOAK_STEPS", str(40 * FAULTS + 20)))
+NODES = 5
+LEASE_TTL = 3
+
+
+def test_schedule_is_seeded_and_covers_every_kind() -> None:
+    a = soak_schedule(FAULTS, seed=SEED, lease_ttl=LEASE_TTL)
+    assert a == soak_schedule(FAULTS, seed=SEED, lease_ttl=LEASE_TTL) and len(a) == FAULTS
+    assert {f.kind for f in a} == {"kill", "hang", "partition", "slow"} or FAULTS < 4
+    assert all(f.seconds > LEASE_TTL for f in a if f.kind == "partition" and f.seconds is not None)
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3600)
+def test_soak(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    schedule = soak_schedule(FAULTS, seed=SEED, lease_ttl=LEASE_TTL)
+    config = tiny_config(tmp_path / "soak", nodes=NODES, pipelines=2, steps=STEPS, lease_ttl=LEASE_TTL)
+    print(
+        f"\nsoak: {FAULTS} faults (seed {SEED}), {STEPS} steps on {NODES} nodes, f=1, lease TTL {LEASE_TTL} s"
+    )
+    started = time.monotonic()
+    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=3000.0).start()
+    try:
+        job.wait_committed(2)
+        log = SoakController(job, steps=STEPS).run(schedule)
+        faults_s = time.monotonic() - started
+        summary, state = job.result()
+        client, keys, rk = job.client, job.keys, job.rk
+        statuses = read_statuses(client, keys.root)
+        injected = {m.key.decode().rsplit("/", 1)[1]: float(v) for v, m in client.get_prefix(rk.injected(""))}
+        commits: dict[int, list[tuple[int, int]]] = {}
+        for value, meta in client.get_prefix(rk.steps):
+            parts = meta.key.decode()[len(rk.steps) :].split("/")
+            if parts[2] == "decision" and value.decode() == COMMIT:
+                commits.setdefault(int(parts[1]), []).append((int(parts[0]), meta.mod_revision))
+    finally:
+        job.close()
+    wall_s = time.monotonic() - started
+
+    # Every step committed exactly once, in order.
+    assert sorted(commits) == list(range(STEPS)), "steps never committed: " + str(
+        set(range(STEPS)) - set(commits)
+    )
+    twice = {s: c for s, c in commits.items() if len(c) != 1}
+    assert twice == {}, f"steps committed more than once: {twice}"
+    revisions = [commits[s][0][1] for s in range(STEPS)]
+    assert revisions == sorted(revisions), "steps committed out of order"
+
+    # Every fault carried out; every failing one a recovery timed from it; every rejoin taken in.
+    recoveries = summary.recoveries
+    for entry in log:
+        st = statuses[entry.request]
+        assert st.state in (("done", "fenced") if entry.fault.kind == "partition" else ("done",)), (
+            entry.line(),
+            st,
+        )
+        if entry.fault.kind == "slow":
+            continue
+        assert entry.rejoin is not None and statuses[entry.rejoin].state == "done", entry.line()
+        (rec,) = [r for r in recoveries if r["generation"] == entry.lost_in]
+        assert rec["lost_nodes"] == [entry.node] and not rec["interrupted"], (entry.line(), rec)
+        assert rec["fault_at"] == injected[entry.request], (entry.line(), rec)
+        (back,) = [r for r in recoveries if r["generation"] == entry.rejoined_in]
+        assert back["joined_nodes"] == [entry.node] and back["lost_nodes"] == [], (entry.line(), back)
+    failing = [e for e in log if e.fault.kind != "slow"]
+    lost = [r for r in recoveries if r["lost_nodes"]]
+    assert len(lost) == len(failing), (
+        f"{len(lost)} losses for {len(failing)} failing faults (a false failure?)"
+    )
+    assert len(recoveries) == 2 * len(failing), [(r["generation"], r["reason"]) for r in recoveries]
+
+    reference = static_reference(tmp_path / "reference", steps=STEPS)
+    check_same_training(summary, state, reference, steps=STEPS)
+
+    print("\nsoak fault log:")
+    for entry in log:
+        print("  " + entry.line())
+    kinds = {k: sum(1 for e in log if e.fault.kind == k) for k in ("kill", "hang", "partition", "slow")}
+    print(f"soak: {len(log)} faults {kinds}, {len(recoveries)} recoveries, {STEPS} steps, "
+          f"faults done after {faults_s:.0f} s, wall {wall_s:.0f} s (reference included)")  # fmt: skip
+    for kind in ("kill", "hang", "partition"):
+        totals = [
+            r["total_s"]
+            for e in log
+            if e.fault.kind == kind
+            for r in recoveries
+            if r["generation"] == e.lost_in
+        ]
+        detect = [r["detecting_s"] for e in log if e.fault.kind == kind for r in recoveries
+                  if r["generation"] == e.lost_in]  # fmt: skip
+        if totals:
+            print(f"  {kind:<9} recovery total median {statistics.median(totals):.2f} s max {max(totals):.2f} s, "
+                  f"detection median {statistics.median(detect):.2f} s")  # fmt: skip
+    joins = [r["total_s"] for r in recoveries if r["joined_nodes"]]
+    if joins:
+        print(f"  rejoin    recovery total median {statistics.median(joins):.2f} s max {max(joins):.2f} s")
