@@ -25,12 +25,13 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines.ddp_restart import DdpRestartConfig, run_ddp_restart  # noqa: E402
-from bench.section import Section, series  # noqa: E402
+from bench.section import Section, attempt, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 NODES = 4
@@ -64,16 +65,25 @@ def torchrun_rate(model: str, steps: int, kills: list[int], run_dir: Path) -> tu
     return (steps - 1) / result.train_s, kill_times
 
 
+def rate(
+    side: str, kills: list[int], run_dir: Path, *, model: str, steps: int, rejoin_after: int
+) -> tuple[float, list[float]]:
+    """One run of `side` ("runtime" or "torchrun") on the trace `kills` (empty: failure-free)."""
+    if side == "runtime":
+        inject = tuple(
+            i
+            for k in kills
+            for i in (f"kill:node={KILLED},step={k}", f"rejoin:node={KILLED},step={k + rejoin_after}")
+        )
+        return runtime_rate(model, steps, inject, run_dir)
+    return torchrun_rate(model, steps, kills, run_dir)
+
+
 def measure(
     *, model: str, steps: int, kills: list[int], rejoin_after: int, repeats: int, root: Path
 ) -> Section:
     if any(k + rejoin_after > steps for k in kills):
         raise ValueError(f"every kill step + rejoin-after ({rejoin_after}) must be <= steps ({steps})")
-    inject = tuple(
-        i
-        for k in kills
-        for i in (f"kill:node={KILLED},step={k}", f"rejoin:node={KILLED},step={k + rejoin_after}")
-    )
     section = Section(
         title="Effective training time under a failure trace (fraction of failure-free throughput)"
     )
@@ -90,12 +100,13 @@ def measure(
         order = ["runtime", "torchrun"] if r % 2 == 0 else ["torchrun", "runtime"]
         kept: dict[str, float] = {}
         for side in order:
-            if side == "runtime":
-                free, _ = runtime_rate(model, steps, (), base / "rt-free")
-                hit, at = runtime_rate(model, steps, inject, base / "rt-trace")
-            else:
-                free, _ = torchrun_rate(model, steps, [], base / "tr-free")
-                hit, at = torchrun_rate(model, steps, kills, base / "tr-trace")
+            free_run = attempt(f"{side} failure-free round {r}", partial(
+                rate, side, [], base / f"{side}-free", model=model, steps=steps, rejoin_after=rejoin_after), section)  # fmt: skip
+            trace_run = attempt(f"{side} trace round {r}", partial(
+                rate, side, kills, base / f"{side}-trace", model=model, steps=steps, rejoin_after=rejoin_after), section)  # fmt: skip
+            if free_run is None or trace_run is None:
+                continue
+            (free, _), (hit, at) = free_run, trace_run
             kept[side] = hit / free
             gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
             section.raw.append({"round": r, "side": side, "steps_per_s_free": free, "steps_per_s_trace": hit,
@@ -106,6 +117,8 @@ def measure(
                    "%", 100 * kept[side])  # fmt: skip
             if gaps:
                 series(figures, f"{model} {side}: seconds between kills (T)", "s", sum(gaps) / len(gaps))
+        if len(kept) < 2:
+            continue
         series(figures, f"{model} ratio kept, runtime / torchrun", "x", kept["runtime"] / kept["torchrun"])
     section.figures = list(figures.values())
     section.wall_s = time.time() - started

@@ -25,13 +25,14 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.section import Section, series  # noqa: E402
+from bench.section import Section, attempt, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 WARMUP_STEPS = 2
@@ -209,11 +210,10 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
         base.mkdir(parents=True, exist_ok=True)
         med: dict[str, float] = {}
         for side in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:
-            try:
-                med[side] = statistics.median(run_side(side, args, base)[WARMUP_STEPS:])
-            except Exception as exc:
-                section.not_run.append(f"{side} (round {r}): not run: {type(exc).__name__}: {exc}")
+            times = attempt(f"{side} round {r}", partial(run_side, side, args, base), section)
+            if times is None:
                 continue
+            med[side] = statistics.median(times[WARMUP_STEPS:])
             section.raw.append({"round": r, "side": side, "median_step_s": med[side]})
             print(f"  overhead round {r} {side}: {med[side] * 1000:.1f} ms", file=sys.stderr, flush=True)
         for side in SIDES:

@@ -29,13 +29,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.baselines.ddp_restart import DdpRestartConfig, run_ddp_restart  # noqa: E402
 from bench.baselines.torchft_peer import TorchftConfig, run_torchft  # noqa: E402
-from bench.section import Section, series  # noqa: E402
+from bench.section import Section, attempt, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 NODES = 4
@@ -134,12 +135,14 @@ def measure(
                 key = f"{model}/{side}"
                 if key in failed:
                     continue
-                try:
-                    values[side] = RUNNERS[side](model, preset, root / f"{model}-{side}-{r}")
-                except Exception as exc:  # a peer system that cannot run here is a row, not a crash
-                    failed[key] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
-                    print(f"  {key}: not run: {failed[key]}", file=sys.stderr, flush=True)
+                run_dir = root / f"{model}-{side}-{r}"
+                got = attempt(
+                    f"{model} {side} round {r}", partial(RUNNERS[side], model, preset, run_dir), section
+                )
+                if got is None:
+                    failed[key] = section.notes[-1].split("(", 1)[-1].rstrip(")")
                     continue
+                values[side] = got
                 section.raw.append({"model": model, "side": side, "round": r, **values[side]})
                 print(f"  {model} {side} round {r}: {json.dumps(values[side])}", file=sys.stderr, flush=True)
             for side, v in values.items():

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.stats import Figure
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -42,3 +46,17 @@ def series(figures: dict[str, Figure], name: str, unit: str, value: float, note:
     if name not in figures:
         figures[name] = Figure(name=name, unit=unit, note=note)
     figures[name].samples.append(value)
+
+
+def attempt(what: str, fn: Callable[[], T], section: Section, *, retries: int = 1) -> T | None:
+    """`fn()`, re-run up to `retries` times if it raises (a false node loss under machine load is
+    the usual cause); every failure is noted in `section`. None when every try failed."""
+    for i in range(retries + 1):
+        try:
+            return fn()
+        except Exception as exc:  # a failed run is reported as a row, not a crash of the whole table
+            last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
+            why = f"{type(exc).__name__}: {last}"
+            section.notes.append(f"{what}: try {i + 1} failed ({why})" + ("; re-run" if i < retries else ""))
+            print(f"  {what}: try {i + 1} failed: {why}", file=sys.stderr, flush=True)
+    return None
