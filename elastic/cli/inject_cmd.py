@@ -233,9 +233,11 @@ def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         submit_request(job.client, job.keys.root, req)
         when = f"while step {args.at_step} is in flight" if args.at_step is not None else "at once"
-        what = {"slow": f" (x{factor:g} for {seconds:g} s)", "partition": f" ({seconds:g} s)"}.get(
-            args.kind, ""
-        )
+        what = ""  # only slow and partition have a factor / duration to show
+        if args.kind == "slow":
+            what = f" (x{factor:g} for {seconds:g} s)"
+        elif args.kind == "partition":
+            what = f" ({seconds:g} s)"
         print(
             f"elastic inject: {req.id}: {args.kind}{what} node {args.node} (incarnation {req.incarnation}) "
             f"of job {job.keys.job} {when}",
