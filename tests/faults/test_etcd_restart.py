@@ -4,7 +4,8 @@ One live run (3 nodes, a 2-stage and a 1-stage pipeline, lease TTL 3 s) serves b
 
 - early on, an agent and a worker for a new node start with a wrong ELASTIC_JOB_TOKEN: both
   exit non-zero with "wrong job token", and nothing under the job changes because of them;
-- at step 8 the test SIGKILLs etcd and restarts it on the same data dir and port 1 s later.
+- once the intruders are gone (step 8 at the earliest) the test SIGKILLs etcd and restarts it
+  on the same data dir and port 1 s later.
   Leases are persisted and extended by the restarted etcd, keepalives and watches reconnect,
   every etcd call blocks through the outage: the run loses no node (no new generation, no
   recovery), commits every step, and ends bit-for-bit (1e-5) where the failure-free run ends.
@@ -27,7 +28,9 @@ from elastic.runtime.summary import RunSummary
 from .live_run import LiveRun, Result, reference_run
 from .runs import check_same_training
 
-STEPS = 20
+STEPS = 40
+"""Long enough to outlast the intruders (a worker imports torch: seconds under load); the 40-step
+failure-free result is shared with the partition and rejoin runs."""
 KILL_AT = 8
 TOKEN = "the-right-token"
 
@@ -65,8 +68,11 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         keys_before = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
         procs = [
             _intruder(["elastic.runtime.agent"], server.endpoint, run.job),
-            _intruder(["elastic.runtime.elastic_worker", "--local-rank", "0", "--lease", "1"],
-                      server.endpoint, run.job),  # fmt: skip
+            _intruder(
+                ["elastic.runtime.elastic_worker", "--local-rank", "0", "--lease", "1"],
+                server.endpoint,
+                run.job,
+            ),  # fmt: skip
         ]
         intruders: dict[str, subprocess.CompletedProcess[str]] = {}
         for name, proc in zip(("agent", "worker"), procs, strict=True):
@@ -75,7 +81,11 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         generation = run.generation()
         keys_after = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
 
-        run.wait_committed(KILL_AT, 90.0)
+        kill_at = max(KILL_AT, run.committed() + 2)
+        assert kill_at <= STEPS - 5, (
+            f"the run reached step {kill_at - 2} of {STEPS} before the intruders were done"
+        )
+        run.wait_committed(kill_at, 90.0)
         down = time.monotonic()
         server.stop(kill=True)
         time.sleep(1.0)
@@ -97,7 +107,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_etcd_restart_loses_no_node_and_no_step(outcome: Outcome) -> None:
     summary: RunSummary = outcome.result[0]
-    check_same_training(summary, outcome.result[1], outcome.reference)
+    check_same_training(summary, outcome.result[1], outcome.reference, steps=STEPS)
     assert summary.recoveries == [], f"a false node loss after the etcd restart: {summary.recoveries}"
     assert summary.step_generations == [1] * STEPS
     print(f"etcd outage {outcome.outage_s:.2f} s")

@@ -20,7 +20,8 @@ from elastic.runtime.injection import InjectionRequest, read_statuses, request_i
 from elastic.runtime.protocol import GenerationRecord, StepResult
 from elastic.runtime.summary import RunSummary
 
-from .runs import LiveJob, check_same_training, static_reference, tiny_config
+from .live_run import reference_run
+from .runs import LiveJob, check_same_training, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,9 +42,8 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         summary, state = job.result()
         client, keys = job.client, job.keys
         gens = Generations(client, keys)
-        records = {
-            g: GenerationRecord.from_json(gens.get(g).plan) for g in range(1, gens.current_number() + 1)
-        }  # type: ignore[union-attr]
+        records = {g: GenerationRecord.from_json(gens.get(g).plan)  # type: ignore[union-attr]
+                   for g in range(1, gens.current_number() + 1)}  # fmt: skip
         revisions = {g: gens.get(g).revision for g in records}  # type: ignore[union-attr]
         old_keys = [(m.key.decode(), m.mod_revision) for _, m in client.get_prefix(f"{job.rk.steps}1/")]
         results = [(StepResult.from_json(v), m.mod_revision) for v, m in client.get_prefix(job.rk.results)]
@@ -63,9 +63,7 @@ def test_partitioned_node_is_fenced_and_the_job_trains_on(run: dict[str, Any], t
     assert records[2].lost == [2] and 2 not in records[2].plan.nodes
     assert all(2 not in r.plan.nodes for g, r in records.items() if g >= 2), "the fenced node never came back"
     assert [e for e in run["events"] if e["kind"] == "fenced" and e["who"] == "node2"], "no fenced event"
-    reference: tuple[RunSummary, dict[str, torch.Tensor]] = static_reference(
-        tmp_path_factory.mktemp("reference"), steps=STEPS
-    )
+    reference: tuple[RunSummary, dict[str, torch.Tensor]] = reference_run(tmp_path_factory, steps=STEPS)
     check_same_training(run["summary"], run["state"], reference, steps=STEPS)
 
 

@@ -1,7 +1,7 @@
 """The issue's Must-show list: live recovery on real processes, real etcd, real SIGKILL/SIGSTOP.
 
 Every run trains `tiny` for 20 steps on multi-stage pipelines (so shards really move) and is
-compared with the failure-free run: same losses, same final parameters (max relative difference
+compared with the failure-free result (one worker, shared with the other fault modules): same losses, same final parameters (max relative difference
 <= 1e-5), 20 steps committed, and no survivor's worker restarted (their PIDs are the ones they
 registered at the start).
 """
@@ -15,6 +15,7 @@ import torch
 
 from elastic.runtime.summary import RunSummary
 
+from .live_run import reference_run
 from .runs import check_same_training, run_elastic
 
 pytestmark = pytest.mark.timeout(200)
@@ -26,10 +27,8 @@ Reference = tuple[RunSummary, dict[str, torch.Tensor]]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    """The failure-free run (4 nodes, 2 pipelines x 2 stages); the state is plan-independent."""
-    summary, state = run_elastic(tmp_path_factory.mktemp("reference"), nodes=4, pipelines=2)
-    assert summary.recoveries == [] and summary.worker_restarts == 0
-    return summary, state
+    """The failure-free result (one worker: the state is plan-independent), shared per session."""
+    return reference_run(tmp_path_factory, steps=20)
 
 
 def survivors_kept_pids(summary: RunSummary, lost: set[int]) -> None:
@@ -81,10 +80,10 @@ def test_second_failure_during_reconfiguration(reference: Reference, tmp_path: P
     survivors_kept_pids(summary, {1, 2})
 
 
-def test_node_rejoins_later(tmp_path: Path) -> None:
+def test_node_rejoins_later(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     # A fresh node needs seconds to start (torch import, workers): with 20 tiny steps the job
-    # would end first, so this run trains 40 steps, against its own failure-free reference.
-    reference = run_elastic(tmp_path / "reference", nodes=4, pipelines=2, steps=LONG)
+    # would end first, so this run trains 40 steps, against the 40-step failure-free result.
+    reference = reference_run(tmp_path_factory, steps=LONG)
     summary, state = run_elastic(tmp_path / "rejoin", nodes=4, pipelines=2, steps=LONG,
                                  inject=("kill:node=2,step=2", "rejoin:node=2,step=3"))  # fmt: skip
     check_same_training(summary, state, reference, steps=LONG)
