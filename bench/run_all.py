@@ -139,8 +139,9 @@ def main() -> None:
             s = overhead.measure(model="tiny", procs=2, global_batch=16, microbatch=4, steps=6 if args.quick else 12,
                                  repeats=repeats, root=root / "overhead")  # fmt: skip
         elif name == "effective":
-            steps, kills = (16, [6]) if args.quick else (36, [6, 16, 26])
-            s = effective_time.measure(model="tiny", steps=steps, kills=kills, rejoin_after=5, repeats=repeats,
+            # small: its ~4 s steps give a rejoining node time to come back before the next kill
+            model, steps, kills = ("tiny", 16, [6]) if args.quick else ("small", 36, [6, 16, 26])
+            s = effective_time.measure(model=model, steps=steps, kills=kills, rejoin_after=5, repeats=repeats,
                                        root=root / "effective")  # fmt: skip
         elif name == "planner":
             s = planner(repeats, args.quick)
