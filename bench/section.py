@@ -55,8 +55,8 @@ def attempt(what: str, fn: Callable[[], T], section: Section, *, retries: int = 
         try:
             return fn()
         except Exception as exc:  # a failed run is reported as a row, not a crash of the whole table
-            last = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ""
-            why = f"{type(exc).__name__}: {last}"
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            why = f"{type(exc).__name__}: {first}"
             section.notes.append(f"{what}: try {i + 1} failed ({why})" + ("; re-run" if i < retries else ""))
             print(f"  {what}: try {i + 1} failed: {why}", file=sys.stderr, flush=True)
     return None
