@@ -122,7 +122,7 @@ def measure(
     section = Section(title="Recovery: SIGKILL of one node -> next committed step")
     started = time.time()
     figures: dict[str, Figure] = {}
-    failed: dict[str, str] = {}
+    failed: dict[str, list[str]] = {}
     for model in presets:
         preset = table.get(model) or FULL[model]
         section.notes.append(
@@ -133,14 +133,14 @@ def measure(
             values: dict[str, dict[str, float]] = {}
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 key = f"{model}/{side}"
-                if key in failed:
-                    continue
+                if key in failed and side == "torchft":
+                    continue  # a peer system that failed here once is not retried every round
                 run_dir = root / f"{model}-{side}-{r}"
                 got = attempt(
                     f"{model} {side} round {r}", partial(RUNNERS[side], model, preset, run_dir), section
                 )
                 if got is None:
-                    failed[key] = section.notes[-1].split("(", 1)[-1].rstrip(")")
+                    failed.setdefault(key, []).append(section.notes[-1].split("(", 1)[-1].rstrip(")"))
                     continue
                 values[side] = got
                 section.raw.append({"model": model, "side": side, "round": r, **values[side]})
@@ -159,7 +159,9 @@ def measure(
                         series(figures, f"{model} ratio {LABELS[side]} / runtime, next commit", "x",
                                values[side]["next_commit_s"] / values["runtime"]["next_commit_s"])  # fmt: skip
     section.figures = list(figures.values())
-    section.not_run = [f"{k.replace('/', ' ')}: not run: {why}" for k, why in failed.items()]
+    section.not_run = [
+        f"{k.replace('/', ' ')}: not run in {len(why)} round(s): {why[-1]}" for k, why in failed.items()
+    ]
     section.wall_s = time.time() - started
     return section
 
