@@ -180,6 +180,7 @@ class Agent:
         self._signal_lock = threading.Lock()  # held while workers are signalled by a Throttle
         self._throttles: list[Throttle] = []
         self._requests_seen: set[str] = set()
+        self._injecting: list[threading.Thread] = []
         self._trigger: InjectionTrigger | None = None
         self.monitor: WorkerMonitor | None = None
         self.metrics: NodeMetrics | None = None
@@ -318,6 +319,8 @@ class Agent:
         self._kill_workers()
         for proc in self.procs.values():
             proc.wait()
+        for thread in self._injecting:  # a partition cut short writes its status on the way out
+            thread.join(timeout=2.0)
         for step in (self.election.resign, self.membership.leave):
             try:  # a partitioned or fenced node's leases are already gone
                 step()
@@ -341,7 +344,9 @@ class Agent:
             if req.id in self._requests_seen:
                 continue
             self._requests_seen.add(req.id)
-            threading.Thread(target=self._inject, args=(req,), name=f"inject-{req.id}", daemon=True).start()
+            thread = threading.Thread(target=self._inject, args=(req,), name=f"inject-{req.id}", daemon=True)
+            self._injecting.append(thread)
+            thread.start()
 
     def _status(self, req: InjectionRequest, state: State, step: int | None, *, detail: str = "",
                 generation: int | None = None) -> None:  # fmt: skip
@@ -405,11 +410,15 @@ class Agent:
         self.membership.lease.stop_refreshing()
         for proc in self.procs.values():
             proc.send_signal(signal.SIGSTOP)
-        if self.done.wait(req.seconds):
-            return  # torn down while partitioned
+        cut_short = self.done.wait(req.seconds)
         value, _ = self.client.get(self.keys.member(self.who))
         fenced = value is None or NodeIdentity.from_json(value).incarnation != self.incarnation
         generation = Generations(self.client, self.keys).current_number()
+        if cut_short:  # stopped while partitioned (e.g. the launcher replaced the node by a rejoin)
+            self._status(req, "fenced" if fenced else "done", step, generation=generation,
+                         detail=f"the agent was stopped while partitioned ({'lease gone, ' if fenced else ''}"
+                         f"job at generation {generation})")  # fmt: skip
+            return
         # The workers still hold generation-old state and are stopped mid-step: they are killed
         # before they run again, so nothing of theirs can reach the job after the fencing.
         with self._lock:
@@ -433,11 +442,18 @@ def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastic.runtime.agent", description=__doc__)
     env = os.environ
-    parser.add_argument("--etcd", default=env.get("ELASTIC_ETCD_ENDPOINT"),
-                        help="etcd endpoint host:port (default $ELASTIC_ETCD_ENDPOINT)")
+    parser.add_argument(
+        "--etcd",
+        default=env.get("ELASTIC_ETCD_ENDPOINT"),
+        help="etcd endpoint host:port (default $ELASTIC_ETCD_ENDPOINT)",
+    )
     parser.add_argument("--job", default=env.get("ELASTIC_JOB"), help="job id (default $ELASTIC_JOB)")
-    parser.add_argument("--node", type=int, default=None,
-                        help="plan node of this agent (default: N of $ELASTIC_NODE_ID=nodeN)")
+    parser.add_argument(
+        "--node",
+        type=int,
+        default=None,
+        help="plan node of this agent (default: N of $ELASTIC_NODE_ID=nodeN)",
+    )
     parser.add_argument("--incarnation", type=int, default=int(env.get("ELASTIC_INCARNATION", "0")),
                         help="how many times this node restarted (default $ELASTIC_INCARNATION or 0)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -445,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args.node = node_of(env["ELASTIC_NODE_ID"])
         except ValueError:
-            parser.error(f"ELASTIC_NODE_ID={env['ELASTIC_NODE_ID']!r}: the rendezvous node_id must be node<N>")
+            parser.error(
+                f"ELASTIC_NODE_ID={env['ELASTIC_NODE_ID']!r}: the rendezvous node_id must be node<N>"
+            )
     for flag, value in (("--etcd", args.etcd), ("--job", args.job), ("--node", args.node)):
         if value is None:
             parser.error(f"{flag} is required (or run under torchrun's elastic-etcd rendezvous)")

@@ -3,7 +3,8 @@
 The schedule is a list of faults (kind, how many steps to let commit first, duration); the
 controller fires them one after another through injection requests, the way an operator's
 `elastic inject` does, on a node of the current generation (chosen by the fault's seeded
-`pick`), waits for the job to lose the node, asks for the node's rejoin (a new incarnation)
+`pick`), waits for the job to lose the node, asks for the node's rejoin (a new incarnation;
+a partitioned node is replaced while still cut off)
 and waits for the job to take it back in before the next fault. So at most one node (f = 1)
 is out at a time and the cluster always has what f+1 pipelines need. Slow faults fail nothing:
 the controller waits for the slow-down to end.
@@ -167,9 +168,8 @@ class SoakController:
             entry.status = self._wait(lambda: self._final_status(rid, ("done",)), f"{rid} to end")
             entry.seconds = time.monotonic() - t0
             return entry
-        entry.status = self._wait(
-            lambda: self._final_status(rid, ("done", "fenced")), f"{rid} to be carried out"
-        )
+        if fault.kind != "partition":
+            entry.status = self._wait(lambda: self._final_status(rid, ("done",)), f"{rid} to be carried out")
         entry.lost_in = self._wait(
             lambda: self._generation_where(g, lambda r: node in r.lost),
             f"a generation that lost node {node} ({rid})",
@@ -181,6 +181,11 @@ class SoakController:
         entry.rejoined_in = self._wait(
             lambda: self._generation_where(g, lambda r: r.incarnations.get(node) == incarnation + 1),
             f"node {node} incarnation {incarnation + 1} to be taken back in ({entry.rejoin})",
+        )
+        # A partitioned node is replaced while still cut off: its agent, stopped by the rejoin,
+        # still reports the partition (fenced) on its way out.
+        entry.status = self._wait(
+            lambda: self._final_status(rid, ("done", "fenced")), f"{rid} to be reported"
         )
         entry.seconds = time.monotonic() - t0
         return entry
