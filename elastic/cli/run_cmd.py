@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -142,7 +143,19 @@ def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
         raise UsageError(str(exc)) from None
 
 
+def _unwind_on_sigterm() -> None:
+    """SIGTERM (a scheduler, `timeout`, `kill`) unwinds like Ctrl-C, so the launcher's cleanup
+    stops every process it started (by default SIGTERM would end this process and orphan them)."""
+
+    def handler(signum: int, frame: object) -> None:
+        print("elastic run: terminated (SIGTERM); stopping every process of the job", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _unwind_on_sigterm()
     # torch and the runtime load here, not at import, so that `elastic --help` and the planner
     # commands start without torch.
     import torch
