@@ -1,12 +1,11 @@
-"""One live run: a partition request (what `elastic inject partition` writes) cuts node 2 off
-for 7 s (lease TTL 3 s), emulated by its agent (keepalives stop, workers SIGSTOPped). The survivors re-plan without it and train on;
+"""One live run: `elastic inject partition` cuts node 2 off for 7 s (lease TTL 3 s), emulated by
+its agent (keepalives stop, workers SIGSTOPped). The survivors re-plan without it and train on;
 the healed node finds itself fenced and leaves without writing anything into the job; the final
 state equals the failure-free run.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.coordinator.generations import Generations
-from elastic.runtime.injection import InjectionRequest, read_statuses, request_id, submit_request
+from elastic.runtime.injection import read_requests, read_statuses
 from elastic.runtime.protocol import GenerationRecord, StepResult
 from elastic.runtime.summary import RunSummary
 
@@ -35,12 +34,12 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(3)
-        rid = request_id("partition", 2, None)
-        submit_request(job.client, job.keys.root, InjectionRequest(
-            id=rid, kind="partition", node=2, incarnation=0, seconds=PARTITION_S, requested_at=time.time(),
-            by="test_partition"))  # fmt: skip
+        code, output = job.cli(
+            "inject", "partition", "--node", "2", "--seconds", str(PARTITION_S), "--wait", "60"
+        )
         summary, state = job.result()
         client, keys = job.client, job.keys
+        (rid,) = [r.id for r in read_requests(client, keys.root) if r.kind == "partition"]
         gens = Generations(client, keys)
         records = {g: GenerationRecord.from_json(gens.get(g).plan)  # type: ignore[union-attr]
                    for g in range(1, gens.current_number() + 1)}  # fmt: skip
@@ -48,7 +47,7 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         old_keys = [(m.key.decode(), m.mod_revision) for _, m in client.get_prefix(f"{job.rk.steps}1/")]
         results = [(StepResult.from_json(v), m.mod_revision) for v, m in client.get_prefix(job.rk.results)]
         yield {
-            "summary": summary, "state": state,
+            "code": code, "output": output, "summary": summary, "state": state,
             "status": read_statuses(client, keys.root)[rid], "events": read_events(client, keys),
             "records": records, "revisions": revisions, "old_keys": old_keys, "results": results,
         }  # fmt: skip
@@ -57,6 +56,8 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def test_partitioned_node_is_fenced_and_the_job_trains_on(run: dict[str, Any], tmp_path_factory: Any) -> None:
+    print(run["output"])
+    assert run["code"] == 0, run["output"]
     status = run["status"]
     assert status.state == "fenced" and status.generation >= 2, status
     records = run["records"]
