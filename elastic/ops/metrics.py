@@ -62,6 +62,7 @@ from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.model.config import get_preset
 from elastic.parallel.layout import assign_ranks
 from elastic.runtime.netaddr import bind_host
+from elastic.runtime.progress import breakdown_of
 from elastic.runtime.protocol import (
     GenerationRecord,
     RecoveryTimings,
@@ -175,21 +176,10 @@ class Snapshot:
 def recovery_of(
     g: int, rec: GenerationRecord, timings: list[RecoveryTimings], injected: dict[str, float]
 ) -> Recovery:
-    """The breakdown of elastic.runtime.progress.recovery_breakdown, from mirrored values."""
-    faults = [t for name, t in injected.items() for n in rec.lost if f"-node{n}-" in name]
-    detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
-    origin = min(faults) if faults and rec.lost else detected
-    published = rec.published_at or detected
-    first_commit = max(t.first_commit_at for t in timings)
-    started = max(t.started_at for t in timings)
-    phases = {
-        "detecting": max(0.0, detected - origin),
-        "planning": max(0.0, published - detected),
-        "transferring": max(t.transfer_s for t in timings),
-        "rebuilding": max(t.rebuild_s for t in timings),
-        "replaying": max(0.0, first_commit - started),
-    }
-    return Recovery(generation=g, total_s=max(0.0, first_commit - origin), phases=phases)
+    """The breakdown of elastic.runtime.progress (the launcher's and `elastic status`'s), from
+    mirrored values."""
+    b = breakdown_of(g, rec, timings, list(injected.items()))
+    return Recovery(generation=g, total_s=b["total_s"], phases={p: b[f"{p}_s"] for p in PHASES})
 
 
 def _alive(pid: int) -> bool:

@@ -261,7 +261,8 @@ def launch_elastic(
             spawn(node, 0)
         world = len(nodes) * spec.plan.gpus_per_node
         _wait_for(lambda: _count(client, rk.workers) >= world, 120.0 * join_s, "workers did not register", agents)
-        first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0))
+        first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
+                                 published_at=time.time())
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
         while True:

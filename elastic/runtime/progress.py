@@ -118,11 +118,20 @@ def generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
 def recovery_breakdown(
     client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]
 ) -> dict[str, Any]:
-    """One recovery's breakdown; `total_s` runs from the injected fault (or the detection) to the first commit."""
-    detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
+    """One recovery's breakdown, reading the injections carried out from etcd (see `breakdown_of`)."""
     prefix = rk.injected("")
     carried_out = [(meta.key.decode()[len(prefix) :], float(value.decode()))
                    for value, meta in client.get_prefix(prefix)]  # fmt: skip
+    return breakdown_of(g, rec, timings, carried_out)
+
+
+def breakdown_of(
+    g: int, rec: GenerationRecord, timings: list[RecoveryTimings], carried_out: list[tuple[str, float]]
+) -> dict[str, Any]:
+    """One recovery's breakdown from values already read: the generation record, every worker's
+    timings and the injections carried out (request id, wall time). `total_s` runs from the
+    injected fault (or the detection, when nothing was injected) to the first commit."""
+    detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
     faults = [t for node in rec.lost if (t := fault_time(carried_out, node, detected)) is not None]
     origin = min(faults) if faults else detected
     published = rec.published_at or detected
