@@ -4,8 +4,8 @@ One live run (3 nodes, a 2-stage and a 1-stage pipeline, lease TTL 3 s) serves b
 
 - early on, an agent and a worker for a new node start with a wrong ELASTIC_JOB_TOKEN: both
   exit non-zero with "wrong job token", and nothing under the job changes because of them;
-- once the intruders are gone (step 8 at the earliest) the test SIGKILLs etcd and restarts it
-  on the same data dir and port 1 s later.
+- at step 8 (the intruders may still be at it: they ride the outage out on the client's
+  retries) the test SIGKILLs etcd and restarts it on the same data dir and port 1 s later.
   Leases are persisted and extended by the restarted etcd, keepalives and watches reconnect,
   every etcd call blocks through the outage: the run loses no node (no new generation, no
   recovery), commits every step, and ends bit-for-bit (1e-5) where the failure-free run ends.
@@ -29,8 +29,7 @@ from .live_run import LiveRun, Result, reference_run
 from .runs import check_same_training
 
 STEPS = 40
-"""Long enough to outlast the intruders (a worker imports torch: seconds under load); the 40-step
-failure-free result is shared with the partition and rejoin runs."""
+"""The 40-step failure-free result is shared with the partition and rejoin runs."""
 KILL_AT = 8
 TOKEN = "the-right-token"
 
@@ -74,23 +73,21 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
                 run.job,
             ),  # fmt: skip
         ]
+        # etcd goes down at step KILL_AT whether or not the intruders are done (a worker imports
+        # torch first: seconds); one still trying rides the outage out on the client's retries.
+        run.wait_committed(KILL_AT, 90.0)
+        down = time.monotonic()
+        server.stop(kill=True)
+        time.sleep(1.0)
+        server.start()
+        outage = time.monotonic() - down
+        assert run.committed() < STEPS - 5, "etcd was not restarted mid-run"
         intruders: dict[str, subprocess.CompletedProcess[str]] = {}
         for name, proc in zip(("agent", "worker"), procs, strict=True):
             out, err = proc.communicate(timeout=60)
             intruders[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         generation = run.generation()
         keys_after = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
-
-        kill_at = max(KILL_AT, run.committed() + 2)
-        assert kill_at <= STEPS - 5, (
-            f"the run reached step {kill_at - 2} of {STEPS} before the intruders were done"
-        )
-        run.wait_committed(kill_at, 90.0)
-        down = time.monotonic()
-        server.stop(kill=True)
-        time.sleep(1.0)
-        server.start()
-        outage = time.monotonic() - down
         result = run.result()
         yield Outcome(reference, result, run, intruders, keys_before, keys_after, generation, outage)
     finally:

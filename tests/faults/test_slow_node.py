@@ -2,8 +2,10 @@
 of node 3, both through the CLI against the running job.
 
 Slow: the node's workers are throttled with real SIGSTOP/SIGCONT for a few seconds; no failure
-may be declared (no failure report, no new generation until the drain), the steps committed
-while it is slowed take visibly longer, and training is unchanged. Drain: generation 2 leaves
+may be declared (no failure report, no new generation until the drain), the test sees the
+node's worker stopped for a good part of the window (sampled with psutil) and running after it,
+and training is unchanged. Step times while slowed are printed, not asserted (a tiny step is
+short enough to slip between throttle periods on a fast machine). Drain: generation 2 leaves
 node 3 out ("drained node 3", nothing lost), node 3's workers report done instead of failing,
 no failure is recorded, and the final state equals the failure-free run.
 """
@@ -12,33 +14,37 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.runtime.injection import read_requests, read_statuses
-from elastic.runtime.protocol import GenerationRecord
+from elastic.runtime.protocol import GenerationRecord, WorkerInfo
 from elastic.runtime.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, static_reference, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 24
+STEPS = 40
+"""Enough steps after the slow-down for the drain, even on a fast machine."""
 FACTOR = 4.0
-SLOW_S = 5.0
+SLOW_S = 3.0
 
 
 class Outcome:
     """What the run left: summary, final state, and what its etcd says afterwards."""
 
     def __init__(self, job: LiveJob, result: tuple[RunSummary, dict[str, torch.Tensor]], outputs: dict[str, str],
-                 codes: dict[str, int]) -> None:  # fmt: skip
+                 codes: dict[str, int], samples: list[str], after: list[str]) -> None:  # fmt: skip
         self.summary, self.state = result
+        self.samples, self.after = samples, after  # node 1's worker states during and right after the slow-down
         self.outputs, self.codes = outputs, codes
         client, keys = job.client, job.keys
         self.statuses = read_statuses(client, keys.root)
@@ -62,11 +68,25 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(3)
+        value, _ = job.client.get(job.rk.worker(1, 0))
+        worker = psutil.Process(WorkerInfo.from_json(value).pid)
+        samples: list[str] = []
+        sampling = threading.Event()
+
+        def sample() -> None:  # node 1's worker state every 10 ms while the slow request is out
+            while not sampling.wait(0.01):
+                samples.append(worker.status())
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         outputs, codes = {}, {}
         codes["slow"], outputs["slow"] = job.cli("inject", "slow", "--node", "1", "--factor", str(FACTOR),
                                                  "--seconds", str(SLOW_S), "--wait", "60")  # fmt: skip
+        sampling.set()
+        sampler.join()
+        after = [worker.status() for _ in range(20)]
         codes["drain"], outputs["drain"] = job.cli("drain", "--node", "3", "--wait", "60")
-        yield Outcome(job, job.result(), outputs, codes)
+        yield Outcome(job, job.result(), outputs, codes, samples, after)
     finally:
         job.close()
 
@@ -84,20 +104,20 @@ def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference
     # No false failure: nobody reported one, and the only reconfiguration is the drain.
     assert outcome.failed == [] and not [e for e in outcome.events if e["kind"] == "failure"]
     assert sorted(outcome.records) == [1, 2] and outcome.records[2].lost == []
-    # The steps committed while node 1 was throttled took longer than the ones before it.
+    # The worker was really throttled: stopped for a good part of the window (the duty cycle
+    # stops it 1 - 1/FACTOR of the time), and running again afterwards.
+    stopped = sum(1 for st in outcome.samples if st == psutil.STATUS_STOPPED) / max(1, len(outcome.samples))
+    print(f"node 1's worker stopped in {stopped:.0%} of {len(outcome.samples)} samples")
+    assert stopped >= 0.3, f"node 1's worker was stopped in only {stopped:.0%} of the samples"
+    assert psutil.STATUS_STOPPED not in outcome.after, outcome.after
+    # For the reader: step times before and while slowed (not asserted, see the module doc).
     summary = outcome.summary
     running = [e for e in outcome.events if e["kind"] == "injection" and e["injection"] == "slow"][0]["time"]
-    ended = status.at
-    before = [
-        s for s, t in zip(summary.step_seconds[1:], summary.step_committed_at[1:], strict=True) if t < running
-    ]
+    before = [s for s, t in zip(summary.step_seconds[1:], summary.step_committed_at[1:], strict=True) if t < running]
     during = [s for s, t in zip(summary.step_seconds, summary.step_committed_at, strict=True)
-              if running + 0.5 < t <= ended]  # fmt: skip
-    print(f"step seconds before the slow-down {before}, while slowed (x{FACTOR:g}) {during}")
-    assert before and during, (before, during)
-    ratio = statistics.median(during) / statistics.median(before)
-    print(f"slowed / normal median step time: {ratio:.2f}")
-    assert ratio > 1.3, f"steps while slowed x{FACTOR:g} took only {ratio:.2f} x as long"
+              if running + 0.5 < t <= status.at]  # fmt: skip
+    if before and during:
+        print(f"slowed / normal median step time: {statistics.median(during) / statistics.median(before):.2f}")
 
 
 def test_drain_leaves_the_node_out_without_a_failure(outcome: Outcome, reference: Any) -> None:
