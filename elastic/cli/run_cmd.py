@@ -148,6 +148,7 @@ def _unwind_on_sigterm() -> None:
     stops every process it started (by default SIGTERM would end this process and orphan them)."""
 
     def handler(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
         print("elastic run: terminated (SIGTERM); stopping every process of the job", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 

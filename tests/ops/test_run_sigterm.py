@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -38,6 +39,8 @@ def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
         job = wait_for(lambda: job_file.exists() and json.loads(job_file.read_text())["job"], 60, "job.json")
         # Training has begun when a worker of every node is up: 3 agents + 3 workers carry the job id.
         wait_for(lambda: len(_job_processes(job)) >= 6, 60, "the job's agents and workers")
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # a second SIGTERM (`timeout` and a scheduler both sending one) during the cleanup
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=30)
         assert launcher.returncode == 128 + signal.SIGTERM, out
