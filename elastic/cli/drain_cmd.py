@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from elastic.cli.inject_cmd import JobError, OperatorJob, add_job_arguments, describe
+from elastic.cli.inject_cmd import JobError, OperatorJob, add_job_arguments
 from elastic.cli.main import UsageError
 
 
@@ -63,16 +63,7 @@ def _run(args: argparse.Namespace) -> int:
             f"{job.keys.job}, now in generation {gen.number}",
             flush=True,
         )
-        if args.wait == 0:
-            return 0
-        status = job.wait_outcome(req.id, args.wait, command="drain", say_running=False)
-        if status is None:
-            print(
-                f"elastic drain: {req.id} not answered yet after {args.wait:g} s (still pending)", flush=True
-            )
-            return 0
-        print(f"elastic drain: {req.id} {describe(status)}", flush=True)
-        return 1 if status.state == "refused" else 0
+        return job.report_outcome(req.id, args.wait, command="drain", pending="not answered yet", say_running=False)
     except JobError as exc:
         print(f"elastic drain: error: {exc}", file=sys.stderr, flush=True)
         return 1

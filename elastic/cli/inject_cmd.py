@@ -94,16 +94,9 @@ class OperatorJob:
 
     def members(self) -> dict[int, int]:
         """Live plan node -> its incarnation."""
-        from elastic.coordinator.membership import read_members
-        from elastic.runtime.protocol import node_of
+        from elastic.runtime.protocol import live_nodes
 
-        out = {}
-        for member_id, ident in read_members(self.client, self.keys)[0].items():
-            try:
-                out[node_of(member_id)] = ident.incarnation
-            except ValueError:
-                continue
-        return out
+        return live_nodes(self.client, self.keys)
 
     def committed_steps(self) -> int:
         return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
@@ -128,6 +121,20 @@ class OperatorJob:
             if time.monotonic() >= deadline:
                 return last
             time.sleep(0.1)
+
+    def report_outcome(
+        self, request_id: str, wait: float, *, command: str, pending: str, say_running: bool = True
+    ) -> int:
+        """Wait up to `wait` s for the request's outcome and print it; the exit code: 1 refused,
+        else 0 (also when `wait` is 0 or the request is still `pending` after it)."""
+        if wait == 0:
+            return 0
+        status = self.wait_outcome(request_id, wait, command=command, say_running=say_running)
+        if status is None:
+            print(f"elastic {command}: {request_id} {pending} after {wait:g} s (still pending)", flush=True)
+            return 0
+        print(f"elastic {command}: {request_id} {describe(status)}", flush=True)
+        return 1 if status.state == "refused" else 0
 
     def close(self) -> None:
         self.client.close()
@@ -243,17 +250,7 @@ def _run(args: argparse.Namespace) -> int:
             f"of job {job.keys.job} {when}",
             flush=True,
         )
-        if args.wait == 0:
-            return 0
-        status = job.wait_outcome(req.id, args.wait)
-        if status is None:
-            print(
-                f"elastic inject: {req.id} not carried out yet after {args.wait:g} s (still pending)",
-                flush=True,
-            )
-            return 0
-        print(f"elastic inject: {req.id} {describe(status)}", flush=True)
-        return 1 if status.state == "refused" else 0
+        return job.report_outcome(req.id, args.wait, command="inject", pending="not carried out yet")
     except JobError as exc:
         print(f"elastic inject: error: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -34,7 +34,6 @@ from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys
-from elastic.coordinator.membership import read_members
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.runtime.injection import (
     InjectionRequest,
@@ -51,7 +50,7 @@ from elastic.runtime.protocol import (
     GenerationRecord,
     RunKeys,
     WorkerInfo,
-    node_of,
+    live_nodes,
 )
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -177,7 +176,7 @@ class Leader:
         if gen is None:
             return
         record = GenerationRecord.from_json(gen.plan)
-        members = self._members()
+        members = live_nodes(self.client, self.keys)
         steps = self.config.spec.steps
         in_flight, ready, decided = self._in_flight(g, record)
         if in_flight >= steps:
@@ -250,15 +249,6 @@ class Leader:
             else:
                 self._answer(req, "refused", "the job finished before a step boundary came")
             return
-
-    def _members(self) -> dict[int, int]:
-        out = {}
-        for member_id, ident in read_members(self.client, self.keys)[0].items():
-            try:
-                out[node_of(member_id)] = ident.incarnation
-            except ValueError:
-                continue
-        return out
 
     def _in_flight(self, g: int, record: GenerationRecord) -> tuple[int, int, str | None]:
         """(first step of g not committed, ranks ready for it, its decision if any)."""

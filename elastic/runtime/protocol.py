@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.membership import read_members
 from elastic.runtime.injection import Injection
 from elastic.runtime.planning import ClusterSpec
 from templates.plan import Plan
@@ -47,6 +48,17 @@ def node_of(member_id: str) -> int:
     if not member_id.startswith("node") or not member_id[4:].isdigit():
         raise ValueError(f"member id {member_id!r} is not of the form node<k>")
     return int(member_id[4:])
+
+
+def live_nodes(client: Any, keys: JobKeys) -> dict[int, int]:
+    """Plan node -> incarnation of every live member of the job (members of another form skipped)."""
+    out = {}
+    for member_id, ident in read_members(client, keys)[0].items():
+        try:
+            out[node_of(member_id)] = ident.incarnation
+        except ValueError:
+            continue
+    return out
 
 
 @dataclass(frozen=True)
