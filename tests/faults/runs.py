@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from elastic.runtime.injection import parse_injection
@@ -21,6 +23,9 @@ STEPS = 20
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6)  # eps: see tests/engine/runs.py
 TOLERANCE = 1e-5
 
+Result = tuple[RunSummary, dict[str, torch.Tensor]]
+"""A run's summary and its final parameters (canonical name -> full fp32 tensor)."""
+
 
 def run_elastic(
     run_dir: Path,
@@ -32,19 +37,13 @@ def run_elastic(
     checkpoint_every: int = 5,
     steps: int = STEPS,
     timeout_s: float = 150.0,
-) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+) -> Result:
     """Train tiny on `nodes` nodes dealt into `pipelines` multi-stage pipelines, with faults."""
-    plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
-    spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
-                   collective_timeout_s=60.0)  # fmt: skip
-    cluster = ClusterSpec(
-        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
-    )
-    config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
-                           checkpoint_every=checkpoint_every)  # fmt: skip
+    config = tiny_config(run_dir, nodes=nodes, pipelines=pipelines, steps=steps, fault_tolerance=fault_tolerance,
+                         checkpoint_every=checkpoint_every)  # fmt: skip
+    config = dataclasses.replace(config, injections=tuple(parse_injection(i) for i in inject))
     summary = launch_elastic(config, quiet=True, timeout_s=timeout_s)
-    return summary, load_final_state(spec)
+    return summary, load_final_state(config.spec)
 
 
 def max_rel_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -78,9 +77,10 @@ def check_same_training(
 
 
 def tiny_config(
-    run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3
+    run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3,
+    checkpoint_every: int = 5,
 ) -> ElasticConfig:
-    """The elastic config of `run_elastic`, for runs a test drives itself (LiveJob)."""
+    """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2)."""
     plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
                      microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
@@ -88,10 +88,10 @@ def tiny_config(
     cluster = ClusterSpec(
         model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
     )
-    return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=5, lease_ttl=lease_ttl)
+    return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=checkpoint_every, lease_ttl=lease_ttl)
 
 
-def static_reference(run_dir: Path, *, steps: int) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+def static_reference(run_dir: Path, *, steps: int) -> Result:
     """The failure-free result on a single worker: the parameters and losses after K steps do not
     depend on the plan (DESIGN.md invariant 1), so one process stands for any elastic plan."""
     from elastic.runtime.launcher import launch
@@ -103,18 +103,31 @@ def static_reference(run_dir: Path, *, steps: int) -> tuple[RunSummary, dict[str
     return summary, load_final_state(spec)
 
 
+_REFERENCES: dict[int, Result] = {}
+
+
+def reference_run(factory: pytest.TempPathFactory, *, steps: int) -> Result:
+    """`static_reference`, computed once per pytest session and number of steps and shared by
+    the modules that compare against it."""
+    if steps not in _REFERENCES:
+        _REFERENCES[steps] = static_reference(factory.mktemp("reference"), steps=steps)
+    return _REFERENCES[steps]
+
+
 class LiveJob:
     """`launch_elastic(config)` in a background thread on the caller's etcd, with a known job id
     and token, so that the test can drive it (CLI, requests) and read its etcd afterwards."""
 
-    def __init__(self, config: ElasticConfig, *, etcd: str, timeout_s: float = 150.0) -> None:
+    def __init__(self, config: ElasticConfig, *, etcd: str, job: str | None = None, token: str | None = None,
+                 timeout_s: float = 150.0) -> None:  # fmt: skip
         import secrets
 
         from elastic.coordinator import EtcdConfig, JobKeys, connect
         from elastic.runtime.protocol import RunKeys
 
         self.config, self.etcd = config, etcd
-        self.job, self.token = f"h2-{secrets.token_hex(4)}", secrets.token_hex(8)
+        self.job = job or f"h2-{secrets.token_hex(4)}"
+        self.token = token or secrets.token_hex(8)
         self.keys = JobKeys(self.job)
         self.rk = RunKeys(self.keys)
         self.client = connect(EtcdConfig(endpoint=etcd))
@@ -149,7 +162,16 @@ class LiveJob:
                 raise AssertionError(f"step {steps} not committed within {timeout} s")
             time.sleep(0.05)
 
-    def result(self) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+    def generation(self) -> int:
+        """The latest published generation (0 before the first)."""
+        value, _ = self.client.get(self.keys.generation)
+        return int(value) if value is not None else 0
+
+    def job_keys(self) -> dict[str, bytes]:
+        """Every key under the job's prefix, with its value."""
+        return {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
+
+    def result(self) -> Result:
         """Wait for the run's end; its summary and final state (re-raises the run's error)."""
         self._thread.join(self._timeout_s + 30.0)
         assert not self._thread.is_alive(), "the run did not stop"

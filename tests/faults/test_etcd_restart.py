@@ -25,8 +25,7 @@ import pytest
 from elastic.coordinator import EtcdServer
 from elastic.runtime.summary import RunSummary
 
-from .live_run import LiveRun, Result, reference_run
-from .runs import check_same_training
+from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
 STEPS = 40
 """The 40-step failure-free result is shared with the partition and rejoin runs."""
@@ -38,7 +37,7 @@ TOKEN = "the-right-token"
 class Outcome:
     reference: Result
     result: Result
-    run: LiveRun
+    run: LiveJob
     intruders: dict[str, subprocess.CompletedProcess[str]]
     keys_before: dict[str, bytes]
     keys_after: dict[str, bytes]
@@ -57,8 +56,8 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     root = tmp_path_factory.mktemp("etcd-restart")
     reference = reference_run(tmp_path_factory, steps=STEPS)
     server = EtcdServer(data_dir=root / "etcd").start()
-    run = LiveRun(root / "run", etcd=server.endpoint, job="restart", token=TOKEN, nodes=3, pipelines=2,
-                  steps=STEPS)  # fmt: skip
+    run = LiveJob(tiny_config(root / "run", nodes=3, pipelines=2, steps=STEPS), etcd=server.endpoint, job="restart",
+                  token=TOKEN)
     procs: list[subprocess.Popen[str]] = []
     try:
         run.start()

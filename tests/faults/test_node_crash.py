@@ -22,8 +22,7 @@ import pytest
 from elastic.coordinator import EtcdServer
 from elastic.runtime.protocol import WorkerInfo
 
-from .live_run import LiveRun, Result, reference_run
-from .runs import check_same_training
+from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
 STEPS = 20
 KILL_AT = 8
@@ -55,8 +54,8 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     root = tmp_path_factory.mktemp("node-crash")
     reference = reference_run(tmp_path_factory, steps=STEPS)
     server = EtcdServer(data_dir=root / "etcd").start()
-    run = LiveRun(root / "run", etcd=server.endpoint, job="crash", token="crash-token", nodes=3, pipelines=2,
-                  steps=STEPS)  # fmt: skip
+    run = LiveJob(tiny_config(root / "run", nodes=3, pipelines=2, steps=STEPS), etcd=server.endpoint, job="crash",
+                  token="crash-token")
     victims: list[int] = []
     try:
         run.start()

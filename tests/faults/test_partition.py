@@ -19,8 +19,7 @@ from elastic.runtime.injection import read_requests, read_statuses
 from elastic.runtime.protocol import GenerationRecord, StepResult
 from elastic.runtime.summary import RunSummary
 
-from .live_run import reference_run
-from .runs import LiveJob, check_same_training, tiny_config
+from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 

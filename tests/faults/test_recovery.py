@@ -15,8 +15,7 @@ import torch
 
 from elastic.runtime.summary import RunSummary
 
-from .live_run import reference_run
-from .runs import check_same_training, run_elastic
+from .runs import check_same_training, reference_run, run_elastic
 
 pytestmark = pytest.mark.timeout(200)
 

@@ -28,7 +28,7 @@ from elastic.runtime.injection import read_requests, read_statuses
 from elastic.runtime.protocol import GenerationRecord, WorkerInfo
 from elastic.runtime.summary import RunSummary
 
-from .runs import LiveJob, check_same_training, static_reference, tiny_config
+from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,7 +93,7 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunSummary, dict[str, torch.Tensor]]:
-    return static_reference(tmp_path_factory.mktemp("reference"), steps=STEPS)
+    return reference_run(tmp_path_factory, steps=STEPS)
 
 
 def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference: Any) -> None:
