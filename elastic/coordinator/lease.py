@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,18 +19,24 @@ class KeptLease:
     While etcd is unreachable the refresh is retried every 0.1 s; etcd extends all leases when
     it comes back, so an outage shorter than the TTL costs nobody their lease. If a refresh
     finds the lease already expired (this process was hung longer than the TTL), `lost` is set
-    and `on_lost` runs once: whatever hung on the lease was deleted and peers saw it go.
+    and `on_lost` runs once: whatever hung on the lease was deleted and peers saw it go. With
+    `give_up_s`, an outage longer than that is treated the same way (`lost_reason` says which):
+    a process whose etcd is gone for good stops waiting for it.
     """
 
     def __init__(self, client: Any, ttl: int, *, interval: float | None = None,
                  on_lost: Callable[[], None] | None = None, name: str = "lease",
-                 lease_id: int | None = None) -> None:  # fmt: skip
+                 lease_id: int | None = None, give_up_s: float | None = None) -> None:  # fmt: skip
         if ttl < 2:
             raise ValueError(f"lease ttl must be >= 2 s, got {ttl}")
+        if give_up_s is not None and give_up_s <= 0:
+            raise ValueError(f"give_up_s must be > 0 (or None: never), got {give_up_s}")
         self.client = client
         self.ttl = ttl
         self.interval = interval if interval is not None else ttl / 4
+        self.give_up_s = give_up_s
         self.lost = threading.Event()
+        self.lost_reason = ""
         self._on_lost = on_lost
         self._stop = threading.Event()
         # lease_id: keep an existing lease alive (one another process granted) instead of a new one.
@@ -39,19 +46,29 @@ class KeptLease:
 
     def _run(self) -> None:
         interval = self.interval
+        down_since: float | None = None
         while not self._stop.wait(interval):
             try:
                 responses = list(self.client.refresh_lease(self.id))
             except TRANSIENT_ERRORS:
                 interval = 0.1
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                if self.give_up_s is not None and now - down_since > self.give_up_s:
+                    self._give_up(f"etcd unreachable for {now - down_since:.0f} s")
+                    return
                 continue
-            interval = self.interval
+            interval, down_since = self.interval, None
             if responses and responses[0].TTL <= 0:
-                log.warning("lease %x expired before it could be refreshed", self.id)
-                self.lost.set()
-                if self._on_lost is not None:
-                    self._on_lost()
+                self._give_up("lease expired")
                 return
+
+    def _give_up(self, reason: str) -> None:
+        log.warning("lease %x lost: %s", self.id, reason)
+        self.lost_reason = reason
+        self.lost.set()
+        if self._on_lost is not None:
+            self._on_lost()
 
     def stop_refreshing(self) -> None:
         """Stop the refresh thread; the lease then expires after its TTL."""

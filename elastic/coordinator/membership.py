@@ -73,12 +73,16 @@ class MembershipConfig:
     """Lease time-to-live in seconds: a silent node is declared lost after about this long."""
     keepalive_interval: float | None = None
     """Seconds between lease refreshes; None means ttl / 4."""
+    give_up_s: float | None = None
+    """Seconds etcd may stay unreachable before this member counts itself lost; None: never."""
 
     def __post_init__(self) -> None:
         if self.ttl < 2:
             raise ValueError(f"lease ttl must be >= 2 s (etcd's minimum), got {self.ttl}")
         if self.keepalive_interval is not None and not 0 < self.keepalive_interval < self.ttl:
             raise ValueError(f"keepalive_interval must be in (0, ttl), got {self.keepalive_interval}")
+        if self.give_up_s is not None and self.give_up_s <= 0:
+            raise ValueError(f"give_up_s must be > 0 (or None: never), got {self.give_up_s}")
 
     @property
     def interval(self) -> float:
@@ -125,8 +129,8 @@ class Membership:
         """Grant a lease, publish our identity on it, start refreshing it."""
         if self.lease is not None:
             raise RuntimeError("already joined")
-        lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval,
-                          on_lost=self._lost, name=f"member-{self.identity.node_id}")  # fmt: skip
+        lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
+                          name=f"member-{self.identity.node_id}", give_up_s=self.config.give_up_s)  # fmt: skip
         key = self.keys.member(self.identity.node_id)
         ok, _ = self.client.transaction(
             compare=[self.client.transactions.create(key) == 0],
@@ -161,10 +165,16 @@ class Membership:
                 "(no rendezvous registration to adopt)"
             )
         self.lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
-                               name=f"member-{self.identity.node_id}", lease_id=meta.lease_id)  # fmt: skip
+                               name=f"member-{self.identity.node_id}", lease_id=meta.lease_id,
+                               give_up_s=self.config.give_up_s)  # fmt: skip
+
+    @property
+    def lost_reason(self) -> str:
+        """Why this member counts itself lost ("lease expired", "etcd unreachable for N s"), or ""."""
+        return self.lease.lost_reason if self.lease is not None else ""
 
     def _lost(self) -> None:
-        log.warning("lease of %s expired: this node was declared lost", self.identity.node_id)
+        log.warning("%s: this node is lost (%s)", self.identity.node_id, self.lost_reason)
         self.lost.set()
         if self._on_self_lost is not None:
             self._on_self_lost()

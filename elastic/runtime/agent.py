@@ -70,6 +70,11 @@ RDZV_ROUND_ENV = "ELASTIC_RDZV_ROUND"
 """Set by the elastic-etcd rendezvous: this agent runs under torchrun, which registered the node."""
 CONFIG_WAIT_S = 1800.0
 """Under torchrun: how long to wait for the controller to publish the job's config."""
+ETCD_GIVE_UP_ENV = "ELASTIC_ETCD_GIVE_UP_S"
+ETCD_GIVE_UP_S = 300.0
+"""How long etcd may stay unreachable before the agent counts its node lost, stops its workers
+and exits (EXIT_FAILED); $ELASTIC_ETCD_GIVE_UP_S overrides it. etcd extends every lease when it
+comes back, so shorter outages cost nothing."""
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
@@ -167,7 +172,9 @@ class Agent:
         identity = NodeIdentity(
             node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
         )
-        self.membership = Membership(self.client, self.keys, identity, config=MembershipConfig(ttl=ttl),
+        give_up = float(os.environ.get(ETCD_GIVE_UP_ENV, ETCD_GIVE_UP_S))
+        self.membership = Membership(self.client, self.keys, identity,
+                                     config=MembershipConfig(ttl=ttl, give_up_s=give_up),
                                      on_self_lost=self._on_lease_lost)  # fmt: skip
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -263,16 +270,18 @@ class Agent:
                 return
 
     def _on_lease_lost(self) -> None:
-        """Our lease expired while we could not refresh it: the job has fenced this node out."""
-        log.warning(
-            "%s (incarnation %d): lease expired, the node was fenced; leaving", self.who, self.incarnation
-        )
+        """Our lease expired while we could not refresh it (the job has fenced this node out), or
+        etcd stayed unreachable past the give-up time: stop the workers and leave."""
+        reason = self.membership.lost_reason or "lease expired"
+        log.warning("%s (incarnation %d): %s, the node is fenced; leaving", self.who, self.incarnation, reason)
         with self._lock:
             if self.exit_code is not None:
                 return
             try:
                 record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             reason="lease expired")  # fmt: skip
+                             reason=reason)  # fmt: skip
+            except Exception as exc:  # etcd may be the reason; the workers must stop regardless
+                log.warning("%s: could not record the fencing: %s", self.who, exc)
             finally:
                 self._kill_workers()
                 self._finish(EXIT_FAILED)

@@ -1,8 +1,10 @@
-"""`elastic run` stopped with SIGTERM (a scheduler, `timeout`) stops every process of its job."""
+"""`elastic run` stopped with SIGTERM (a scheduler, `timeout`) stops every process of its job;
+SIGKILLed (its embedded etcd dies with it), the orphaned agents give up on etcd and leave."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,18 +29,27 @@ def _job_processes(job: str) -> list[psutil.Process]:
     return found
 
 
+def _start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "3",
+           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _training(run_dir: Path) -> str:
+    """The job id, once a worker of every node is up (3 agents + 3 workers carry the job id)."""
+    job_file = run_dir / "job.json"
+    job: str = wait_for(lambda: job_file.exists() and json.loads(job_file.read_text())["job"], 60, "job.json")
+    wait_for(lambda: len(_job_processes(job)) >= 6, 60, "the job's agents and workers")
+    return job
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "3",
-           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir)]  # fmt: skip
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = _start(run_dir)
     job = ""
     try:
-        job_file = run_dir / "job.json"
-        job = wait_for(lambda: job_file.exists() and json.loads(job_file.read_text())["job"], 60, "job.json")
-        # Training has begun when a worker of every node is up: 3 agents + 3 workers carry the job id.
-        wait_for(lambda: len(_job_processes(job)) >= 6, 60, "the job's agents and workers")
+        job = _training(run_dir)
         launcher.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # a second SIGTERM (`timeout` and a scheduler both sending one) during the cleanup
         launcher.send_signal(signal.SIGTERM)
@@ -47,6 +58,32 @@ def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
         assert "terminated (SIGTERM)" in out
         left = _job_processes(job)
         assert not left, f"processes of job {job} outlived the launcher: {[p.pid for p in left]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for proc in _job_processes(job) if job else []:
+            proc.kill()
+
+
+@pytest.mark.timeout(150)
+def test_orphaned_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
+    """SIGKILL the launcher: its etcd dies with it; every agent finds etcd unreachable, gives up
+    after $ELASTIC_ETCD_GIVE_UP_S, stops its workers and exits (before: they retried forever)."""
+    run_dir = tmp_path / "run"
+    launcher = _start(run_dir, env={**os.environ, "ELASTIC_ETCD_GIVE_UP_S": "2"})
+    job = ""
+    try:
+        job = _training(run_dir)
+        orphans = _job_processes(job)
+        launcher.kill()
+        launcher.wait()
+        killed_at = time.monotonic()
+        _, alive = psutil.wait_procs(orphans, timeout=60)
+        assert not alive, f"processes of job {job} still there 60 s after etcd went: {[p.pid for p in alive]}"
+        print(f"{len(orphans)} orphaned processes gone {time.monotonic() - killed_at:.1f} s after the launcher")
+        logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("agent*.log"))
+        assert "etcd unreachable for" in logs, logs[-2000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
