@@ -12,7 +12,8 @@ change under members/, workers/ or steps/, or every 0.2 s):
   relaxing f only as far as needed, and every worker restores the latest complete checkpoint;
 - every rank of the current generation is ready for the in-flight step: "commit";
 - a new node (a node id absent from the plan, or a new incarnation) has registered all its
-  workers: at the next step boundary the step after it is decided "abort" and g+1 takes it in;
+  workers: when the in-flight step is committed, the step after it (barely begun) is decided
+  "abort" and g+1 takes the node in from there: a join never throws away a step's work;
 - a drain request (`elastic drain`, injections/): refused (with its reason in the request's
   status and an event) unless the other nodes of the generation can still form the job's f+1
   pipelines; otherwise at the next step boundary g+1 is published without the node ("drained
@@ -188,16 +189,16 @@ class Leader:
                 self._detected = time.time()
             self._resolve_and_publish(g, record, in_flight, members, lost=lost, joined=[])
             return
+        drains, drained = self._drain_requests()
         if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
             decide(self.client, self.rk, g, in_flight, COMMIT, fence=self.election.leader_compare())
-            return
-        drains, drained = self._drain_requests()
-        joined = [n for n in self._ready_newcomers(record, members) if (n, members[n]) not in drained]
-        if joined and decided is None:
-            # A step boundary: the in-flight step is aborted (nothing committed is lost) and the
-            # newcomers are taken in from it on.
-            self._detected = time.time()
-            self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
+            joined = [n for n in self._ready_newcomers(record, members) if (n, members[n]) not in drained]
+            if joined:
+                # A step boundary: newcomers are taken in from the next step on, which the
+                # workers have barely begun when g+1 aborts it; the step just committed cost
+                # nothing (a join never throws away a step's work, a loss may).
+                self._detected = time.time()
+                self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
             return
         if drains:
             self._drain(g, record, in_flight, members, drains, boundary=decided is None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from elastic.sim.config import RecoveryCosts
@@ -24,7 +25,9 @@ class ElasticPolicy:
       needs (weights + AdamW state, `Replan.fetch_bytes`) over its own NIC, in parallel, from
       sources that are not a bottleneck, so transfer = the largest node's bytes / bandwidth;
       then a fixed group/stage rebuild; the in-flight step is discarded (its partial work lost).
-    - A join is the same without detection (the runtime also aborts the in-flight step).
+    - A join waits for the in-flight step to commit (the runtime takes newcomers in at a step
+      boundary, so no work is lost), then costs the same as a failure without detection. (A
+      failure inside that last step is charged as if the step had completed: a small overcount.)
     - A change during a recovery abandons that recovery and starts a new one from the plan
       being recovered to.
     - Throughput = global batch / the plan's iteration time from the planner's cost model.
@@ -47,7 +50,7 @@ class ElasticPolicy:
             + ("" if c.replan_s is None else f" fixed at {c.replan_s:g} s")
             + f" + transfer (largest per-node fetch of weights + AdamW state / {cl.network_gbps:g} Gbit/s) "
             f"+ rebuild {c.rebuild_s:g} s; the in-flight step is discarded",
-            "join: the same without detection",
+            "join: at the next step boundary (the in-flight step completes), then the same without detection",
             "no plan possible (or a layer without holder): checkpoint fallback not modelled, the run stalls",
         ]
 
@@ -61,6 +64,9 @@ class ElasticPolicy:
         res.segments.append(segment_of(0.0, len(live), first))
         for ev in trace.until(horizon_s).events:
             t = ev.time_s
+            if ev.event == "join" and plan is not None and t > resume:
+                it = plan.iteration_time
+                t = min(horizon_s, resume + math.ceil((t - resume) / it - 1e-9) * it)  # the step boundary
             if plan is not None and t > resume:
                 train_interrupted(res, t - resume, plan.iteration_time)
             if ev.event == "fail":

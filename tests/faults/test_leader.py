@@ -127,9 +127,13 @@ def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
     assert world.record(2) is None, "a node whose workers have not registered is not taken in"
     info = WorkerInfo(pid=1, transfer_address="127.0.0.1:1", incarnation=0)
     world.client.put(world.rk.worker(4, 0), info.to_json(), lease=world.members[4].lease_id)
+    time.sleep(1.0)
+    assert world.record(2) is None, "a join must not throw away the in-flight step's work"
+    assert world.decision(1, 0) is None
+    world.ready(1, 0, range(4))  # the in-flight step completes: the step boundary
     new = wait_for(lambda: world.record(2), 15.0, "generation 2")
-    assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 0
-    assert world.decision(1, 0) == ABORT
+    assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 1
+    assert world.decision(1, 0) == COMMIT and world.decision(1, 1) == ABORT
 
 
 def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: World, tmp_path: Path) -> None:

@@ -83,6 +83,22 @@ def test_elastic_throughput_is_the_planners(book: PlanBook) -> None:
         assert fixed <= seg.start_s - ev.time_s <= fixed + book.model_bytes / CLUSTER.network_bytes_per_s
 
 
+def test_a_join_waits_for_the_step_boundary_and_loses_no_work(book: PlanBook) -> None:
+    """The runtime takes a newcomer in when the in-flight step commits: only the failure loses work."""
+    trace = Trace(initial_nodes=CLUSTER.nodes, events=(TraceEvent(time_s=300.0, event="fail", node=3),
+                                                       TraceEvent(time_s=900.0, event="join", node=3)))  # fmt: skip
+    res = run_policy("elastic", book, COSTS, trace, HORIZON)
+    first = instantiate(book.elastic, list(range(8)), global_microbatches=32, fault_tolerance=1).iteration_time
+    assert res.lost_s == pytest.approx(300.0 - math.floor(300.0 / first + 1e-9) * first, abs=1e-6)
+    after_failure, after_join = res.segments[1], res.segments[2]
+    it = after_failure.iteration_s
+    boundary = after_failure.start_s + math.ceil((900.0 - after_failure.start_s) / it - 1e-9) * it
+    assert 900.0 <= boundary < 900.0 + it
+    fixed = REPLAN_S + COSTS.rebuild_s  # no detection for a join
+    assert fixed - 1e-6 <= after_join.start_s - boundary <= fixed + book.model_bytes / CLUSTER.network_bytes_per_s
+    assert res.joins == 1 and res.reconfigurations == 2
+
+
 def test_checkpoint_restart_loses_exactly_the_work_since_the_last_checkpoint(book: PlanBook) -> None:
     policy = CheckpointRestartPolicy(book, COSTS)
     shape8, shape7, shape6 = (book.shape("flat", n) for n in (8, 7, 6))
