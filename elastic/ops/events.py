@@ -65,6 +65,7 @@ def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
         "resume_step": rec.resume_step,
         "lost_nodes": rec.lost,
         "joined_nodes": rec.joined,
+        "drained_nodes": rec.drained,
         "restore_checkpoint": rec.restore_checkpoint,
         "pipelines": [list(p.nodes) for p in rec.plan.pipelines],
     }
@@ -144,7 +145,7 @@ class History:
                 continue  # still reconfiguring, or cut short by a later generation
             timings = [RecoveryTimings.from_json(v) for v, _ in pairs]
             b = recovery_breakdown(self.client, self.rk, g, rec, timings)
-            detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "detecting_s", "planning_s",
+            detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "drained_nodes", "detecting_s", "planning_s",
                                         "transferring_s", "rebuilding_s", "replaying_s", "total_s", "bytes_moved")}  # fmt: skip
             out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
                                     revision=max(m.mod_revision for _, m in pairs),

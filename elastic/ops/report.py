@@ -122,12 +122,14 @@ def _nodes(nodes: list[int]) -> str:
 
 
 def event_label(rec: dict[str, Any]) -> str:
-    """How the timeline names a recovery: "node 2 lost", "node 2 joined", "nodes 1, 3 lost"."""
+    """How the timeline names a recovery: "node 2 lost", "node 2 joined", "nodes 1, 3 lost", "node 1 drained"."""
     parts = []
     if rec.get("lost_nodes"):
         parts.append(f"{_nodes(rec['lost_nodes'])} lost")
     if rec.get("joined_nodes"):
         parts.append(f"{_nodes(rec['joined_nodes'])} joined")
+    if rec.get("drained_nodes"):
+        parts.append(f"{_nodes(rec['drained_nodes'])} drained")
     return ", ".join(parts) or str(rec.get("reason", "reconfigured"))
 
 

@@ -45,7 +45,7 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
     recoveries          number of reconfigurations (generations after the first)
     last_recovery       null, or the latest generation after the first, with the fields of
                         elastic.runtime.progress.recovery_breakdown (generation, lost_nodes,
-                        joined_nodes, reason, restore_checkpoint, detected_at, published_at,
+                        joined_nodes, drained_nodes, reason, restore_checkpoint, detected_at, published_at,
                         detecting_s, planning_s, transferring_s, rebuilding_s, replaying_s,
                         total_s, bytes_moved, fault_at, first_commit_at, interrupted; the timing
                         fields are null until a worker has reported) and
@@ -64,7 +64,7 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.model.config import get_preset
-from elastic.runtime.progress import generation_fields, recovery_breakdown
+from elastic.runtime.progress import change_words, generation_fields, recovery_breakdown
 from elastic.runtime.protocol import (
     COMMIT,
     GenerationRecord,
@@ -430,7 +430,8 @@ def _layers(layers: tuple[int, int] | list[int] | None) -> str:
 
 
 def _recovery_line(r: dict[str, Any]) -> str:
-    head = f"generation {r['generation']} (lost {r['lost_nodes']}, joined {r['joined_nodes']})"
+    change = change_words(r["lost_nodes"], r["joined_nodes"], r.get("drained_nodes", []))
+    head = f"generation {r['generation']} ({change})"
     if r["total_s"] is None:
         return f"{head}: in progress, no worker has reported yet"
     line = (

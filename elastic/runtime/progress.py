@@ -78,14 +78,14 @@ def poll_progress(
         progress.reported.add(g)
         if not timings:  # a further failure cut this reconfiguration short
             say(
-                f"elastic run: generation {g} (lost {rec.lost}, joined {rec.joined}) was superseded before it trained"
+                f"elastic run: generation {g} ({change_words(rec.lost, rec.joined, rec.drained)}) was superseded before it trained"
             )
             progress.recoveries.append(interrupted(g, rec))
             continue
         recovery = recovery_breakdown(client, rk, g, rec, timings)
         progress.recoveries.append(recovery)
         say(
-            f"elastic run: recovered into generation {g} (lost {rec.lost}, joined {rec.joined}) in "
+            f"elastic run: recovered into generation {g} ({change_words(rec.lost, rec.joined, rec.drained)}) in "
             f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
             f"transfer {recovery['transferring_s']:.2f} s, rebuild groups {recovery['rebuilding_s']:.2f} s, "
             f"replay {recovery['replaying_s']:.2f} s, {recovery['bytes_moved']} bytes moved"
@@ -95,6 +95,12 @@ def poll_progress(
                 else ""
             )
         )
+
+
+def change_words(lost: list[int], joined: list[int], drained: list[int]) -> str:
+    """A generation's change of membership in words, e.g. "lost [2], joined [4]" or "drained [1]"."""
+    parts = [f"{what} {nodes}" for what, nodes in (("lost", lost), ("joined", joined), ("drained", drained)) if nodes]
+    return ", ".join(parts) or "no change of nodes"
 
 
 def interrupted(g: int, rec: GenerationRecord) -> dict[str, Any]:
@@ -108,6 +114,7 @@ def generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
         "generation": g,
         "lost_nodes": rec.lost,
         "joined_nodes": rec.joined,
+        "drained_nodes": rec.drained,
         "restore_checkpoint": rec.restore_checkpoint,
         "reason": rec.reason,
         "detected_at": rec.detected_at,

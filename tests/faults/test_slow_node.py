@@ -134,4 +134,5 @@ def test_drain_leaves_the_node_out_without_a_failure(outcome: Outcome, reference
     check_same_training(outcome.summary, outcome.state, reference, steps=STEPS)
     drains = [r for r in outcome.summary.recoveries if r["generation"] == 2]
     assert drains and drains[0]["lost_nodes"] == [] and "drained node 3" in drains[0]["reason"]
+    assert drains[0]["drained_nodes"] == [3], drains[0]
     print(json.dumps({k: v for k, v in drains[0].items() if k.endswith("_s")}))

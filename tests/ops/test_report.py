@@ -133,7 +133,7 @@ def test_summary_of_a_recovery_entry(static_run: tuple[Path, RunSummary], tmp_pa
         {"generation": 2, "lost_nodes": [2], "joined_nodes": [], "total_s": 1.25, "bytes_moved": 300,
          "restore_checkpoint": None, "fault_at": t0 + 2.2, "published_at": t0 + 2.4, "first_commit_at": t0 + 3,
          "interrupted": False},
-        {"generation": 3, "lost_nodes": [], "joined_nodes": [2], "total_s": 0.5, "bytes_moved": 200,
+        {"generation": 3, "lost_nodes": [], "joined_nodes": [2], "drained_nodes": [3], "total_s": 0.5, "bytes_moved": 200,
          "restore_checkpoint": 0, "fault_at": t0 + 3.1, "published_at": t0 + 3.2, "first_commit_at": t0 + 4,
          "interrupted": False},
     ]  # fmt: skip
@@ -141,6 +141,6 @@ def test_summary_of_a_recovery_entry(static_run: tuple[Path, RunSummary], tmp_pa
     text = summary_text(tmp_path)
     assert "2 recoveries, 1.75 s and 500 bytes in all" in text
     assert "generation 2 (node 2 lost): 1.25 s, 300 bytes moved" in text
-    assert "generation 3 (node 2 joined): 0.50 s, 200 bytes moved, restored the checkpoint of step 0" in text
+    assert "generation 3 (node 2 joined, node 3 drained): 0.50 s, 200 bytes moved, restored the checkpoint of step 0" in text
     assert load_timeline(tmp_path).times == [1.0, 2.0, 3.0, 4.0]
     assert write_report(tmp_path).exists()
