@@ -1,133 +1,311 @@
-"""Effective training time under a failure trace: this runtime vs torchrun restart + checkpoint.
+"""Effective training time under a wall-clock failure trace: this runtime vs torchrun restart.
 
-    .venv/bin/python bench/effective_time.py --model small --steps 36 --kills 6 16 26 --rejoin-after 5 --repeats 3
+    .venv/bin/python bench/effective_time.py --model small --every 50 --rejoin-after 15 --window 200 --repeats 3
 
-The trace: node 2 is SIGKILLed while step k is in flight for each k in --kills, and comes back
---rejoin-after steps later. The rejoining node needs a fresh agent, worker and torch import
-(5-25 s here), so the steps between a rejoin and the next kill must cover that: with `tiny`
-(~0.15 s a step) they do not, and later kills find the node absent and do not fire (the report
-notes it); `small` (~4 s a step) is the default. Kill steps are spaced by a period of P steps of failure-free
-progress, i.e. a node lost every T = P x (failure-free step time) seconds; the report gives
-the T each side saw. The same step-indexed trace is played on both sides:
+The trace: a node is lost every T seconds (--every) of training, starting T seconds after the
+first committed step, and comes back R seconds (--rejoin-after) after its loss; training is
+measured for a window of W seconds (--window) from the first commit, so start-up is excluded
+on both sides. The same trace is played on both sides, each with 4 worker processes, the same
+model, global batch and microbatch:
 
-- this runtime (4 nodes, 2 pipelines x 2 stages, f = 1): `kill:node=2,step=k` and
-  `rejoin:node=2,step=k+R` (a fresh agent for the node: the next reconfiguration takes it in);
-- torchrun restart (4 DDP ranks, checkpoint every 10 steps): rank 2 is SIGKILLed when it starts
-  step k; torchrun restarts the whole group, which reloads the latest checkpoint (on one host
-  the "rejoin" is part of that restart).
+- this runtime (4 nodes, f = 1, the planner's plans): at each loss time the driver asks,
+  through the job's etcd (as `elastic inject kill` does), the agent of a node taking part in
+  the current generation (node 2 if it does, else 3, then 1) to SIGKILL its workers; R seconds
+  later it asks the launcher for a fresh incarnation of that node (a rejoin request), which the
+  next reconfiguration takes in;
+- torchrun restart (4 DDP ranks, a checkpoint every 10 steps): at each loss time rank 2 of the
+  current attempt is SIGKILLed; torchrun restarts the whole group, which reloads the latest
+  checkpoint. On one host the lost "node" is back at once, with the restart: the rejoin delay
+  does not apply to this side, which favours it.
 
-Effective fraction = failure-free throughput kept = (steps - 1) / (last commit - first commit)
-with failures, over the same quantity of the same side's failure-free run in the same round
-(start-up excluded on both sides; restarts after a kill are counted). Rounds alternate sides.
+The planner's derived profile gets --device-memory-gib per node (small: 0.5, tiny: 0.015): too
+little to hold the model, so every plan is made of multi-stage pipelines (4 nodes: 2 x 2; 3
+nodes: one 3-stage pipeline, f relaxed to 0), the regime pipeline templates are for. With the
+nominal 80 GiB the planner turns 4 nodes into 4 one-stage pipelines (pure data parallelism) at
+the first re-plan, a different, slower-here layout, which would confound the comparison.
+
+A loss falls due while a node may still be on its way back (the runtime) or the group is still
+restarting (torchrun); it is then carried out as soon as a victim exists, and the delay is
+reported. Progress is the step of the model state at the end of the window: the last step
+committed by then (for torchrun, steps redone after a reload count once). Effective fraction =
+progress with the trace / progress of the same side's failure-free run of the same window in
+the same round. Rounds alternate the order of the sides.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.baselines.ddp_restart import DdpRestartConfig, run_ddp_restart  # noqa: E402
-from bench.section import Section, attempt, series  # noqa: E402
+from bench.section import Section, attempt, exit_on_sigterm, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 NODES = 4
-KILLED = 2
+VICTIMS = (2, 3, 1)
+"""Nodes (runtime) the trace kills, in order of preference; node 0 holds the leader at start."""
+KILLED_RANK = 2
+"""torchrun: the rank killed."""
 CHECKPOINT_EVERY = 10
 MICROBATCH, MICROBATCHES = 2, 4
+STEPS_CAP = 100_000
+"""Steps each run is configured for: far more than a window holds (it is stopped at its end)."""
+POLL_S = 0.05
 
 
-def runtime_rate(model: str, steps: int, inject: tuple[str, ...], run_dir: Path) -> tuple[float, list[float]]:
-    """Committed steps per second after the first commit, and the kill wall times."""
+@dataclass(frozen=True, kw_only=True)
+class Trace:
+    """A node lost every `every_s` seconds of training, back `rejoin_s` seconds later."""
+
+    every_s: float
+    """T: seconds between losses (the first at T after the first commit)."""
+    rejoin_s: float
+    """R: seconds from a loss to the node's return."""
+
+    def loss_times(self, window_s: float) -> list[float]:
+        """Loss times (seconds after the first commit) inside a window of `window_s` seconds."""
+        out, t = [], self.every_s
+        while t < window_s:
+            out.append(t)
+            t += self.every_s
+        return out
+
+
+@dataclass(kw_only=True)
+class TraceRun:
+    """What one window of one side produced."""
+
+    progress: int = 0
+    """Step of the model state at the end of the window (last step committed by then)."""
+    losses: list[float] = field(default_factory=list)
+    """Seconds after the first commit at which a node was killed."""
+    delays: list[float] = field(default_factory=list)
+    """How late each loss was carried out (no victim existed when it fell due)."""
+    rejoins: list[float] = field(default_factory=list)
+    """Seconds after the first commit at which a node was asked back (runtime only)."""
+
+
+def _wait(cond: Callable[[], bool], timeout_s: float, what: str, check: Callable[[], None]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+def _play(
+    trace: Trace | None,
+    window_s: float,
+    *,
+    committed: Callable[[], int],
+    kill: Callable[[], bool],
+    rejoin: Callable[[], None] | None,
+    check: Callable[[], None],
+) -> TraceRun:
+    """Drive one window: wait for the first commit, carry out the trace, return the progress.
+    `kill()` kills a victim and says whether one existed; `rejoin()` brings the oldest loss back."""
+    _wait(lambda: committed() >= 1, 600.0, "no step committed", check)
+    t0 = time.time()
+    out = TraceRun()
+    due = trace.loss_times(window_s) if trace else []
+    comebacks: list[float] = []
+    while (now := time.time()) < t0 + window_s:
+        check()
+        if due and now >= t0 + due[0] and kill():
+            out.losses.append(now - t0)
+            out.delays.append(now - t0 - due.pop(0))
+            if trace is not None and rejoin is not None:
+                comebacks.append(now + trace.rejoin_s)
+        if comebacks and now >= comebacks[0] and rejoin is not None:
+            comebacks.pop(0)
+            rejoin()
+            out.rejoins.append(now - t0)
+        time.sleep(POLL_S)
+    out.progress = committed()
+    return out
+
+
+PIPELINE_MEMORY_GIB = {"tiny": 0.015, "small": 0.5}
+"""Per-node memory of the planner's derived profile that keeps every pipeline multi-stage."""
+
+
+def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Path) -> TraceRun:
+    """One window of this runtime (a launch_elastic run in a thread, stopped at the window's end)."""
     from bench.recovery import run
+    from elastic.ops.job_target import find_job, open_client, resolve_target
+    from elastic.runtime.injection import InjectionRequest, request_id, submit_request
+    from elastic.runtime.launcher import JobFailed
+    from elastic.runtime.protocol import GenerationRecord, RunKeys, live_nodes
 
-    summary = run(model, NODES, steps, inject, run_dir, microbatch=MICROBATCH, microbatches=MICROBATCHES)
-    times = summary.step_committed_at
-    if summary.steps_committed != steps or len(times) != steps:
-        raise RuntimeError(f"runtime run committed {summary.steps_committed} of {steps} steps")
-    kills = sorted(
-        r["fault_at"] for r in summary.recoveries if r.get("lost_nodes") and not r.get("interrupted")
-    )
-    return (steps - 1) / (times[-1] - times[0]), kills
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            run(model, NODES, STEPS_CAP, (), run_dir, microbatch=MICROBATCH, microbatches=MICROBATCHES, stop=stop,
+                device_memory_gib=PIPELINE_MEMORY_GIB.get(model))  # fmt: skip
+        except JobFailed as exc:
+            if not stop.is_set():
+                failed.append(exc)
+        except BaseException as exc:  # reported by check() in the driving thread
+            failed.append(exc)
+
+    def check() -> None:
+        if failed:
+            raise RuntimeError(f"runtime run failed: {failed[0]}")
+        if not thread.is_alive() and not stop.is_set():
+            raise RuntimeError("runtime run ended before the window did")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    thread = threading.Thread(target=job, name="runtime-window", daemon=True)
+    thread.start()
+    client = None
+    try:
+        _wait(lambda: (run_dir / "job.json").exists(), 120.0, "no job.json", check)
+        target = resolve_target(etcd=None, job=None, run_dir=str(run_dir))
+        client = open_client(target)
+        keys = find_job(client, target)
+        rk = RunKeys(keys)
+        lost: list[int] = []
+
+        def committed() -> int:
+            return sum(1 for _ in client.get_prefix(rk.results, keys_only=True))
+
+        def kill() -> bool:
+            from elastic.coordinator.generations import Generations
+
+            gen = Generations(client, keys).current()
+            taking_part = GenerationRecord.from_json(gen.plan).incarnations if gen is not None else {}
+            members = live_nodes(client, keys)
+            victim = next((n for n in VICTIMS if n in members and taking_part.get(n) == members[n]), None)
+            if victim is None:
+                return False
+            submit_request(client, keys.root, InjectionRequest(
+                id=request_id("kill", victim, None), kind="kill", node=victim, incarnation=members[victim],
+                requested_at=time.time(), by="bench"))  # fmt: skip
+            lost.append(victim)
+            return True
+
+        def rejoin() -> None:
+            node = lost.pop(0)
+            submit_request(client, keys.root, InjectionRequest(
+                id=request_id("rejoin", node, None), kind="rejoin", node=node, incarnation=None,
+                requested_at=time.time(), by="bench"))  # fmt: skip
+
+        return _play(trace, window_s, committed=committed, kill=kill, rejoin=rejoin, check=check)
+    finally:
+        stop.set()
+        if client is not None:
+            client.close()
+        thread.join(timeout=120.0)
 
 
-def torchrun_rate(model: str, steps: int, kills: list[int], run_dir: Path) -> tuple[float, list[float]]:
-    result = run_ddp_restart(DdpRestartConfig(
-        model=model, procs=NODES, steps=steps, global_batch=MICROBATCH * MICROBATCHES, microbatch=MICROBATCH,
-        checkpoint_every=CHECKPOINT_EVERY, kills=tuple((KILLED, k) for k in kills), run_dir=run_dir,
-    ))  # fmt: skip
+def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: Path) -> TraceRun:
+    """One window of torchrun restart + DDP (stopped at the window's end)."""
     from bench.baselines.common import read_events
+    from bench.baselines.ddp_restart import DdpRestartConfig, start_ddp_restart, stop_ddp_restart
 
-    kill_times = [e["t"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "kill"]
-    return (steps - 1) / result.train_s, kill_times
+    config = DdpRestartConfig(
+        model=model, procs=NODES, steps=STEPS_CAP, global_batch=MICROBATCH * MICROBATCHES, microbatch=MICROBATCH,
+        checkpoint_every=CHECKPOINT_EVERY, run_dir=run_dir,
+    )  # fmt: skip
+    events_path = run_dir / "events.jsonl"
+    proc = start_ddp_restart(config, max_restarts=1000)
+
+    def check() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"torchrun exited with {proc.returncode}; see {run_dir / 'torchrun.log'}")
+
+    def committed() -> int:
+        commits = [e for e in read_events(events_path) if e["event"] == "commit"]
+        return int(commits[-1]["step"]) if commits else 0
+
+    def kill() -> bool:
+        events = read_events(events_path)
+        attempts = [e for e in events if e["event"] == "start"]
+        latest = max((e["attempt"] for e in attempts), default=-1)
+        killed = {e["attempt"] for e in events if e["event"] == "kill"}
+        victim = next((e for e in attempts if e["attempt"] == latest and e["rank"] == KILLED_RANK), None)
+        trained = any(e["event"] == "loaded" and e["attempt"] == latest for e in events)
+        if victim is None or latest in killed or not trained:
+            return False  # the group is (re)starting: the loss waits for a running victim
+        from bench.baselines.common import append_event
+
+        append_event(events_path, event="kill", attempt=latest, rank=KILLED_RANK, step=committed() + 1)
+        try:
+            os.kill(int(victim["pid"]), signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+
+    try:
+        return _play(trace, window_s, committed=committed, kill=kill, rejoin=None, check=check)
+    finally:
+        stop_ddp_restart(proc, run_dir)
 
 
-def rate(
-    side: str, kills: list[int], run_dir: Path, *, model: str, steps: int, rejoin_after: int
-) -> tuple[float, list[float]]:
-    """One run of `side` ("runtime" or "torchrun") on the trace `kills` (empty: failure-free)."""
-    if side == "runtime":
-        inject = tuple(
-            i
-            for k in kills
-            for i in (f"kill:node={KILLED},step={k}", f"rejoin:node={KILLED},step={k + rejoin_after}")
-        )
-        return runtime_rate(model, steps, inject, run_dir)
-    return torchrun_rate(model, steps, kills, run_dir)
+WINDOWS: dict[str, Callable[[str, Trace | None, float, Path], TraceRun]] = {
+    "runtime": runtime_window,
+    "torchrun": torchrun_window,
+}
 
 
-def measure(
-    *, model: str, steps: int, kills: list[int], rejoin_after: int, repeats: int, root: Path
-) -> Section:
-    if any(k + rejoin_after > steps for k in kills):
-        raise ValueError(f"every kill step + rejoin-after ({rejoin_after}) must be <= steps ({steps})")
+def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Path) -> Section:
+    if trace.every_s <= 0 or trace.rejoin_s <= 0 or window_s <= trace.every_s:
+        raise ValueError(f"need every > 0, rejoin-after > 0 and window > every; got {trace}, window {window_s}")
     section = Section(
-        title="Effective training time under a failure trace (fraction of failure-free throughput)"
+        title="Effective training time under a failure trace (fraction of failure-free progress)"
     )
-    period = kills[1] - kills[0] if len(kills) > 1 else None
+    memory = PIPELINE_MEMORY_GIB.get(model)
     section.notes.append(
-        f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}, {steps} steps; node {KILLED} "
-        f"killed at steps {kills}" + (f" (every {period} steps)" if period else "")
-        + f", back {rejoin_after} steps later; torchrun checkpoints every {CHECKPOINT_EVERY} steps"
+        f"runtime plans: the planner's, with {memory:g} GiB per node (multi-stage pipelines only)" if memory
+        else "runtime plans: first an even split into 2 pipelines, then the planner's (nominal 80 GiB per node)"
+    )  # fmt: skip
+    section.notes.append(
+        f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}; a node lost every {trace.every_s:g} s, "
+        f"back {trace.rejoin_s:g} s later (torchrun: at once, with its restart); {window_s:g} s of training from the "
+        f"first commit ({len(trace.loss_times(window_s))} losses); torchrun checkpoints every {CHECKPOINT_EVERY} steps"
     )  # fmt: skip
     started = time.time()
     figures: dict[str, Figure] = {}
     for r in range(repeats):
         base = root / f"round{r}"
-        order = ["runtime", "torchrun"] if r % 2 == 0 else ["torchrun", "runtime"]
+        order = list(WINDOWS) if r % 2 == 0 else list(reversed(WINDOWS))
         kept: dict[str, float] = {}
         for side in order:
-            free_run = attempt(f"{side} failure-free round {r}", partial(
-                rate, side, [], base / f"{side}-free", model=model, steps=steps, rejoin_after=rejoin_after), section)  # fmt: skip
-            trace_run = attempt(f"{side} trace round {r}", partial(
-                rate, side, kills, base / f"{side}-trace", model=model, steps=steps, rejoin_after=rejoin_after), section)  # fmt: skip
-            if free_run is None or trace_run is None:
+            window = WINDOWS[side]
+            free = attempt(f"{side} failure-free round {r}", partial(window, model, None, window_s, base / f"{side}-free"),
+                           section)  # fmt: skip
+            hit = attempt(f"{side} trace round {r}", partial(window, model, trace, window_s, base / f"{side}-trace"),
+                          section)  # fmt: skip
+            if free is None or hit is None or free.progress == 0:
                 continue
-            (free, _), (hit, at) = free_run, trace_run
-            kept[side] = hit / free
-            gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
-            if len(at) < len(kills):
-                # An injection fires only while its node is a member: a node that has not rejoined
-                # by the next kill step is not killed again, so the trace was played in part.
-                section.notes.append(f"{side} round {r}: only {len(at)} of {len(kills)} kills fired "
-                                     f"(node {KILLED} not back by the next kill step)")  # fmt: skip
-            section.raw.append({"round": r, "side": side, "steps_per_s_free": free, "steps_per_s_trace": hit,
-                                "kept": kept[side], "kill_intervals_s": gaps})  # fmt: skip
-            print(f"  effective round {r} {side}: kept {kept[side]:.3f} (free {free:.2f} steps/s, "
-                  f"trace {hit:.2f} steps/s, kill intervals {[round(g, 1) for g in gaps]} s)", file=sys.stderr, flush=True)  # fmt: skip
-            series(figures, f"{model} {side}: throughput kept",
-                   "%", 100 * kept[side])  # fmt: skip
-            if gaps:
-                series(figures, f"{model} {side}: seconds between kills (T)", "s", sum(gaps) / len(gaps))
-        if len(kept) < 2:
-            continue
-        series(figures, f"{model} ratio kept, runtime / torchrun", "x", kept["runtime"] / kept["torchrun"])
+            kept[side] = hit.progress / free.progress
+            row: dict[str, Any] = {"round": r, "side": side, "progress_free": free.progress,
+                                   "progress_trace": hit.progress, "kept": kept[side], "losses_s": hit.losses,
+                                   "loss_delays_s": hit.delays, "rejoins_s": hit.rejoins}  # fmt: skip
+            section.raw.append(row)
+            print(f"  effective round {r} {side}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            series(figures, f"{model} {side}: progress kept", "%", 100 * kept[side])
+            series(figures, f"{model} {side}: steps in {window_s:g} s, failure-free", "steps", free.progress)
+            series(figures, f"{model} {side}: steps in {window_s:g} s, with the trace", "steps", hit.progress)
+            if hit.delays:
+                series(figures, f"{model} {side}: loss carried out late by (max)", "s", max(hit.delays))
+        if len(kept) == 2:
+            series(figures, f"{model} ratio kept, runtime / torchrun", "x", kept["runtime"] / kept["torchrun"])
     section.figures = list(figures.values())
     section.wall_s = time.time() - started
     return section
@@ -138,18 +316,23 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="small")
-    parser.add_argument("--steps", type=int, default=36)
-    parser.add_argument(
-        "--kills", type=int, nargs="+", default=[6, 16, 26], help="steps in flight at each kill"
-    )
-    parser.add_argument("--rejoin-after", type=int, default=5)
+    parser.add_argument("--every", type=float, default=50.0, help="T: seconds between node losses")
+    parser.add_argument("--rejoin-after", type=float, default=15.0, help="R: seconds from a loss to the return")
+    parser.add_argument("--window", type=float, default=200.0, help="W: seconds of training measured")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--run-dir", type=Path, default=None)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    exit_on_sigterm()
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-effective-"))
-    section = measure(model=args.model, steps=args.steps, kills=args.kills, rejoin_after=args.rejoin_after,
-                      repeats=args.repeats, root=root)  # fmt: skip
+    print(f"runs under {root}", file=sys.stderr, flush=True)
+    trace = Trace(every_s=args.every, rejoin_s=args.rejoin_after)
+    try:
+        section = measure(model=args.model, trace=trace, window_s=args.window, repeats=args.repeats, root=root)
+    except ValueError as exc:
+        parser.error(str(exc))
     print("\n".join(section.lines()))
     if args.json:
         args.json.write_text(json.dumps(section.to_dict(), indent=1))

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,26 +28,47 @@ from elastic.runtime.injection import parse_injection  # noqa: E402
 from elastic.runtime.job import JobSpec  # noqa: E402
 from elastic.runtime.launcher import launch_elastic  # noqa: E402
 from elastic.runtime.optim import OptimConfig  # noqa: E402
-from elastic.runtime.planning import ClusterSpec  # noqa: E402
+from elastic.runtime.planning import DEFAULT_MEMORY_GIB, ClusterSpec, cluster_templates, initial_plan  # noqa: E402
 from elastic.runtime.protocol import ElasticConfig  # noqa: E402
 from elastic.runtime.summary import RunSummary  # noqa: E402
 from templates.plan import even_plan  # noqa: E402
 
 
 def run(
-    model: str, nodes: int, steps: int, inject: tuple[str, ...], run_dir: Path, *, microbatch: int, microbatches: int
+    model: str,
+    nodes: int,
+    steps: int,
+    inject: tuple[str, ...],
+    run_dir: Path,
+    *,
+    microbatch: int,
+    microbatches: int,
+    lease_ttl: int = 3,
+    stop: threading.Event | None = None,
+    device_memory_gib: float | None = None,
 ) -> RunSummary:
+    """One elastic run: `nodes` nodes as 2 pipelines (f = 1), the given `--inject` values, node
+    leases of `lease_ttl` s. Setting `stop` ends it early (launch_elastic raises JobFailed).
+
+    The first plan splits the layers evenly over 2 pipelines, so that a lost node's layers must
+    move; with `device_memory_gib` the planner's derived profile gets that memory per node, and
+    the first plan is the planner's own (as `elastic run` makes it), so that the leader's
+    re-plans stay in the same regime (a small budget keeps every pipeline multi-stage)."""
     layers = get_preset(model).num_layers
-    plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2, global_microbatches=microbatches,
-                     microbatch_size=microbatch, fault_tolerance=1)  # fmt: skip
+    cluster = ClusterSpec(
+        model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch,
+        device_memory_gib=DEFAULT_MEMORY_GIB if device_memory_gib is None else device_memory_gib,
+    )  # fmt: skip
+    if device_memory_gib is None:
+        plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2,
+                         global_microbatches=microbatches, microbatch_size=microbatch, fault_tolerance=1)  # fmt: skip
+    else:
+        plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
                    device="cpu", collective_timeout_s=300.0)  # fmt: skip
-    cluster = ClusterSpec(
-        model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch
-    )
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
-                           checkpoint_every=0)  # fmt: skip
-    return launch_elastic(config, quiet=True, timeout_s=1200.0)
+                           checkpoint_every=0, lease_ttl=lease_ttl)  # fmt: skip
+    return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
 
 
 def main() -> None:
@@ -59,6 +81,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=6)
     parser.add_argument("--microbatch", type=int, default=2, help="samples per microbatch")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (global batch / microbatch)")
+    parser.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL in seconds (failure detection bound)")
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
@@ -67,7 +90,7 @@ def main() -> None:
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     print(f"runs under {root}", file=sys.stderr)
     for model in args.models:
-        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches}
+        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl}
         base = run(model, args.nodes, args.steps, (), root / f"{model}-base", **batch)
         hit = run(
             model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill", **batch

@@ -6,7 +6,7 @@
 
 Sections: recovery (bench/recovery_compare.py: this runtime vs torchrun restart vs torchft),
 overhead (bench/overhead.py: vs DDP and torch.distributed.pipelining), effective (bench/
-effective_time.py: a kill/rejoin trace vs torchrun restart), planner (bench/planner_bench.py),
+effective_time.py: a node lost every T seconds, then rejoining, vs torchrun restart), planner (bench/planner_bench.py),
 mfu (bench/mfu.py; reports "no GPU" where none is visible). Every figure is the median over
 repeats with its spread; NOISY marks a spread above 10 % of the median (bench/stats.py).
 """
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import effective_time, overhead, recovery_compare  # noqa: E402
-from bench.section import Section, series  # noqa: E402
+from bench.section import Section, exit_on_sigterm, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 SECTIONS = ("recovery", "overhead", "effective", "planner", "mfu")
@@ -119,6 +119,7 @@ def main() -> None:
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
     args = parser.parse_args()
+    exit_on_sigterm()
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
     if repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -139,9 +140,12 @@ def main() -> None:
             s = overhead.measure(model="tiny", procs=2, global_batch=16, microbatch=4, steps=6 if args.quick else 12,
                                  repeats=repeats, root=root / "overhead")  # fmt: skip
         elif name == "effective":
-            # small: its ~4 s steps give a rejoining node time to come back before the next kill
-            model, steps, kills = ("tiny", 16, [6]) if args.quick else ("small", 36, [6, 16, 26])
-            s = effective_time.measure(model=model, steps=steps, kills=kills, rejoin_after=5, repeats=repeats,
+            # a node lost every T s, back R s later, W s of training measured (effective_time.py)
+            model, trace, window = (
+                ("tiny", effective_time.Trace(every_s=20.0, rejoin_s=5.0), 60.0) if args.quick
+                else ("small", effective_time.Trace(every_s=50.0, rejoin_s=15.0), 200.0)
+            )  # fmt: skip
+            s = effective_time.measure(model=model, trace=trace, window_s=window, repeats=repeats,
                                        root=root / "effective")  # fmt: skip
         elif name == "planner":
             s = planner(repeats, args.quick)

@@ -60,3 +60,14 @@ def attempt(what: str, fn: Callable[[], T], section: Section, *, retries: int = 
             section.notes.append(f"{what}: try {i + 1} failed ({why})" + ("; re-run" if i < retries else ""))
             print(f"  {what}: try {i + 1} failed: {why}", file=sys.stderr, flush=True)
     return None
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit in the main thread, so that the runs' `finally` blocks stop
+    every process they started (torchrun's workers live in sessions of their own)."""
+    import signal
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

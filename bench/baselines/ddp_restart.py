@@ -111,6 +111,23 @@ def run_ddp_restart(config: DdpRestartConfig) -> DdpRestartRun:
     """Run torchrun over this file's worker; raise RuntimeError if it does not finish all steps."""
     from bench.baselines.common import read_events
 
+    started = time.time()
+    proc = start_ddp_restart(config)
+    try:
+        rc = proc.wait(timeout=config.timeout_s)
+    finally:
+        stop_ddp_restart(proc, config.run_dir)
+    ended = time.time()
+    log_text = (config.run_dir / "torchrun.log").read_text()
+    if rc != 0:
+        raise RuntimeError(f"torchrun exited with {rc}; last lines:\n{log_text[-3000:]}")
+    return _analyse(read_events(config.run_dir / "events.jsonl"), config, started=started, ended=ended)
+
+
+def start_ddp_restart(config: DdpRestartConfig, *, max_restarts: int | None = None) -> subprocess.Popen[bytes]:
+    """Start torchrun over this file's worker in its own session (`stop_ddp_restart` ends it);
+    its workers log to `<run_dir>/events.jsonl`, torchrun to `<run_dir>/torchrun.log`. Restarts
+    allowed: one per planned kill unless `max_restarts` says otherwise (kills from outside)."""
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     events = run_dir / "events.jsonl"
@@ -120,29 +137,45 @@ def run_ddp_restart(config: DdpRestartConfig) -> DdpRestartRun:
         stale.unlink()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    restarts = len(config.kills) if max_restarts is None else max_restarts
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={config.procs}",
-        f"--max-restarts={len(config.kills)}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--max-restarts={restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
         "--monitor-interval=0.1", str(Path(__file__).resolve()),
         "--model", config.model, "--steps", str(config.steps), "--global-batch", str(config.global_batch),
         "--microbatch", str(config.microbatch), "--checkpoint-every", str(config.checkpoint_every),
         "--events", str(events), "--ckpt-dir", str(run_dir / "ckpt"),
         *(a for rank, step in config.kills for a in ("--kill", f"{rank}:{step}")),
     ]  # fmt: skip
-    started = time.time()
     with open(run_dir / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_ddp_restart(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
+    """End torchrun and every worker it started, unless it has exited: SIGTERM (torchrun stops
+    its workers), then SIGKILL. torchrun starts each worker in a session of its own, so the
+    workers logged in `<run_dir>/events.jsonl` that are still there are SIGKILLed by PID."""
+    import psutil
+
+    from bench.baselines.common import read_events
+
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            rc = proc.wait(timeout=config.timeout_s)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    ended = time.time()
-    log_text = (run_dir / "torchrun.log").read_text()
-    if rc != 0:
-        raise RuntimeError(f"torchrun exited with {rc}; last lines:\n{log_text[-3000:]}")
-    return _analyse(read_events(events), config, started=started, ended=ended)
+            proc.wait(timeout=15.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    me = str(Path(__file__).resolve())
+    for event in read_events(run_dir / "events.jsonl"):
+        if event["event"] != "start" or "pid" not in event:
+            continue
+        try:
+            worker_proc = psutil.Process(event["pid"])
+            if me in worker_proc.cmdline():  # not a recycled PID
+                worker_proc.kill()
+        except psutil.Error:
+            continue
 
 
 def _analyse(
@@ -188,7 +221,7 @@ def worker(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     events = Path(args.events)
-    append_event(events, event="start", attempt=attempt, rank=rank)
+    append_event(events, event="start", attempt=attempt, rank=rank, pid=os.getpid())
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     stage, optimizer, data = build(args.model)

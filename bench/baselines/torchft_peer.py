@@ -31,6 +31,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
+OP_TIMEOUT_S = 600
+"""torchft's operation and quorum timeouts: 60 s by default, but gpt2-124m's steps take 20-45 s
+on 2 CPU cores and a quorum waits for the slowest replica's step, so 60 s timed out there."""
 HEARTBEAT_TIMEOUT_MS = 3000
 """Lighthouse heartbeat timeout: the runtime's etcd lease TTL (3 s), so both sides get the same
 hang-detection budget (torchft's default is 5 s)."""
@@ -214,10 +217,11 @@ def worker(args: argparse.Namespace) -> None:
         optimizer.load_state_dict(state["optim"])
 
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)), load_state_dict=load_state_dict,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=OP_TIMEOUT_S)), load_state_dict=load_state_dict,
         state_dict=lambda: {"model": stage.state_dict(), "optim": optimizer.state_dict()},
         min_replica_size=args.replicas - 1, replica_id=f"replica{args.replica}", store_addr="127.0.0.1",
-        store_port=store.port, rank=0, world_size=1, hostname="127.0.0.1", timeout=timedelta(seconds=60),
+        store_port=store.port, rank=0, world_size=1, hostname="127.0.0.1", timeout=timedelta(seconds=OP_TIMEOUT_S),
+        quorum_timeout=timedelta(seconds=OP_TIMEOUT_S),
     )  # fmt: skip
     model = DistributedDataParallel(manager, stage)
     wrapped = OptimizerWrapper(manager, optimizer)
