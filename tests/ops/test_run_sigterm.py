@@ -43,6 +43,15 @@ def _training(run_dir: Path) -> str:
     return job
 
 
+def _clean_up(launcher: subprocess.Popen[str], job: str) -> None:
+    """Kill what a failed test left: the launcher, then every process of the job, by PID."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+    for proc in _job_processes(job) if job else []:
+        proc.kill()
+
+
 @pytest.mark.timeout(120)
 def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -59,11 +68,7 @@ def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
         left = _job_processes(job)
         assert not left, f"processes of job {job} outlived the launcher: {[p.pid for p in left]}"
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        for proc in _job_processes(job) if job else []:
-            proc.kill()
+        _clean_up(launcher, job)
 
 
 @pytest.mark.timeout(150)
@@ -85,8 +90,4 @@ def test_orphaned_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
         logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("agent*.log"))
         assert "etcd unreachable for" in logs, logs[-2000:]
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        for proc in _job_processes(job) if job else []:
-            proc.kill()
+        _clean_up(launcher, job)
