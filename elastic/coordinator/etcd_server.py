@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -29,8 +28,6 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-
-_PR_SET_PDEATHSIG = 1
 
 
 def find_etcd_binary() -> str:
@@ -64,12 +61,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the forked child before exec: SIGKILL me when the launcher dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+_EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(70)  # the parent died before prctl took effect\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+"""Run as `python -I -S -c THIS PARENT_PID BINARY ARGS...`: arrange to be SIGKILLed when the
+parent dies, then become BINARY (the setting survives exec). A `preexec_fn` would do the same in
+the forked child, but forking a process with gRPC threads runs their fork handlers there, which
+can abort the child before it execs (seen when a test restarted etcd under live clients)."""
+
+
+def _dying_with_parent(args: list[str]) -> list[str]:
+    """`args` wrapped so that the process is SIGKILLed when this (the calling) thread's process dies."""
+    return [sys.executable, "-I", "-S", "-c", _EXEC_DYING_WITH_PARENT, str(os.getpid()), *args]
 
 
 class EtcdServer:
@@ -125,14 +132,9 @@ class EtcdServer:
             "--initial-cluster", f"elastic={peer_url}",
             "--log-level", "warn",
         ]  # fmt: skip
-        parent = os.getpid()
         with open(self._log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=lambda: _die_with_parent(parent),
+                _dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
             )
         self._wait_healthy()
         return self
