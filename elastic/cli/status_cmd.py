@@ -8,8 +8,9 @@ the jobs it has); 2 bad flags. `--watch` redraws until Ctrl-C, which ends it wit
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-import time
+import threading
 from typing import Any
 
 from elastic.cli.main import UsageError
@@ -63,10 +64,21 @@ def _run(args: argparse.Namespace) -> int:
         target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    interrupted = threading.Event()
+    if args.watch is not None:
+        # The first Ctrl-C sets a flag instead of raising inside a gRPC call (which could leave
+        # the channel's threads behind and hang the exit): the loop ends after the current read.
+        # A second one raises KeyboardInterrupt as usual (e.g. if stdout is blocked).
+        def on_sigint(signum: int, frame: object) -> None:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+            interrupted.set()
+
+        signal.signal(signal.SIGINT, on_sigint)
     client = open_client(target)
     try:
         keys = find_job(client, target)
-        while True:
+        while not interrupted.is_set():
             try:
                 status = read_status(client, keys, etcd=target.etcd, window=args.window)
             except TRANSIENT_ERRORS:
@@ -80,11 +92,11 @@ def _run(args: argparse.Namespace) -> int:
                 if args.watch is not None and sys.stdout.isatty():
                     text = _CLEAR + text
             print(text, flush=True)
-            if args.watch is None:
+            if args.watch is None or interrupted.wait(args.watch):
                 return 0
-            time.sleep(args.watch)
             if not args.json and not sys.stdout.isatty():
                 print(flush=True)
+        return 0
     except OpsError as exc:
         print(f"elastic status: error: {exc}", file=sys.stderr)
         return 1
