@@ -18,7 +18,7 @@ model, global batch and microbatch:
   checkpoint. On one host the lost "node" is back at once, with the restart: the rejoin delay
   does not apply to this side, which favours it.
 
-The planner's derived profile gets --device-memory-gib per node (small: 0.5, tiny: 0.015): too
+The planner's derived profile gets PIPELINE_MEMORY_GIB per node (small: 0.5, tiny: 0.015): too
 little to hold the model, so every plan is made of multi-stage pipelines (4 nodes: 2 x 2; 3
 nodes: one 3-stage pipeline, f relaxed to 0), the regime pipeline templates are for. With the
 nominal 80 GiB the planner turns 4 nodes into 4 one-stage pipelines (pure data parallelism) at
@@ -148,7 +148,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     from elastic.ops.job_target import find_job, open_client, resolve_target
     from elastic.runtime.injection import InjectionRequest, request_id, submit_request
     from elastic.runtime.launcher import JobFailed
-    from elastic.runtime.protocol import GenerationRecord, RunKeys, live_nodes
+    from elastic.runtime.protocol import GenerationRecord, RunKeys, committed_steps, live_nodes
 
     stop = threading.Event()
     failed: list[BaseException] = []
@@ -182,7 +182,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
         lost: list[int] = []
 
         def committed() -> int:
-            return sum(1 for _ in client.get_prefix(rk.results, keys_only=True))
+            return committed_steps(client, rk)
 
         def kill() -> bool:
             from elastic.coordinator.generations import Generations

@@ -99,7 +99,9 @@ class OperatorJob:
         return live_nodes(self.client, self.keys)
 
     def committed_steps(self) -> int:
-        return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
+        from elastic.runtime.protocol import committed_steps
+
+        return committed_steps(self.client, self.rk)
 
     def wait_outcome(
         self, request_id: str, timeout: float, *, command: str = "inject", say_running: bool = True

@@ -66,9 +66,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     interrupted = threading.Event()
     if args.watch is not None:
-        # The first Ctrl-C sets a flag instead of raising inside a gRPC call (which could leave
-        # the channel's threads behind and hang the exit): the loop ends after the current read.
-        # A second one raises KeyboardInterrupt as usual (e.g. if stdout is blocked).
+        # A handler of our own: Ctrl-C ends the watch even when SIGINT was inherited as ignored
+        # (a background job of a script), where Python installs none. The first one sets a flag,
+        # so nothing is raised inside a gRPC call, and the loop ends after the current read; a
+        # second one raises KeyboardInterrupt as usual (e.g. if stdout is blocked).
         def on_sigint(signum: int, frame: object) -> None:
             if interrupted.is_set():
                 raise KeyboardInterrupt

@@ -172,7 +172,10 @@ class Agent:
         identity = NodeIdentity(
             node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
         )
-        give_up = float(os.environ.get(ETCD_GIVE_UP_ENV, ETCD_GIVE_UP_S))
+        try:
+            give_up = float(os.environ.get(ETCD_GIVE_UP_ENV, ETCD_GIVE_UP_S))
+        except ValueError:
+            raise SystemExit(f"${ETCD_GIVE_UP_ENV} must be seconds, got {os.environ[ETCD_GIVE_UP_ENV]!r}") from None
         self.membership = Membership(self.client, self.keys, identity,
                                      config=MembershipConfig(ttl=ttl, give_up_s=give_up),
                                      on_self_lost=self._on_lease_lost)  # fmt: skip

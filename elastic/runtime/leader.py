@@ -189,10 +189,12 @@ class Leader:
                 self._detected = time.time()
             self._resolve_and_publish(g, record, in_flight, members, lost=lost, joined=[])
             return
-        drains, drained = self._drain_requests()
         if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
             decide(self.client, self.rk, g, in_flight, COMMIT, fence=self.election.leader_compare())
-            joined = [n for n in self._ready_newcomers(record, members) if (n, members[n]) not in drained]
+            joined = self._ready_newcomers(record, members)
+            if joined:  # a drained node's incarnation is never taken back in
+                _, drained = self._drain_requests()
+                joined = [n for n in joined if (n, members[n]) not in drained]
             if joined:
                 # A step boundary: newcomers are taken in from the next step on, which the
                 # workers have barely begun when g+1 aborts it; the step just committed cost
@@ -200,6 +202,7 @@ class Leader:
                 self._detected = time.time()
                 self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
             return
+        drains, _ = self._drain_requests()
         if drains:
             self._drain(g, record, in_flight, members, drains, boundary=decided is None)
 

@@ -136,6 +136,11 @@ class RunKeys:
         return f"{self.injection_statuses}{request_id}"
 
 
+def committed_steps(client: Any, rk: RunKeys) -> int:
+    """How many steps the job has committed (one `results/<s>` key each)."""
+    return sum(1 for _ in client.get_prefix(rk.results, keys_only=True))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ElasticConfig:
     """What every process of an elastic run reads from etcd's `config` key."""

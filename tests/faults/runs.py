@@ -15,7 +15,7 @@ from elastic.runtime.job import JobSpec
 from elastic.runtime.launcher import launch_elastic
 from elastic.runtime.optim import OptimConfig
 from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig
+from elastic.runtime.protocol import ElasticConfig, committed_steps
 from elastic.runtime.summary import RunSummary, load_final_state
 from templates.plan import even_plan
 
@@ -151,7 +151,7 @@ class LiveJob:
 
     def committed(self) -> int:
         """Steps committed so far."""
-        return sum(1 for _ in self.client.get_prefix(self.rk.results, keys_only=True))
+        return committed_steps(self.client, self.rk)
 
     def wait_committed(self, steps: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

@@ -30,7 +30,7 @@ from elastic.runtime.job import JobSpec
 from elastic.runtime.launcher import launch_elastic
 from elastic.runtime.optim import OptimConfig
 from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RunKeys
+from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RunKeys, committed_steps
 from elastic.runtime.summary import RunSummary
 from templates.plan import even_plan
 from tests.polling import wait_for
@@ -118,7 +118,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
 
 
 def _results(run: LiveRun) -> int:
-    return sum(1 for _ in run.client.get_prefix(RunKeys(run.keys).results, keys_only=True))
+    return committed_steps(run.client, RunKeys(run.keys))
 
 
 def _generation(run: LiveRun) -> tuple[int, GenerationRecord] | None:
