@@ -17,7 +17,7 @@ from typing import Any
 
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.keys import JobKeys
-from elastic.runtime.protocol import RunKeys
+from elastic.runtime.protocol import RunKeys, committed_steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +95,8 @@ class Partitioner:
         return self
 
     def _committed(self, client: Any) -> int:
-        return sum(1 for _ in client.get_prefix(self.rk.results, keys_only=True))
+        """Steps the job committed (the progress record: one key read)."""
+        return committed_steps(client, self.rk)
 
     def _run(self) -> None:
         client = connect(EtcdConfig(endpoint=self.etcd))

@@ -5,27 +5,60 @@
 
 No worker hosts the rendezvous (unlike TCPStore, whose host takes the store down with it), and a
 new generation gets a fresh prefix, so stale keys of a broken group can never confuse the next.
-Blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
-were seen missing, so they wake on the write itself rather than on a polling tick, and raise
-`torch.distributed.DistStoreError` when the timeout passes.
+
+Every call is one etcd request whatever the contention (no compare-and-swap retry loop):
+
+- a store key `k` is the etcd key `<prefix>k` (its value, when set) plus, for `add`, one delta
+  key `<prefix>k\\0<unique id>` per call. `add` writes its delta and reads `[k, k\\1)` in one
+  transaction, which etcd serialises, so the sum it returns is exact and unique to the call
+  (TCPStore's contract), and N contending adds cost N transactions. The adder that sees the
+  `FOLD_EVERY`-th delta folds the deltas it saw into the value (one more transaction, guarded,
+  skipped if anything changed), so a counter's read stays O(FOLD_EVERY) however often it grows.
+- `get`, `check` and `wait` read `[k, k\\1)`; `set` and `delete_key` write the value and drop the
+  deltas in one transaction.
+- blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
+  were seen missing (one stream per prefix shared by a process's waits, `store_waits.py`), so
+  they wake on the write itself rather than on a polling tick, and raise
+  `torch.distributed.DistStoreError` ("... timeout ...", the word torch's callers match on) when
+  the timeout passes.
+
+A gloo group costs O(1) requests per rank and connected peer (measured on torch 2.13, see
+`bench/rendezvous_scale.py`): one `set` of its address, then a `wait` + `get` for each peer it
+connects to, i.e. every rank of the group for an eager full mesh, or only the peers it talks to
+with `TORCH_GLOO_LAZY_INIT=1`.
+
+C++ callers reach a Python store through torch's trampoline, which calls Python methods by their
+C++ names for some of them (`getNumKeys`, `deleteKey`): both spellings are provided. Whoever
+builds groups on a store must keep the Python object alive as long as the groups live
+(pytorch#115977: the trampoline does not own it); `build_groups` does so.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-import grpc
 import torch.distributed as dist
-from etcd3 import etcdrpc
-from etcd3.utils import prefix_range_end
 
 from .client import TRANSIENT_ERRORS
+from .store_waits import PrefixWaits
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
+_DELTA = "\x00"
+"""Separates a key from the unique id of one of its `add` deltas (`k\\0<id>` sorts in `[k, k\\1)`)."""
+_END = "\x01"
+FOLD_EVERY = 32
+"""The adder that sees this many deltas of a counter folds them into its value."""
+_FOLD_MAX = 60
+"""Most deltas one fold removes (each costs a compare and a delete; etcd allows 128 txn ops)."""
+_MULTI_SET_CHUNK = 60
+"""Keys a `multi_set` writes per transaction (two operations each)."""
+
+
+_KeySet = set[bytes]  # `set` means the Store method inside the class body
 
 
 def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
@@ -34,8 +67,45 @@ def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
     return bytes(value)
 
 
+def _logical(full_key: bytes) -> bytes:
+    """The store key an etcd key belongs to (a delta key belongs to its counter)."""
+    return full_key.split(_DELTA.encode(), 1)[0]
+
+
+class _Counter:
+    """The etcd keys `[k, k\\1)` of one store key, as one read returned them."""
+
+    def __init__(self, full: str, kvs: Sequence[tuple[bytes, Any]]) -> None:
+        self.base: bytes | None = None
+        self.base_mod = 0
+        self.deltas: list[tuple[str, int]] = []
+        own = full.encode()
+        for value, meta in kvs:
+            if meta.key == own:
+                self.base, self.base_mod = bytes(value), int(meta.mod_revision)
+            else:
+                self.deltas.append((meta.key.decode(), int(value)))
+
+    @property
+    def exists(self) -> bool:
+        return self.base is not None or bool(self.deltas)
+
+    def total(self, key: str) -> int:
+        try:
+            base = int(self.base) if self.base is not None else 0
+        except ValueError:
+            raise ValueError(f"store key {key!r} holds {self.base!r}, not an integer: cannot add") from None
+        return base + sum(d for _, d in self.deltas)
+
+    def value(self, key: str) -> bytes | None:
+        """What `get` returns: the value, or the sum once `add` wrote deltas; None if missing."""
+        if not self.deltas:
+            return self.base
+        return str(self.total(key)).encode()
+
+
 class EtcdStore(dist.Store):
-    """A c10d Store whose keys live under `prefix` in etcd."""
+    """A c10d Store whose keys live under `prefix` in etcd (module doc: one request a call)."""
 
     def __init__(self, client: Any, prefix: str, *, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
         super().__init__()
@@ -44,67 +114,114 @@ class EtcdStore(dist.Store):
         self.client = client
         self.prefix = prefix
         self._timeout = timeout
+        self._clones: list[EtcdStore] = []
 
     # -- torch.distributed.Store API -------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
-        self.client.put(self._key(key), _as_bytes(value))
+        full, txn = self._key(key), self.client.transactions
+        self._txn(
+            compare=[], success=[txn.delete(full + _DELTA, full + _END), txn.put(full, _as_bytes(value))]
+        )
 
     def get(self, key: str) -> bytes:
-        value, _ = self.client.get(self._key(key))
-        if value is None:
+        value = self._read(key).value(key)
+        while value is None:
             self.wait([key])
-            value, _ = self.client.get(self._key(key))
-            assert value is not None, f"key {key!r} vanished after wait"
-        return bytes(value)
+            value = self._read(key).value(key)  # None only if deleted again since the wait
+        return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(list(keys))
-        return [self.get(k) for k in keys]
+        while True:
+            self.wait(list(keys))
+            txn = self.client.transactions
+            _, responses = self._txn(
+                compare=[], success=[txn.get(self._key(k), self._key(k) + _END) for k in keys]
+            )
+            values = [_Counter(self._key(k), r).value(k) for k, r in zip(keys, responses, strict=True)]
+            if all(v is not None for v in values):
+                return [v for v in values if v is not None]
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys and {len(values)} values")
         txn = self.client.transactions
-        self.client.transaction(
-            compare=[],
-            success=[txn.put(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)],
-            failure=[],
-        )
+        pairs = list(zip(keys, values, strict=True))
+        for i in range(0, len(pairs), _MULTI_SET_CHUNK):
+            ops = []
+            for k, v in pairs[i : i + _MULTI_SET_CHUNK]:
+                full = self._key(k)
+                ops += [txn.delete(full + _DELTA, full + _END), txn.put(full, _as_bytes(v))]
+            self._txn(compare=[], success=ops)
 
     def add(self, key: str, value: int) -> int:
-        txn = self.client.transactions
-        full = self._key(key)
-        while True:
-            current, meta = self.client.get(full)
-            new = (int(current) if current is not None else 0) + int(value)
-            guard = txn.create(full) == 0 if meta is None else txn.mod(full) == meta.mod_revision
-            ok, _ = self.client.transaction(compare=[guard], success=[txn.put(full, str(new))], failure=[])
-            if ok:
-                return new
+        full, txn = self._key(key), self.client.transactions
+        delta = f"{full}{_DELTA}{uuid.uuid4().hex}"
+        _, responses = self._txn(
+            compare=[], success=[txn.get(full, full + _END), txn.put(delta, str(int(value)))]
+        )
+        seen = _Counter(full, responses[0])
+        total = seen.total(key) + int(value)
+        if len(seen.deltas) + 1 == FOLD_EVERY:  # exactly one adder per FOLD_EVERY deltas folds
+            seen.deltas.append((delta, int(value)))
+            self._fold(full, seen, key)
+        return total
 
     def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        txn = self.client.transactions
-        full, expected, desired = self._key(key), _as_bytes(expected_value), _as_bytes(desired_value)
+        full, txn = self._key(key), self.client.transactions
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        no_deltas = txn.version(full + _DELTA, full + _END) == 0
         # Same contract as TCPStore: an empty `expected` matches a missing key.
         guard = txn.create(full) == 0 if expected == b"" else txn.value(full) == expected
-        ok, responses = self.client.transaction(
-            compare=[guard], success=[txn.put(full, desired)], failure=[txn.get(full)]
-        )
-        if ok:
-            return desired
-        found = responses[0]
-        return bytes(found[0][0]) if found else expected
+        while True:
+            ok, responses = self._txn(
+                compare=[guard, no_deltas],
+                success=[txn.put(full, desired)],
+                failure=[txn.get(full, full + _END)],
+            )
+            if ok:
+                return desired
+            found = _Counter(full, responses[0])
+            current = found.value(key)
+            if current is None:
+                if expected != b"":
+                    return expected
+                continue  # only deltas, deleted since: the key is missing now, try again
+            if current != expected or not found.deltas:
+                return current
+            self._fold(full, found, key)  # a counter equal to `expected`: fold, then swap
 
     def delete_key(self, key: str) -> bool:
-        return bool(self.client.delete(self._key(key)))
+        full, txn = self._key(key), self.client.transactions
+        _, responses = self._txn(
+            compare=[], success=[txn.delete(full), txn.delete(full + _DELTA, full + _END)]
+        )
+        return any(int(r.response_delete_range.deleted) > 0 for r in responses)
 
     def check(self, keys: list[str]) -> bool:
-        return all(self.client.get(self._key(k))[0] is not None for k in keys)
+        missing, _ = self._missing([self._key(k) for k in keys])
+        return not missing
 
     def num_keys(self) -> int:
-        resp = self.client.get_prefix_response(self.prefix, count_only=True)
-        return int(resp.count)
+        resp = self.client.get_prefix_response(self.prefix, keys_only=True)
+        return len({_logical(kv.key) for kv in resp.kvs})
+
+    def clone(self) -> EtcdStore:
+        """Another handle on the same keys (torch hands clones to other threads); a subclass
+        keeps its type and state, an `AbortableStore` its abort flag."""
+        twin = type(self).__new__(type(self))
+        dist.Store.__init__(twin)
+        twin.__dict__.update(self.__dict__)
+        # A clone asked for from C++ (PrefixStore.clone) is held there without its Python half
+        # (pytorch#115977); the family of handles keeps every member alive.
+        self._clones.append(twin)
+        return twin
+
+    def getNumKeys(self) -> int:  # noqa: N802  (the name torch's C++ trampoline calls)
+        return self.num_keys()
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802  (the name torch's C++ trampoline calls)
+        return self.delete_key(key)
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout
@@ -124,7 +241,7 @@ class EtcdStore(dist.Store):
                 pass  # etcd restarting: retry until the deadline
             if time.monotonic() >= deadline:
                 raise dist.DistStoreError(
-                    f"wait for keys {keys} under {self.prefix} timed out after {limit:.1f} s"
+                    f"Wait timeout after {limit:.1f} s: keys {keys} still missing under {self.prefix}"
                 )
             time.sleep(0.05)
 
@@ -137,49 +254,59 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    def _wait_once(self, full_keys: list[str], deadline: float) -> bool:
-        """True when all keys exist; False when the deadline passed first."""
-        missing: set[bytes] = set()
+    def _txn(
+        self, *, compare: list[Any], success: list[Any], failure: list[Any] | None = None
+    ) -> tuple[bool, list[Any]]:
+        """One etcd transaction (python3-etcd3 wants every branch as a list)."""
+        ok, responses = self.client.transaction(compare=compare, success=success, failure=failure or [])
+        return bool(ok), responses
+
+    def _read(self, key: str) -> _Counter:
+        full = self._key(key)
+        resp = self.client.get_range_response(full, full + _END)
+        return _Counter(full, [(kv.value, kv) for kv in resp.kvs])
+
+    def _fold(self, full: str, seen: _Counter, key: str) -> bool:
+        """Move the deltas `seen` holds into the value, if none of them nor the value changed since.
+
+        A failed fold is harmless (another fold, a `set` or a `delete_key` got there first); the
+        deltas it meant to fold stay counted where they are.
+        """
+        txn = self.client.transactions
+        folded = seen.deltas[:_FOLD_MAX]
+        base_unchanged = txn.mod(full) == seen.base_mod if seen.base is not None else txn.create(full) == 0
+        total = (int(seen.base) if seen.base is not None else 0) + sum(d for _, d in folded)
+        ok, _ = self._txn(
+            compare=[base_unchanged, *[txn.version(k) > 0 for k, _ in folded]],
+            success=[txn.put(full, str(total)), *[txn.delete(k) for k, _ in folded]],
+        )
+        return bool(ok)
+
+    def _missing(self, full_keys: list[str]) -> tuple[_KeySet, int]:
+        """The keys of `full_keys` that do not exist, and the etcd revision of those reads."""
+        missing: _KeySet = _KeySet()
         revision = 0
         for k in full_keys:
-            resp = self.client.get_response(k, keys_only=True)
+            resp = self.client.get_range_response(k, k + _END, count_only=True)
             revision = max(revision, int(resp.header.revision))
             if resp.count == 0:
                 missing.add(k.encode())
+        return missing, revision
+
+    def _wait_once(self, full_keys: list[str], deadline: float) -> bool:
+        """True when all keys exist; False when the deadline passed first."""
+        missing, revision = self._missing(full_keys)
         if not missing:
             return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        # Watch the whole prefix from the revision after our reads: no write can slip between.
-        stop = threading.Event()
-
-        def requests() -> Iterator[Any]:
-            create = etcdrpc.WatchCreateRequest(
-                key=self.prefix.encode(),
-                range_end=prefix_range_end(self.prefix.encode()),
-                start_revision=revision + 1,
-            )
-            yield etcdrpc.WatchRequest(create_request=create)
-            stop.wait()
-
-        call = etcdrpc.WatchStub(self.client.channel).Watch(
-            requests(),
-            timeout=remaining,
-            credentials=self.client.call_credentials,
-            metadata=self.client.metadata,
+        return PrefixWaits.wait_for(
+            self.client,
+            self.prefix,
+            missing,
+            revision,
+            remaining,
+            logical=_logical,
+            recheck=lambda: self._missing(full_keys)[0],
         )
-        try:
-            for rs in call:
-                for ev in rs.events:
-                    if ev.type == 0:  # PUT
-                        missing.discard(ev.kv.key)
-                if not missing or rs.canceled or rs.compact_revision:
-                    break
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
-        finally:
-            stop.set()
-            call.cancel()
-        return not missing

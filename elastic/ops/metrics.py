@@ -4,8 +4,9 @@ The agent starts one `NodeMetrics` (one call, after it joined the membership):
 
     NodeMetrics(client, keys, node=node, lease=membership.lease_id).start()
 
-It mirrors five prefixes of the job with watches from revision 1 (`plan/`, `results/`,
-`recoveries/`, `workers/<node>/`, `members/`), serves them in its own `CollectorRegistry` on
+It mirrors the job's `progress` key and five prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
+`members/`, `injected/`), each read once and then kept current by a watch from the revision after
+that read (never from revision 1: auto-compaction drops old history), serves them in its own `CollectorRegistry` on
 `host:port` (default `elastic.runtime.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
 one) and publishes `metrics/<node_id>` = {"address": "host:port"} on the node's lease, so the key
 goes when the node does (`metrics_addresses` reads them all back, for `elastic status`).
@@ -19,7 +20,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_step | gauge | | steps committed (index of the last committed step + 1) |
 | elastic_loss | gauge | | loss of the last committed step |
 | elastic_step_seconds | gauge | | wall time of the last committed step on its reporting worker |
-| elastic_tokens_per_second | gauge | | tokens of the last `window` committed steps over the wall time they spanned |
+| elastic_tokens_per_second | gauge | | tokens of the last `window` committed steps (at most the progress record's 8) over the wall time they spanned |
 | elastic_generation | gauge | | the latest published generation |
 | elastic_recoveries_total | counter | | reconfigurations: generations published after the first |
 | elastic_last_recovery_seconds | gauge | | the latest finished recovery, injected fault (or detection) to first commit |
@@ -58,16 +59,16 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from elastic.coordinator.keys import JobKeys
-from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.model.config import get_preset
 from elastic.parallel.layout import assign_ranks
 from elastic.runtime.netaddr import bind_host
 from elastic.runtime.progress import breakdown_of
 from elastic.runtime.protocol import (
     GenerationRecord,
+    ProgressRecord,
     RecoveryTimings,
     RunKeys,
-    StepResult,
     WorkerInfo,
     node_id,
 )
@@ -98,14 +99,15 @@ def metrics_addresses(client: Any, keys: JobKeys) -> dict[str, str]:
 
 
 class _Mirror:
-    """A local copy of the keys under one prefix, parsed, kept current by a watch from revision 1."""
+    """A local copy of the keys under one prefix, parsed: read once, then kept current by a watch
+    from the revision after that read."""
 
     def __init__(self, client: Any, prefix: str, parse: Callable[[bytes], Any]) -> None:
         self.prefix = prefix
         self._parse = parse
         self._lock = threading.Lock()
         self._items: dict[str, Any] = {}
-        self._watch = PrefixWatch(client, prefix, self._on_events, start_revision=1)
+        self._watch = watch_from_now(client, prefix, self._on_events)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         with self._lock:
@@ -196,7 +198,7 @@ def snapshot(
     seq_len: int | None,
     window: int,
     plans: dict[int, GenerationRecord],
-    results: dict[int, StepResult],
+    progress: ProgressRecord | None,
     timings: dict[int, dict[int, RecoveryTimings]],
     injected: dict[str, float],
     workers: list[WorkerInfo],
@@ -204,18 +206,12 @@ def snapshot(
 ) -> Snapshot:
     """What the endpoint serves for plan node `node`, given the job's state (see the module doc).
 
-    `seq_len` None (the job config not read yet) leaves tokens/s out."""
-    ordered = [results[s] for s in sorted(results)]
-    last = ordered[-1] if ordered else None
+    `progress` is the job's progress record (None before the first commit); `seq_len` None (the
+    job config not read yet) leaves tokens/s out."""
+    last = progress
     tokens_per_s = None
     if last is not None and seq_len and last.generation in plans:
-        tokens = plans[last.generation].plan.global_batch * seq_len
-        recent = ordered[-window:]
-        span = recent[-1].committed_at - recent[0].committed_at
-        if len(recent) >= 2 and span > 0:
-            tokens_per_s = tokens * (len(recent) - 1) / span
-        elif last.seconds > 0:
-            tokens_per_s = tokens / last.seconds
+        tokens_per_s = _tokens_per_s(last, plans[last.generation].plan.global_batch * seq_len, window)
     finished: list[Recovery] = []
     node_bytes = job_bytes = 0
     for g, rec in sorted(plans.items()):
@@ -243,6 +239,16 @@ def snapshot(
         workers_alive=sum(1 for w in workers if _alive(w.pid)),
         nodes_alive=nodes_alive,
     )
+
+
+def _tokens_per_s(record: ProgressRecord, tokens: int, window: int) -> float | None:
+    """Tokens per second over the last `window` steps of the record's recent window (commit to
+    commit), or of its last step alone when the window holds one."""
+    recent = record.recent[-window:]
+    span = recent[-1][1] - recent[0][1] if recent else 0.0
+    if len(recent) >= 2 and span > 0:
+        return tokens * (len(recent) - 1) / span
+    return tokens / record.seconds if record.seconds > 0 else None
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -324,7 +330,7 @@ class NodeMetrics(Collector):
         rk = RunKeys(self.keys)
         self._mirrors = {
             "plans": _Mirror(self.client, self.keys.plans, GenerationRecord.from_json),
-            "results": _Mirror(self.client, rk.results, StepResult.from_json),
+            "progress": _Mirror(self.client, rk.progress, ProgressRecord.from_json),
             "recoveries": _Mirror(self.client, rk.recoveries, RecoveryTimings.from_json),
             "workers": _Mirror(self.client, rk.node_workers(self.node), WorkerInfo.from_json),
             "members": _Mirror(self.client, self.keys.members, lambda v: v),
@@ -382,7 +388,7 @@ class NodeMetrics(Collector):
             seq_len=seq_len,
             window=self.window,
             plans={int(k): v for k, v in m["plans"].items()},
-            results={int(k): v for k, v in m["results"].items()},
+            progress=m["progress"].get(""),
             timings=timings,
             injected=m["injected"],
             workers=list(m["workers"].values()),

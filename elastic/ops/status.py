@@ -13,11 +13,12 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
     generation          latest generation number (0 before the first is published)
     generation_reason   why that generation exists ("start", "lost [2]", ...), or null
     resume_step         0-based first step of that generation, or null
-    committed_steps     steps committed so far (the leader's commit decisions); the last
-                        committed step is number `committed_steps` as `elastic run` prints it
-    reported_steps      steps whose results (`results/<s>`) were written; <= committed_steps
+    committed_steps     steps committed so far (the `progress` record); the last committed
+                        step is number `committed_steps` as `elastic run` prints it
+    reported_steps      steps whose results were reported: the progress record carries the last
+                        committed step's, so this equals committed_steps (kept for scripts)
     total_steps         steps the job runs, or null when the config is missing
-    last_loss           loss of the last reported step, or null
+    last_loss           loss of the last committed step, or null
     lease_ttl_s         lease TTL of the nodes (seconds), or null
     global_batch        samples per step; microbatch_size: samples per microbatch
     seq_len             tokens per sample (from the model preset), or null
@@ -37,7 +38,8 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         nodes             node of each stage, in pipeline order
         stages            [{node, layers: [first, last)}]
         microbatches      microbatches of the global batch it processes per step
-    throughput          null before two results, else over the last `window_steps` reported steps:
+    throughput          null before two steps, else over the last `window_steps` committed steps
+                        (at most the progress record's window of 8, fewer right after a re-plan):
         window_steps, tokens_per_step (global batch x seq_len),
         tokens_per_s      tokens of the window / wall time from the start of its first step to
                           the commit of its last (a recovery inside the window counts),
@@ -66,18 +68,18 @@ from elastic.coordinator.membership import NodeIdentity
 from elastic.model.config import get_preset
 from elastic.runtime.progress import change_words, generation_fields, recovery_breakdown
 from elastic.runtime.protocol import (
-    COMMIT,
     GenerationRecord,
+    ProgressRecord,
     RecoveryTimings,
     RunKeys,
-    StepResult,
     WorkerInfo,
     node_of,
+    read_progress,
 )
 
 SCHEMA_VERSION = 1
 DEFAULT_WINDOW = 5
-"""Reported steps the throughput is measured over."""
+"""Committed steps the throughput is measured over (the progress record keeps up to 8)."""
 
 _TIMING_FIELDS = (
     "detecting_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s", "total_s",
@@ -241,27 +243,20 @@ def _generations(client: Any, keys: JobKeys) -> dict[int, GenerationRecord]:
     }
 
 
-def _committed_steps(client: Any, rk: RunKeys) -> int:
-    """1 + the largest step with a commit decision (0 when none)."""
-    last = -1
-    for value, meta in client.get_prefix(rk.steps):
-        parts = _key_tail(meta, rk.steps)
-        if len(parts) == 3 and parts[2] == "decision" and value.decode() == COMMIT:
-            last = max(last, int(parts[1]))
-    return last + 1
-
-
-def _throughput(results: list[StepResult], tokens_per_step: int, window: int) -> Throughput | None:
-    recent = results[-window:]
+def _throughput(record: ProgressRecord | None, tokens_per_step: int, window: int) -> Throughput | None:
+    """Throughput over the last `window` steps of the progress record's window of recent steps
+    ([step, committed_at, seconds] each, oldest first)."""
+    recent = record.recent[-window:] if record is not None else []
     if len(recent) < 2:
         return None
-    wall = recent[-1].committed_at - recent[0].committed_at + recent[0].seconds
+    (_, first_at, first_s), (_, last_at, last_s) = recent[0], recent[-1]
+    wall = last_at - first_at + first_s
     return Throughput(
         window_steps=len(recent),
         tokens_per_step=tokens_per_step,
         tokens_per_s=tokens_per_step * len(recent) / wall if wall > 0 else 0.0,
-        mean_step_s=sum(r.seconds for r in recent) / len(recent),
-        last_step_s=recent[-1].seconds,
+        mean_step_s=sum(seconds for _, _, seconds in recent) / len(recent),
+        last_step_s=last_s,
     )
 
 
@@ -355,10 +350,8 @@ def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_
             pipelines.append(PipelineStatus(index=p, template=len(stages), nodes=list(pipe.nodes),
                                             stages=stages, microbatches=pipe.microbatches))  # fmt: skip
 
-    results = sorted(
-        (StepResult.from_json(v) for v, _ in client.get_prefix(rk.results)), key=lambda r: r.step
-    )
-    committed = max(_committed_steps(client, rk), len(results))
+    progress = read_progress(client, rk)
+    committed = 0 if progress is None else progress.step + 1
     spec = config["spec"] if config is not None else None
     seq_len = get_preset(spec["model"]).seq_len if spec is not None else None
     tokens = plan.global_batch * seq_len if plan is not None and seq_len is not None else None
@@ -385,16 +378,16 @@ def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_
         generation_reason=rec.reason if rec is not None else None,
         resume_step=rec.resume_step if rec is not None else None,
         committed_steps=committed,
-        reported_steps=len(results),
+        reported_steps=committed,
         total_steps=total,
-        last_loss=results[-1].loss if results else None,
+        last_loss=progress.loss if progress is not None else None,
         lease_ttl_s=int(config["lease_ttl"]) if config is not None else None,
         global_batch=plan.global_batch if plan is not None else None,
         microbatch_size=plan.microbatch_size if plan is not None else None,
         seq_len=seq_len,
         nodes=nodes,
         pipelines=pipelines,
-        throughput=_throughput(results, tokens, window) if tokens is not None else None,
+        throughput=_throughput(progress, tokens, window) if tokens is not None else None,
         recoveries=sum(1 for n in generations if n > 1),
         last_recovery=_last_recovery(client, rk, generations),
     )

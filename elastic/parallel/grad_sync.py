@@ -7,9 +7,14 @@ global-batch mean. Then:
 1. Cross-pipeline sum per gradient bucket: every worker holding the same (layers, tp_rank)
    sums its bucket with the others, one all-reduce per bucket. The sum of the pipelines' shares
    is the mean over the whole global batch, each microbatch weighted equally.
-2. Global gradient norm over all stages and tensor-parallel ranks: each gradient element is
-   counted once (one holder per layer; replicated parameters only on tensor-parallel rank 0).
-3. Clip every gradient by the same factor.
+2. The vote: one world all-reduce of the global gradient norm over all stages and
+   tensor-parallel ranks (each gradient element counted once: one holder per layer, replicated
+   parameters only on tensor-parallel rank 0), the loss, a failure count and a halt count. A
+   worker that sees it complete knows that every worker finished its reductions, so it may
+   commit without asking anyone (see elastic/runtime/protocol.py). If the vote's wait fails
+   here, the reduced gradients are kept (VoteInterrupted): another worker may have seen it
+   complete, and then this one must commit the same step during recovery.
+3. Clip every gradient by the same factor (`clip_grads`, also used to complete such a step).
 
 Tensor-parallel replicated parameters (LayerNorm, row-parallel biases) need no reduction of
 their own: with replicated activations their gradients are already equal on every TP rank.
@@ -39,6 +44,13 @@ class GradStats:
     """Mean loss over the global batch."""
     ok: bool
     """Whether every worker reported a usable step (finite gradients, no local error)."""
+    halt: bool = False
+    """Whether some worker asked the generation to halt after this step (all agree)."""
+
+
+class VoteInterrupted(RuntimeError):
+    """The vote's wait failed on this worker after its reductions completed: its gradients are
+    reduced but not clipped, and kept for the control plane to commit or drop."""
 
 
 def bucket_plan(
@@ -62,13 +74,16 @@ def finalize_grads(
     loss_sum: float,
     grad_clip: float,
     ok: bool = True,
+    halt: bool = False,
 ) -> GradStats:
     """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
     `loss_sum` is this worker's contribution to the global loss (the sum of its microbatch
     losses divided by the global microbatch count; 0 except on a last stage's TP rank 0).
     Collective over every bucket group of mine and then the world group; every wait goes
-    through `groups.wait` (StepAborted when the generation's abort flag is set).
+    through `groups.wait` (StepAborted when the generation's abort flag is set); a failure of
+    the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
+    this worker's wish to stop after this step, summed into the vote.
     """
     grads = accum.buffers
     plan = bucket_plan(list(grads), layout, layer_of)
@@ -104,16 +119,26 @@ def finalize_grads(
             sq,
             torch.tensor(loss_sum, dtype=torch.float64, device=device),
             torch.tensor(0.0 if ok else 1.0, dtype=torch.float64, device=device),
+            torch.tensor(1.0 if halt else 0.0, dtype=torch.float64, device=device),
         ]
     )
-    groups.wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world, async_op=True))
-    total_sq, loss, failures = stats.tolist()
+    try:
+        groups.wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world, async_op=True))
+    except Exception as exc:
+        raise VoteInterrupted(f"the vote's wait failed: {type(exc).__name__}: {exc}") from exc
+    total_sq, loss, failures, halts = stats.tolist()
     norm = math.sqrt(total_sq)
     usable = failures == 0 and math.isfinite(norm)
 
     # 3. Clip by one factor everywhere.
-    if usable and grad_clip > 0 and norm > grad_clip:
-        coef = grad_clip / (norm + 1e-6)
-        for g in grads.values():
+    if usable:
+        clip_grads(accum, grad_norm=norm, grad_clip=grad_clip)
+    return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0)
+
+
+def clip_grads(accum: GradAccumulator, *, grad_norm: float, grad_clip: float) -> None:
+    """Scale every accumulated gradient by the clip factor of `grad_norm` (the same everywhere)."""
+    if grad_clip > 0 and grad_norm > grad_clip:
+        coef = grad_clip / (grad_norm + 1e-6)
+        for g in accum.buffers.values():
             g.mul_(coef)
-    return GradStats(grad_norm=norm, loss=loss, ok=usable)

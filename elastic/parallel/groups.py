@@ -35,6 +35,11 @@ class ParallelGroups:
     """Gradient-bucket group for each holder rank set of mine; None for a set of one."""
     abort: AbortSignal | None = None
     """The generation's abort flag every cross-worker wait of a step checks; None: plain waits."""
+    store: dist.Store | None = None
+    """The store the groups were built on, held as long as they live: a group keeps only the C++
+    side of a Python store (pytorch#115977), so a lazily connecting group (TORCH_GLOO_LAZY_INIT=1)
+    whose caller dropped a temporary store would fail its first collective ("pure virtual
+    Store::wait"). `build_groups` fills it."""
 
     def bucket_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self.buckets[ranks]
@@ -77,7 +82,13 @@ def build_groups(
     backend: str = "gloo",
     abort: AbortSignal | None = None,
 ) -> ParallelGroups:
-    """Build every group of `layout` that this worker belongs to, world group included."""
+    """Build every group of `layout` that this worker belongs to, world group included.
+
+    The groups keep `store` referenced (`ParallelGroups.store`), so a caller may pass a
+    temporary. Store calls: each group makes one `set` per member and one `wait` + `get` per
+    peer it connects to (every member when gloo connects eagerly; with TORCH_GLOO_LAZY_INIT=1
+    only the peers it talks to, on first use); nothing else (no `add`, no barrier).
+    """
 
     def make(ranks: tuple[int, ...] | None) -> dist.ProcessGroup:
         members = tuple(range(layout.world_size)) if ranks is None else ranks
@@ -102,4 +113,4 @@ def build_groups(
         else TensorParallel.single()
     )
     buckets = {b.ranks: created.get(b.ranks) for b in layout.buckets}
-    return ParallelGroups(world=world, tp=tp, buckets=buckets, abort=abort)
+    return ParallelGroups(world=world, tp=tp, buckets=buckets, abort=abort, store=store)

@@ -26,6 +26,7 @@ the job's config to be published, and adopts the member registration the rendezv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
-from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
 from elastic.runtime.injection import (
     AGENT_KINDS,
     InjectionRequest,
@@ -58,7 +59,7 @@ from elastic.runtime.injection import (
     write_status,
 )
 from elastic.runtime.netaddr import bind_host
-from elastic.runtime.protocol import COMMIT, ElasticConfig, RunKeys, node_id, node_of
+from elastic.runtime.protocol import ElasticConfig, ProgressRecord, RunKeys, node_id, node_of
 
 if TYPE_CHECKING:
     from elastic.ops.metrics import NodeMetrics
@@ -87,30 +88,32 @@ def worker_log_path(run_dir: str, node: int, local_rank: int, incarnation: int) 
 
 
 class InjectionTrigger:
-    """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins."""
+    """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins.
+    It watches the `progress` key (one event per committed step) and the generation records."""
 
     def __init__(self, client: Any, keys: JobKeys) -> None:
-        self._commits: set[int] = set()
+        self._committed = -1
+        """Index of the furthest committed step seen (-1: none)."""
         self._generations = 0
         self._cond = threading.Condition()
         rk = RunKeys(keys)
-        self._steps_prefix = rk.steps
+        # What is there now, then every change after it (history before it may be compacted).
+        resp = client.get_prefix_response(rk.progress)
+        self._on_progress([WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
+                                      revision=kv.mod_revision) for kv in resp.kvs])  # fmt: skip
+        plans = client.get_prefix_response(keys.plans, count_only=True)
+        self._generations = int(plans.count)
         self._watches = [
-            PrefixWatch(client, rk.steps, self._on_steps, start_revision=1),
-            PrefixWatch(client, keys.plans, self._on_plans, start_revision=1),
+            PrefixWatch(client, rk.progress, self._on_progress, start_revision=int(resp.header.revision) + 1),
+            PrefixWatch(client, keys.plans, self._on_plans, start_revision=int(plans.header.revision) + 1),
         ]
 
-    def _on_steps(self, events: list[WatchEvent]) -> None:
+    def _on_progress(self, events: list[WatchEvent]) -> None:
         with self._cond:
             for ev in events:
-                parts = ev.key[len(self._steps_prefix) :].split("/")
-                if (
-                    ev.kind == "put"
-                    and len(parts) == 3
-                    and parts[2] == "decision"
-                    and ev.value.decode() == COMMIT
-                ):
-                    self._commits.add(int(parts[1]))
+                if ev.kind == "put":
+                    with contextlib.suppress(ValueError, TypeError, KeyError):
+                        self._committed = max(self._committed, ProgressRecord.from_json(ev.value).step)
             self._cond.notify_all()
 
     def _on_plans(self, events: list[WatchEvent]) -> None:
@@ -121,7 +124,7 @@ class InjectionTrigger:
     def in_flight(self) -> int:
         """The step (1-based) in flight as far as this trigger has seen."""
         with self._cond:
-            return max(self._commits) + 2 if self._commits else 1
+            return self._committed + 2
 
     def wait(self, inj: InjectionRequest, stop: threading.Event) -> bool:
         """Block until `inj` should fire (True) or `stop` is set (False)."""
@@ -132,8 +135,8 @@ class InjectionTrigger:
             if inj.when == "reconfig":
                 return self._generations >= 2
             assert inj.step is not None
-            # Step k (1-based) is in flight once step k-1 (index k-2) is decided "commit".
-            return self._generations >= 1 if inj.step == 1 else (inj.step - 2) in self._commits
+            # Step k (1-based) is in flight once step k-1 (index k-2) is committed.
+            return self._generations >= 1 if inj.step == 1 else self._committed >= inj.step - 2
 
         with self._cond:
             while not due():
@@ -214,7 +217,7 @@ class Agent:
         self.election.start()
         self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
-        requests = PrefixWatch(self.client, self.keys.injections, self._on_requests, start_revision=1)
+        requests = watch_from_now(self.client, self.keys.injections, self._on_requests)
         self.done.wait()
         requests.cancel()
         trigger.close()

@@ -1,14 +1,20 @@
 """Elastic worker: `python -m elastic.runtime.elastic_worker --etcd HOST:PORT --job J --node N ...`.
 
 One process per (node, device), started by its node's agent and alive for the whole job. Its
-loop, per step s of generation g: prepare (forward, backward, gradient reductions) -> write
-`steps/<g>/<s>/ready/<rank>` -> wait for the leader's decision -> commit or discard. A watcher
-on generations sets the generation's AbortSignal when g+1 appears, which frees a step blocked
-on a dead or stopped peer. At the boundary the worker moves to the newest generation that
-includes it: it lets its ShardServer serve that generation (its committed state), then
-`Trainer.start` keeps the shards it holds, fetches the missing ones from live holders (or
-from the checkpoint the leader names) and builds the new groups; training replays from the
-generation's `resume_step`. A worker whose node was drained (`elastic drain`: a generation
+loop, per step s of generation g: prepare (forward, backward, gradient reductions, and the
+vote: a world all-reduce of norm, loss, ok and halt flags) -> commit as soon as the vote
+completes, without asking etcd. World rank 0 hands the step to the progress writer; each
+pipeline's first worker appends it to its local step log. The job's last step alone waits for
+the leader's decision (`ready/`, `decisions/`). A watcher on generations and one on halts set
+the generation's AbortSignal when the leader halts g with abort or publishes g+1, which frees a
+step blocked on a dead or stopped peer; a boundary halt (a join, a drain) is voted into the
+next step, after which every worker stops. A halted worker writes its sync report (what it
+committed, and a step whose vote was cut short here) and waits for g+1, whose record says
+which step to resume at and, for a worker whose vote was cut short, the vote to complete it
+with. At the boundary the worker moves to the newest generation that includes it: it lets its
+ShardServer serve that generation (its committed state), then `Trainer.start` keeps the shards
+it holds, fetches the missing ones from live holders (or from the checkpoint the leader names)
+and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
 without it, naming it in `drained`) serves its committed shards to the survivors until a newer
 generation has committed a step, then reports itself done and exits 0. The job token comes in
 the ELASTIC_JOB_TOKEN environment variable.
@@ -18,38 +24,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
-from elastic.coordinator.generations import Generation, Generations
+from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.store import EtcdStore
-from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.runtime.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import (
-    ABORT,
     COMMIT,
     ElasticConfig,
     GenerationRecord,
     RecoveryTimings,
     RunKeys,
     StepResult,
+    SyncReport,
+    Vote,
     WorkerInfo,
+    read_progress,
+    step_log_path,
 )
+from elastic.runtime.step import NonFiniteStep, StepReport
 from elastic.runtime.trainer import Trainer
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, list_shards
 from elastic.transfer.server import ServerConfig, ShardServer
@@ -86,99 +96,12 @@ class AbortableStore(EtcdStore):
                     raise
 
 
-class GenerationFeed:
-    """The job's generation records as they are published; sets the current abort on a newer one."""
-
-    def __init__(self, generations: Generations) -> None:
-        self._records: dict[int, tuple[GenerationRecord, float]] = {}
-        self._cond = threading.Condition()
-        self._abort: AbortSignal | None = None
-        self._current = 0
-        self._watch = generations.watch(self._on_generation, after=0)
-
-    def _on_generation(self, gen: Generation) -> None:
-        record = GenerationRecord.from_json(gen.plan)
-        with self._cond:
-            self._records[gen.number] = (record, time.time())
-            if gen.number > self._current and self._abort is not None:
-                self._abort.set(f"generation {gen.number} published: {record.reason}")
-            self._cond.notify_all()
-
-    def enter(self, number: int, abort: AbortSignal) -> None:
-        """Make `number` the current generation, with `abort` set when a newer one appears."""
-        with self._cond:
-            self._current, self._abort = number, abort
-            if self.latest() > number:
-                abort.set("a newer generation was already published")
-
-    def latest(self) -> int:
-        with self._cond:
-            return max(self._records, default=0)
-
-    def get(self, number: int) -> tuple[GenerationRecord, float]:
-        with self._cond:
-            return self._records[number]
-
-    def wait_newer(self, than: int, timeout: float) -> int:
-        """The newest generation number above `than`; TimeoutError after `timeout` s."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.latest() > than, timeout):
-                raise TimeoutError(f"no generation after {than} within {timeout:.0f} s")
-            return self.latest()
-
-    def close(self) -> None:
-        self._watch.cancel()
-
-
 class Drained(Exception):
     """This worker's node was drained out of the job by generation `generation`."""
 
     def __init__(self, generation: int) -> None:
         super().__init__(f"drained by generation {generation}")
         self.generation = generation
-
-
-class DecisionFeed:
-    """The leader's commit/abort decisions, (generation, step) -> decision."""
-
-    def __init__(self, client: Any, keys: RunKeys) -> None:
-        self._decisions: dict[tuple[int, int], str] = {}
-        self._cond = threading.Condition()
-        self._prefix = keys.steps
-        resp = client.get_prefix_response(keys.steps)
-        for kv in resp.kvs:
-            self._add(kv.key.decode(), kv.value.decode())
-        self._watch = PrefixWatch(
-            client, keys.steps, self._on_events, start_revision=int(resp.header.revision) + 1
-        )
-
-    def _add(self, key: str, value: str) -> None:
-        parts = key[len(self._prefix) :].split("/")
-        if len(parts) == 3 and parts[2] == "decision":
-            self._decisions[(int(parts[0]), int(parts[1]))] = value
-
-    def _on_events(self, events: list[WatchEvent]) -> None:
-        with self._cond:
-            for ev in events:
-                if ev.kind == "put":
-                    self._add(ev.key, ev.value.decode())
-            self._cond.notify_all()
-
-    def wait(self, generation: int, step: int, timeout: float) -> str:
-        with self._cond:
-            if not self._cond.wait_for(lambda: (generation, step) in self._decisions, timeout):
-                raise TimeoutError(
-                    f"no decision for step {step} of generation {generation} in {timeout:.0f} s"
-                )
-            return self._decisions[(generation, step)]
-
-    def committed_since(self, generation: int) -> bool:
-        """Whether some generation >= `generation` has committed a step."""
-        with self._cond:
-            return any(g >= generation and d == COMMIT for (g, _), d in self._decisions.items())
-
-    def close(self) -> None:
-        self._watch.cancel()
 
 
 class ElasticWorker:
@@ -200,7 +123,10 @@ class ElasticWorker:
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
         self.generations = GenerationFeed(Generations(client, keys))
+        self.halts = HaltFeed(client, self.rk)
         self.decisions = DecisionFeed(client, self.rk)
+        self.progress = ProgressWriter(client, self.rk)
+        self._step_log: TextIO | None = None
         self.timeout = self.spec.collective_timeout_s
         self.writer: Any = None
         if config.checkpoint_every > 0:
@@ -229,19 +155,32 @@ class ElasticWorker:
         while True:
             try:
                 layout = self._reconfigure(generation)
-            except Exception as exc:  # aborted by g+1, or a peer died while groups were built
+            except Exception as exc:  # aborted by a halt or g+1, or a peer died while groups were built
                 _log(f"reconfiguration into generation {generation} failed: {type(exc).__name__}: {exc}")
+                self._report_halted(generation)
                 generation = self._next_generation(generation)
                 continue
             if self._train(generation, layout):
                 return layout
+            self._report_halted(generation)
             generation = self._next_generation(generation)
+
+    def _report_halted(self, generation: int) -> None:
+        """Write this worker's sync report of `generation`, which it has stopped working in."""
+        t = self.trainer
+        joined = t.generation == generation
+        last = t.last_report
+        vote = None if last is None else Vote(step=last.step, grad_norm=last.grad_norm, loss=last.loss)
+        report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
+                            last_vote=vote, node=self.node, local_rank=self.local_rank)  # fmt: skip
+        write_sync(self.client, self.rk, generation, report)
+        _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}")
 
     def _leave_drained(self, generation: int) -> None:
         """Serve this worker's committed shards until the survivors have them, then report done."""
         _log(f"drained by generation {generation}: serving shards until it commits a step")
         deadline = time.monotonic() + self.timeout * 4
-        while not self.decisions.committed_since(generation):
+        while not self._committed_since(generation):
             latest = self.generations.latest()
             if latest > self.server.generation:  # a failure during the drain: serve the newer one
                 self.server.set_generation(latest)
@@ -252,6 +191,11 @@ class ElasticWorker:
         if self.writer is not None:
             self.writer.flush()
         self.client.put(self.rk.worker_done(self.node, self.local_rank), "drained")
+
+    def _committed_since(self, generation: int) -> bool:
+        """Whether some generation >= `generation` has committed a step (one key read)."""
+        record = read_progress(self.client, self.rk)
+        return record is not None and record.generation >= generation
 
     def _next_generation(self, after: int) -> int:
         """The newest generation after `after` that includes this node's incarnation."""
@@ -267,6 +211,24 @@ class ElasticWorker:
                 raise RuntimeError(f"node {self.node} is not part of generation {number}: leaving the job")
             after = number
 
+    def _settle_pending(self, record: GenerationRecord) -> None:
+        """Commit or drop the step whose vote was cut short here, as the new generation says."""
+        pending, vote = self.trainer.pending, record.completed_vote
+        if pending is None:
+            return
+        if vote is None or vote.step != pending or record.restore_checkpoint is not None:
+            _log(f"step {pending}: its vote was cut short here and no survivor saw it complete: dropped")
+            self.trainer.discard()
+            return
+        if math.isfinite(vote.grad_norm) and math.isfinite(vote.loss):
+            report = self.trainer.complete_pending(grad_norm=vote.grad_norm, loss=vote.loss)
+        else:
+            report = self.trainer.skip(grad_norm=vote.grad_norm, loss=vote.loss)
+        _log(f"step {pending}: its vote was cut short here but completed elsewhere: committed it (loss {report.loss:.4f})")
+        layout = self.trainer.layout
+        self._record_step(layout, report, started_at=time.time())
+        self._maybe_checkpoint(layout)
+
     def _reconfigure(self, generation: int) -> ParallelLayout:
         record, seen_at = self.generations.get(generation)
         layout = ParallelLayout(
@@ -274,6 +236,11 @@ class ElasticWorker:
         )
         abort = AbortSignal()
         self.generations.enter(generation, abort)
+        self.halts.enter(generation, abort)
+        self._settle_pending(record)
+        if record.restore_checkpoint is None and self.trainer.holdings() and self.trainer.step != record.resume_step:
+            _log(f"generation {generation} resumes at step {record.resume_step} but this worker is at step "
+                 f"{self.trainer.step}: its shards are not the committed state")  # fmt: skip
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
         fetch: Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]] | None
@@ -356,38 +323,34 @@ class ElasticWorker:
         return holders
 
     def _train(self, generation: int, layout: ParallelLayout) -> bool:
-        """Run steps of `generation`; True when the job's steps are all committed."""
+        """Run steps of `generation`; True when the job's steps are all committed, False when
+        the generation was halted (or a step failed here: the leader halts it)."""
         first_commit = True
+        last = self.spec.steps - 1
         while self.trainer.step < self.spec.steps:
             step = self.trainer.step
-            if self.generations.latest() > generation:
+            halt = self.halts.requested(generation)
+            if self.generations.latest() > generation or (halt is not None and halt.abort):
                 return False
-            start, started_at = time.perf_counter(), time.time()
+            started_at = time.time()
+            skipped = None
             try:
-                prepared = self.trainer.prepare_step()
-            except Exception as exc:  # StepAborted, StepDiscarded, or a peer's death seen by gloo
-                _log(f"step {step} of generation {generation} not prepared: {type(exc).__name__}: {exc}")
-                decision = self.decisions.wait(generation, step, self.timeout * 2)
-                assert decision == ABORT, "a step some worker did not prepare cannot commit"
-                self.generations.wait_newer(generation, self.timeout * 2)
+                prepared = self.trainer.prepare_step(halt=halt is not None and step != last)
+            except NonFiniteStep as exc:  # every worker that saw the vote agrees: skip the step
+                _log(f"step {step} of generation {generation}: SKIPPED, {exc}")
+                skipped, prepared = exc, None
+            except Exception as exc:  # StepAborted, VoteCutShort, StepDiscarded, a peer's death seen by gloo
+                _log(f"step {step} of generation {generation} not committed: {type(exc).__name__}: {exc}")
                 return False
-            self.client.put(self.rk.ready(generation, step, layout.rank), str(started_at))
-            decision = self.decisions.wait(generation, step, self.timeout * 2)
-            if decision != COMMIT:
+            if step == last and not self._last_step_decided(generation, step, layout):
                 self.trainer.discard()
-                _log(f"step {step} of generation {generation}: aborted by the leader")
-                self.generations.wait_newer(generation, self.timeout * 2)
                 return False
-            report = self.trainer.commit(prepared)
-            now = time.time()
-            if layout.stage == 0 and layout.tp_rank == 0:
-                # One writer per pipeline: a node killed right after the commit cannot lose the
-                # step's report (every worker has the same global loss and norm).
-                result = StepResult(
-                    step=step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
-                    seconds=time.perf_counter() - start, generation=generation, committed_at=now,
-                )  # fmt: skip
-                self.client.put(self.rk.result(step), result.to_json())
+            if skipped is not None:
+                report = self.trainer.skip(grad_norm=skipped.grad_norm, loss=skipped.loss)
+            else:
+                assert prepared is not None
+                report = self.trainer.commit(prepared)
+            now = self._record_step(layout, report, started_at=started_at)
             if first_commit:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
@@ -395,7 +358,38 @@ class ElasticWorker:
                                       bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now)  # fmt: skip
                 self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
             self._maybe_checkpoint(layout)
+            if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:
+                _log(f"generation {generation}: halted after step {step} (voted)")
+                return False
         return True
+
+    def _last_step_decided(self, generation: int, step: int, layout: ParallelLayout) -> bool:
+        """The job's last step commits only on the leader's word: no worker may finish the job
+        while a peer replays it. True for "commit"."""
+        self.client.put(self.rk.ready(generation, step, layout.rank), str(time.time()))
+        decision = self.decisions.wait(generation, step, self.timeout * 4)
+        if decision != COMMIT:
+            _log(f"step {step} of generation {generation}: aborted by the leader")
+        return decision == COMMIT
+
+    def _record_step(self, layout: ParallelLayout, report: StepReport, *, started_at: float) -> float:
+        """Hand a committed step to the progress writer (world rank 0) and the local step log
+        (each pipeline's first worker); the commit's wall time."""
+        now = time.time()
+        result = StepResult(step=report.step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
+                            seconds=report.seconds, generation=layout.generation, committed_at=now)  # fmt: skip
+        if layout.rank == 0:
+            self.progress.publish(result)
+        if layout.stage == 0 and layout.tp_rank == 0:
+            if self._step_log is None:
+                path = step_log_path(self.spec.run_dir, self.node, self.local_rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+                self._step_log = path.open("a", buffering=1)
+                if torn:  # a killed predecessor's half line: end it, so this line parses
+                    self._step_log.write("\n")
+            self._step_log.write(result.to_json() + "\n")
+        return now
 
     def _maybe_checkpoint(self, layout: ParallelLayout) -> None:
         every = self.config.checkpoint_every
@@ -421,8 +415,12 @@ class ElasticWorker:
         self.client.put(self.rk.worker_done(self.node, self.local_rank), str(self.trainer.step))
 
     def close(self) -> None:
+        self.progress.close()
         self.generations.close()
+        self.halts.close()
         self.decisions.close()
+        if self._step_log is not None:
+            self._step_log.close()
         self.server.stop(grace=1.0)
 
 

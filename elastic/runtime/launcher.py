@@ -4,7 +4,8 @@ Two modes. `launch` (fixed plan, no failure handling) is described below. `launc
 starts etcd (unless given one), writes the job's token-protected config and its `--inject`
 faults as injection requests (injection.py), starts one agent per node (elastic.runtime.agent:
 membership, leader, workers), publishes generation 1, prints each committed step and each
-failure and recovery as it reads them from etcd, and counts restarts of survivors' workers from
+failure and recovery as watches on etcd deliver them (one line per put of the
+`progress` key), and counts restarts of survivors' workers from
 the PIDs the workers register. It carries out rejoin requests itself: once the node's member is
 gone (and the request's step is in flight), any process left of the node's older incarnations
 is killed and an agent for the next incarnation is started.
@@ -48,12 +49,20 @@ from elastic.runtime.injection import (
     write_status,
 )
 from elastic.runtime.job import JobSpec
-from elastic.runtime.progress import Progress, elastic_summary, poll_progress, run_finished
+from elastic.runtime.progress import (
+    JobFeed,
+    Progress,
+    elastic_summary,
+    final_poll,
+    poll_progress,
+    run_finished,
+)
 from elastic.runtime.protocol import (
-    COMMIT,
     ElasticConfig,
     GenerationRecord,
     RunKeys,
+    committed_steps,
+    step_log_path,
 )
 from elastic.runtime.summary import RunSummary, collect_summary
 
@@ -214,8 +223,9 @@ def launch_elastic(
     run_dir = Path(spec.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in [spec.result_path, run_dir / "final_plan.json",
-                  *(spec.stage_state_path(s) for s in range(spec.plan.num_layers))]:  # fmt: skip
-        stale.unlink(missing_ok=True)
+                  *(spec.stage_state_path(s) for s in range(spec.plan.num_layers)),
+                  *step_log_path(run_dir, 0, 0).parent.glob("*.jsonl")]:  # fmt: skip
+        stale.unlink(missing_ok=True)  # a previous run's step logs would enter this run's summary
     server = None
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
@@ -227,6 +237,7 @@ def launch_elastic(
     client = connect(EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
     rk = RunKeys(keys)
+    feeds: list[JobFeed] = []
     start = time.monotonic()
 
     def say(line: str) -> None:
@@ -249,6 +260,8 @@ def launch_elastic(
 
     try:
         admit(client, keys, token)
+        feed = JobFeed(client, rk)  # before anything is written: every step, plan and worker is seen
+        feeds.append(feed)
         write_job_file(run_dir, etcd=etcd_endpoint, job=job, token=token)
         client.put(rk.config, config.to_json())
         for inj in config.injections:
@@ -266,7 +279,7 @@ def launch_elastic(
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
         while True:
-            poll_progress(client, keys, config, progress, say)
+            poll_progress(client, keys, config, progress, say, feed)
             for req in _due_rejoins(client, keys, progress):
                 progress.rejoined.add(req.id)
                 client.put(rk.injected(req.id), repr(time.time()))
@@ -285,7 +298,7 @@ def launch_elastic(
             if run_finished(client, rk, progress, spec.steps):
                 break
             if agents and all(a.proc.poll() is not None for a in agents):
-                poll_progress(client, keys, config, progress, say)
+                poll_progress(client, keys, config, progress, say, feed)
                 if run_finished(client, rk, progress, spec.steps):
                     break
                 codes = ", ".join(f"node {a.node}.{a.incarnation}: {a.proc.returncode}" for a in agents)
@@ -298,11 +311,13 @@ def launch_elastic(
             if stop is not None and stop.is_set():
                 raise JobFailed("stopped on request")
             time.sleep(_POLL_S)
-        poll_progress(client, keys, config, progress, say)
+        final_poll(client, keys, config, progress, say, feed)
         return elastic_summary(config, progress, started_at=started_at)
     finally:
         _stop_agents(agents)
         _kill_workers(progress)
+        for f in feeds:
+            f.close()
         client.close()
         if server is not None:
             server.stop()
@@ -334,7 +349,8 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, agents: list[
 
 
 def _count(client: Any, prefix: str) -> int:
-    return sum(1 for _ in client.get_prefix(prefix, keys_only=True))
+    """Keys under `prefix` (etcd counts them; no key is returned)."""
+    return int(client.get_prefix_response(prefix, count_only=True).count)
 
 
 def _due_rejoins(client: Any, keys: JobKeys, progress: Progress) -> list[InjectionRequest]:
@@ -350,21 +366,18 @@ def _due_rejoins(client: Any, keys: JobKeys, progress: Progress) -> list[Injecti
             progress.rejoined.add(req.id)
             continue
         alive, _ = client.get(keys.member(f"node{req.node}"))
-        if alive is None and (req.when == "now" or _step_in_flight(client, RunKeys(keys), req.step)):
+        if alive is None and (req.when == "now" or _step_in_flight(client, RunKeys(keys), req.step, progress)):
             out.append(req)
     return out
 
 
-def _step_in_flight(client: Any, rk: RunKeys, step: int | None) -> bool:
-    """Whether step `step` (1-based) is in flight or past: step-1 was decided commit in some generation."""
+def _step_in_flight(client: Any, rk: RunKeys, step: int | None, progress: Progress) -> bool:
+    """Whether step `step` (1-based) is in flight or past: step-1 was committed (the progress
+    record, one key read, or any record the feed delivered before a checkpoint fallback)."""
     assert step is not None
-    if step == 1:
+    if step == 1 or progress.high_water >= step - 1:
         return True
-    for value, meta in client.get_prefix(rk.steps):
-        key = meta.key.decode()
-        if key.endswith(f"/{step - 2}/decision") and value.decode() == COMMIT:
-            return True
-    return False
+    return committed_steps(client, rk) >= step - 1
 
 
 def _stop_agents(agents: list[_Agent]) -> None:

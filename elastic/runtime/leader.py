@@ -1,24 +1,33 @@
-"""The leader: commit decisions, failure handling and re-planning, inside the elected agent.
+"""The leader: failure handling, joins, drains and re-planning, inside the elected agent.
 
 It keeps nothing that etcd does not have: a newly elected leader reads the current generation,
-its record and the decisions written so far, and goes on from there. Each round (woken by any
-change under members/, workers/ or steps/, or every 0.2 s):
+its halt and the sync reports written so far, and goes on from there. Steps commit without it
+(every worker commits when the step's vote, a world all-reduce, completes: see protocol.py);
+it acts only when membership changes. Each round (woken by a change under members/, workers/,
+sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a per-step key:
 
-- a member of the current generation is gone (lease revoked or expired): the in-flight step is
-  decided "abort" (created only if no decision exists; if "commit" won, the next step is
-  aborted instead), the live nodes are re-planned on the precomputed templates, and generation
-  g+1 is published (fenced: only the leader can). If a layer has no surviving holder, or the
-  survivors cannot form f+1 pipelines, the plan is rebuilt from scratch over the live nodes,
-  relaxing f only as far as needed, and every worker restores the latest complete checkpoint;
-- every rank of the current generation is ready for the in-flight step: "commit";
+- a member of the current generation g is gone (lease revoked or expired): `halt/<g>` is
+  written with abort (every worker abandons its in-flight step unless that step's vote
+  completed), the job's last step is decided "abort" unless "commit" won (then the job is
+  done), and once every live worker of g has written its sync report, the resume step is the
+  furthest step a live worker committed; a survivor whose vote of the step before was cut short
+  completes it with the vote another survivor saw (`completed_vote`). The live nodes are
+  re-planned on the precomputed templates and generation g+1 is published (fenced: only the
+  leader can). If a layer has no surviving holder, or the survivors cannot form f+1 pipelines,
+  the plan is rebuilt from scratch over the live nodes, relaxing f only as far as needed, and
+  every worker restores the latest complete checkpoint;
+- every rank of g is ready for the job's last step: "commit" (the only step decided here);
 - a new node (a node id absent from the plan, or a new incarnation) has registered all its
-  workers: when the in-flight step is committed, the step after it (barely begun) is decided
-  "abort" and g+1 takes the node in from there: a join never throws away a step's work;
-- a drain request (`elastic drain`, injections/): refused (with its reason in the request's
-  status and an event) unless the other nodes of the generation can still form the job's f+1
-  pipelines; otherwise at the next step boundary g+1 is published without the node ("drained
-  node N"), whose workers serve their shards until g+1 has committed a step and then leave.
-  A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
+  workers, or a drain request (`elastic drain`, injections/) can be met: `halt/<g>` is written
+  without abort, the workers vote it into their next step and all stop after committing that
+  step, and g+1 takes the node in (or leaves the drained node out) from the step after it: a
+  join or a drain never throws away a step's work. A drain is refused (with its reason in the
+  request's status and an event) unless the other nodes can still form the job's f+1
+  pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
+  leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
+
+Keys of generations before g (halts, sync reports, last-step marks, group stores) are deleted
+when g+1 is published, so etcd holds O(workers) of them whatever the run's length.
 """
 
 from __future__ import annotations
@@ -49,7 +58,10 @@ from elastic.runtime.protocol import (
     COMMIT,
     ElasticConfig,
     GenerationRecord,
+    HaltRecord,
     RunKeys,
+    SyncReport,
+    Vote,
     WorkerInfo,
     live_nodes,
 )
@@ -59,6 +71,9 @@ from templates.replanning import replan
 from templates.template_set import PlanningError, TemplateSet
 
 log = logging.getLogger(__name__)
+
+_IDLE_ROUND_S = 1.0
+"""A round runs at least this often without a watch event (membership changes wake it at once)."""
 
 
 class FallbackImpossible(RuntimeError):
@@ -128,6 +143,9 @@ class Leader:
         self._stop = threading.Event()
         self._detected: float | None = None
         self._thread: threading.Thread | None = None
+        self._record: tuple[int, GenerationRecord] | None = None
+        self.rounds = 0
+        """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
 
     def start(self) -> Leader:
@@ -145,15 +163,22 @@ class Leader:
         self._wake.set()
 
     def _run(self) -> None:
-        watches = [PrefixWatch(self.client, p, self._on_events)
-                   for p in (self.keys.members, self.rk.workers, self.rk.steps)]  # fmt: skip
+        # Watched only while leading: standby agents must not receive every sync report.
+        prefixes = (self.keys.members, self.rk.workers, self.rk.syncs, self.rk.readies, self.keys.injections)
+        watches: list[PrefixWatch] = []
         try:
             while not self._stop.is_set() and not self.finished.is_set():
                 if not self.election.wait_leader(0.2):
+                    for w in watches:
+                        w.cancel()
+                    watches = []
                     continue
+                if not watches:
+                    watches = [PrefixWatch(self.client, p, self._on_events) for p in prefixes]
                 self._wake.clear()
                 try:
                     self._round()
+                    self.rounds += 1
                 except (GenerationConflict, NotLeader) as exc:
                     log.warning("leader %s: %s", self.who, exc)
                 except FallbackImpossible as exc:
@@ -161,7 +186,7 @@ class Leader:
                     record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
                     self.client.put(self.keys.root + "fatal", str(exc))
                     return
-                self._wake.wait(0.2)
+                self._wake.wait(_IDLE_ROUND_S)
         except Exception:
             log.exception("leader %s failed", self.who)
             raise
@@ -171,40 +196,103 @@ class Leader:
 
     # ---- one round -----------------------------------------------------------------------
 
-    def _round(self) -> None:
+    def _current(self) -> tuple[int, GenerationRecord] | None:
+        """The current generation and its record (the record is read once per generation)."""
         g = self.generations.current_number()
-        gen = self.generations.get(g)
-        if gen is None:
+        if self._record is None or self._record[0] != g:
+            gen = self.generations.get(g)
+            if gen is None:
+                return None
+            self._record = (g, GenerationRecord.from_json(gen.plan))
+        return self._record
+
+    def _round(self) -> None:
+        current = self._current()
+        if current is None:
             return
-        record = GenerationRecord.from_json(gen.plan)
+        g, record = current
         members = live_nodes(self.client, self.keys)
-        steps = self.config.spec.steps
-        in_flight, ready, decided = self._in_flight(g, record)
-        if in_flight >= steps:
-            self.finished.set()
-            return
+        last = self.config.spec.steps - 1
         lost = sorted(n for n, inc in record.incarnations.items() if members.get(n) != inc)
         if lost:
             if self._detected is None:
                 self._detected = time.time()
-            self._resolve_and_publish(g, record, in_flight, members, lost=lost, joined=[])
+            fence = self.election.leader_compare()
+            self._halt(g, abort=True, reason=f"lost node(s) {lost}")
+            if decide(self.client, self.rk, g, last, ABORT, fence=fence) == COMMIT:
+                self.finished.set()  # the job's last step committed: nothing to recover
+                return
+            reports = self._sync_reports(g, record, members)
+            if reports is not None:
+                self._resolve_and_publish(g, record, reports, members, lost=lost, joined=[])
             return
-        if decided is None and ready >= len(record.plan.nodes) * record.plan.gpus_per_node:
-            decide(self.client, self.rk, g, in_flight, COMMIT, fence=self.election.leader_compare())
-            joined = self._ready_newcomers(record, members)
-            if joined:  # a drained node's incarnation is never taken back in
-                _, drained = self._drain_requests()
-                joined = [n for n in joined if (n, members[n]) not in drained]
-            if joined:
-                # A step boundary: newcomers are taken in from the next step on, which the
-                # workers have barely begun when g+1 aborts it; the step just committed cost
-                # nothing (a join never throws away a step's work, a loss may).
-                self._detected = time.time()
-                self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=joined)
+        if self._decide_last_step(g, record):
             return
-        drains, _ = self._drain_requests()
-        if drains:
-            self._drain(g, record, in_flight, members, drains, boundary=decided is None)
+        joined = self._ready_newcomers(record, members)
+        if joined:  # a drained node's incarnation is never taken back in
+            _, drained = self._drain_requests()
+            joined = [n for n in joined if (n, members[n]) not in drained]
+        drain = None if joined else self._acceptable_drain(g, record)
+        if not joined and drain is None:
+            return
+        # A step boundary: the workers finish the in-flight step and stop after it.
+        if self._detected is None:
+            self._detected = time.time()
+        what = f"node(s) {joined} joining" if joined else f"drain of node {drain[0].node}" if drain else ""
+        self._halt(g, abort=False, reason=what)
+        reports = self._sync_reports(g, record, members)
+        if reports is None:
+            return
+        if joined:
+            self._resolve_and_publish(g, record, reports, members, lost=[], joined=joined)
+            return
+        assert drain is not None
+        req, plan, reason = drain
+        if self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], drained=[req.node],
+                                     planned=(plan, reason)):  # fmt: skip
+            self._answer(req, "done", reason, generation=g + 1)
+        else:
+            self._answer(req, "refused", "the job finished before a step boundary came")
+
+    def _halt(self, g: int, *, abort: bool, reason: str) -> None:
+        """Write `halt/<g>` (fenced) unless a halt at least as strong is there already."""
+        key = self.rk.halt(g)
+        value, _ = self.client.get(key)
+        if value is not None and (HaltRecord.from_json(value).abort or not abort):
+            return
+        halt = HaltRecord(abort=abort, reason=reason, at=time.time())
+        ok, _ = self.client.transaction(compare=[self.election.leader_compare()],
+                                        success=[self.client.transactions.put(key, halt.to_json())], failure=[])  # fmt: skip
+        if not ok:
+            raise NotLeader(f"halt {key} not written: this agent is no longer the leader")
+        log.warning("leader %s: halted generation %d (%s): %s", self.who, g, "abort" if abort else "at a step boundary", reason)
+
+    def _decide_last_step(self, g: int, record: GenerationRecord) -> bool:
+        """Commit the job's last step once every rank of g is ready for it; True when the job is done."""
+        last = self.config.spec.steps - 1
+        world = len(record.plan.nodes) * record.plan.gpus_per_node
+        resp = self.client.get_prefix_response(self.rk.ready_prefix(g, last), count_only=True)
+        if int(resp.count) < world:
+            return False
+        if decide(self.client, self.rk, g, last, COMMIT, fence=self.election.leader_compare()) == COMMIT:
+            self.finished.set()
+            return True
+        return False
+
+    def _sync_reports(self, g: int, record: GenerationRecord, members: dict[int, int]) -> list[SyncReport] | None:
+        """Every live worker's sync report of g; None while some are missing."""
+        expected = {(n, r) for n in record.plan.nodes if members.get(n) == record.incarnations.get(n)
+                    for r in range(record.plan.gpus_per_node)}  # fmt: skip
+        reports: dict[tuple[int, int], SyncReport] = {}
+        for value, _ in self.client.get_prefix(self.rk.sync(g)):
+            try:
+                report = SyncReport.from_json(value)
+            except (ValueError, TypeError, KeyError):
+                continue
+            reports[(report.node, report.local_rank)] = report
+        if not expected <= reports.keys():
+            return None
+        return [reports[k] for k in sorted(expected)]
 
     # ---- drains --------------------------------------------------------------------------
 
@@ -227,8 +315,10 @@ class Leader:
                      node=req.node, id=req.id, reason=detail, generation=generation)  # fmt: skip
         log.warning("leader %s: drain %s %s: %s", self.who, req.id, state, detail)
 
-    def _drain(self, g: int, record: GenerationRecord, in_flight: int, members: dict[int, int],
-               requests: list[InjectionRequest], *, boundary: bool) -> None:  # fmt: skip
+    def _acceptable_drain(self, g: int, record: GenerationRecord) -> tuple[InjectionRequest, Plan, str] | None:
+        """The first pending drain request that can be met, with its plan and reason; requests
+        that cannot be met are refused on the way."""
+        requests, _ = self._drain_requests()
         for req in requests:
             if req.node not in record.plan.nodes or record.incarnations.get(req.node) != req.incarnation:
                 self._answer(req, "refused", f"node {req.node} (incarnation {req.incarnation}) is not in "
@@ -243,33 +333,8 @@ class Leader:
                 self._answer(req, "refused", f"draining node {req.node} would leave nodes {others}, which cannot "
                              f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")  # fmt: skip
                 continue
-            if not boundary:
-                return  # at the next step boundary
-            reason = f"drained node {req.node}: re-planned over nodes {others}"
-            self._detected = time.time()
-            if self._resolve_and_publish(g, record, in_flight, members, lost=[], joined=[], drained=[req.node],
-                                         planned=(plan, reason)):  # fmt: skip
-                self._answer(req, "done", reason, generation=g + 1)
-            else:
-                self._answer(req, "refused", "the job finished before a step boundary came")
-            return
-
-    def _in_flight(self, g: int, record: GenerationRecord) -> tuple[int, int, str | None]:
-        """(first step of g not committed, ranks ready for it, its decision if any)."""
-        decisions: dict[int, str] = {}
-        ready: dict[int, int] = {}
-        prefix = f"{self.rk.steps}{g}/"
-        for value, meta in self.client.get_prefix(prefix):
-            parts = meta.key.decode()[len(prefix) :].split("/")
-            step = int(parts[0])
-            if parts[1] == "decision":
-                decisions[step] = value.decode()
-            elif parts[1] == "ready":
-                ready[step] = ready.get(step, 0) + 1
-        step = record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint
-        while decisions.get(step) == COMMIT:
-            step += 1
-        return step, ready.get(step, 0), decisions.get(step)
+            return req, plan, f"drained node {req.node}: re-planned over nodes {others}"
+        return None
 
     def _ready_newcomers(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
         """Nodes alive but not in the generation whose workers have all registered."""
@@ -285,20 +350,30 @@ class Leader:
                 out.append(node)
         return out
 
-    def _resolve_and_publish(self, g: int, record: GenerationRecord, in_flight: int,
+    # ---- the next generation -------------------------------------------------------------
+
+    @staticmethod
+    def _resume(record: GenerationRecord, reports: list[SyncReport]) -> tuple[int, Vote | None]:
+        """The next step of g+1 and the vote of the step before it: the furthest step a live
+        worker of g committed (workers that never joined g say nothing of it)."""
+        joined = [r for r in reports if r.committed is not None]
+        base = record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint
+        if not joined:
+            return base, record.completed_vote if record.restore_checkpoint is None else None
+        resume = max(r.committed for r in joined if r.committed is not None)
+        vote = next((r.last_vote for r in joined
+                     if r.committed == resume and r.last_vote is not None and r.last_vote.step == resume - 1), None)  # fmt: skip
+        return resume, vote
+
+    def _resolve_and_publish(self, g: int, record: GenerationRecord, reports: list[SyncReport],
                              members: dict[int, int], *, lost: list[int], joined: list[int],
                              drained: list[int] | None = None,
                              planned: tuple[Plan, str] | None = None) -> bool:  # fmt: skip
         """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
-        # The in-flight step is decided before anyone moves on: abort, unless commit already won.
-        resume = in_flight
-        fence = self.election.leader_compare()
-        if decide(self.client, self.rk, g, resume, ABORT, fence=fence) == COMMIT:
-            resume += 1
-            if resume >= self.config.spec.steps:
-                self.finished.set()
-                return False
-            decide(self.client, self.rk, g, resume, ABORT, fence=fence)
+        resume, vote = self._resume(record, reports)
+        if resume >= self.config.spec.steps:
+            self.finished.set()
+            return False
         if planned is not None:
             plan, restore, reason = planned[0], None, planned[1]
         else:
@@ -315,6 +390,7 @@ class Leader:
             reason=reason,
             detected_at=self._detected,
             published_at=time.time(),
+            completed_vote=vote if restore is None else None,
         )
         self.generations.publish(new.to_json(), expected=g, fence=self.election.leader_compare())
         self._detected = None
@@ -322,7 +398,16 @@ class Leader:
         record_event(self.client, self.keys, who=self.who, kind="generation", generation=g + 1,
                      lost=lost, joined=joined, drained=drained or [], reason=reason,
                      restore_checkpoint=restore)  # fmt: skip
+        self._forget(g - 1)
         return True
+
+    def _forget(self, g: int) -> None:
+        """Delete what generation `g` (and any before it) left that no one reads any more."""
+        if g < 1:
+            return
+        for prefix in (self.rk.sync(g), self.rk.halt(g), f"{self.rk.readies}{g}/", f"{self.rk.decisions}{g}/",
+                       self.keys.store(f"gen-{g}")):  # fmt: skip
+            self.client.delete_prefix(prefix)
 
     def _plan_for(
         self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]

@@ -1,40 +1,137 @@
 """What the launcher reads of an elastic run from etcd: committed steps, generations,
-recoveries (with their breakdown) and worker PIDs, and the run summary built from them."""
+recoveries (with their breakdown) and worker PIDs, and the run summary built from them.
+
+Nothing here scans per-step history. A `JobFeed` watches four things from the moment it is
+opened: the `progress` key (every put is one committed step, so the launcher prints one line a
+step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
+worker) and `recoveries/` (one key a worker a generation). `poll_progress` only drains what the
+watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
+logs of the run directory (`read_step_logs`: complete for local agents; the feed is the fallback
+for agents on other hosts).
+"""
 
 from __future__ import annotations
 
 import statistics
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
 from elastic.runtime.protocol import (
     ElasticConfig,
     GenerationRecord,
+    ProgressRecord,
     RecoveryTimings,
     RunKeys,
     StepResult,
     WorkerInfo,
+    read_progress,
+    read_step_logs,
 )
 from elastic.runtime.summary import RunSummary
+
+if TYPE_CHECKING:  # job.py imports torch: `elastic status` and the metrics import this module
+    from elastic.runtime.job import JobSpec
+
+
+class JobFeed:
+    """Every change of `progress`, `plan/`, `workers/` and `recoveries/` of one job since it was
+    opened (what was there at opening first), queued in revision order per watch until `drain`
+    takes it."""
+
+    def __init__(self, client: Any, rk: RunKeys) -> None:
+        self.rk = rk
+        self._lock = threading.Lock()
+        self._events: list[WatchEvent] = []
+        self._watches: list[PrefixWatch] = []
+        try:
+            for prefix in (rk.progress, rk.job.plans, rk.workers, rk.recoveries):
+                self._watches.append(watch_from_now(client, prefix, self._on_events))
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            self._events.extend(events)
+
+    def drain(self) -> list[WatchEvent]:
+        """The events delivered since the last drain, oldest first."""
+        with self._lock:
+            events, self._events = self._events, []
+        return sorted(events, key=lambda ev: ev.revision)
+
+    def caught_up(self, revision: int) -> bool:
+        """Whether the `progress` watch has delivered every change up to `revision`."""
+        nxt = self._watches[0].next_revision if self._watches else None
+        return nxt is not None and nxt > revision
+
+    def wait_caught_up(self, revision: int, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until the progress watch has delivered `revision`."""
+        deadline = time.monotonic() + timeout
+        while not self.caught_up(revision):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        self._watches = []
 
 
 @dataclass
 class Progress:
-    """What the launcher has seen of an elastic run so far (read from etcd each poll)."""
+    """What the launcher has seen of an elastic run so far (delivered by its JobFeed)."""
 
-    results: dict[int, Any] = field(default_factory=dict)
+    results: dict[int, StepResult] = field(default_factory=dict)
+    """Step -> its result as the progress records delivered it (the newest generation's)."""
     printed: set[tuple[int, int]] = field(default_factory=set)
-    generations: dict[int, Any] = field(default_factory=dict)
+    """(step, generation) of every step line printed."""
+    generations: dict[int, GenerationRecord] = field(default_factory=dict)
     reported: set[int] = field(default_factory=set)
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     pids: dict[tuple[int, int, int], set[int]] = field(default_factory=dict)
     rejoined: set[str] = field(default_factory=set)
+    last: ProgressRecord | None = None
+    """The latest progress record delivered (by revision)."""
+    last_revision: int = 0
+    """etcd revision of `last`."""
+    high_water: int = 0
+    """The most steps ever seen committed (a checkpoint fallback can make `last` go back)."""
+    trained: set[int] = field(default_factory=set)
+    """Generations seen committing a step."""
+    timings: dict[int, dict[str, RecoveryTimings]] = field(default_factory=dict)
+    """Generation -> rank -> that worker's timings of its reconfiguration into the generation."""
+
+    @property
+    def committed(self) -> int:
+        """Steps committed, as the latest progress record delivered says."""
+        return 0 if self.last is None else self.last.step + 1
+
+    def saw(self, record: ProgressRecord, revision: int) -> None:
+        """Take in one progress record (one committed step) written at `revision`."""
+        if revision >= self.last_revision:
+            self.last, self.last_revision = record, revision
+        self.high_water = max(self.high_water, record.step + 1)
+        self.trained.add(record.generation)
+        known = self.results.get(record.step)
+        if known is None or record.generation >= known.generation:
+            self.results[record.step] = record.result()
 
 
 def run_finished(client: Any, rk: RunKeys, progress: Progress, steps: int) -> bool:
-    if len(progress.results) < steps or not progress.generations:
+    """Every step committed (the progress key, one read) and every worker of the last
+    generation has its done key (read only once the steps are there)."""
+    if not progress.generations:
+        return False
+    record = read_progress(client, rk)
+    if (0 if record is None else record.step + 1) < steps:
         return False
     last = progress.generations[max(progress.generations)]
     done = {(int(m.key.decode().split("/")[-2]), int(m.key.decode().split("/")[-1]))
@@ -42,37 +139,53 @@ def run_finished(client: Any, rk: RunKeys, progress: Progress, steps: int) -> bo
     return all((n, r) in done for n in last.plan.nodes for r in range(last.plan.gpus_per_node))
 
 
-def poll_progress(
-    client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None]
-) -> None:
-    rk = RunKeys(keys)
-    spec = config.spec
-    for value, meta in client.get_prefix(rk.workers):
-        node, local_rank = (int(x) for x in meta.key.decode().split("/")[-2:])
-        info = WorkerInfo.from_json(value)
-        progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
-    for value, meta in client.get_prefix(keys.plans):
-        g = int(meta.key.decode().rsplit("/", 1)[1])
+def step_line(r: StepResult, spec: JobSpec) -> str:
+    """The line `elastic run` prints for a committed step."""
+    tokens = spec.plan.global_batch * spec.model_config.seq_len
+    return (f"step {r.step + 1}/{spec.steps}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  lr {r.lr:.2e}  "
+            f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")  # fmt: skip
+
+
+def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], None], spec: JobSpec) -> None:
+    """Apply one delivered change to `progress`, saying what a person should see."""
+    if ev.kind != "put":
+        return
+    if ev.key == rk.progress:
+        record = ProgressRecord.from_json(ev.value)
+        progress.saw(record, ev.revision)
+        if (record.step, record.generation) not in progress.printed:
+            progress.printed.add((record.step, record.generation))
+            say(step_line(record.result(), spec))
+    elif ev.key.startswith(rk.job.plans):
+        g = int(ev.key.rsplit("/", 1)[1])
         if g not in progress.generations:
-            progress.generations[g] = GenerationRecord.from_json(value)
-            rec = progress.generations[g]
+            progress.generations[g] = rec = GenerationRecord.from_json(ev.value)
             if g > 1:
                 say(f"elastic run: generation {g}: {rec.reason} (resume at step {rec.resume_step + 1})")
-    for value, _ in client.get_prefix(rk.results):
-        r = StepResult.from_json(value)
-        progress.results[r.step] = r
-        if (r.step, r.generation) not in progress.printed:
-            progress.printed.add((r.step, r.generation))
-            tokens = spec.plan.global_batch * spec.model_config.seq_len
-            say(f"step {r.step + 1}/{spec.steps}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  lr {r.lr:.2e}  "
-                f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")  # fmt: skip
+    elif ev.key.startswith(rk.workers):
+        node, local_rank = (int(x) for x in ev.key.split("/")[-2:])
+        info = WorkerInfo.from_json(ev.value)
+        progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
+    elif ev.key.startswith(rk.recoveries):
+        generation, rank = ev.key[len(rk.recoveries) :].split("/")[:2]
+        progress.timings.setdefault(int(generation), {})[rank] = RecoveryTimings.from_json(ev.value)
+
+
+def poll_progress(
+    client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
+    feed: JobFeed,
+) -> None:  # fmt: skip
+    """Take in what `feed` delivered since the last poll and report finished recoveries."""
+    rk = RunKeys(keys)
+    for ev in feed.drain():
+        _take(ev, rk, progress, say, config.spec)
     for g, rec in sorted(progress.generations.items()):
         if g == 1 or g in progress.reported:
             continue
         world = len(rec.plan.nodes) * rec.plan.gpus_per_node
-        timings = [RecoveryTimings.from_json(v) for v, _ in client.get_prefix(f"{rk.recoveries}{g}/")]
+        timings = list(progress.timings.get(g, {}).values())
         superseded = any(later > g for later in progress.generations)
-        trained = any(r.generation == g for r in progress.results.values())
+        trained = g in progress.trained or bool(timings)  # a worker's timings come with its first commit
         if len(timings) < world and not (superseded and (not trained or timings)):
             continue
         progress.reported.add(g)
@@ -96,6 +209,36 @@ def poll_progress(
             )
         )
 
+
+def final_poll(
+    client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
+    feed: JobFeed, *, catch_up_s: float = 5.0,
+) -> None:  # fmt: skip
+    """The last poll of a finished run: let the feed deliver up to the progress key's current
+    revision (bounded wait), take it in, then print the line of any committed step the feed
+    missed from the local step logs (a watch that lost history), so every step has its line."""
+    resp = client.get_response(RunKeys(keys).progress)
+    if resp.kvs:
+        feed.wait_caught_up(int(resp.kvs[0].mod_revision), catch_up_s)
+    poll_progress(client, keys, config, progress, say, feed)
+    if resp.kvs and int(resp.kvs[0].mod_revision) > progress.last_revision:  # the feed fell behind
+        progress.saw(ProgressRecord.from_json(resp.kvs[0].value), int(resp.kvs[0].mod_revision))
+    shown = {step for step, _ in progress.printed}
+    for step, r in sorted(merged_results(config, progress).items()):
+        if step not in shown and step < progress.committed:
+            progress.printed.add((step, r.generation))
+            say(step_line(r, config.spec))
+
+
+def merged_results(config: ElasticConfig, progress: Progress) -> dict[int, StepResult]:
+    """Step -> result of every step known: what the feed saw (the progress writer's own figures,
+    which `elastic status` and the metrics show too), completed from the run's local step logs
+    (a step the feed missed, or a newer generation's copy of a step)."""
+    out = dict(progress.results)
+    for step, r in read_step_logs(config.spec.run_dir).items():
+        if step not in out or r.generation > out[step].generation:
+            out[step] = r
+    return out
 
 def change_words(lost: list[int], joined: list[int], drained: list[int]) -> str:
     """A generation's change of membership in words, e.g. "lost [2], joined [4]" or "drained [1]"."""
@@ -174,8 +317,12 @@ def fault_time(carried_out: list[tuple[str, float]], node: int, detected: float)
 
 
 def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: float) -> RunSummary:
+    """The run's summary: every committed step (`merged_results`, up to the last committed one),
+    recoveries, restarts and throughput."""
     spec = config.spec
-    results = [progress.results[s] for s in sorted(progress.results)]
+    merged = merged_results(config, progress)
+    committed = progress.committed or len(merged)
+    results = [merged[s] for s in sorted(merged) if s < committed]
     restarts = sum(len(pids) - 1 for pids in progress.pids.values())
     tokens = spec.plan.global_batch * spec.model_config.seq_len
     seconds = [r.seconds for r in results]

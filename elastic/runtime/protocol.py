@@ -7,9 +7,12 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     workers/<node>/<local_rank>     {"pid", "transfer_address", "incarnation"} on the node's lease
     holdings/<node>/<local_rank>    [[layer, tp_rank], ...] the worker holds now, on the node's lease
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
-    steps/<g>/<s>/ready/<rank>      a worker's prepare_step of step s in generation g succeeded
-    steps/<g>/<s>/decision          "commit" | "abort", created once by the leader
-    results/<s>                     StepResult of committed step s, by each pipeline's first worker
+    progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
+    halt/<g>                        HaltRecord: the leader asks generation g to stop (abort now, or at
+                                    the next step boundary); written once per generation change
+    sync/<g>/<node>/<local_rank>    SyncReport of a worker of g once it halted (what it committed)
+    ready/<g>/<s>/<rank>            the job's last step s only: a worker's vote succeeded
+    decisions/<g>/<s>               the job's last step s only: "commit" | "abort", created once by the leader
     recoveries/<g>/<rank>           a worker's timings of its reconfiguration into g
     done/<node>/<local_rank>        a worker finished every step and saved its outputs
     injected/<name>                 when an injection (request id <name>) was carried out (wall time)
@@ -17,12 +20,22 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     injection-status/<id>           InjectionStatus JSON: running, done, refused or fenced
 
 Node ids in etcd are `node<k>` for plan node k; a node's incarnation counts its (re)starts.
+
+The failure-free step path touches etcd once per step (the `progress` put, off the critical
+path): every worker commits a step when the step's world all-reduce (the vote: gradient norm,
+loss, ok and halt flags) completes. Generation changes go through `halt/`, `sync/` and the next
+`plan/<g>` (see leader.py); only the job's last step is decided through etcd (`ready/`,
+`decisions/`), so that no worker finishes the job while another replays its last step.
+Per-step results (loss, norm, lr, seconds) are appended by each pipeline's first worker to its
+local log `<run_dir>/steps/node<N>.worker<L>.jsonl` (see `step_log_path`), which the summary
+reads at the end; etcd keeps no per-step history.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.coordinator.keys import JobKeys
@@ -89,24 +102,42 @@ class RunKeys:
         return f"{self.holdings}{node}/{local_rank}"
 
     @property
-    def steps(self) -> str:
-        return self.job.root + "steps/"
-
-    def step(self, generation: int, step: int) -> str:
-        return f"{self.steps}{generation}/{step}/"
-
-    def ready(self, generation: int, step: int, rank: int) -> str:
-        return f"{self.step(generation, step)}ready/{rank}"
-
-    def decision(self, generation: int, step: int) -> str:
-        return f"{self.step(generation, step)}decision"
+    def progress(self) -> str:
+        return self.job.root + "progress"
 
     @property
-    def results(self) -> str:
-        return self.job.root + "results/"
+    def halts(self) -> str:
+        return self.job.root + "halt/"
 
-    def result(self, step: int) -> str:
-        return f"{self.results}{step:08d}"
+    def halt(self, generation: int) -> str:
+        return f"{self.halts}{generation}"
+
+    @property
+    def syncs(self) -> str:
+        return self.job.root + "sync/"
+
+    def sync(self, generation: int) -> str:
+        return f"{self.syncs}{generation}/"
+
+    def sync_report(self, generation: int, node: int, local_rank: int) -> str:
+        return f"{self.sync(generation)}{node}/{local_rank}"
+
+    @property
+    def readies(self) -> str:
+        return self.job.root + "ready/"
+
+    def ready_prefix(self, generation: int, step: int) -> str:
+        return f"{self.readies}{generation}/{step}/"
+
+    def ready(self, generation: int, step: int, rank: int) -> str:
+        return f"{self.ready_prefix(generation, step)}{rank}"
+
+    @property
+    def decisions(self) -> str:
+        return self.job.root + "decisions/"
+
+    def decision(self, generation: int, step: int) -> str:
+        return f"{self.decisions}{generation}/{step}"
 
     @property
     def recoveries(self) -> str:
@@ -136,9 +167,37 @@ class RunKeys:
         return f"{self.injection_statuses}{request_id}"
 
 
+def read_progress(client: Any, rk: RunKeys) -> ProgressRecord | None:
+    """The job's progress record (one key read); None before the first commit."""
+    value, _ = client.get(rk.progress)
+    return None if value is None else ProgressRecord.from_json(value)
+
+
 def committed_steps(client: Any, rk: RunKeys) -> int:
-    """How many steps the job has committed (one `results/<s>` key each)."""
-    return sum(1 for _ in client.get_prefix(rk.results, keys_only=True))
+    """How many steps the job has committed, from the progress record (one key read)."""
+    record = read_progress(client, rk)
+    return 0 if record is None else record.step + 1
+
+
+def step_log_path(run_dir: str | Path, node: int, local_rank: int) -> Path:
+    """The local log of per-step results that worker (node, local_rank) appends to while it is
+    the first worker (stage 0, tensor-parallel rank 0) of a pipeline: one StepResult JSON a line."""
+    return Path(run_dir) / "steps" / f"node{node}.worker{local_rank}.jsonl"
+
+
+def read_step_logs(run_dir: str | Path) -> dict[int, StepResult]:
+    """Every step result in the run's local step logs, by step (the newest generation's copy of a
+    step wins; a torn last line of a killed writer is skipped)."""
+    out: dict[int, StepResult] = {}
+    for path in sorted((Path(run_dir) / "steps").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                r = StepResult.from_json(line)
+            except (ValueError, TypeError, KeyError):
+                continue
+            if r.step not in out or r.generation >= out[r.step].generation:
+                out[r.step] = r
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,6 +273,10 @@ class GenerationRecord:
     """Wall time at which the leader saw the change (loss or join)."""
     published_at: float | None = None
     """Wall time at which the leader published this record."""
+    completed_vote: Vote | None = None
+    """The vote of step `resume_step - 1` as a survivor saw it complete: a survivor whose own
+    wait on that vote was cut short (it holds the step's reduced gradients, pending) commits the
+    step with it before joining, so every survivor enters at `resume_step`."""
 
     def to_json(self) -> str:
         data: dict[str, Any] = asdict(self)
@@ -226,7 +289,105 @@ class GenerationRecord:
         data = json.loads(text)
         data["plan"] = Plan.from_dict(data["plan"])
         data["incarnations"] = {int(k): int(v) for k, v in data["incarnations"].items()}
+        vote = data.get("completed_vote")
+        data["completed_vote"] = None if vote is None else Vote(**vote)
         return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Vote:
+    """The outcome of a step's vote (its world all-reduce), the same on every worker that saw it."""
+
+    step: int
+    """Index of the step voted on."""
+    grad_norm: float
+    """Global gradient norm before clipping (the clip factor follows from it)."""
+    loss: float
+    """Mean global-batch loss."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HaltRecord:
+    """The leader's request that generation g stop: `abort` (a member is lost: drop the in-flight
+    step unless its vote completed) or at the next step boundary (a join or a drain)."""
+
+    abort: bool
+    """True: abandon the in-flight step now; False: finish it and stop after its commit."""
+    reason: str
+    """Why, in words."""
+    at: float
+    """Wall time the leader wrote it."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> HaltRecord:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncReport:
+    """What a worker of a halted generation holds, for the leader to pick the resume step."""
+
+    committed: int | None
+    """Steps the worker has committed (the index of its next step); None when it never joined
+    the generation (its reconfiguration into it failed), so its step says nothing of it."""
+    pending: int | None
+    """A step whose vote this worker joined but did not see complete (its reduced gradients
+    are kept until the next generation says commit or drop); None otherwise."""
+    last_vote: Vote | None
+    """The vote of its last committed step (None before the first commit of the job)."""
+    node: int
+    """Its plan node."""
+    local_rank: int
+    """Its index inside the node."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> SyncReport:
+        data = json.loads(text)
+        vote = data.get("last_vote")
+        data["last_vote"] = None if vote is None else Vote(**vote)
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressRecord:
+    """The `progress` key: the last committed step and a short window of the steps before it.
+    Readers (launcher, status, metrics, inject) read this one key, never a per-step history."""
+
+    step: int
+    """Index of the last committed step (0-based); `step + 1` steps are committed."""
+    loss: float
+    """Its mean global-batch loss."""
+    grad_norm: float
+    """Its global gradient norm before clipping."""
+    lr: float
+    """Its learning rate."""
+    seconds: float
+    """Its wall time on the writer, step start to commit."""
+    generation: int
+    """The generation that committed it."""
+    committed_at: float
+    """Wall time of its commit on the writer."""
+    recent: list[list[float]] = field(default_factory=list)
+    """[step, committed_at, seconds] of up to the last 8 steps committed, oldest first, this
+    one last (steps the writer committed; a new writer after a re-plan starts a new window)."""
+
+    def result(self) -> StepResult:
+        """The last step as a StepResult."""
+        return StepResult(step=self.step, loss=self.loss, grad_norm=self.grad_norm, lr=self.lr,
+                          seconds=self.seconds, generation=self.generation, committed_at=self.committed_at)  # fmt: skip
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ProgressRecord:
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,10 +4,13 @@ The step runs the pipeline schedule over this pipeline's slice of step s's globa
 reduces gradients across pipelines, and agrees with every worker (one world all-reduce that
 also carries the gradient norm and loss). Only then may it commit: set the learning rate of
 step s and apply AdamW (the caller advances its step counter). Preparing and committing are
-two calls, so a control plane can collect every worker's "ready" between them. Any error
-before the commit (a peer that died, a timeout, an abort, a non-finite gradient anywhere)
-discards the step: gradients are cleared, and the parameters, optimizer moments and step
-counts are exactly as they were, so the same step can be replayed with the same samples.
+two calls, so a control plane can act between them. Any error before the world all-reduce
+(a peer that died, a timeout, an abort) or a non-finite gradient anywhere discards the step:
+gradients are cleared, and the parameters, optimizer moments and step counts are exactly as
+they were, so the same step can be replayed with the same samples. An error in the wait of the
+world all-reduce itself (the vote) keeps the reduced gradients as the pending step
+(VoteCutShort): a peer may have seen the vote complete and committed, and then `complete()`
+commits the same step here with the vote's outcome, bit-identically.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import GradStats, bucket_plan, finalize_grads
+from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_plan, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
@@ -35,6 +38,19 @@ from elastic.runtime.optim import OptimConfig, lr_at
 class StepDiscarded(RuntimeError):
     """A step that did not commit because of a local error or a non-finite gradient anywhere;
     the training state is unchanged."""
+
+
+class NonFiniteStep(StepDiscarded):
+    """Every worker agreed (through the vote) that the step's gradient or loss is not finite."""
+
+    def __init__(self, message: str, *, step: int, grad_norm: float, loss: float) -> None:
+        super().__init__(message)
+        self.step, self.grad_norm, self.loss = step, grad_norm, loss
+
+
+class VoteCutShort(StepAborted):
+    """The wait of the step's vote failed here: the reduced gradients are kept as the pending
+    step until `complete()` or `discard()`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +65,8 @@ class PreparedStep:
     """Global gradient norm before clipping."""
     started: float
     """`time.perf_counter()` when the step began on this worker."""
+    halt: bool = False
+    """Whether the vote asked the generation to halt after this step (all workers agree)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +125,8 @@ class StepTransaction:
             next_rank=layout.next_rank,
             act_shape=(plan.microbatch_size, dataset.seq_len, d_model),
         )
+        self.pending: int | None = None
+        """A step whose vote this worker joined but did not see complete (gradients kept)."""
 
     def _microbatch(self, step: int, local_mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self.layout.plan
@@ -115,17 +135,22 @@ class StepTransaction:
         mbs = plan.microbatch_size
         return self.dataset.batch(samples[g * mbs : (g + 1) * mbs])
 
-    def prepare(self, step: int) -> PreparedStep:
-        """Run step `step` up to, not including, the optimizer update.
+    def prepare(self, step: int, *, halt: bool = False) -> PreparedStep:
+        """Run step `step` up to, not including, the optimizer update; `halt`: vote to stop
+        the generation after this step.
 
         StepAborted when the generation's abort flag was set during the step, StepDiscarded on
-        any other failure or a non-finite gradient anywhere; in both cases gradients are
-        cleared and parameters, optimizer state and step counts are untouched.
+        any other failure, NonFiniteStep on a non-finite gradient anywhere; in these cases
+        gradients are cleared and parameters, optimizer state and step counts are untouched.
+        VoteCutShort when the vote's own wait failed: the gradients stay as `pending`.
         """
         start = time.perf_counter()
         self.discard()
         try:
-            stats = self._forward_backward_reduce(step)
+            stats = self._forward_backward_reduce(step, halt=halt)
+        except VoteInterrupted as exc:
+            self.pending = step
+            raise VoteCutShort(f"step {step}: the vote was cut short on rank {self.layout.rank}: {exc}") from exc
         except Exception as exc:
             self.discard()
             abort = self.groups.abort
@@ -136,10 +161,19 @@ class StepTransaction:
             raise StepDiscarded(f"step {step} discarded on rank {self.layout.rank}: {exc}") from exc
         if not stats.ok:
             self.discard()
-            raise StepDiscarded(
-                f"step {step} discarded: a worker failed or the gradient norm is {stats.grad_norm}"
-            )
-        return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start)
+            raise NonFiniteStep(
+                f"step {step} discarded: a worker failed or the gradient norm is {stats.grad_norm}",
+                step=step, grad_norm=stats.grad_norm, loss=stats.loss,
+            )  # fmt: skip
+        return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt)
+
+    def complete(self, step: int, *, grad_norm: float, loss: float) -> StepReport:
+        """Commit the pending step `step` with its vote's outcome as a peer saw it complete:
+        the same clip factor and update as on that peer."""
+        if self.pending != step:
+            raise ValueError(f"step {step} is not pending here (pending: {self.pending})")
+        clip_grads(self.accum, grad_norm=grad_norm, grad_clip=self.optim.grad_clip)
+        return self.commit(PreparedStep(step=step, loss=loss, grad_norm=grad_norm, started=time.perf_counter()))
 
     def commit(self, prepared: PreparedStep) -> StepReport:
         """Apply the optimizer with the prepared gradients (no communication)."""
@@ -157,15 +191,16 @@ class StepTransaction:
         )
 
     def discard(self) -> None:
-        """Drop any gradients of a step (state unchanged)."""
+        """Drop any gradients of a step, pending or not (state unchanged)."""
         self.optimizer.zero_grad()
         self.accum.zero()
+        self.pending = None
 
     def run(self, step: int) -> StepReport:
         """Prepare and commit step `step` back to back (the non-elastic path)."""
         return self.commit(self.prepare(step))
 
-    def _forward_backward_reduce(self, step: int) -> GradStats:
+    def _forward_backward_reduce(self, step: int, *, halt: bool) -> GradStats:
         layout = self.layout
         total_mbs = layout.plan.global_microbatches
         offset = layout.microbatch_offset
@@ -200,4 +235,5 @@ class StepTransaction:
             loss_sum=loss_sum,
             grad_clip=self.optim.grad_clip,
             ok=finite,
+            halt=halt,
         )

@@ -49,7 +49,8 @@ class RunSummary:
     worker_pids: dict[str, list[int]] = field(default_factory=dict)
     """Elastic runs: "node/local_rank/incarnation" -> the PIDs it registered."""
     step_committed_at: list[float] = field(default_factory=list)
-    """Elastic runs: wall time (Unix seconds) at which each committed step was committed."""
+    """Wall time (Unix seconds) at which each committed step was committed (on rank 0 in a
+    static run, on the progress writer in an elastic one)."""
     step_generations: list[int] = field(default_factory=list)
     """Elastic runs: the generation that committed each step."""
     started_at: float = 0.0
@@ -79,6 +80,7 @@ def collect_summary(spec: JobSpec) -> RunSummary:
         seq_len=spec.model_config.seq_len,
         world_size=spec.world_size,
         pipelines=len(spec.plan.pipelines),
+        step_committed_at=[float(x) for x in result.get("step_committed_at", [])],
     )
 
 

@@ -123,6 +123,10 @@ class Trainer:
         self.layer_of = functools.partial(layer_of, cfg=self.cfg)
         self.step = 0
         """Index of the next step to run (= committed steps so far)."""
+        self.last_report: StepReport | None = None
+        """The last step committed (or skipped) by this worker."""
+        self.committed_at: list[float] = []
+        """Wall time of each commit of `train()` (the non-elastic path)."""
         self._layout: ParallelLayout | None = None
         self._groups: ParallelGroups | None = None
         self._module: GPTStage | None = None
@@ -150,6 +154,11 @@ class Trainer:
         self._require()
         assert self._layout is not None
         return self._layout
+
+    @property
+    def generation(self) -> int | None:
+        """The generation this trainer last joined (None before the first)."""
+        return None if self._layout is None else self._layout.generation
 
     @property
     def groups(self) -> ParallelGroups:
@@ -288,14 +297,20 @@ class Trainer:
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def prepare_step(self) -> PreparedStep:
-        """Run step `self.step` up to the optimizer update; StepAborted or StepDiscarded leave
-        the state unchanged and the gradients cleared."""
+    def prepare_step(self, *, halt: bool = False) -> PreparedStep:
+        """Run step `self.step` up to the optimizer update (`halt`: vote to stop the generation
+        after it); StepAborted or StepDiscarded leave the state unchanged and the gradients
+        cleared, VoteCutShort leaves the step `pending`."""
         transaction = self._require()
         if self._prepared is not None:
             raise RuntimeError(f"step {self._prepared.step} is prepared: commit or discard it first")
-        self._prepared = transaction.prepare(self.step)
+        self._prepared = transaction.prepare(self.step, halt=halt)
         return self._prepared
+
+    @property
+    def pending(self) -> int | None:
+        """The step whose vote was cut short here, its reduced gradients kept; None if none."""
+        return None if self._transaction is None else self._transaction.pending
 
     def commit(self, prepared: PreparedStep) -> StepReport:
         """Apply the prepared step's update (no communication) and advance the step counter."""
@@ -304,12 +319,33 @@ class Trainer:
             raise ValueError(f"step {prepared.step} is not the step prepared by this trainer")
         with self._lock:
             report = transaction.commit(prepared)
-            self.step += 1
-            self._prepared = None
+            self._advance(report)
         return report
 
+    def complete_pending(self, *, grad_norm: float, loss: float) -> StepReport:
+        """Commit the pending step with its vote's outcome as a peer saw it (see StepTransaction.complete)."""
+        transaction = self._require()
+        with self._lock:
+            report = transaction.complete(self.step, grad_norm=grad_norm, loss=loss)
+            self._advance(report)
+        return report
+
+    def skip(self, *, grad_norm: float, loss: float) -> StepReport:
+        """Count step `self.step` as done without an update (every worker agreed that its
+        gradient is not finite): the state is unchanged, the next step takes the next samples."""
+        self.discard()
+        report = StepReport(step=self.step, loss=loss, grad_norm=grad_norm, lr=0.0, seconds=0.0)
+        with self._lock:
+            self._advance(report)
+        return report
+
+    def _advance(self, report: StepReport) -> None:
+        self.step += 1
+        self._prepared = None
+        self.last_report = report
+
     def discard(self) -> None:
-        """Drop the prepared step's gradients; parameters and optimizer state are unchanged."""
+        """Drop the prepared or pending step's gradients; parameters and optimizer state are unchanged."""
         self._require().discard()
         self._prepared = None
 
@@ -319,6 +355,7 @@ class Trainer:
         while self.step < steps:
             report = self.commit(self.prepare_step())
             reports.append(report)
+            self.committed_at.append(time.time())
             if on_step is not None:
                 on_step(report)
         return reports
@@ -344,6 +381,7 @@ class Trainer:
                 "grad_norms": [r.grad_norm for r in reports],
                 "lrs": [r.lr for r in reports],
                 "step_seconds": [r.seconds for r in reports],
+                "step_committed_at": self.committed_at,
                 "train_seconds": train_seconds,
             }
             self.spec.result_path.write_text(json.dumps(result, indent=1))

@@ -184,6 +184,17 @@ def test_sbatch_script_parses_and_uses_the_rendezvous() -> None:
     assert re.search(r"^#SBATCH --ntasks-per-node=1$", text, re.M)
 
 
+def test_every_etcd_compacts_its_history_as_the_embedded_one_does() -> None:
+    from elastic.coordinator.etcd_server import AUTO_COMPACTION
+
+    mode, retention = AUTO_COMPACTION
+    command = _one("StatefulSet", "etcd")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--auto-compaction-mode={mode}" in command and f"--auto-compaction-retention={retention}" in command
+    sbatch = (DEPLOY / "slurm" / "elastic.sbatch").read_text()
+    assert f"--auto-compaction-mode {mode} --auto-compaction-retention {retention}" in sbatch
+    assert f"--auto-compaction-mode={mode} --auto-compaction-retention={retention}" in (DEPLOY / "README.md").read_text()
+
+
 @pytest.mark.skipif(
     shutil.which("kubeconform") is None, reason="kubeconform is not installed (no offline install)"
 )

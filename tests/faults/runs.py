@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from elastic.runtime.job import JobSpec
 from elastic.runtime.launcher import launch_elastic
 from elastic.runtime.optim import OptimConfig
 from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig, committed_steps
+from elastic.runtime.protocol import ElasticConfig, ProgressRecord, StepResult, committed_steps
 from elastic.runtime.summary import RunSummary, load_final_state
 from templates.plan import even_plan
 
@@ -136,6 +137,11 @@ class LiveJob:
         self._timeout_s = timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="live-job", daemon=True)
+        self.progress_puts: list[tuple[ProgressRecord, int]] = []
+        """Every put of the job's progress key (one per committed step) and its revision, in
+        order, seen by a watch from before the run's start."""
+        self._progress_lock = threading.Lock()
+        self._progress_watch: Any = None
 
     def _run(self) -> None:
         try:
@@ -146,8 +152,21 @@ class LiveJob:
             self.error = exc
 
     def start(self) -> LiveJob:
+        from elastic.coordinator.watch import watch_from_now
+
+        self._progress_watch = watch_from_now(self.client, self.rk.progress, self._on_progress)
         self._thread.start()
         return self
+
+    def _on_progress(self, events: list[Any]) -> None:
+        with self._progress_lock:
+            self.progress_puts += [(ProgressRecord.from_json(ev.value), ev.revision) for ev in events
+                                   if ev.kind == "put" and ev.key == self.rk.progress]  # fmt: skip
+
+    def progress_seen(self) -> list[tuple[ProgressRecord, int]]:
+        """A copy of `progress_puts`."""
+        with self._progress_lock:
+            return list(self.progress_puts)
 
     def committed(self) -> int:
         """Steps committed so far."""
@@ -167,9 +186,11 @@ class LiveJob:
         value, _ = self.client.get(self.keys.generation)
         return int(value) if value is not None else 0
 
-    def job_keys(self) -> dict[str, bytes]:
-        """Every key under the job's prefix, with its value."""
-        return {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
+    def job_keys(self, *, moving: bool = True) -> dict[str, bytes]:
+        """Every key under the job's prefix, with its value; without the ones that move on with
+        every step (the progress record) when `moving` is False."""
+        keys = {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
+        return keys if moving else {k: v for k, v in keys.items() if k != self.rk.progress}
 
     def result(self) -> Result:
         """Wait for the run's end; its summary and final state (re-raises the run's error)."""
@@ -196,4 +217,21 @@ class LiveJob:
         """Stop the run if it still goes (the launcher stops every process it started, by PID)."""
         self._stop.set()
         self._thread.join(60.0)
+        if self._progress_watch is not None:
+            self._progress_watch.cancel()
         self.client.close()
+
+
+def step_logs(run_dir: Path) -> dict[str, list[StepResult]]:
+    """Every local step log of a run (`<run_dir>/steps/*.jsonl`, one per pipeline-first worker):
+    file name -> its step results in the order written (a torn line of a killed writer skipped)."""
+    out: dict[str, list[StepResult]] = {}
+    for path in sorted((run_dir / "steps").glob("*.jsonl")):
+        results = []
+        for line in path.read_text().splitlines():
+            try:
+                results.append(StepResult.from_json(line))
+            except (ValueError, TypeError, KeyError):
+                continue
+        out[path.name] = results
+    return out

@@ -62,8 +62,8 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     try:
         run.start()
         run.wait_committed(2, 90.0)
-        # Job-scoped keys the intruders could touch; step keys move on with the run itself.
-        keys_before = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
+        # Job-scoped keys the intruders could touch; the progress record moves on with the run itself.
+        keys_before = run.job_keys(moving=False)
         procs = [
             _intruder(["elastic.runtime.agent"], server.endpoint, run.job),
             _intruder(
@@ -86,7 +86,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
             out, err = proc.communicate(timeout=60)
             intruders[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         generation = run.generation()
-        keys_after = {k: v for k, v in run.job_keys().items() if "/steps/" not in k and "/results/" not in k}
+        keys_after = run.job_keys(moving=False)
         result = run.result()
         yield Outcome(reference, result, run, intruders, keys_before, keys_after, generation, outage)
     finally:

@@ -1,10 +1,9 @@
-"""The leader against a real etcd: commit decisions, aborts and re-plans on losses, joins,
-checkpoint fallback. Nodes are real etcd members (leases); the workers' side of the protocol
-(ready keys, registrations) is written by the test."""
+"""The leader against a real etcd: halts, sync reports and re-plans on losses, joins at a step
+boundary, the last step's decision, checkpoint fallback. Nodes are real etcd members (leases);
+the workers' side of the protocol (sync reports, ready keys, registrations) is written by the test."""
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Iterator
@@ -32,7 +31,10 @@ from elastic.runtime.protocol import (
     COMMIT,
     ElasticConfig,
     GenerationRecord,
+    HaltRecord,
     RunKeys,
+    SyncReport,
+    Vote,
     WorkerInfo,
     node_id,
 )
@@ -73,6 +75,17 @@ class World:
         m.join()
         self.members[node] = m
 
+    def halt(self, g: int) -> HaltRecord | None:
+        value, _ = self.client.get(self.rk.halt(g))
+        return HaltRecord.from_json(value) if value is not None else None
+
+    def sync(self, g: int, node: int, committed: int | None, *, pending: int | None = None,
+             vote_of: int | None = None) -> None:  # fmt: skip
+        """Node `node`'s (one worker) sync report of g; `vote_of`: the step its last vote was of."""
+        vote = None if vote_of is None else Vote(step=vote_of, grad_norm=1.0 + vote_of, loss=2.0 + vote_of)
+        report = SyncReport(committed=committed, pending=pending, last_vote=vote, node=node, local_rank=0)
+        self.client.put(self.rk.sync_report(g, node, 0), report.to_json())
+
     def ready(self, g: int, step: int, ranks: range) -> None:
         for r in ranks:
             self.client.put(self.rk.ready(g, step, r), "t")
@@ -103,17 +116,20 @@ def world(client: Any, job: str, tmp_path: Path, etcd_server: EtcdServer) -> Ite
         w.close()
 
 
-def test_commits_when_all_ready_aborts_and_replans_on_a_loss(world: World) -> None:
-    world.ready(1, 0, range(3))
-    time.sleep(0.5)
-    assert world.decision(1, 0) is None, "three of four ranks ready must not commit"
-    world.ready(1, 0, range(3, 4))
-    assert wait_for(lambda: world.decision(1, 0), 15.0, "the commit decision of step 0") == COMMIT
-    world.ready(1, 1, range(2))
+def test_a_loss_halts_and_resumes_at_the_furthest_step_a_survivor_committed(world: World) -> None:
     world.members[1].report_failure(reason="test: node 1 lost")
+    halt = wait_for(lambda: world.halt(1), 15.0, "the abort halt of generation 1")
+    assert halt.abort and "1" in halt.reason
+    # Node 0 saw the vote of step 4 complete and committed it; node 2's wait on that vote was
+    # cut short (step 4 pending); node 3 committed step 4 as well.
+    world.sync(1, 0, 5, vote_of=4)
+    world.sync(1, 2, 4, pending=4, vote_of=3)
+    time.sleep(0.5)
+    assert world.record(2) is None, "the leader must wait for every live worker's sync report"
+    world.sync(1, 3, 5, vote_of=4)
     new = wait_for(lambda: world.record(2), 15.0, "generation 2")
-    assert world.decision(1, 1) == ABORT
-    assert new.lost == [1] and new.resume_step == 1 and new.restore_checkpoint is None
+    assert new.lost == [1] and new.resume_step == 5 and new.restore_checkpoint is None
+    assert new.completed_vote == Vote(step=4, grad_norm=5.0, loss=6.0), "node 2 completes step 4 with node 0's vote"
     assert sorted(new.plan.nodes) == [0, 2, 3] and surviving_holders_cover(new.plan, {0, 2, 3})
     assert len(new.plan.pipelines) >= 2 and new.incarnations == {0: 0, 2: 0, 3: 0}
     assert (
@@ -121,31 +137,76 @@ def test_commits_when_all_ready_aborts_and_replans_on_a_loss(world: World) -> No
     )
 
 
+def test_a_vote_no_survivor_saw_complete_is_dropped(world: World) -> None:
+    world.members[3].report_failure(reason="test: node 3 lost")
+    wait_for(lambda: world.halt(1), 15.0, "the abort halt of generation 1")
+    world.sync(1, 0, 6, pending=6, vote_of=5)
+    world.sync(1, 1, 6, vote_of=5)
+    world.sync(1, 2, 6, pending=6, vote_of=5)
+    new = wait_for(lambda: world.record(2), 15.0, "generation 2")
+    assert new.resume_step == 6 and new.completed_vote is not None and new.completed_vote.step == 5
+    # A worker that never joined generation 2 says nothing of its steps: 2 was halted before
+    # anyone trained in it, so generation 3 resumes where 2 began, with 2's completed vote.
+    world.members[2].report_failure(reason="test: node 2 lost")
+    wait_for(lambda: world.halt(2), 15.0, "the abort halt of generation 2")
+    world.sync(2, 0, None, pending=None, vote_of=5)
+    world.sync(2, 1, None, pending=None, vote_of=5)
+    third = wait_for(lambda: world.record(3), 15.0, "generation 3")
+    assert third.resume_step == 6 and third.completed_vote == new.completed_vote
+    assert list(world.client.get_prefix(world.rk.sync(1))) == [], "generation 1's reports are deleted at 3"
+
+
 def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
     world.join(4, 0)
     time.sleep(0.5)
-    assert world.record(2) is None, "a node whose workers have not registered is not taken in"
+    assert world.halt(1) is None, "a node whose workers have not registered is not taken in"
     info = WorkerInfo(pid=1, transfer_address="127.0.0.1:1", incarnation=0)
     world.client.put(world.rk.worker(4, 0), info.to_json(), lease=world.members[4].lease_id)
-    time.sleep(1.0)
-    assert world.record(2) is None, "a join must not throw away the in-flight step's work"
-    assert world.decision(1, 0) is None
-    world.ready(1, 0, range(4))  # the in-flight step completes: the step boundary
+    halt = wait_for(lambda: world.halt(1), 15.0, "the boundary halt of generation 1")
+    assert not halt.abort, "a join must not throw away the in-flight step's work"
+    for node in range(3):
+        world.sync(1, node, 3, vote_of=2)
+    time.sleep(0.5)
+    assert world.record(2) is None
+    world.sync(1, 3, 3, vote_of=2)  # every worker stopped after the step the halt was voted into
     new = wait_for(lambda: world.record(2), 15.0, "generation 2")
-    assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 1
-    assert world.decision(1, 0) == COMMIT and world.decision(1, 1) == ABORT
+    assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 3
+
+
+def test_the_last_step_commits_only_when_every_rank_is_ready(world: World) -> None:
+    last = world.config.spec.steps - 1
+    world.ready(1, last, range(3))
+    time.sleep(0.5)
+    assert world.decision(1, last) is None, "three of four ranks ready must not commit"
+    world.ready(1, last, range(3, 4))
+    assert wait_for(lambda: world.decision(1, last), 15.0, "the commit decision of the last step") == COMMIT
+    wait_for(world.leader.finished.is_set, 5.0, "the leader to finish")
+
+
+def test_a_loss_during_the_last_step_aborts_it(world: World) -> None:
+    last = world.config.spec.steps - 1
+    world.ready(1, last, range(2))
+    world.members[3].report_failure(reason="test: node 3 lost")
+    wait_for(lambda: world.halt(1), 15.0, "the abort halt of generation 1")
+    assert world.decision(1, last) == ABORT
+    for node in range(3):
+        world.sync(1, node, last, vote_of=last - 1)
+    new = wait_for(lambda: world.record(2), 15.0, "generation 2")
+    assert new.resume_step == last and new.lost == [3]
 
 
 def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: World, tmp_path: Path) -> None:
     writer = CheckpointWriter(tmp_path / "ckpt", num_layers=6, tp_degree=1)
     writer.save_async(5, {(layer, 0): {"step": torch.tensor(5)} for layer in range(6)})
     writer.flush()
-    for step in range(7):
-        world.ready(1, step, range(4))
-        assert wait_for(functools.partial(world.decision, 1, step), 15.0, f"the commit decision of step {step}") == COMMIT
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     world.members[2].report_failure(reason="test")
     world.members[0].report_failure(reason="test")
+    for g in (1, 2):  # seen together or one by one
+        wait_for(lambda g=g: world.halt(g) or world.record(3) or (g == 2 and world.record(2)), 15.0, f"halt {g}")
+        if world.record(g + 1) is None:
+            for node in (1, 3):
+                world.sync(g, node, 7 if g == 1 else None, vote_of=6)
 
     # Seen together or one by one: generation 2 (node 3 to fetch layers 0-2 from node 0) never
     # came into effect, so what live workers report holding, not plan 2, shows that layers 0-2
@@ -154,7 +215,7 @@ def test_losing_every_holder_of_a_layer_falls_back_to_the_checkpoint(world: Worl
         return next((r for g in (3, 2) if (r := world.record(g)) and sorted(r.plan.nodes) == [1, 3]), None)
 
     record = wait_for(fallback, 15.0, "the checkpoint-fallback generation")
-    assert record.restore_checkpoint == 5 and record.resume_step == 5
+    assert record.restore_checkpoint == 5 and record.resume_step == 5 and record.completed_vote is None
     assert "CHECKPOINT FALLBACK" in record.reason and sorted(record.plan.nodes) == [1, 3]
 
 

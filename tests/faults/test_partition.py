@@ -7,6 +7,7 @@ state equals the failure-free run.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,10 +17,10 @@ from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.coordinator.generations import Generations
 from elastic.runtime.injection import read_requests, read_statuses
-from elastic.runtime.protocol import GenerationRecord, StepResult
+from elastic.runtime.protocol import GenerationRecord
 from elastic.runtime.summary import RunSummary
 
-from .runs import LiveJob, check_same_training, reference_run, tiny_config
+from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,12 +44,14 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         records = {g: GenerationRecord.from_json(gens.get(g).plan)  # type: ignore[union-attr]
                    for g in range(1, gens.current_number() + 1)}  # fmt: skip
         revisions = {g: gens.get(g).revision for g in records}  # type: ignore[union-attr]
-        old_keys = [(m.key.decode(), m.mod_revision) for _, m in client.get_prefix(f"{job.rk.steps}1/")]
-        results = [(StepResult.from_json(v), m.mod_revision) for v, m in client.get_prefix(job.rk.results)]
+        rk = job.rk
+        old_keys = [(m.key.decode(), m.mod_revision) for prefix in (rk.sync(1), f"{rk.readies}1/", f"{rk.decisions}1/")
+                    for _, m in client.get_prefix(prefix)]  # fmt: skip
         yield {
             "code": code, "output": output, "summary": summary, "state": state,
             "status": read_statuses(client, keys.root)[rid], "events": read_events(client, keys),
-            "records": records, "revisions": revisions, "old_keys": old_keys, "results": results,
+            "records": records, "revisions": revisions, "old_keys": old_keys, "progress": job.progress_seen(),
+            "logs": step_logs(Path(config.spec.run_dir)),
         }  # fmt: skip
     finally:
         job.close()
@@ -69,9 +72,17 @@ def test_partitioned_node_is_fenced_and_the_job_trains_on(run: dict[str, Any], t
 
 def test_healed_node_wrote_nothing_after_its_fencing(run: dict[str, Any]) -> None:
     # Generation 2 is the fencing: from its publication on, nothing may be written under
-    # generation 1 (ready marks, decisions) and no result may come from generation 1.
+    # generation 1 (sync reports, ready marks, decisions) and no step may be committed by
+    # generation 1: no progress record of generation 1 (a watch saw every put of the key), and
+    # no step of generation 1 at or past generation 2's resume step in any worker's local log
+    # (the healed node's included).
     fenced_at = run["revisions"][2]
     late = [key for key, rev in run["old_keys"] if rev > fenced_at]
     assert late == [], f"written under generation 1 after generation 2 was published: {late}"
-    late_results = [r.step for r, rev in run["results"] if r.generation == 1 and rev > fenced_at]
+    assert run["progress"], "the watch saw no progress record"
+    late_results = [r.step for r, rev in run["progress"] if r.generation == 1 and rev > fenced_at]
     assert late_results == [], late_results
+    resume = run["records"][2].resume_step
+    late_logged = {name: [r.step for r in results if r.generation == 1 and r.step >= resume]
+                   for name, results in run["logs"].items()}  # fmt: skip
+    assert all(not steps for steps in late_logged.values()), late_logged

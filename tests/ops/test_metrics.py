@@ -30,10 +30,11 @@ from elastic.runtime.planning import ClusterSpec
 from elastic.runtime.protocol import (
     ElasticConfig,
     GenerationRecord,
+    ProgressRecord,
     RecoveryTimings,
     RunKeys,
-    StepResult,
     node_id,
+    read_progress,
 )
 from elastic.runtime.summary import RunSummary
 from templates.plan import even_plan
@@ -74,6 +75,7 @@ class Live:
     after: dict[str, float]
     plans: dict[int, GenerationRecord]
     timings: dict[int, dict[int, RecoveryTimings]]
+    progress: ProgressRecord | None
 
 
 def elastic_config(run_dir: Path) -> ElasticConfig:
@@ -137,7 +139,7 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
             timings.setdefault(int(g), {})[int(rank)] = RecoveryTimings.from_json(value)
         yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
                    published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
-                   timings=timings)  # fmt: skip
+                   timings=timings, progress=read_progress(client, rk))  # fmt: skip
     finally:
         if metrics is not None:
             metrics.stop()
@@ -178,8 +180,12 @@ def test_values_after_the_run(live: Live) -> None:
 
 
 def test_tokens_per_second_over_the_last_ten_commits(live: Live) -> None:
-    at = live.summary.step_committed_at[-10:]
-    want = live.summary.global_batch * SEQ_LEN * (len(at) - 1) / (at[-1] - at[0])
+    # Over the last 10 commits, or fewer: the progress record keeps a window of at most 8.
+    assert live.progress is not None
+    k = min(10, len(live.progress.recent))
+    at = live.summary.step_committed_at[-k:]
+    assert k >= 2 and at == [c for _, c, _ in live.progress.recent[-k:]]
+    want = live.summary.global_batch * SEQ_LEN * (k - 1) / (at[-1] - at[0])
     assert live.after["elastic_tokens_per_second"] == pytest.approx(want, rel=1e-9)
 
 
@@ -236,7 +242,7 @@ def test_snapshot_superseded_generation_and_rank_mapping() -> None:
     # Generation 2 was superseded after one of its three workers reported; generation 3 finished.
     timings = {2: {0: _timings(12.0, 100)}, 3: {0: _timings(14.0, 10), 1: _timings(14.5, 1000)}}
     injected = {"kill-node2-step5": 9.0, "kill-node1-reconfig": 10.8}
-    snap = snapshot(node=3, seq_len=64, window=10, plans=plans, results={}, timings=timings, injected=injected,
+    snap = snapshot(node=3, seq_len=64, window=10, plans=plans, progress=None, timings=timings, injected=injected,
                     workers=[], nodes_alive=2)  # fmt: skip
     assert snap.generation == 3 and snap.recoveries == 2 and snap.step == 0 and snap.tokens_per_s is None
     assert [r.generation for r in snap.finished] == [2, 3]
@@ -250,9 +256,22 @@ def test_snapshot_superseded_generation_and_rank_mapping() -> None:
 
 
 def test_snapshot_throughput_of_one_step() -> None:
-    result = StepResult(step=0, loss=2.5, grad_norm=1.0, lr=1e-3, seconds=0.5, generation=1, committed_at=5.0)
-    snap = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, results={0: result}, timings={},
+    record = ProgressRecord(step=0, loss=2.5, grad_norm=1.0, lr=1e-3, seconds=0.5, generation=1, committed_at=5.0,
+                            recent=[[0, 5.0, 0.5]])  # fmt: skip
+    snap = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, progress=record, timings={},
                     injected={}, workers=[], nodes_alive=2)  # fmt: skip
     assert snap.step == 1 and snap.loss == 2.5 and snap.tokens_per_s == pytest.approx(8 * 64 / 0.5)
-    assert snapshot(node=0, seq_len=None, window=10, plans={1: _record([0, 1], 2)}, results={0: result},
+    assert snapshot(node=0, seq_len=None, window=10, plans={1: _record([0, 1], 2)}, progress=record,
                     timings={}, injected={}, workers=[], nodes_alive=2).tokens_per_s is None  # fmt: skip
+
+
+def test_snapshot_throughput_over_the_recent_window() -> None:
+    recent = [[s, 10.0 + 0.5 * s, 0.4] for s in range(12, 20)]  # the record's window: 8 steps
+    record = ProgressRecord(step=19, loss=2.0, grad_norm=1.0, lr=1e-3, seconds=0.4, generation=1,
+                            committed_at=19.5, recent=recent)  # fmt: skip
+    snap = snapshot(node=0, seq_len=64, window=4, plans={1: _record([0, 1], 2)}, progress=record, timings={},
+                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+    assert snap.step == 20 and snap.tokens_per_s == pytest.approx(8 * 64 * 3 / 1.5)
+    wide = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, progress=record, timings={},
+                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+    assert wide.tokens_per_s == pytest.approx(8 * 64 * 7 / 3.5)  # capped at the record's 8 steps
