@@ -188,9 +188,12 @@ class LiveJob:
 
     def job_keys(self, *, moving: bool = True) -> dict[str, bytes]:
         """Every key under the job's prefix, with its value; without the ones that move on with
-        every step (the progress record) when `moving` is False."""
+        the run itself (the progress record, and the last step's marks and the done keys that
+        its end writes) when `moving` is False."""
         keys = {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
-        return keys if moving else {k: v for k, v in keys.items() if k != self.rk.progress}
+        ending = (self.rk.readies, self.rk.decisions, self.rk.done)
+        return keys if moving else {k: v for k, v in keys.items()
+                                    if k != self.rk.progress and not k.startswith(ending)}  # fmt: skip
 
     def result(self) -> Result:
         """Wait for the run's end; its summary and final state (re-raises the run's error)."""

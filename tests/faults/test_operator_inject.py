@@ -1,6 +1,6 @@
 """`elastic inject` / `elastic drain` against a job in a real etcd: what they refuse (with one clear
 line, and without writing anything) and the request they write. The job here is etcd state
-only (config, token, members with real leases, committed results); the live runs of
+only (config, token, members with real leases, the progress record); the live runs of
 test_slow_node.py and test_partition.py show the requests carried out."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from elastic.cli.main import main
 from elastic.coordinator import EtcdServer, JobKeys, Membership, MembershipConfig, NodeIdentity, admit
 from elastic.coordinator.generations import Generations
 from elastic.runtime.injection import read_requests
-from elastic.runtime.protocol import GenerationRecord, RunKeys, node_id
+from elastic.runtime.protocol import GenerationRecord, ProgressRecord, RunKeys, node_id
 
 from .runs import tiny_config
 
@@ -41,8 +41,8 @@ def job_dir(client: Any, job: str, etcd_server: EtcdServer, tmp_path: Path) -> I
         members.append(m)
     record = GenerationRecord(plan=config.spec.plan, resume_step=0, incarnations={0: 0, 1: 2})
     Generations(client, keys).publish(record.to_json(), expected=0)
-    for step in range(3):
-        client.put(rk.result(step), "{}")
+    progress = ProgressRecord(step=2, loss=1.0, grad_norm=1.0, lr=1e-3, seconds=0.1, generation=1, committed_at=0.0)
+    client.put(rk.progress, progress.to_json())  # steps 0-2 committed
     (tmp_path / "job.json").write_text(json.dumps({"etcd": etcd_server.endpoint, "job": job, "token": TOKEN}))
     try:
         yield tmp_path
