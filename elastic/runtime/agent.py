@@ -433,6 +433,9 @@ class Agent:
             self._status(req, "fenced" if fenced else "done", step, generation=generation,
                          detail=f"the agent was stopped while partitioned ({'lease gone, ' if fenced else ''}"
                          f"job at generation {generation})")  # fmt: skip
+            if fenced:
+                record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
+                             generation=generation, reason=f"partition of {req.seconds:g} s (agent stopped)")  # fmt: skip
             return
         # The workers still hold generation-old state and are stopped mid-step: they are killed
         # before they run again, so nothing of theirs can reach the job after the fencing.

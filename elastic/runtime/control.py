@@ -1,7 +1,8 @@
 """A worker's side of the control plane, without torch: what it watches and writes in etcd.
 
-A failure-free step touches etcd once, off the critical path: world rank 0 hands the committed
-step to a `ProgressWriter`, whose thread overwrites the `progress` key. Everything else is read
+A failure-free step touches etcd at most once, off the critical path: world rank 0 hands the
+committed step to a `ProgressWriter`, whose thread overwrites the `progress` key (at most every
+`PROGRESS_MIN_INTERVAL_S`; fast steps share a put). Everything else is read
 from watches that fire only when the control plane acts, never per step:
 
 - `GenerationFeed`: generation records (`plan/<g>`); a newer one aborts the current generation;
@@ -15,8 +16,6 @@ A halted worker writes its `SyncReport` (`write_sync`) and waits for the next ge
 from __future__ import annotations
 
 import collections
-import contextlib
-import queue
 import threading
 import time
 from typing import Any, Protocol
@@ -35,6 +34,10 @@ from elastic.runtime.protocol import (
 
 PROGRESS_WINDOW = 8
 """Steps kept in the progress record's `recent` window."""
+PROGRESS_MIN_INTERVAL_S = 0.1
+"""Least time between two puts of the `progress` key (module doc of ProgressWriter)."""
+PROGRESS_EARLIER_MAX = 64
+"""Most gathered steps one progress record names in `earlier`."""
 
 
 class Abortable(Protocol):
@@ -176,13 +179,18 @@ class DecisionFeed:
 class ProgressWriter:
     """Overwrites the `progress` key from a thread of its own, so the step never waits for etcd.
 
-    Puts happen in commit order; if etcd falls behind by more than the window, the oldest
-    unwritten records are dropped (the newest record's `recent` window still names them)."""
+    A committed step is written at once when the previous put is at least
+    `PROGRESS_MIN_INTERVAL_S` old; faster steps are gathered and the newest is written when the
+    interval has passed, naming the ones before it in `earlier` (so etcd and every watcher of
+    the key see at most 1 / PROGRESS_MIN_INTERVAL_S puts a second, whatever the step rate).
+    Steps beyond `PROGRESS_EARLIER_MAX` gathered ones are named only in the step logs."""
 
-    def __init__(self, client: Any, rk: RunKeys) -> None:
-        self.client, self.key = client, rk.progress
+    def __init__(self, client: Any, rk: RunKeys, *, min_interval_s: float = PROGRESS_MIN_INTERVAL_S) -> None:
+        self.client, self.key, self.min_interval_s = client, rk.progress, min_interval_s
         self._recent: collections.deque[list[float]] = collections.deque(maxlen=PROGRESS_WINDOW)
-        self._queue: queue.Queue[ProgressRecord | None] = queue.Queue(maxsize=PROGRESS_WINDOW)
+        self._pending: collections.deque[StepResult] = collections.deque(maxlen=PROGRESS_EARLIER_MAX + 1)
+        self._cond = threading.Condition()
+        self._closing = False
         self.puts = 0
         """Records written (for benchmarks and tests)."""
         self._thread = threading.Thread(target=self._run, name="progress-writer", daemon=True)
@@ -190,21 +198,36 @@ class ProgressWriter:
 
     def publish(self, result: StepResult) -> None:
         """Queue the committed step `result` (never blocks on etcd)."""
-        self._recent.append([result.step, result.committed_at, result.seconds])
-        record = ProgressRecord(
-            step=result.step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, seconds=result.seconds,
-            generation=result.generation, committed_at=result.committed_at, recent=list(self._recent),
+        with self._cond:
+            self._recent.append([result.step, result.committed_at, result.seconds])
+            self._pending.append(result)
+            self._cond.notify()
+
+    def _take(self) -> ProgressRecord | None:
+        """The record of every step gathered so far (None once closed with nothing left)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._pending) or self._closing)
+            if not self._pending:
+                return None
+            *earlier, last = self._pending
+            self._pending.clear()
+            recent = [r for r in self._recent if r[0] <= last.step]
+        return ProgressRecord(
+            step=last.step, loss=last.loss, grad_norm=last.grad_norm, lr=last.lr, seconds=last.seconds,
+            generation=last.generation, committed_at=last.committed_at, recent=recent,
+            earlier=[[r.step, r.loss, r.grad_norm, r.lr, r.seconds, r.committed_at]
+                     for r in earlier if r.generation == last.generation],
         )  # fmt: skip
-        while True:
-            try:
-                self._queue.put_nowait(record)
-                return
-            except queue.Full:
-                with contextlib.suppress(queue.Empty):
-                    self._queue.get_nowait()
 
     def _run(self) -> None:
-        while (record := self._queue.get()) is not None:
+        next_put = 0.0
+        while True:
+            with self._cond:  # gather steps until the interval has passed (closing: at once)
+                self._cond.wait_for(lambda: self._closing, max(0.0, next_put - time.monotonic()))
+            record = self._take()
+            if record is None:
+                return
+            next_put = time.monotonic() + self.min_interval_s
             try:
                 self.client.put(self.key, record.to_json())
                 self.puts += 1
@@ -212,11 +235,10 @@ class ProgressWriter:
                 continue
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued, then stop the thread."""
-        try:
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            return
+        """Write what is gathered, then stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._thread.join(timeout)
 
 

@@ -67,6 +67,8 @@ from elastic.runtime.protocol import (
 from elastic.runtime.summary import RunSummary, collect_summary
 
 _POLL_S = 0.05
+_READ_EVERY_S = 1.0
+"""How often the elastic launcher's loop reads etcd itself (fatal key, rejoin requests, the end)."""
 _STOP_GRACE_S = 5.0
 
 
@@ -278,9 +280,18 @@ def launch_elastic(
                                  published_at=time.time())
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
+        rejoins: list[InjectionRequest] = []
+        next_read = 0.0
         while True:
             poll_progress(client, keys, config, progress, say, feed)
-            for req in _due_rejoins(client, keys, progress):
+            # etcd is read here only once a second (the feed's watches deliver the rest), so a
+            # fast step loop does not pay for the launcher's polling.
+            read_now = time.monotonic() >= next_read
+            if read_now:
+                next_read = time.monotonic() + _READ_EVERY_S
+                rejoins = [r for r in read_requests(client, keys.root)
+                           if r.kind == "rejoin" and r.id not in progress.rejoined]  # fmt: skip
+            for req in _due_rejoins(client, keys, progress, rejoins):
                 progress.rejoined.add(req.id)
                 client.put(rk.injected(req.id), repr(time.time()))
                 incarnation = 1 + max((a.incarnation for a in agents if a.node == req.node), default=-1)
@@ -292,10 +303,10 @@ def launch_elastic(
                     state="done", at=time.time(), detail=f"incarnation {incarnation} started"
                 )
                 write_status(client, keys.root, req.id, status)
-            fatal, _ = client.get(keys.root + "fatal")
+            fatal, _ = client.get(keys.root + "fatal") if read_now else (None, None)
             if fatal is not None:
                 raise JobFailed(f"the leader gave up: {fatal.decode()}")
-            if run_finished(client, rk, progress, spec.steps):
+            if (read_now or progress.committed >= spec.steps) and run_finished(client, rk, progress, spec.steps):
                 break
             if agents and all(a.proc.poll() is not None for a in agents):
                 poll_progress(client, keys, config, progress, say, feed)
@@ -353,11 +364,14 @@ def _count(client: Any, prefix: str) -> int:
     return int(client.get_prefix_response(prefix, count_only=True).count)
 
 
-def _due_rejoins(client: Any, keys: JobKeys, progress: Progress) -> list[InjectionRequest]:
-    """Rejoin requests not yet carried out whose node is no member and whose step is in flight."""
+def _due_rejoins(
+    client: Any, keys: JobKeys, progress: Progress, requests: list[InjectionRequest]
+) -> list[InjectionRequest]:
+    """Those rejoin `requests` not yet carried out whose node is no member and whose step is in
+    flight (no etcd read while there is none)."""
     out = []
     statuses: dict[str, InjectionStatus] | None = None
-    for req in read_requests(client, keys.root):
+    for req in requests:
         if req.kind != "rejoin" or req.id in progress.rejoined:
             continue
         if statuses is None:

@@ -215,6 +215,9 @@ class Leader:
         last = self.config.spec.steps - 1
         lost = sorted(n for n, inc in record.incarnations.items() if members.get(n) != inc)
         if lost:
+            if self._last_step_committed(g, last):
+                self.finished.set()  # nodes leave once the job is done: not a loss
+                return
             if self._detected is None:
                 self._detected = time.time()
             fence = self.election.leader_compare()
@@ -266,6 +269,11 @@ class Leader:
         if not ok:
             raise NotLeader(f"halt {key} not written: this agent is no longer the leader")
         log.warning("leader %s: halted generation %d (%s): %s", self.who, g, "abort" if abort else "at a step boundary", reason)
+
+    def _last_step_committed(self, g: int, last: int) -> bool:
+        """Whether the job's last step was decided "commit" in generation g (one key read)."""
+        value, _ = self.client.get(self.rk.decision(g, last))
+        return value is not None and value.decode() == COMMIT
 
     def _decide_last_step(self, g: int, record: GenerationRecord) -> bool:
         """Commit the job's last step once every rank of g is ready for it; True when the job is done."""

@@ -2,8 +2,8 @@
 recoveries (with their breakdown) and worker PIDs, and the run summary built from them.
 
 Nothing here scans per-step history. A `JobFeed` watches four things from the moment it is
-opened: the `progress` key (every put is one committed step, so the launcher prints one line a
-step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
+opened: the `progress` key (every put names the steps committed since the previous one, so the
+launcher prints one line a step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
 worker) and `recoveries/` (one key a worker a generation). `poll_progress` only drains what the
 watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
 logs of the run directory (`read_step_logs`: complete for local agents; the feed is the fallback
@@ -115,14 +115,15 @@ class Progress:
         return 0 if self.last is None else self.last.step + 1
 
     def saw(self, record: ProgressRecord, revision: int) -> None:
-        """Take in one progress record (one committed step) written at `revision`."""
+        """Take in one progress record (the steps it names) written at `revision`."""
         if revision >= self.last_revision:
             self.last, self.last_revision = record, revision
         self.high_water = max(self.high_water, record.step + 1)
         self.trained.add(record.generation)
-        known = self.results.get(record.step)
-        if known is None or record.generation >= known.generation:
-            self.results[record.step] = record.result()
+        for result in record.results():
+            known = self.results.get(result.step)
+            if known is None or result.generation >= known.generation:
+                self.results[result.step] = result
 
 
 def run_finished(client: Any, rk: RunKeys, progress: Progress, steps: int) -> bool:
@@ -153,9 +154,10 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
     if ev.key == rk.progress:
         record = ProgressRecord.from_json(ev.value)
         progress.saw(record, ev.revision)
-        if (record.step, record.generation) not in progress.printed:
-            progress.printed.add((record.step, record.generation))
-            say(step_line(record.result(), spec))
+        for result in record.results():
+            if (result.step, result.generation) not in progress.printed:
+                progress.printed.add((result.step, result.generation))
+                say(step_line(result, spec))
     elif ev.key.startswith(rk.job.plans):
         g = int(ev.key.rsplit("/", 1)[1])
         if g not in progress.generations:

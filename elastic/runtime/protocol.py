@@ -376,11 +376,21 @@ class ProgressRecord:
     recent: list[list[float]] = field(default_factory=list)
     """[step, committed_at, seconds] of up to the last 8 steps committed, oldest first, this
     one last (steps the writer committed; a new writer after a re-plan starts a new window)."""
+    earlier: list[list[float]] = field(default_factory=list)
+    """[step, loss, grad_norm, lr, seconds, committed_at] of the steps committed since the
+    previous record was written, oldest first, this one left out (the writer writes at most
+    every `PROGRESS_MIN_INTERVAL_S`, so fast steps share a record); empty when none."""
 
     def result(self) -> StepResult:
         """The last step as a StepResult."""
         return StepResult(step=self.step, loss=self.loss, grad_norm=self.grad_norm, lr=self.lr,
                           seconds=self.seconds, generation=self.generation, committed_at=self.committed_at)  # fmt: skip
+
+    def results(self) -> list[StepResult]:
+        """Every step this record reports, oldest first: the `earlier` ones, then its own."""
+        out = [StepResult(step=int(s), loss=loss, grad_norm=norm, lr=lr, seconds=sec, generation=self.generation,
+                          committed_at=at) for s, loss, norm, lr, sec, at in self.earlier]  # fmt: skip
+        return [*out, self.result()]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

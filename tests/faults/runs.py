@@ -192,8 +192,13 @@ class LiveJob:
         its end writes) when `moving` is False."""
         keys = {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
         ending = (self.rk.readies, self.rk.decisions, self.rk.done)
+        moved = (self.rk.progress, self.keys.leader)  # the election moves when the first agent leaves
         return keys if moving else {k: v for k, v in keys.items()
-                                    if k != self.rk.progress and not k.startswith(ending)}  # fmt: skip
+                                    if k not in moved and not k.startswith(ending)}  # fmt: skip
+
+    def leased_prefixes(self) -> list[str]:
+        """Prefixes of the keys that live on an agent's lease (gone when the agent leaves)."""
+        return [self.keys.members, self.rk.workers, self.rk.holdings, self.keys.root + "metrics/"]
 
     def result(self) -> Result:
         """Wait for the run's end; its summary and final state (re-raises the run's error)."""

@@ -1,0 +1,83 @@
+"""The progress writer against a real etcd: fast steps share puts, yet every step reaches a
+watcher of the `progress` key with its own figures; slow steps get a put each, at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from elastic.coordinator import JobKeys
+from elastic.coordinator.watch import WatchEvent, watch_from_now
+from elastic.runtime.control import ProgressWriter
+from elastic.runtime.protocol import ProgressRecord, RunKeys, StepResult
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def result(step: int) -> StepResult:
+    return StepResult(step=step, loss=10.0 - step / 7, grad_norm=1.0 + step / 3, lr=1e-3 * (step % 5 + 1),
+                      seconds=0.01 * step, generation=2, committed_at=1000.0 + step)  # fmt: skip
+
+
+class Seen:
+    """Every progress record a watch delivered, in order."""
+
+    def __init__(self, client: Any, rk: RunKeys) -> None:
+        self.records: list[ProgressRecord] = []
+        self._lock = threading.Lock()
+        self._watch = watch_from_now(client, rk.progress, self._on)
+
+    def _on(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            self.records += [ProgressRecord.from_json(ev.value) for ev in events if ev.kind == "put"]
+
+    def until(self, step: int, timeout: float = 10.0) -> list[ProgressRecord]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.records and self.records[-1].step >= step:
+                    return list(self.records)
+            time.sleep(0.01)
+        raise AssertionError(f"step {step} never reached the watch")
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+def test_fast_steps_share_puts_and_every_step_is_reported(client: Any) -> None:
+    rk = RunKeys(JobKeys(f"pw-{uuid.uuid4().hex[:8]}"))
+    seen = Seen(client, rk)
+    writer = ProgressWriter(client, rk, min_interval_s=0.2)
+    steps = 40
+    try:
+        for s in range(steps):
+            writer.publish(result(s))
+            time.sleep(0.01)  # ~0.4 s of steps: a handful of puts
+        records = seen.until(steps - 1)
+    finally:
+        writer.close()
+        seen.close()
+    assert writer.puts == len(records) < steps / 4
+    reported = [r for rec in records for r in rec.results()]
+    assert reported == [result(s) for s in range(steps)]  # each once, in order, with its own figures
+    assert records[-1].recent[-1] == [steps - 1, 1000.0 + steps - 1, 0.01 * (steps - 1)]
+
+
+def test_slow_steps_are_written_one_put_each(client: Any) -> None:
+    rk = RunKeys(JobKeys(f"pw-{uuid.uuid4().hex[:8]}"))
+    seen = Seen(client, rk)
+    writer = ProgressWriter(client, rk, min_interval_s=0.05)
+    try:
+        for s in range(5):
+            writer.publish(result(s))
+            records = seen.until(s, timeout=2.0)  # written without waiting for the next step
+            time.sleep(0.1)
+    finally:
+        writer.close()
+        seen.close()
+    assert [rec.step for rec in records] == list(range(5))
+    assert all(rec.earlier == [] for rec in records)
