@@ -65,6 +65,7 @@ from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, li
 from elastic.transfer.server import ServerConfig, ShardServer
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
+GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 _LIST_RETRY_S = 0.02
 _STORE_SLICE_S = 0.2
 
@@ -436,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     agent_pid = os.environ.get("ELASTIC_AGENT_PID")
     if agent_pid:  # an orphan of a SIGKILLed agent would train on unmonitored: die with it
         die_with_parent(int(agent_pid))
+    # gloo groups connect each pair of ranks on its first use, not all pairs at construction: a
+    # generation's rendezvous costs O(peers talked to) store reads per rank instead of O(world)
+    # (bench/rendezvous_scale.py). The groups keep their store alive, as lazy connection needs.
+    # TORCH_GLOO_LAZY_INIT=0 in the environment keeps the eager full mesh.
+    os.environ.setdefault(GLOO_LAZY_ENV, "1")
     token = os.environ.get(TOKEN_ENV, "")
     client = connect(EtcdConfig(endpoint=args.etcd))
     keys = JobKeys(args.job)
