@@ -1,6 +1,6 @@
 """Issue 13 part 3(c): the control plane at W simulated workers against a real etcd.
 
-    .venv/bin/python bench/control_plane_scale.py --workers 8 64 256 1024 [--steps 100] [--json out.json]
+    .venv/bin/python bench/control_plane_scale.py --workers 8 64 256 1024 [--steps 100] [--procs P] [--json out.json]
 
 What runs is the project's real code; only the training is simulated. Per W, one fresh etcd
 (`EtcdServer`, 127.0.0.1) and a job in it:
@@ -26,39 +26,59 @@ What runs is the project's real code; only the training is simulated. Per W, one
 - etcd clients: one per node (its agent and its G workers share it, one gRPC channel carrying
   their watch streams), one for the bench's own reads and observer watches.
 
+Processes (`--procs P`). The nodes are spread over P shard processes (bench/control_plane_shard.py,
+started with multiprocessing's "spawn": gRPC's threads do not survive a fork), in contiguous
+blocks, node 0 (elected first, so it leads) in shard 0. A shard hosts its nodes whole, as the
+one-process bench did: their etcd clients, members, elections, Leaders, triggers, the workers'
+feeds and writers, and the drivers. The parent keeps the etcd server, its own client (the
+config, generation 1, key counts), the observer watches, the step clock, the failure's
+orchestration, the rendezvous figure and every metric; it commands the shards over one pipe
+each. The tick of step s is a message from the parent to every shard carrying the parent's wall
+time; a shard records it and wakes its drivers, so `sim_lag_ms` (driver time minus tick time)
+includes that hop. Times taken in a shard (trigger arrivals, aborts, sync reports, a generation
+seen, the moment of the failure report) are `time.time()` of the same host, so they compare with
+the parent's. Default P: 1 up to W = 64, else enough for at most 16 nodes and 128 workers a
+process (2 at W = 256, 8 at W = 1024); `--procs 0` runs the single shard as a thread of the
+parent (the one-process layout of earlier versions of this bench).
+
 Per W it measures
 1. failure-free steps: the per-step coordination calls of every worker (p50/p99 over workers and
    steps), the latency from rank 0's publish until each / every agent's trigger has the step,
    etcd writes, puts, ranges and watch events per step (etcd's /metrics before and after, and the
    revision), the same over an idle second before the steps (background: leases, elections, the
-   leader's idle round), and the db size and key count after.
+   leader's idle round), the db size and key count after, and the cores busy during the idle
+   seconds and the steps (`cores_*`: the bench, i.e. the parent and every shard; etcd; the
+   whole machine, which shows any other load on it; `bench_cpu_*` is the bench's).
 2. a generation change: every process of one node stops, then its member is reported failed
-   (`Membership.report_failure`, the worker monitor's path); seconds from that moment to the
-   leader's `halt/1` (seen by an observer watch), every live worker's abort, every live worker's
-   sync report written, `plan/2` published, every live worker's GenerationFeed holding
-   generation 2; and etcd writes / watch events / ranges for the change.
+   (`Membership.report_failure`, the worker monitor's path, run in that node's shard); seconds
+   from that moment to the leader's `halt/1` (seen by the parent's observer watch), every live
+   worker's abort, every live worker's sync report written, `plan/2` published, every live
+   worker's GenerationFeed holding generation 2 (also the latest of each shard); etcd writes /
+   watch events / ranges for the change, and the cores busy until every live worker had it.
 3. the group rendezvous of the new generation: `bench/rendezvous_scale.py`'s
    `rendezvous_seconds(endpoint, world)` when that file exists (on the same etcd, with the
-   simulated job still up), else the figure is marked missing.
+   simulated job still up; its W ranks are threads of the parent), else the figure is marked
+   missing.
 
-Everything is one Python process on a 2-core machine. gRPC's sync stream iterators wake every
-0.1 s while idle (`grpc._common.MAXIMUM_WAIT_TIMEOUT`), which costs a real worker (3 streams)
-30 wake-ups a second but this one process (thousands of streams) tens of thousands: the bench
-raises that period to `--grpc-poll-s` (5 s; waits still end at once when notified, so nothing
-is delayed), unless told 0.1 to see the difference.
- W workers' per-event work (decoding the
-plan of g+1, writing sync reports) is serialised by the GIL, where real workers run it in
-parallel in their own processes; `sim_lag_ms` says how late the drivers ran after each tick.
+What is still serialised, unlike a real cluster: every process (the parent, the P shards, etcd)
+shares this machine's 2 cores; inside a shard, the work of its up to 128 workers (feed
+callbacks, decoding the plan of g+1, writing sync reports) is serialised by that process's GIL
+where real workers run it in parallel in their own processes, and a node's driver steps its G
+workers one after another; the rendezvous figure's W ranks share the parent's GIL. gRPC's sync
+stream iterators wake every 0.1 s while idle (`grpc._common.MAXIMUM_WAIT_TIMEOUT`), which costs a
+real worker (3 streams) 30 wake-ups a second but a shard (a thousand streams or more) tens of
+thousands: every process of the bench raises that period to `--grpc-poll-s` (5 s; waits still end
+at once when notified, so nothing is delayed), unless told 0.1 to see the difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -66,42 +86,28 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elastic.coordinator import (  # noqa: E402
-    EtcdConfig,
-    EtcdServer,
-    JobKeys,
-    LeaderElection,
-    Membership,
-    MembershipConfig,
-    NodeIdentity,
-    connect,
+from bench.control_plane_shard import (  # noqa: E402
+    THREAD_STACK,
+    ShardHandle,
+    ShardSpec,
+    call_all,
+    process_cpu,
+    set_grpc_poll,
+    teardown,
 )
+from bench.section import exit_on_sigterm  # noqa: E402
+from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect  # noqa: E402
 from elastic.coordinator.generations import Generations  # noqa: E402
 from elastic.coordinator.watch import PrefixWatch, WatchEvent  # noqa: E402
-from elastic.parallel.layout import ParallelLayout  # noqa: E402
-from elastic.runtime.agent import InjectionTrigger  # noqa: E402
-from elastic.runtime.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync  # noqa: E402
 from elastic.runtime.job import JobSpec  # noqa: E402
-from elastic.runtime.leader import Leader  # noqa: E402
 from elastic.runtime.planning import ClusterSpec, cluster_templates, initial_plan  # noqa: E402
-from elastic.runtime.protocol import (  # noqa: E402
-    ElasticConfig,
-    GenerationRecord,
-    RunKeys,
-    StepResult,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    node_id,
-)
+from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RunKeys  # noqa: E402
 from templates.plan import Plan  # noqa: E402
 
 log = logging.getLogger("control_plane_scale")
@@ -113,15 +119,19 @@ NODE_MEMORY_GIB = 128.0
 MICROBATCHES_PER_NODE = 8
 FAULT_TOLERANCE = 1
 RENDEZVOUS_FILE = REPO / "bench" / "rendezvous_scale.py"
-THREAD_STACK = 256 * 1024
-"""Stack of each thread started here (8 MiB by default; W = 1024 runs ~10k threads)."""
 SIM_LEASE_TTL = 10
 """Lease TTL (s) of the simulated members and elections. The runtime's default is 3 s; here one
-process runs every node's keep-alive thread among thousands of others, and a starved keep-alive
+process runs many nodes' keep-alive threads among a thousand others, and a starved keep-alive
 would expire a healthy node (the loss under test is reported, so the TTL does not enter the
 figures)."""
 GRPC_POLL_S = 5.0
-"""Idle wake-up period of gRPC's blocking stream iterators in this process (grpc's own: 0.1 s)."""
+"""Idle wake-up period of gRPC's blocking stream iterators in every process of the bench
+(grpc's own: 0.1 s)."""
+NODES_PER_PROC = 16
+WORKERS_PER_PROC = 128
+"""The default `--procs` keeps each shard process at most this many nodes and workers."""
+SETUP_TIMEOUT_S = 600.0
+"""Longest wait for one setup command on every shard (members, workers' feeds, agents)."""
 
 METRICS = (
     "etcd_mvcc_put_total",
@@ -192,19 +202,6 @@ def summary(values: list[float], scale: float, digits: int = 3) -> dict[str, flo
     }
 
 
-def process_cpu() -> float:
-    """CPU seconds (user + system) of this process so far: the bench, not etcd."""
-    t = os.times()
-    return t.user + t.system
-
-
-def set_grpc_poll(seconds: float) -> None:
-    """How often a thread blocked on a gRPC stream wakes up while idle (see the module doc)."""
-    import grpc._common
-
-    grpc._common.MAXIMUM_WAIT_TIMEOUT = seconds
-
-
 def gpus_per_node(world: int) -> int:
     g = 8 if world >= 32 else 2
     if world % g:
@@ -212,10 +209,18 @@ def gpus_per_node(world: int) -> int:
     return g
 
 
-def in_parallel(fns: list[Callable[[], Any]], threads: int = 16) -> list[Any]:
-    """Run `fns` on a small pool (they block on etcd round trips), results in order."""
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(lambda f: f(), fns))
+def default_procs(world: int) -> int:
+    """Shard processes for W workers: 1 up to W = 64, else at most NODES_PER_PROC nodes and
+    WORKERS_PER_PROC workers a process."""
+    if world <= 64:
+        return 1
+    nodes = world // gpus_per_node(world)
+    return max(math.ceil(nodes / NODES_PER_PROC), math.ceil(world / WORKERS_PER_PROC))
+
+
+def split_nodes(n_nodes: int, shards: int) -> list[tuple[int, ...]]:
+    """Contiguous blocks of nodes, as even as can be; node 0 in the first."""
+    return [tuple(range(i * n_nodes // shards, (i + 1) * n_nodes // shards)) for i in range(shards)]
 
 
 def wait_until(what: str, cond: Callable[[], bool], timeout: float, poll: float = 0.005) -> None:
@@ -224,233 +229,6 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float, poll: float 
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not reached within {timeout:.0f} s")
         time.sleep(poll)
-
-
-# ---- the simulated pieces ------------------------------------------------------------------
-
-
-class StepClock:
-    """The step's vote: tick s means the world all-reduce of step s completed."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.times: list[float] = []
-
-    def tick(self) -> None:
-        with self.lock:
-            self.times.append(time.time())
-
-    def last(self) -> int:
-        with self.lock:
-            return len(self.times) - 1
-
-    def at(self, step: int) -> float:
-        with self.lock:
-            return self.times[step]
-
-
-class AbortFlag:
-    """The generation's abort signal as the feeds see it (control.Abortable); wakes the driver."""
-
-    def __init__(self, wake: threading.Event) -> None:
-        self._wake = wake
-        self.at: float | None = None
-        self.reason = ""
-
-    def set(self, reason: str) -> None:
-        if self.at is None:
-            self.at, self.reason = time.time(), reason
-        self._wake.set()
-
-    def is_set(self) -> bool:
-        return self.at is not None
-
-
-class TimedTrigger(InjectionTrigger):
-    """The agent's InjectionTrigger, noting when each committed step reached it."""
-
-    def __init__(self, client: Any, keys: JobKeys) -> None:
-        self.seen: dict[int, float] = {}
-        self.events = 0
-        self._upto = -1
-        super().__init__(client, keys)
-
-    def _on_progress(self, events: list[WatchEvent]) -> None:
-        super()._on_progress(events)
-        now = time.time()
-        self.events += len(events)
-        committed = self.in_flight() - 2
-        for s in range(self._upto + 1, committed + 1):
-            self.seen[s] = now
-        self._upto = max(self._upto, committed)
-
-
-@dataclass
-class Timings:
-    """Per-call samples of the failure-free steps (seconds)."""
-
-    requested: list[float] = field(default_factory=list)
-    latest: list[float] = field(default_factory=list)
-    publish: list[float] = field(default_factory=list)
-    per_step: list[float] = field(default_factory=list)
-    lag: list[float] = field(default_factory=list)
-    publish_at: dict[int, float] = field(default_factory=dict)
-
-
-class SimWorker:
-    """One worker's control-plane side: registration, holdings, the feeds and the writer."""
-
-    def __init__(self, node: SimNode, local_rank: int) -> None:
-        self.node, self.local_rank = node, local_rank
-        client, rk = node.client, node.rk
-        info = WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node.node * 64 + local_rank}",
-                          incarnation=node.incarnation)  # fmt: skip
-        client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
-        self.generations = GenerationFeed(Generations(client, node.keys))
-        self.halts = HaltFeed(client, rk)
-        self.decisions = DecisionFeed(client, rk)
-        self.progress = ProgressWriter(client, rk)
-        self.abort = AbortFlag(node.wake)
-        self.generation = 0
-        self.rank = -1
-        self.committed = 0
-        self.last_vote: Vote | None = None
-        self.synced_at: float | None = None
-
-    def enter(self, generation: int) -> None:
-        """What `_reconfigure` does with etcd: enter the feeds, write the holdings."""
-        record, _ = self.generations.get(generation)
-        layout = ParallelLayout(plan=record.plan, generation=generation, node=self.node.node,
-                                local_rank=self.local_rank)  # fmt: skip
-        self.generation, self.rank = generation, layout.rank
-        self.generations.enter(generation, self.abort)
-        self.halts.enter(generation, self.abort)
-        held = json.dumps([[layer, self.local_rank] for layer in range(*layout.layers)])
-        self.node.client.put(self.node.rk.worker_holdings(self.node.node, self.local_rank), held,
-                             lease=self.node.lease)  # fmt: skip
-
-    def step(self, s: int, t: Timings) -> None:
-        """Step s's vote completed: commit it, then the checks `_train` makes before step s+1."""
-        t0 = time.perf_counter()
-        self.committed, self.last_vote = s + 1, Vote(step=s, grad_norm=1.0, loss=2.0)
-        if self.rank == 0:
-            now = time.time()
-            result = StepResult(step=s, loss=2.0, grad_norm=1.0, lr=1e-4, seconds=0.02,
-                                generation=self.generation, committed_at=now)  # fmt: skip
-            p0 = time.perf_counter()
-            self.progress.publish(result)
-            t.publish.append(time.perf_counter() - p0)
-            t.publish_at[s] = now
-        r0 = time.perf_counter()
-        halt = self.halts.requested(self.generation)
-        r1 = time.perf_counter()
-        newer = self.generations.latest() > self.generation
-        r2 = time.perf_counter()
-        t.requested.append(r1 - r0)
-        t.latest.append(r2 - r1)
-        t.per_step.append(r2 - t0)
-        if newer or (halt is not None and halt.abort):
-            self.abort.set("seen at a step boundary")
-
-    def report_halted(self) -> None:
-        """`_report_halted`: the worker's sync report of its generation."""
-        report = SyncReport(committed=self.committed, pending=None, last_vote=self.last_vote,
-                            node=self.node.node, local_rank=self.local_rank)  # fmt: skip
-        write_sync(self.node.client, self.node.rk, self.generation, report)
-        self.synced_at = time.time()
-
-    def close(self) -> None:
-        self.progress.close(timeout=2.0)
-        self.generations.close()
-        self.halts.close()
-        self.decisions.close()
-
-
-class SimNode:
-    """One node: its agent's control plane (member, election, leader, trigger) and G workers."""
-
-    def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, node: int, gpus: int) -> None:
-        self.client, self.keys, self.rk, self.config = client, keys, RunKeys(keys), config
-        self.node, self.gpus, self.incarnation = node, gpus, 0
-        self.who = node_id(node)
-        self.membership = Membership(client, keys, NodeIdentity(node_id=self.who, incarnation=0,
-                                     address=f"127.0.0.1:{10000 + node}", devices=gpus),
-                                     config=MembershipConfig(ttl=config.lease_ttl))  # fmt: skip
-        self.membership.join()
-        assert self.membership.lease_id is not None
-        self.lease: int = self.membership.lease_id
-        self.wake = threading.Event()
-        self.stop = threading.Event()
-        self.workers: list[SimWorker] = []
-        self.election: LeaderElection | None = None
-        self.leader: Leader | None = None
-        self.trigger: TimedTrigger | None = None
-        self.requests: PrefixWatch | None = None
-        self.halted = False
-        self.done_step = -1
-        self._thread: threading.Thread | None = None
-
-    def start_workers(self) -> None:
-        self.workers = [SimWorker(self, r) for r in range(self.gpus)]
-
-    def start_agent(self, with_leader: bool = True) -> None:
-        """What `Agent.run` starts besides the worker processes (metrics and monitor aside);
-        `with_leader=False` leaves out the standby Leader (not what the real agent does)."""
-        self.trigger = TimedTrigger(self.client, self.keys)
-        self.election = LeaderElection(self.client, self.keys, self.who, ttl=self.config.lease_ttl).start()
-        if with_leader:
-            self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
-        self.requests = PrefixWatch(self.client, self.keys.injections, lambda evs: None, start_revision=1)
-
-    def run(self, clock: StepClock, timings: Timings) -> None:
-        self._thread = threading.Thread(target=self._drive, args=(clock, timings), name=f"drive-{self.who}",
-                                        daemon=True)  # fmt: skip
-        self._thread.start()
-
-    def _drive(self, clock: StepClock, t: Timings) -> None:
-        done = -1
-        while not self.stop.is_set():
-            self.wake.wait(0.5)
-            self.wake.clear()
-            if self.stop.is_set():
-                return
-            if not self.halted and any(w.abort.is_set() for w in self.workers):
-                self.halted = True  # the in-flight step is abandoned; every worker reports
-                for w in self.workers:
-                    w.report_halted()
-                continue
-            if self.halted:
-                continue
-            last = clock.last()
-            while done < last:
-                done += 1
-                t.lag.append(time.time() - clock.at(done))
-                for w in self.workers:
-                    w.step(done, t)
-            self.done_step = done
-
-    def kill(self) -> None:
-        """Every process of the node is gone (its member stays until reported)."""
-        self.stop_driver()
-        in_parallel([w.close for w in self.workers], threads=8)
-        self.close_agent()
-
-    def stop_driver(self) -> None:
-        self.stop.set()
-        self.wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-
-    def close_agent(self) -> None:
-        if self.requests is not None:
-            self.requests.cancel()
-        if self.trigger is not None:
-            self.trigger.close()
-        if self.leader is not None:
-            self.leader.stop()
-        if self.election is not None:
-            self.election.resign()
-        self.requests = self.trigger = self.leader = self.election = None
 
 
 # ---- one W -----------------------------------------------------------------------------------
@@ -516,6 +294,50 @@ def rendezvous_figure(endpoint: str, world: int) -> dict[str, Any]:
         return {"status": f"failed: {type(exc).__name__}: {exc}"}
 
 
+def proc_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) of process `pid` so far (/proc; 0 when it cannot be read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu() -> float:
+    """CPU seconds every core of this machine spent busy so far (/proc/stat: all but idle and
+    iowait), whoever used them: the bench, etcd, and anything else running here."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_usage(shards: list[ShardHandle]) -> tuple[float, list[int]]:
+    """CPU seconds so far of the parent and every shard process, and the threads of each
+    (parent first); a shard running as a thread of the parent (procs 0) is not counted twice."""
+    usage = call_all(shards, "usage")
+    external = [u for sh, u in zip(shards, usage, strict=True) if sh.process is not None]
+    threads = [threading.active_count()] + [u["threads"] for u in external]
+    return process_cpu() + sum(u["cpu"] for u in external), threads
+
+
+def cpu_now(shards: list[ShardHandle], etcd_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: the bench (parent and shards), etcd, the whole machine."""
+    bench, _ = bench_usage(shards)
+    return {"bench": bench, "etcd": proc_cpu(etcd_pid), "host": host_cpu()}
+
+
+def cores(after: dict[str, float], before: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores busy on average between two `cpu_now`s `seconds` apart."""
+    return {k: round((after[k] - before[k]) / seconds, 2) for k in after}
+
+
+def concat(parts: list[dict[str, Any]], name: str) -> list[Any]:
+    """The lists `name` of every shard's answer, one after another."""
+    return [v for p in parts for v in p[name]]
+
+
 def run_one(
     world: int,
     *,
@@ -523,13 +345,25 @@ def run_one(
     pace_ms: float = 20.0,
     rendezvous: bool = True,
     standby_leaders: bool = True,
+    procs: int | None = None,
+    grpc_poll_s: float = GRPC_POLL_S,
 ) -> dict[str, Any]:
-    """Everything for one W (see the module doc); JSON-serialisable."""
+    """Everything for one W (see the module doc); JSON-serialisable. `procs`: shard processes
+    (None: `default_procs(world)`; 0: one shard, a thread of this process)."""
     wall0 = time.perf_counter()
     gpus = gpus_per_node(world)
     n_nodes = world // gpus
+    procs = default_procs(world) if procs is None else procs
+    if procs < 0:
+        raise ValueError(f"procs must be >= 0, got {procs}")
+    in_process = procs == 0
+    n_shards = 1 if in_process else min(procs, n_nodes)
+    blocks = split_nodes(n_nodes, n_shards)
+    shard_of = {n: i for i, block in enumerate(blocks) for n in block}
     out: dict[str, Any] = {"workers": world, "nodes": n_nodes, "gpus_per_node": gpus, "model": MODEL,
-                           "etcd_clients": n_nodes + 1, "steps": steps, "pace_ms": pace_ms, "standby_leaders": standby_leaders}  # fmt: skip
+                           "etcd_clients": n_nodes + 1, "steps": steps, "pace_ms": pace_ms, "standby_leaders": standby_leaders,
+                           "procs": 0 if in_process else n_shards,
+                           "nodes_per_proc": [len(b) for b in blocks]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="cp-scale-") as run_dir, EtcdServer() as server:
         endpoint = server.endpoint
         admin = connect(EtcdConfig(endpoint=endpoint))
@@ -540,91 +374,107 @@ def run_one(
                        "stages_per_pipeline": sorted({len(p.stages) for p in plan.pipelines}),
                        "json_bytes": len(plan.to_json())}  # fmt: skip
         admin.put(rk.config, config.to_json())
-        nodes: list[SimNode] = []
-        clients: list[Any] = []
+        shards: list[ShardHandle] = []
         observer: Observer | None = None
+        interrupted = False
         try:
-            # -- setup: members, workers (registrations, feeds), generation 1, agents ----------
+            # -- setup: shard processes, members, workers (registrations, feeds), generation 1,
+            #    agents --------------------------------------------------------------------------
             t0 = time.perf_counter()
-            clients = [connect(EtcdConfig(endpoint=endpoint)) for _ in range(n_nodes)]
-            nodes = in_parallel(
-                [functools.partial(SimNode, clients[n], keys, config, n, gpus) for n in range(n_nodes)]
-            )
+            level = logging.getLogger().getEffectiveLevel()
+            for i, block in enumerate(blocks):
+                spec = ShardSpec(index=i, endpoint=endpoint, job=keys.job,
+                                 config_json=config.to_json(), nodes=block, gpus=gpus, grpc_poll_s=grpc_poll_s,
+                                 log_level=level)  # fmt: skip
+                shards.append(ShardHandle(spec, in_process=in_process))
+            first_shard = shards[0]
+            setups = call_all(shards, "setup", timeout=SETUP_TIMEOUT_S)
+            out["shard_pids"] = [s["pid"] for s in setups]
             first = GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(range(n_nodes), 0))
             Generations(admin, keys).publish(first.to_json(), expected=0)
-            log.info("W=%d: %d members joined (%.1f s)", world, n_nodes, time.perf_counter() - t0)
-            in_parallel([n.start_workers for n in nodes])
+            log.info("W=%d: %d members joined in %d shard(s) (%.1f s)", world, n_nodes, n_shards,
+                     time.perf_counter() - t0)  # fmt: skip
+            call_all(shards, "start_workers", timeout=SETUP_TIMEOUT_S)
             log.info("W=%d: workers' feeds up (%.1f s)", world, time.perf_counter() - t0)
-            in_parallel([functools.partial(w.enter, 1) for n in nodes for w in n.workers])
+            call_all(shards, "enter", 1, timeout=SETUP_TIMEOUT_S)
             log.info("W=%d: workers entered generation 1 (%.1f s)", world, time.perf_counter() - t0)
-            nodes[0].start_agent()  # node 0's election goes first: it leads
-            assert nodes[0].election is not None and nodes[0].election.wait_leader(10.0)
-            in_parallel([functools.partial(n.start_agent, standby_leaders) for n in nodes[1:]])
-            leader = nodes[0].leader
-            assert leader is not None
-            wait_until("the leader's first round", lambda: leader.rounds >= 1, 30.0)
+            first_shard.call("start_agents", [0], True)  # node 0's election goes first: it leads
+            assert first_shard.call("wait_leader", 0, 10.0, timeout=30.0), "node 0 was not elected"
+            call_all(shards, "start_agents", None, standby_leaders, timeout=SETUP_TIMEOUT_S)
+
+            def leader_rounds() -> int:
+                return int(first_shard.call("leader_rounds", 0))
+
+            wait_until("the leader's first round", lambda: leader_rounds() >= 1, 30.0, poll=0.05)
             out["setup_s"] = round(time.perf_counter() - t0, 2)
-            out["threads"] = threading.active_count()
+            _, threads = bench_usage(shards)
+            out["threads"] = sum(threads)
+            out["threads_per_proc"] = threads
             m = etcd_metrics(endpoint)
             out["watchers"] = int(m["etcd_debugging_mvcc_watcher_total"])
             out["watch_streams"] = int(m["etcd_debugging_mvcc_watch_stream_total"])
 
             # -- 1. failure-free steps -----------------------------------------------------------
             time.sleep(0.5)
-            idle0, cpu0 = etcd_metrics(endpoint), process_cpu()
+            idle0, cpu0 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
             time.sleep(2.0)
-            idle1, cpu1 = etcd_metrics(endpoint), process_cpu()
+            idle1, cpu1 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
             background = counts(delta(idle1, idle0), per=2.0)
-            clock, timings = StepClock(), Timings()
-            for n in nodes:
-                n.run(clock, timings)
-            before, cpu2 = etcd_metrics(endpoint), process_cpu()
+            call_all(shards, "run")
+            before, cpu2 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
             start = time.perf_counter()
             for s in range(steps):
                 time.sleep(max(0.0, start + (s + 1) * pace_ms / 1e3 - time.perf_counter()))
-                clock.tick()
-                for n in nodes:
-                    n.wake.set()
+                at = time.time()  # the vote of step s completed: tell every shard's clock
+                for sh in shards:
+                    sh.post("tick", s, at)
             run_s = time.perf_counter() - start
-            cpu3 = process_cpu()
-            triggers = [n.trigger for n in nodes if n.trigger is not None]
+            cpu3 = cpu_now(shards, server.pid)
+            last = steps - 1
 
-            def settled() -> bool:
-                if any(n.halted for n in nodes):
-                    raise RuntimeError(
-                        "a generation was halted during the failure-free steps (a lease expired?)"
-                    )
-                return all(n.done_step >= steps - 1 for n in nodes)
+            def settled(what: str) -> bool:
+                states = call_all(shards, "progress", last)
+                halted = [n for st in states for n in st["halted"]]
+                if halted:
+                    raise RuntimeError(f"a generation was halted during the failure-free steps (nodes "
+                                       f"{halted[:8]}: a lease expired?)")  # fmt: skip
+                return all(st[what] for st in states)
 
-            wait_until("every driver at the last step", settled, 60.0)
-            wait_until(
-                "every trigger at the last step", lambda: all(t.seen.get(steps - 1) for t in triggers), 60.0
-            )
+            wait_until("every driver at the last step", lambda: settled("done"), 60.0, poll=0.02)
+            wait_until("every trigger at the last step", lambda: settled("triggers"), 60.0, poll=0.02)
             after = etcd_metrics(endpoint)
             per_step = counts(delta(after, before), per=steps)
+            parts = call_all(shards, "steady", timeout=120.0)
+
+            publish_at: dict[int, float] = {}
+            for p in parts:
+                publish_at.update(p["publish_at"])
+            seen_by_trigger: list[dict[int, float]] = [d for p in parts for d in p["seen"]]
             seen_each: list[float] = []
             seen_all: list[float] = []
             for s in range(steps):
-                published = timings.publish_at[s]
-                lat = [t.seen[s] - published for t in triggers]
+                published = publish_at[s]
+                lat = [seen[s] - published for seen in seen_by_trigger]
                 seen_each.extend(lat)
                 seen_all.append(max(lat))
             job_keys = int(admin.get_prefix_response(keys.root, count_only=True).count)
             out["steady"] = {
                 "ticks_s": round(run_s, 3),
-                "requested_us": summary(timings.requested, 1e6, 1),
-                "latest_us": summary(timings.latest, 1e6, 1),
-                "publish_us": summary(timings.publish, 1e6, 1),
-                "coordination_us": summary(timings.per_step, 1e6, 1),
+                "requested_us": summary(concat(parts, "requested"), 1e6, 1),
+                "latest_us": summary(concat(parts, "latest"), 1e6, 1),
+                "publish_us": summary(concat(parts, "publish"), 1e6, 1),
+                "coordination_us": summary(concat(parts, "per_step"), 1e6, 1),
                 "agents_seen_all_ms": summary(seen_all, 1e3, 2),
                 "agent_seen_each_ms": summary(seen_each, 1e3, 2),
                 "per_step": per_step,
-                "trigger_events_per_step": round(sum(t.events for t in triggers) / steps, 2),
-                "progress_puts": sum(w.progress.puts for n in nodes for w in n.workers),
+                "trigger_events_per_step": round(sum(p["trigger_events"] for p in parts) / steps, 2),
+                "progress_puts": sum(p["progress_puts"] for p in parts),
                 "background_per_s": background,
-                "sim_lag_ms": summary(timings.lag, 1e3, 2),
-                "bench_cpu_idle": round((cpu1 - cpu0) / 2.0, 2),
-                "bench_cpu_steps": round((cpu3 - cpu2) / run_s, 2),
+                "sim_lag_ms": summary(concat(parts, "lag"), 1e3, 2),
+                "bench_cpu_idle": round((cpu1["bench"] - cpu0["bench"]) / 2.0, 2),
+                "bench_cpu_steps": round((cpu3["bench"] - cpu2["bench"]) / run_s, 2),
+                "cores_idle": cores(cpu1, cpu0, 2.0),
+                "cores_steps": cores(cpu3, cpu2, run_s),
                 "db_bytes": int(after["etcd_mvcc_db_total_size_in_bytes"]),
                 "db_in_use_bytes": int(after["etcd_mvcc_db_total_size_in_use_in_bytes"]),
                 "job_keys": job_keys,
@@ -632,38 +482,41 @@ def run_one(
 
             # -- 2. a generation change ----------------------------------------------------------
             rank0_node = plan.pipelines[0].stages[0].node
-            victim = next(n for n in reversed(nodes) if n.node not in (0, rank0_node))
-            live = [n for n in nodes if n is not victim]
+            victim = max(n for n in range(n_nodes) if n not in (0, rank0_node))
+            victim_shard = shards[shard_of[victim]]
             observer = Observer(admin, keys)
-            victim.kill()
-            rounds0 = leader.rounds
-            before = etcd_metrics(endpoint)
-            t_fail = time.time()
-            assert victim.membership.report_failure(reason="bench: simulated node failure")
-            live_workers = [w for n in live for w in n.workers]
-            wait_until("generation 2 on every live worker",
-                       lambda: all(w.generations.latest() >= 2 for w in live_workers), 120.0)  # fmt: skip
-            wait_until(
-                "every live worker's sync report", lambda: all(w.synced_at for w in live_workers), 30.0
-            )
+            victim_shard.call("kill", victim)
+            rounds0 = leader_rounds()
+            before, cpu4 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
+            t_fail, reported = victim_shard.call("report_failure", victim)
+            assert reported, f"node {victim}'s member was not registered any more"
+
+            def changed(what: str) -> bool:
+                return all(st[what] for st in call_all(shards, "change_status", 2))
+
+            wait_until("generation 2 on every live worker", lambda: changed("seen"), 120.0, poll=0.02)
+            wait_until("every live worker's sync report", lambda: changed("synced"), 30.0, poll=0.02)
             wait_until(
                 "the observer", lambda: observer is not None and observer.at(keys.plan(2)) is not None, 30.0
             )
             t_done = time.time()
+            cpu5 = cpu_now(shards, server.pid)
             time.sleep(1.0)  # the leader's round after the publish, late watch deliveries
             after = etcd_metrics(endpoint)
-            record, _ = live_workers[0].generations.get(2)
+            parts = call_all(shards, "change", 2)
+            record = GenerationRecord.from_json(parts[0]["record"])  # node 0's shard: never the victim's only
             halt_at = observer.at(rk.halt(1))
             plan_at = observer.at(keys.plan(2))
             assert halt_at is not None and plan_at is not None
-            aborts = [w.abort.at for w in live_workers if w.abort.at is not None]
-            synced = [w.synced_at for w in live_workers if w.synced_at is not None]
-            seen = [w.generations.get(2)[1] for w in live_workers]
+            aborts = concat(parts, "aborts")
+            synced = concat(parts, "synced")
+            seen = concat(parts, "seen")
             out["change"] = {
-                "lost_node": victim.node,
+                "lost_node": victim,
                 "lost_in_record": record.lost,
-                "valid": record.lost == [victim.node]
-                and max(w.generations.latest() for w in live_workers) == 2,
+                "valid": record.lost == [victim] and max(p["latest"] for p in parts) == 2,
+                "latest_generation": max(p["latest"] for p in parts),
+                "leases_lost": concat(parts, "leases_lost"),
                 "new_plan": {
                     "pipelines": len(record.plan.pipelines),
                     "stages_per_pipeline": sorted({len(p.stages) for p in record.plan.pipelines}),
@@ -678,7 +531,9 @@ def run_one(
                 "all_seen_s": round(max(seen) - t_fail, 4),
                 "seen_p50_s": round(pct(seen, 50) - t_fail, 4),
                 "measured_until_s": round(t_done - t_fail, 4),
-                "leader_rounds": leader.rounds - rounds0,
+                "all_seen_by_proc_s": [round(max(p["seen"]) - t_fail, 4) for p in parts if p["seen"]],
+                "cores": cores(cpu5, cpu4, max(t_done - t_fail, 1e-3)),
+                "leader_rounds": leader_rounds() - rounds0,
                 "etcd": counts(delta(after, before)),
             }
 
@@ -686,20 +541,18 @@ def run_one(
             out["rendezvous"] = rendezvous_figure(endpoint, world) if rendezvous else {"status": "skipped"}
             final = etcd_metrics(endpoint)
             out["db_bytes_end"] = int(final["etcd_mvcc_db_total_size_in_bytes"])
+        except BaseException as exc:
+            interrupted = not isinstance(exc, Exception)  # Ctrl-C, SIGTERM: end the shards at once
+            raise
         finally:
             t0 = time.perf_counter()
             if observer is not None:
                 observer.close()
-            for n in nodes:
-                n.stop.set()
-                n.wake.set()
-            in_parallel([n.stop_driver for n in nodes])
-            in_parallel([w.close for n in nodes for w in n.workers], threads=32)
-            in_parallel([n.close_agent for n in nodes], threads=32)
-            in_parallel([n.membership.leave for n in nodes], threads=32)
-            for c in [*clients, admin]:
-                with contextlib.suppress(Exception):
-                    c.close()
+            # Stage by stage on every shard, then each process joined or killed; a Ctrl-C also
+            # reaches etcd (same process group), so only "abort" when interrupted or etcd is gone.
+            teardown(shards, graceful=not interrupted and server.running())
+            with contextlib.suppress(Exception):
+                admin.close()
             out["teardown_s"] = round(time.perf_counter() - t0, 2)
     out["wall_s"] = round(time.perf_counter() - wall0, 2)
     return out
@@ -713,9 +566,10 @@ def run_scale(
     rendezvous: bool = True,
     grpc_poll_s: float = GRPC_POLL_S,
     standby_leaders: bool = True,
+    procs: int | None = None,
 ) -> list[dict]:
-    """One dict per W in `worlds` (see `run_one`)."""
-    set_grpc_poll(grpc_poll_s)
+    """One dict per W in `worlds` (see `run_one`); `procs` as there, for every W."""
+    set_grpc_poll(grpc_poll_s)  # this process: the observer's and the rendezvous figure's streams
     threading.stack_size(THREAD_STACK)
     results = []
     for world in worlds:
@@ -728,6 +582,8 @@ def run_scale(
                     pace_ms=pace_ms,
                     rendezvous=rendezvous,
                     standby_leaders=standby_leaders,
+                    procs=procs,
+                    grpc_poll_s=grpc_poll_s,
                 )
             )
         except Exception as exc:  # a W that does not hold is a result too
@@ -742,6 +598,7 @@ def run_scale(
 COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("W", lambda r: r["workers"]),
     ("nodes", lambda r: r["nodes"]),
+    ("procs", lambda r: r["procs"]),
     (
         "coord us p50/p99",
         lambda r: f"{r['steady']['coordination_us']['p50']:g}/{r['steady']['coordination_us']['p99']:g}",
@@ -801,20 +658,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="idle wake-up period of gRPC stream threads (grpc's default: 0.1)")  # fmt: skip
     ap.add_argument("--no-standby-leaders", action="store_true",
                     help="only the elected agent runs a Leader (the real agents all do; shows their watch fan-out)")  # fmt: skip
+    ap.add_argument("--procs", type=int, default=None,
+                    help="shard processes hosting the nodes (default: 1 for W <= 64, else at most "
+                         f"{NODES_PER_PROC} nodes / {WORKERS_PER_PROC} workers a process; 0: the nodes "
+                         "run in this process, as threads)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runtime's warnings (halts, publishes)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     log.setLevel(logging.INFO)
+    exit_on_sigterm()  # SIGTERM runs the `finally`s: shards torn down and joined, etcd stopped
     t0 = time.perf_counter()
     results = run_scale(args.workers, steps=args.steps, pace_ms=args.pace_ms, rendezvous=not args.no_rendezvous,
-                        grpc_poll_s=args.grpc_poll_s, standby_leaders=not args.no_standby_leaders)  # fmt: skip
+                        grpc_poll_s=args.grpc_poll_s, standby_leaders=not args.no_standby_leaders,
+                        procs=args.procs)  # fmt: skip
     total = time.perf_counter() - t0
     print(table(results))
     print(f"total wall time {total:.1f} s; etcd clients = nodes + 1 (one per node, shared by its agent "
           f"and its workers); coord = HaltFeed.requested + GenerationFeed.latest (+ rank 0's publish) per "
-          f"worker-step")  # fmt: skip
+          f"worker-step; procs = shard processes hosting the nodes (0: in this process)")  # fmt: skip
     if args.json is not None:
         args.json.write_text(json.dumps({"results": results, "wall_s": round(total, 2)}, indent=1))
     return 0 if all("error" not in r for r in results) else 1

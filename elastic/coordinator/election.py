@@ -28,6 +28,11 @@ def current_leader(client: Any, keys: JobKeys) -> str | None:
     return value.decode() if value is not None else None
 
 
+_RECHECK_S = 5.0
+"""A standby candidate re-reads the leader key this often without a watch event (the watch
+wakes it at once on every change; this costs etcd 2 requests per standby node per period)."""
+
+
 class LeaderElection:
     """Campaign for leadership of one job until `resign()`; `on_change(leader_id)` on every change."""
 
@@ -118,4 +123,4 @@ class LeaderElection:
                 log.info("%s is now the leader of %s", self.candidate_id, self.keys.job)
                 self._is_leader.set()
             # Re-check on every change of the key, and now and then in case a watch event was missed.
-            self._changed.wait(1.0)
+            self._changed.wait(_RECHECK_S)

@@ -278,4 +278,4 @@ def watch_members(client: Any, keys: JobKeys, on_event: Callable[[MemberEvent], 
                 on_event(MemberEvent(kind="join", identity=new, revision=ev.revision, observed_at=now))
 
     return PrefixWatch(client, keys.members, handle, start_revision=start_revision,
-                       on_connection=on_connection)  # fmt: skip
+                       on_connection=on_connection, prev_kv=True)  # fmt: skip

@@ -33,7 +33,7 @@ class WatchEvent:
     value: bytes
     """New value (empty for a delete)."""
     prev_value: bytes | None
-    """Value before the change, when etcd still had it."""
+    """Value before the change, when etcd still had it and the watch asked for it (`prev_kv`)."""
     revision: int
     """etcd revision of the change."""
 
@@ -50,8 +50,12 @@ class PrefixWatch:
         start_revision: int | None = None,
         on_connection: Callable[[bool], None] | None = None,
         retry_pause: float = 0.1,
+        prev_kv: bool = False,
     ) -> None:
+        """`prev_kv`: deliver each change's previous value too (etcd then reads it for every
+        event and watcher: only for watchers that need it)."""
         self._client = client
+        self._prev_kv = prev_kv
         self._prefix = prefix.encode()
         self._on_events = on_events
         self._on_connection = on_connection
@@ -109,7 +113,7 @@ class PrefixWatch:
 
     def _stream(self) -> None:
         create = etcdrpc.WatchCreateRequest(
-            key=self._prefix, range_end=prefix_range_end(self._prefix), prev_kv=True
+            key=self._prefix, range_end=prefix_range_end(self._prefix), prev_kv=self._prev_kv
         )
         if self._next_revision is not None:
             create.start_revision = self._next_revision

@@ -291,6 +291,9 @@ class Leader:
         """Every live worker's sync report of g; None while some are missing."""
         expected = {(n, r) for n in record.plan.nodes if members.get(n) == record.incarnations.get(n)
                     for r in range(record.plan.gpus_per_node)}  # fmt: skip
+        written = self.client.get_prefix_response(self.rk.sync(g), count_only=True)
+        if int(written.count) < len(expected):  # rounds woken by each report: count, don't read them all
+            return None
         reports: dict[tuple[int, int], SyncReport] = {}
         for value, _ in self.client.get_prefix(self.rk.sync(g)):
             try:

@@ -19,7 +19,9 @@ from .runs import check_same_training, reference_run, run_elastic
 
 pytestmark = pytest.mark.timeout(200)
 
-LONG = 40
+LONG = 160
+"""Steps of the rejoin run: a fresh node needs seconds to start (torch import, agent, workers)
+and tiny steps take 30-100 ms here, so the job must outlast that start with room to spare."""
 
 Reference = tuple[RunSummary, dict[str, torch.Tensor]]
 
@@ -81,7 +83,7 @@ def test_second_failure_during_reconfiguration(reference: Reference, tmp_path: P
 
 def test_node_rejoins_later(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     # A fresh node needs seconds to start (torch import, workers): with 20 tiny steps the job
-    # would end first, so this run trains 40 steps, against the 40-step failure-free result.
+    # would end first, so this run trains LONG steps, against the LONG-step failure-free result.
     reference = reference_run(tmp_path_factory, steps=LONG)
     summary, state = run_elastic(tmp_path / "rejoin", nodes=4, pipelines=2, steps=LONG,
                                  inject=("kill:node=2,step=2", "rejoin:node=2,step=3"))  # fmt: skip
