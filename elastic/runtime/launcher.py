@@ -280,7 +280,7 @@ def launch_elastic(
                                  published_at=time.time())
         Generations(client, keys).publish(first.to_json(), expected=0)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
-        rejoins: list[InjectionRequest] = []
+        requests: list[InjectionRequest] = []
         next_read = 0.0
         while True:
             poll_progress(client, keys, config, progress, say, feed)
@@ -289,9 +289,11 @@ def launch_elastic(
             read_now = time.monotonic() >= next_read
             if read_now:
                 next_read = time.monotonic() + _READ_EVERY_S
-                rejoins = [r for r in read_requests(client, keys.root)
-                           if r.kind == "rejoin" and r.id not in progress.rejoined]  # fmt: skip
-            for req in _due_rejoins(client, keys, progress, rejoins):
+                fatal, _ = client.get(keys.root + "fatal")
+                if fatal is not None:
+                    raise JobFailed(f"the leader gave up: {fatal.decode()}")
+                requests = read_requests(client, keys.root)
+            for req in _due_rejoins(client, keys, progress, requests):
                 progress.rejoined.add(req.id)
                 client.put(rk.injected(req.id), repr(time.time()))
                 incarnation = 1 + max((a.incarnation for a in agents if a.node == req.node), default=-1)
@@ -303,9 +305,6 @@ def launch_elastic(
                     state="done", at=time.time(), detail=f"incarnation {incarnation} started"
                 )
                 write_status(client, keys.root, req.id, status)
-            fatal, _ = client.get(keys.root + "fatal") if read_now else (None, None)
-            if fatal is not None:
-                raise JobFailed(f"the leader gave up: {fatal.decode()}")
             if (read_now or progress.committed >= spec.steps) and run_finished(client, rk, progress, spec.steps):
                 break
             if agents and all(a.proc.poll() is not None for a in agents):

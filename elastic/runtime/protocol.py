@@ -377,8 +377,8 @@ class ProgressRecord:
     """[step, committed_at, seconds] of up to the last 8 steps committed, oldest first, this
     one last (steps the writer committed; a new writer after a re-plan starts a new window)."""
     earlier: list[list[float]] = field(default_factory=list)
-    """[step, loss, grad_norm, lr, seconds, committed_at] of the steps committed since the
-    previous record was written, oldest first, this one left out (the writer writes at most
+    """[step, loss, grad_norm, lr, seconds, committed_at] of the steps of this record's
+    generation committed since the previous record was written, oldest first, this one left out (the writer writes at most
     every `PROGRESS_MIN_INTERVAL_S`, so fast steps share a record); empty when none."""
 
     def result(self) -> StepResult:

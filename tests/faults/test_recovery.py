@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastic.runtime.launcher import JobFailed
 from elastic.runtime.summary import RunSummary
 
 from .runs import check_same_training, reference_run, run_elastic
@@ -103,3 +104,11 @@ def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(
     check_same_training(summary, state, reference)
     assert summary.recoveries[-1]["restore_checkpoint"] == 5
     assert "CHECKPOINT FALLBACK" in summary.recoveries[-1]["reason"]
+
+
+def test_every_holder_lost_without_a_checkpoint_fails_the_job_with_the_leaders_reason(tmp_path: Path) -> None:
+    # The same losses with no checkpoint to fall back to: the leader gives up (`fatal`) and the
+    # launcher ends the run with its reason instead of waiting out the timeout.
+    with pytest.raises(JobFailed, match="the leader gave up: .*no live holder and no complete checkpoint"):
+        run_elastic(tmp_path, nodes=4, pipelines=2, checkpoint_every=0,
+                    inject=("kill:node=0,step=8", "kill:node=2,step=8"))  # fmt: skip
