@@ -146,7 +146,10 @@ class GPTStage(nn.Module):
         last: int | None = None,
         tp: TensorParallel | None = None,
         device: torch.device | str | None = None,
+        initialise: bool = True,
     ) -> None:
+        """`initialise=False` leaves the parameters unset (for a caller that fills every one,
+        e.g. built under `torch.device("meta")` and then given kept or fetched tensors)."""
         super().__init__()
         last = cfg.num_layers if last is None else last
         if not 0 <= first < last <= cfg.num_layers:
@@ -159,7 +162,8 @@ class GPTStage(nn.Module):
         block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
         self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}") for k in block_ids})
         self.head = Head(cfg, tp=self.tp) if last == cfg.num_layers else None
-        self._initialise()
+        if initialise:
+            self._initialise()
         if device is not None:
             self.to(device)
 

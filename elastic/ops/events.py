@@ -68,6 +68,7 @@ def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
         "drained_nodes": rec.drained,
         "restore_checkpoint": rec.restore_checkpoint,
         "pipelines": [list(p.nodes) for p in rec.plan.pipelines],
+        "replayed_fraction": rec.replayed_fraction,
     }
     return HistoryEvent(kind="generation", time=rec.published_at, who="leader", revision=meta.mod_revision,
                         key=meta.key.decode(), detail=detail)  # fmt: skip
@@ -145,8 +146,9 @@ class History:
                 continue  # still reconfiguring, or cut short by a later generation
             timings = [RecoveryTimings.from_json(v) for v, _ in pairs]
             b = recovery_breakdown(self.client, self.rk, g, rec, timings)
-            detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "drained_nodes", "detecting_s", "planning_s",
-                                        "transferring_s", "rebuilding_s", "replaying_s", "total_s", "bytes_moved")}  # fmt: skip
+            detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "drained_nodes", "detecting_s",
+                                        "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s",
+                                        "total_s", "bytes_moved", "replayed_fraction")}  # fmt: skip
             out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
                                     revision=max(m.mod_revision for _, m in pairs),
                                     key=f"{self.rk.recoveries}{g}/", detail=detail))  # fmt: skip
@@ -169,6 +171,8 @@ def describe(event: HistoryEvent) -> str:
         text = f"generation {d['generation']}: {d['reason']}, from step {d['resume_step'] + 1}, pipelines {d['pipelines']}"
         if d["restore_checkpoint"] is not None:
             text += f", restoring the checkpoint of step {d['restore_checkpoint']}"
+        if d.get("replayed_fraction") is not None:
+            text += f", replaying {d['replayed_fraction']:.0%} of step {d['resume_step'] + 1}"
         return text
     if event.kind == "injection":
         text = f"injected {d.get('id')}"
@@ -180,7 +184,9 @@ def describe(event: HistoryEvent) -> str:
         return (
             f"recovered into generation {d['generation']} in {d['total_s']:.2f} s (detect {d['detecting_s']:.2f}, "
             f"plan {d['planning_s']:.2f}, transfer {d['transferring_s']:.2f}, rebuild {d['rebuilding_s']:.2f}, "
-            f"replay {d['replaying_s']:.2f}; {d['bytes_moved']} bytes)"
+            f"replay {d['replaying_s']:.2f}; {d['bytes_moved']} bytes"
+            + ("" if d.get("replayed_fraction") is None else f"; replayed {d['replayed_fraction']:.0%} of the step")
+            + ")"
         )
     if event.kind == "fenced":
         return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"

@@ -48,7 +48,8 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
     last_recovery       null, or the latest generation after the first, with the fields of
                         elastic.runtime.progress.recovery_breakdown (generation, lost_nodes,
                         joined_nodes, drained_nodes, reason, restore_checkpoint, detected_at, published_at,
-                        detecting_s, planning_s, transferring_s, rebuilding_s, replaying_s,
+                        replayed_fraction, kept_microbatches, recomputed,
+                        detecting_s, finishing_s, planning_s, transferring_s, rebuilding_s, replaying_s,
                         total_s, bytes_moved, fault_at, first_commit_at, interrupted; the timing
                         fields are null until a worker has reported) and
         complete          every worker of that generation reported its timings (the numbers are final)
@@ -82,7 +83,7 @@ DEFAULT_WINDOW = 5
 """Committed steps the throughput is measured over (the progress record keeps up to 8)."""
 
 _TIMING_FIELDS = (
-    "detecting_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s", "total_s",
+    "detecting_s", "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s", "total_s",
     "bytes_moved", "fault_at", "first_commit_at",
 )  # fmt: skip
 
@@ -428,10 +429,13 @@ def _recovery_line(r: dict[str, Any]) -> str:
     if r["total_s"] is None:
         return f"{head}: in progress, no worker has reported yet"
     line = (
-        f"{head}: total {r['total_s']:.2f} s = detect {r['detecting_s']:.2f} + plan {r['planning_s']:.2f} "
+        f"{head}: total {r['total_s']:.2f} s = detect {r['detecting_s']:.2f} + finish {r['finishing_s']:.2f} "
+        f"+ plan {r['planning_s']:.2f} "
         f"+ transfer {r['transferring_s']:.2f} + rebuild {r['rebuilding_s']:.2f} + replay {r['replaying_s']:.2f}; "
         f"{r['bytes_moved']} bytes moved"
     )
+    if r.get("replayed_fraction") is not None:
+        line += f"; replayed {r['replayed_fraction']:.0%} of the interrupted step"
     if r["restore_checkpoint"] is not None:
         line += f"; restored the checkpoint of step {r['restore_checkpoint']}"
     if not r["complete"]:

@@ -9,12 +9,22 @@ checking the abort flag every couple of milliseconds. When the flag is set the c
 StepAborted and leaves the waiter thread blocked on the abandoned operation; it ends when the
 operation fails (peer gone, group timeout). Each generation has its own AbortSignal, hence its
 own waiter thread, so an abandoned wait never delays the next generation.
+
+An abort is hard (every wait raises) or local (`set(reason, local=True)`): a failure outside
+this worker's pipeline. A local abort lets the waits of the step's own pipeline (point-to-point
+transfers with its stages, tensor-parallel collectives inside its node: `wait_work(...,
+local=True)`) run to completion, so the pipeline finishes its microbatches and keeps their
+gradients for the next generation (partial replay); every other wait raises at once. A later
+hard `set` upgrades a local abort, and so does the local grace running out (`local_grace_s`
+after the local abort): a pipeline peer that stopped for another reason cannot keep the
+others waiting for longer than that.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch.distributed as dist
 
@@ -40,21 +50,41 @@ class _Pending:
 class AbortSignal:
     """The abort flag of one generation, settable from any thread, with its waiter thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, local_grace_s: float | None = None) -> None:
+        """`local_grace_s`: how long after a local abort the waits inside the pipeline may go
+        on (None: until a hard abort)."""
         self._event = threading.Event()
+        self._hard = threading.Event()
+        self.local_grace_s = local_grace_s
+        self._local_since: float | None = None
         self._reason: str | None = None
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Pending] | None = None
 
-    def set(self, reason: str) -> None:
-        """Abort the current step (idempotent: the first reason is kept)."""
+    def set(self, reason: str, *, local: bool = False) -> None:
+        """Abort the current step (idempotent: the first reason is kept). `local`: the failure
+        is outside this worker's pipeline, whose own waits may complete (module doc)."""
         with self._lock:
-            if self._reason is None:
+            if self._reason is None or (not local and not self._hard.is_set()):
                 self._reason = reason
+        if not local:
+            self._hard.set()
+        elif self._local_since is None:
+            self._local_since = time.monotonic()
         self._event.set()
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+    def is_hard(self) -> bool:
+        """Whether every wait must end now (False for a local abort within its grace, or none)."""
+        if self._hard.is_set():
+            return True
+        since, grace = self._local_since, self.local_grace_s
+        if since is not None and grace is not None and time.monotonic() - since > grace:
+            self.set(f"{self._reason}; the pipeline did not finish its microbatches within {grace:.0f} s")
+            return True
+        return False
 
     @property
     def reason(self) -> str | None:
@@ -87,8 +117,9 @@ def _raise_aborted(abort: AbortSignal) -> None:
     raise StepAborted(f"step aborted: {abort.reason}")
 
 
-def wait_work(work: dist.Work, abort: AbortSignal | None) -> None:
-    """Wait for `work`; raise StepAborted if `abort` is set before it completes.
+def wait_work(work: dist.Work, abort: AbortSignal | None, *, local: bool = False) -> None:
+    """Wait for `work`; raise StepAborted if `abort` is set before it completes (with `local`,
+    an operation inside this worker's pipeline: only if the abort is hard).
 
     With `abort=None` this is `work.wait()`. An error of the operation itself (a peer reset
     the connection, the group timed out) propagates as raised by `work.wait()`.
@@ -96,14 +127,15 @@ def wait_work(work: dist.Work, abort: AbortSignal | None) -> None:
     if abort is None:
         work.wait()
         return
-    if abort.is_set():
+    stop = abort.is_hard if local else abort.is_set
+    if stop():
         _raise_aborted(abort)
     if work.is_completed():  # collectives report completion asynchronously: no thread hop
         work.wait()
         return
     pending = abort._submit(work)
     while not pending.done.wait(_ABORT_POLL_S):
-        if abort.is_set():
+        if stop():
             _raise_aborted(abort)
     if pending.error is not None:
         raise pending.error

@@ -51,6 +51,7 @@ class GradAccumulator:
             for n, view in zip(names, flat.split(sizes), strict=True):
                 self.buffers[n] = view.view(params[n].shape)
             self.flats.append((tuple(names), flat))
+        self._copies: list[torch.Tensor] | None = None
         self._handles: list[RemovableHandle] = []
         for name, p in self.named:
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
@@ -76,6 +77,27 @@ class GradAccumulator:
             if group == key:
                 return flat
         raise KeyError(f"no gradient buffer for group {key}")
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of every sum, by canonical name, in buffers of its own (allocated on the
+        first call and reused: the copy of the previous call is overwritten)."""
+        if self._copies is None:
+            self._copies = [torch.empty_like(flat) for _, flat in self.flats]
+        out: dict[str, torch.Tensor] = {}
+        for (names, flat), copy in zip(self.flats, self._copies, strict=True):
+            copy.copy_(flat)
+            sizes = [self.buffers[n].numel() for n in names]
+            for n, view in zip(names, copy.split(sizes), strict=True):
+                out[n] = view.view(self.buffers[n].shape)
+        return out
+
+    def add(self, sums: dict[str, torch.Tensor]) -> None:
+        """Add gradient sums kept from elsewhere (same names, shapes and dtype) into the buffers."""
+        unknown = sorted(set(sums) - set(self.buffers))
+        if unknown:
+            raise ValueError(f"kept gradient sums for parameters not in this stage: {unknown[:3]}")
+        for name, t in sums.items():
+            self.buffers[name].add_(t.to(self.buffers[name].device))
 
     def write_grads(self) -> None:
         """Round the sums into each parameter's `.grad` (the parameter's dtype) for the optimizer."""

@@ -49,6 +49,12 @@ class ParallelGroups:
         assert work is not None
         wait_work(work, self.abort)
 
+    def wait_local(self, work: dist.Work | None) -> None:
+        """Wait for an operation inside my pipeline (a stage-to-stage transfer): a local abort
+        (a failure in another pipeline) lets it complete, a hard one ends it."""
+        assert work is not None
+        wait_work(work, self.abort, local=True)
+
 
 def new_group(
     store: dist.Store, *, rank: int, size: int, timeout: timedelta, backend: str
@@ -106,7 +112,8 @@ def build_groups(
         if layout.rank in ranks:
             created[ranks] = make(ranks)
     tp_ranks = layout.tp_ranks
-    wait = None if abort is None else functools.partial(wait_work, abort=abort)
+    # Tensor-parallel peers share my node, hence my pipeline: a local abort lets them finish.
+    wait = None if abort is None else functools.partial(wait_work, abort=abort, local=True)
     tp = (
         TensorParallel(group=created[tp_ranks], rank=layout.tp_rank, size=layout.tp_size, wait=wait)
         if len(tp_ranks) > 1

@@ -43,7 +43,10 @@ class MasterAdamW:
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        state: dict[str, ParamState] | None = None,
     ) -> None:
+        """`state`: existing state to adopt by name (kept or fetched shards); the other
+        parameters start from zero moments."""
         self.params = sorted(named_params, key=lambda kv: kv[0])
         for name, p in self.params:
             if p.dtype != torch.float32:
@@ -51,8 +54,12 @@ class MasterAdamW:
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
         self.lr = 0.0
         """Learning rate of the next update (set per step from the schedule)."""
+        given = state or {}
+        unknown = sorted(set(given) - {name for name, _ in self.params})
+        if unknown:
+            raise ValueError(f"optimizer state for unknown parameters {unknown[:3]}")
         self.state: dict[str, ParamState] = {
-            name: ParamState(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            name: given.get(name) or ParamState(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             for name, p in self.params
         }
 

@@ -94,6 +94,8 @@ class InjectionTrigger:
     def __init__(self, client: Any, keys: JobKeys) -> None:
         self._committed = -1
         """Index of the furthest committed step seen (-1: none)."""
+        self._last: tuple[float, float] = (0.0, 0.0)
+        """(commit wall time, seconds) of that step."""
         self._generations = 0
         self._cond = threading.Condition()
         rk = RunKeys(keys)
@@ -113,7 +115,9 @@ class InjectionTrigger:
             for ev in events:
                 if ev.kind == "put":
                     with contextlib.suppress(ValueError, TypeError, KeyError):
-                        self._committed = max(self._committed, ProgressRecord.from_json(ev.value).step)
+                        record = ProgressRecord.from_json(ev.value)
+                        if record.step > self._committed:
+                            self._committed, self._last = record.step, (record.committed_at, record.seconds)
             self._cond.notify_all()
 
     def _on_plans(self, events: list[WatchEvent]) -> None:
@@ -141,6 +145,9 @@ class InjectionTrigger:
         with self._cond:
             while not due():
                 self._cond.wait(0.5)
+            committed_at, seconds = self._last
+        if inj.at and inj.when == "step" and not stop.is_set():  # part-way into the step
+            stop.wait(max(0.0, committed_at + inj.at * seconds - time.time()))
         return not stop.is_set()
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ PROGRESS_EARLIER_MAX = 64
 class Abortable(Protocol):
     """What the feeds need of a generation's abort flag (elastic.parallel.abort.AbortSignal)."""
 
-    def set(self, reason: str) -> None: ...
+    def set(self, reason: str, *, local: bool = False) -> None: ...
 
 
 class GenerationFeed:
@@ -100,6 +100,7 @@ class HaltFeed:
         self._prefix = rk.halts
         self._current = 0
         self._abort: Abortable | None = None
+        self._mine: frozenset[int] = frozenset()
         resp = client.get_prefix_response(rk.halts)
         for kv in resp.kvs:
             self._add(kv.key.decode(), kv.value)
@@ -112,7 +113,11 @@ class HaltFeed:
             return  # not a halt record: ignored (the leader is the only writer)
         self._halts[g] = record
         if g == self._current and record.abort and self._abort is not None:
-            self._abort.set(f"halted by the leader: {record.reason}")
+            self._set(self._abort, record)
+
+    def _set(self, abort: Abortable, record: HaltRecord) -> None:
+        local = bool(self._mine and record.lost) and not self._mine & set(record.lost)
+        abort.set(f"halted by the leader: {record.reason}", local=local)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         with self._cond:
@@ -121,13 +126,15 @@ class HaltFeed:
                     self._add(ev.key, ev.value)
             self._cond.notify_all()
 
-    def enter(self, generation: int, abort: Abortable) -> None:
-        """Make `generation` current: an abort halt of it (already written or later) sets `abort`."""
+    def enter(self, generation: int, abort: Abortable, *, pipeline: frozenset[int] = frozenset()) -> None:
+        """Make `generation` current: an abort halt of it (already written or later) sets `abort`.
+        `pipeline`: the nodes of this worker's pipeline; an abort halt that names lost nodes,
+        none of them, sets a local abort (the pipeline finishes its microbatches)."""
         with self._cond:
-            self._current, self._abort = generation, abort
+            self._current, self._abort, self._mine = generation, abort, pipeline
             record = self._halts.get(generation)
             if record is not None and record.abort:
-                abort.set(f"halted by the leader: {record.reason}")
+                self._set(abort, record)
 
     def requested(self, generation: int) -> HaltRecord | None:
         """The halt of `generation` written so far (a local lookup: no etcd call)."""

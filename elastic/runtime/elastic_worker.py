@@ -68,6 +68,7 @@ TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 _LIST_RETRY_S = 0.02
 _STORE_SLICE_S = 0.2
+_LOCAL_GRACE_MIN_S = 5.0
 
 
 def _log(message: str) -> None:
@@ -172,10 +173,13 @@ class ElasticWorker:
         joined = t.generation == generation
         last = t.last_report
         vote = None if last is None else Vote(step=last.step, grad_norm=last.grad_norm, loss=last.loss)
+        kept = t.kept
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
-                            last_vote=vote, node=self.node, local_rank=self.local_rank)  # fmt: skip
+                            last_vote=vote, node=self.node, local_rank=self.local_rank,
+                            partial=None if kept is None else kept.report())  # fmt: skip
         write_sync(self.client, self.rk, generation, report)
-        _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}")
+        _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
+             + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
 
     def _leave_drained(self, generation: int) -> None:
         """Serve this worker's committed shards until the survivors have them, then report done."""
@@ -235,9 +239,12 @@ class ElasticWorker:
         layout = ParallelLayout(
             plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank
         )
-        abort = AbortSignal()
+        last = self.trainer.last_report
+        # A pipeline finishing its microbatches after a failure elsewhere gets two steps' time.
+        abort = AbortSignal(local_grace_s=max(_LOCAL_GRACE_MIN_S, 2.0 * (last.seconds if last else self.timeout)))
         self.generations.enter(generation, abort)
-        self.halts.enter(generation, abort)
+        pipeline = frozenset(st.node for st in record.plan.pipelines[layout.pipeline].stages)
+        self.halts.enter(generation, abort, pipeline=pipeline if self.spec.partial_replay else frozenset())
         self._settle_pending(record)
         if record.restore_checkpoint is None and self.trainer.holdings() and self.trainer.step != record.resume_step:
             _log(f"generation {generation} resumes at step {record.resume_step} but this worker is at step "
@@ -272,6 +279,7 @@ class ElasticWorker:
             abort=abort,
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
+            replay=record.replay if record.restore_checkpoint is None else None,
         )
         self._pending_recovery = (seen_at, timings, time.time())
         held = json.dumps(sorted(self.trainer.holdings()))

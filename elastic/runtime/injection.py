@@ -4,6 +4,8 @@ and the SIGSTOP/SIGCONT duty cycle of a slowed node.
 `elastic run --inject` values (carried out like the operator's `elastic inject`, see below):
 
     kill:node=2,step=8        SIGKILL node 2's workers while step 8 (as printed, 1..K) is in flight
+    kill:node=2,step=8,at=0.5 ... half-way through step 8: `at` x the duration of step 7 after
+                              step 8 came in flight (0: at once; the same for hang)
     hang:node=2,step=8        SIGSTOP node 2's workers, then its agent (its lease expires)
     kill:node=3,when=reconfig SIGKILL node 3's workers as soon as the first reconfiguration begins
     rejoin:node=2,step=15     start a fresh agent (next incarnation) for the failed node 2
@@ -46,6 +48,9 @@ class Injection:
     """Step (1-based, as printed) during which it fires; None with when="reconfig"."""
     when: When = "step"
     """"step": while `step` is in flight; "reconfig": when the first reconfiguration begins."""
+    at: float | None = None
+    """With a step: fire this fraction of the previous step's duration after `step` came in
+    flight (None or 0: at once)."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -62,19 +67,21 @@ class Injection:
                 raise ValueError("give either step=N or when=reconfig, not both")
         else:
             raise ValueError(f"injection when must be 'step' or 'reconfig', got {self.when!r}")
+        if self.at is not None and (self.when != "step" or self.kind == "rejoin" or not 0.0 <= self.at <= 10.0):
+            raise ValueError(f"{self.kind}: at must be a fraction in [0, 10] of a step, with step=N (got {self.at})")
 
     @property
     def name(self) -> str:
-        """A stable key-safe name, e.g. `kill-node2-step8`."""
+        """A stable key-safe name, e.g. `kill-node2-step8` (`kill-node2-step8-at0.5` with `at`)."""
         at = f"step{self.step}" if self.when == "step" else "reconfig"
-        return f"{self.kind}-node{self.node}-{at}"
+        return f"{self.kind}-node{self.node}-{at}" + (f"-at{self.at:g}" if self.at else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node": self.node, "step": self.step, "when": self.when}
+        return {"kind": self.kind, "node": self.node, "step": self.step, "when": self.when, "at": self.at}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Injection:
-        return cls(kind=data["kind"], node=int(data["node"]), step=data["step"], when=data["when"])
+        return cls(kind=data["kind"], node=int(data["node"]), step=data["step"], when=data["when"], at=data.get("at"))
 
 
 def parse_injection(text: str) -> Injection:
@@ -92,10 +99,10 @@ def parse_injection(text: str) -> Injection:
         if key in fields:
             raise ValueError(f"--inject {text!r}: {key} given twice")
         fields[key] = value
-    unknown = set(fields) - {"node", "step", "when"}
+    unknown = set(fields) - {"node", "step", "when", "at"}
     if unknown:
         raise ValueError(
-            f"--inject {text!r}: unknown key(s) {', '.join(sorted(unknown))} (use node, step, when)"
+            f"--inject {text!r}: unknown key(s) {', '.join(sorted(unknown))} (use node, step, when, at)"
         )
     if "node" not in fields:
         raise ValueError(f"--inject {text!r}: node=N is required")
@@ -104,11 +111,15 @@ def parse_injection(text: str) -> Injection:
         step = int(fields["step"]) if "step" in fields else None
     except ValueError:
         raise ValueError(f"--inject {text!r}: node and step must be integers") from None
+    try:
+        at = float(fields["at"]) if "at" in fields else None
+    except ValueError:
+        raise ValueError(f"--inject {text!r}: at must be a number (a fraction of a step)") from None
     when = fields.get("when", "step")
     if when not in ("step", "reconfig"):
         raise ValueError(f"--inject {text!r}: when must be 'reconfig' (or omitted), got {when!r}")
     try:
-        return Injection(kind=kind, node=node, step=step, when=when)  # type: ignore[arg-type]
+        return Injection(kind=kind, node=node, step=step, when=when, at=at)  # type: ignore[arg-type]
     except ValueError as exc:
         raise ValueError(f"--inject {text!r}: {exc}") from None
 
@@ -158,6 +169,8 @@ class InjectionRequest:
     """How long a slow or partition lasts."""
     factor: float | None = None
     """Slow: steps take about this many times longer (the workers run 1/factor of the time)."""
+    at: float | None = None
+    """With when="step": fire this fraction of the previous step's duration into `step`."""
     requested_at: float = 0.0
     """Wall time of the request."""
     by: str = "cli"
@@ -176,6 +189,8 @@ class InjectionRequest:
             raise ValueError(f"{self.kind} needs seconds > 0, got {self.seconds}")
         if self.kind == "slow" and (self.factor is None or self.factor <= 1.0):
             raise ValueError(f"slow needs a factor > 1, got {self.factor}")
+        if self.at is not None and (self.when != "step" or not 0.0 <= self.at <= 10.0):
+            raise ValueError(f"at must be a fraction in [0, 10] of a step, with when='step' (got {self.at})")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -188,7 +203,7 @@ class InjectionRequest:
     def from_injection(cls, inj: Injection) -> InjectionRequest:
         """The request of one `--inject` value (targets incarnation 0; its id is `inj.name`)."""
         return cls(id=inj.name, kind=inj.kind, node=inj.node, incarnation=None if inj.kind == "rejoin" else 0,
-                   when=inj.when, step=inj.step, requested_at=time.time(), by="config")  # fmt: skip
+                   when=inj.when, step=inj.step, at=inj.at, requested_at=time.time(), by="config")  # fmt: skip
 
 
 def request_id(kind: str, node: int, step: int | None) -> str:

@@ -44,6 +44,10 @@ class JobSpec:
     """Accumulate and all-reduce gradients in float64, so the global-batch gradient does not
     depend on how the plan splits microbatches across pipelines (False: float32, half the
     gradient traffic)."""
+    partial_replay: bool = True
+    """When a node fails mid-step, pipelines that lost no node finish their microbatches and
+    keep their gradient sums, and the next generation computes only the rest of the step
+    (elastic/runtime/partial.py). Costs one copy of each worker's gradient sums per step."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
 

@@ -52,6 +52,7 @@ from elastic.runtime.injection import (
     read_statuses,
     write_status,
 )
+from elastic.runtime.partial import resolve_replay
 from elastic.runtime.planning import cluster_templates
 from elastic.runtime.protocol import (
     ABORT,
@@ -221,7 +222,7 @@ class Leader:
             if self._detected is None:
                 self._detected = time.time()
             fence = self.election.leader_compare()
-            self._halt(g, abort=True, reason=f"lost node(s) {lost}")
+            self._halt(g, abort=True, reason=f"lost node(s) {lost}", lost=lost)
             if decide(self.client, self.rk, g, last, ABORT, fence=fence) == COMMIT:
                 self.finished.set()  # the job's last step committed: nothing to recover
                 return
@@ -257,13 +258,16 @@ class Leader:
         else:
             self._answer(req, "refused", "the job finished before a step boundary came")
 
-    def _halt(self, g: int, *, abort: bool, reason: str) -> None:
-        """Write `halt/<g>` (fenced) unless a halt at least as strong is there already."""
+    def _halt(self, g: int, *, abort: bool, reason: str, lost: list[int] | None = None) -> None:
+        """Write `halt/<g>` (fenced) unless a halt at least as strong is there already (an abort
+        halt is rewritten when more nodes are lost: their pipelines must stop too)."""
         key = self.rk.halt(g)
         value, _ = self.client.get(key)
-        if value is not None and (HaltRecord.from_json(value).abort or not abort):
-            return
-        halt = HaltRecord(abort=abort, reason=reason, at=time.time())
+        if value is not None:
+            old = HaltRecord.from_json(value)
+            if not abort or (old.abort and set(lost or []) <= set(old.lost)):
+                return
+        halt = HaltRecord(abort=abort, reason=reason, at=time.time(), lost=sorted(lost or []))
         ok, _ = self.client.transaction(compare=[self.election.leader_compare()],
                                         success=[self.client.transactions.put(key, halt.to_json())], failure=[])  # fmt: skip
         if not ok:
@@ -381,6 +385,7 @@ class Leader:
                              drained: list[int] | None = None,
                              planned: tuple[Plan, str] | None = None) -> bool:  # fmt: skip
         """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
+        synced = time.time()
         resume, vote = self._resume(record, reports)
         if resume >= self.config.spec.steps:
             self.finished.set()
@@ -390,6 +395,9 @@ class Leader:
         else:
             live = sorted(n for n, inc in members.items() if record.incarnations.get(n) == inc or n in joined)
             plan, restore, reason = self._plan_for(record.plan, live, lost=lost, joined=joined)
+        replay = None
+        if lost and restore is None:
+            replay = resolve_replay(plan, [(r.node, r.local_rank, r.partial) for r in reports], step=resume)
         new = GenerationRecord(
             plan=plan,
             resume_step=resume if restore is None else restore,
@@ -400,15 +408,19 @@ class Leader:
             restore_checkpoint=restore,
             reason=reason,
             detected_at=self._detected,
+            synced_at=synced,
             published_at=time.time(),
             completed_vote=vote if restore is None else None,
+            replay=replay,
         )
         self.generations.publish(new.to_json(), expected=g, fence=self.election.leader_compare())
         self._detected = None
         log.warning("leader %s: published generation %d: %s", self.who, g + 1, reason)
         record_event(self.client, self.keys, who=self.who, kind="generation", generation=g + 1,
                      lost=lost, joined=joined, drained=drained or [], reason=reason,
-                     restore_checkpoint=restore)  # fmt: skip
+                     restore_checkpoint=restore, replayed_fraction=new.replayed_fraction,
+                     **({} if replay is None else {"kept_microbatches": replay.kept,
+                                                   "recomputed": replay.recomputed}))  # fmt: skip
         self._forget(g - 1)
         return True
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from elastic.runtime.adamw import MasterAdamW
+from elastic.runtime.adamw import MasterAdamW, ParamState
 from elastic.runtime.optim_config import OptimConfig, lr_at
 
 __all__ = ["OptimConfig", "build_optimizer", "lr_at"]
 
 
-def build_optimizer(module: torch.nn.Module, cfg: OptimConfig) -> MasterAdamW:
-    """AdamW over `module`'s parameters (fp32: they are the master weights), keyed by name."""
+def build_optimizer(
+    module: torch.nn.Module, cfg: OptimConfig, *, state: dict[str, ParamState] | None = None
+) -> MasterAdamW:
+    """AdamW over `module`'s parameters (fp32: they are the master weights), keyed by name;
+    `state` (by name) is adopted as it is, the rest starts from zero moments."""
     return MasterAdamW(
-        list(module.named_parameters()), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        list(module.named_parameters()), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, state=state
     )

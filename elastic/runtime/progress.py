@@ -201,9 +201,10 @@ def poll_progress(
         progress.recoveries.append(recovery)
         say(
             f"elastic run: recovered into generation {g} ({change_words(rec.lost, rec.joined, rec.drained)}) in "
-            f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
+            f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, "
+            f"finish kept microbatches {recovery['finishing_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
             f"transfer {recovery['transferring_s']:.2f} s, rebuild groups {recovery['rebuilding_s']:.2f} s, "
-            f"replay {recovery['replaying_s']:.2f} s, {recovery['bytes_moved']} bytes moved"
+            f"replay {recovery['replaying_s']:.2f} s ({replayed_words(rec)}), {recovery['bytes_moved']} bytes moved"
             + (
                 f", restored checkpoint of step {rec.restore_checkpoint}"
                 if rec.restore_checkpoint is not None
@@ -248,6 +249,17 @@ def change_words(lost: list[int], joined: list[int], drained: list[int]) -> str:
     return ", ".join(parts) or "no change of nodes"
 
 
+def replayed_words(rec: GenerationRecord) -> str:
+    """How much of the interrupted step a generation computes again, in words."""
+    fraction = rec.replayed_fraction
+    if fraction is None:
+        return "no step interrupted" if rec.restore_checkpoint is None else "from the checkpoint"
+    step = rec.resume_step + 1
+    if rec.replay is None or not rec.replay.kept:
+        return f"all of step {step}"
+    return f"{fraction:.0%} of step {step}: {len(rec.replay.missing)} of {rec.replay.total} microbatches"
+
+
 def interrupted(g: int, rec: GenerationRecord) -> dict[str, Any]:
     """A generation that never committed a step: superseded during its reconfiguration."""
     return {**generation_fields(g, rec), "interrupted": True}
@@ -264,6 +276,9 @@ def generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
         "reason": rec.reason,
         "detected_at": rec.detected_at,
         "published_at": rec.published_at,
+        "replayed_fraction": rec.replayed_fraction,
+        "kept_microbatches": [] if rec.replay is None else rec.replay.kept,
+        "recomputed": [] if rec.replay is None else rec.replay.recomputed,
     }
 
 
@@ -287,12 +302,14 @@ def breakdown_of(
     faults = [t for node in rec.lost if (t := fault_time(carried_out, node, detected)) is not None]
     origin = min(faults) if faults else detected
     published = rec.published_at or detected
+    synced = min(max(rec.synced_at or detected, detected), published)
     first_commit = max(t.first_commit_at for t in timings)
     started = max(t.started_at for t in timings)
     return {
         **generation_fields(g, rec),
         "detecting_s": max(0.0, detected - origin),
-        "planning_s": max(0.0, published - detected),
+        "finishing_s": synced - detected,
+        "planning_s": published - synced,
         "transferring_s": max(t.transfer_s for t in timings),
         "rebuilding_s": max(t.rebuild_s for t in timings),
         "replaying_s": max(0.0, first_commit - started),

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.runtime.injection import Injection
+from elastic.runtime.partial import PartialReport, ReplayRecord
 from elastic.runtime.planning import ClusterSpec
 from templates.plan import Plan
 
@@ -273,14 +274,29 @@ class GenerationRecord:
     """Wall time at which the leader saw the change (loss or join)."""
     published_at: float | None = None
     """Wall time at which the leader published this record."""
+    synced_at: float | None = None
+    """Wall time at which every live worker of the previous generation had reported (after a
+    loss: once the pipelines that lost no node finished their microbatches)."""
     completed_vote: Vote | None = None
     """The vote of step `resume_step - 1` as a survivor saw it complete: a survivor whose own
     wait on that vote was cut short (it holds the step's reduced gradients, pending) commits the
     step with it before joining, so every survivor enters at `resume_step`."""
+    replay: ReplayRecord | None = None
+    """Step `resume_step` was interrupted: which of its microbatches survivors kept, so this
+    generation computes only the others (None: the whole step is run)."""
+
+    @property
+    def replayed_fraction(self) -> float | None:
+        """Share of the interrupted step computed again (None when no step was interrupted:
+        a join or a drain at a step boundary, or the first generation)."""
+        if self.replay is not None:
+            return self.replay.replayed_fraction
+        return 1.0 if self.lost and self.restore_checkpoint is None else None
 
     def to_json(self) -> str:
         data: dict[str, Any] = asdict(self)
         data["plan"] = self.plan.to_dict()
+        data["replay"] = None if self.replay is None else self.replay.to_dict()
         data["incarnations"] = {str(k): v for k, v in self.incarnations.items()}
         return json.dumps(data, sort_keys=True)
 
@@ -291,6 +307,8 @@ class GenerationRecord:
         data["incarnations"] = {int(k): int(v) for k, v in data["incarnations"].items()}
         vote = data.get("completed_vote")
         data["completed_vote"] = None if vote is None else Vote(**vote)
+        replay = data.get("replay")
+        data["replay"] = None if replay is None else ReplayRecord.from_dict(replay)
         return cls(**data)
 
 
@@ -317,6 +335,9 @@ class HaltRecord:
     """Why, in words."""
     at: float
     """Wall time the leader wrote it."""
+    lost: list[int] = field(default_factory=list)
+    """With `abort`: the lost nodes. A pipeline with none of them finishes its microbatches and
+    keeps their gradients (partial replay); empty: every pipeline stops at once."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -342,15 +363,22 @@ class SyncReport:
     """Its plan node."""
     local_rank: int
     """Its index inside the node."""
+    partial: PartialReport | None = None
+    """Gradient sums it kept of step `committed` (its pipeline finished that step's
+    microbatches before the step was abandoned); None if none."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        data = asdict(self)
+        data["partial"] = None if self.partial is None else self.partial.to_dict()
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> SyncReport:
         data = json.loads(text)
         vote = data.get("last_vote")
         data["last_vote"] = None if vote is None else Vote(**vote)
+        partial = data.get("partial")
+        data["partial"] = None if partial is None else PartialReport.from_dict(partial)
         return cls(**data)
 
 

@@ -11,6 +11,12 @@ they were, so the same step can be replayed with the same samples. An error in t
 world all-reduce itself (the vote) keeps the reduced gradients as the pending step
 (VoteCutShort): a peer may have seen the vote complete and committed, and then `complete()`
 commits the same step here with the vote's outcome, bit-identically.
+
+Partial replay (elastic/runtime/partial.py): after its schedule, a worker copies its gradient
+sums (`partial`, a `KeptGrads`) before the cross-pipeline reduction can touch them; if the step
+is then abandoned, the copy survives into the next generation. That generation's first step
+may be a `StepReplay`: this pipeline computes only the listed microbatches, and a keeper adds
+its kept sums (and their loss) before the reduction.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from elastic.parallel.schedule import one_f_one_b
 from elastic.runtime.adamw import MasterAdamW
 from elastic.runtime.device import compute_precision
 from elastic.runtime.optim import OptimConfig, lr_at
+from elastic.runtime.partial import PartialReport
 
 
 class StepDiscarded(RuntimeError):
@@ -51,6 +58,41 @@ class NonFiniteStep(StepDiscarded):
 class VoteCutShort(StepAborted):
     """The wait of the step's vote failed here: the reduced gradients are kept as the pending
     step until `complete()` or `discard()`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeptGrads:
+    """One worker's gradient sums of a step whose schedule it finished, kept past an abort."""
+
+    step: int
+    """The step."""
+    microbatches: tuple[int, ...]
+    """Global microbatch indices the sums hold (this pipeline's share of the step)."""
+    layers: tuple[int, int]
+    """Planning layers [first, last) of the stage the sums belong to."""
+    tp_rank: int
+    """Tensor-parallel rank of the stage."""
+    grads: dict[str, torch.Tensor]
+    """Canonical parameter name -> the sum (the accumulator's dtype), before any reduction."""
+    loss_sum: float
+    """This worker's share of the step's loss (non-zero on a last stage's TP rank 0 only)."""
+    finite: bool
+    """Whether every loss of these microbatches was finite."""
+
+    def report(self) -> PartialReport:
+        return PartialReport(step=self.step, microbatches=self.microbatches, layers=self.layers, tp_rank=self.tp_rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReplay:
+    """The first step of a generation after a failure: only the microbatches not kept."""
+
+    step: int
+    """The step replayed."""
+    microbatches: tuple[int, ...]
+    """Global microbatch indices this pipeline computes (possibly none)."""
+    kept: KeptGrads | None = None
+    """This worker's sums kept from the interrupted step, added before the reduction."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +149,8 @@ class StepTransaction:
         d_model: int,
         device: torch.device,
         grad_dtype: torch.dtype = torch.float64,
+        keep_partial: bool = False,
+        replay: StepReplay | None = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
@@ -127,13 +171,31 @@ class StepTransaction:
         )
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
+        self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
+        """Whether each step copies its sums after the schedule (useless with one pipeline)."""
+        self.replay = replay
+        """The generation's first step, when only part of it is computed here."""
+        self.partial: KeptGrads | None = None
+        """The sums of the step being prepared, copied once its schedule finished; None once
+        it commits. A caller keeps them when the step is abandoned."""
 
-    def _microbatch(self, step: int, local_mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and targets of global microbatch `g` of step `step`."""
         plan = self.layout.plan
         samples = step_sample_indices(step, plan.global_batch)
-        g = self.layout.microbatch_offset + local_mb
         mbs = plan.microbatch_size
         return self.dataset.batch(samples[g * mbs : (g + 1) * mbs])
+
+    def _replaying(self, step: int) -> StepReplay | None:
+        return self.replay if self.replay is not None and self.replay.step == step else None
+
+    def microbatches(self, step: int) -> tuple[int, ...]:
+        """Global indices of the microbatches this pipeline computes in step `step`."""
+        replay = self._replaying(step)
+        if replay is not None:
+            return replay.microbatches
+        offset = self.layout.microbatch_offset
+        return tuple(range(offset, offset + self.layout.num_microbatches))
 
     def prepare(self, step: int, *, halt: bool = False) -> PreparedStep:
         """Run step `step` up to, not including, the optimizer update; `halt`: vote to stop
@@ -146,6 +208,7 @@ class StepTransaction:
         """
         start = time.perf_counter()
         self.discard()
+        self.partial = None
         try:
             stats = self._forward_backward_reduce(step, halt=halt)
         except VoteInterrupted as exc:
@@ -182,6 +245,9 @@ class StepTransaction:
         self.accum.write_grads()
         self.optimizer.step()
         self.discard()
+        self.partial = None
+        if self.replay is not None and self.replay.step <= prepared.step:
+            self.replay = None
         return StepReport(
             step=prepared.step,
             loss=prepared.loss,
@@ -203,30 +269,46 @@ class StepTransaction:
     def _forward_backward_reduce(self, step: int, *, halt: bool) -> GradStats:
         layout = self.layout
         total_mbs = layout.plan.global_microbatches
-        offset = layout.microbatch_offset
+        replay = self._replaying(step)
+        mbs = self.microbatches(step)
         cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
             if m not in cache:
-                cache[m] = self._microbatch(step, m)
+                cache[m] = self._microbatch(step, mbs[m])
             return cache[m]
 
-        result = run_schedule(
-            self.module,
-            self.actions,
-            spec=self.spec,
-            group=self.groups.world,
-            wait=self.groups.wait,
-            device=self.device,
-            tokens=lambda m: batch(m)[0],
-            targets=lambda m: batch(m)[1],
-            loss_scale=1.0 / total_mbs,
-            dropout_key=lambda m: dropout_key(step, offset + m),
-            autocast=lambda: compute_precision(self.device),
-        )
+        losses: dict[int, float] = {}
+        if mbs:
+            actions = self.actions if replay is None else one_f_one_b(
+                num_stages=layout.num_stages, stage=layout.stage, microbatches=len(mbs)
+            )
+            result = run_schedule(
+                self.module,
+                actions,
+                spec=self.spec,
+                group=self.groups.world,
+                # A failure in another pipeline lets this one finish (and keep) its microbatches;
+                # a replayed step keeps nothing, so any abort ends it.
+                wait=self.groups.wait_local if replay is None else self.groups.wait,
+                device=self.device,
+                tokens=lambda m: batch(m)[0],
+                targets=lambda m: batch(m)[1],
+                loss_scale=1.0 / total_mbs,
+                dropout_key=lambda m: dropout_key(step, mbs[m]),
+                autocast=lambda: compute_precision(self.device),
+            )
+            losses = result.losses
         counted = layout.is_last_stage and layout.tp_rank == 0
-        loss_sum = sum(result.losses.values()) / total_mbs if counted else 0.0
-        finite = all(math.isfinite(v) for v in result.losses.values())
+        loss_sum = sum(losses.values()) / total_mbs if counted else 0.0
+        finite = all(math.isfinite(v) for v in losses.values())
+        if replay is not None and replay.kept is not None:
+            self.accum.add(replay.kept.grads)
+            loss_sum += replay.kept.loss_sum
+            finite = finite and replay.kept.finite
+        elif replay is None and self.keep_partial:
+            self.partial = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
+                                     grads=self.accum.snapshot(), loss_sum=loss_sum, finite=finite)  # fmt: skip
         return finalize_grads(
             self.accum,
             layout=layout,

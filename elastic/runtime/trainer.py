@@ -27,14 +27,22 @@ from elastic.data.dataset import TokenDataset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
-from elastic.parallel.abort import AbortSignal
+from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout
 from elastic.runtime.adamw import MasterAdamW, ParamState
 from elastic.runtime.device import backend_for, select_device
 from elastic.runtime.job import JobSpec
 from elastic.runtime.optim import build_optimizer
-from elastic.runtime.step import PreparedStep, StepReport, StepTransaction
+from elastic.runtime.partial import ReplayRecord, split_microbatches
+from elastic.runtime.step import (
+    KeptGrads,
+    PreparedStep,
+    StepDiscarded,
+    StepReplay,
+    StepReport,
+    StepTransaction,
+)
 from templates.plan import Plan
 
 ShardKey = tuple[int, int]
@@ -71,25 +79,28 @@ def _shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
     return sum(t.numel() * t.element_size() for shard in shards.values() for t in shard.values())
 
 
-def _load_shard(
-    key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], shard: ShardState
-) -> None:
-    """Copy a fetched shard's tensors into the (new) parameters and AdamW state of its layer."""
+def _adopt(
+    key: ShardKey, name: str, skeleton: nn.Parameter, shard: ShardState, device: torch.device
+) -> tuple[nn.Parameter, ParamState]:
+    """The parameter `name` and its AdamW state made from a fetched shard: its tensors are used
+    as they are when they already have the device, dtype and layout (no copy), else copied."""
     if "step" not in shard:
         raise ValueError(f"fetched shard {key} has no 'step' count")
-    step = int(shard["step"])
-    with torch.no_grad():
-        for name, (param, state) in entries.items():
-            for kind, dst in (("param", param), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
-                src = shard.get(f"{kind}/{name}")
-                if src is None:
-                    raise ValueError(f"fetched shard {key} lacks {kind}/{name}")
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise ValueError(
-                        f"fetched shard {key}: {kind}/{name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-                    )
-                dst.copy_(src)
-            state.step = step
+    tensors = []
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        src = shard.get(f"{kind}/{name}")
+        if src is None:
+            raise ValueError(f"fetched shard {key} lacks {kind}/{name}")
+        if tuple(src.shape) != tuple(skeleton.shape):
+            raise ValueError(
+                f"fetched shard {key}: {kind}/{name} has shape {tuple(src.shape)}, expected {tuple(skeleton.shape)}"
+            )
+        if src.device != device or src.dtype != skeleton.dtype or not src.is_contiguous():
+            src = src.to(device=device, dtype=skeleton.dtype).contiguous()
+        tensors.append(src.detach())
+    param = nn.Parameter(tensors[0])
+    param.__dict__.update(skeleton.__dict__)  # tensor-parallel attributes (tp_dim, full_shape)
+    return param, ParamState(exp_avg=tensors[1], exp_avg_sq=tensors[2], step=int(shard["step"]))
 
 
 def _export(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]]) -> ShardState:
@@ -138,6 +149,8 @@ class Trainer:
         self._lock = threading.Lock()
         """Guards what export_shard serves against the optimizer update and the switch."""
         self._served: _Held = {}
+        self._kept: KeptGrads | None = None
+        """Gradient sums of an interrupted step this worker finished (partial replay)."""
         self._retired: _Held = {}
         """Shards dropped at the last switch, still at that switch's committed state, so slower
         peers of the same reconfiguration can fetch them from this worker."""
@@ -194,26 +207,17 @@ class Trainer:
         abort: AbortSignal | None,
         fetch: FetchFn | None,
         step: int,
+        replay: ReplayRecord | None = None,
     ) -> ReconfigTimings:
         """Join generation `generation` of `plan` and make `step` the next step to run.
 
         Kept shards stay in place; missing ones come from `fetch` (with `fetch=None` and
         nothing held, the model is initialised from its seed). The process groups are built
         on `store` under the generation's prefix; `abort` (None: plain waits) is the flag
-        every cross-worker wait of this generation's steps checks.
+        every cross-worker wait of this generation's steps checks. `replay`: step `step`
+        reuses microbatches kept from its interrupted run (elastic/runtime/partial.py).
         """
-        if self._layout is not None and generation <= self._layout.generation:
-            raise ValueError(
-                f"generation {generation} is not newer than the current {self._layout.generation}"
-            )
-        if self._layout is not None and plan.gpus_per_node != self._layout.tp_size:
-            raise ValueError(
-                f"tensor-parallel degree changes from {self._layout.tp_size} to {plan.gpus_per_node}: "
-                "shards of different degrees do not map onto each other"
-            )
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        layout = ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank)
+        layout = self._check_join(plan, generation, step)
         first, last = layout.layers
         needed = [(layer, layout.tp_rank) for layer in range(first, last)]
         with self._lock:
@@ -231,25 +235,10 @@ class Trainer:
             raise ValueError(f"shards {missing} are not held here and no fetch function was given")
         t1 = time.perf_counter()
 
+        step_replay = self._step_replay(layout, replay, step)
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
         groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
-        # The new stage starts from the seed initialisation; kept parameters replace their
-        # fresh copies (the same tensors, in place), fetched ones are copied in.
-        module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device)
-        module.train()
-        for name, _ in list(module.named_parameters()):
-            key = (self.layer_of(name), layout.tp_rank)
-            if key in held:
-                _set_parameter(module, name, held[key][name][0])
-        optimizer = build_optimizer(module, self.spec.optim)
-        served: _Held = {k: {} for k in needed}
-        for name, param in optimizer.params:
-            key = (self.layer_of(name), layout.tp_rank)
-            if key in held:
-                optimizer.state[name] = held[key][name][1]
-            served[key][name] = (param, optimizer.state[name])
-        for key, shard in fetched.items():
-            _load_shard(key, served[key], shard)
+        module, optimizer, served = self._build_stage(layout, groups, needed, held, fetched)
         if self._transaction is not None:
             self._transaction.accum.remove()  # kept parameters must not feed the old buffers
         transaction = StepTransaction(
@@ -263,6 +252,8 @@ class Trainer:
             d_model=self.cfg.d_model,
             device=self.device,
             grad_dtype=torch.float64 if self.spec.exact_grad_sum else torch.float32,
+            keep_partial=self.spec.partial_replay,
+            replay=step_replay,
         )
         with self._lock:
             self._retired = {k: v for k, v in self._served.items() if k not in served}
@@ -272,14 +263,82 @@ class Trainer:
             self._layout, self._groups, self._module = layout, groups, module
             self._optimizer, self._transaction = optimizer, transaction
             self._prepared = None
+            self._kept = None if step_replay is None else step_replay.kept
             self.step = step
         t2 = time.perf_counter()
+        replayed = "" if step_replay is None else (
+            f", step {step} replays microbatches {list(step_replay.microbatches)} here"
+            + (" and adds its kept sums" if step_replay.kept is not None else "")
+        )
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
             f"tp {layout.tp_rank}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
-            f"({_shard_bytes(fetched)} B) in {t1 - t0:.3f} s, rebuilt in {t2 - t1:.3f} s"
+            f"({_shard_bytes(fetched)} B) in {t1 - t0:.3f} s, rebuilt in {t2 - t1:.3f} s{replayed}"
         )
         return ReconfigTimings(transfer_s=t1 - t0, rebuild_s=t2 - t1, bytes_fetched=_shard_bytes(fetched))
+
+    def _check_join(self, plan: Plan, generation: int, step: int) -> ParallelLayout:
+        """My layout in `plan`, after checking that joining generation `generation` at `step` is valid."""
+        if self._layout is not None and generation <= self._layout.generation:
+            raise ValueError(
+                f"generation {generation} is not newer than the current {self._layout.generation}"
+            )
+        if self._layout is not None and plan.gpus_per_node != self._layout.tp_size:
+            raise ValueError(
+                f"tensor-parallel degree changes from {self._layout.tp_size} to {plan.gpus_per_node}: "
+                "shards of different degrees do not map onto each other"
+            )
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank)
+
+    def _step_replay(self, layout: ParallelLayout, replay: ReplayRecord | None, step: int) -> StepReplay | None:
+        """What this worker computes and adds in step `step` when it replays only part of it."""
+        if replay is None or replay.step != step or not replay.kept:
+            return None
+        kept = None
+        if replay.is_keeper(self.node, self.local_rank):
+            kept = self._kept
+            if kept is None or kept.step != step or not set(kept.microbatches) <= set(replay.kept):
+                raise ValueError(
+                    f"generation {layout.generation} counts on this worker's kept sums of step {step}, "
+                    f"but it keeps {None if kept is None else (kept.step, list(kept.microbatches))}"
+                )
+        mine = split_microbatches(layout.plan, replay.missing)[layout.pipeline]
+        return StepReplay(step=step, microbatches=mine, kept=kept)
+
+    def _build_stage(
+        self, layout: ParallelLayout, groups: ParallelGroups, needed: list[ShardKey], held: _Held,
+        fetched: dict[ShardKey, ShardState],
+    ) -> tuple[GPTStage, MasterAdamW, _Held]:  # fmt: skip
+        """The generation's stage module and optimizer, and the shards they serve.
+
+        Only a worker that starts from nothing initialises from the seed. Otherwise the stage is
+        built on the meta device (no memory, no initialisation) and every parameter is a kept
+        tensor (the same object, with its AdamW state) or a fetched one (adopted as it is when
+        it already has the parameter's device and dtype).
+        """
+        first, last = layout.layers
+        if not held and not fetched:
+            module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device)
+            optimizer = build_optimizer(module, self.spec.optim)
+        else:
+            with torch.device("meta"):
+                module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
+            states: dict[str, ParamState] = {}
+            for name, skeleton in list(module.named_parameters()):
+                key = (self.layer_of(name), layout.tp_rank)
+                if key in held:
+                    param, states[name] = held[key][name]
+                else:
+                    param, states[name] = _adopt(key, name, skeleton, fetched[key], self.device)
+                _set_parameter(module, name, param)
+            optimizer = build_optimizer(module, self.spec.optim, state=states)
+        module.train()
+        served: _Held = {k: {} for k in needed}
+        for name, param in optimizer.params:
+            served[(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
+        return module, optimizer, served
 
     def export_shard(self, layer: int, tp_rank: int) -> ShardState:
         """The committed state of one held shard as CPU tensors (KeyError if not held).
@@ -304,8 +363,21 @@ class Trainer:
         transaction = self._require()
         if self._prepared is not None:
             raise RuntimeError(f"step {self._prepared.step} is prepared: commit or discard it first")
-        self._prepared = transaction.prepare(self.step, halt=halt)
+        try:
+            self._prepared = transaction.prepare(self.step, halt=halt)
+        except (StepAborted, StepDiscarded):
+            partial = transaction.partial
+            if partial is not None and partial.step == self.step:
+                self._kept = partial  # the schedule finished here before the step was abandoned
+            raise
         return self._prepared
+
+    @property
+    def kept(self) -> KeptGrads | None:
+        """Gradient sums of the step `self.step` that this worker finished before it was
+        abandoned (partial replay); None if none."""
+        kept = self._kept
+        return kept if kept is not None and kept.step == self.step else None
 
     @property
     def pending(self) -> int | None:
@@ -340,6 +412,7 @@ class Trainer:
         return report
 
     def _advance(self, report: StepReport) -> None:
+        self._kept = None
         self.step += 1
         self._prepared = None
         self.last_report = report

@@ -14,6 +14,10 @@ def test_parses_every_kind() -> None:
     assert parse_injection("rejoin:node=2,step=15").name == "rejoin-node2-step15"
     inj = parse_injection("kill:node=1,when=reconfig")
     assert Injection.from_dict(inj.to_dict()) == inj
+    mid = parse_injection("kill:node=2,step=8,at=0.5")
+    assert mid == Injection(kind="kill", node=2, step=8, at=0.5) and mid.name == "kill-node2-step8-at0.5"
+    assert Injection.from_dict(mid.to_dict()) == mid
+    assert Injection.from_dict({"kind": "kill", "node": 1, "step": 2, "when": "step"}).at is None  # older configs
 
 
 @pytest.mark.parametrize(
@@ -26,7 +30,11 @@ def test_parses_every_kind() -> None:
         ("kill:node=x,step=3", "must be integers"),
         ("kill:node=1,step=0", "numbered from 1"),
         ("kill:node=1,step=2,step=3", "step given twice"),
-        ("kill:node=1,at=3", "unknown key"),
+        ("kill:node=1,at=3", "step must be given"),
+        ("kill:node=1,step=2,at=x", "at must be a number"),
+        ("kill:node=1,step=2,at=-0.5", r"at must be a fraction in \[0, 10\]"),
+        ("rejoin:node=1,step=2,at=0.5", "at must be a fraction"),
+        ("kill:node=1,step=2,after=3", "unknown key"),
         ("kill:node=1,step=2,when=reconfig", "not both"),
         ("rejoin:node=1,when=reconfig", "rejoin cannot use when=reconfig"),
         ("hang:node=1,when=later", "when must be 'reconfig'"),

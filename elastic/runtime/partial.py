@@ -1,0 +1,152 @@
+"""Partial replay: keep the microbatches an interrupted step finished, recompute only the rest.
+
+A step's gradient is a sum over the global batch's microbatches, accumulated in float64, so it
+does not depend on where or in which order the microbatches were summed. When a node fails
+mid-step, a pipeline that lost no node finishes its microbatches (its waits ignore a failure
+outside it: `AbortSignal.set(local=True)`), and each of its workers keeps its gradient sums for
+the layers it holds. Its sync report names them (`PartialReport`). The leader, re-planning,
+keeps the microbatches of every pipeline whose workers all report them and all hold the same
+layers in the new plan (`resolve_replay`); the others are recomputed. The next generation's
+first step computes only the missing microbatches, spread over its pipelines
+(`split_microbatches`), and the keepers add their sums before the cross-pipeline reduction:
+the step commits with the failure-free step's gradient.
+
+A kept layer whose holder moves to other layers in the new plan is recomputed rather than
+moved (the whole pipeline's microbatches are then replayed); the record says so (`recomputed`).
+This module imports no torch: the leader uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from templates.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialReport:
+    """Gradient sums a worker kept from an interrupted step: what its sync report says."""
+
+    step: int
+    """The interrupted step."""
+    microbatches: tuple[int, ...]
+    """Global microbatch indices whose gradients the sums hold (its pipeline's, all finished)."""
+    layers: tuple[int, int]
+    """The planning layers [first, last) the sums cover."""
+    tp_rank: int
+    """Their tensor-parallel rank."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "microbatches": list(self.microbatches), "layers": list(self.layers),
+                "tp_rank": self.tp_rank}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PartialReport:
+        first, last = (int(x) for x in data["layers"])
+        return cls(step=int(data["step"]), microbatches=tuple(int(m) for m in data["microbatches"]),
+                   layers=(first, last), tp_rank=int(data["tp_rank"]))  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayRecord:
+    """How a generation's first step reuses the interrupted step's finished microbatches."""
+
+    step: int
+    """The interrupted step (the generation's resume step)."""
+    total: int
+    """Microbatches of the global batch."""
+    kept: list[int] = field(default_factory=list)
+    """Global microbatches whose gradients survivors kept (not recomputed)."""
+    keepers: list[list[int]] = field(default_factory=list)
+    """[node, local_rank] of every worker that adds its kept sums to the step."""
+    recomputed: list[str] = field(default_factory=list)
+    """Finished microbatches recomputed anyway, and why (e.g. a keeper's layers move)."""
+
+    @property
+    def missing(self) -> list[int]:
+        """The microbatches the generation computes, ascending."""
+        kept = set(self.kept)
+        return [m for m in range(self.total) if m not in kept]
+
+    @property
+    def replayed_fraction(self) -> float:
+        """Share of the step's microbatches computed again."""
+        return len(self.missing) / self.total if self.total else 1.0
+
+    def is_keeper(self, node: int, local_rank: int) -> bool:
+        return [node, local_rank] in self.keepers
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ReplayRecord:
+        return cls(step=int(data["step"]), total=int(data["total"]), kept=[int(m) for m in data["kept"]],
+                   keepers=[[int(n), int(r)] for n, r in data["keepers"]],
+                   recomputed=[str(x) for x in data.get("recomputed", [])])  # fmt: skip
+
+
+def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[int, ...]]:
+    """Spread `microbatches` (ascending) over `plan`'s pipelines in proportion to the share of
+    the global batch each takes (largest remainder, ties to the lower pipeline), as contiguous
+    runs in pipeline order. The same on every worker."""
+    total, count = plan.global_microbatches, len(microbatches)
+    shares = [p.microbatches * count for p in plan.pipelines]
+    sizes = [s // total for s in shares]
+    order = sorted(range(len(shares)), key=lambda p: (-(shares[p] % total), p))
+    for p in order[: count - sum(sizes)]:
+        sizes[p] += 1
+    out, start = [], 0
+    for size in sizes:
+        out.append(tuple(microbatches[start : start + size]))
+        start += size
+    return out
+
+
+def _layers_in(plan: Plan, node: int) -> tuple[int, int] | None:
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
+            if stage.node == node:
+                return stage.first, stage.last
+    return None
+
+
+def resolve_replay(
+    new_plan: Plan, reports: Sequence[tuple[int, int, PartialReport | None]], *, step: int
+) -> ReplayRecord:
+    """Which of step `step`'s microbatches the generation of `new_plan` keeps.
+
+    `reports`: (node, local_rank, kept sums or None) of every live worker. A set of microbatches
+    is kept when its reports cover every (layer, tensor-parallel rank) shard of the model once
+    and every keeper holds a superset of its layers in `new_plan`, at the same rank.
+    """
+    tp = new_plan.gpus_per_node
+    shards = {(layer, t) for layer in range(new_plan.num_layers) for t in range(tp)}
+    by_set: dict[tuple[int, ...], list[tuple[int, int, PartialReport]]] = {}
+    for node, local_rank, report in reports:
+        if report is not None and report.step == step:
+            by_set.setdefault(report.microbatches, []).append((node, local_rank, report))
+    kept: list[int] = []
+    keepers: list[list[int]] = []
+    recomputed: list[str] = []
+    for mbs, group in sorted(by_set.items()):
+        covered: list[tuple[int, int]] = [
+            (layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])
+        ]
+        if len(covered) != len(set(covered)) or set(covered) != shards or set(mbs) & set(kept):
+            continue  # a pipeline that lost a worker: its sums are incomplete
+        moved = []
+        for node, local_rank, r in group:
+            now = _layers_in(new_plan, node)
+            if now is None or local_rank != r.tp_rank or not (now[0] <= r.layers[0] and r.layers[1] <= now[1]):
+                moved.append(node)
+        if moved:
+            recomputed.append(f"microbatches {list(mbs)}: kept by node(s) {sorted(set(moved))}, "
+                              "whose layers move in the new plan")  # fmt: skip
+            continue
+        kept.extend(mbs)
+        keepers.extend([node, local_rank] for node, local_rank, _ in group)
+    return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept), keepers=sorted(keepers),
+                        recomputed=recomputed)  # fmt: skip

@@ -1,0 +1,97 @@
+"""Partial replay in the engine, on a real gloo world (two trainers, threads of this process):
+a worker whose pipeline finished step s keeps its gradient sums when the step is abandoned,
+and a generation that computes only the other microbatches and adds them commits bit-for-bit
+the step of the run where nothing happened. Local aborts let waits inside the pipeline finish;
+hard ones and the local grace end them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
+from elastic.runtime.partial import ReplayRecord
+from templates.plan import even_plan
+from tests.engine.test_transaction import assert_same, snapshot
+from tests.engine.test_vote import _both, _pair
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_kept_sums_plus_the_missing_microbatches_commit_the_failure_free_step(tmp_path: Path) -> None:
+    reference = _pair(tmp_path / "ref", [None, None])
+    _both(lambda r: reference[r].train(3))
+
+    aborts = [AbortSignal(), AbortSignal()]
+    trainers = _pair(tmp_path / "run", list(aborts))
+    _both(lambda r: trainers[r].train(2))
+    # Step 2: node 1 is lost before it joins; node 0's pipeline (itself) is intact.
+    aborts[0].set("lost node(s) [1]", local=True)
+    survivor = trainers[0]
+    with pytest.raises(StepAborted):
+        survivor.prepare_step()
+    kept = survivor.kept
+    assert kept is not None and kept.step == 2 and kept.microbatches == (0, 1) and kept.layers == (0, 6)
+    assert all(p.grad is None for p in survivor.module.parameters())
+
+    # Generation 2: node 0 alone; it keeps microbatches 0-1 and computes 2-3.
+    alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
+    replay = ReplayRecord(step=2, total=4, kept=[0, 1], keepers=[[0, 0]])
+    survivor.start(plan=alone, generation=2, store=dist.HashStore(), abort=AbortSignal(), fetch=None, step=2,
+                   replay=replay)  # fmt: skip
+    assert survivor._require().microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
+    (report,) = survivor.train(3)
+    assert_same(snapshot(survivor), snapshot(reference[0]))
+    assert report.loss == pytest.approx(reference[0].last_report.loss, rel=1e-12)  # type: ignore[union-attr]
+    assert survivor.kept is None  # dropped once the step committed
+    assert survivor._require().microbatches(3) == (0, 1, 2, 3)  # noqa: SLF001 - later steps are whole
+
+
+def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
+    trainers = _pair(tmp_path, [AbortSignal(), AbortSignal()])
+    _both(lambda r: trainers[r].train(1))
+    alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
+    replay = ReplayRecord(step=1, total=4, kept=[0, 1], keepers=[[0, 0]])
+    with pytest.raises(ValueError, match="counts on this worker's kept sums"):
+        trainers[0].start(plan=alone, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=1,
+                          replay=replay)  # fmt: skip
+
+
+def test_local_abort_lets_pipeline_waits_finish_until_hard_or_out_of_grace() -> None:
+    store = dist.HashStore()
+    a, b = _both(lambda r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)))
+    abort = AbortSignal()
+    abort.set("lost node(s) [5]", local=True)
+    buf = torch.zeros(4)
+    # A transfer inside the pipeline completes despite the local abort (the peer sends 0.1 s later).
+    work = dist.irecv(buf, group=a, group_src=1)
+    assert work is not None
+    sender = threading.Timer(0.1, lambda: dist.send(torch.ones(4), group=b, group_dst=0))
+    sender.start()
+    wait_work(work, abort, local=True)
+    sender.join()
+    assert torch.equal(buf, torch.ones(4))
+    # A wait outside the pipeline ends at once.
+    other = dist.irecv(torch.zeros(4), group=a, group_src=1, tag=3)
+    assert other is not None
+    with pytest.raises(StepAborted):
+        wait_work(other, abort)
+    # With a grace, a local wait whose peer never sends ends when the grace runs out.
+    graced = AbortSignal(local_grace_s=0.2)
+    graced.set("lost node(s) [5]", local=True)
+    start = time.monotonic()
+    with pytest.raises(StepAborted, match="did not finish its microbatches"):
+        wait_work(dist.irecv(torch.zeros(4), group=a, group_src=1, tag=4), graced, local=True)  # type: ignore[arg-type]
+    assert time.monotonic() - start < 5.0
+    # A hard abort ends a local wait too.
+    hard = AbortSignal()
+    hard.set("lost node(s) [5]", local=True)
+    threading.Timer(0.1, lambda: hard.set("lost node(s) [0]")).start()
+    with pytest.raises(StepAborted, match=r"\[0\]"):
+        wait_work(dist.irecv(torch.zeros(4), group=a, group_src=1, tag=5), hard, local=True)  # type: ignore[arg-type]
