@@ -1,14 +1,19 @@
 """Recovery time of a live reconfiguration, kill -> next committed step, against bytes moved (issue 6).
 
     .venv/bin/python bench/recovery.py --models tiny small [--nodes 4] [--steps 12] [--kill-step 6]
-    .venv/bin/python bench/recovery.py --models gpt2-124m --steps 4 --kill-step 3 --microbatch 1 --microbatches 2
+    .venv/bin/python bench/recovery.py --models gpt2-124m --steps 4 --kill-step 3 --microbatch 1 --microbatches 4 \
+        --kill-at 0 0.5 --whole-step
 
 For each model: a failure-free elastic run (4 nodes, 2 pipelines x 2 stages, so a lost node's
-layers must move), then the same run with `kill:node=2,step=K`. Prints the recovery breakdown
-(detect, plan, transfer, rebuild groups, replay), the bytes moved, and two baselines taken in
-the same invocation: the failure-free run's steady step time (recovery in units of steps) and
-its cold start (launcher start -> first commit: what restarting the whole job would cost before
-any checkpoint restore). Both runs must end with the same losses (checked).
+layers must move), then the same run with `kill:node=2,step=K,at=F` for each `--kill-at` F (the
+fraction of a step into step K at which node 2 is SIGKILLed; 0: as soon as step K is in
+flight). Prints the recovery breakdown (detect, finish kept microbatches, plan, transfer,
+rebuild groups, replay), the replayed fraction of the step, the bytes moved, and baselines
+taken in the same invocation: the failure-free run's steady step time (recovery in units of
+steps), its cold start (launcher start -> first commit: what restarting the whole job would cost
+before any checkpoint restore) and, with `--whole-step`, the same kill with partial replay off
+(the whole interrupted step is replayed: the runtime before issue 14). Every run must end with
+the failure-free losses (checked).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def run(
     lease_ttl: int = 3,
     stop: threading.Event | None = None,
     device_memory_gib: float | None = None,
+    partial_replay: bool = True,
 ) -> RunSummary:
     """One elastic run: `nodes` nodes as 2 pipelines (f = 1), the given `--inject` values, node
     leases of `lease_ttl` s. Setting `stop` ends it early (launch_elastic raises JobFailed).
@@ -65,7 +71,7 @@ def run(
     else:
         plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
-                   device="cpu", collective_timeout_s=300.0)  # fmt: skip
+                   device="cpu", collective_timeout_s=300.0, partial_replay=partial_replay)  # fmt: skip
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
                            checkpoint_every=0, lease_ttl=lease_ttl)  # fmt: skip
     return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
@@ -79,6 +85,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--kill-step", type=int, default=6)
+    parser.add_argument("--kill-at", type=float, nargs="+", default=[0.0],
+                        help="fractions of a step into step K at which node 2 is killed (one run each)")
+    parser.add_argument("--whole-step", action="store_true",
+                        help="baseline: each kill again with partial replay off (the whole step replayed)")
     parser.add_argument("--microbatch", type=int, default=2, help="samples per microbatch")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (global batch / microbatch)")
     parser.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL in seconds (failure detection bound)")
@@ -92,31 +102,46 @@ def main() -> None:
     for model in args.models:
         batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl}
         base = run(model, args.nodes, args.steps, (), root / f"{model}-base", **batch)
-        hit = run(
-            model, args.nodes, args.steps, (f"kill:node=2,step={args.kill_step}",), root / f"{model}-kill", **batch
-        )
-        same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(hit.losses, base.losses, strict=True))
-        (rec,) = hit.recoveries
-        row = {
-            "model": model,
-            "global_batch": args.microbatch * args.microbatches,
-            "recovery_s": round(rec["total_s"], 3),
-            "detect_s": round(rec["detecting_s"], 3),
-            "plan_s": round(rec["planning_s"], 3),
-            "transfer_s": round(rec["transferring_s"], 3),
-            "rebuild_s": round(rec["rebuilding_s"], 3),
-            "replay_s": round(rec["replaying_s"], 3),
-            "bytes_moved": rec["bytes_moved"],
-            "steady_step_s": round(base.steady_step_s, 3),
-            "recovery_in_steps": round(rec["total_s"] / base.steady_step_s, 2),
-            "cold_start_s": round(base.startup_s, 3),
-            "recovery_over_cold_start": round(rec["total_s"] / base.startup_s, 3),
-            "losses_match": same,
-            "worker_restarts": hit.worker_restarts,
-        }
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for at in args.kill_at:
+            for partial in (True, False) if args.whole_step else (True,):
+                kill = f"kill:node=2,step={args.kill_step}" + (f",at={at:g}" if at else "")
+                name = f"{model}-kill-at{at:g}" + ("" if partial else "-whole")
+                hit = run(model, args.nodes, args.steps, (kill,), root / name, partial_replay=partial, **batch)
+                row = _row(model, args, base, hit, at=at, partial=partial)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
 
+
+def _row(model: str, args: argparse.Namespace, base: RunSummary, hit: RunSummary, *, at: float,
+         partial: bool) -> dict[str, object]:  # fmt: skip
+    same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(hit.losses, base.losses, strict=True))
+    (rec,) = hit.recoveries
+    step = base.steady_step_s
+    fraction = rec["replayed_fraction"]
+    return {
+        "model": model,
+        "global_batch": args.microbatch * args.microbatches,
+        "kill_at": at,
+        "partial_replay": partial,
+        "recovery_s": round(rec["total_s"], 3),
+        "detect_s": round(rec["detecting_s"], 3),
+        "finish_s": round(rec["finishing_s"], 3),
+        "plan_s": round(rec["planning_s"], 3),
+        "transfer_s": round(rec["transferring_s"], 3),
+        "rebuild_s": round(rec["rebuilding_s"], 3),
+        "replay_s": round(rec["replaying_s"], 3),
+        "replayed_fraction": fraction,
+        "bytes_moved": rec["bytes_moved"],
+        "steady_step_s": round(step, 3),
+        "recovery_in_steps": round(rec["total_s"] / step, 2),
+        # Issue 14's targets: gpt2-124m <= 0.6 x step + 2 s; small <= replayed fraction x step + 1.5 s.
+        "target_0.6_step_plus_2_s": round(0.6 * step + 2.0, 3),
+        "target_fraction_step_plus_1.5_s": None if fraction is None else round(fraction * step + 1.5, 3),
+        "cold_start_s": round(base.startup_s, 3),
+        "recovery_over_cold_start": round(rec["total_s"] / base.startup_s, 3),
+        "losses_match": same,
+        "worker_restarts": hit.worker_restarts,
+    }
 
 if __name__ == "__main__":
     main()

@@ -50,7 +50,8 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
                         joined_nodes, drained_nodes, reason, restore_checkpoint, detected_at, published_at,
                         replayed_fraction, kept_microbatches, recomputed,
                         detecting_s, finishing_s, planning_s, transferring_s, rebuilding_s, replaying_s,
-                        total_s, bytes_moved, fault_at, first_commit_at, interrupted; the timing
+                        total_s, bytes_moved, bytes_moved_collective, fault_at, first_commit_at,
+                        interrupted; the timing
                         fields are null until a worker has reported) and
         complete          every worker of that generation reported its timings (the numbers are final)
         workers_reported, workers_expected
@@ -84,7 +85,7 @@ DEFAULT_WINDOW = 5
 
 _TIMING_FIELDS = (
     "detecting_s", "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s", "total_s",
-    "bytes_moved", "fault_at", "first_commit_at",
+    "bytes_moved", "bytes_moved_collective", "fault_at", "first_commit_at",
 )  # fmt: skip
 
 

@@ -43,7 +43,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.store import EtcdStore
 from elastic.parallel.abort import AbortSignal
-from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.runtime.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.runtime.netaddr import bind_host
 from elastic.runtime.protocol import (
@@ -280,6 +280,7 @@ class ElasticWorker:
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
             replay=record.replay if record.restore_checkpoint is None else None,
+            holdings=self._holdings_fn(generation, record),
         )
         self._pending_recovery = (seen_at, timings, time.time())
         held = json.dumps(sorted(self.trainer.holdings()))
@@ -290,6 +291,25 @@ class ElasticWorker:
             f"groups {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
         )
         return layout
+
+    def _holdings_fn(self, generation: int, record: GenerationRecord) -> Callable[[], dict[int, list[tuple[int, int]]]] | None:
+        """For the collective shard path: rank of `generation` -> the shards it holds now, read
+        from `holdings/` (one read; every worker reads the same final keys, since the leader
+        publishes a generation only after every live worker of the one before has halted)."""
+        if record.restore_checkpoint is not None or generation == 1 or self.spec.shard_transport != "collective":
+            return None
+
+        def holdings() -> dict[int, list[tuple[int, int]]]:
+            ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(record.plan)}
+            out: dict[int, list[tuple[int, int]]] = {}
+            for value, meta in self.client.get_prefix(self.rk.holdings):
+                node, local_rank = (int(x) for x in meta.key.decode().rsplit("/", 2)[-2:])
+                rank = ranks.get((node, local_rank))
+                if rank is not None:
+                    out[rank] = [(int(a), int(b)) for a, b in json.loads(value)]
+            return out
+
+        return holdings
 
     def _held_before(self, generation: int) -> bool:
         return generation > 1 and bool(self.trainer.holdings())
@@ -364,7 +384,8 @@ class ElasticWorker:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
                 rec = RecoveryTimings(seen_at=seen_at, transfer_s=t.transfer_s, rebuild_s=t.rebuild_s,
-                                      bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now)  # fmt: skip
+                                      bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now,
+                                      bytes_collective=t.bytes_collective)  # fmt: skip
                 self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
             self._maybe_checkpoint(layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:

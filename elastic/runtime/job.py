@@ -44,6 +44,10 @@ class JobSpec:
     """Accumulate and all-reduce gradients in float64, so the global-batch gradient does not
     depend on how the plan splits microbatches across pipelines (False: float32, half the
     gradient traffic)."""
+    shard_transport: str = "collective"
+    """How a reconfiguration moves shards between workers of the new generation: "collective"
+    (point-to-point sends on its process group, gloo or NCCL; gRPC only for shards held
+    outside it and as the fallback) or "grpc" (every shard over gRPC)."""
     partial_replay: bool = True
     """When a node fails mid-step, pipelines that lost no node finish their microbatches and
     keep their gradient sums, and the next generation computes only the rest of the step
@@ -62,6 +66,8 @@ class JobSpec:
             )
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        if self.shard_transport not in ("collective", "grpc"):
+            raise ValueError(f"shard_transport must be 'collective' or 'grpc', got {self.shard_transport!r}")
 
     @property
     def model_config(self) -> GPTConfig:

@@ -204,7 +204,8 @@ def poll_progress(
             f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, "
             f"finish kept microbatches {recovery['finishing_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
             f"transfer {recovery['transferring_s']:.2f} s, rebuild groups {recovery['rebuilding_s']:.2f} s, "
-            f"replay {recovery['replaying_s']:.2f} s ({replayed_words(rec)}), {recovery['bytes_moved']} bytes moved"
+            f"replay {recovery['replaying_s']:.2f} s ({replayed_words(rec)}), {recovery['bytes_moved']} bytes moved "
+            f"({recovery['bytes_moved_collective']} over the process group)"
             + (
                 f", restored checkpoint of step {rec.restore_checkpoint}"
                 if rec.restore_checkpoint is not None
@@ -315,6 +316,7 @@ def breakdown_of(
         "replaying_s": max(0.0, first_commit - started),
         "total_s": max(0.0, first_commit - origin),
         "bytes_moved": sum(t.bytes_fetched for t in timings),
+        "bytes_moved_collective": sum(t.bytes_collective for t in timings),
         "interrupted": False,
         "fault_at": origin,
         "first_commit_at": first_commit,

@@ -490,6 +490,8 @@ class RecoveryTimings:
     """Wall time `Trainer.start` returned."""
     first_commit_at: float
     """Wall time of its first commit in the generation."""
+    bytes_collective: int = 0
+    """The part of `bytes_fetched` that came over the generation's process group."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -29,7 +29,7 @@ from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.groups import ParallelGroups, build_groups
-from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.runtime.adamw import MasterAdamW, ParamState
 from elastic.runtime.device import backend_for, select_device
 from elastic.runtime.job import JobSpec
@@ -43,10 +43,12 @@ from elastic.runtime.step import (
     StepReport,
     StepTransaction,
 )
+from elastic.transfer.collective import exchange, plan_moves
+from elastic.transfer.shards import ShardKey as MovedShard
 from templates.plan import Plan
 
 ShardKey = tuple[int, int]
-"""(planning layer, tensor-parallel rank)."""
+"""(planning layer, tensor-parallel rank); `elastic.transfer.shards.ShardKey` is equal to it."""
 
 ShardState = dict[str, torch.Tensor]
 """One shard's committed state: `param/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` per
@@ -54,6 +56,10 @@ parameter of the layer (CPU tensors), and `step` (0-d int64: the AdamW step coun
 
 FetchFn = Callable[[list[ShardKey]], dict[ShardKey, ShardState]]
 """Gets the state of shards this worker does not hold from their holders."""
+
+HoldingsFn = Callable[[], dict[int, list[ShardKey]]]
+"""Rank of the new generation -> the shards that worker holds now (the collective path's input:
+every worker must see the same map)."""
 
 _Held = dict[ShardKey, dict[str, tuple[nn.Parameter, ParamState]]]
 """Shard -> canonical name -> (parameter, its AdamW state)."""
@@ -73,6 +79,8 @@ class ReconfigTimings:
     """Seconds spent building the process groups, the stage module and its optimizer state."""
     bytes_fetched: int
     """Bytes of fetched tensors (parameters and optimizer moments)."""
+    bytes_collective: int = 0
+    """The part of `bytes_fetched` that came over the generation's process group."""
 
 
 def _shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
@@ -208,6 +216,7 @@ class Trainer:
         fetch: FetchFn | None,
         step: int,
         replay: ReplayRecord | None = None,
+        holdings: HoldingsFn | None = None,
     ) -> ReconfigTimings:
         """Join generation `generation` of `plan` and make `step` the next step to run.
 
@@ -216,6 +225,9 @@ class Trainer:
         on `store` under the generation's prefix; `abort` (None: plain waits) is the flag
         every cross-worker wait of this generation's steps checks. `replay`: step `step`
         reuses microbatches kept from its interrupted run (elastic/runtime/partial.py).
+        `holdings`: move shards between the generation's workers over its world group first
+        (every worker of the generation joins that exchange); `fetch` gets the rest (shards held
+        outside the generation, or that arrived damaged).
         """
         layout = self._check_join(plan, generation, step)
         first, last = layout.layers
@@ -224,20 +236,17 @@ class Trainer:
             held = dict(self._served)
         missing = [k for k in needed if k not in held]
 
-        t0 = time.perf_counter()
-        fetched: dict[ShardKey, ShardState] = {}
-        if missing and fetch is not None:
-            fetched = fetch(missing)
-            absent = sorted(set(missing) - set(fetched))
-            if absent:
-                raise ValueError(f"fetch did not return shards {absent}")
-        elif missing and held:
-            raise ValueError(f"shards {missing} are not held here and no fetch function was given")
-        t1 = time.perf_counter()
-
         step_replay = self._step_replay(layout, replay, step)
+        t0 = time.perf_counter()
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
         groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
+        t1 = time.perf_counter()
+        try:
+            fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
+        except BaseException:
+            self._graveyard.append(groups)  # an operation of it may be pending: never destroyed
+            raise
+        t2 = time.perf_counter()
         module, optimizer, served = self._build_stage(layout, groups, needed, held, fetched)
         if self._transaction is not None:
             self._transaction.accum.remove()  # kept parameters must not feed the old buffers
@@ -265,7 +274,7 @@ class Trainer:
             self._prepared = None
             self._kept = None if step_replay is None else step_replay.kept
             self.step = step
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         replayed = "" if step_replay is None else (
             f", step {step} replays microbatches {list(step_replay.microbatches)} here"
             + (" and adds its kept sums" if step_replay.kept is not None else "")
@@ -273,9 +282,78 @@ class Trainer:
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
             f"tp {layout.tp_rank}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
-            f"({_shard_bytes(fetched)} B) in {t1 - t0:.3f} s, rebuilt in {t2 - t1:.3f} s{replayed}"
+            f"({_shard_bytes(fetched)} B) in {t2 - t1:.3f} s, groups in {t1 - t0:.3f} s, stage in "
+            f"{t3 - t2:.3f} s{replayed}"
         )
-        return ReconfigTimings(transfer_s=t1 - t0, rebuild_s=t2 - t1, bytes_fetched=_shard_bytes(fetched))
+        return ReconfigTimings(
+            transfer_s=t2 - t1, rebuild_s=(t1 - t0) + (t3 - t2), bytes_fetched=_shard_bytes(fetched),
+            bytes_collective=_shard_bytes({k: v for k, v in fetched.items() if k in over_group}),
+        )
+
+    def _gather(
+        self, layout: ParallelLayout, groups: ParallelGroups, missing: list[ShardKey], held: _Held,
+        holdings: HoldingsFn | None, fetch: FetchFn | None,
+    ) -> tuple[dict[ShardKey, ShardState], set[ShardKey]]:  # fmt: skip
+        """The missing shards: over the collective path first (with `holdings`), then `fetch`;
+        and which of them came over the process group."""
+        fetched = {} if holdings is None else self._exchange(layout, groups, holdings())
+        over_group = set(fetched)
+        rest = [k for k in missing if k not in fetched]
+        if rest and fetch is not None:
+            got = fetch(rest)
+            absent = sorted(set(rest) - set(got))
+            if absent:
+                raise ValueError(f"fetch did not return shards {absent}")
+            fetched.update({k: got[k] for k in rest})
+        elif rest and (held or fetched):
+            raise ValueError(f"shards {rest} are not held here and no fetch function was given")
+        return fetched, over_group
+
+    def _exchange(
+        self, layout: ParallelLayout, groups: ParallelGroups, holdings: dict[int, list[ShardKey]]
+    ) -> dict[ShardKey, ShardState]:
+        """Send what peers of the generation need from me and receive what I need, over the world
+        group (the collective shard path); returns what arrived intact."""
+        needs: dict[int, list[MovedShard]] = {}
+        for w in assign_ranks(layout.plan):
+            first, last = layout.plan.pipelines[w.pipeline].stages[w.stage].layers
+            have = {tuple(k) for k in holdings.get(w.rank, [])}
+            want = [MovedShard(layer, w.tp_rank) for layer in range(first, last) if (layer, w.tp_rank) not in have]
+            if want:
+                needs[w.rank] = want
+        holders: dict[MovedShard, list[int]] = {}
+        for rank, keys in holdings.items():
+            for k in keys:
+                holders.setdefault(MovedShard(*k), []).append(rank)
+        moves = plan_moves(needs, holders)
+        if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
+            return {}
+        result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,
+                          device=self.device)  # fmt: skip
+        for key, why in sorted(result.failed.items()):
+            _log(f"generation {layout.generation}: shard {tuple(key)} did not arrive intact ({why}): "
+                 "fetching it over gRPC")  # fmt: skip
+        _log(f"generation {layout.generation}: collective exchange sent {result.bytes_sent} B, received "
+             f"{result.bytes_received} B in {result.seconds:.3f} s")  # fmt: skip
+        return {(k.layer, k.tp_rank): v for k, v in result.shards.items()}
+
+    def _live_shard(self, key: ShardKey) -> ShardState:
+        """A held shard's own tensors (no copy: nothing updates them while a generation starts)."""
+        with self._lock:
+            entries = self._served.get(key, self._retired.get(key))
+            if entries is None:
+                raise KeyError(f"shard {tuple(key)} is not held by this worker")
+            out: ShardState = {}
+            steps = set()
+            for name, (param, state) in entries.items():
+                out[f"param/{name}"] = param.detach()
+                out[f"exp_avg/{name}"] = state.exp_avg
+                out[f"exp_avg_sq/{name}"] = state.exp_avg_sq
+                steps.add(state.step)
+            device = next(iter(out.values())).device
+        assert len(steps) == 1, f"shard {key}: parameters disagree on the AdamW step count {steps}"
+        out["step"] = torch.tensor(steps.pop(), dtype=torch.int64, device=device)
+        return out
 
     def _check_join(self, plan: Plan, generation: int, step: int) -> ParallelLayout:
         """My layout in `plan`, after checking that joining generation `generation` at `step` is valid."""

@@ -1,11 +1,14 @@
 """Shard transfer: move named tensors (a layer shard's parameters and optimizer state) between
-workers over gRPC, in checksummed chunks, without pickling.
+workers: over the new generation's process group (`collective`), or over gRPC in checksummed
+chunks without pickling (everything else, and the fallback).
 
 - `codec`: tensor <-> header + raw bytes chunks, CRC-32 verification.
 - `shards`: `ShardKey` and the spreading of shards over holders.
 - `server`: `ShardServer`, serving shards from a provider callable.
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
+- `collective`: `plan_moves` and `exchange`: batched point-to-point sends on a process group
+  (gloo or NCCL), each tensor verified by a vectorised checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
 Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.
@@ -21,10 +24,12 @@ from elastic.transfer.client import (
     list_shards,
 )
 from elastic.transfer.codec import CorruptTensorError
+from elastic.transfer.collective import CollectiveResult, ShardMove, exchange, plan_moves
 from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
 from elastic.transfer.shards import ShardKey, assign_shards
 
 __all__ = [
+    "CollectiveResult",
     "CorruptTensorError",
     "FetchConfig",
     "FetchResult",
@@ -32,10 +37,13 @@ __all__ = [
     "ServerConfig",
     "ShardCheck",
     "ShardKey",
+    "ShardMove",
     "ShardProvider",
     "ShardServer",
     "TransferError",
     "assign_shards",
+    "exchange",
     "fetch_shards",
     "list_shards",
+    "plan_moves",
 ]

@@ -19,26 +19,32 @@ Protocol, per (src, dst) pair that has at least one move (other pairs exchange n
 
 Every rank first posts all its sends (headers, then data), then all its header receives, then
 waits for the headers one source at a time and posts the data receives; only then does it
-wait for data, and for its own sends last. Nothing blocks before everything it could depend
-on is posted, so two ranks that send to each other both make progress. Messages of one pair
-share one tag and match in order (gloo and NCCL both keep per-peer FIFO order per tag).
-Every wait goes through the caller's `wait` (an abortable wait in the runtime); errors of
-the group itself (a peer died, the wait aborted) propagate unchanged.
+wait for data (verifying each tensor while the next ones arrive), and for its own sends last.
+Nothing blocks before everything it could depend on is posted, so two ranks that send to each
+other both make progress. The messages of one pair match in posting order (gloo matches by
+peer and tag, first posted first; NCCL ignores tags and keeps per-peer order). Every wait goes
+through the caller's `wait` (an abortable wait in the runtime); errors of the group itself (a
+peer died, the wait aborted) propagate unchanged.
 
 Verification. Each tensor's checksum covers its dtype, its shape and its bytes, the bytes
-read as little-endian int64 words (the tail zero-padded to a word): the int64 sum of the
-words, plus the sum of the per-chunk sums (chunks of `CHECKSUM_CHUNK_WORDS` words) weighted
-by chunk index + 1, both wrapping modulo 2^64. A changed word changes the sum (by a non-zero
-amount below 2^64); chunks that swapped places change the weighted sum; a changed dtype or
-shape in the header changes the dtype/shape part. It guards against a buggy path (a wrong or
-stale buffer, a truncation, an offset error), not against a forger, as CRC-32 does in `codec`.
-Why not CRC-32 here: it would run on both sides on the transfer's critical path. Measured on
-the 2-core dev machine (one thread, 256 MiB of fp32): zlib.crc32 7.3 GB/s (1.2 GB/s was
-measured earlier under load), SHA-256 2.2 GB/s, this checksum 44 GB/s (memory-bound: one
-`sum` over an int64 view, no copy). With gloo loopback at ~3.3 GB/s, CRC-32 on both sides
-alone would drop the path to ~1.7 GB/s; this checksum costs ~2% of the transfer. (Beware:
-`int32_view.sum(dtype=torch.int64)` runs at only 1.3 GB/s: it converts first; hence int64
-words.) A mismatch puts the shard in `CollectiveResult.failed`; it never raises.
+read as little-endian int64 words (the tail zero-padded to a word): the sum of the words, plus
+the sum of the per-chunk sums (chunks of `CHECKSUM_CHUNK_WORDS` words) weighted by chunk index
++ 1, both modulo 2^64. A changed word changes the sum (by a non-zero amount below 2^64); chunks
+that swapped places change the weighted sum; a header whose dtype or shape was altered no
+longer matches the dtype/shape part. It does not see words permuted inside one 64 KiB chunk,
+nor errors that cancel out: it guards against a buggy path (a wrong or stale buffer, a
+truncation, an offset error), not against a forger, as CRC-32 does in `codec`.
+
+Why not CRC-32 here: it would run on both sides, on the transfer's critical path. Measured on
+the 2-core dev machine (one thread, 256 MiB of fp32, machine idle): zlib.crc32 7.3 GB/s
+(`codec` quotes 1.2 GB/s, measured there earlier), SHA-256 2.2 GB/s, this checksum 36-44 GB/s
+(memory-bound: one reduction over an int64 view of the tensor, no copy). With gloo over
+loopback at ~3.3 GB/s, CRC-32 on both sides would alone drop the path to ~1.7 GB/s; this
+checksum costs a few percent. Two traps measured on torch 2.13 CPU: `int32_view.sum(dtype=
+torch.int64)` runs at only 1.3 GB/s (it converts first; hence int64 words), and torch's
+multi-threaded reductions slow down 5-20x when the cores are busy with gloo's I/O (hence
+numpy on CPU, see `_chunk_sums`). A mismatch puts the shard in `CollectiveResult.failed`; it
+never raises.
 
 Why plain `isend`/`irecv`: `batch_isend_irecv` cannot take the backend process group objects
 this project uses as groups (`P2POp` resolves peers through the group registry and raises
@@ -204,17 +210,26 @@ def _chunk_sums(words: torch.Tensor, full: int) -> tuple[int, int, int]:
     On CPU through numpy: one thread, no OpenMP. torch's own `sum` splits a large reduction
     over its intra-op threads, and when the other cores are busy (gloo's I/O threads, the peer
     process) a thread waits for a descheduled one: measured 50-250 ms instead of 10-15 ms for
-    256 MiB on the 2-core dev machine during a transfer. Both ways wrap modulo 2^64 alike.
+    256 MiB on the 2-core dev machine during a transfer. Both ways agree modulo 2^64.
     """
-    n = full * CHECKSUM_CHUNK_WORDS
     if words.device.type == "cpu":
-        w = words.numpy()
-        sums = w[:n].reshape(full, CHECKSUM_CHUNK_WORDS).sum(axis=1)  # (full,), wraps
-        weights = np.arange(1, full + 1, dtype=np.int64)
-        return int(sums.sum()), int((sums * weights).sum()), int(w[n:].sum())
-    chunk = words[:n].view(full, CHECKSUM_CHUNK_WORDS).sum(dim=1)  # (full,)
-    weights_t = torch.arange(1, full + 1, dtype=torch.int64, device=words.device)
-    total, weighted, rest = torch.stack([chunk.sum(), (chunk * weights_t).sum(), words[n:].sum()]).tolist()
+        return _chunk_sums_numpy(words, full)
+    return _chunk_sums_torch(words, full)
+
+
+def _chunk_sums_numpy(words: torch.Tensor, full: int) -> tuple[int, int, int]:
+    n = full * CHECKSUM_CHUNK_WORDS
+    w = words.numpy()
+    sums = w[:n].reshape(full, CHECKSUM_CHUNK_WORDS).sum(axis=1)  # (full,), wraps
+    weights = np.arange(1, full + 1, dtype=np.int64)
+    return int(sums.sum()), int((sums * weights).sum()), int(w[n:].sum())
+
+
+def _chunk_sums_torch(words: torch.Tensor, full: int) -> tuple[int, int, int]:
+    n = full * CHECKSUM_CHUNK_WORDS
+    sums = words[:n].view(full, CHECKSUM_CHUNK_WORDS).sum(dim=1)  # (full,), wraps
+    weights = torch.arange(1, full + 1, dtype=torch.int64, device=words.device)
+    total, weighted, rest = torch.stack([sums.sum(), (sums * weights).sum(), words[n:].sum()]).tolist()
     return int(total), int(weighted), int(rest)
 
 
@@ -367,9 +382,9 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 # ---- the exchange -----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class _Incoming:
-    """The receive side of one pair: header, posted buffers, and where each buffer belongs."""
+    """The receive side of one pair: what to expect, the header, and the posted data receives."""
 
     src: int
     expected: list[ShardKey]
@@ -436,7 +451,7 @@ def exchange(
         raw = _read_header(group, src, tag, frame, wait, device)
         shards = decode_header(raw)
         posted = [
-            _recv(group, src, tag, torch.empty(m.nbytes, dtype=torch.uint8, device=device))
+            _recv(group, src, tag, _receive_buffer(m.nbytes, device))
             for s in shards
             for m in s.tensors
             if m.nbytes > 0
@@ -448,32 +463,7 @@ def exchange(
     failed: dict[ShardKey, str] = {}
     bytes_received = 0
     for pair in pairs:
-        buffers = iter(pair.posted)
-        for s in pair.shards:
-            take = s.key in pair.expected and s.key not in received and s.key not in failed
-            reason = s.error and f"holder rank {pair.src} could not export it: {s.error}"
-            reason = reason or _check_names(s.tensors)
-            state: ShardState = {}
-            for meta in s.tensors:
-                buf = None
-                if meta.nbytes > 0:
-                    work, buf = next(buffers)
-                    wait(work)
-                    bytes_received += meta.nbytes
-                if take and reason is None:
-                    tensor = _rebuild(meta, buf, device)
-                    reason = tensor if isinstance(tensor, str) else _check_tensor(meta, tensor)
-                    if not isinstance(tensor, str):
-                        state[meta.name] = tensor
-            if not take:
-                continue  # not ours to take from this holder, or sent twice (drained, dropped)
-            if reason is None:
-                received[s.key] = state
-            else:
-                failed[s.key] = reason if s.error else f"from holder rank {pair.src}: {reason}"
-        for key in pair.expected:
-            if key not in received and key not in failed:
-                failed[key] = f"holder rank {pair.src} did not send it"
+        bytes_received += _receive_pair(pair, received, failed, wait, device)
     for work, _ in sends:
         wait(work)
     return CollectiveResult(
@@ -483,6 +473,49 @@ def exchange(
         bytes_sent=bytes_sent,
         seconds=time.perf_counter() - start,
     )
+
+
+def _receive_pair(
+    pair: _Incoming,
+    received: dict[ShardKey, ShardState],
+    failed: dict[ShardKey, str],
+    wait: Callable[[dist.Work], None],
+    device: torch.device,
+) -> int:
+    """Wait for one source's data in header order, filling `received` and `failed`; bytes received.
+
+    Every posted buffer is waited for, also those of shards that are dropped (not expected from
+    this source, sent twice, or already failed), so the pair's stream is always fully drained.
+    """
+    buffers = iter(pair.posted)
+    nbytes = 0
+    for s in pair.shards:
+        take = s.key in pair.expected and s.key not in received and s.key not in failed
+        reason = _check_names(s.tensors) if s.error is None else None
+        state: ShardState = {}
+        for meta in s.tensors:
+            buf = None
+            if meta.nbytes > 0:
+                work, buf = next(buffers)
+                wait(work)
+                nbytes += meta.nbytes
+            if take and s.error is None and reason is None:
+                tensor = _rebuild(meta, buf, device)
+                reason = tensor if isinstance(tensor, str) else _check_tensor(meta, tensor)
+                if not isinstance(tensor, str):
+                    state[meta.name] = tensor
+        if not take:
+            continue
+        if s.error is not None:
+            failed[s.key] = f"holder rank {pair.src} could not export it: {s.error}"
+        elif reason is not None:
+            failed[s.key] = f"from holder rank {pair.src}: {reason}"
+        else:
+            received[s.key] = state
+    for key in pair.expected:
+        if key not in received and key not in failed:
+            failed[key] = f"holder rank {pair.src} did not send it"
+    return nbytes
 
 
 def _check_moves(group: dist.ProcessGroup, rank: int, moves: Sequence[ShardMove]) -> None:
@@ -504,6 +537,8 @@ def _export(key: ShardKey, export: Callable[[ShardKey], ShardState]) -> tuple[Sh
     """Header entry and the byte views to send for one shard; an export error goes in the header."""
     try:
         state = export(key)
+        if isinstance(state, Mapping):  # one contiguous copy of a strided tensor, for checksum and send
+            state = {n: t.detach().contiguous() if isinstance(t, torch.Tensor) else t for n, t in state.items()}
         header = describe_shard(key, state)
     except Exception as exc:  # reported to the receivers, who fetch the shard another way
         return ShardHeader(key=key, tensors=(), error=f"{type(exc).__name__}: {exc}"), []
@@ -515,6 +550,18 @@ def _export(key: ShardKey, export: Callable[[ShardKey], ShardState]) -> tuple[Sh
 def _posted(work: dist.Work | None) -> dist.Work:
     assert work is not None, "this rank is not a member of the group"
     return work
+
+
+def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A fresh receive buffer, its pages touched on CPU before the receive is posted: the
+    kernel's first-touch faults (zeroing every page) then run here while gloo's I/O thread
+    receives the previous buffers, instead of inside that thread, serialised with the socket
+    reads (measured here: the first exchange of 256 MiB into fresh memory went from 1.6 to
+    2.5 GB/s)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu":
+        buf.numpy()[::4096] = 0  # one write per page: faults it in without a full memset
+    return buf
 
 
 def _recv(group: dist.ProcessGroup, src: int, tag: int, buf: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:

@@ -39,10 +39,12 @@ def run_elastic(
     steps: int = STEPS,
     timeout_s: float = 150.0,
     partial_replay: bool = True,
+    shard_transport: str = "collective",
 ) -> Result:
     """Train tiny on `nodes` nodes dealt into `pipelines` multi-stage pipelines, with faults."""
     config = tiny_config(run_dir, nodes=nodes, pipelines=pipelines, steps=steps, fault_tolerance=fault_tolerance,
-                         checkpoint_every=checkpoint_every, partial_replay=partial_replay)  # fmt: skip
+                         checkpoint_every=checkpoint_every, partial_replay=partial_replay,
+                         shard_transport=shard_transport)  # fmt: skip
     config = dataclasses.replace(config, injections=tuple(parse_injection(i) for i in inject))
     summary = launch_elastic(config, quiet=True, timeout_s=timeout_s)
     return summary, load_final_state(config.spec)
@@ -80,13 +82,14 @@ def check_same_training(
 
 def tiny_config(
     run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3,
-    checkpoint_every: int = 5, partial_replay: bool = True,
+    checkpoint_every: int = 5, partial_replay: bool = True, shard_transport: str = "collective",
 ) -> ElasticConfig:
     """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2)."""
     plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
                      microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
-                   collective_timeout_s=60.0, partial_replay=partial_replay)  # fmt: skip
+                   collective_timeout_s=60.0, partial_replay=partial_replay,
+                   shard_transport=shard_transport)  # fmt: skip
     cluster = ClusterSpec(
         model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
     )

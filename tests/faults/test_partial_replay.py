@@ -1,8 +1,9 @@
-"""Partial replay on real processes: a node SIGKILLed or SIGSTOPped mid-step costs only the
-microbatches of its own pipeline. The pipeline that lost no node finishes its microbatches, its
-workers keep their gradient sums through the re-plan, and the new generation computes the rest:
-the final state is bit-identical to the failure-free run's, and to the same failure with the
-whole step replayed (partial replay off)."""
+"""Partial replay and the collective shard path on real processes: a node SIGKILLed or
+SIGSTOPped mid-step costs only the microbatches of its own pipeline. The pipeline that lost no
+node finishes its microbatches, its workers keep their gradient sums through the re-plan, and
+the new generation computes the rest; the lost node's layers move over the new generation's
+gloo group. The final state is bit-identical to the failure-free run's, to the same failure with
+the whole step replayed (partial replay off), and to shards moved over gRPC."""
 
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ def test_only_the_broken_pipelines_microbatches_are_replayed(fault: str, referen
     assert rec["lost_nodes"] == [2] and rec["restore_checkpoint"] is None
     assert rec["kept_microbatches"] == [0, 1] and rec["replayed_fraction"] == 0.5, rec
     assert rec["finishing_s"] >= 0.0 and rec["planning_s"] >= 0.0
+    # Every shard came from a holder inside the new generation: all over its process group.
+    assert rec["bytes_moved"] > 0 and rec["bytes_moved_collective"] == rec["bytes_moved"], rec
 
 
-def test_whole_step_replay_gives_the_same_state(reference: Reference, tmp_path: Path) -> None:
-    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",), partial_replay=False)
+def test_whole_step_replay_over_grpc_gives_the_same_state(reference: Reference, tmp_path: Path) -> None:
+    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",), partial_replay=False,
+                                 shard_transport="grpc")  # fmt: skip
     check_same_training(summary, state, reference)
     assert max_rel_diff(state, reference[1]) == 0.0
     (rec,) = summary.recoveries
     assert rec["kept_microbatches"] == [] and rec["replayed_fraction"] == 1.0, rec
+    assert rec["bytes_moved"] > 0 and rec["bytes_moved_collective"] == 0, rec
