@@ -288,7 +288,7 @@ class ElasticWorker:
         _log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
             f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
-            f"groups {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
+            f"groups and stage {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
         )
         return layout
 

@@ -5,15 +5,16 @@ does not depend on where or in which order the microbatches were summed. When a 
 mid-step, a pipeline that lost no node finishes its microbatches (its waits ignore a failure
 outside it: `AbortSignal.set(local=True)`), and each of its workers keeps its gradient sums for
 the layers it holds. Its sync report names them (`PartialReport`). The leader, re-planning,
-keeps the microbatches of every pipeline whose workers all report them and all hold the same
-layers in the new plan (`resolve_replay`); the others are recomputed. The next generation's
-first step computes only the missing microbatches, spread over its pipelines
-(`split_microbatches`), and the keepers add their sums before the cross-pipeline reduction:
-the step commits with the failure-free step's gradient.
+keeps the microbatches of every pipeline whose workers all report them (`resolve_replay`); the
+others are recomputed. The next generation's first step computes only the missing microbatches,
+spread over its pipelines (`split_microbatches`), and the keepers add their sums before the
+cross-pipeline reduction: the step commits with the failure-free step's gradient.
 
-A kept layer whose holder moves to other layers in the new plan is recomputed rather than
-moved (the whole pipeline's microbatches are then replayed); the record says so (`recomputed`).
-This module imports no torch: the leader uses it.
+Where the new plan moves a kept layer to another node, its kept sums move with it (`moved`:
+the keeper sends them to one new holder of the layer over the new generation's process group
+while the shards move, and that holder adds them instead); a keeper that left the plan, or sits
+at another tensor-parallel rank, makes its set recomputed (`recomputed` says why). This module
+imports no torch: the leader uses it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class ReplayRecord:
     keepers: list[list[int]] = field(default_factory=list)
     """[node, local_rank] of every worker that adds its kept sums to the step."""
     recomputed: list[str] = field(default_factory=list)
-    """Finished microbatches recomputed anyway, and why (e.g. a keeper's layers move)."""
+    """Finished microbatches recomputed anyway, and why (e.g. a keeper left the plan)."""
+    moved: list[list[int]] = field(default_factory=list)
+    """[layer, tp_rank, from_node, from_local_rank, to_node, to_local_rank]: kept sums of a layer
+    whose keeper no longer holds it, sent to (and added by) a new holder."""
 
     @property
     def missing(self) -> list[int]:
@@ -85,7 +89,8 @@ class ReplayRecord:
     def from_dict(cls, data: Mapping[str, Any]) -> ReplayRecord:
         return cls(step=int(data["step"]), total=int(data["total"]), kept=[int(m) for m in data["kept"]],
                    keepers=[[int(n), int(r)] for n, r in data["keepers"]],
-                   recomputed=[str(x) for x in data.get("recomputed", [])])  # fmt: skip
+                   recomputed=[str(x) for x in data.get("recomputed", [])],
+                   moved=[[int(x) for x in m] for m in data.get("moved", [])])  # fmt: skip
 
 
 def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[int, ...]]:
@@ -113,6 +118,11 @@ def _layers_in(plan: Plan, node: int) -> tuple[int, int] | None:
     return None
 
 
+def _first_holder(plan: Plan, layer: int) -> int:
+    """The node of the first pipeline's stage that holds `layer` in `plan`."""
+    return next(st.node for pipe in plan.pipelines for st in pipe.stages if st.first <= layer < st.last)
+
+
 def resolve_replay(
     new_plan: Plan, reports: Sequence[tuple[int, int, PartialReport | None]], *, step: int
 ) -> ReplayRecord:
@@ -120,7 +130,8 @@ def resolve_replay(
 
     `reports`: (node, local_rank, kept sums or None) of every live worker. A set of microbatches
     is kept when its reports cover every (layer, tensor-parallel rank) shard of the model once
-    and every keeper holds a superset of its layers in `new_plan`, at the same rank.
+    and every keeper is in `new_plan` at the same rank; the sums of a layer its keeper no longer
+    holds go to the first pipeline's holder of it (`moved`).
     """
     tp = new_plan.gpus_per_node
     shards = {(layer, t) for layer in range(new_plan.num_layers) for t in range(tp)}
@@ -131,22 +142,24 @@ def resolve_replay(
     kept: list[int] = []
     keepers: list[list[int]] = []
     recomputed: list[str] = []
+    moved_sums: list[list[int]] = []
     for mbs, group in sorted(by_set.items()):
         covered: list[tuple[int, int]] = [
             (layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])
         ]
         if len(covered) != len(set(covered)) or set(covered) != shards or set(mbs) & set(kept):
             continue  # a pipeline that lost a worker: its sums are incomplete
-        moved = []
-        for node, local_rank, r in group:
-            now = _layers_in(new_plan, node)
-            if now is None or local_rank != r.tp_rank or not (now[0] <= r.layers[0] and r.layers[1] <= now[1]):
-                moved.append(node)
-        if moved:
-            recomputed.append(f"microbatches {list(mbs)}: kept by node(s) {sorted(set(moved))}, "
-                              "whose layers move in the new plan")  # fmt: skip
+        gone = sorted({node for node, local_rank, r in group
+                       if _layers_in(new_plan, node) is None or local_rank != r.tp_rank})  # fmt: skip
+        if gone:
+            recomputed.append(f"microbatches {list(mbs)}: kept by node(s) {gone}, which are not in the new plan "
+                              "at the same tensor-parallel rank")  # fmt: skip
             continue
+        for node, local_rank, r in group:
+            first, last = _layers_in(new_plan, node) or (0, 0)
+            moved_sums.extend([layer, r.tp_rank, node, local_rank, _first_holder(new_plan, layer), r.tp_rank]
+                              for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)  # fmt: skip
         kept.extend(mbs)
         keepers.extend([node, local_rank] for node, local_rank, _ in group)
     return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept), keepers=sorted(keepers),
-                        recomputed=recomputed)  # fmt: skip
+                        recomputed=recomputed, moved=sorted(moved_sums))  # fmt: skip

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,8 +91,13 @@ class StepReplay:
     """The step replayed."""
     microbatches: tuple[int, ...]
     """Global microbatch indices this pipeline computes (possibly none)."""
-    kept: KeptGrads | None = None
-    """This worker's sums kept from the interrupted step, added before the reduction."""
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Kept gradient sums this worker adds before the reduction (canonical name -> sum): its
+    own for the layers it still holds, and those moved to it with a layer."""
+    loss_sum: float = 0.0
+    """The kept share of the step's loss this worker adds (a keeper's `KeptGrads.loss_sum`)."""
+    finite: bool = True
+    """Whether the kept losses were all finite."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,10 +307,10 @@ class StepTransaction:
         counted = layout.is_last_stage and layout.tp_rank == 0
         loss_sum = sum(losses.values()) / total_mbs if counted else 0.0
         finite = all(math.isfinite(v) for v in losses.values())
-        if replay is not None and replay.kept is not None:
-            self.accum.add(replay.kept.grads)
-            loss_sum += replay.kept.loss_sum
-            finite = finite and replay.kept.finite
+        if replay is not None:
+            self.accum.add(replay.sums)
+            loss_sum += replay.loss_sum
+            finite = finite and replay.finite
         elif replay is None and self.keep_partial:
             self.partial = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
                                      grads=self.accum.snapshot(), loss_sum=loss_sum, finite=finite)  # fmt: skip

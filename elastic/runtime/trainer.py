@@ -43,7 +43,7 @@ from elastic.runtime.step import (
     StepReport,
     StepTransaction,
 )
-from elastic.transfer.collective import exchange, plan_moves
+from elastic.transfer.collective import ShardMove, exchange, plan_moves
 from elastic.transfer.shards import ShardKey as MovedShard
 from templates.plan import Plan
 
@@ -63,6 +63,10 @@ every worker must see the same map)."""
 
 _Held = dict[ShardKey, dict[str, tuple[nn.Parameter, ParamState]]]
 """Shard -> canonical name -> (parameter, its AdamW state)."""
+
+
+_SUMS_TAG = 8
+"""Tag of the kept gradient sums' exchange (the shards' own exchange uses the default, 7)."""
 
 
 def _log(message: str) -> None:
@@ -236,7 +240,6 @@ class Trainer:
             held = dict(self._served)
         missing = [k for k in needed if k not in held]
 
-        step_replay = self._step_replay(layout, replay, step)
         t0 = time.perf_counter()
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
         groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
@@ -247,6 +250,11 @@ class Trainer:
             self._graveyard.append(groups)  # an operation of it may be pending: never destroyed
             raise
         t2 = time.perf_counter()
+        try:
+            step_replay = self._step_replay(layout, groups, replay, step)
+        except BaseException:
+            self._graveyard.append(groups)
+            raise
         module, optimizer, served = self._build_stage(layout, groups, needed, held, fetched)
         if self._transaction is not None:
             self._transaction.accum.remove()  # kept parameters must not feed the old buffers
@@ -272,12 +280,13 @@ class Trainer:
             self._layout, self._groups, self._module = layout, groups, module
             self._optimizer, self._transaction = optimizer, transaction
             self._prepared = None
-            self._kept = None if step_replay is None else step_replay.kept
+            if step_replay is None or not replay or not replay.is_keeper(self.node, self.local_rank):
+                self._kept = None  # a keeper keeps its sums until the replayed step commits
             self.step = step
         t3 = time.perf_counter()
         replayed = "" if step_replay is None else (
             f", step {step} replays microbatches {list(step_replay.microbatches)} here"
-            + (" and adds its kept sums" if step_replay.kept is not None else "")
+            + (f" and adds {len(step_replay.sums)} kept sums" if step_replay.sums else "")
         )
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
@@ -370,8 +379,11 @@ class Trainer:
             raise ValueError(f"step must be >= 0, got {step}")
         return ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank)
 
-    def _step_replay(self, layout: ParallelLayout, replay: ReplayRecord | None, step: int) -> StepReplay | None:
-        """What this worker computes and adds in step `step` when it replays only part of it."""
+    def _step_replay(
+        self, layout: ParallelLayout, groups: ParallelGroups, replay: ReplayRecord | None, step: int
+    ) -> StepReplay | None:
+        """What this worker computes and adds in step `step` when it replays only part of it;
+        kept sums of layers that moved are exchanged here, over the new world group."""
         if replay is None or replay.step != step or not replay.kept:
             return None
         kept = None
@@ -382,8 +394,33 @@ class Trainer:
                     f"generation {layout.generation} counts on this worker's kept sums of step {step}, "
                     f"but it keeps {None if kept is None else (kept.step, list(kept.microbatches))}"
                 )
+        first, last = layout.layers
+        sums = {} if kept is None else {n: t for n, t in kept.grads.items() if first <= self.layer_of(n) < last}
+        sums.update(self._moved_sums(layout, groups, replay, kept))
         mine = split_microbatches(layout.plan, replay.missing)[layout.pipeline]
-        return StepReplay(step=step, microbatches=mine, kept=kept)
+        return StepReplay(step=step, microbatches=mine, sums=sums, loss_sum=0.0 if kept is None else kept.loss_sum,
+                          finite=True if kept is None else kept.finite)  # fmt: skip
+
+    def _moved_sums(
+        self, layout: ParallelLayout, groups: ParallelGroups, replay: ReplayRecord, kept: KeptGrads | None
+    ) -> dict[str, torch.Tensor]:
+        """Send my kept sums of layers I no longer hold to their new holders, and receive those
+        moved to me (`replay.moved`); canonical name -> sum."""
+        ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(layout.plan)}
+        moves = [ShardMove(key=MovedShard(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
+                 for layer, tp, fn, fr, tn, tr in replay.moved]  # fmt: skip
+        if not any(layout.rank in (m.src, m.dst) for m in moves):
+            return {}
+
+        def export(key: ShardKey) -> ShardState:
+            assert kept is not None, "asked to send kept sums this worker does not keep"
+            return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key[0]}
+
+        result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
+                          tag=_SUMS_TAG, device=self.device)  # fmt: skip
+        if result.failed:
+            raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
+        return {name.removeprefix("grad/"): t for shard in result.shards.values() for name, t in shard.items()}
 
     def _build_stage(
         self, layout: ParallelLayout, groups: ParallelGroups, needed: list[ShardKey], held: _Held,

@@ -64,10 +64,21 @@ def test_incomplete_stale_or_moved_sums_are_recomputed() -> None:
     # Sums of another step say nothing of this one.
     stale = resolve_replay(new, [kept(0, (0, 3), (0, 1, 2, 3), step=4), kept(1, (3, 6), (0, 1, 2, 3), step=4)], step=5)
     assert stale.kept == []
-    # Node 0 now holds layers [3, 6): its kept sums of [0, 3) cannot be added there.
-    moved = plan((((1, 0, 3), (0, 3, 6)), 5), (((3, 0, 6),), 3))
+    # A keeper missing from the new plan (here: node 1 left out) makes its set recomputed.
+    without_1 = plan((((0, 0, 3), (3, 3, 6)), 5), (((4, 0, 6),), 3))
+    record = resolve_replay(without_1, [kept(0, (0, 3), (0, 1, 2, 3)), kept(1, (3, 6), (0, 1, 2, 3))], step=5)
+    assert record.kept == [] and len(record.recomputed) == 1 and "node(s) [1]" in record.recomputed[0]
+
+
+def test_sums_of_a_layer_that_moves_go_to_its_new_holder() -> None:
+    # Node 0 kept [0, 3) and now holds [3, 6); node 1 kept [3, 6) and now holds [0, 2); node 3 holds all.
+    moved = plan((((1, 0, 2), (0, 2, 6)), 5), (((3, 0, 6),), 3))
     record = resolve_replay(moved, [kept(0, (0, 3), (0, 1, 2, 3)), kept(1, (3, 6), (0, 1, 2, 3))], step=5)
-    assert record.kept == [] and len(record.recomputed) == 1 and "node(s) [0, 1]" in record.recomputed[0]
+    assert record.kept == [0, 1, 2, 3] and record.keepers == [[0, 0], [1, 0]] and not record.recomputed
+    # [layer, tp, from node, from rank, to node, to rank]: each layer's sums to the first pipeline's holder.
+    assert record.moved == [[0, 0, 0, 0, 1, 0], [1, 0, 0, 0, 1, 0], [3, 0, 1, 0, 0, 0], [4, 0, 1, 0, 0, 0],
+                            [5, 0, 1, 0, 0, 0]]  # fmt: skip
+    assert ReplayRecord.from_dict(record.to_dict()) == record
 
 
 def test_tensor_parallel_keepers_must_cover_every_rank() -> None:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
-from elastic.runtime.partial import ReplayRecord
-from templates.plan import even_plan
+from elastic.runtime.partial import ReplayRecord, resolve_replay
+from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
 from tests.engine.test_transaction import assert_same, snapshot
 from tests.engine.test_vote import _both, _pair
 
@@ -95,3 +95,36 @@ def test_local_abort_lets_pipeline_waits_finish_until_hard_or_out_of_grace() -> 
     threading.Timer(0.1, lambda: hard.set("lost node(s) [0]")).start()
     with pytest.raises(StepAborted, match=r"\[0\]"):
         wait_work(dist.irecv(torch.zeros(4), group=a, group_src=1, tag=5), hard, local=True)  # type: ignore[arg-type]
+
+
+def test_kept_sums_of_a_layer_that_moves_travel_with_it(tmp_path: Path) -> None:
+    """Node 0 keeps step 2's sums of every layer, then holds only [3, 6) in a 2-stage pipeline
+    with node 1: its sums of [0, 3) go to node 1 over the new world group, and the step is the
+    failure-free one."""
+    reference = _pair(tmp_path / "ref", [None, None])
+    _both(lambda r: reference[r].train(3))
+
+    aborts = [AbortSignal(), AbortSignal()]
+    trainers = _pair(tmp_path / "run", list(aborts))
+    _both(lambda r: trainers[r].train(2))
+    aborts[0].set("lost node(s) [1]", local=True)  # node 1's pipeline failed step 2; node 0's did not
+    with pytest.raises(StepAborted):
+        trainers[0].prepare_step()
+    assert trainers[0].kept is not None and trainers[1].kept is None
+
+    split = Plan(num_layers=6, microbatch_size=2, gpus_per_node=1, fault_tolerance=0, pipelines=(
+        PipelinePlan(stages=(StagePlan(node=1, layers=(0, 3)), StagePlan(node=0, layers=(3, 6))), microbatches=4),
+    ))  # fmt: skip
+    replay = resolve_replay(split, [(0, 0, trainers[0].kept.report()), (1, 0, None)], step=2)
+    assert replay.kept == [0, 1] and replay.moved == [[layer, 0, 0, 0, 1, 0] for layer in range(3)]
+    store = dist.HashStore()
+    _both(lambda r: trainers[r].start(plan=split, generation=2, store=store, abort=AbortSignal(), fetch=None, step=2,
+                                      replay=replay))  # fmt: skip
+    adopted = trainers[1]._require().replay  # noqa: SLF001 - node 1 adopted node 0's sums of [0, 3)
+    assert adopted is not None and {trainers[1].layer_of(n) for n in adopted.sums} == {0, 1, 2}
+    _both(lambda r: trainers[r].train(3))
+    want = dict(reference[0].module.named_parameters())
+    got = {**dict(trainers[1].module.named_parameters()), **dict(trainers[0].module.named_parameters())}
+    assert got.keys() == want.keys()
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name

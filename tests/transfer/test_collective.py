@@ -20,19 +20,16 @@ import torch
 import torch.distributed as dist
 
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
-from elastic.transfer import collective
-from elastic.transfer.collective import (
+from elastic.transfer import shard_header
+from elastic.transfer.collective import HEADER_FRAME_BYTES, ShardMove, exchange, plan_moves
+from elastic.transfer.shard_header import (
     CHECKSUM_CHUNK_WORDS,
-    HEADER_FRAME_BYTES,
     ProtocolError,
     ShardHeader,
-    ShardMove,
     ShardState,
     decode_header,
     describe_shard,
     encode_header,
-    exchange,
-    plan_moves,
     tensor_checksum,
     verify_shard,
 )
@@ -292,8 +289,8 @@ def test_checksum_is_the_same_on_every_device(words: int) -> None:
     x = torch.randint(-(2**63), 2**63 - 1, (words,), dtype=torch.int64, generator=torch.Generator().manual_seed(1))
     full = words // CHECKSUM_CHUNK_WORDS
     mask = (1 << 64) - 1
-    by_numpy = [v & mask for v in collective._chunk_sums_numpy(x, full)]
-    assert by_numpy == [v & mask for v in collective._chunk_sums_torch(x, full)]
+    by_numpy = [v & mask for v in shard_header._chunk_sums_numpy(x, full)]
+    assert by_numpy == [v & mask for v in shard_header._chunk_sums_torch(x, full)]
 
 
 def test_verify_shard_rejects_a_tampered_header() -> None:
