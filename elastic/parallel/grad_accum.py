@@ -31,7 +31,13 @@ class GradAccumulator:
         *,
         dtype: torch.dtype = torch.float64,
         partition: Sequence[Sequence[str]] | None = None,
+        device: torch.device | None = None,
+        attach: bool = True,
     ) -> None:
+        """`device`: where the sums live (default: each group's first parameter's device; give
+        it for a skeleton module on the meta device). `attach=False`: allocate only; `attach()`
+        the module that will train later (the buffers' first-touch cost can then be paid off
+        the critical path, e.g. while shards are being received)."""
         self.dtype = dtype
         self.named = sorted(module.named_parameters(), key=lambda kv: kv[0])
         """(canonical name, parameter), sorted by name."""
@@ -47,12 +53,22 @@ class GradAccumulator:
             if not names:
                 continue
             sizes = [params[n].numel() for n in names]
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=params[names[0]].device)
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=device or params[names[0]].device)
             for n, view in zip(names, flat.split(sizes), strict=True):
                 self.buffers[n] = view.view(params[n].shape)
             self.flats.append((tuple(names), flat))
         self._copies: list[torch.Tensor] | None = None
         self._handles: list[RemovableHandle] = []
+        if attach:
+            self.attach(module)
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Sum the gradients of `module`'s parameters (the names and shapes allocated for)."""
+        named = sorted(module.named_parameters(), key=lambda kv: kv[0])
+        if [(n, tuple(p.shape)) for n, p in named] != [(n, tuple(self.buffers[n].shape)) for n, _ in self.named]:
+            raise ValueError("the module's parameters are not the ones these buffers were allocated for")
+        self.remove()
+        self.named = named
         for name, p in self.named:
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
 

@@ -156,14 +156,18 @@ class StepTransaction:
         grad_dtype: torch.dtype = torch.float64,
         keep_partial: bool = False,
         replay: StepReplay | None = None,
+        accum: GradAccumulator | None = None,
     ) -> None:
+        """`accum`: gradient buffers allocated beforehand for this stage's parameters and
+        buckets (`StepTransaction.buffers_for`); attached here."""
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
         self.device = device
-        names = [name for name, _ in module.named_parameters()]
-        partition = [group for _, group in bucket_plan(names, layout, layer_of)]
-        self.accum = GradAccumulator(module, dtype=grad_dtype, partition=partition)
+        if accum is None:
+            accum = StepTransaction.buffers_for(module, layout=layout, layer_of=layer_of, dtype=grad_dtype, device=device)
+        accum.attach(module)
+        self.accum = accum
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
@@ -183,6 +187,17 @@ class StepTransaction:
         self.partial: KeptGrads | None = None
         """The sums of the step being prepared, copied once its schedule finished; None once
         it commits. A caller keeps them when the step is abandoned."""
+
+    @staticmethod
+    def buffers_for(
+        module: torch.nn.Module, *, layout: ParallelLayout, layer_of: Callable[[str], int], dtype: torch.dtype,
+        device: torch.device,
+    ) -> GradAccumulator:  # fmt: skip
+        """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
+        per gradient bucket of `layout`, not yet attached."""
+        names = [name for name, _ in module.named_parameters()]
+        partition = [group for _, group in bucket_plan(names, layout, layer_of)]
+        return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False)
 
     def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and targets of global microbatch `g` of step `step`."""

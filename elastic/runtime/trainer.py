@@ -28,6 +28,7 @@ from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
 from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.runtime.adamw import MasterAdamW, ParamState
@@ -85,6 +86,28 @@ class ReconfigTimings:
     """Bytes of fetched tensors (parameters and optimizer moments)."""
     bytes_collective: int = 0
     """The part of `bytes_fetched` that came over the generation's process group."""
+
+
+class _Background:
+    """A function run on a thread of its own; `result()` joins it (and re-raises its error)."""
+
+    def __init__(self, fn: Callable[[], GradAccumulator]) -> None:
+        self._out: list[GradAccumulator] = []
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="trainer-background", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], GradAccumulator]) -> None:
+        try:
+            self._out.append(fn())
+        except BaseException as exc:  # handed to the caller of result()
+            self._error.append(exc)
+
+    def result(self) -> GradAccumulator:
+        self._thread.join()
+        if self._error:
+            raise self._error[0]
+        return self._out[0]
 
 
 def _shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
@@ -243,19 +266,22 @@ class Trainer:
         t0 = time.perf_counter()
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
         groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
+        with torch.device("meta"):  # parameter names and shapes only: no memory, no initialisation
+            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
+        grad_dtype = torch.float64 if self.spec.exact_grad_sum else torch.float32
+        # The gradient buffers' pages are faulted in while shards arrive (a GB for gpt2-124m).
+        buffers = _Background(lambda: StepTransaction.buffers_for(
+            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device))  # fmt: skip
         t1 = time.perf_counter()
         try:
             fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
+            step_replay = self._step_replay(layout, groups, replay, step)
+            t2 = time.perf_counter()
+            accum = buffers.result()
         except BaseException:
             self._graveyard.append(groups)  # an operation of it may be pending: never destroyed
             raise
-        t2 = time.perf_counter()
-        try:
-            step_replay = self._step_replay(layout, groups, replay, step)
-        except BaseException:
-            self._graveyard.append(groups)
-            raise
-        module, optimizer, served = self._build_stage(layout, groups, needed, held, fetched)
+        module, optimizer, served = self._build_stage(layout, groups, skeleton, needed, held, fetched)
         if self._transaction is not None:
             self._transaction.accum.remove()  # kept parameters must not feed the old buffers
         transaction = StepTransaction(
@@ -268,9 +294,10 @@ class Trainer:
             layer_of=self.layer_of,
             d_model=self.cfg.d_model,
             device=self.device,
-            grad_dtype=torch.float64 if self.spec.exact_grad_sum else torch.float32,
+            grad_dtype=grad_dtype,
             keep_partial=self.spec.partial_replay,
             replay=step_replay,
+            accum=accum,
         )
         with self._lock:
             self._retired = {k: v for k, v in self._served.items() if k not in served}
@@ -423,30 +450,29 @@ class Trainer:
         return {name.removeprefix("grad/"): t for shard in result.shards.values() for name, t in shard.items()}
 
     def _build_stage(
-        self, layout: ParallelLayout, groups: ParallelGroups, needed: list[ShardKey], held: _Held,
-        fetched: dict[ShardKey, ShardState],
+        self, layout: ParallelLayout, groups: ParallelGroups, skeleton: GPTStage, needed: list[ShardKey],
+        held: _Held, fetched: dict[ShardKey, ShardState],
     ) -> tuple[GPTStage, MasterAdamW, _Held]:  # fmt: skip
         """The generation's stage module and optimizer, and the shards they serve.
 
         Only a worker that starts from nothing initialises from the seed. Otherwise the stage is
-        built on the meta device (no memory, no initialisation) and every parameter is a kept
-        tensor (the same object, with its AdamW state) or a fetched one (adopted as it is when
-        it already has the parameter's device and dtype).
+        `skeleton` (built on the meta device: no memory, no initialisation) with every parameter
+        replaced by a kept tensor (the same object, with its AdamW state) or a fetched one
+        (adopted as it is when it already has the parameter's device and dtype).
         """
         first, last = layout.layers
         if not held and not fetched:
             module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device)
             optimizer = build_optimizer(module, self.spec.optim)
         else:
-            with torch.device("meta"):
-                module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
+            module = skeleton
             states: dict[str, ParamState] = {}
-            for name, skeleton in list(module.named_parameters()):
+            for name, meta in list(module.named_parameters()):
                 key = (self.layer_of(name), layout.tp_rank)
                 if key in held:
                     param, states[name] = held[key][name]
                 else:
-                    param, states[name] = _adopt(key, name, skeleton, fetched[key], self.device)
+                    param, states[name] = _adopt(key, name, meta, fetched[key], self.device)
                 _set_parameter(module, name, param)
             optimizer = build_optimizer(module, self.spec.optim, state=states)
         module.train()
