@@ -52,7 +52,7 @@ from elastic.runtime.injection import (
     read_statuses,
     write_status,
 )
-from elastic.runtime.partial import resolve_replay
+from elastic.runtime.partial import resolve_replay, worth_finishing
 from elastic.runtime.planning import cluster_templates
 from elastic.runtime.protocol import (
     ABORT,
@@ -65,6 +65,7 @@ from elastic.runtime.protocol import (
     Vote,
     WorkerInfo,
     live_nodes,
+    read_progress,
 )
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -222,7 +223,9 @@ class Leader:
             if self._detected is None:
                 self._detected = time.time()
             fence = self.election.leader_compare()
-            self._halt(g, abort=True, reason=f"lost node(s) {lost}", lost=lost)
+            finish = self._worth_finishing()
+            self._halt(g, abort=True, lost=lost if finish else [],
+                       reason=f"lost node(s) {lost}" + ("" if finish else ", early in the step: every pipeline stops"))  # fmt: skip
             if decide(self.client, self.rk, g, last, ABORT, fence=fence) == COMMIT:
                 self.finished.set()  # the job's last step committed: nothing to recover
                 return
@@ -258,14 +261,24 @@ class Leader:
         else:
             self._answer(req, "refused", "the job finished before a step boundary came")
 
+    def _worth_finishing(self) -> bool:
+        """Whether the in-flight step is far enough along for the pipelines that lost no node to
+        finish it (partial.worth_finishing, from the progress key: one read)."""
+        if not self.config.spec.partial_replay:
+            return False
+        record = read_progress(self.client, self.rk)
+        return record is None or worth_finishing(time.time() - record.committed_at, record.seconds)
+
     def _halt(self, g: int, *, abort: bool, reason: str, lost: list[int] | None = None) -> None:
-        """Write `halt/<g>` (fenced) unless a halt at least as strong is there already (an abort
-        halt is rewritten when more nodes are lost: their pipelines must stop too)."""
+        """Write `halt/<g>` (fenced) unless a halt at least as strong is there already. An abort
+        halt naming lost nodes lets the other pipelines finish their microbatches; it is
+        rewritten when more nodes are lost (their pipelines must stop too), and an abort halt
+        naming none stops every pipeline."""
         key = self.rk.halt(g)
         value, _ = self.client.get(key)
         if value is not None:
             old = HaltRecord.from_json(value)
-            if not abort or (old.abort and set(lost or []) <= set(old.lost)):
+            if not abort or (old.abort and (not old.lost or (lost and set(lost) <= set(old.lost)))):
                 return
         halt = HaltRecord(abort=abort, reason=reason, at=time.time(), lost=sorted(lost or []))
         ok, _ = self.client.transaction(compare=[self.election.leader_compare()],

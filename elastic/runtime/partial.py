@@ -25,6 +25,20 @@ from typing import Any
 
 from templates.plan import Plan
 
+FINISH_FROM = 1 / 3
+"""Fraction of a step after which pipelines that lost no node finish their microbatches when a
+node fails (before it they stop at once and the whole step is replayed). Finishing costs the
+rest of their step before the re-plan; stopping costs recomputing their part on the new plan.
+With n_p pipelines, a new plan of about the same speed and a failure at fraction x of the step,
+finishing costs ~(1 - x) + 1/n_p steps against ~1 step for stopping: it pays from x ~ 1/n_p,
+and the 2 x 2 gpt2-124m run here breaks even at x ~ 0.34 (bench/README.md)."""
+
+
+def worth_finishing(elapsed_s: float, step_s: float) -> bool:
+    """Whether a step `elapsed_s` into its run (steps take about `step_s`) is far enough along
+    for the intact pipelines to finish it (`FINISH_FROM`)."""
+    return step_s <= 0 or elapsed_s >= FINISH_FROM * step_s
+
 
 @dataclass(frozen=True, kw_only=True)
 class PartialReport:

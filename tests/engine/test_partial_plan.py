@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.runtime.partial import PartialReport, ReplayRecord, resolve_replay, split_microbatches
+from elastic.runtime.partial import (
+    FINISH_FROM,
+    PartialReport,
+    ReplayRecord,
+    resolve_replay,
+    split_microbatches,
+    worth_finishing,
+)
 from templates.plan import PipelinePlan, Plan, StagePlan
 
 pytestmark = pytest.mark.timeout(30)
@@ -86,3 +93,9 @@ def test_tensor_parallel_keepers_must_cover_every_rank() -> None:
     all_ranks = [kept(n, layers, (0, 1, 2, 3), tp_rank=t) for n, layers in ((0, (0, 3)), (1, (3, 6))) for t in (0, 1)]
     assert resolve_replay(new, all_ranks, step=5).kept == [0, 1, 2, 3]
     assert resolve_replay(new, all_ranks[:-1], step=5).kept == []
+
+
+def test_pipelines_finish_a_step_only_once_it_is_far_enough_along() -> None:
+    assert not worth_finishing(0.1, 24.0) and not worth_finishing(FINISH_FROM * 24.0 - 0.01, 24.0)
+    assert worth_finishing(FINISH_FROM * 24.0, 24.0) and worth_finishing(30.0, 24.0)
+    assert worth_finishing(0.0, 0.0)  # no step time known yet: finish
