@@ -25,8 +25,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+_T = TypeVar("_T")
 
 _ABORT_POLL_S = 0.002
 """How often a waiting caller checks the abort flag while the operation is pending."""
@@ -37,14 +41,15 @@ class StepAborted(RuntimeError):
 
 
 class _Pending:
-    """One operation handed to the waiter thread."""
+    """One blocking call handed to the waiter thread (a work's wait, or a post that connects)."""
 
-    __slots__ = ("work", "done", "error")
+    __slots__ = ("fn", "done", "error", "result")
 
-    def __init__(self, work: dist.Work) -> None:
-        self.work = work
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.result: Any = None
 
 
 class AbortSignal:
@@ -91,14 +96,14 @@ class AbortSignal:
         """Why the step was aborted; None while it is not."""
         return self._reason
 
-    def _submit(self, work: dist.Work) -> _Pending:
+    def _submit(self, fn: Callable[[], Any]) -> _Pending:
         with self._lock:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
                 threading.Thread(
                     target=self._serve, args=(self._queue,), name="abortable-wait", daemon=True
                 ).start()
-            pending = _Pending(work)
+            pending = _Pending(fn)
             self._queue.put(pending)
         return pending
 
@@ -107,7 +112,7 @@ class AbortSignal:
         while True:
             job = jobs.get()
             try:
-                job.work.wait()
+                job.result = job.fn()
             except BaseException as exc:  # handed to the caller, which re-raises it
                 job.error = exc
             job.done.set()
@@ -133,9 +138,28 @@ def wait_work(work: dist.Work, abort: AbortSignal | None, *, local: bool = False
     if work.is_completed():  # collectives report completion asynchronously: no thread hop
         work.wait()
         return
-    pending = abort._submit(work)
+    _on_waiter(work.wait, abort, stop)
+
+
+def call_abortable(fn: Callable[[], _T], abort: AbortSignal | None, *, local: bool = False) -> _T:
+    """`fn()` run on the abort's waiter thread, waited for like `wait_work` waits: for a call
+    that may block in C++ with no way to cancel it (a gloo send or receive posted to a peer for
+    the first time connects to it first, and a dead peer keeps it connecting until the group's
+    timeout). StepAborted when `abort` is set first; the call is left behind on the thread."""
+    if abort is None:
+        return fn()
+    stop = abort.is_hard if local else abort.is_set
+    if stop():
+        _raise_aborted(abort)
+    result: _T = _on_waiter(fn, abort, stop)
+    return result
+
+
+def _on_waiter(fn: Callable[[], Any], abort: AbortSignal, stop: Callable[[], bool]) -> Any:
+    pending = abort._submit(fn)
     while not pending.done.wait(_ABORT_POLL_S):
         if stop():
             _raise_aborted(abort)
     if pending.error is not None:
         raise pending.error
+    return pending.result

@@ -45,6 +45,9 @@ class MicrobatchResult:
     """Local microbatch index -> unscaled mean loss."""
 
 
+Post = Callable[[str, torch.Tensor, int, int], dist.Work]
+"""Posts a point-to-point operation: ("send" | "recv", tensor, peer rank, tag) -> its work."""
+
 Inputs = Callable[[int], torch.Tensor]
 """Local microbatch index -> tensor (token ids on a first stage, targets on a last stage)."""
 
@@ -62,6 +65,7 @@ def run_schedule(
     loss_scale: float,
     dropout_key: Callable[[int], int | None],
     autocast: Callable[[], object],
+    post: Post | None = None,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -69,6 +73,7 @@ def run_schedule(
     count, so accumulated gradients are this pipeline's share of the global-batch mean).
     `wait` blocks until one posted transfer completed (it may raise to abandon the step).
     `autocast` returns a context manager wrapping each forward (bf16 on CUDA, no-op on CPU).
+    `post` posts each transfer (default: `dist.isend`/`dist.irecv` on `group`).
     """
     first, last = spec.prev_rank is None, spec.next_rank is None
     if first and tokens is None:
@@ -81,16 +86,22 @@ def run_schedule(
     sends: list[tuple[dist.Work, torch.Tensor]] = []
     result = MicrobatchResult()
 
+    def plain(op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
+                else dist.irecv(t, group=group, group_src=peer, tag=tag))  # fmt: skip
+        assert work is not None
+        return work
+
+    posting = post or plain
+
     def recv(src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(spec.act_shape, dtype=spec.act_dtype, device=device)
-        wait(dist.irecv(buf, group=group, group_src=src, tag=tag))
+        wait(posting("recv", buf, src, tag))
         return buf
 
     def send(t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.contiguous()
-        work = dist.isend(t, group=group, group_dst=dst, tag=tag)
-        assert work is not None
-        sends.append((work, t))
+        sends.append((posting("send", t, dst, tag), t))
 
     for a in actions:
         m = a.mb

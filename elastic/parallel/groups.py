@@ -12,14 +12,15 @@ group; in the world group that is the layout's global rank.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import cast
 
+import torch
 import torch.distributed as dist
 
 from elastic.model.tensor_parallel import TensorParallel
-from elastic.parallel.abort import AbortSignal, wait_work
+from elastic.parallel.abort import AbortSignal, call_abortable, wait_work
 from elastic.parallel.layout import ParallelLayout
 
 
@@ -40,6 +41,34 @@ class ParallelGroups:
     side of a Python store (pytorch#115977), so a lazily connecting group (TORCH_GLOO_LAZY_INIT=1)
     whose caller dropped a temporary store would fail its first collective ("pure virtual
     Store::wait"). `build_groups` fills it."""
+
+    connected: set[tuple[int, int]] = field(default_factory=set)
+    """(id of a group, peer rank) pairs a point-to-point operation was posted to already."""
+
+    def p2p(self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False) -> dist.Work:
+        """Post `op` ("send" or "recv") of `tensor` with world rank `peer`. The first operation
+        with a peer connects to it inside the call (gloo's lazy pairs), which a dead peer would
+        block until the group's timeout: that one is posted abortably (`call_abortable`; with
+        `local`, as a wait inside my pipeline)."""
+        group = self.world
+        if op == "send":
+            post = functools.partial(dist.isend, tensor, group=group, group_dst=peer, tag=tag)
+        elif op == "recv":
+            post = functools.partial(dist.irecv, tensor, group=group, group_src=peer, tag=tag)
+        else:
+            raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
+        key = (id(group), peer)
+        if key in self.connected:
+            work = post()
+        else:
+            work = call_abortable(post, self.abort, local=local)
+            self.connected.add(key)
+        assert work is not None
+        return work
+
+    def p2p_local(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """`p2p` with a peer of my pipeline (a local abort lets it complete)."""
+        return self.p2p(op, tensor, peer, tag, local=True)
 
     def bucket_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self.buckets[ranks]

@@ -311,6 +311,7 @@ class StepTransaction:
                 # A failure in another pipeline lets this one finish (and keep) its microbatches;
                 # a replayed step keeps nothing, so any abort ends it.
                 wait=self.groups.wait_local if replay is None else self.groups.wait,
+                post=self.groups.p2p_local if replay is None else self.groups.p2p,
                 device=self.device,
                 tokens=lambda m: batch(m)[0],
                 targets=lambda m: batch(m)[1],

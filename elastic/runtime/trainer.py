@@ -365,7 +365,7 @@ class Trainer:
         if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
             return {}
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,
-                          device=self.device)  # fmt: skip
+                          device=self.device, post=groups.p2p)  # fmt: skip
         for key, why in sorted(result.failed.items()):
             _log(f"generation {layout.generation}: shard {tuple(key)} did not arrive intact ({why}): "
                  "fetching it over gRPC")  # fmt: skip
@@ -444,7 +444,7 @@ class Trainer:
             return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key[0]}
 
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
-                          tag=_SUMS_TAG, device=self.device)  # fmt: skip
+                          tag=_SUMS_TAG, device=self.device, post=groups.p2p)  # fmt: skip
         if result.failed:
             raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
         return {name.removeprefix("grad/"): t for shard in result.shards.values() for name, t in shard.items()}

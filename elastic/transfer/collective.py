@@ -39,6 +39,7 @@ send each other large tensors could stall; gloo, used here, has no such limit.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,10 @@ from elastic.transfer.shard_header import (
     parse_dtype,
 )
 from elastic.transfer.shards import ShardKey
+
+Post = Callable[[str, torch.Tensor, int, int], dist.Work]
+"""Posts a point-to-point operation: ("send" | "recv", tensor, peer rank, tag) -> its work (the
+runtime's posts connect to a new peer abortably: elastic.parallel.groups.ParallelGroups.p2p)."""
 
 HEADER_FRAME_BYTES = 64 << 10
 """Size of the fixed first header message of a pair (8-byte length + JSON, zero-padded)."""
@@ -170,6 +175,7 @@ def exchange(
     wait: Callable[[dist.Work], None],
     tag: int = 7,
     device: torch.device = _CPU,
+    post: Post | None = None,
 ) -> CollectiveResult:
     """Run this rank's part of `moves` over `group` (every member with moves calls it, same list).
 
@@ -178,12 +184,14 @@ def exchange(
     or returns something else than named tensors is reported to its receivers, who list the
     shard in `failed`. For each move with `dst == rank` the shard is received into fresh
     tensors on `device` (also where the header frames live: CPU for gloo, this rank's GPU for
-    NCCL) and verified. `wait` blocks until one posted operation completed; it may raise
+    NCCL) and verified. `post` posts each send and receive (default: `dist.isend`/`dist.irecv`
+    on `group`). `wait` blocks until one posted operation completed; it may raise
     (abort), and that error, like any error of the group, propagates unchanged. Moves must
     not repeat a (shard, receiver) pair nor send to their own sender (ValueError).
     """
     start = time.perf_counter()
     _check_moves(group, rank, moves)
+    posting = post or functools.partial(_plain_post, group)
     outgoing: dict[int, list[ShardKey]] = {}
     incoming: dict[int, list[ShardKey]] = {}
     for m in moves:
@@ -206,21 +214,21 @@ def exchange(
             messages += exported[key][1]
             bytes_sent += sum(t.numel() for t in exported[key][1])
         for t in messages:
-            sends.append((_posted(dist.isend(t, group=group, group_dst=dst, tag=tag)), t))
+            sends.append((posting("send", t, dst, tag), t))
 
     # 2. Every header receive, then each source's data receives as soon as its header is in.
     first_frames = {
-        src: _recv(group, src, tag, torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device))
+        src: _recv(posting, src, tag, torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device))
         for src in sorted(incoming)
     }
     pairs: list[_Incoming] = []
     for src in sorted(incoming):
         work, frame = first_frames[src]
         wait(work)
-        raw = _read_header(group, src, tag, frame, wait, device)
+        raw = _read_header(posting, src, tag, frame, wait, device)
         shards = decode_header(raw)
         posted = [
-            _recv(group, src, tag, _receive_buffer(m.nbytes, device))
+            _recv(posting, src, tag, _receive_buffer(m.nbytes, device))
             for s in shards
             for m in s.tensors
             if m.nbytes > 0
@@ -333,12 +341,18 @@ def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _recv(group: dist.ProcessGroup, src: int, tag: int, buf: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
-    return _posted(dist.irecv(buf, group=group, group_src=src, tag=tag)), buf
+def _plain_post(group: dist.ProcessGroup, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
+            else dist.irecv(t, group=group, group_src=peer, tag=tag))  # fmt: skip
+    return _posted(work)
+
+
+def _recv(posting: Post, src: int, tag: int, buf: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
+    return posting("recv", buf, src, tag), buf
 
 
 def _read_header(
-    group: dist.ProcessGroup,
+    posting: Post,
     src: int,
     tag: int,
     frame: torch.Tensor,
@@ -353,7 +367,7 @@ def _read_header(
         return head[_LENGTH_BYTES : _LENGTH_BYTES + length]
     if length > 1 << 30:
         raise ProtocolError(f"header of {length} bytes from rank {src}")
-    work, rest = _recv(group, src, tag, torch.empty(length - room, dtype=torch.uint8, device=device))
+    work, rest = _recv(posting, src, tag, torch.empty(length - room, dtype=torch.uint8, device=device))
     wait(work)
     return head[_LENGTH_BYTES:] + _tensor_bytes(rest)
 
