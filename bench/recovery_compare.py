@@ -87,7 +87,8 @@ def run_runtime(model: str, preset: PresetRun, run_dir: Path) -> dict[str, float
     restored = rec.get("restore_checkpoint")
     return {"next_commit_s": rec["total_s"], "regain_s": rec["total_s"],
             "steps_lost": 0 if restored is None else preset.kill_step - 1 - int(restored),
-            "steady_step_s": summary.steady_step_s, "bytes_moved": rec["bytes_moved"]}  # fmt: skip
+            "steady_step_s": summary.steady_step_s, "bytes_moved": rec["bytes_moved"],
+            "replayed_fraction": rec["replayed_fraction"]}  # fmt: skip
 
 
 def run_torchrun(model: str, preset: PresetRun, run_dir: Path) -> dict[str, float]:
@@ -149,6 +150,8 @@ def measure(
                 label = f"{model} {LABELS[side]}"
                 series(figures, f"{label}: kill -> next commit", "s", v["next_commit_s"])
                 series(figures, f"{label}: steps lost", "steps", v["steps_lost"])
+                if side == "runtime" and v.get("replayed_fraction") is not None:
+                    series(figures, f"{label}: replayed fraction of step K", "x", v["replayed_fraction"])
                 if side == "torchrun":
                     series(figures, f"{label}: kill -> step K again", "s", v["regain_s"])
                 if side == "torchft":

@@ -202,7 +202,7 @@ def poll_progress(
         say(
             f"elastic run: recovered into generation {g} ({change_words(rec.lost, rec.joined, rec.drained)}) in "
             f"{recovery['total_s']:.2f} s: detect {recovery['detecting_s']:.2f} s, "
-            f"finish kept microbatches {recovery['finishing_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
+            f"finish in-flight work {recovery['finishing_s']:.2f} s, plan {recovery['planning_s']:.2f} s, "
             f"transfer {recovery['transferring_s']:.2f} s, rebuild groups and stage {recovery['rebuilding_s']:.2f} s, "
             f"replay {recovery['replaying_s']:.2f} s ({replayed_words(rec)}), {recovery['bytes_moved']} bytes moved "
             f"({recovery['bytes_moved_collective']} over the process group)"
