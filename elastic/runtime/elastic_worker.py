@@ -68,7 +68,16 @@ TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 _LIST_RETRY_S = 0.02
 _STORE_SLICE_S = 0.2
-_LOCAL_GRACE_MIN_S = 5.0
+_LOCAL_GRACE_MIN_S = 1.0
+_LOCAL_GRACE_FIRST_S = 5.0
+
+
+def _local_grace(step_s: float | None) -> float:
+    """How long a pipeline that lost no node may go on finishing its microbatches after a
+    failure elsewhere: two steps (the last one's time), at least a second; 5 s before any step.
+    It also bounds a wait on a pipeline peer that stopped at the step before (its vote was cut
+    short while this worker's completed and it went on)."""
+    return _LOCAL_GRACE_FIRST_S if step_s is None else max(_LOCAL_GRACE_MIN_S, 2.0 * step_s)
 
 
 def _log(message: str) -> None:
@@ -129,6 +138,8 @@ class ElasticWorker:
         self.decisions = DecisionFeed(client, self.rk)
         self.progress = ProgressWriter(client, self.rk)
         self._step_log: TextIO | None = None
+        self._abort = AbortSignal()
+        """The current generation's abort flag."""
         self.timeout = self.spec.collective_timeout_s
         self.writer: Any = None
         if config.checkpoint_every > 0:
@@ -241,8 +252,8 @@ class ElasticWorker:
             plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank
         )
         last = self.trainer.last_report
-        # A pipeline finishing its microbatches after a failure elsewhere gets two steps' time.
-        abort = AbortSignal(local_grace_s=max(_LOCAL_GRACE_MIN_S, 2.0 * (last.seconds if last else self.timeout)))
+        abort = AbortSignal(local_grace_s=_local_grace(last.seconds if last else None))
+        self._abort = abort
         self.generations.enter(generation, abort)
         pipeline = frozenset(st.node for st in record.plan.pipelines[layout.pipeline].stages)
         self.halts.enter(generation, abort, pipeline=pipeline if self.spec.partial_replay else frozenset())
@@ -381,6 +392,7 @@ class ElasticWorker:
                 assert prepared is not None
                 report = self.trainer.commit(prepared)
             now = self._record_step(layout, report, started_at=started_at)
+            self._abort.local_grace_s = _local_grace(report.seconds)
             if first_commit:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
