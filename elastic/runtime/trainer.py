@@ -66,9 +66,6 @@ _Held = dict[ShardKey, dict[str, tuple[nn.Parameter, ParamState]]]
 """Shard -> canonical name -> (parameter, its AdamW state)."""
 
 
-_TOUCH_CHUNK = 64 << 20
-"""Bytes `Trainer.prefault` faults in between two looks at its cancel flag."""
-
 _SUMS_TAG = 8
 """Tag of the kept gradient sums' exchange (the shards' own exchange uses the default, 7)."""
 
@@ -108,9 +105,6 @@ class _Background(Generic[_R]):
             self._out.append(fn())
         except BaseException as exc:  # handed to the caller of result()
             self._error.append(exc)
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     def result(self) -> _R:
         self._thread.join()
@@ -193,7 +187,7 @@ class Trainer:
         self._lock = threading.Lock()
         """Guards what export_shard serves against the optimizer update and the switch."""
         self._served: _Held = {}
-        self._pool: tuple[_Background[torch.Tensor | None], threading.Event] | None = None
+        self._pool: _Background[torch.Tensor] | None = None
         """Memory faulted in ahead of the next generation's gradient buffers (`prefault`)."""
         self._kept: KeptGrads | None = None
         """Gradient sums of an interrupted step this worker finished (partial replay)."""
@@ -282,9 +276,10 @@ class Trainer:
         grad_dtype = torch.float64 if self.spec.exact_grad_sum else torch.float32
         # The gradient buffers (a GB for gpt2-124m) come from memory faulted in while this worker
         # waited for the generation (`prefault`), or are allocated while the shards arrive.
-        pool = self._take_pool()
+        pool, self._pool = self._pool, None
         buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device, pool=pool))  # fmt: skip
+            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device,
+            pool=None if pool is None else pool.result()))  # fmt: skip
         t1 = time.perf_counter()
         try:
             fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
@@ -507,31 +502,12 @@ class Trainer:
         whole = stage * self.cfg.num_layers // max(1, last - first)
         nbytes = min(2 * stage, whole) * item + (1 << 20)
 
-        cancel = threading.Event()
-
-        def touch() -> torch.Tensor | None:
+        def touch() -> torch.Tensor:
             pool = torch.empty(nbytes, dtype=torch.uint8)
-            pages = pool.numpy()
-            for start in range(0, nbytes, _TOUCH_CHUNK):
-                if cancel.is_set():
-                    return None
-                pages[start : start + _TOUCH_CHUNK : 4096] = 0
+            pool.numpy()[::4096] = 0
             return pool
 
-        self._pool = (_Background(touch), cancel)
-
-    def _take_pool(self) -> torch.Tensor | None:
-        """The pre-faulted memory if it is ready; if not, it is abandoned (its thread stops at
-        the next chunk): waiting for it, or letting it compete with the transfer for the cores,
-        would cost more than the page faults it saves."""
-        job, self._pool = self._pool, None
-        if job is None:
-            return None
-        background, cancel = job
-        if background.done():
-            return background.result()
-        cancel.set()
-        return None
+        self._pool = _Background(touch)
 
     def export_shard(self, layer: int, tp_rank: int) -> ShardState:
         """The committed state of one held shard as CPU tensors (KeyError if not held).

@@ -72,8 +72,7 @@ def test_gradient_buffers_come_from_memory_faulted_in_while_waiting(spec: JobSpe
     trainer = started(spec)
     trainer.train(2)
     trainer.prefault()  # as a halted worker does while the leader re-plans
-    pool = trainer._pool[0].result()  # type: ignore[index]  # noqa: SLF001 - wait until it is ready
-    assert pool is not None
+    pool = trainer._pool.result()  # type: ignore[union-attr]  # noqa: SLF001
     trainer.start(plan=spec.plan, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=2)
     start, end = pool.data_ptr(), pool.data_ptr() + pool.numel()
     for _, flat in trainer._require().accum.flats:  # noqa: SLF001
