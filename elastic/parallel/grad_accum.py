@@ -33,14 +33,11 @@ class GradAccumulator:
         partition: Sequence[Sequence[str]] | None = None,
         device: torch.device | None = None,
         attach: bool = True,
-        pool: torch.Tensor | None = None,
     ) -> None:
         """`device`: where the sums live (default: each group's first parameter's device; give
         it for a skeleton module on the meta device). `attach=False`: allocate only; `attach()`
         the module that will train later (the buffers' first-touch cost can then be paid off
-        the critical path, e.g. while shards are being received). `pool`: a flat uint8 tensor
-        whose memory the buffers are carved from when it is large enough (memory whose pages are
-        already faulted in: zeroing it is a memset, not a page fault per 4 KiB)."""
+        the critical path, e.g. while shards are being received)."""
         self.dtype = dtype
         self.named = sorted(module.named_parameters(), key=lambda kv: kv[0])
         """(canonical name, parameter), sorted by name."""
@@ -52,22 +49,11 @@ class GradAccumulator:
         """(names, flat buffer) per partition group."""
         self.buffers: dict[str, torch.Tensor] = {}
         """Canonical name -> its sum (a view into its group's flat buffer)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        total = sum(params[n].numel() for g in groups for n in g) * item
-        carve = pool is not None and pool.numel() >= total + item * len(groups) and (
-            device is None or pool.device == device)  # fmt: skip
-        offset = 0
         for names in groups:
             if not names:
                 continue
             sizes = [params[n].numel() for n in names]
-            if carve:
-                assert pool is not None
-                offset = -(-offset // item) * item  # aligned to the element size
-                flat = pool[offset : offset + sum(sizes) * item].view(dtype).zero_()
-                offset += sum(sizes) * item
-            else:
-                flat = torch.zeros(sum(sizes), dtype=dtype, device=device or params[names[0]].device)
+            flat = torch.zeros(sum(sizes), dtype=dtype, device=device or params[names[0]].device)
             for n, view in zip(names, flat.split(sizes), strict=True):
                 self.buffers[n] = view.view(params[n].shape)
             self.flats.append((tuple(names), flat))

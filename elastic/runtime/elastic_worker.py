@@ -189,7 +189,6 @@ class ElasticWorker:
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
                             partial=None if kept is None else kept.report())  # fmt: skip
         write_sync(self.client, self.rk, generation, report)
-        t.prefault()  # the next generation's gradient buffers, while the leader re-plans
         _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
 

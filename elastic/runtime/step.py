@@ -191,13 +191,13 @@ class StepTransaction:
     @staticmethod
     def buffers_for(
         module: torch.nn.Module, *, layout: ParallelLayout, layer_of: Callable[[str], int], dtype: torch.dtype,
-        device: torch.device, pool: torch.Tensor | None = None,
+        device: torch.device,
     ) -> GradAccumulator:  # fmt: skip
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
-        per gradient bucket of `layout`, not yet attached (carved from `pool` if it is large enough)."""
+        per gradient bucket of `layout`, not yet attached."""
         names = [name for name, _ in module.named_parameters()]
         partition = [group for _, group in bucket_plan(names, layout, layer_of)]
-        return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False, pool=pool)
+        return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False)
 
     def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and targets of global microbatch `g` of step `step`."""

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
 from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.runtime.adamw import MasterAdamW, ParamState
@@ -88,25 +88,22 @@ class ReconfigTimings:
     """The part of `bytes_fetched` that came over the generation's process group."""
 
 
-_R = TypeVar("_R")
-
-
-class _Background(Generic[_R]):
+class _Background:
     """A function run on a thread of its own; `result()` joins it (and re-raises its error)."""
 
-    def __init__(self, fn: Callable[[], _R]) -> None:
-        self._out: list[_R] = []
+    def __init__(self, fn: Callable[[], GradAccumulator]) -> None:
+        self._out: list[GradAccumulator] = []
         self._error: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(fn,), name="trainer-background", daemon=True)
         self._thread.start()
 
-    def _run(self, fn: Callable[[], _R]) -> None:
+    def _run(self, fn: Callable[[], GradAccumulator]) -> None:
         try:
             self._out.append(fn())
         except BaseException as exc:  # handed to the caller of result()
             self._error.append(exc)
 
-    def result(self) -> _R:
+    def result(self) -> GradAccumulator:
         self._thread.join()
         if self._error:
             raise self._error[0]
@@ -187,8 +184,6 @@ class Trainer:
         self._lock = threading.Lock()
         """Guards what export_shard serves against the optimizer update and the switch."""
         self._served: _Held = {}
-        self._pool: _Background[torch.Tensor] | None = None
-        """Memory faulted in ahead of the next generation's gradient buffers (`prefault`)."""
         self._kept: KeptGrads | None = None
         """Gradient sums of an interrupted step this worker finished (partial replay)."""
         self._retired: _Held = {}
@@ -274,12 +269,9 @@ class Trainer:
         with torch.device("meta"):  # parameter names and shapes only: no memory, no initialisation
             skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
         grad_dtype = torch.float64 if self.spec.exact_grad_sum else torch.float32
-        # The gradient buffers (a GB for gpt2-124m) come from memory faulted in while this worker
-        # waited for the generation (`prefault`), or are allocated while the shards arrive.
-        pool, self._pool = self._pool, None
+        # The gradient buffers' pages are faulted in while shards arrive (a GB for gpt2-124m).
         buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device,
-            pool=None if pool is None else pool.result()))  # fmt: skip
+            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device))  # fmt: skip
         t1 = time.perf_counter()
         try:
             fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
@@ -488,26 +480,6 @@ class Trainer:
         for name, param in optimizer.params:
             served[(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
         return module, optimizer, served
-
-    def prefault(self) -> None:
-        """Fault in, on a thread, memory for the next generation's gradient buffers while this
-        worker waits for it: fresh pages cost 0.3-3 s a GB on the development VM, which would
-        otherwise land in the next reconfiguration. Sized for twice the current stage (what a
-        worker that takes over a lost neighbour's layers needs), at most the whole model."""
-        if self._pool is not None or self._layout is None or self.device.type != "cpu":
-            return
-        item = 8 if self.spec.exact_grad_sum else 4
-        first, last = self._layout.layers
-        stage = sum(p.numel() for p in self.module.parameters())
-        whole = stage * self.cfg.num_layers // max(1, last - first)
-        nbytes = min(2 * stage, whole) * item + (1 << 20)
-
-        def touch() -> torch.Tensor:
-            pool = torch.empty(nbytes, dtype=torch.uint8)
-            pool.numpy()[::4096] = 0
-            return pool
-
-        self._pool = _Background(touch)
 
     def export_shard(self, layer: int, tp_rank: int) -> ShardState:
         """The committed state of one held shard as CPU tensors (KeyError if not held).

@@ -88,14 +88,3 @@ def test_float64_accumulation_is_independent_of_the_microbatch_split() -> None:
     one32 = accumulate([list(range(8))], torch.float32)
     split32 = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float32)
     assert not torch.equal(one32, split32)
-
-
-def test_accumulator_carves_its_buffers_from_a_large_enough_pool() -> None:
-    layer = torch.nn.Linear(8, 4)
-    needed = sum(p.numel() for p in layer.parameters()) * 8
-    pool = torch.full((needed + 64,), 7, dtype=torch.uint8)
-    acc = GradAccumulator(layer, dtype=torch.float64, pool=pool)
-    for _, flat in acc.flats:
-        assert pool.data_ptr() <= flat.data_ptr() < pool.data_ptr() + pool.numel() and not flat.any()
-    small = GradAccumulator(layer, dtype=torch.float64, pool=torch.zeros(needed // 2, dtype=torch.uint8))
-    assert all(not flat.any() for _, flat in small.flats)

@@ -66,18 +66,3 @@ def test_kept_shards_stay_the_same_tensors(spec: JobSpec) -> None:
     reference = started(spec)
     reference.train(5)
     assert_same(snapshot(trainer), snapshot(reference))
-
-
-def test_gradient_buffers_come_from_memory_faulted_in_while_waiting(spec: JobSpec) -> None:
-    trainer = started(spec)
-    trainer.train(2)
-    trainer.prefault()  # as a halted worker does while the leader re-plans
-    pool = trainer._pool.result()  # type: ignore[union-attr]  # noqa: SLF001
-    trainer.start(plan=spec.plan, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=2)
-    start, end = pool.data_ptr(), pool.data_ptr() + pool.numel()
-    for _, flat in trainer._require().accum.flats:  # noqa: SLF001
-        assert start <= flat.data_ptr() < end and not flat.any()
-    trainer.train(5)
-    reference = started(spec)
-    reference.train(5)
-    assert_same(snapshot(trainer), snapshot(reference))
