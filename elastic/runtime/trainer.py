@@ -138,16 +138,18 @@ def _adopt(
     return param, ParamState(exp_avg=tensors[1], exp_avg_sq=tensors[2], step=int(shard["step"]))
 
 
-def _export(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]]) -> ShardState:
+def _export(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], *, copy: bool) -> ShardState:
+    """One shard's tensors by name: CPU copies (`copy`), or the held tensors themselves (with the
+    step count on their device)."""
     out: ShardState = {}
     steps = set()
     for name, (param, state) in entries.items():
-        out[f"param/{name}"] = param.detach().to("cpu", copy=True)
-        out[f"exp_avg/{name}"] = state.exp_avg.to("cpu", copy=True)
-        out[f"exp_avg_sq/{name}"] = state.exp_avg_sq.to("cpu", copy=True)
+        for kind, t in (("param", param.detach()), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
+            out[f"{kind}/{name}"] = t.to("cpu", copy=True) if copy else t
         steps.add(state.step)
     assert len(steps) == 1, f"shard {key}: parameters disagree on the AdamW step count {steps}"
-    out["step"] = torch.tensor(steps.pop(), dtype=torch.int64)
+    device = torch.device("cpu") if copy else next(iter(out.values())).device
+    out["step"] = torch.tensor(steps.pop(), dtype=torch.int64, device=device)
     return out
 
 
@@ -375,21 +377,7 @@ class Trainer:
 
     def _live_shard(self, key: ShardKey) -> ShardState:
         """A held shard's own tensors (no copy: nothing updates them while a generation starts)."""
-        with self._lock:
-            entries = self._served.get(key, self._retired.get(key))
-            if entries is None:
-                raise KeyError(f"shard {tuple(key)} is not held by this worker")
-            out: ShardState = {}
-            steps = set()
-            for name, (param, state) in entries.items():
-                out[f"param/{name}"] = param.detach()
-                out[f"exp_avg/{name}"] = state.exp_avg
-                out[f"exp_avg_sq/{name}"] = state.exp_avg_sq
-                steps.add(state.step)
-            device = next(iter(out.values())).device
-        assert len(steps) == 1, f"shard {key}: parameters disagree on the AdamW step count {steps}"
-        out["step"] = torch.tensor(steps.pop(), dtype=torch.int64, device=device)
-        return out
+        return self._held_shard(key, copy=False)
 
     def _check_join(self, plan: Plan, generation: int, step: int) -> ParallelLayout:
         """My layout in `plan`, after checking that joining generation `generation` at `step` is valid."""
@@ -488,12 +476,14 @@ class Trainer:
         generation's state until the switch; shards dropped at the last switch stay
         available, at that switch's state, until the next one.
         """
-        key = (layer, tp_rank)
+        return self._held_shard((layer, tp_rank), copy=True)
+
+    def _held_shard(self, key: ShardKey, *, copy: bool) -> ShardState:
         with self._lock:
             entries = self._served.get(key, self._retired.get(key))
             if entries is None:
-                raise KeyError(f"shard (layer {layer}, tp_rank {tp_rank}) is not held by this worker")
-            return _export(key, entries)
+                raise KeyError(f"shard (layer {key[0]}, tp_rank {key[1]}) is not held by this worker")
+            return _export(key, entries, copy=copy)
 
     # ---- steps ---------------------------------------------------------------------------
 
