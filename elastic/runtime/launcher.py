@@ -338,12 +338,16 @@ JOB_FILE = "job.json"
 
 def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
     """Write `<run_dir>/job.json` ({"etcd", "job", "token"}, mode 0600): how the operator CLI
-    (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job."""
+    (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job.
+
+    Written to a temporary file and renamed into place, so a reader never sees it half written."""
     path = run_dir / JOB_FILE
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tmp = run_dir / f".{JOB_FILE}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump({"etcd": etcd, "job": job, "token": token}, out)
+    os.replace(tmp, path)
     return path
 
 
