@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import host_store
-from elastic.runtime.trainer import Trainer
+from elastic.records.job import JobSpec
+from elastic.roles.launcher import host_store
 from templates.plan import even_plan
 
 

@@ -48,10 +48,7 @@ from elastic.coordinator import (
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.layout import ParallelLayout
-from elastic.runtime.agent import InjectionTrigger
-from elastic.runtime.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
-from elastic.runtime.leader import Leader
-from elastic.runtime.protocol import (
+from elastic.records.protocol import (
     ElasticConfig,
     RunKeys,
     StepResult,
@@ -60,6 +57,9 @@ from elastic.runtime.protocol import (
     WorkerInfo,
     node_id,
 )
+from elastic.roles.agent import InjectionTrigger
+from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
+from elastic.roles.leader import Leader
 
 log = logging.getLogger("control_plane_shard")
 

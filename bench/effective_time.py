@@ -146,9 +146,9 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     """One window of this runtime (a launch_elastic run in a thread, stopped at the window's end)."""
     from bench.recovery import run
     from elastic.ops.job_target import find_job, open_client, resolve_target
-    from elastic.runtime.injection import InjectionRequest, request_id, submit_request
-    from elastic.runtime.launcher import JobFailed
-    from elastic.runtime.protocol import GenerationRecord, RunKeys, committed_steps, live_nodes
+    from elastic.records.injection import InjectionRequest, request_id, submit_request
+    from elastic.records.protocol import GenerationRecord, RunKeys, committed_steps, live_nodes
+    from elastic.roles.launcher import JobFailed
 
     stop = threading.Event()
     failed: list[BaseException] = []

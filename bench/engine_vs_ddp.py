@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.engine.optim import OptimConfig, lr_at
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import host_store, launch
-from elastic.runtime.optim import OptimConfig, lr_at
+from elastic.records.job import JobSpec
+from elastic.roles.launcher import host_store, launch
 from templates.plan import even_plan
 
 WARMUP_STEPS = 2

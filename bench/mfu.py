@@ -17,8 +17,8 @@ import time
 import torch
 
 from elastic.data import TokenDataset
+from elastic.engine.device import compute_precision, select_device
 from elastic.model import GPTStage, get_preset
-from elastic.runtime.device import compute_precision, select_device
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s).
 DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}

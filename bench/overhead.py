@@ -44,7 +44,7 @@ def _spawn(
 ) -> list[float]:
     """Start `procs` ranks of `argv` (given their rank and the store's port through `flags`) around
     a fresh TCPStore; rank 0's step times, read from `out`."""
-    from elastic.runtime.launcher import host_store
+    from elastic.roles.launcher import host_store
 
     store, port = host_store(timeout_s=300)
     env = {
@@ -77,10 +77,10 @@ def ddp_run(args: argparse.Namespace, out: Path) -> list[float]:
 
 def engine_run(args: argparse.Namespace, run_dir: Path, *, pipelines: int) -> list[float]:
     """The engine over P processes as `pipelines` pipelines of P / pipelines stages."""
+    from elastic.engine.optim import OptimConfig
     from elastic.model.config import get_preset
-    from elastic.runtime.job import JobSpec
-    from elastic.runtime.launcher import launch
-    from elastic.runtime.optim import OptimConfig
+    from elastic.records.job import JobSpec
+    from elastic.roles.launcher import launch
     from templates.plan import even_plan
 
     plan = even_plan(num_layers=get_preset(args.model).num_layers, nodes=list(range(args.procs)),
@@ -105,9 +105,9 @@ def pp_worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from elastic.data.dataset import TokenDataset, step_sample_indices
+    from elastic.engine.optim import OptimConfig, lr_at
     from elastic.model.config import get_preset
     from elastic.model.gpt import GPTStage
-    from elastic.runtime.optim import OptimConfig, lr_at
     from templates.plan import even_plan
 
     torch.set_num_threads(1)

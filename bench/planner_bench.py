@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.model.config import GPTConfig  # noqa: E402
-from elastic.runtime.planning import gpt_layer_counts  # noqa: E402
+from elastic.planning.cluster import gpt_layer_counts  # noqa: E402
 from templates.cost import StageCosts  # noqa: E402
 from templates.derive import DeviceSpeed, derive_profile  # noqa: E402
 from templates.instantiation import instantiate  # noqa: E402

@@ -28,14 +28,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from elastic.engine.optim import OptimConfig  # noqa: E402
 from elastic.model.config import get_preset  # noqa: E402
-from elastic.runtime.injection import parse_injection  # noqa: E402
-from elastic.runtime.job import JobSpec  # noqa: E402
-from elastic.runtime.launcher import launch_elastic  # noqa: E402
-from elastic.runtime.optim import OptimConfig  # noqa: E402
-from elastic.runtime.planning import DEFAULT_MEMORY_GIB, ClusterSpec, cluster_templates, initial_plan  # noqa: E402
-from elastic.runtime.protocol import ElasticConfig  # noqa: E402
-from elastic.runtime.summary import RunSummary  # noqa: E402
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, ClusterSpec, cluster_templates, initial_plan  # noqa: E402
+from elastic.records.injection import parse_injection  # noqa: E402
+from elastic.records.job import JobSpec  # noqa: E402
+from elastic.records.protocol import ElasticConfig  # noqa: E402
+from elastic.records.summary import RunSummary  # noqa: E402
+from elastic.roles.launcher import launch_elastic  # noqa: E402
 from templates.plan import even_plan  # noqa: E402
 
 

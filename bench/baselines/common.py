@@ -16,9 +16,9 @@ from typing import Any, Protocol
 import torch
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.engine.optim import OptimConfig, lr_at
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
-from elastic.runtime.optim import OptimConfig, lr_at
 
 OPTIM = OptimConfig(eps=1e-6)
 """The optimizer settings of bench/recovery.py's elastic runs."""

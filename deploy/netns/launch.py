@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
 def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     """The ElasticConfig of `elastic run` with these flags, and the partitions (ValueError if bad)."""
     from elastic.cli.run_cmd import _elastic_config, build_plan
+    from elastic.engine.optim import OptimConfig
     from elastic.model.config import get_preset
-    from elastic.runtime.job import JobSpec
-    from elastic.runtime.optim import OptimConfig
+    from elastic.records.job import JobSpec
 
     if args.static or args.etcd is not None:
         raise ValueError("--static and --etcd do not apply: this launcher runs its own etcd on the bridge")
@@ -144,7 +144,7 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
 
 def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
     from elastic.coordinator import EtcdServer
-    from elastic.runtime.launcher import JobFailed, launch_elastic
+    from elastic.roles.launcher import JobFailed, launch_elastic
 
     plan = config.spec.plan
     run_dir = Path(args.run_dir)
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
     if args.final_state is not None:
         import torch
 
-        from elastic.runtime.summary import load_final_state
+        from elastic.records.summary import load_final_state
 
         torch.save(load_final_state(config.spec), args.final_state)
     return 0

@@ -17,7 +17,7 @@ from typing import Any
 
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.keys import JobKeys
-from elastic.runtime.protocol import RunKeys, committed_steps
+from elastic.records.protocol import RunKeys, committed_steps
 
 
 @dataclass(frozen=True, kw_only=True)

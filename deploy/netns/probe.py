@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.netaddr import LOOPBACK, bind_host
 from elastic.coordinator.store import EtcdStore
 from elastic.parallel.groups import new_group
-from elastic.runtime.netaddr import LOOPBACK, bind_host
 from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
 

@@ -33,8 +33,8 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from elastic.coordinator.generations import Generations
-    from elastic.runtime.injection import InjectionRequest, request_id, submit_request
-    from elastic.runtime.protocol import GenerationRecord
+    from elastic.records.injection import InjectionRequest, request_id, submit_request
+    from elastic.records.protocol import GenerationRecord
 
     if args.node < 0:
         raise UsageError(f"--node must be >= 0, got {args.node}")

@@ -1,6 +1,6 @@
 """`elastic inject {kill,hang,slow,partition} --node N`: a fault for a running elastic job.
 
-The request goes into the job's etcd (`injections/<id>`, see elastic/runtime/injection.py); the
+The request goes into the job's etcd (`injections/<id>`, see elastic/records/injection.py); the
 agent of the node's current incarnation carries it out at once, or while `--at-step S` is in
 flight, and records its status and an event. `elastic drain` (drain_cmd.py) shares the helpers
 here. Exit codes: 0 written (and, within `--wait`, carried out); 1 the job cannot take it (etcd
@@ -56,7 +56,7 @@ class OperatorJob:
     def __init__(self, args: argparse.Namespace) -> None:
         from elastic.coordinator.access import JobAccessError, admit
         from elastic.ops.job_target import OpsError, find_job, open_client, resolve_target
-        from elastic.runtime.protocol import RunKeys
+        from elastic.records.protocol import RunKeys
 
         if args.wait < 0:
             raise UsageError(f"--wait must be >= 0, got {args.wait}")
@@ -94,12 +94,12 @@ class OperatorJob:
 
     def members(self) -> dict[int, int]:
         """Live plan node -> its incarnation."""
-        from elastic.runtime.protocol import live_nodes
+        from elastic.records.protocol import live_nodes
 
         return live_nodes(self.client, self.keys)
 
     def committed_steps(self) -> int:
-        from elastic.runtime.protocol import committed_steps
+        from elastic.records.protocol import committed_steps
 
         return committed_steps(self.client, self.rk)
 
@@ -107,7 +107,7 @@ class OperatorJob:
         self, request_id: str, timeout: float, *, command: str = "inject", say_running: bool = True
     ) -> Any:
         """The request's final status (done, refused, fenced) within `timeout` s, else the last seen."""
-        from elastic.runtime.injection import InjectionStatus
+        from elastic.records.injection import InjectionStatus
 
         deadline = time.monotonic() + timeout
         last = None
@@ -191,7 +191,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from elastic.runtime.injection import InjectionRequest, request_id, submit_request
+    from elastic.records.injection import InjectionRequest, request_id, submit_request
 
     if args.node < 0:
         raise UsageError(f"--node must be >= 0, got {args.node}")

@@ -12,7 +12,7 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS
-from elastic.runtime.planning import (
+from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
     ClusterSpec,

@@ -14,7 +14,7 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS, get_preset
-from elastic.runtime.planning import gpt_layer_counts
+from elastic.planning.cluster import gpt_layer_counts
 
 
 def register(subparsers: Any) -> None:
@@ -52,8 +52,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--memory-gib must be a positive number, got {args.memory_gib}")
 
     # torch is imported here, not at module level, so that `elastic plan` stays light.
-    from elastic.runtime.device import select_device
-    from elastic.runtime.profiler import (
+    from elastic.engine.device import select_device
+    from elastic.planning.profiler import (
         ProfilerConfig,
         default_memory_bytes,
         derived_from_speed,

@@ -12,7 +12,7 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS, get_preset
-from elastic.runtime.planning import (
+from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
     ClusterSpec,
@@ -95,7 +95,7 @@ def register(subparsers: Any) -> None:
         choices=("local", "external"),
         default="local",
         help="elastic: start one agent per node here (local), or publish the job and follow it while "
-        "agents started elsewhere join it (external: torchrun -m elastic.runtime.agent, see deploy/; "
+        "agents started elsewhere join it (external: torchrun -m elastic.roles.agent, see deploy/; "
         "needs --etcd, --job and $ELASTIC_JOB_TOKEN)",
     )
     parser.add_argument("--job", default=None, help="elastic: job id (default: a fresh random one)")
@@ -161,10 +161,10 @@ def _run(args: argparse.Namespace) -> int:
     # commands start without torch.
     import torch
 
-    from elastic.runtime.job import JobSpec
-    from elastic.runtime.launcher import JobFailed, WorkerFailed, launch, launch_elastic
-    from elastic.runtime.optim import OptimConfig
-    from elastic.runtime.summary import load_final_state
+    from elastic.engine.optim import OptimConfig
+    from elastic.records.job import JobSpec
+    from elastic.records.summary import load_final_state
+    from elastic.roles.launcher import JobFailed, WorkerFailed, launch, launch_elastic
 
     try:
         cfg = get_preset(args.model)
@@ -253,8 +253,8 @@ def _write_report(run_dir: Path) -> None:
 
 def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
     """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
-    from elastic.runtime.injection import check_injections, parse_injection
-    from elastic.runtime.protocol import ElasticConfig
+    from elastic.records.injection import check_injections, parse_injection
+    from elastic.records.protocol import ElasticConfig
 
     try:
         injections = [parse_injection(text) for text in args.inject]

@@ -13,7 +13,7 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS
-from elastic.runtime.planning import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS
 from elastic.sim.config import RecoveryCosts, SimCluster
 from elastic.sim.report import format_table
 from elastic.sim.simulate import POLICIES, simulate

@@ -130,7 +130,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         incarnation = self._next_incarnation()
         if self.membership is not None:  # torchrun restarted our workers: the old incarnation is gone
             self.membership.leave()
-        # ELASTIC_HOST (elastic/runtime/netaddr.py) is the address peers reach this node at.
+        # ELASTIC_HOST (elastic/coordinator/netaddr.py) is the address peers reach this node at.
         address = f"{os.environ.get('ELASTIC_HOST') or self.local_addr or socket.getfqdn()}:0"
         identity = NodeIdentity(
             node_id=self.node_id, incarnation=incarnation, address=address, devices=self.devices

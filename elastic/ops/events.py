@@ -10,7 +10,7 @@ Sources, in etcd revision order (one total order, whatever the writers' clocks s
 
 A generation or an injection that both has its own key and is logged in events/ is shown once.
     recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
-                   the breakdown of elastic.runtime.progress.recovery_breakdown
+                   the breakdown of elastic.roles.progress.recovery_breakdown
 
 Each `HistoryEvent` has `time` (wall time, Unix seconds; null where the writer recorded none,
 e.g. the first generation), `kind`, `who` (member id, "leader", "launcher" or an agent),
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from elastic.coordinator.keys import JobKeys
-from elastic.runtime.progress import recovery_breakdown
-from elastic.runtime.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.records.recoveries import recovery_breakdown
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ The agent starts one `NodeMetrics` (one call, after it joined the membership):
 It mirrors the job's `progress` key and five prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
 `members/`, `injected/`), each read once and then kept current by a watch from the revision after
 that read (never from revision 1: auto-compaction drops old history), serves them in its own `CollectorRegistry` on
-`host:port` (default `elastic.runtime.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
+`host:port` (default `elastic.coordinator.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
 one) and publishes `metrics/<node_id>` = {"address": "host:port"} on the node's lease, so the key
 goes when the node does (`metrics_addresses` reads them all back, for `elastic status`).
 
@@ -32,7 +32,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_workers_alive | gauge | | of those, processes that exist here and are neither stopped nor zombies |
 | elastic_nodes_alive | gauge | | members of the job with a live lease |
 
-A recovery's breakdown follows elastic.runtime.progress (the run summary's recovery entries),
+A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
 generation reported its timings, or a later generation superseded it after some did.
 """
@@ -59,12 +59,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.model.config import get_preset
 from elastic.parallel.layout import assign_ranks
-from elastic.runtime.netaddr import bind_host
-from elastic.runtime.progress import breakdown_of
-from elastic.runtime.protocol import (
+from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
     RecoveryTimings,
@@ -72,6 +71,7 @@ from elastic.runtime.protocol import (
     WorkerInfo,
     node_id,
 )
+from elastic.records.recoveries import breakdown_of
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class Snapshot:
 def recovery_of(
     g: int, rec: GenerationRecord, timings: list[RecoveryTimings], injected: dict[str, float]
 ) -> Recovery:
-    """The breakdown of elastic.runtime.progress (the launcher's and `elastic status`'s), from
+    """The breakdown of elastic.roles.progress (the launcher's and `elastic status`'s), from
     mirrored values."""
     b = breakdown_of(g, rec, timings, list(injected.items()))
     return Recovery(generation=g, total_s=b["total_s"], phases={p: b[f"{p}_s"] for p in PHASES})

@@ -46,7 +46,7 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         mean_step_s, last_step_s   step wall times reported by the workers
     recoveries          number of reconfigurations (generations after the first)
     last_recovery       null, or the latest generation after the first, with the fields of
-                        elastic.runtime.progress.recovery_breakdown (generation, lost_nodes,
+                        elastic.roles.progress.recovery_breakdown (generation, lost_nodes,
                         joined_nodes, drained_nodes, reason, restore_checkpoint, detected_at, published_at,
                         replayed_fraction, kept_microbatches, recomputed,
                         detecting_s, finishing_s, planning_s, transferring_s, rebuilding_s, replaying_s,
@@ -68,8 +68,7 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.model.config import get_preset
-from elastic.runtime.progress import change_words, generation_fields, recovery_breakdown
-from elastic.runtime.protocol import (
+from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
     RecoveryTimings,
@@ -78,6 +77,7 @@ from elastic.runtime.protocol import (
     node_of,
     read_progress,
 )
+from elastic.records.recoveries import change_words, generation_fields, recovery_breakdown
 
 SCHEMA_VERSION = 1
 DEFAULT_WINDOW = 5

@@ -11,7 +11,7 @@ global-batch mean. Then:
    tensor-parallel ranks (each gradient element counted once: one holder per layer, replicated
    parameters only on tensor-parallel rank 0), the loss, a failure count and a halt count. A
    worker that sees it complete knows that every worker finished its reductions, so it may
-   commit without asking anyone (see elastic/runtime/protocol.py). If the vote's wait fails
+   commit without asking anyone (see elastic/records/protocol.py). If the vote's wait fails
    here, the reduced gradients are kept (VoteInterrupted): another worker may have seen it
    complete, and then this one must commit the same step during recovery.
 3. Clip every gradient by the same factor (`clip_grads`, also used to complete such a step).

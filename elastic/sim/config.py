@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.runtime.planning import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS, ClusterSpec
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS, ClusterSpec
 
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from elastic.runtime.planning import cluster_profile, derived_profile
+from elastic.planning.cluster import cluster_profile, derived_profile
 from elastic.sim.config import SimCluster
 from templates.derive import DeviceSpeed
 from templates.instantiation import build_plan, instantiate, split_microbatches

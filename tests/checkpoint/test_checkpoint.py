@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.runtime.checkpoint import (
+from elastic.engine.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     latest_complete,
     load_shards,
 )
-from elastic.runtime.checkpoint_files import list_steps, marker_path, read_marker, step_dir
+from elastic.engine.checkpoint_files import list_steps, marker_path, read_marker, step_dir
 from tests.checkpoint.shards import assert_shards_equal, make_shards
 
 LAYERS, TP = 3, 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.engine.checkpoint import checkpoint_writer_shards
 from elastic.parallel.layout import ParallelLayout
-from elastic.runtime.checkpoint import checkpoint_writer_shards
 from tests.engine.plans import hetero
 
 

@@ -139,7 +139,7 @@ def test_training_job_one_pod_per_node_with_the_rendezvous() -> None:
     script = _script(node)
     assert "torchrun" in script and "--rdzv-backend=elastic-etcd" in script
     assert '--rdzv-endpoint="$ETCD_ENDPOINT"' in script and '--rdzv-id="$ELASTIC_JOB"' in script
-    assert "-m elastic.runtime.agent" in script
+    assert "-m elastic.roles.agent" in script
     assert "node_id=node$NODE_INDEX" in script
     env = {e["name"]: e for e in node["env"]}
     assert env["ELASTIC_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -180,7 +180,7 @@ def test_sbatch_script_parses_and_uses_the_rendezvous() -> None:
     script = DEPLOY / "slurm" / "elastic.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
     text = script.read_text()
-    assert "--rdzv-backend=elastic-etcd" in text and "srun" in text and "-m elastic.runtime.agent" in text
+    assert "--rdzv-backend=elastic-etcd" in text and "srun" in text and "-m elastic.roles.agent" in text
     assert re.search(r"^#SBATCH --ntasks-per-node=1$", text, re.M)
 
 

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.engine.optim import OptimConfig
+from elastic.engine.trainer import ShardKey, ShardState, Trainer
 from elastic.parallel.abort import AbortSignal, StepAborted
-from elastic.runtime.job import JobSpec
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.trainer import ShardKey, ShardState, Trainer
+from elastic.records.job import JobSpec
 from templates.plan import Plan
 
 _FETCH_DEADLINE_S = 60.0

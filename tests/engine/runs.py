@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import launch
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.summary import RunSummary, load_final_state
+from elastic.engine.optim import OptimConfig
+from elastic.records.job import JobSpec
+from elastic.records.summary import RunSummary, load_final_state
+from elastic.roles.launcher import launch
 from templates.plan import Plan
 
 STEPS = 5

@@ -15,7 +15,7 @@ import torch
 
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
-from elastic.runtime.summary import RunSummary
+from elastic.records.summary import RunSummary
 from tests.engine.plans import hetero, single, two_by_two
 from tests.engine.runs import STEPS, max_rel_diff, run_plan
 

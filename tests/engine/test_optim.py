@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from elastic.engine.optim import OptimConfig, build_optimizer, lr_at
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.runtime.optim import OptimConfig, build_optimizer, lr_at
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,11 +1,11 @@
 """Partial replay's pure part: which kept microbatches the leader accepts, and how the missing
-ones are spread over the new plan (elastic/runtime/partial.py)."""
+ones are spread over the new plan (elastic/records/partial.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic.runtime.partial import (
+from elastic.records.partial import (
     FINISH_FROM,
     PartialReport,
     ReplayRecord,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
-from elastic.runtime.partial import ReplayRecord, resolve_replay
+from elastic.records.partial import ReplayRecord, resolve_replay
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
 from tests.engine.test_transaction import assert_same, snapshot
 from tests.engine.test_vote import _both, _pair

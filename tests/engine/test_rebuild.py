@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.runtime.job import JobSpec
-from elastic.runtime.trainer import Trainer
+from elastic.engine.trainer import Trainer
+from elastic.records.job import JobSpec
 from tests.engine.plans import single
 from tests.engine.runs import OPTIM
 from tests.engine.test_transaction import assert_same, snapshot

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.runtime.job import JobSpec
-from elastic.runtime.step import StepDiscarded
-from elastic.runtime.trainer import Trainer
+from elastic.engine.step import StepDiscarded
+from elastic.engine.trainer import Trainer
+from elastic.records.job import JobSpec
 from tests.engine.plans import single
 from tests.engine.runs import OPTIM
 

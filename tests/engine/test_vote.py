@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic.engine.step import PreparedStep, VoteCutShort
+from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
-from elastic.runtime.job import JobSpec
-from elastic.runtime.step import PreparedStep, VoteCutShort
-from elastic.runtime.trainer import Trainer
+from elastic.records.job import JobSpec
 from templates.plan import even_plan
 from tests.engine.runs import OPTIM
 from tests.engine.test_transaction import assert_same, snapshot

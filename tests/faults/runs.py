@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.runtime.injection import parse_injection
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import launch_elastic
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig, ProgressRecord, StepResult, committed_steps
-from elastic.runtime.summary import RunSummary, load_final_state
+from elastic.engine.optim import OptimConfig
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.injection import parse_injection
+from elastic.records.job import JobSpec
+from elastic.records.protocol import ElasticConfig, ProgressRecord, StepResult, committed_steps
+from elastic.records.summary import RunSummary, load_final_state
+from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
 
 STEPS = 20
@@ -99,7 +99,7 @@ def tiny_config(
 def static_reference(run_dir: Path, *, steps: int) -> Result:
     """The failure-free result on a single worker: the parameters and losses after K steps do not
     depend on the plan (DESIGN.md invariant 1), so one process stands for any elastic plan."""
-    from elastic.runtime.launcher import launch
+    from elastic.roles.launcher import launch
 
     plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2,
                      fault_tolerance=0)  # fmt: skip
@@ -128,7 +128,7 @@ class LiveJob:
         import secrets
 
         from elastic.coordinator import EtcdConfig, JobKeys, connect
-        from elastic.runtime.protocol import RunKeys
+        from elastic.records.protocol import RunKeys
 
         self.config, self.etcd = config, etcd
         self.job = job or f"h2-{secrets.token_hex(4)}"

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.coordinator.generations import Generations
-from elastic.runtime.injection import InjectionRequest, read_statuses, request_id, submit_request
-from elastic.runtime.protocol import GenerationRecord
+from elastic.records.injection import InjectionRequest, read_statuses, request_id, submit_request
+from elastic.records.protocol import GenerationRecord
 
 from .runs import LiveJob
 

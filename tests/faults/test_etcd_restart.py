@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pytest
 
 from elastic.coordinator import EtcdServer
-from elastic.runtime.summary import RunSummary
+from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
@@ -65,9 +65,9 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         # Job-scoped keys the intruders could touch; the progress record moves on with the run itself.
         keys_before = run.job_keys(moving=False)
         procs = [
-            _intruder(["elastic.runtime.agent"], server.endpoint, run.job),
+            _intruder(["elastic.roles.agent"], server.endpoint, run.job),
             _intruder(
-                ["elastic.runtime.elastic_worker", "--local-rank", "0", "--lease", "1"],
+                ["elastic.roles.elastic_worker", "--local-rank", "0", "--lease", "1"],
                 server.endpoint,
                 run.job,
             ),  # fmt: skip

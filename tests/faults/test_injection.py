@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.runtime.injection import Injection, check_injections, parse_injection
+from elastic.records.injection import Injection, check_injections, parse_injection
 
 
 def test_parses_every_kind() -> None:

@@ -22,11 +22,10 @@ from elastic.coordinator import (
     NodeIdentity,
 )
 from elastic.coordinator.generations import Generations
-from elastic.runtime.checkpoint import CheckpointWriter
-from elastic.runtime.job import JobSpec
-from elastic.runtime.leader import Leader, NotLeader, decide, surviving_holders_cover
-from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import (
+from elastic.engine.checkpoint import CheckpointWriter
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.job import JobSpec
+from elastic.records.protocol import (
     ABORT,
     COMMIT,
     ElasticConfig,
@@ -38,6 +37,7 @@ from elastic.runtime.protocol import (
     WorkerInfo,
     node_id,
 )
+from elastic.roles.leader import Leader, NotLeader, decide, surviving_holders_cover
 from templates.plan import even_plan
 from tests.polling import wait_for
 

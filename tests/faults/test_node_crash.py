@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from elastic.coordinator import EtcdServer
-from elastic.runtime.protocol import WorkerInfo
+from elastic.records.protocol import WorkerInfo
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
@@ -43,7 +43,7 @@ def agent_pid(job: str, node: int) -> int:
     """PID of the agent process of `node` in `job`, found by its command line."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if ("elastic.runtime.agent" in cmd and cmd[cmd.index("--job") + 1] == job
+        if ("elastic.roles.agent" in cmd and cmd[cmd.index("--job") + 1] == job
                 and cmd[cmd.index("--node") + 1] == str(node)):  # fmt: skip
             return int(proc.pid)
     raise AssertionError(f"no agent process for node {node} of job {job}")

@@ -15,8 +15,8 @@ import pytest
 from elastic.cli.main import main
 from elastic.coordinator import EtcdServer, JobKeys, Membership, MembershipConfig, NodeIdentity, admit
 from elastic.coordinator.generations import Generations
-from elastic.runtime.injection import read_requests
-from elastic.runtime.protocol import GenerationRecord, ProgressRecord, RunKeys, node_id
+from elastic.records.injection import read_requests
+from elastic.records.protocol import GenerationRecord, ProgressRecord, RunKeys, node_id
 
 from .runs import tiny_config
 

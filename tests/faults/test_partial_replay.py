@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.runtime.summary import RunSummary
+from elastic.records.summary import RunSummary
 
 from .runs import check_same_training, max_rel_diff, reference_run, run_elastic
 

@@ -16,9 +16,9 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.coordinator.generations import Generations
-from elastic.runtime.injection import read_requests, read_statuses
-from elastic.runtime.protocol import GenerationRecord
-from elastic.runtime.summary import RunSummary
+from elastic.records.injection import read_requests, read_statuses
+from elastic.records.protocol import GenerationRecord
+from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_config
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.runtime.launcher import JobFailed
-from elastic.runtime.summary import RunSummary
+from elastic.records.summary import RunSummary
+from elastic.roles.launcher import JobFailed
 
 from .runs import check_same_training, reference_run, run_elastic
 

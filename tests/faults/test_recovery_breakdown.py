@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from elastic.coordinator import JobKeys
-from elastic.runtime.progress import fault_time, recovery_breakdown
-from elastic.runtime.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.records.recoveries import fault_time, recovery_breakdown
 from templates.plan import even_plan
 
 T0 = 1_000_000.0

@@ -24,9 +24,9 @@ import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.runtime.injection import read_requests, read_statuses
-from elastic.runtime.protocol import GenerationRecord, WorkerInfo
-from elastic.runtime.summary import RunSummary
+from elastic.records.injection import read_requests, read_statuses
+from elastic.records.protocol import GenerationRecord, WorkerInfo
+from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from elastic.coordinator import EtcdServer
-from elastic.runtime.injection import read_statuses
+from elastic.records.injection import read_statuses
 
 from .runs import LiveJob, check_same_training, static_reference, step_logs, tiny_config
 from .soak import SoakController, soak_schedule

@@ -21,20 +21,11 @@ import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
 from elastic.coordinator.generations import Generations
+from elastic.engine.optim import OptimConfig
 from elastic.ops.status import read_status
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import _step_in_flight
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.progress import (
-    JobFeed,
-    Progress,
-    elastic_summary,
-    final_poll,
-    poll_progress,
-    run_finished,
-)
-from elastic.runtime.protocol import (
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.job import JobSpec
+from elastic.records.protocol import (
     COMMIT,
     ElasticConfig,
     GenerationRecord,
@@ -44,6 +35,15 @@ from elastic.runtime.protocol import (
     WorkerInfo,
     committed_steps,
     step_log_path,
+)
+from elastic.roles.launcher import _step_in_flight
+from elastic.roles.progress import (
+    JobFeed,
+    Progress,
+    elastic_summary,
+    final_poll,
+    poll_progress,
+    run_finished,
 )
 from templates.plan import even_plan
 

@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from elastic.ops.job_target import resolve_target
-from elastic.runtime.launcher import write_job_file
+from elastic.roles.launcher import write_job_file
 
 
 def test_job_file_is_private_whole_and_read_back(tmp_path: Path) -> None:

@@ -19,15 +19,14 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
+from elastic.engine.optim import OptimConfig
 from elastic.ops.metrics import NodeMetrics, metrics_addresses, snapshot
 from elastic.ops.report import summary_text, write_report
 from elastic.parallel.layout import assign_ranks
-from elastic.runtime.injection import parse_injection
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import launch_elastic
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import (
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.injection import parse_injection
+from elastic.records.job import JobSpec
+from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
     ProgressRecord,
@@ -36,7 +35,8 @@ from elastic.runtime.protocol import (
     node_id,
     read_progress,
 )
-from elastic.runtime.summary import RunSummary
+from elastic.records.summary import RunSummary
+from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
 
 from ..polling import wait_for

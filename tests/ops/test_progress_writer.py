@@ -12,8 +12,8 @@ import pytest
 
 from elastic.coordinator import JobKeys
 from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.runtime.control import ProgressWriter
-from elastic.runtime.protocol import ProgressRecord, RunKeys, StepResult
+from elastic.records.protocol import ProgressRecord, RunKeys, StepResult
+from elastic.roles.control import ProgressWriter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from elastic.cli.main import main
+from elastic.engine.optim import OptimConfig
 from elastic.ops.report import DPI, FIGSIZE, ReportError, load_timeline, summary_text, write_report
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import launch
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.summary import RunSummary
+from elastic.records.job import JobSpec
+from elastic.records.summary import RunSummary
+from elastic.roles.launcher import launch
 from templates.plan import even_plan
 
 pytestmark = pytest.mark.timeout(90)

@@ -24,14 +24,14 @@ import pytest
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
+from elastic.engine.optim import OptimConfig
 from elastic.ops.status import read_status, render_table
-from elastic.runtime.injection import parse_injection
-from elastic.runtime.job import JobSpec
-from elastic.runtime.launcher import launch_elastic
-from elastic.runtime.optim import OptimConfig
-from elastic.runtime.planning import ClusterSpec
-from elastic.runtime.protocol import ElasticConfig, GenerationRecord, RunKeys, committed_steps
-from elastic.runtime.summary import RunSummary
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.injection import parse_injection
+from elastic.records.job import JobSpec
+from elastic.records.protocol import ElasticConfig, GenerationRecord, RunKeys, committed_steps
+from elastic.records.summary import RunSummary
+from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
 from tests.polling import wait_for
 

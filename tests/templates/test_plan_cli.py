@@ -9,7 +9,7 @@ import pytest
 
 from elastic.cli.main import main
 from elastic.model.config import get_preset
-from elastic.runtime.planning import derived_profile
+from elastic.planning.cluster import derived_profile
 from templates.derive import DeviceSpeed
 from templates.plan import Plan
 

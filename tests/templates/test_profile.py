@@ -9,7 +9,7 @@ import pytest
 
 from elastic.cli.main import main
 from elastic.model.config import get_preset
-from elastic.runtime.planning import gpt_layer_counts
+from elastic.planning.cluster import gpt_layer_counts
 from templates.derive import DeviceSpeed, derive_profile
 from templates.profile import Profile, ProfileError
 

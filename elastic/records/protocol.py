@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
-from elastic.runtime.injection import Injection
-from elastic.runtime.partial import PartialReport, ReplayRecord
-from elastic.runtime.planning import ClusterSpec
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.injection import Injection
+from elastic.records.partial import PartialReport, ReplayRecord
 from templates.plan import Plan
 
 if TYPE_CHECKING:  # job.py imports torch (seconds): agents read the config before they need it
-    from elastic.runtime.job import JobSpec
+    from elastic.records.job import JobSpec
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -236,7 +236,7 @@ class ElasticConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ElasticConfig:
-        from elastic.runtime.job import JobSpec
+        from elastic.records.job import JobSpec
 
         data = json.loads(text)
         return cls(

@@ -12,7 +12,7 @@ world all-reduce itself (the vote) keeps the reduced gradients as the pending st
 (VoteCutShort): a peer may have seen the vote complete and committed, and then `complete()`
 commits the same step here with the vote's outcome, bit-identically.
 
-Partial replay (elastic/runtime/partial.py): after its schedule, a worker copies its gradient
+Partial replay (elastic/records/partial.py): after its schedule, a worker copies its gradient
 sums (`partial`, a `KeptGrads`) before the cross-pipeline reduction can touch them; if the step
 is then abandoned, the copy survives into the next generation. That generation's first step
 may be a `StepReplay`: this pipeline computes only the listed microbatches, and a keeper adds
@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.engine.adamw import MasterAdamW
+from elastic.engine.device import compute_precision
+from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
@@ -36,10 +39,7 @@ from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_plan, 
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
-from elastic.runtime.adamw import MasterAdamW
-from elastic.runtime.device import compute_precision
-from elastic.runtime.optim import OptimConfig, lr_at
-from elastic.runtime.partial import PartialReport
+from elastic.records.partial import PartialReport
 
 
 class StepDiscarded(RuntimeError):

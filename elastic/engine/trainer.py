@@ -24,19 +24,10 @@ import torch
 from torch import nn
 
 from elastic.data.dataset import TokenDataset
-from elastic.model.gpt import GPTStage
-from elastic.model.naming import layer_of
-from elastic.model.state import full_state_dict
-from elastic.parallel.abort import AbortSignal, StepAborted
-from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.groups import ParallelGroups, build_groups
-from elastic.parallel.layout import ParallelLayout, assign_ranks
-from elastic.runtime.adamw import MasterAdamW, ParamState
-from elastic.runtime.device import backend_for, select_device
-from elastic.runtime.job import JobSpec
-from elastic.runtime.optim import build_optimizer
-from elastic.runtime.partial import ReplayRecord, split_microbatches
-from elastic.runtime.step import (
+from elastic.engine.adamw import MasterAdamW, ParamState
+from elastic.engine.device import backend_for, select_device
+from elastic.engine.optim import build_optimizer
+from elastic.engine.step import (
     KeptGrads,
     PreparedStep,
     StepDiscarded,
@@ -44,6 +35,15 @@ from elastic.runtime.step import (
     StepReport,
     StepTransaction,
 )
+from elastic.model.gpt import GPTStage
+from elastic.model.naming import layer_of
+from elastic.model.state import full_state_dict
+from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.grad_accum import GradAccumulator
+from elastic.parallel.groups import ParallelGroups, build_groups
+from elastic.parallel.layout import ParallelLayout, assign_ranks
+from elastic.records.job import JobSpec
+from elastic.records.partial import ReplayRecord, split_microbatches
 from elastic.transfer.collective import ShardMove, exchange, plan_moves
 from elastic.transfer.shards import ShardKey as MovedShard
 from templates.plan import Plan
@@ -253,7 +253,7 @@ class Trainer:
         nothing held, the model is initialised from its seed). The process groups are built
         on `store` under the generation's prefix; `abort` (None: plain waits) is the flag
         every cross-worker wait of this generation's steps checks. `replay`: step `step`
-        reuses microbatches kept from its interrupted run (elastic/runtime/partial.py).
+        reuses microbatches kept from its interrupted run (elastic/records/partial.py).
         `holdings`: move shards between the generation's workers over its world group first
         (every worker of the generation joins that exchange); `fetch` gets the rest (shards held
         outside the generation, or that arrived damaged).

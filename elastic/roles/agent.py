@@ -1,4 +1,4 @@
-"""Node agent: `python -m elastic.runtime.agent --etcd HOST:PORT --job J --node N --incarnation I`.
+"""Node agent: `python -m elastic.roles.agent --etcd HOST:PORT --job J --node N --incarnation I`.
 
 One per node. It joins the job's membership with a lease, campaigns for leader (running
 `Leader` while elected), spawns the node's G elastic workers (once: a survivor's workers are
@@ -17,7 +17,7 @@ partition healed, a hang continued) likewise kills its workers and exits 3.
 Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed, 4 when the job token was refused. The
 job token comes in the ELASTIC_JOB_TOKEN environment variable.
 
-Under torchrun (`torchrun --rdzv-backend=elastic-etcd ... -m elastic.runtime.agent`, see
+Under torchrun (`torchrun --rdzv-backend=elastic-etcd ... -m elastic.roles.agent`, see
 deploy/) the flags may be left out: the agent takes etcd, job, node and incarnation from the
 ELASTIC_* variables the rendezvous sets (the rendezvous node id must be `node<N>`), waits for
 the job's config to be published, and adopts the member registration the rendezvous made.
@@ -48,8 +48,9 @@ from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
+from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
-from elastic.runtime.injection import (
+from elastic.records.injection import (
     AGENT_KINDS,
     InjectionRequest,
     InjectionStatus,
@@ -58,12 +59,11 @@ from elastic.runtime.injection import (
     read_statuses,
     write_status,
 )
-from elastic.runtime.netaddr import bind_host
-from elastic.runtime.protocol import ElasticConfig, ProgressRecord, RunKeys, node_id, node_of
+from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, node_id, node_of
 
 if TYPE_CHECKING:
     from elastic.ops.metrics import NodeMetrics
-    from elastic.runtime.leader import Leader
+    from elastic.roles.leader import Leader
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 AGENT_PID_ENV = "ELASTIC_AGENT_PID"
@@ -218,7 +218,7 @@ class Agent:
         self._trigger = trigger = InjectionTrigger(self.client, self.keys)
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
-        from elastic.runtime.leader import Leader
+        from elastic.roles.leader import Leader
 
         self.config = ElasticConfig.from_json(self.raw_config)
         self.election.start()
@@ -244,7 +244,7 @@ class Agent:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "wb") as out:
                 cmd = [
-                    sys.executable, "-m", "elastic.runtime.elastic_worker", "--etcd", self.endpoint,
+                    sys.executable, "-m", "elastic.roles.elastic_worker", "--etcd", self.endpoint,
                     "--job", self.keys.job, "--node", str(self.node), "--local-rank", str(local_rank),
                     "--incarnation", str(self.incarnation), "--lease", str(lease),
                 ]  # fmt: skip
@@ -465,7 +465,7 @@ def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic.runtime.agent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="elastic.roles.agent", description=__doc__)
     env = os.environ
     parser.add_argument(
         "--etcd",

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.model.config import GPTConfig, get_preset
-from elastic.runtime.optim_config import OptimConfig
+from elastic.records.optim_config import OptimConfig
 from templates.plan import Plan
 
 
@@ -51,7 +51,7 @@ class JobSpec:
     partial_replay: bool = True
     """When a node fails mid-step, pipelines that lost no node finish their microbatches and
     keep their gradient sums, and the next generation computes only the rest of the step
-    (elastic/runtime/partial.py). Costs one copy of each worker's gradient sums per step."""
+    (elastic/records/partial.py). Costs one copy of each worker's gradient sums per step."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
 

@@ -1,4 +1,4 @@
-"""Elastic worker: `python -m elastic.runtime.elastic_worker --etcd HOST:PORT --job J --node N ...`.
+"""Elastic worker: `python -m elastic.roles.elastic_worker --etcd HOST:PORT --job J --node N ...`.
 
 One process per (node, device), started by its node's agent and alive for the whole job. Its
 loop, per step s of generation g: prepare (forward, backward, gradient reductions, and the
@@ -41,12 +41,13 @@ from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
+from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store import EtcdStore
+from elastic.engine.step import NonFiniteStep, StepReport
+from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout, assign_ranks
-from elastic.runtime.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
-from elastic.runtime.netaddr import bind_host
-from elastic.runtime.protocol import (
+from elastic.records.protocol import (
     COMMIT,
     ElasticConfig,
     GenerationRecord,
@@ -59,8 +60,7 @@ from elastic.runtime.protocol import (
     read_progress,
     step_log_path,
 )
-from elastic.runtime.step import NonFiniteStep, StepReport
-from elastic.runtime.trainer import Trainer
+from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, list_shards
 from elastic.transfer.server import ServerConfig, ShardServer
 
@@ -143,7 +143,7 @@ class ElasticWorker:
         self.timeout = self.spec.collective_timeout_s
         self.writer: Any = None
         if config.checkpoint_every > 0:
-            from elastic.runtime.checkpoint import CheckpointWriter
+            from elastic.engine.checkpoint import CheckpointWriter
 
             cfg = self.spec.model_config
             self.writer = CheckpointWriter(
@@ -264,7 +264,7 @@ class ElasticWorker:
         self.server.set_generation(generation)
         fetch: Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]] | None
         if record.restore_checkpoint is not None:
-            from elastic.runtime.checkpoint import load_shards
+            from elastic.engine.checkpoint import load_shards
 
             if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
                 self.trainer = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
@@ -437,7 +437,7 @@ class ElasticWorker:
         every = self.config.checkpoint_every
         if self.writer is None or self.trainer.step % every:
             return
-        from elastic.runtime.checkpoint import checkpoint_writer_shards
+        from elastic.engine.checkpoint import checkpoint_writer_shards
 
         mine = checkpoint_writer_shards(layout)
         if mine:
@@ -467,7 +467,7 @@ class ElasticWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic.runtime.elastic_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="elastic.roles.elastic_worker", description=__doc__)
     parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
     parser.add_argument("--job", required=True, help="job id")
     parser.add_argument("--node", type=int, required=True, help="plan node of this worker")

@@ -45,16 +45,16 @@ from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.runtime.injection import (
+from elastic.planning.cluster import cluster_templates
+from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
     read_requests,
     read_statuses,
     write_status,
 )
-from elastic.runtime.partial import resolve_replay, worth_finishing
-from elastic.runtime.planning import cluster_templates
-from elastic.runtime.protocol import (
+from elastic.records.partial import resolve_replay, worth_finishing
+from elastic.records.protocol import (
     ABORT,
     COMMIT,
     ElasticConfig,
@@ -464,7 +464,7 @@ class Leader:
                     continue
                 relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
                 return new, None, f"{what}: re-planned over nodes {live}{relaxed}"
-        from elastic.runtime.checkpoint import latest_complete
+        from elastic.engine.checkpoint import latest_complete
 
         spec = self.config.spec
         ckpt = latest_complete(Path(self.config.checkpoint_path), num_layers=plan.num_layers,

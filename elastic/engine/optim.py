@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from elastic.runtime.adamw import MasterAdamW, ParamState
-from elastic.runtime.optim_config import OptimConfig, lr_at
+from elastic.engine.adamw import MasterAdamW, ParamState
+from elastic.records.optim_config import OptimConfig, lr_at
 
 __all__ = ["OptimConfig", "build_optimizer", "lr_at"]
 

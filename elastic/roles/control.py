@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.runtime.protocol import (
+from elastic.records.protocol import (
     COMMIT,
     GenerationRecord,
     HaltRecord,

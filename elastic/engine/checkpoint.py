@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic.runtime.checkpoint_files import (
+from elastic.engine.checkpoint_files import (
     CheckpointError,
     ShardKey,
     all_keys,

@@ -2,7 +2,7 @@
 
 Two modes. `launch` (fixed plan, no failure handling) is described below. `launch_elastic`
 starts etcd (unless given one), writes the job's token-protected config and its `--inject`
-faults as injection requests (injection.py), starts one agent per node (elastic.runtime.agent:
+faults as injection requests (injection.py), starts one agent per node (elastic.roles.agent:
 membership, leader, workers), publishes generation 1, prints each committed step and each
 failure and recovery as watches on etcd deliver them (one line per put of the
 `progress` key), and counts restarts of survivors' workers from
@@ -40,7 +40,7 @@ from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
-from elastic.runtime.injection import (
+from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
     read_requests,
@@ -48,8 +48,16 @@ from elastic.runtime.injection import (
     submit_request,
     write_status,
 )
-from elastic.runtime.job import JobSpec
-from elastic.runtime.progress import (
+from elastic.records.job import JobSpec
+from elastic.records.protocol import (
+    ElasticConfig,
+    GenerationRecord,
+    RunKeys,
+    committed_steps,
+    step_log_path,
+)
+from elastic.records.summary import RunSummary, collect_summary
+from elastic.roles.progress import (
     JobFeed,
     Progress,
     elastic_summary,
@@ -57,14 +65,6 @@ from elastic.runtime.progress import (
     poll_progress,
     run_finished,
 )
-from elastic.runtime.protocol import (
-    ElasticConfig,
-    GenerationRecord,
-    RunKeys,
-    committed_steps,
-    step_log_path,
-)
-from elastic.runtime.summary import RunSummary, collect_summary
 
 _POLL_S = 0.05
 _READ_EVERY_S = 1.0
@@ -140,7 +140,7 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
                 log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop
                 is_rank0 = spec.plan.locate(node) == (0, 0) and local_rank == 0
                 cmd = [
-                    sys.executable, "-m", "elastic.runtime.worker",
+                    sys.executable, "-m", "elastic.roles.worker",
                     "--spec", str(spec_path), "--node", str(node), "--local-rank", str(local_rank),
                     "--store-port", str(port),
                 ]  # fmt: skip
@@ -208,12 +208,12 @@ def launch_elastic(
     local_agents: bool = True,
     stop: threading.Event | None = None,
 ) -> RunSummary:
-    """Run `config` with an agent per node (module doc of elastic.runtime.agent) and return its summary.
+    """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
     Starts an etcd server unless `etcd_endpoint` is given. `job` and `token` default to fresh
     random ones. `placement(node)` gives a command prefix and extra environment for that node's
     agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
-    agent is started here: agents on other hosts (`python -m elastic.runtime.agent`) join the
+    agent is started here: agents on other hosts (`python -m elastic.roles.agent`) join the
     job. Setting `stop` (from another thread) ends the run with JobFailed. Raises JobFailed or
     TimeoutError; every process it started (etcd, agents, their workers) is stopped by PID on the
     way out.
@@ -255,7 +255,7 @@ def launch_elastic(
         env = dict(
             os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env
         )
-        cmd = [*prefix, sys.executable, "-m", "elastic.runtime.agent", "--etcd", etcd_endpoint, "--job", job,
+        cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", etcd_endpoint, "--job", job,
                "--node", str(node), "--incarnation", str(incarnation)]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
         agents.append(_Agent(node, incarnation, proc, log, log_path))
@@ -423,7 +423,7 @@ def _kill_workers(progress: Progress, *, node: int | None = None) -> None:
         for pid in pids:
             try:
                 proc = psutil.Process(pid)
-                if any("elastic.runtime.elastic_worker" in part for part in proc.cmdline()):
+                if any("elastic.roles.elastic_worker" in part for part in proc.cmdline()):
                     proc.kill()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

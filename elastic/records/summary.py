@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch takes seconds to import; `elastic status` reads summaries without it
     import torch
 
-    from elastic.runtime.job import JobSpec
+    from elastic.records.job import JobSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,110 @@
+"""The packages import one way only: each package imports only packages on lower layers (the
+README's architecture section lists the same order), so there is no import cycle between them.
+Walks every import statement of `elastic/` and `templates/` with `ast`, including imports
+inside functions and under `if TYPE_CHECKING:`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAYERS: dict[str, int] = {
+    "templates": 0,  # the planner: pure, imports nothing of the project
+    "model": 1,
+    "data": 1,
+    "coordinator": 1,
+    "transfer": 1,
+    "parallel": 2,
+    "planning": 2,
+    "sim": 3,
+    "records": 3,
+    "engine": 4,
+    "ops": 4,
+    "roles": 5,
+    "cli": 6,
+}
+"""Each package's layer; a package may import packages of strictly lower layers only."""
+
+
+def _package_of(path: Path) -> str | None:
+    rel = path.relative_to(ROOT).parts
+    if rel[0] == "templates":
+        return "templates"
+    return rel[1] if len(rel) > 2 else None  # elastic/<package>/<module>.py; None for elastic/*.py
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """Project packages that `path` imports (absolute and relative imports)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    module_parts = path.relative_to(ROOT).with_suffix("").parts
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module_parts[: len(module_parts) - node.level]
+                names.append(".".join([*base, *([node.module] if node.module else [])]))
+            elif node.module:
+                names.append(node.module)
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "templates":
+            out.add("templates")
+        elif parts[0] == "elastic" and len(parts) > 1 and parts[1] in LAYERS:
+            out.add(parts[1])
+    return out
+
+
+def _graph() -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the files that import it."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted([*(ROOT / "elastic").rglob("*.py"), *(ROOT / "templates").rglob("*.py")]):
+        src = _package_of(path)
+        if src is None:
+            continue
+        for dst in _imported_packages(path) - {src}:
+            graph.setdefault(src, {}).setdefault(dst, []).append(str(path.relative_to(ROOT)))
+    return graph
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p.name for p in (ROOT / "elastic").iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert packages | {"templates"} == set(LAYERS)
+
+
+def test_packages_import_only_lower_layers() -> None:
+    upward = [
+        f"{src} (layer {LAYERS[src]}) imports {dst} (layer {LAYERS[dst]}) in {files}"
+        for src, deps in _graph().items()
+        for dst, files in deps.items()
+        if LAYERS[dst] >= LAYERS[src]
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """Independent of the layer numbers: a depth-first search over the package graph finds no cycle."""
+    graph = {src: set(deps) for src, deps in _graph().items()}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            assert state.get(nxt) != 1, f"import cycle: {' -> '.join([*stack, node, nxt])}"
+            if nxt not in state:
+                visit(nxt, [*stack, node])
+        state[node] = 2
+
+    for package in sorted(graph):
+        if package not in state:
+            visit(package, [])
+
+
+def test_the_walk_sees_imports() -> None:
+    """The walk finds the imports it must: relative, inside functions and under TYPE_CHECKING."""
+    graph = _graph()
+    assert "engine" in graph["roles"] and "records" in graph["engine"] and "model" in graph["parallel"]
