@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     plan = even_plan(
         num_layers=6, nodes=list(range(nodes)), num_pipelines=args.pipelines,
         global_microbatches=args.microbatches * args.pipelines, microbatch_size=args.microbatch,
-    )  # fmt: skip
+    )
     spec = JobSpec(model=args.model, plan=plan, steps=0, run_dir=args.out, device="cpu")
     store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=timedelta(seconds=120))
     trainer = Trainer(spec, node=args.node, local_rank=0)

@@ -37,7 +37,7 @@ from bench.section import Section, attempt, exit_on_sigterm, series  # noqa: E40
 from bench.stats import Figure  # noqa: E402
 
 JOB_FLAGS = ["--model", "tiny", "--nodes", "2", "--fault-tolerance", "1", "--global-batch", "4",
-             "--microbatch", "2"]  # fmt: skip
+             "--microbatch", "2"]
 """The job of parts (a) and (b): the issue's."""
 
 
@@ -45,7 +45,7 @@ def _run(run_dir: Path, steps: int, *, static: bool, etcd: str | None = None, ti
     """One `elastic run` of the job as a user starts it; its summary."""
     summary = run_dir / "summary.json"
     argv = [sys.executable, "-m", "elastic.cli", "run", *JOB_FLAGS, "--steps", str(steps), "--run-dir", str(run_dir),
-            "--summary", str(summary)]  # fmt: skip
+            "--summary", str(summary)]
     argv += ["--static"] if static else ["--checkpoint-every", "0"]
     if etcd is not None:
         argv += ["--etcd", etcd]
@@ -86,7 +86,7 @@ def overhead(repeats: int, steps: int) -> Section:
                 section.raw.append({"round": r, "side": name, "median_step_s": medians[name]})
             if len(medians) == 2:
                 series(figures, "ratio control plane / static", "ratio", medians["control plane"] / medians["static"],
-                       note="per round, then the median")  # fmt: skip
+                       note="per round, then the median")
     section.figures = list(figures.values())
     section.wall_s = time.monotonic() - t0
     return section
@@ -117,7 +117,7 @@ def drift(steps: int) -> Section:
             blocks = [statistics.median(step_intervals(run)[i : i + 250]) for i in range(0, steps - 1, 250)]
             section.notes.append("median step by blocks of 250 steps (ms): " + " / ".join(f"{b * 1000:.0f}" for b in blocks))
             section.raw.append({"early_s": early, "late_s": late, "db_size": status.db_size, "keys": keys,
-                                "blocks_s": blocks})  # fmt: skip
+                                "blocks_s": blocks})
         client.close()
     section.wall_s = time.monotonic() - t0
     return section

@@ -266,11 +266,11 @@ def make_config(world: int, run_dir: str) -> tuple[ElasticConfig, Plan]:
     nodes = world // gpus
     cluster = ClusterSpec(model=MODEL, nodes=nodes, gpus_per_node=gpus, fault_tolerance=FAULT_TOLERANCE,
                           global_batch=MICROBATCHES_PER_NODE * nodes, microbatch=1,
-                          device_memory_gib=NODE_MEMORY_GIB / gpus)  # fmt: skip
+                          device_memory_gib=NODE_MEMORY_GIB / gpus)
     plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=MODEL, plan=plan, steps=10**6, run_dir=run_dir, device="cpu")
     config = ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=0,
-                           checkpoint_dir=str(Path(run_dir) / "ckpt"), lease_ttl=SIM_LEASE_TTL)  # fmt: skip
+                           checkpoint_dir=str(Path(run_dir) / "ckpt"), lease_ttl=SIM_LEASE_TTL)
     return config, plan
 
 
@@ -363,7 +363,7 @@ def run_one(
     out: dict[str, Any] = {"workers": world, "nodes": n_nodes, "gpus_per_node": gpus, "model": MODEL,
                            "etcd_clients": n_nodes + 1, "steps": steps, "pace_ms": pace_ms, "standby_leaders": standby_leaders,
                            "procs": 0 if in_process else n_shards,
-                           "nodes_per_proc": [len(b) for b in blocks]}  # fmt: skip
+                           "nodes_per_proc": [len(b) for b in blocks]}
     with tempfile.TemporaryDirectory(prefix="cp-scale-") as run_dir, EtcdServer() as server:
         endpoint = server.endpoint
         admin = connect(EtcdConfig(endpoint=endpoint))
@@ -372,7 +372,7 @@ def run_one(
         config, plan = make_config(world, run_dir)
         out["plan"] = {"pipelines": len(plan.pipelines),
                        "stages_per_pipeline": sorted({len(p.stages) for p in plan.pipelines}),
-                       "json_bytes": len(plan.to_json())}  # fmt: skip
+                       "json_bytes": len(plan.to_json())}
         admin.put(rk.config, config.to_json())
         shards: list[ShardHandle] = []
         observer: Observer | None = None
@@ -385,7 +385,7 @@ def run_one(
             for i, block in enumerate(blocks):
                 spec = ShardSpec(index=i, endpoint=endpoint, job=keys.job,
                                  config_json=config.to_json(), nodes=block, gpus=gpus, grpc_poll_s=grpc_poll_s,
-                                 log_level=level)  # fmt: skip
+                                 log_level=level)
                 shards.append(ShardHandle(spec, in_process=in_process))
             first_shard = shards[0]
             setups = call_all(shards, "setup", timeout=SETUP_TIMEOUT_S)
@@ -393,7 +393,7 @@ def run_one(
             first = GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(range(n_nodes), 0))
             Generations(admin, keys).publish(first.to_json(), expected=0)
             log.info("W=%d: %d members joined in %d shard(s) (%.1f s)", world, n_nodes, n_shards,
-                     time.perf_counter() - t0)  # fmt: skip
+                     time.perf_counter() - t0)
             call_all(shards, "start_workers", timeout=SETUP_TIMEOUT_S)
             log.info("W=%d: workers' feeds up (%.1f s)", world, time.perf_counter() - t0)
             call_all(shards, "enter", 1, timeout=SETUP_TIMEOUT_S)
@@ -437,7 +437,7 @@ def run_one(
                 halted = [n for st in states for n in st["halted"]]
                 if halted:
                     raise RuntimeError(f"a generation was halted during the failure-free steps (nodes "
-                                       f"{halted[:8]}: a lease expired?)")  # fmt: skip
+                                       f"{halted[:8]}: a lease expired?)")
                 return all(st[what] for st in states)
 
             wait_until("every driver at the last step", lambda: settled("done"), 60.0, poll=0.02)
@@ -521,7 +521,7 @@ def run_one(
                     "pipelines": len(record.plan.pipelines),
                     "stages_per_pipeline": sorted({len(p.stages) for p in record.plan.pipelines}),
                     "reason": record.reason[:120],
-                },  # fmt: skip
+                },
                 "detected_s": round((record.detected_at or t_fail) - t_fail, 4),
                 "halt_written_s": round(halt_at - t_fail, 4),
                 "halt_seen_all_s": round(max(aborts) - t_fail, 4),
@@ -655,29 +655,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace-ms", type=float, default=20.0, help="one simulated step every this many ms")
     ap.add_argument("--no-rendezvous", action="store_true", help="skip part 3 (bench/rendezvous_scale.py)")
     ap.add_argument("--grpc-poll-s", type=float, default=GRPC_POLL_S,
-                    help="idle wake-up period of gRPC stream threads (grpc's default: 0.1)")  # fmt: skip
+                    help="idle wake-up period of gRPC stream threads (grpc's default: 0.1)")
     ap.add_argument("--no-standby-leaders", action="store_true",
-                    help="only the elected agent runs a Leader (the real agents all do; shows their watch fan-out)")  # fmt: skip
+                    help="only the elected agent runs a Leader (the real agents all do; shows their watch fan-out)")
     ap.add_argument("--procs", type=int, default=None,
                     help="shard processes hosting the nodes (default: 1 for W <= 64, else at most "
                          f"{NODES_PER_PROC} nodes / {WORKERS_PER_PROC} workers a process; 0: the nodes "
-                         "run in this process, as threads)")  # fmt: skip
+                         "run in this process, as threads)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runtime's warnings (halts, publishes)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.verbose else logging.ERROR,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.setLevel(logging.INFO)
     exit_on_sigterm()  # SIGTERM runs the `finally`s: shards torn down and joined, etcd stopped
     t0 = time.perf_counter()
     results = run_scale(args.workers, steps=args.steps, pace_ms=args.pace_ms, rendezvous=not args.no_rendezvous,
                         grpc_poll_s=args.grpc_poll_s, standby_leaders=not args.no_standby_leaders,
-                        procs=args.procs)  # fmt: skip
+                        procs=args.procs)
     total = time.perf_counter() - t0
     print(table(results))
     print(f"total wall time {total:.1f} s; etcd clients = nodes + 1 (one per node, shared by its agent "
           f"and its workers); coord = HaltFeed.requested + GenerationFeed.latest (+ rank 0's publish) per "
-          f"worker-step; procs = shard processes hosting the nodes (0: in this process)")  # fmt: skip
+          f"worker-step; procs = shard processes hosting the nodes (0: in this process)")
     if args.json is not None:
         args.json.write_text(json.dumps({"results": results, "wall_s": round(total, 2)}, indent=1))
     return 0 if all("error" not in r for r in results) else 1

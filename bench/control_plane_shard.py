@@ -173,7 +173,7 @@ class SimWorker:
         self.node, self.local_rank = node, local_rank
         client, rk = node.client, node.rk
         info = WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node.node * 64 + local_rank}",
-                          incarnation=node.incarnation)  # fmt: skip
+                          incarnation=node.incarnation)
         client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
         self.generations = GenerationFeed(Generations(client, node.keys))
         self.halts = HaltFeed(client, rk)
@@ -190,13 +190,13 @@ class SimWorker:
         """What `_reconfigure` does with etcd: enter the feeds, write the holdings."""
         record, _ = self.generations.get(generation)
         layout = ParallelLayout(plan=record.plan, generation=generation, node=self.node.node,
-                                local_rank=self.local_rank)  # fmt: skip
+                                local_rank=self.local_rank)
         self.generation, self.rank = generation, layout.rank
         self.generations.enter(generation, self.abort)
         self.halts.enter(generation, self.abort)
         held = json.dumps([[layer, self.local_rank] for layer in range(*layout.layers)])
         self.node.client.put(self.node.rk.worker_holdings(self.node.node, self.local_rank), held,
-                             lease=self.node.lease)  # fmt: skip
+                             lease=self.node.lease)
 
     def step(self, s: int, t: Timings) -> None:
         """Step s's vote completed: commit it, then the checks `_train` makes before step s+1."""
@@ -205,7 +205,7 @@ class SimWorker:
         if self.rank == 0:
             now = time.time()
             result = StepResult(step=s, loss=2.0, grad_norm=1.0, lr=1e-4, seconds=0.02,
-                                generation=self.generation, committed_at=now)  # fmt: skip
+                                generation=self.generation, committed_at=now)
             p0 = time.perf_counter()
             self.progress.publish(result)
             t.publish.append(time.perf_counter() - p0)
@@ -224,7 +224,7 @@ class SimWorker:
     def report_halted(self) -> None:
         """`_report_halted`: the worker's sync report of its generation."""
         report = SyncReport(committed=self.committed, pending=None, last_vote=self.last_vote,
-                            node=self.node.node, local_rank=self.local_rank)  # fmt: skip
+                            node=self.node.node, local_rank=self.local_rank)
         write_sync(self.node.client, self.node.rk, self.generation, report)
         self.synced_at = time.time()
 
@@ -244,7 +244,7 @@ class SimNode:
         self.who = node_id(node)
         self.membership = Membership(client, keys, NodeIdentity(node_id=self.who, incarnation=0,
                                      address=f"127.0.0.1:{10000 + node}", devices=gpus),
-                                     config=MembershipConfig(ttl=config.lease_ttl))  # fmt: skip
+                                     config=MembershipConfig(ttl=config.lease_ttl))
         self.membership.join()
         assert self.membership.lease_id is not None
         self.lease: int = self.membership.lease_id
@@ -273,7 +273,7 @@ class SimNode:
 
     def run(self, clock: StepClock, timings: Timings) -> None:
         self._thread = threading.Thread(target=self._drive, args=(clock, timings), name=f"drive-{self.who}",
-                                        daemon=True)  # fmt: skip
+                                        daemon=True)
         self._thread.start()
 
     def _drive(self, clock: StepClock, t: Timings) -> None:
@@ -367,7 +367,7 @@ class Shard:
         made = in_parallel([
             functools.partial(SimNode, c, self.keys, self.config, n, self.spec.gpus)
             for c, n in zip(self.clients, self.spec.nodes, strict=True)
-        ])  # fmt: skip
+        ])
         self.nodes = {n.node: n for n in made}
         return {"pid": os.getpid(), "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -525,7 +525,7 @@ def shard_main(conn: multiprocessing.connection.Connection, spec: ShardSpec) -> 
     """Entry point of a shard process (spawned)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s shard-{spec.index} %(name)s %(levelname)s %(message)s")  # fmt: skip
+                        format=f"%(asctime)s shard-{spec.index} %(name)s %(levelname)s %(message)s")
     set_grpc_poll(spec.grpc_poll_s)
     threading.stack_size(THREAD_STACK)
     code = 0
@@ -566,7 +566,7 @@ class ShardHandle:
         else:
             ctx = multiprocessing.get_context("spawn")
             self.process = ctx.Process(target=shard_main, args=(child, spec), name=f"cp-shard-{spec.index}",
-                                       daemon=True)  # fmt: skip
+                                       daemon=True)
             self.process.start()
             child.close()  # the child holds its end; ours closing would show us its death as EOF
 
@@ -602,7 +602,7 @@ class ShardHandle:
                 if left <= 0 or not self.conn.poll(left):
                     self.broken = True
                     raise ShardError(f"shard {self.index} (pid {self.pid}): no answer to {command} "
-                                     f"within {timeout:.0f} s")  # fmt: skip
+                                     f"within {timeout:.0f} s")
                 got, status, value = self.conn.recv()
             except (EOFError, OSError) as exc:
                 self.broken = True

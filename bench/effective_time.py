@@ -156,7 +156,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     def job() -> None:
         try:
             run(model, NODES, STEPS_CAP, (), run_dir, microbatch=MICROBATCH, microbatches=MICROBATCHES, stop=stop,
-                device_memory_gib=PIPELINE_MEMORY_GIB.get(model))  # fmt: skip
+                device_memory_gib=PIPELINE_MEMORY_GIB.get(model))
         except JobFailed as exc:
             if not stop.is_set():
                 failed.append(exc)
@@ -195,7 +195,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
                 return False
             submit_request(client, keys.root, InjectionRequest(
                 id=request_id("kill", victim, None), kind="kill", node=victim, incarnation=members[victim],
-                requested_at=time.time(), by="bench"))  # fmt: skip
+                requested_at=time.time(), by="bench"))
             lost.append(victim)
             return True
 
@@ -203,7 +203,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
             node = lost.pop(0)
             submit_request(client, keys.root, InjectionRequest(
                 id=request_id("rejoin", node, None), kind="rejoin", node=node, incarnation=None,
-                requested_at=time.time(), by="bench"))  # fmt: skip
+                requested_at=time.time(), by="bench"))
 
         return _play(trace, window_s, committed=committed, kill=kill, rejoin=rejoin, check=check)
     finally:
@@ -221,7 +221,7 @@ def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: P
     config = DdpRestartConfig(
         model=model, procs=NODES, steps=STEPS_CAP, global_batch=MICROBATCH * MICROBATCHES, microbatch=MICROBATCH,
         checkpoint_every=CHECKPOINT_EVERY, run_dir=run_dir,
-    )  # fmt: skip
+    )
     events_path = run_dir / "events.jsonl"
     proc = start_ddp_restart(config, max_restarts=1000)
 
@@ -273,12 +273,12 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
     section.notes.append(
         f"runtime plans: the planner's, with {memory:g} GiB per node (multi-stage pipelines only)" if memory
         else "runtime plans: first an even split into 2 pipelines, then the planner's (nominal 80 GiB per node)"
-    )  # fmt: skip
+    )
     section.notes.append(
         f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}; a node lost every {trace.every_s:g} s, "
         f"back {trace.rejoin_s:g} s later (torchrun: at once, with its restart); {window_s:g} s of training from the "
         f"first commit ({len(trace.loss_times(window_s))} losses); torchrun checkpoints every {CHECKPOINT_EVERY} steps"
-    )  # fmt: skip
+    )
     started = time.time()
     figures: dict[str, Figure] = {}
     for r in range(repeats):
@@ -288,15 +288,15 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
         for side in order:
             window = WINDOWS[side]
             free = attempt(f"{side} failure-free round {r}", partial(window, model, None, window_s, base / f"{side}-free"),
-                           section)  # fmt: skip
+                           section)
             hit = attempt(f"{side} trace round {r}", partial(window, model, trace, window_s, base / f"{side}-trace"),
-                          section)  # fmt: skip
+                          section)
             if free is None or hit is None or free.progress == 0:
                 continue
             kept[side] = hit.progress / free.progress
             row: dict[str, Any] = {"round": r, "side": side, "progress_free": free.progress,
                                    "progress_trace": hit.progress, "kept": kept[side], "losses_s": hit.losses,
-                                   "loss_delays_s": hit.delays, "rejoins_s": hit.rejoins}  # fmt: skip
+                                   "loss_delays_s": hit.delays, "rejoins_s": hit.rejoins}
             section.raw.append(row)
             print(f"  effective round {r} {side}: {json.dumps(row)}", file=sys.stderr, flush=True)
             series(figures, f"{model} {side}: progress kept", "%", 100 * kept[side])

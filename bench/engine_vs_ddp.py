@@ -74,7 +74,7 @@ def ddp_steps(args: argparse.Namespace, run_dir: Path) -> list[float]:
                 "--ddp-out",
                 str(run_dir / "ddp.json"),
             ],
-        )  # fmt: skip
+        )
         for r in range(args.procs)
     ]
     try:
@@ -103,7 +103,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
-    )  # fmt: skip
+    )
     data = TokenDataset(seq_len=cfg.seq_len)
     per_rank = args.global_batch // world
     local_mbs = per_rank // args.microbatch

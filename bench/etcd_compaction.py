@@ -39,7 +39,7 @@ def sizes(client: Any, endpoint: str) -> tuple[int, int, int]:
     with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5.0) as page:
         text = page.read().decode()
     in_use = next(float(line.split()[1]) for line in text.splitlines()
-                  if line.startswith("etcd_mvcc_db_total_size_in_use_in_bytes "))  # fmt: skip
+                  if line.startswith("etcd_mvcc_db_total_size_in_use_in_bytes "))
     return int(resp.dbSize), int(in_use), int(resp.header.revision)
 
 
@@ -58,14 +58,14 @@ def run(puts: int, value_bytes: int, rate: float, mode: str, retention: str, eve
             if i % every == 0:
                 db, in_use, rev = sizes(client, server.endpoint)
                 samples.append({"puts": i, "db_size": db, "db_in_use": in_use, "revision": rev,
-                                "seconds": round(time.monotonic() - start, 1)})  # fmt: skip
+                                "seconds": round(time.monotonic() - start, 1)})
                 print(json.dumps(samples[-1]), flush=True)
         time.sleep(settle)
         db, in_use, rev = sizes(client, server.endpoint)
         client.close()
     return {"puts": puts, "value_bytes": value_bytes, "rate": rate, "auto_compaction": compaction,
             "db_size": db, "db_in_use": in_use, "revision": rev, "max_db_size": max([db] + [int(s["db_size"]) for s in samples]),
-            "samples": samples}  # fmt: skip
+            "samples": samples}
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def _summary(name: str, values: list[float]) -> str:
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
     return (f"{name:<28} n={len(values):3d}  median={statistics.median(values) * 1e3:8.1f} ms  "
-            f"p90={p90 * 1e3:8.1f} ms  max={ordered[-1] * 1e3:8.1f} ms")  # fmt: skip
+            f"p90={p90 * 1e3:8.1f} ms  max={ordered[-1] * 1e3:8.1f} ms")
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
             out = tmp / f"{node}.jsonl"
             procs.append(subprocess.Popen(
                 [sys.executable, MEMBER, server.endpoint, "bench", node, str(out), str(args.ttl), role, "600"], env=env
-            ))  # fmt: skip
+            ))
             return out
 
         def loss_seen(obs: Path, node: str) -> float | None:

@@ -53,7 +53,7 @@ def _spawn(
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
     children = [subprocess.Popen([sys.executable, *argv, flags[0], str(r), flags[1], str(port)], env=env)
-                for r in range(procs)]  # fmt: skip
+                for r in range(procs)]
     try:
         for p in children:
             if p.wait(timeout=900) != 0:
@@ -71,7 +71,7 @@ def ddp_run(args: argparse.Namespace, out: Path) -> list[float]:
     """bench/engine_vs_ddp.py's DDP worker over the same processes and batch."""
     argv = [str(REPO / "bench" / "engine_vs_ddp.py"), "--model", args.model, "--procs", str(args.procs),
             "--global-batch", str(args.global_batch), "--microbatch", str(args.microbatch),
-            "--steps", str(args.steps), "--ddp-out", str(out)]  # fmt: skip
+            "--steps", str(args.steps), "--ddp-out", str(out)]
     return _spawn(args.procs, argv, out, flags=("--ddp-rank", "--ddp-port"))
 
 
@@ -85,16 +85,16 @@ def engine_run(args: argparse.Namespace, run_dir: Path, *, pipelines: int) -> li
 
     plan = even_plan(num_layers=get_preset(args.model).num_layers, nodes=list(range(args.procs)),
                      num_pipelines=pipelines, global_microbatches=args.global_batch // args.microbatch,
-                     microbatch_size=args.microbatch)  # fmt: skip
+                     microbatch_size=args.microbatch)
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), device="cpu",
-                   optim=OptimConfig())  # fmt: skip
+                   optim=OptimConfig())
     return launch(spec, quiet=True, timeout_s=900).step_seconds
 
 
 def pp_run(args: argparse.Namespace, out: Path, *, schedule: str) -> list[float]:
     argv = [__file__, "--pp-worker", schedule, "--model", args.model, "--procs", str(args.procs),
             "--global-batch", str(args.global_batch), "--microbatch", str(args.microbatch),
-            "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+            "--steps", str(args.steps), "--out", str(out)]
     return _spawn(args.procs, argv, out)
 
 
@@ -118,7 +118,7 @@ def pp_worker(args: argparse.Namespace) -> None:
     per_rank = 2 if args.pp_worker == "interleaved" else 1
     n_stages = world * per_rank
     split = even_plan(num_layers=cfg.num_layers, nodes=list(range(n_stages)), num_pipelines=1,
-                      global_microbatches=1, microbatch_size=1).pipelines[0].stages  # fmt: skip
+                      global_microbatches=1, microbatch_size=1).pipelines[0].stages
     # Interleaved: rank r holds stages r, r + world, ... (the looping placement torch expects).
     ids = [rank + k * world for k in range(per_rank)]
     modules = [GPTStage(cfg, first=split[i].layers[0], last=split[i].layers[1]) for i in ids]
@@ -143,7 +143,7 @@ def pp_worker(args: argparse.Namespace) -> None:
         [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
-    )  # fmt: skip
+    )
     data = TokenDataset(seq_len=cfg.seq_len)
     times = []
     for step in range(args.steps):
@@ -191,7 +191,7 @@ SIDES = ("engine DP", "DDP", "engine PP", "torch 1F1B", "torch interleaved 1F1B"
 
 
 def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps: int, repeats: int,
-            root: Path) -> Section:  # fmt: skip
+            root: Path) -> Section:
     """Rounds of every side; a Section with medians (ms) and per-round ratios."""
     if global_batch % (procs * microbatch):
         raise ValueError(
@@ -202,7 +202,7 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
     )
     section = Section(title="Failure-free step time: engine vs DDP vs torch.distributed.pipelining")
     section.notes.append(f"{model}, {procs} processes x 1 thread, global batch {global_batch}, microbatch "
-                         f"{microbatch}, median of steps {WARMUP_STEPS + 1}..{steps} of each run")  # fmt: skip
+                         f"{microbatch}, median of steps {WARMUP_STEPS + 1}..{steps} of each run")
     started = time.time()
     figures: dict[str, Figure] = {}
     for r in range(repeats):
@@ -252,7 +252,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         section = measure(model=args.model, procs=args.procs, global_batch=args.global_batch,
-                          microbatch=args.microbatch, steps=args.steps, repeats=args.repeats, root=Path(tmp))  # fmt: skip
+                          microbatch=args.microbatch, steps=args.steps, repeats=args.repeats, root=Path(tmp))
     print("\n".join(section.lines()))
     if args.json:
         args.json.write_text(json.dumps(section.to_dict(), indent=1))

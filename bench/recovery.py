@@ -64,16 +64,16 @@ def run(
     cluster = ClusterSpec(
         model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch,
         device_memory_gib=DEFAULT_MEMORY_GIB if device_memory_gib is None else device_memory_gib,
-    )  # fmt: skip
+    )
     if device_memory_gib is None:
         plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2,
-                         global_microbatches=microbatches, microbatch_size=microbatch, fault_tolerance=1)  # fmt: skip
+                         global_microbatches=microbatches, microbatch_size=microbatch, fault_tolerance=1)
     else:
         plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
-                   device="cpu", collective_timeout_s=300.0, partial_replay=partial_replay)  # fmt: skip
+                   device="cpu", collective_timeout_s=300.0, partial_replay=partial_replay)
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
-                           checkpoint_every=0, lease_ttl=lease_ttl)  # fmt: skip
+                           checkpoint_every=0, lease_ttl=lease_ttl)
     return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
 
 
@@ -113,7 +113,7 @@ def main() -> None:
 
 
 def _row(model: str, args: argparse.Namespace, base: RunSummary, hit: RunSummary, *, at: float,
-         partial: bool) -> dict[str, object]:  # fmt: skip
+         partial: bool) -> dict[str, object]:
     same = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(hit.losses, base.losses, strict=True))
     (rec,) = hit.recoveries
     step = base.steady_step_s

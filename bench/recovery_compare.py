@@ -82,33 +82,33 @@ def run_runtime(model: str, preset: PresetRun, run_dir: Path) -> dict[str, float
     from bench.recovery import run
 
     summary = run(model, NODES, preset.steps, (f"kill:node={KILLED},step={preset.kill_step}",), run_dir,
-                  microbatch=preset.microbatch, microbatches=preset.microbatches)  # fmt: skip
+                  microbatch=preset.microbatch, microbatches=preset.microbatches)
     rec = next(r for r in summary.recoveries if not r.get("interrupted"))
     restored = rec.get("restore_checkpoint")
     return {"next_commit_s": rec["total_s"], "regain_s": rec["total_s"],
             "steps_lost": 0 if restored is None else preset.kill_step - 1 - int(restored),
             "steady_step_s": summary.steady_step_s, "bytes_moved": rec["bytes_moved"],
-            "replayed_fraction": rec["replayed_fraction"]}  # fmt: skip
+            "replayed_fraction": rec["replayed_fraction"]}
 
 
 def run_torchrun(model: str, preset: PresetRun, run_dir: Path) -> dict[str, float]:
     result = run_ddp_restart(DdpRestartConfig(
         model=model, procs=NODES, steps=preset.steps, global_batch=preset.global_batch, microbatch=preset.microbatch,
         checkpoint_every=CHECKPOINT_EVERY, kills=((KILLED, preset.kill_step),), run_dir=run_dir,
-    ))  # fmt: skip
+    ))
     (r,) = result.restarts
     return {"next_commit_s": r.next_commit_s, "regain_s": r.regain_s, "steps_lost": r.steps_lost,
-            "restart_s": r.restart_s, "load_s": r.load_s, "steady_step_s": result.steady_step_s}  # fmt: skip
+            "restart_s": r.restart_s, "load_s": r.load_s, "steady_step_s": result.steady_step_s}
 
 
 def run_torchft_side(model: str, preset: PresetRun, run_dir: Path) -> dict[str, float]:
     result = run_torchft(TorchftConfig(
         model=model, replicas=NODES, steps=preset.steps, global_batch=preset.global_batch,
         microbatch=preset.microbatch, kills=((KILLED, preset.kill_step),), run_dir=run_dir,
-    ))  # fmt: skip
+    ))
     (r,) = result.recoveries
     return {"next_commit_s": r.next_commit_s, "regain_s": r.next_commit_s, "steps_lost": r.steps_lost,
-            "rejoin_s": r.rejoin_s, "steady_step_s": result.steady_step_s}  # fmt: skip
+            "rejoin_s": r.rejoin_s, "steady_step_s": result.steady_step_s}
 
 
 RUNNERS = {"runtime": run_runtime, "torchrun": run_torchrun, "torchft": run_torchft_side}
@@ -160,7 +160,7 @@ def measure(
                 for side in ("torchrun", "torchft"):
                     if side in values:
                         series(figures, f"{model} ratio {LABELS[side]} / runtime, next commit", "x",
-                               values[side]["next_commit_s"] / values["runtime"]["next_commit_s"])  # fmt: skip
+                               values[side]["next_commit_s"] / values["runtime"]["next_commit_s"])
     section.figures = list(figures.values())
     section.not_run = [
         f"{k.replace('/', ' ')}: not run in {len(why)} round(s): {why[-1]}" for k, why in failed.items()

@@ -78,7 +78,7 @@ def mfu(repeats: int, quick: bool) -> Section:
         for _ in range(repeats):
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 _json_script([str(REPO / "bench" / "mfu.py"), "--model", model, "--microbatch", "8", "--steps", "20",
-                              "--json", f.name], timeout_s=1800)  # fmt: skip
+                              "--json", f.name], timeout_s=1800)
                 r = json.loads(Path(f.name).read_text())
             section.raw.append(r)
             series(figures, f"mfu {model}: tokens/s", "tok/s", r["tokens_per_s"])
@@ -111,10 +111,10 @@ def main() -> None:
         "--repeats", type=int, default=None, help="runs per figure (default 3; 1 with --quick)"
     )
     parser.add_argument("--presets", nargs="+", default=None, choices=list(recovery_compare.FULL),
-                        help="recovery presets (default: all three; tiny with --quick)")  # fmt: skip
+                        help="recovery presets (default: all three; tiny with --quick)")
     parser.add_argument("--only", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     parser.add_argument("--json", type=Path, default=None,
-                        help="output file (default bench/results.json, bench/results-quick.json with --quick)")  # fmt: skip
+                        help="output file (default bench/results.json, bench/results-quick.json with --quick)")
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
@@ -138,15 +138,15 @@ def main() -> None:
             )
         elif name == "overhead":
             s = overhead.measure(model="tiny", procs=2, global_batch=16, microbatch=4, steps=6 if args.quick else 12,
-                                 repeats=repeats, root=root / "overhead")  # fmt: skip
+                                 repeats=repeats, root=root / "overhead")
         elif name == "effective":
             # a node lost every T s, back R s later, W s of training measured (effective_time.py)
             model, trace, window = (
                 ("tiny", effective_time.Trace(every_s=20.0, rejoin_s=5.0), 60.0) if args.quick
                 else ("small", effective_time.Trace(every_s=50.0, rejoin_s=15.0), 200.0)
-            )  # fmt: skip
+            )
             s = effective_time.measure(model=model, trace=trace, window_s=window, repeats=repeats,
-                                       root=root / "effective")  # fmt: skip
+                                       root=root / "effective")
         elif name == "planner":
             s = planner(repeats, args.quick)
         else:
@@ -160,7 +160,7 @@ def main() -> None:
     )
     print("\n".join(lines))
     out.write_text(json.dumps({"header": lines[:2], "quick": args.quick, "repeats": repeats,
-                               "wall_s": time.time() - started, "sections": [s.to_dict() for s in sections]}, indent=1))  # fmt: skip
+                               "wall_s": time.time() - started, "sections": [s.to_dict() for s in sections]}, indent=1))
     print(f"wrote {out}")
 
 

@@ -38,7 +38,7 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         return {"title": self.title, "figures": [f.to_dict() for f in self.figures], "not_run": self.not_run,
-                "notes": self.notes, "raw": self.raw, "wall_s": self.wall_s}  # fmt: skip
+                "notes": self.notes, "raw": self.raw, "wall_s": self.wall_s}
 
 
 def series(figures: dict[str, Figure], name: str, unit: str, value: float, note: str = "") -> None:

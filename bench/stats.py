@@ -45,11 +45,11 @@ class Figure:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "median": self.median, "spread": self.spread, "noisy": self.noisy,
-                "min": min(self.samples, default=float("nan")), "max": max(self.samples, default=float("nan"))}  # fmt: skip
+                "min": min(self.samples, default=float("nan")), "max": max(self.samples, default=float("nan"))}
 
     def row(self) -> str:
         """One table line: name, median, range, spread and a noisy mark."""
         lo, hi = min(self.samples, default=float("nan")), max(self.samples, default=float("nan"))
         mark = "  NOISY" if self.noisy else ""
         return (f"{self.name:<52} {self.median:>10.4g} {self.unit:<6} [{lo:.4g} .. {hi:.4g}] "
-                f"n={len(self.samples)} ±{self.spread * 100:.0f}%{mark}")  # fmt: skip
+                f"n={len(self.samples)} ±{self.spread * 100:.0f}%{mark}")

@@ -108,3 +108,15 @@ def test_the_walk_sees_imports() -> None:
     """The walk finds the imports it must: relative, inside functions and under TYPE_CHECKING."""
     graph = _graph()
     assert "engine" in graph["roles"] and "records" in graph["engine"] and "model" in graph["parallel"]
+
+
+def test_records_and_the_operator_cli_do_not_import_torch() -> None:
+    """The records, the agent's config reading and `elastic status` / `events` stay light (importing
+    torch costs seconds): checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    modules = ["elastic.records.protocol", "elastic.roles.progress", "elastic.ops.status", "elastic.ops.events"]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

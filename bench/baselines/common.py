@@ -44,7 +44,7 @@ def build(model: str) -> tuple[GPTStage, torch.optim.AdamW, TokenDataset]:
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": OPTIM.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
-    )  # fmt: skip
+    )
     return net, optimizer, TokenDataset(seq_len=cfg.seq_len)
 
 

@@ -136,7 +136,7 @@ def start_ddp_restart(config: DdpRestartConfig, *, max_restarts: int | None = No
     for stale in (run_dir / "ckpt").iterdir():
         stale.unlink()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     restarts = len(config.kills) if max_restarts is None else max_restarts
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={config.procs}",
@@ -146,7 +146,7 @@ def start_ddp_restart(config: DdpRestartConfig, *, max_restarts: int | None = No
         "--microbatch", str(config.microbatch), "--checkpoint-every", str(config.checkpoint_every),
         "--events", str(events), "--ckpt-dir", str(run_dir / "ckpt"),
         *(a for rank, step in config.kills for a in ("--kill", f"{rank}:{step}")),
-    ]  # fmt: skip
+    ]
     with open(run_dir / "torchrun.log", "w") as log:
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -196,7 +196,7 @@ def _analyse(
             kill_step=kill["step"], loaded_step=load["step"], steps_lost=kill["step"] - 1 - load["step"],
             next_commit_s=after[0]["t"] - kill["t"], regain_s=regain["t"] - kill["t"],
             restart_s=start - kill["t"], load_s=load["t"] - kill["t"],
-        ))  # fmt: skip
+        ))
     first = [c["t"] for c in commits if c["attempt"] == 0]
     gaps = (
         [b - a for a, b in zip(first[1:], first[2:], strict=False)] or [first[-1] - first[0]]
@@ -208,7 +208,7 @@ def _analyse(
         restarts=restarts, losses=[losses[s] for s in range(1, config.steps + 1)],
         steady_step_s=statistics.median(gaps), startup_s=commits[0]["t"] - started,
         train_s=commits[-1]["t"] - commits[0]["t"], wall_s=ended - started,
-    )  # fmt: skip
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -241,7 +241,7 @@ def worker(args: argparse.Namespace) -> None:
             append_event(events, event="kill", attempt=attempt, rank=rank, step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         loss = train_step(model, stage, optimizer, data, step=step, rank=rank, world=world,
-                          global_batch=args.global_batch, microbatch=args.microbatch, no_sync=model.no_sync)  # fmt: skip
+                          global_batch=args.global_batch, microbatch=args.microbatch, no_sync=model.no_sync)
         if rank == 0:
             append_event(events, event="commit", attempt=attempt, step=step, loss=loss)
             if step % args.checkpoint_every == 0:

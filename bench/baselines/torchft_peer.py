@@ -114,16 +114,16 @@ def run_torchft(config: TorchftConfig) -> TorchftRun:
     stop = run_dir / "stop"
     stop.unlink(missing_ok=True)
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=config.replicas - 1,
-                                  join_timeout_ms=2000, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)  # fmt: skip
+                                  join_timeout_ms=2000, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse.address(),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def spawn(replica: int, attempt: int) -> subprocess.Popen[bytes]:
         kills = [f"{step}" for r, step in config.kills if r == replica][attempt : attempt + 1]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--replica", str(replica),
                "--replicas", str(config.replicas), "--model", config.model, "--steps", str(config.steps),
                "--global-batch", str(config.global_batch), "--microbatch", str(config.microbatch),
-               "--events", str(events), "--attempt", str(attempt), *(("--kill-step", kills[0]) if kills else ())]  # fmt: skip
+               "--events", str(events), "--attempt", str(attempt), *(("--kill-step", kills[0]) if kills else ())]
         log = open(run_dir / f"replica{replica}-{attempt}.log", "wb")  # noqa: SIM115 (closed with the process)
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -189,13 +189,13 @@ def _analyse(events: list[dict[str, Any]], *, started: float, ended: float) -> T
         done = {(c["replica"], c["step"]) for c in commits if c["t"] <= kill["t"]}
         redone = {c["step"] for c in after if (c["replica"], c["step"]) in done}
         recoveries.append(PeerRecovery(kill_step=kill["step"], steps_lost=len(redone),
-                                       next_commit_s=survivor["t"] - kill["t"], rejoin_s=back["t"] - kill["t"]))  # fmt: skip
+                                       next_commit_s=survivor["t"] - kill["t"], rejoin_s=back["t"] - kill["t"]))
     first_kill = kills[0]["t"] if kills else float("inf")
     mine = [c["t"] for c in commits if c["replica"] == 0]
     before = [t for t in mine if t < first_kill]
     gaps = [b - a for a, b in zip(before[1:], before[2:], strict=False)] or [0.0]
     return TorchftRun(recoveries=recoveries, steady_step_s=statistics.median(gaps), startup_s=min(mine) - started,
-                      train_s=max(mine) - min(mine), wall_s=ended - started, commit_times=mine)  # fmt: skip
+                      train_s=max(mine) - min(mine), wall_s=ended - started, commit_times=mine)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -222,7 +222,7 @@ def worker(args: argparse.Namespace) -> None:
         min_replica_size=args.replicas - 1, replica_id=f"replica{args.replica}", store_addr="127.0.0.1",
         store_port=store.port, rank=0, world_size=1, hostname="127.0.0.1", timeout=timedelta(seconds=OP_TIMEOUT_S),
         quorum_timeout=timedelta(seconds=OP_TIMEOUT_S),
-    )  # fmt: skip
+    )
     model = DistributedDataParallel(manager, stage)
     wrapped = OptimizerWrapper(manager, optimizer)
     try:
@@ -236,7 +236,7 @@ def worker(args: argparse.Namespace) -> None:
             # train_step's own zero_grad and optimizer.step go to the wrapped optimizer's parts:
             # it steps `wrapped`, which commits only if every participant agrees.
             train_step(model, stage, _NoZero(wrapped), data, step=step, rank=args.replica, world=args.replicas,
-                       global_batch=args.global_batch, microbatch=args.microbatch, no_sync=model.no_sync)  # fmt: skip
+                       global_batch=args.global_batch, microbatch=args.microbatch, no_sync=model.no_sync)
             if manager.current_step() > before:
                 append_event(events, event="commit", replica=args.replica, step=manager.current_step())
     finally:

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D",
         help="down node N's link while step S is in flight, for D seconds; repeatable",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--check", action="store_true", help="first check gloo and gRPC between the namespaces"
     )
@@ -71,9 +71,9 @@ def run_probe(topo: Topology, etcd: str, *, timeout_s: float = 90.0) -> list[str
     try:
         for m in topo.members:
             cmd = [*m.exec_prefix(), sys.executable, str(PROBE), "--etcd", etcd, "--prefix", topo.prefix,
-                   "--rank", str(m.node), "--world", str(len(topo.members))]  # fmt: skip
+                   "--rank", str(m.node), "--world", str(len(topo.members))]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          env=dict(os.environ, **m.env())))  # fmt: skip
+                                          env=dict(os.environ, **m.env())))
         lines = []
         deadline = time.monotonic() + timeout_s
         for p in procs:
@@ -131,7 +131,7 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
         lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
     )
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
-                   data_path=args.data, optim=optim, device=args.device)  # fmt: skip
+                   data_path=args.data, optim=optim, device=args.device)
     config = _elastic_config(args, spec, plan)
     partitions = [parse_partition(text) for text in args.partition]
     for p in partitions:
@@ -162,10 +162,10 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
             "prefix": topo.prefix, "bridge": topo.bridge, "etcd": etcd.endpoint,
             "nodes": {m.node: {"namespace": m.namespace, "host_veth": m.host_veth, "address": m.address}
                       for m in topo.members},
-        }, indent=1))  # fmt: skip
+        }, indent=1))
         say(f"netns: bridge {topo.bridge} {topo.bridge_address}, etcd {etcd.endpoint}, "
             + ", ".join(f"node {m.node} {m.namespace} {m.address}" for m in topo.members)
-            + f"; partition by hand: deploy/netns/partition.sh --prefix {topo.prefix} NODE SECONDS")  # fmt: skip
+            + f"; partition by hand: deploy/netns/partition.sh --prefix {topo.prefix} NODE SECONDS")
         if args.check:
             for line in run_probe(topo, etcd.endpoint):
                 say(f"netns: {line}")
@@ -174,14 +174,14 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
             partitioner = Partitioner(
                 partitions, etcd=etcd.endpoint, job=job,
                 set_link=lambda node, up: topo.set_link(node, up=up), say=say,
-            ).start()  # fmt: skip
+            ).start()
 
         def placement(node: int) -> tuple[list[str], dict[str, str]]:
             net = topo.node(node)
             return net.exec_prefix(), net.env()
 
         summary = launch_elastic(config, etcd_endpoint=etcd.endpoint, timeout_s=args.timeout, job=job,
-                                 placement=placement)  # fmt: skip
+                                 placement=placement)
     except (JobFailed, TimeoutError, RuntimeError) as exc:
         print(f"deploy/netns/launch.py: error: {exc}", file=sys.stderr)
         return 1
@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
         print(f"deploy/netns/launch.py: error: the partition failed: {partitioner.error}", file=sys.stderr)
         return 1
     say(f"netns: {summary.steps_committed} steps committed, final loss "
-        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {len(summary.recoveries)} recoveries")  # fmt: skip
+        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {len(summary.recoveries)} recoveries")
     if args.summary is not None:
         args.summary.write_text(summary.to_json())
     if args.final_state is not None:

@@ -42,7 +42,7 @@ def probe(*, etcd: str, prefix: str, rank: int, world: int, timeout_s: float) ->
         raise RuntimeError(f"gloo all_reduce gave {float(value)}, expected {want}")
     mine = {"w": torch.full((4,), float(rank))}
     with ShardServer(ServerConfig(token=_TOKEN, host=host), provider=lambda layer, tp: mine,
-                     holdings=lambda: [(rank, 0)]) as server:  # fmt: skip
+                     holdings=lambda: [(rank, 0)]) as server:
         store.set(f"server/{rank}", server.address)
         peer = (rank + 1) % world
         address = store.get(f"server/{peer}").decode()
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(probe(etcd=args.etcd, prefix=args.prefix, rank=args.rank, world=args.world,
-                    timeout_s=args.timeout), flush=True)  # fmt: skip
+                    timeout_s=args.timeout), flush=True)
     except Exception as exc:
         print(f"probe rank {args.rank}: FAILED: {type(exc).__name__}: {exc}", flush=True)
         return 1

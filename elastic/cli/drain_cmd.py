@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
         req = InjectionRequest(
             id=request_id("drain", args.node, None), kind="drain", node=args.node,
             incarnation=record.incarnations[args.node], requested_at=time.time(), by="cli",
-        )  # fmt: skip
+        )
         submit_request(job.client, job.keys.root, req)
         print(
             f"elastic drain: {req.id}: drain node {args.node} (incarnation {req.incarnation}) of job "

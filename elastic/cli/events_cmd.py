@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--kind", action="append", default=None, metavar="K",
         help="only events of kind K (repeatable, or comma-separated), e.g. failure,generation",
-    )  # fmt: skip
+    )
     parser.set_defaults(func=_run)
 
 

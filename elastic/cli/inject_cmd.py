@@ -39,11 +39,11 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, wait: float) -> None:
     parser.add_argument(
         "--token", default=None,
         help="the job token (default: $ELASTIC_JOB_TOKEN, else the token in DIR/job.json)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--wait", type=float, default=wait, metavar="SECONDS",
         help=f"wait this long for the outcome (default {wait:g}; 0: write the request and return)",
-    )  # fmt: skip
+    )
 
 
 class JobError(RuntimeError):
@@ -182,7 +182,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--seconds", type=float, default=None,
         help="slow: how long (default 10); partition: how long (default 2 x lease TTL + 1; must exceed the TTL)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--factor", type=float, default=None, help="slow: steps take about F times longer (default 2)"
     )
@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
             id=request_id(args.kind, args.node, args.at_step), kind=args.kind, node=args.node,
             incarnation=members[args.node], when="step" if args.at_step is not None else "now", step=args.at_step,
             seconds=seconds, factor=factor, requested_at=time.time(), by="cli",
-        )  # fmt: skip
+        )
         submit_request(job.client, job.keys.root, req)
         when = f"while step {args.at_step} is in flight" if args.at_step is not None else "at once"
         what = ""  # only slow and partition have a factor / duration to show

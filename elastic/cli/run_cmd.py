@@ -215,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
         if elastic:
             config = _elastic_config(args, spec, plan)
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
-                                     token=token, local_agents=args.agents == "local")  # fmt: skip
+                                     token=token, local_agents=args.agents == "local")
         else:
             summary = launch(spec, timeout_s=args.timeout)
     except (WorkerFailed, JobFailed, TimeoutError) as exc:
@@ -278,6 +278,6 @@ def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
         return ElasticConfig(
             spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,
             lease_ttl=args.lease_ttl,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

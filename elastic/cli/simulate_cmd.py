@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
         "--trace", required=True,
         help="every=T,min=N[,rejoin=R][,seed=S][,start=T0] (one node lost every T down to N), or a JSON file "
         "of [{time_s, event: fail|join, node}]",
-    )  # fmt: skip
+    )
     parser.add_argument("--hours", type=float, required=True, help="simulated time")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}")
     parser.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
@@ -58,7 +58,7 @@ def register(subparsers: Any) -> None:
     rec.add_argument(
         "--redundant-forward", type=float, default=defaults.redundant_forward,
         help="share of the redundant forward not hidden in bubbles (0..1)",
-    )  # fmt: skip
+    )
     parser.set_defaults(func=_run)
 
 

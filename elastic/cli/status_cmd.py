@@ -30,7 +30,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir", default=None, metavar="DIR",
         help="run dir of `elastic run`: read etcd and job from DIR/job.json",
-    )  # fmt: skip
+    )
 
 
 def register(subparsers: Any) -> None:
@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--watch", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
         help="redraw every SECONDS (default 2) until Ctrl-C",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--window", type=int, default=DEFAULT_WINDOW, metavar="K", help="throughput over the last K steps"
     )

@@ -3,8 +3,9 @@
 Modules, one concern each: `etcd_server` (a private etcd for launchers and tests), `client`
 (connection settings, restart-proof client), `keys` (the key layout), `watch` (reconnecting
 prefix watch), `lease`, `membership`, `monitor` (local worker death -> report), `election`,
-`generations` (plans by compare-and-swap, committed step), `store` (c10d Store), `access`
-(job token), `rendezvous` (torchrun handler), `events` (event log) and `coordinator` (facade).
+`generations` (plans by compare-and-swap), `store` (c10d Store), `access`
+(job token), `rendezvous` (torchrun handler) and `events` (event log).
+There is no facade object: each role holds the pieces it uses (see `elastic/roles/agent.py`).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -13,17 +14,16 @@ from .access import JobAccessError, admit
 from .client import EtcdConfig, connect
 from .election import LeaderElection, current_leader
 from .etcd_server import EtcdServer
-from .generations import CommittedStep, Generation, GenerationConflict, Generations
+from .generations import Generation, GenerationConflict, Generations
 from .keys import JobKeys
 from .membership import MemberEvent, Membership, MembershipConfig, NodeIdentity
 from .monitor import WorkerMonitor, watch_workers
 
 if TYPE_CHECKING:
-    from .coordinator import Coordinator, CoordinatorConfig
     from .store import EtcdStore
 
 # These import torch (seconds); member processes and the CLI that only need etcd skip that.
-_LAZY = {"Coordinator": "coordinator", "CoordinatorConfig": "coordinator", "EtcdStore": "store"}
+_LAZY = {"EtcdStore": "store"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,9 +35,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CommittedStep",
-    "Coordinator",
-    "CoordinatorConfig",
     "EtcdConfig",
     "EtcdServer",
     "EtcdStore",

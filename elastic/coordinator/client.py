@@ -108,7 +108,7 @@ _UNARY_CALLS = (
     "get_response", "get_prefix_response", "get_range_response", "get_all_response",
     "put", "put_if_not_exists", "replace", "delete", "delete_prefix", "transaction",
     "lease", "revoke_lease", "get_lease_info", "status",
-)  # fmt: skip
+)
 
 
 class RetryingEtcdClient(etcd3.MultiEndpointEtcd3Client):

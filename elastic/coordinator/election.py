@@ -37,7 +37,7 @@ class LeaderElection:
     """Campaign for leadership of one job until `resign()`; `on_change(leader_id)` on every change."""
 
     def __init__(self, client: Any, keys: JobKeys, candidate_id: str, *, ttl: int = 5,
-                 on_change: Callable[[str | None], None] | None = None) -> None:  # fmt: skip
+                 on_change: Callable[[str | None], None] | None = None) -> None:
         self.client = client
         self.keys = keys
         self.candidate_id = check_name("candidate id", candidate_id)

@@ -150,7 +150,7 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"elastic={peer_url}",
             "--log-level", "warn",
-        ]  # fmt: skip
+        ]
         if self.auto_compaction is not None:
             mode, retention = self.auto_compaction
             args += ["--auto-compaction-mode", mode, "--auto-compaction-retention", retention]

@@ -1,4 +1,4 @@
-"""Plan generations and the committed step, written with compare-and-swap transactions.
+"""Plan generations, written with compare-and-swap transactions.
 
 `generation` holds the latest committed generation number g; `plan/<g>` its plan (opaque JSON,
 see templates/plan.py). `publish(plan, expected=g)` writes g+1 and its plan in one transaction
@@ -7,8 +7,8 @@ strictly increasing, and no generation ever has two plans, whatever the number o
 writers. Passing the leader's `fence` (LeaderElection.leader_compare()) also rejects a deposed
 leader. Workers act only on what `watch()` delivers: committed generations, in order.
 
-`committed` holds the last committed step with its data position and generation;
-`commit_step` advances it only forward and only in the current generation.
+Committed steps are not here: a step commits on the workers' vote, and the records of it are in
+`elastic/records/protocol.py` (the `progress` key and the per-pipeline step logs).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .watch import PrefixWatch, WatchEvent
 
 
 class GenerationConflict(RuntimeError):
-    """A compare-and-swap lost: someone else moved the generation (or the step) first."""
+    """A compare-and-swap lost: someone else moved the generation first."""
 
     def __init__(self, message: str, *, current: int) -> None:
         super().__init__(message)
@@ -42,20 +42,8 @@ class Generation:
     """etcd revision at which it was committed."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class CommittedStep:
-    """The last optimizer step that is committed, and where the data stream stands after it."""
-
-    step: int
-    """Number of the committed step."""
-    data_position: int
-    """Samples of the data stream consumed up to and including this step."""
-    generation: int
-    """Generation in which the step was committed."""
-
-
 class Generations:
-    """Read, publish and watch generations and the committed step of one job."""
+    """Read, publish and watch the generations of one job."""
 
     def __init__(self, client: Any, keys: JobKeys) -> None:
         self.client = client
@@ -131,36 +119,3 @@ class Generations:
                     on_generation(Generation(number=number, plan=ev.value.decode(), revision=ev.revision))
 
         return PrefixWatch(self.client, self.keys.plans, handle, start_revision=start)
-
-    # -- committed step --------------------------------------------------------------------
-
-    def committed(self) -> CommittedStep | None:
-        value, _ = self.client.get(self.keys.committed)
-        return CommittedStep(**json.loads(value)) if value is not None else None
-
-    def commit_step(self, *, step: int, data_position: int, generation: int) -> CommittedStep:
-        """Record `step` as committed in `generation`; it must be newer than the last one."""
-        txn = self.client.transactions
-        value, meta = self.client.get(self.keys.committed)
-        prev = CommittedStep(**json.loads(value)) if value is not None else None
-        if prev is not None and (step <= prev.step or data_position < prev.data_position):
-            raise ValueError(f"step {step} at position {data_position} does not follow committed {prev}")
-        new = CommittedStep(step=step, data_position=data_position, generation=generation)
-        compare = [txn.value(self.keys.generation) == str(generation)]
-        compare.append(
-            txn.create(self.keys.committed) == 0
-            if meta is None
-            else txn.mod(self.keys.committed) == meta.mod_revision
-        )
-        ok, _ = self.client.transaction(
-            compare=compare,
-            success=[txn.put(self.keys.committed, json.dumps(new.__dict__))],
-            failure=[],
-        )
-        if not ok:
-            raise GenerationConflict(
-                f"step {step} not committed: generation {generation} is no longer current "
-                "or another writer committed first",
-                current=self.current_number(),
-            )
-        return new

@@ -8,12 +8,14 @@ Everything a job stores lives under `/elastic/<job>/`:
     leader                     the elected leader's id, attached to its lease
     generation                 the latest committed generation number (decimal)
     plan/<generation:012d>     the plan JSON of that generation, written once
-    committed                  {"step", "data_position", "generation"} of the last committed step
     injections/<id>            fault-injection requests from the operator CLI
     events/<time_ns>-<who>     an append-only log of what happened
     token                      hash of the job token (see access.py)
     rdzv/...                   torchrun rendezvous state (see rendezvous.py)
     store/<prefix>/<key>       c10d Store keys (see store.py), one prefix per generation
+
+The records of the runtime (progress, halts, holdings, workers, recoveries, ...) live under the
+run prefix that `elastic/records/protocol.py` (`RunKeys`) lays out.
 """
 
 from __future__ import annotations
@@ -79,10 +81,6 @@ class JobKeys:
         if generation < 0:
             raise ValueError(f"generation must be >= 0, got {generation}")
         return f"{self.plans}{generation:012d}"
-
-    @property
-    def committed(self) -> str:
-        return self.root + "committed"
 
     @property
     def injections(self) -> str:

@@ -26,7 +26,7 @@ class KeptLease:
 
     def __init__(self, client: Any, ttl: int, *, interval: float | None = None,
                  on_lost: Callable[[], None] | None = None, name: str = "lease",
-                 lease_id: int | None = None, give_up_s: float | None = None) -> None:  # fmt: skip
+                 lease_id: int | None = None, give_up_s: float | None = None) -> None:
         if ttl < 2:
             raise ValueError(f"lease ttl must be >= 2 s, got {ttl}")
         if give_up_s is not None and give_up_s <= 0:

@@ -130,7 +130,7 @@ class Membership:
         if self.lease is not None:
             raise RuntimeError("already joined")
         lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
-                          name=f"member-{self.identity.node_id}", give_up_s=self.config.give_up_s)  # fmt: skip
+                          name=f"member-{self.identity.node_id}", give_up_s=self.config.give_up_s)
         key = self.keys.member(self.identity.node_id)
         ok, _ = self.client.transaction(
             compare=[self.client.transactions.create(key) == 0],
@@ -149,7 +149,7 @@ class Membership:
             self.client.put(key, self.identity.to_json(), lease=lease.id)
         self.lease = lease
         record_event(self.client, self.keys, who=self.identity.node_id, kind="join",
-                     incarnation=self.identity.incarnation)  # fmt: skip
+                     incarnation=self.identity.incarnation)
 
     def adopt(self) -> None:
         """Take over the registration another process of this node made (torchrun's rendezvous
@@ -166,7 +166,7 @@ class Membership:
             )
         self.lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
                                name=f"member-{self.identity.node_id}", lease_id=meta.lease_id,
-                               give_up_s=self.config.give_up_s)  # fmt: skip
+                               give_up_s=self.config.give_up_s)
 
     @property
     def lost_reason(self) -> str:
@@ -189,7 +189,7 @@ class Membership:
             self.lease.revoke()
 
     def report_failure(self, node_id: str | None = None, incarnation: int | None = None, *,
-                       reason: str) -> bool:  # fmt: skip
+                       reason: str) -> bool:
         """Declare a member failed now: mark it in `failed/` and revoke its lease.
 
         Defaults to this node (the worker monitor's path). Returns False when that member (that
@@ -213,7 +213,7 @@ class Membership:
             json.dumps({"reporter": self.identity.node_id, "reason": reason, "time": time.time()}),
         )
         record_event(self.client, self.keys, who=self.identity.node_id, kind="failure",
-                     node=node_id, incarnation=ident.incarnation, reason=reason)  # fmt: skip
+                     node=node_id, incarnation=ident.incarnation, reason=reason)
         return True
 
     # -- everyone --------------------------------------------------------------------------
@@ -223,13 +223,13 @@ class Membership:
         return read_members(self.client, self.keys)[0]
 
     def watch(self, on_event: Callable[[MemberEvent], None], *, start_revision: int | None = None,
-              on_connection: Callable[[bool], None] | None = None) -> PrefixWatch:  # fmt: skip
+              on_connection: Callable[[bool], None] | None = None) -> PrefixWatch:
         """Deliver every join and loss after `start_revision` (default: from now) to `on_event`."""
         return watch_members(self.client, self.keys, on_event, start_revision=start_revision,
-                             on_connection=on_connection)  # fmt: skip
+                             on_connection=on_connection)
 
     def confirm_loss(self, node_id: str, incarnation: int, *, reason: str,
-                     timeout: float | None = None) -> bool:  # fmt: skip
+                     timeout: float | None = None) -> bool:
         """Turn a suspicion (a collective error) into a fact, through etcd.
 
         Records the suspicion, then waits up to `timeout` (default ttl + 1 s, long enough for a
@@ -263,7 +263,7 @@ def read_members(client: Any, keys: JobKeys) -> tuple[dict[str, NodeIdentity], i
 
 def watch_members(client: Any, keys: JobKeys, on_event: Callable[[MemberEvent], None], *,
                   start_revision: int | None = None,
-                  on_connection: Callable[[bool], None] | None = None) -> PrefixWatch:  # fmt: skip
+                  on_connection: Callable[[bool], None] | None = None) -> PrefixWatch:
     """Watch `members/` and translate key changes into joins and losses."""
 
     def handle(events: list[WatchEvent]) -> None:
@@ -278,4 +278,4 @@ def watch_members(client: Any, keys: JobKeys, on_event: Callable[[MemberEvent], 
                 on_event(MemberEvent(kind="join", identity=new, revision=ev.revision, observed_at=now))
 
     return PrefixWatch(client, keys.members, handle, start_revision=start_revision,
-                       on_connection=on_connection, prev_kv=True)  # fmt: skip
+                       on_connection=on_connection, prev_kv=True)

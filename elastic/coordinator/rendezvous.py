@@ -154,7 +154,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             ELASTIC_RDZV_ROUND=str(round_number),
         )
         log.info("node %s (incarnation %d) joined round %d as %d/%d", self.node_id, incarnation, round_number,
-                 rank, world)  # fmt: skip
+                 rank, world)
         return RendezvousInfo(store, rank, world, bootstrap)
 
     # -- internals -------------------------------------------------------------------------

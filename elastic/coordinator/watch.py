@@ -164,7 +164,7 @@ def watch_from_now(
     old revision (such as 1) misses every key last written before the compacted revision."""
     resp = client.get_prefix_response(prefix)
     current = [WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
-                          revision=kv.mod_revision) for kv in resp.kvs]  # fmt: skip
+                          revision=kv.mod_revision) for kv in resp.kvs]
     if current:
         on_events(current)
     return PrefixWatch(client, prefix, on_events, start_revision=int(resp.header.revision) + 1, **kwargs)

@@ -192,7 +192,7 @@ class StepTransaction:
     def buffers_for(
         module: torch.nn.Module, *, layout: ParallelLayout, layer_of: Callable[[str], int], dtype: torch.dtype,
         device: torch.device,
-    ) -> GradAccumulator:  # fmt: skip
+    ) -> GradAccumulator:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
         per gradient bucket of `layout`, not yet attached."""
         names = [name for name, _ in module.named_parameters()]
@@ -247,7 +247,7 @@ class StepTransaction:
             raise NonFiniteStep(
                 f"step {step} discarded: a worker failed or the gradient norm is {stats.grad_norm}",
                 step=step, grad_norm=stats.grad_norm, loss=stats.loss,
-            )  # fmt: skip
+            )
         return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt)
 
     def complete(self, step: int, *, grad_norm: float, loss: float) -> StepReport:
@@ -329,7 +329,7 @@ class StepTransaction:
             finite = finite and replay.finite
         elif replay is None and self.keep_partial:
             self.partial = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
-                                     grads=self.accum.snapshot(), loss_sum=loss_sum, finite=finite)  # fmt: skip
+                                     grads=self.accum.snapshot(), loss_sum=loss_sum, finite=finite)
         return finalize_grads(
             self.accum,
             layout=layout,

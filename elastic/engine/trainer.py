@@ -273,7 +273,7 @@ class Trainer:
         grad_dtype = torch.float64 if self.spec.exact_grad_sum else torch.float32
         # The gradient buffers' pages are faulted in while shards arrive (a GB for gpt2-124m).
         buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device))  # fmt: skip
+            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device))
         t1 = time.perf_counter()
         try:
             fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
@@ -331,7 +331,7 @@ class Trainer:
     def _gather(
         self, layout: ParallelLayout, groups: ParallelGroups, missing: list[ShardKey], held: _Held,
         holdings: HoldingsFn | None, fetch: FetchFn | None,
-    ) -> tuple[dict[ShardKey, ShardState], set[ShardKey]]:  # fmt: skip
+    ) -> tuple[dict[ShardKey, ShardState], set[ShardKey]]:
         """The missing shards: over the collective path first (with `holdings`), then `fetch`;
         and which of them came over the process group."""
         fetched = {} if holdings is None else self._exchange(layout, groups, holdings())
@@ -367,12 +367,12 @@ class Trainer:
         if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
             return {}
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,
-                          device=self.device, post=groups.p2p)  # fmt: skip
+                          device=self.device, post=groups.p2p)
         for key, why in sorted(result.failed.items()):
             _log(f"generation {layout.generation}: shard {tuple(key)} did not arrive intact ({why}): "
-                 "fetching it over gRPC")  # fmt: skip
+                 "fetching it over gRPC")
         _log(f"generation {layout.generation}: collective exchange sent {result.bytes_sent} B, received "
-             f"{result.bytes_received} B in {result.seconds:.3f} s")  # fmt: skip
+             f"{result.bytes_received} B in {result.seconds:.3f} s")
         return {(k.layer, k.tp_rank): v for k, v in result.shards.items()}
 
     def _live_shard(self, key: ShardKey) -> ShardState:
@@ -414,7 +414,7 @@ class Trainer:
         sums.update(self._moved_sums(layout, groups, replay, kept))
         mine = split_microbatches(layout.plan, replay.missing)[layout.pipeline]
         return StepReplay(step=step, microbatches=mine, sums=sums, loss_sum=0.0 if kept is None else kept.loss_sum,
-                          finite=True if kept is None else kept.finite)  # fmt: skip
+                          finite=True if kept is None else kept.finite)
 
     def _moved_sums(
         self, layout: ParallelLayout, groups: ParallelGroups, replay: ReplayRecord, kept: KeptGrads | None
@@ -423,7 +423,7 @@ class Trainer:
         moved to me (`replay.moved`); canonical name -> sum."""
         ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(layout.plan)}
         moves = [ShardMove(key=MovedShard(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
-                 for layer, tp, fn, fr, tn, tr in replay.moved]  # fmt: skip
+                 for layer, tp, fn, fr, tn, tr in replay.moved]
         if not any(layout.rank in (m.src, m.dst) for m in moves):
             return {}
 
@@ -432,7 +432,7 @@ class Trainer:
             return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key[0]}
 
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
-                          tag=_SUMS_TAG, device=self.device, post=groups.p2p)  # fmt: skip
+                          tag=_SUMS_TAG, device=self.device, post=groups.p2p)
         if result.failed:
             raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
         return {name.removeprefix("grad/"): t for shard in result.shards.values() for name, t in shard.items()}
@@ -440,7 +440,7 @@ class Trainer:
     def _build_stage(
         self, layout: ParallelLayout, groups: ParallelGroups, skeleton: GPTStage, needed: list[ShardKey],
         held: _Held, fetched: dict[ShardKey, ShardState],
-    ) -> tuple[GPTStage, MasterAdamW, _Held]:  # fmt: skip
+    ) -> tuple[GPTStage, MasterAdamW, _Held]:
         """The generation's stage module and optimizer, and the shards they serve.
 
         Only a worker that starts from nothing initialises from the seed. Otherwise the stage is

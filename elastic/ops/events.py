@@ -55,7 +55,7 @@ def _from_log(value: bytes, meta: Any) -> HistoryEvent:
     data = json.loads(value)
     kind, who, when = data.pop("kind", "?"), data.pop("who", "?"), data.pop("time", None)
     return HistoryEvent(kind=str(kind), time=when, who=str(who), revision=meta.mod_revision,
-                        key=meta.key.decode(), detail=data)  # fmt: skip
+                        key=meta.key.decode(), detail=data)
 
 
 def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
@@ -71,7 +71,7 @@ def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
         "replayed_fraction": rec.replayed_fraction,
     }
     return HistoryEvent(kind="generation", time=rec.published_at, who="leader", revision=meta.mod_revision,
-                        key=meta.key.decode(), detail=detail)  # fmt: skip
+                        key=meta.key.decode(), detail=detail)
 
 
 class History:
@@ -101,7 +101,7 @@ class History:
             name = key.rsplit("/", 1)[1]
             target = next((part for part in name.split("-") if part.startswith("node")), "?")
             events.append(HistoryEvent(kind="injection", time=float(value.decode()), who=target,
-                                       revision=meta.mod_revision, key=key, detail={"id": name}))  # fmt: skip
+                                       revision=meta.mod_revision, key=key, detail={"id": name}))
         events += self._recoveries(generations)
         events = self._dedupe(events)
         events.sort(key=lambda e: (e.revision, e.key))
@@ -130,9 +130,9 @@ class History:
             chosen = (seen or preferred or group)[0]
             for other in group:  # keep what only the other copy says (e.g. a generation's drained nodes)
                 extra = {k: v for k, v in other.detail.items()
-                         if k not in chosen.detail and f"{k}_nodes" not in chosen.detail}  # fmt: skip
+                         if k not in chosen.detail and f"{k}_nodes" not in chosen.detail}
                 chosen = replace(chosen, time=chosen.time if chosen.time is not None else other.time,
-                                 detail={**chosen.detail, **extra})  # fmt: skip
+                                 detail={**chosen.detail, **extra})
             out.append(chosen)
         return out
 
@@ -148,10 +148,10 @@ class History:
             b = recovery_breakdown(self.client, self.rk, g, rec, timings)
             detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "drained_nodes", "detecting_s",
                                         "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s",
-                                        "total_s", "bytes_moved", "replayed_fraction")}  # fmt: skip
+                                        "total_s", "bytes_moved", "replayed_fraction")}
             out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
                                     revision=max(m.mod_revision for _, m in pairs),
-                                    key=f"{self.rk.recoveries}{g}/", detail=detail))  # fmt: skip
+                                    key=f"{self.rk.recoveries}{g}/", detail=detail))
         return out
 
     def poll(self) -> list[HistoryEvent]:

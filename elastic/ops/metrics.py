@@ -267,7 +267,7 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
         yield _gauge("elastic_step_seconds", "Wall time of the last committed step.", snap.step_seconds)
     if snap.tokens_per_s is not None:
         yield _gauge("elastic_tokens_per_second", "Tokens per second over the recent committed steps.",
-                     snap.tokens_per_s)  # fmt: skip
+                     snap.tokens_per_s)
     yield _gauge("elastic_generation", "Latest published generation.", snap.generation)
     yield CounterMetricFamily(
         "elastic_recoveries", "Generations published after the first.", value=snap.recoveries
@@ -275,9 +275,9 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
     if snap.finished:
         last = snap.finished[-1]
         yield _gauge("elastic_last_recovery_seconds", "Latest finished recovery, fault to first commit.",
-                     last.total_s)  # fmt: skip
+                     last.total_s)
         phases = GaugeMetricFamily("elastic_last_recovery_phase_seconds", "Latest finished recovery by phase.",
-                                   labels=["phase"])  # fmt: skip
+                                   labels=["phase"])
         for phase in PHASES:
             phases.add_metric([phase], last.phases[phase])
         yield phases
@@ -285,11 +285,11 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
     buckets = [(str(b), float(sum(1 for t in totals if t <= b))) for b in BUCKETS]
     buckets.append(("+Inf", float(len(totals))))
     yield HistogramMetricFamily("elastic_recovery_seconds", "Seconds of each finished recovery.",
-                                buckets=buckets, sum_value=sum(totals))  # fmt: skip
+                                buckets=buckets, sum_value=sum(totals))
     yield CounterMetricFamily("elastic_transfer_bytes", "Shard bytes fetched by this node's workers.",
-                              value=snap.node_bytes)  # fmt: skip
+                              value=snap.node_bytes)
     yield CounterMetricFamily("elastic_job_transfer_bytes", "Shard bytes fetched by every worker of the job.",
-                              value=snap.job_bytes)  # fmt: skip
+                              value=snap.job_bytes)
     yield _gauge("elastic_workers", "Workers this node registered.", snap.workers)
     yield _gauge(
         "elastic_workers_alive", "Registered workers of this node that are running.", snap.workers_alive
@@ -301,7 +301,7 @@ class NodeMetrics(Collector):
     """The metrics endpoint of one node (module doc); `start` serves it, `stop` ends it."""
 
     def __init__(self, client: Any, keys: JobKeys, *, node: int, lease: int | None = None,
-                 window: int = 10) -> None:  # fmt: skip
+                 window: int = 10) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 step, got {window}")
         self.client, self.keys, self.node, self.lease, self.window = client, keys, node, lease, window

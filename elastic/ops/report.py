@@ -219,11 +219,11 @@ def _mark_recoveries(t: Timeline, axes: tuple[Any, ...]) -> None:
             first = i == 0  # label once, on the top panel (its legend)
             if fault is not None:
                 ax.axvline(fault, color="tab:red" if lost else "tab:green", linewidth=1.5,
-                           label=event_label(rec) if first else None)  # fmt: skip
+                           label=event_label(rec) if first else None)
                 if done is not None and done > fault:
                     ax.axvspan(fault, done, color="tab:red", alpha=0.12,
-                               label=f"recovery into generation {rec['generation']}" if first else None)  # fmt: skip
+                               label=f"recovery into generation {rec['generation']}" if first else None)
             if published is not None:
                 ax.axvline(published, color="tab:gray", linestyle=":", linewidth=1.2,
                            label=f"generation {rec['generation']}" + (" (superseded)" if rec.get("interrupted") else "")
-                           if first else None)  # fmt: skip
+                           if first else None)

@@ -86,7 +86,7 @@ DEFAULT_WINDOW = 5
 _TIMING_FIELDS = (
     "detecting_s", "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s", "total_s",
     "bytes_moved", "bytes_moved_collective", "fault_at", "first_commit_at",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,7 +277,7 @@ def _last_recovery(
     else:
         entry = {**generation_fields(g, rec), **dict.fromkeys(_TIMING_FIELDS), "interrupted": False}
     return {**entry, "complete": len(timings) >= expected, "workers_reported": len(timings),
-            "workers_expected": expected}  # fmt: skip
+            "workers_expected": expected}
 
 
 def _lease(client: Any, lease_id: int) -> tuple[int | None, int | None]:
@@ -308,14 +308,14 @@ def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_
         member_id, inc = _key_tail(meta, keys.failed)[:2]
         data = json.loads(value)
         report = FailureReport(incarnation=int(inc), reporter=str(data["reporter"]), reason=str(data["reason"]),
-                               time=float(data["time"]))  # fmt: skip
+                               time=float(data["time"]))
         failures.setdefault(node_of(member_id), []).append(report)
     workers: dict[int, list[WorkerStatus]] = {}
     for value, meta in client.get_prefix(rk.workers):
         node, local_rank = (int(x) for x in _key_tail(meta, rk.workers)[:2])
         info = WorkerInfo.from_json(value)
         workers.setdefault(node, []).append(WorkerStatus(local_rank=local_rank, pid=info.pid,
-                                            transfer_address=info.transfer_address, incarnation=info.incarnation))  # fmt: skip
+                                            transfer_address=info.transfer_address, incarnation=info.incarnation))
 
     known = set(members) | set(failures) | {n for r in generations.values() for n in r.plan.nodes}
     nodes = []
@@ -325,7 +325,7 @@ def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_
         remaining, granted = _lease(client, lease_id) if ident is not None else (None, None)
         last_inc = max([r.incarnation for r in failures.get(node, [])]
                        + [r.incarnations[node] for r in generations.values() if node in r.incarnations],
-                       default=None)  # fmt: skip
+                       default=None)
         place = _place(plan, node)
         nodes.append(
             NodeStatus(
@@ -350,7 +350,7 @@ def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_
         for p, pipe in enumerate(plan.pipelines):
             stages = [StageStatus(node=s.node, layers=s.layers) for s in pipe.stages]
             pipelines.append(PipelineStatus(index=p, template=len(stages), nodes=list(pipe.nodes),
-                                            stages=stages, microbatches=pipe.microbatches))  # fmt: skip
+                                            stages=stages, microbatches=pipe.microbatches))
 
     progress = read_progress(client, rk)
     committed = 0 if progress is None else progress.step + 1
@@ -455,7 +455,7 @@ def render_table(status: JobStatus) -> str:
                                         if s.resume_step is not None else "")
         + f"; committed {s.committed_steps}/{total} steps"
         + (f", last loss {s.last_loss:.4f}" if s.last_loss is not None else ""),
-    ]  # fmt: skip
+    ]
     if s.throughput is not None:
         t = s.throughput
         lines.append(
@@ -463,13 +463,13 @@ def render_table(status: JobStatus) -> str:
             f"(mean step {t.mean_step_s:.3f} s, last {t.last_step_s:.3f} s, {t.tokens_per_step} tokens/step)"
         )
     lines += ["", f"{'node':>4}  {'alive':<5}  {'inc':>3}  {'lease':>5}  {'address':<21}  {'pipe/stage':<10}  "
-                  f"{'layers':<7}  {'workers (rank:pid@transfer)':<30}  failures"]  # fmt: skip
+                  f"{'layers':<7}  {'workers (rank:pid@transfer)':<30}  failures"]
     for n in s.nodes:
         lease = "-" if n.lease_remaining_s is None else f"{n.lease_remaining_s}/{n.lease_granted_s}s"
         place = "-" if n.pipeline is None else f"{n.pipeline}/{n.stage}"
         workers = " ".join(f"{w.local_rank}:{w.pid}@{w.transfer_address}" for w in n.workers) or "-"
         fails = "; ".join(f"inc {f.incarnation} by {f.reporter}: {f.reason} ({_ago(f.time, s.read_at)})"
-                          for f in n.failures) or "-"  # fmt: skip
+                          for f in n.failures) or "-"
         inc = "-" if n.incarnation is None else str(n.incarnation)
         lines.append(
             f"{n.node:>4}  {'yes' if n.alive else 'NO':<5}  {inc:>3}  {lease:>5}  {n.address or '-':<21}  "

@@ -88,7 +88,7 @@ def run_schedule(
 
     def plain(op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
         work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
-                else dist.irecv(t, group=group, group_src=peer, tag=tag))  # fmt: skip
+                else dist.irecv(t, group=group, group_src=peer, tag=tag))
         assert work is not None
         return work
 

@@ -203,7 +203,7 @@ class InjectionRequest:
     def from_injection(cls, inj: Injection) -> InjectionRequest:
         """The request of one `--inject` value (targets incarnation 0; its id is `inj.name`)."""
         return cls(id=inj.name, kind=inj.kind, node=inj.node, incarnation=None if inj.kind == "rejoin" else 0,
-                   when=inj.when, step=inj.step, at=inj.at, requested_at=time.time(), by="config")  # fmt: skip
+                   when=inj.when, step=inj.step, at=inj.at, requested_at=time.time(), by="config")
 
 
 def request_id(kind: str, node: int, step: int | None) -> str:
@@ -239,7 +239,7 @@ def submit_request(client: Any, root: str, request: InjectionRequest) -> None:
     key = f"{root}injections/{request.id}"
     txn = client.transactions
     ok, _ = client.transaction(compare=[txn.create(key) == 0], success=[txn.put(key, request.to_json())],
-                               failure=[])  # fmt: skip
+                               failure=[])
     if not ok:
         raise ValueError(f"injection request {request.id!r} already exists")
 
@@ -269,7 +269,7 @@ class Throttle:
     and skips while `active` never takes the throttling for a hang."""
 
     def __init__(self, pids: Iterable[int], *, factor: float, seconds: float, lock: threading.Lock,
-                 period: float = 0.2) -> None:  # fmt: skip
+                 period: float = 0.2) -> None:
         if factor <= 1.0:
             raise ValueError(f"factor must be > 1, got {factor}")
         self.pids = list(pids)

@@ -55,13 +55,13 @@ class PartialReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "microbatches": list(self.microbatches), "layers": list(self.layers),
-                "tp_rank": self.tp_rank}  # fmt: skip
+                "tp_rank": self.tp_rank}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PartialReport:
         first, last = (int(x) for x in data["layers"])
         return cls(step=int(data["step"]), microbatches=tuple(int(m) for m in data["microbatches"]),
-                   layers=(first, last), tp_rank=int(data["tp_rank"]))  # fmt: skip
+                   layers=(first, last), tp_rank=int(data["tp_rank"]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +104,7 @@ class ReplayRecord:
         return cls(step=int(data["step"]), total=int(data["total"]), kept=[int(m) for m in data["kept"]],
                    keepers=[[int(n), int(r)] for n, r in data["keepers"]],
                    recomputed=[str(x) for x in data.get("recomputed", [])],
-                   moved=[[int(x) for x in m] for m in data.get("moved", [])])  # fmt: skip
+                   moved=[[int(x) for x in m] for m in data.get("moved", [])])
 
 
 def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[int, ...]]:
@@ -164,16 +164,16 @@ def resolve_replay(
         if len(covered) != len(set(covered)) or set(covered) != shards or set(mbs) & set(kept):
             continue  # a pipeline that lost a worker: its sums are incomplete
         gone = sorted({node for node, local_rank, r in group
-                       if _layers_in(new_plan, node) is None or local_rank != r.tp_rank})  # fmt: skip
+                       if _layers_in(new_plan, node) is None or local_rank != r.tp_rank})
         if gone:
             recomputed.append(f"microbatches {list(mbs)}: kept by node(s) {gone}, which are not in the new plan "
-                              "at the same tensor-parallel rank")  # fmt: skip
+                              "at the same tensor-parallel rank")
             continue
         for node, local_rank, r in group:
             first, last = _layers_in(new_plan, node) or (0, 0)
             moved_sums.extend([layer, r.tp_rank, node, local_rank, _first_holder(new_plan, layer), r.tp_rank]
-                              for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)  # fmt: skip
+                              for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)
         kept.extend(mbs)
         keepers.extend([node, local_rank] for node, local_rank, _ in group)
     return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept), keepers=sorted(keepers),
-                        recomputed=recomputed, moved=sorted(moved_sums))  # fmt: skip
+                        recomputed=recomputed, moved=sorted(moved_sums))

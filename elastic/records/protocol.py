@@ -36,17 +36,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.injection import Injection
+from elastic.records.job import JobSpec
 from elastic.records.partial import PartialReport, ReplayRecord
 from templates.plan import Plan
-
-if TYPE_CHECKING:  # job.py imports torch (seconds): agents read the config before they need it
-    from elastic.records.job import JobSpec
 
 COMMIT = "commit"
 ABORT = "abort"
@@ -236,8 +234,6 @@ class ElasticConfig:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> ElasticConfig:
-        from elastic.records.job import JobSpec
-
         data = json.loads(text)
         return cls(
             spec=JobSpec.from_json(json.dumps(data["spec"])),
@@ -412,12 +408,12 @@ class ProgressRecord:
     def result(self) -> StepResult:
         """The last step as a StepResult."""
         return StepResult(step=self.step, loss=self.loss, grad_norm=self.grad_norm, lr=self.lr,
-                          seconds=self.seconds, generation=self.generation, committed_at=self.committed_at)  # fmt: skip
+                          seconds=self.seconds, generation=self.generation, committed_at=self.committed_at)
 
     def results(self) -> list[StepResult]:
         """Every step this record reports, oldest first: the `earlier` ones, then its own."""
         out = [StepResult(step=int(s), loss=loss, grad_norm=norm, lr=lr, seconds=sec, generation=self.generation,
-                          committed_at=at) for s, loss, norm, lr, sec, at in self.earlier]  # fmt: skip
+                          committed_at=at) for s, loss, norm, lr, sec, at in self.earlier]
         return [*out, self.result()]
 
     def to_json(self) -> str:

@@ -54,7 +54,7 @@ def recovery_breakdown(
     """One recovery's breakdown, reading the injections carried out from etcd (see `breakdown_of`)."""
     prefix = rk.injected("")
     carried_out = [(meta.key.decode()[len(prefix) :], float(value.decode()))
-                   for value, meta in client.get_prefix(prefix)]  # fmt: skip
+                   for value, meta in client.get_prefix(prefix)]
     return breakdown_of(g, rec, timings, carried_out)
 
 
@@ -98,5 +98,5 @@ def fault_time(carried_out: list[tuple[str, float]], node: int, detected: float)
     `detected`; None if there is none. A node failed and rejoined several times has several:
     the earlier ones belong to earlier recoveries, later ones to later ones."""
     times = [t for name, t in carried_out
-             if t <= detected and any(name.startswith(f"{k}-node{node}-") for k in FAULT_KINDS)]  # fmt: skip
+             if t <= detected and any(name.startswith(f"{k}-node{node}-") for k in FAULT_KINDS)]
     return max(times, default=None)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -102,7 +101,7 @@ class InjectionTrigger:
         # What is there now, then every change after it (history before it may be compacted).
         resp = client.get_prefix_response(rk.progress)
         self._on_progress([WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
-                                      revision=kv.mod_revision) for kv in resp.kvs])  # fmt: skip
+                                      revision=kv.mod_revision) for kv in resp.kvs])
         plans = client.get_prefix_response(keys.plans, count_only=True)
         self._generations = int(plans.count)
         self._watches = [
@@ -171,13 +170,10 @@ class Agent:
             value, _ = self.client.get(self.rk.config)
         if value is None:
             raise SystemExit(f"job {job} has no config in etcd at {endpoint}")
-        # The raw JSON is enough to start the workers; the typed config (it imports torch) comes after.
-        self.raw_config = value
-        raw = json.loads(value)
-        self.gpus = int(raw["spec"]["plan"]["gpus_per_node"])
-        self.run_dir = str(raw["spec"]["run_dir"])
-        self.threads = int(raw["spec"]["threads_per_worker"])
-        ttl = int(raw["lease_ttl"])
+        self.config = ElasticConfig.from_json(value)
+        spec = self.config.spec
+        self.gpus, self.run_dir, self.threads = spec.plan.gpus_per_node, str(spec.run_dir), spec.threads_per_worker
+        ttl = self.config.lease_ttl
         self.who = node_id(node)
         identity = NodeIdentity(
             node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
@@ -188,7 +184,7 @@ class Agent:
             raise SystemExit(f"${ETCD_GIVE_UP_ENV} must be seconds, got {os.environ[ETCD_GIVE_UP_ENV]!r}") from None
         self.membership = Membership(self.client, self.keys, identity,
                                      config=MembershipConfig(ttl=ttl, give_up_s=give_up),
-                                     on_self_lost=self._on_lease_lost)  # fmt: skip
+                                     on_self_lost=self._on_lease_lost)
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.exit_code: int | None = None
@@ -205,7 +201,6 @@ class Agent:
         self.monitor: WorkerMonitor | None = None
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
-        self.config: ElasticConfig | None = None
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -220,7 +215,6 @@ class Agent:
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
         from elastic.roles.leader import Leader
 
-        self.config = ElasticConfig.from_json(self.raw_config)
         self.election.start()
         self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
@@ -247,7 +241,7 @@ class Agent:
                     sys.executable, "-m", "elastic.roles.elastic_worker", "--etcd", self.endpoint,
                     "--job", self.keys.job, "--node", str(self.node), "--local-rank", str(local_rank),
                     "--incarnation", str(self.incarnation), "--lease", str(lease),
-                ]  # fmt: skip
+                ]
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             self.procs[proc.pid] = proc
         log.warning("%s (incarnation %d): workers %s", self.who, self.incarnation, sorted(self.procs))
@@ -292,7 +286,7 @@ class Agent:
                 return
             try:
                 record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             reason=reason)  # fmt: skip
+                             reason=reason)
             except Exception as exc:  # etcd may be the reason; the workers must stop regardless
                 log.warning("%s: could not record the fencing: %s", self.who, exc)
             finally:
@@ -327,7 +321,7 @@ class Agent:
 
         try:
             self.metrics = NodeMetrics(self.client, self.keys, node=self.node,
-                                       lease=self.membership.lease_id).start()  # fmt: skip
+                                       lease=self.membership.lease_id).start()
         except OSError as exc:
             log.warning("%s: no metrics endpoint: %s", self.who, exc)
 
@@ -371,7 +365,7 @@ class Agent:
             thread.start()
 
     def _status(self, req: InjectionRequest, state: State, step: int | None, *, detail: str = "",
-                generation: int | None = None) -> None:  # fmt: skip
+                generation: int | None = None) -> None:
         status = InjectionStatus(state=state, at=time.time(), step=step, generation=generation, detail=detail)
         write_status(self.client, self.keys.root, req.id, status)
 
@@ -385,7 +379,7 @@ class Agent:
         step = trigger.in_flight()
         self.client.put(self.rk.injected(req.id), repr(time.time()))
         record_event(self.client, self.keys, who=self.who, kind="injection", id=req.id, injection=req.kind,
-                     node=self.node, incarnation=self.incarnation, step=step)  # fmt: skip
+                     node=self.node, incarnation=self.incarnation, step=step)
         log.warning("%s: injecting %s (step %d in flight)", self.who, req.id, step)
         if req.kind == "kill":
             self._status(req, "done", step, detail="workers SIGKILLed")
@@ -415,7 +409,7 @@ class Agent:
         self._throttles.remove(throttle)
         assert self._trigger is not None
         self._status(req, "done", self._trigger.in_flight(),
-                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of {req.seconds:g} s")  # fmt: skip
+                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of {req.seconds:g} s")
 
     def _partition(self, req: InjectionRequest, step: int) -> None:
         """Emulated partition (module doc); with a network-namespace launch the link is cut for real."""
@@ -439,10 +433,10 @@ class Agent:
         if cut_short:  # stopped while partitioned (e.g. the launcher replaced the node by a rejoin)
             self._status(req, "fenced" if fenced else "done", step, generation=generation,
                          detail=f"the agent was stopped while partitioned ({'lease gone, ' if fenced else ''}"
-                         f"job at generation {generation})")  # fmt: skip
+                         f"job at generation {generation})")
             if fenced:
                 record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             generation=generation, reason=f"partition of {req.seconds:g} s (agent stopped)")  # fmt: skip
+                             generation=generation, reason=f"partition of {req.seconds:g} s (agent stopped)")
             return
         # The workers still hold generation-old state and are stopped mid-step: they are killed
         # before they run again, so nothing of theirs can reach the job after the fencing.
@@ -451,9 +445,9 @@ class Agent:
             if fenced:
                 self._status(req, "fenced", step, generation=generation,
                              detail=f"healed after {req.seconds:g} s: lease gone, job at generation {generation}; "
-                             "workers killed before they ran again")  # fmt: skip
+                             "workers killed before they ran again")
                 record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             generation=generation, reason=f"partition of {req.seconds:g} s")  # fmt: skip
+                             generation=generation, reason=f"partition of {req.seconds:g} s")
             else:  # healed within the TTL, but keepalives stopped: leave cleanly rather than linger
                 self.membership.report_failure(reason=f"partition of {req.seconds:g} s healed; leaving")
                 self._status(req, "done", step, detail="healed before the lease expired; the node left")
@@ -480,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         help="plan node of this agent (default: N of $ELASTIC_NODE_ID=nodeN)",
     )
     parser.add_argument("--incarnation", type=int, default=int(env.get("ELASTIC_INCARNATION", "0")),
-                        help="how many times this node restarted (default $ELASTIC_INCARNATION or 0)")  # fmt: skip
+                        help="how many times this node restarted (default $ELASTIC_INCARNATION or 0)")
     args = parser.parse_args(argv)
     if args.node is None and env.get("ELASTIC_NODE_ID"):
         try:
@@ -495,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     try:
         agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,
-                      token=os.environ.get(TOKEN_ENV, ""))  # fmt: skip
+                      token=os.environ.get(TOKEN_ENV, ""))
     except JobAccessError as exc:  # refused before writing anything under the job
         print(f"elastic agent: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED

@@ -224,7 +224,7 @@ class ProgressWriter:
             generation=last.generation, committed_at=last.committed_at, recent=recent,
             earlier=[[r.step, r.loss, r.grad_norm, r.lr, r.seconds, r.committed_at]
                      for r in earlier if r.generation == last.generation],
-        )  # fmt: skip
+        )
 
     def _run(self) -> None:
         next_put = 0.0

@@ -119,7 +119,7 @@ class ElasticWorker:
     """The worker loop of the module doc."""
 
     def __init__(self, *, client: Any, keys: JobKeys, config: ElasticConfig, token: str,
-                 node: int, local_rank: int, incarnation: int, lease: int) -> None:  # fmt: skip
+                 node: int, local_rank: int, incarnation: int, lease: int) -> None:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.spec, self.token = config, config.spec, token
         self.node, self.local_rank, self.incarnation = node, local_rank, incarnation
@@ -187,7 +187,7 @@ class ElasticWorker:
         kept = t.kept
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
-                            partial=None if kept is None else kept.report())  # fmt: skip
+                            partial=None if kept is None else kept.report())
         write_sync(self.client, self.rk, generation, report)
         _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
@@ -259,7 +259,7 @@ class ElasticWorker:
         self._settle_pending(record)
         if record.restore_checkpoint is None and self.trainer.holdings() and self.trainer.step != record.resume_step:
             _log(f"generation {generation} resumes at step {record.resume_step} but this worker is at step "
-                 f"{self.trainer.step}: its shards are not the committed state")  # fmt: skip
+                 f"{self.trainer.step}: its shards are not the committed state")
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
         fetch: Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]] | None
@@ -274,10 +274,8 @@ class ElasticWorker:
             def fetch(missing: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
                 return load_shards(directory, ckpt, missing)
 
-        elif generation == 1 or not self._held_before(generation):
+        else:  # the first generation initialises from the seed; later ones fetch what they miss
             fetch = None if generation == 1 else self._fetch_from_holders(generation, record)
-        else:
-            fetch = self._fetch_from_holders(generation, record)
         timings = self.trainer.start(
             plan=record.plan,
             generation=generation,
@@ -286,7 +284,7 @@ class ElasticWorker:
                 self.keys.store(f"gen-{generation}"),
                 timeout=timedelta(seconds=self.timeout),
                 abort=abort,
-            ),  # fmt: skip
+            ),
             abort=abort,
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
@@ -321,9 +319,6 @@ class ElasticWorker:
             return out
 
         return holdings
-
-    def _held_before(self, generation: int) -> bool:
-        return generation > 1 and bool(self.trainer.holdings())
 
     def _fetch_from_holders(
         self, generation: int, record: GenerationRecord
@@ -397,7 +392,7 @@ class ElasticWorker:
                 seen_at, t, started = self._pending_recovery
                 rec = RecoveryTimings(seen_at=seen_at, transfer_s=t.transfer_s, rebuild_s=t.rebuild_s,
                                       bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now,
-                                      bytes_collective=t.bytes_collective)  # fmt: skip
+                                      bytes_collective=t.bytes_collective)
                 self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
             self._maybe_checkpoint(layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:
@@ -419,7 +414,7 @@ class ElasticWorker:
         (each pipeline's first worker); the commit's wall time."""
         now = time.time()
         result = StepResult(step=report.step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
-                            seconds=report.seconds, generation=layout.generation, committed_at=now)  # fmt: skip
+                            seconds=report.seconds, generation=layout.generation, committed_at=now)
         if layout.rank == 0:
             self.progress.publish(result)
         if layout.stage == 0 and layout.tp_rank == 0:
@@ -497,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = ElasticWorker(
         client=client, keys=keys, config=ElasticConfig.from_json(value), token=token, node=args.node,
         local_rank=args.local_rank, incarnation=args.incarnation, lease=args.lease,
-    )  # fmt: skip
+    )
     try:
         worker.run()
     finally:

@@ -143,7 +143,7 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
                     sys.executable, "-m", "elastic.roles.worker",
                     "--spec", str(spec_path), "--node", str(node), "--local-rank", str(local_rank),
                     "--store-port", str(port),
-                ]  # fmt: skip
+                ]
                 proc = subprocess.Popen(
                     cmd,
                     stdout=None if (is_rank0 and not quiet) else log,
@@ -226,7 +226,7 @@ def launch_elastic(
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in [spec.result_path, run_dir / "final_plan.json",
                   *(spec.stage_state_path(s) for s in range(spec.plan.num_layers)),
-                  *step_log_path(run_dir, 0, 0).parent.glob("*.jsonl")]:  # fmt: skip
+                  *step_log_path(run_dir, 0, 0).parent.glob("*.jsonl")]:
         stale.unlink(missing_ok=True)  # a previous run's step logs would enter this run's summary
     server = None
     if etcd_endpoint is None:
@@ -256,7 +256,7 @@ def launch_elastic(
             os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env
         )
         cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", etcd_endpoint, "--job", job,
-               "--node", str(node), "--incarnation", str(incarnation)]  # fmt: skip
+               "--node", str(node), "--incarnation", str(incarnation)]
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
         agents.append(_Agent(node, incarnation, proc, log, log_path))
 

@@ -135,7 +135,7 @@ class Leader:
     """Runs the leader's rounds while `election` says this agent leads (see the module doc)."""
 
     def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, election: LeaderElection,
-                 *, who: str) -> None:  # fmt: skip
+                 *, who: str) -> None:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.election, self.who = config, election, who
         self.generations = Generations(client, keys)
@@ -225,7 +225,7 @@ class Leader:
             fence = self.election.leader_compare()
             finish = self._worth_finishing()
             self._halt(g, abort=True, lost=lost if finish else [],
-                       reason=f"lost node(s) {lost}" + ("" if finish else ", early in the step: every pipeline stops"))  # fmt: skip
+                       reason=f"lost node(s) {lost}" + ("" if finish else ", early in the step: every pipeline stops"))
             if decide(self.client, self.rk, g, last, ABORT, fence=fence) == COMMIT:
                 self.finished.set()  # the job's last step committed: nothing to recover
                 return
@@ -256,7 +256,7 @@ class Leader:
         assert drain is not None
         req, plan, reason = drain
         if self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], drained=[req.node],
-                                     planned=(plan, reason)):  # fmt: skip
+                                     planned=(plan, reason)):
             self._answer(req, "done", reason, generation=g + 1)
         else:
             self._answer(req, "refused", "the job finished before a step boundary came")
@@ -282,7 +282,7 @@ class Leader:
                 return
         halt = HaltRecord(abort=abort, reason=reason, at=time.time(), lost=sorted(lost or []))
         ok, _ = self.client.transaction(compare=[self.election.leader_compare()],
-                                        success=[self.client.transactions.put(key, halt.to_json())], failure=[])  # fmt: skip
+                                        success=[self.client.transactions.put(key, halt.to_json())], failure=[])
         if not ok:
             raise NotLeader(f"halt {key} not written: this agent is no longer the leader")
         log.warning("leader %s: halted generation %d (%s): %s", self.who, g, "abort" if abort else "at a step boundary", reason)
@@ -307,7 +307,7 @@ class Leader:
     def _sync_reports(self, g: int, record: GenerationRecord, members: dict[int, int]) -> list[SyncReport] | None:
         """Every live worker's sync report of g; None while some are missing."""
         expected = {(n, r) for n in record.plan.nodes if members.get(n) == record.incarnations.get(n)
-                    for r in range(record.plan.gpus_per_node)}  # fmt: skip
+                    for r in range(record.plan.gpus_per_node)}
         written = self.client.get_prefix_response(self.rk.sync(g), count_only=True)
         if int(written.count) < len(expected):  # rounds woken by each report: count, don't read them all
             return None
@@ -340,7 +340,7 @@ class Leader:
         status = InjectionStatus(state=state, at=time.time(), generation=generation, detail=detail)  # type: ignore[arg-type]
         write_status(self.client, self.keys.root, req.id, status)
         record_event(self.client, self.keys, who=self.who, kind="drain" if state == "done" else "drain-refused",
-                     node=req.node, id=req.id, reason=detail, generation=generation)  # fmt: skip
+                     node=req.node, id=req.id, reason=detail, generation=generation)
         log.warning("leader %s: drain %s %s: %s", self.who, req.id, state, detail)
 
     def _acceptable_drain(self, g: int, record: GenerationRecord) -> tuple[InjectionRequest, Plan, str] | None:
@@ -350,16 +350,16 @@ class Leader:
         for req in requests:
             if req.node not in record.plan.nodes or record.incarnations.get(req.node) != req.incarnation:
                 self._answer(req, "refused", f"node {req.node} (incarnation {req.incarnation}) is not in "
-                             f"generation {g} (nodes {sorted(record.plan.nodes)})")  # fmt: skip
+                             f"generation {g} (nodes {sorted(record.plan.nodes)})")
                 continue
             others = sorted(n for n in record.plan.nodes if n != req.node)
             f = record.plan.fault_tolerance
             try:
                 plan = replan(self.tset, record.plan, others, global_microbatches=record.plan.global_microbatches,
-                              fault_tolerance=f).plan  # fmt: skip
+                              fault_tolerance=f).plan
             except PlanningError as exc:
                 self._answer(req, "refused", f"draining node {req.node} would leave nodes {others}, which cannot "
-                             f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")  # fmt: skip
+                             f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")
                 continue
             return req, plan, f"drained node {req.node}: re-planned over nodes {others}"
         return None
@@ -390,13 +390,13 @@ class Leader:
             return base, record.completed_vote if record.restore_checkpoint is None else None
         resume = max(r.committed for r in joined if r.committed is not None)
         vote = next((r.last_vote for r in joined
-                     if r.committed == resume and r.last_vote is not None and r.last_vote.step == resume - 1), None)  # fmt: skip
+                     if r.committed == resume and r.last_vote is not None and r.last_vote.step == resume - 1), None)
         return resume, vote
 
     def _resolve_and_publish(self, g: int, record: GenerationRecord, reports: list[SyncReport],
                              members: dict[int, int], *, lost: list[int], joined: list[int],
                              drained: list[int] | None = None,
-                             planned: tuple[Plan, str] | None = None) -> bool:  # fmt: skip
+                             planned: tuple[Plan, str] | None = None) -> bool:
         """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
         synced = time.time()
         resume, vote = self._resume(record, reports)
@@ -433,7 +433,7 @@ class Leader:
                      lost=lost, joined=joined, drained=drained or [], reason=reason,
                      restore_checkpoint=restore, replayed_fraction=new.replayed_fraction,
                      **({} if replay is None else {"kept_microbatches": replay.kept,
-                                                   "recomputed": replay.recomputed}))  # fmt: skip
+                                                   "recomputed": replay.recomputed}))
         self._forget(g - 1)
         return True
 
@@ -442,7 +442,7 @@ class Leader:
         if g < 1:
             return
         for prefix in (self.rk.sync(g), self.rk.halt(g), f"{self.rk.readies}{g}/", f"{self.rk.decisions}{g}/",
-                       self.keys.store(f"gen-{g}")):  # fmt: skip
+                       self.keys.store(f"gen-{g}")):
             self.client.delete_prefix(prefix)
 
     def _plan_for(
@@ -468,7 +468,7 @@ class Leader:
 
         spec = self.config.spec
         ckpt = latest_complete(Path(self.config.checkpoint_path), num_layers=plan.num_layers,
-                               tp_degree=plan.gpus_per_node)  # fmt: skip
+                               tp_degree=plan.gpus_per_node)
         if ckpt is None:
             raise FallbackImpossible(
                 f"{what}: shards {gaps} have no live holder and no complete checkpoint exists in "

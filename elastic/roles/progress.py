@@ -17,10 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
+from elastic.records.job import JobSpec
 from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
@@ -34,9 +35,6 @@ from elastic.records.protocol import (
 )
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
 from elastic.records.summary import RunSummary
-
-if TYPE_CHECKING:  # job.py imports torch: `elastic status` and the metrics import this module
-    from elastic.records.job import JobSpec
 
 
 class JobFeed:
@@ -137,7 +135,7 @@ def run_finished(client: Any, rk: RunKeys, progress: Progress, steps: int) -> bo
         return False
     last = progress.generations[max(progress.generations)]
     done = {(int(m.key.decode().split("/")[-2]), int(m.key.decode().split("/")[-1]))
-            for _, m in client.get_prefix(rk.done, keys_only=True)}  # fmt: skip
+            for _, m in client.get_prefix(rk.done, keys_only=True)}
     return all((n, r) in done for n in last.plan.nodes for r in range(last.plan.gpus_per_node))
 
 
@@ -145,7 +143,7 @@ def step_line(r: StepResult, spec: JobSpec) -> str:
     """The line `elastic run` prints for a committed step."""
     tokens = spec.plan.global_batch * spec.model_config.seq_len
     return (f"step {r.step + 1}/{spec.steps}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  lr {r.lr:.2e}  "
-            f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")  # fmt: skip
+            f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")
 
 
 def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], None], spec: JobSpec) -> None:
@@ -177,7 +175,7 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
 def poll_progress(
     client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
     feed: JobFeed,
-) -> None:  # fmt: skip
+) -> None:
     """Take in what `feed` delivered since the last poll and report finished recoveries."""
     rk = RunKeys(keys)
     for ev in feed.drain():
@@ -218,7 +216,7 @@ def poll_progress(
 def final_poll(
     client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
     feed: JobFeed, *, catch_up_s: float = 5.0,
-) -> None:  # fmt: skip
+) -> None:
     """The last poll of a finished run: let the feed deliver up to the progress key's current
     revision (bounded wait), take it in, then print the line of any committed step the feed
     missed from the local step logs (a watch that lost history), so every step has its line."""

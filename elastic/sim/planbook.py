@@ -134,7 +134,7 @@ class PlanBook:
             best = self._search_shape(kind, n)
             self._shapes[key] = (
                 None if best is None else Shape(depth=best[0], pipelines=best[1], iteration_time=best[2],
-                                                planning_s=time.perf_counter() - start)  # fmt: skip
+                                                planning_s=time.perf_counter() - start)
             )
         return self._shapes[key]
 

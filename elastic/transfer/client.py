@@ -235,7 +235,7 @@ def _fetch_from(
                 t = reply.tensor_start
                 assembler = TensorAssembler(
                     parse_header(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes,
-                                 max_nbytes=config.max_tensor_bytes)  # fmt: skip
+                                 max_nbytes=config.max_tensor_bytes)
                 )
             elif kind == "tensor_end":
                 if assembler is None:

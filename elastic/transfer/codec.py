@@ -73,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_header(*, name: str, dtype: str, shape: list[int] | tuple[int, ...], nbytes: int,
-                 max_nbytes: int | None = None) -> TensorHeader:  # fmt: skip
+                 max_nbytes: int | None = None) -> TensorHeader:
     """Validate a received header; CorruptTensorError if it is inconsistent or announces more
     than `max_nbytes` bytes (the receiver allocates the announced size up front)."""
     if max_nbytes is not None and nbytes > max_nbytes:

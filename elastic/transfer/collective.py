@@ -343,7 +343,7 @@ def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _plain_post(group: dist.ProcessGroup, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
     work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
-            else dist.irecv(t, group=group, group_src=peer, tag=tag))  # fmt: skip
+            else dist.irecv(t, group=group, group_src=peer, tag=tag))
     return _posted(work)
 
 

@@ -82,7 +82,7 @@ class _Servicer(pb_grpc.ShardTransferServicer):
         self._server = server
 
     def _check(self, request: pb.FetchRequest | pb.ListRequest | MalformedRequest,
-               context: grpc.ServicerContext) -> None:  # fmt: skip
+               context: grpc.ServicerContext) -> None:
         if isinstance(request, MalformedRequest):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -48,7 +48,7 @@ def main() -> None:
     watch = membership.watch(
         lambda ev: emit(
             event=ev.kind, node=ev.identity.node_id, incarnation=ev.identity.incarnation, t=ev.observed_at
-        )  # fmt: skip
+        )
     )
     watch.wait_ready(10.0)
     membership.join()
@@ -60,7 +60,7 @@ def main() -> None:
     if role == "candidate":
         LeaderElection(client, keys, node_id, ttl=int(ttl),
                        on_change=lambda leader: emit(event="leader_change", leader=leader,
-                                                     t=time.monotonic())).start()  # fmt: skip
+                                                     t=time.monotonic())).start()
     emit(event="ready")
     time.sleep(lifetime)
     if worker is not None:

@@ -8,15 +8,18 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import (
-    Coordinator,
-    CoordinatorConfig,
     EtcdConfig,
     EtcdServer,
+    Generations,
     JobAccessError,
     JobKeys,
+    LeaderElection,
     MemberEvent,
+    Membership,
+    MembershipConfig,
     NodeIdentity,
     admit,
+    connect,
 )
 from elastic.coordinator.events import read_events
 
@@ -27,11 +30,36 @@ def _node(name: str) -> NodeIdentity:
     return NodeIdentity(node_id=name, incarnation=0, address="127.0.0.1:0", devices=1)
 
 
+class _Node:
+    """A node joining a job the way the agent does (roles/agent.py): present the token, register
+    (lease), campaign for leadership."""
+
+    def __init__(self, etcd: EtcdConfig, job: str, name: str, token: str | None) -> None:
+        self.keys = JobKeys(job)
+        self.client = connect(etcd)
+        self.token = token
+        self.membership = Membership(self.client, self.keys, _node(name), config=MembershipConfig(ttl=2))
+        self.election = LeaderElection(self.client, self.keys, name, ttl=2)
+        self.generations = Generations(self.client, self.keys)
+
+    def start(self, *, campaign: bool = True) -> _Node:
+        admit(self.client, self.keys, self.token)
+        self.membership.join()
+        if campaign:
+            self.election.start()
+        return self
+
+    def close(self) -> None:
+        if self.election.started:
+            self.election.resign()
+        self.membership.leave()
+        self.client.close()
+
+
 @pytest.mark.timeout(60)
 def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: Any, job: str) -> None:
     etcd = EtcdConfig(endpoint=etcd_server.endpoint)
-    good = CoordinatorConfig(etcd=etcd, job=job, ttl=2, token="s3cret")
-    a = Coordinator(good, _node("a")).start()
+    a = _Node(etcd, job, "a", "s3cret").start()
     try:
         assert a.election.wait_leader(5.0)
         a.generations.publish('{"plan": 1}', expected=0, fence=a.election.leader_compare())
@@ -42,7 +70,7 @@ def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: An
         events_before = read_events(client, a.keys)
 
         for bad_token, message in (("wrong", "wrong job token"), (None, "requires a job token")):
-            intruder = Coordinator(CoordinatorConfig(etcd=etcd, job=job, ttl=2, token=bad_token), _node("b"))
+            intruder = _Node(etcd, job, "b", bad_token)
             with pytest.raises(JobAccessError, match=message):
                 intruder.start()
             intruder.client.close()
@@ -60,7 +88,7 @@ def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: An
         seen2: list[MemberEvent] = []
         watch2 = a.membership.watch(seen2.append)
         assert watch2.wait_ready(5.0)
-        c = Coordinator(good, _node("c")).start(campaign=False)
+        c = _Node(etcd, job, "c", "s3cret").start(campaign=False)
         wait_for(lambda: [e.identity.node_id for e in seen2 if e.kind == "join"] == ["c"], 5.0, "c to join")
         watch2.cancel()
         c.close()

@@ -37,7 +37,7 @@ def test_leader_sigkill_new_leader_within_ttl_plus_1s(members: Members, client: 
     t0 = time.monotonic()
     members.procs[leader].send_signal(signal.SIGKILL)
     new = wait_for(lambda: (current_leader(client, keys) or leader) != leader and current_leader(client, keys),
-                   TTL + 5.0, "a new leader")  # fmt: skip
+                   TTL + 5.0, "a new leader")
     elapsed = time.monotonic() - t0
     assert new in {"c0", "c1", "c2"} - {leader}
     assert elapsed < TTL + 1.0, f"new leader after {elapsed:.3f} s, want < {TTL + 1}"
@@ -105,22 +105,3 @@ def test_generations_strictly_increasing_one_plan_each_under_concurrent_writers(
     watch.cancel()
     assert [g.number for g in seen] == list(range(1, final + 1))
     assert all(g.plan == wins[g.number] for g in seen)
-
-
-@pytest.mark.timeout(30)
-def test_committed_step_moves_forward_in_current_generation(client: Any, job: str) -> None:
-    gens = Generations(client, JobKeys(job))
-    gens.publish("{}", expected=0)
-    assert gens.commit_step(step=1, data_position=64, generation=1).step == 1
-    with pytest.raises(ValueError):
-        gens.commit_step(step=1, data_position=128, generation=1)
-    gens.publish("{}", expected=1)
-    with pytest.raises(GenerationConflict):
-        gens.commit_step(step=2, data_position=128, generation=1)  # stale generation
-    gens.commit_step(step=2, data_position=128, generation=2)
-    committed = gens.committed()
-    assert committed is not None and (committed.step, committed.data_position, committed.generation) == (
-        2,
-        128,
-        2,
-    )

@@ -34,7 +34,7 @@ def test_restart_keeps_members_and_watches(tmp_path: Path) -> None:
             members.wait_ready("n3")
             for n in ("n0", "n1", "n2"):
                 wait_for(lambda n=n: any(r["event"] == "join" and r["node"] == "n3" for r in members.records(n)),
-                         10.0, f"{n} to see n3 join after the restart")  # fmt: skip
+                         10.0, f"{n} to see n3 join after the restart")
             time.sleep(2 * TTL)  # long enough for any lease that was not kept alive to expire
             assert set(read_members(client, keys)[0]) == {"n0", "n1", "n2", "n3"}
             for n in ("n0", "n1", "n2", "n3"):

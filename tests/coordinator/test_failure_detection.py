@@ -74,7 +74,7 @@ def test_etcd_dies_with_its_launcher() -> None:
         launcher.kill()  # SIGKILL: no atexit, no signal handler runs
         launcher.wait()
         wait_for(lambda: not psutil.pid_exists(etcd_pid) or psutil.Process(etcd_pid).status() == "zombie",
-                 5.0, "etcd to die with its launcher")  # fmt: skip
+                 5.0, "etcd to die with its launcher")
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -85,9 +85,9 @@ def test_etcd_dies_with_its_launcher() -> None:
 def test_suspicion_is_confirmed_only_through_etcd(client: Any, job: str) -> None:
     keys = JobKeys(job)
     a = Membership(client, keys, NodeIdentity(node_id="a", incarnation=0, address="h:1", devices=1),
-                   config=MembershipConfig(ttl=TTL))  # fmt: skip
+                   config=MembershipConfig(ttl=TTL))
     b = Membership(client, keys, NodeIdentity(node_id="b", incarnation=0, address="h:2", devices=1),
-                   config=MembershipConfig(ttl=TTL))  # fmt: skip
+                   config=MembershipConfig(ttl=TTL))
     a.join()
     b.join()
     try:

@@ -57,5 +57,5 @@ def test_child_dies_with_its_sigkilled_parent() -> None:
 def test_child_whose_parent_is_already_gone_exits() -> None:
     # A PID that is not our parent: the parent is taken for dead, the child exits at once.
     proc = subprocess.run([sys.executable, "-c", CHILD, str(os.getpid() + 10**6)], capture_output=True,
-                          text=True, timeout=30)  # fmt: skip
+                          text=True, timeout=30)
     assert proc.returncode == -signal.SIGKILL and "ready" not in proc.stdout

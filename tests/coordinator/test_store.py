@@ -42,7 +42,7 @@ def test_gloo_all_reduce_over_etcd_store_twice(etcd_server: EtcdServer, job: str
             [sys.executable, "-c", WORKER, etcd_server.endpoint, job, str(r), str(world)],
             stdout=subprocess.PIPE,
             env=env,
-        )  # fmt: skip
+        )
         for r in range(world)
     ]
     try:

@@ -60,7 +60,7 @@ def run_ranks(endpoint: str, job: str, *, lazy: bool, drop: bool) -> list[str]:
     proc = subprocess.run(
         [sys.executable, "-c", RANKS, endpoint, job, "drop" if drop else "keep"],
         capture_output=True, env=env, timeout=60, text=True,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.splitlines()
 

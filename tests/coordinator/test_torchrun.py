@@ -31,7 +31,7 @@ def _torchrun(endpoint: str, job: str, node: str, out: Path, extra_conf: str = "
         TORCHRUN, "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=elastic-etcd",
         f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job}", f"--rdzv-conf={conf}",
         "--max-restarts=0", "--monitor-interval=0.5", WORKER, str(out), "90",
-    ]  # fmt: skip
+    ]
     log = open(out / f"{node}.log", "wb")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -60,7 +60,7 @@ def test_two_torchrun_nodes_one_job_kill_one(
     try:
         recs = wait_for(lambda: (_record(tmp_path, "a"), _record(tmp_path, "b"))
                         if _record(tmp_path, "a") and _record(tmp_path, "b") else None,
-                        90.0, "workers of both nodes")  # fmt: skip
+                        90.0, "workers of both nodes")
         ra, rb = recs
         assert ra["ELASTIC_JOB"] == rb["ELASTIC_JOB"] == job
         assert set(read_members(client, JobKeys(job))[0]) == {"a", "b"}
@@ -86,7 +86,7 @@ def test_two_torchrun_nodes_one_job_kill_one(
 
 @pytest.mark.timeout(90)
 def test_torchrun_node_with_wrong_token_is_refused(etcd_server: EtcdServer, client: Any, job: str,
-                                                   tmp_path: Path) -> None:  # fmt: skip
+                                                   tmp_path: Path) -> None:
     a = _torchrun(etcd_server.endpoint, job, "a", tmp_path, ",token=right")
     b = None
     try:

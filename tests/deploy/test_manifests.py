@@ -40,7 +40,7 @@ def _one(kind: str, name: str) -> dict[str, Any]:
 
 def _pod_specs() -> list[tuple[str, dict[str, Any]]]:
     return [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in DOCS
-            if d["kind"] in ("Job", "StatefulSet")]  # fmt: skip
+            if d["kind"] in ("Job", "StatefulSet")]
 
 
 def _containers() -> list[tuple[str, dict[str, Any]]]:
@@ -200,4 +200,4 @@ def test_every_etcd_compacts_its_history_as_the_embedded_one_does() -> None:
 )
 def test_kubeconform_accepts_the_manifests() -> None:
     subprocess.run(["kubeconform", "-strict", "-summary", *map(str, sorted(K8S.glob("*.yaml")))],
-                   check=True, timeout=120)  # fmt: skip
+                   check=True, timeout=120)

@@ -62,7 +62,7 @@ def partitioned_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     summary = run_dir / "summary.json"
     part = ",".join(f"{k}={v}" for k, v in PARTITION.items())
     cmd = [sys.executable, str(LAUNCH), "--nodes", "3", "--fault-tolerance", "1", "--steps", str(STEPS),
-           "--run-dir", str(run_dir), "--summary", str(summary), "--partition", part, "--timeout", "150"]  # fmt: skip
+           "--run-dir", str(run_dir), "--summary", str(summary), "--partition", part, "--timeout", "150"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=170)
@@ -137,8 +137,8 @@ def test_sigterm_tears_everything_down(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_not_root_exits_2_with_one_line() -> None:
     code = "import os; os.geteuid = lambda: 1000; import runpy, sys; sys.argv = ['launch.py']; " \
-           f"runpy.run_path({str(LAUNCH)!r}, run_name='__main__')"  # fmt: skip
+           f"runpy.run_path({str(LAUNCH)!r}, run_name='__main__')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           cwd=LAUNCH.parent)  # fmt: skip
+                           cwd=LAUNCH.parent)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "needs root" in proc.stderr

@@ -125,7 +125,7 @@ def main() -> None:
         result["generations"].append(
             {"generation": g, "pid": os.getpid(), "rank": trainer.layout.rank, "holdings": trainer.holdings(),
              "bytes_fetched": timings.bytes_fetched, "transfer_s": timings.transfer_s, "rebuild_s": timings.rebuild_s}
-        )  # fmt: skip
+        )
         while trainer.step < scenario["generations"][g]["until"]:
             at_stop = stop is not None and trainer.step == stop["step"] and g == 0
             if at_stop and args.node == stop["node"]:
@@ -151,7 +151,7 @@ def main() -> None:
                 result["aborted"] = {
                     "step": trainer.step, "latency_s": left - set_at[0], "unchanged": unchanged,
                     "reason": str(exc), "grads_cleared": all(p.grad is None for p in trainer.module.parameters()),
-                }  # fmt: skip
+                }
                 break
             report = trainer.commit(prepared)
             result["losses"][str(report.step)] = report.loss

@@ -43,7 +43,7 @@ def test_adamw_matches_torch_adamw() -> None:
     theirs = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1.0, betas=cfg.betas, eps=cfg.eps, foreach=False,
-    )  # fmt: skip
+    )
     for step in range(6):
         lr = lr_at(step, cfg)
         ours.lr = lr

@@ -24,7 +24,7 @@ def plan(*pipes: tuple[tuple[tuple[int, int, int], ...], int], tp: int = 1) -> P
         num_layers=6, microbatch_size=2, gpus_per_node=tp, fault_tolerance=1,
         pipelines=tuple(PipelinePlan(stages=tuple(StagePlan(node=n, layers=(a, b)) for n, a, b in stages),
                                      microbatches=mbs) for stages, mbs in pipes),
-    )  # fmt: skip
+    )
 
 
 OLD = plan((((0, 0, 3), (1, 3, 6)), 4), (((2, 0, 3), (3, 3, 6)), 4))
@@ -84,7 +84,7 @@ def test_sums_of_a_layer_that_moves_go_to_its_new_holder() -> None:
     assert record.kept == [0, 1, 2, 3] and record.keepers == [[0, 0], [1, 0]] and not record.recomputed
     # [layer, tp, from node, from rank, to node, to rank]: each layer's sums to the first pipeline's holder.
     assert record.moved == [[0, 0, 0, 0, 1, 0], [1, 0, 0, 0, 1, 0], [3, 0, 1, 0, 0, 0], [4, 0, 1, 0, 0, 0],
-                            [5, 0, 1, 0, 0, 0]]  # fmt: skip
+                            [5, 0, 1, 0, 0, 0]]
     assert ReplayRecord.from_dict(record.to_dict()) == record
 
 

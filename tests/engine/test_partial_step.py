@@ -44,7 +44,7 @@ def test_kept_sums_plus_the_missing_microbatches_commit_the_failure_free_step(tm
     alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
     replay = ReplayRecord(step=2, total=4, kept=[0, 1], keepers=[[0, 0]])
     survivor.start(plan=alone, generation=2, store=dist.HashStore(), abort=AbortSignal(), fetch=None, step=2,
-                   replay=replay)  # fmt: skip
+                   replay=replay)
     assert survivor._require().microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
     (report,) = survivor.train(3)
     assert_same(snapshot(survivor), snapshot(reference[0]))
@@ -60,7 +60,7 @@ def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
     replay = ReplayRecord(step=1, total=4, kept=[0, 1], keepers=[[0, 0]])
     with pytest.raises(ValueError, match="counts on this worker's kept sums"):
         trainers[0].start(plan=alone, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=1,
-                          replay=replay)  # fmt: skip
+                          replay=replay)
 
 
 def test_local_abort_lets_pipeline_waits_finish_until_hard_or_out_of_grace() -> None:
@@ -114,12 +114,12 @@ def test_kept_sums_of_a_layer_that_moves_travel_with_it(tmp_path: Path) -> None:
 
     split = Plan(num_layers=6, microbatch_size=2, gpus_per_node=1, fault_tolerance=0, pipelines=(
         PipelinePlan(stages=(StagePlan(node=1, layers=(0, 3)), StagePlan(node=0, layers=(3, 6))), microbatches=4),
-    ))  # fmt: skip
+    ))
     replay = resolve_replay(split, [(0, 0, trainers[0].kept.report()), (1, 0, None)], step=2)
     assert replay.kept == [0, 1] and replay.moved == [[layer, 0, 0, 0, 1, 0] for layer in range(3)]
     store = dist.HashStore()
     _both(lambda r: trainers[r].start(plan=split, generation=2, store=store, abort=AbortSignal(), fetch=None, step=2,
-                                      replay=replay))  # fmt: skip
+                                      replay=replay))
     adopted = trainers[1]._require().replay  # noqa: SLF001 - node 1 adopted node 0's sums of [0, 3)
     assert adopted is not None and {trainers[1].layer_of(n) for n in adopted.sums} == {0, 1, 2}
     _both(lambda r: trainers[r].train(3))

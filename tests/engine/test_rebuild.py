@@ -28,7 +28,7 @@ def started(spec: JobSpec) -> Trainer:
 @pytest.fixture
 def spec(tmp_path: Path) -> JobSpec:
     return JobSpec(model="tiny", plan=single(microbatches=4), steps=6, run_dir=str(tmp_path), optim=OPTIM,
-                   device="cpu")  # fmt: skip
+                   device="cpu")
 
 
 def test_stage_built_from_fetched_shards_is_bit_identical_and_trains_on_alike(spec: JobSpec) -> None:

@@ -32,7 +32,7 @@ def plan_a(tp: int = 1) -> Plan:
     return even_plan(
         num_layers=LAYERS, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=8,
         microbatch_size=2, gpus_per_node=tp, fault_tolerance=1,
-    )  # fmt: skip
+    )
 
 
 def plan_b(tp: int = 1) -> Plan:
@@ -44,7 +44,7 @@ def plan_b(tp: int = 1) -> Plan:
             PipelinePlan(stages=(StagePlan(node=2, layers=(0, 4)), StagePlan(node=0, layers=(4, 6))), microbatches=5),
             PipelinePlan(stages=(StagePlan(node=1, layers=(0, 6)),), microbatches=3),
         ),
-    )  # fmt: skip
+    )
 
 
 def plan_c() -> Plan:
@@ -55,7 +55,7 @@ def plan_c() -> Plan:
             PipelinePlan(stages=(StagePlan(node=0, layers=(0, 3)), StagePlan(node=1, layers=(3, 6))), microbatches=5),
             PipelinePlan(stages=(StagePlan(node=2, layers=(0, 6)),), microbatches=3),
         ),
-    )  # fmt: skip
+    )
 
 
 def run_scenario(
@@ -77,7 +77,7 @@ def run_scenario(
             for lr in range(tp):
                 log = open(out / f"log-{node}-{lr}.txt", "wb")  # noqa: SIM115 - the child owns it
                 cmd = [sys.executable, "-m", "tests.engine.reconfig_worker", "--scenario", str(path),
-                       "--node", str(node), "--local-rank", str(lr), "--store-port", str(port)]  # fmt: skip
+                       "--node", str(node), "--local-rank", str(lr), "--store-port", str(port)]
                 procs[(node, lr)] = subprocess.Popen(
                     cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
                 )

@@ -45,7 +45,7 @@ def test_the_last_stage_alternates_forward_and_backward() -> None:
         "recv_act(0)", "forward(0)", "backward(0)", "send_grad(0)",
         "recv_act(1)", "forward(1)", "backward(1)", "send_grad(1)",
         "recv_act(2)", "forward(2)", "backward(2)", "send_grad(2)",
-    ]  # fmt: skip
+    ]
 
 
 def test_first_stage_warms_up_then_alternates() -> None:
@@ -53,7 +53,7 @@ def test_first_stage_warms_up_then_alternates() -> None:
     compute = [str(a) for a in actions if a.op in (Op.FORWARD, Op.BACKWARD)]
     assert compute == [
         "forward(0)", "forward(1)", "forward(2)", "backward(0)", "forward(3)", "backward(1)", "backward(2)", "backward(3)",
-    ]  # fmt: skip
+    ]
 
 
 def test_simulator_detects_a_deadlock() -> None:

@@ -44,7 +44,7 @@ def run_elastic(
     """Train tiny on `nodes` nodes dealt into `pipelines` multi-stage pipelines, with faults."""
     config = tiny_config(run_dir, nodes=nodes, pipelines=pipelines, steps=steps, fault_tolerance=fault_tolerance,
                          checkpoint_every=checkpoint_every, partial_replay=partial_replay,
-                         shard_transport=shard_transport)  # fmt: skip
+                         shard_transport=shard_transport)
     config = dataclasses.replace(config, injections=tuple(parse_injection(i) for i in inject))
     summary = launch_elastic(config, quiet=True, timeout_s=timeout_s)
     return summary, load_final_state(config.spec)
@@ -86,10 +86,10 @@ def tiny_config(
 ) -> ElasticConfig:
     """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2)."""
     plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=fault_tolerance)  # fmt: skip
+                     microbatch_size=2, fault_tolerance=fault_tolerance)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    collective_timeout_s=60.0, partial_replay=partial_replay,
-                   shard_transport=shard_transport)  # fmt: skip
+                   shard_transport=shard_transport)
     cluster = ClusterSpec(
         model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
     )
@@ -102,7 +102,7 @@ def static_reference(run_dir: Path, *, steps: int) -> Result:
     from elastic.roles.launcher import launch
 
     plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2,
-                     fault_tolerance=0)  # fmt: skip
+                     fault_tolerance=0)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu")
     summary = launch(spec, quiet=True, timeout_s=300)
     return summary, load_final_state(spec)
@@ -124,7 +124,7 @@ class LiveJob:
     and token, so that the test can drive it (CLI, requests) and read its etcd afterwards."""
 
     def __init__(self, config: ElasticConfig, *, etcd: str, job: str | None = None, token: str | None = None,
-                 timeout_s: float = 150.0) -> None:  # fmt: skip
+                 timeout_s: float = 150.0) -> None:
         import secrets
 
         from elastic.coordinator import EtcdConfig, JobKeys, connect
@@ -151,7 +151,7 @@ class LiveJob:
         try:
             self.summary = launch_elastic(self.config, etcd_endpoint=self.etcd, quiet=True,
                                           timeout_s=self._timeout_s, job=self.job, token=self.token,
-                                          stop=self._stop)  # fmt: skip
+                                          stop=self._stop)
         except BaseException as exc:  # handed to the test thread by result()
             self.error = exc
 
@@ -165,7 +165,7 @@ class LiveJob:
     def _on_progress(self, events: list[Any]) -> None:
         with self._progress_lock:
             self.progress_puts += [(ProgressRecord.from_json(ev.value), ev.revision) for ev in events
-                                   if ev.kind == "put" and ev.key == self.rk.progress]  # fmt: skip
+                                   if ev.kind == "put" and ev.key == self.rk.progress]
 
     def progress_seen(self) -> list[tuple[ProgressRecord, int]]:
         """A copy of `progress_puts`."""
@@ -198,7 +198,7 @@ class LiveJob:
         ending = (self.rk.readies, self.rk.decisions, self.rk.done)
         moved = (self.rk.progress, self.keys.leader)  # the election moves when the first agent leaves
         return keys if moving else {k: v for k, v in keys.items()
-                                    if k not in moved and not k.startswith(ending)}  # fmt: skip
+                                    if k not in moved and not k.startswith(ending)}
 
     def leased_prefixes(self) -> list[str]:
         """Prefixes of the keys that live on an agent's lease (gone when the agent leaves)."""

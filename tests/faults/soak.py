@@ -62,7 +62,7 @@ def soak_schedule(faults: int, *, seed: int, lease_ttl: int) -> list[Fault]:
         elif kind == "slow":
             seconds, factor = round(rng.uniform(2.0, 4.0), 1), rng.choice((2.0, 3.0))
         out.append(Fault(kind=kind, gap=rng.randint(1, 4), pick=rng.randrange(1 << 16), seconds=seconds,
-                         factor=factor))  # fmt: skip
+                         factor=factor))
     return out
 
 
@@ -159,11 +159,11 @@ class SoakController:
         incarnation = record.incarnations[node]
         rid = request_id(fault.kind, node, None)
         entry = FaultLog(index=index, fault=fault, node=node, incarnation=incarnation, request=rid,
-                         fired_after_step=self.job.committed())  # fmt: skip
+                         fired_after_step=self.job.committed())
         t0 = time.monotonic()
         submit_request(self.job.client, self.job.keys.root, InjectionRequest(
             id=rid, kind=fault.kind, node=node, incarnation=incarnation, seconds=fault.seconds,  # type: ignore[arg-type]
-            factor=fault.factor, requested_at=time.time(), by="soak"))  # fmt: skip
+            factor=fault.factor, requested_at=time.time(), by="soak"))
         if fault.kind == "slow":
             entry.status = self._wait(lambda: self._final_status(rid, ("done",)), f"{rid} to end")
             entry.seconds = time.monotonic() - t0
@@ -177,7 +177,7 @@ class SoakController:
         entry.rejoin = request_id("rejoin", node, None)
         submit_request(self.job.client, self.job.keys.root, InjectionRequest(
             id=entry.rejoin, kind="rejoin", node=node, incarnation=None, requested_at=time.time(),
-            by="soak"))  # fmt: skip
+            by="soak"))
         entry.rejoined_in = self._wait(
             lambda: self._generation_where(g, lambda r: r.incarnations.get(node) == incarnation + 1),
             f"node {node} incarnation {incarnation + 1} to be taken back in ({entry.rejoin})",

@@ -109,7 +109,7 @@ BAD_REQUESTS: dict[str, tuple[str, bytes, grpc.StatusCode]] = {
     "a shard twice": (FETCH_METHOD, _request((2, 0), (2, 0)), grpc.StatusCode.INVALID_ARGUMENT),
     "wrong token": (FETCH_METHOD, _request((2, 0), token="guess"), grpc.StatusCode.UNAUTHENTICATED),
     "no credentials": (FETCH_METHOD, pb.FetchRequest(shards=[pb.ShardId(layer=2)]).SerializeToString(),
-                       grpc.StatusCode.UNAUTHENTICATED),  # fmt: skip
+                       grpc.StatusCode.UNAUTHENTICATED),
     "empty List": (LIST_METHOD, b"", grpc.StatusCode.UNAUTHENTICATED),
 }
 
@@ -149,7 +149,7 @@ def _frames(tensors: Mapping[str, torch.Tensor], *, chunk: int = 1000) -> Frames
     for name, t in tensors.items():
         data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         start = pb.TensorStart(name=name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
-                               nbytes=len(data))  # fmt: skip
+                               nbytes=len(data))
         out.append(pb.FetchReply(tensor_start=start).SerializeToString())
         out += [pb.FetchReply(data=data[i : i + chunk]).SerializeToString() for i in range(0, len(data), chunk)]
         out.append(pb.FetchReply(tensor_end=pb.TensorEnd(crc32=zlib.crc32(data))).SerializeToString())

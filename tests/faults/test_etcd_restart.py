@@ -70,7 +70,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
                 ["elastic.roles.elastic_worker", "--local-rank", "0", "--lease", "1"],
                 server.endpoint,
                 run.job,
-            ),  # fmt: skip
+            ),
         ]
         # etcd goes down at step KILL_AT whether or not the intruders are done (a worker imports
         # torch first: seconds); one still trying rides the outage out on the client's retries.

@@ -50,7 +50,7 @@ class World:
     def __init__(self, client: Any, job: str, tmp: Path, nodes: int) -> None:
         self.client, self.keys, self.rk = client, JobKeys(job), RunKeys(JobKeys(job))
         plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=2, global_microbatches=4,
-                         microbatch_size=2, fault_tolerance=1)  # fmt: skip
+                         microbatch_size=2, fault_tolerance=1)
         spec = JobSpec(model="tiny", plan=plan, steps=20, run_dir=str(tmp), device="cpu")
         cluster = ClusterSpec(model="tiny", nodes=nodes, fault_tolerance=1)
         self.config = ElasticConfig(spec=spec, cluster=cluster, checkpoint_dir=str(tmp / "ckpt"))
@@ -71,7 +71,7 @@ class World:
 
     def join(self, node: int, incarnation: int) -> None:
         m = Membership(self.client, self.keys, NodeIdentity(node_id=node_id(node), incarnation=incarnation,
-                       address="127.0.0.1:0", devices=1), config=MembershipConfig(ttl=2))  # fmt: skip
+                       address="127.0.0.1:0", devices=1), config=MembershipConfig(ttl=2))
         m.join()
         self.members[node] = m
 
@@ -80,7 +80,7 @@ class World:
         return HaltRecord.from_json(value) if value is not None else None
 
     def sync(self, g: int, node: int, committed: int | None, *, pending: int | None = None,
-             vote_of: int | None = None) -> None:  # fmt: skip
+             vote_of: int | None = None) -> None:
         """Node `node`'s (one worker) sync report of g; `vote_of`: the step its last vote was of."""
         vote = None if vote_of is None else Vote(step=vote_of, grad_norm=1.0 + vote_of, loss=2.0 + vote_of)
         report = SyncReport(committed=committed, pending=pending, last_vote=vote, node=node, local_rank=0)

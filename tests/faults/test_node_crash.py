@@ -44,7 +44,7 @@ def agent_pid(job: str, node: int) -> int:
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
         if ("elastic.roles.agent" in cmd and cmd[cmd.index("--job") + 1] == job
-                and cmd[cmd.index("--node") + 1] == str(node)):  # fmt: skip
+                and cmd[cmd.index("--node") + 1] == str(node)):
             return int(proc.pid)
     raise AssertionError(f"no agent process for node {node} of job {job}")
 
@@ -92,4 +92,4 @@ def test_the_loss_was_found_by_lease_expiry(outcome: Outcome) -> None:
     assert not outcome.failure_reported
     assert len(outcome.victim_pids) == 2
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                   for p in outcome.victim_pids)  # fmt: skip
+                   for p in outcome.victim_pids)

@@ -36,7 +36,7 @@ def job_dir(client: Any, job: str, etcd_server: EtcdServer, tmp_path: Path) -> I
     members = []
     for node, inc in ((0, 0), (1, 2)):
         m = Membership(client, keys, NodeIdentity(node_id=node_id(node), incarnation=inc, address="127.0.0.1:0",
-                       devices=1), config=MembershipConfig(ttl=5))  # fmt: skip
+                       devices=1), config=MembershipConfig(ttl=5))
         m.join()
         members.append(m)
     record = GenerationRecord(plan=config.spec.plan, resume_step=0, incarnations={0: 0, 1: 2})
@@ -78,7 +78,7 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     ],
 )
 def test_refusals_write_nothing(job_dir: Path, client: Any, job: str, capsys: pytest.CaptureFixture[str],
-                                argv: list[str], code: int, message: str) -> None:  # fmt: skip
+                                argv: list[str], code: int, message: str) -> None:
     got, out = cli(capsys, *argv, "--run-dir", str(job_dir), "--wait", "0")
     assert got == code and message in out and len(out.strip().splitlines()) == 1, out
     assert read_requests(client, JobKeys(job).root) == []
@@ -88,12 +88,12 @@ def test_writes_a_request_for_the_current_incarnation(
     job_dir: Path, client: Any, job: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out = cli(capsys, "inject", "slow", "--node", "1", "--at-step", "5", "--factor", "3", "--run-dir",
-                    str(job_dir), "--wait", "0")  # fmt: skip
+                    str(job_dir), "--wait", "0")
     assert code == 0, out
     (req,) = read_requests(client, JobKeys(job).root)
     assert (req.kind, req.node, req.incarnation, req.when, req.step, req.factor, req.seconds) == (
         "slow", 1, 2, "step", 5, 3.0, 10.0
-    )  # fmt: skip
+    )
     assert req.id.startswith("slow-node1-step5-") and req.id in out
     code, out = cli(capsys, "drain", "--node", "0", "--run-dir", str(job_dir), "--wait", "0")
     assert code == 0 and "drain node 0 (incarnation 0)" in out, out

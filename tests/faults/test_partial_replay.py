@@ -48,7 +48,7 @@ def test_only_the_broken_pipelines_microbatches_are_replayed(fault: str, referen
 
 def test_whole_step_replay_over_grpc_gives_the_same_state(reference: Reference, tmp_path: Path) -> None:
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",), partial_replay=False,
-                                 shard_transport="grpc")  # fmt: skip
+                                 shard_transport="grpc")
     check_same_training(summary, state, reference)
     assert max_rel_diff(state, reference[1]) == 0.0
     (rec,) = summary.recoveries

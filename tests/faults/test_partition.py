@@ -42,17 +42,17 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
         (rid,) = [r.id for r in read_requests(client, keys.root) if r.kind == "partition"]
         gens = Generations(client, keys)
         records = {g: GenerationRecord.from_json(gens.get(g).plan)  # type: ignore[union-attr]
-                   for g in range(1, gens.current_number() + 1)}  # fmt: skip
+                   for g in range(1, gens.current_number() + 1)}
         revisions = {g: gens.get(g).revision for g in records}  # type: ignore[union-attr]
         rk = job.rk
         old_keys = [(m.key.decode(), m.mod_revision) for prefix in (rk.sync(1), f"{rk.readies}1/", f"{rk.decisions}1/")
-                    for _, m in client.get_prefix(prefix)]  # fmt: skip
+                    for _, m in client.get_prefix(prefix)]
         yield {
             "code": code, "output": output, "summary": summary, "state": state,
             "status": read_statuses(client, keys.root)[rid], "events": read_events(client, keys),
             "records": records, "revisions": revisions, "old_keys": old_keys, "progress": job.progress_seen(),
             "logs": step_logs(Path(config.spec.run_dir)),
-        }  # fmt: skip
+        }
     finally:
         job.close()
 
@@ -84,5 +84,5 @@ def test_healed_node_wrote_nothing_after_its_fencing(run: dict[str, Any]) -> Non
     assert late_results == [], late_results
     resume = run["records"][2].resume_step
     late_logged = {name: [r.step for r in results if r.generation == 1 and r.step >= resume]
-                   for name, results in run["logs"].items()}  # fmt: skip
+                   for name, results in run["logs"].items()}
     assert all(not steps for steps in late_logged.values()), late_logged

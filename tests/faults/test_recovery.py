@@ -65,7 +65,7 @@ def test_leader_node_killed(reference: Reference, tmp_path: Path) -> None:
 
 def test_two_simultaneous_failures_with_f2(reference: Reference, tmp_path: Path) -> None:
     summary, state = run_elastic(tmp_path, nodes=5, pipelines=3, fault_tolerance=2,
-                                 inject=("kill:node=1,step=8", "kill:node=3,step=8"))  # fmt: skip
+                                 inject=("kill:node=1,step=8", "kill:node=3,step=8"))
     check_same_training(summary, state, reference)
     lost = sorted(n for r in summary.recoveries for n in r["lost_nodes"])
     assert lost == [1, 3] and all(r["restore_checkpoint"] is None for r in summary.recoveries)
@@ -74,7 +74,7 @@ def test_two_simultaneous_failures_with_f2(reference: Reference, tmp_path: Path)
 
 def test_second_failure_during_reconfiguration(reference: Reference, tmp_path: Path) -> None:
     summary, state = run_elastic(tmp_path, nodes=5, pipelines=3,
-                                 inject=("kill:node=1,step=8", "kill:node=2,when=reconfig"))  # fmt: skip
+                                 inject=("kill:node=1,step=8", "kill:node=2,when=reconfig"))
     check_same_training(summary, state, reference)
     lost = sorted(n for r in summary.recoveries for n in r["lost_nodes"])
     assert lost == [1, 2] and all(r["restore_checkpoint"] is None for r in summary.recoveries)
@@ -87,7 +87,7 @@ def test_node_rejoins_later(tmp_path: Path, tmp_path_factory: pytest.TempPathFac
     # would end first, so this run trains LONG steps, against the LONG-step failure-free result.
     reference = reference_run(tmp_path_factory, steps=LONG)
     summary, state = run_elastic(tmp_path / "rejoin", nodes=4, pipelines=2, steps=LONG,
-                                 inject=("kill:node=2,step=2", "rejoin:node=2,step=3"))  # fmt: skip
+                                 inject=("kill:node=2,step=2", "rejoin:node=2,step=3"))
     check_same_training(summary, state, reference, steps=LONG)
     assert [r["lost_nodes"] for r in summary.recoveries] == [[2], []]
     assert summary.recoveries[1]["joined_nodes"] == [2] and summary.recoveries[1]["bytes_moved"] > 0
@@ -100,7 +100,7 @@ def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(
 ) -> None:
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2,
-                                 inject=("kill:node=0,step=8", "kill:node=2,step=8"))  # fmt: skip
+                                 inject=("kill:node=0,step=8", "kill:node=2,step=8"))
     check_same_training(summary, state, reference)
     assert summary.recoveries[-1]["restore_checkpoint"] == 5
     assert "CHECKPOINT FALLBACK" in summary.recoveries[-1]["reason"]
@@ -111,4 +111,4 @@ def test_every_holder_lost_without_a_checkpoint_fails_the_job_with_the_leaders_r
     # launcher ends the run with its reason instead of waiting out the timeout.
     with pytest.raises(JobFailed, match="the leader gave up: .*no live holder and no complete checkpoint"):
         run_elastic(tmp_path, nodes=4, pipelines=2, checkpoint_every=0,
-                    inject=("kill:node=0,step=8", "kill:node=2,step=8"))  # fmt: skip
+                    inject=("kill:node=0,step=8", "kill:node=2,step=8"))

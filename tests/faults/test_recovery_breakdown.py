@@ -19,19 +19,19 @@ T0 = 1_000_000.0
 
 def record(*, lost: list[int], detected_at: float, nodes: list[int]) -> GenerationRecord:
     plan = even_plan(num_layers=6, nodes=nodes, num_pipelines=1, global_microbatches=4, microbatch_size=2,
-                     fault_tolerance=0)  # fmt: skip
+                     fault_tolerance=0)
     return GenerationRecord(plan=plan, resume_step=3, incarnations=dict.fromkeys(nodes, 0), lost=lost,
-                            detected_at=detected_at, published_at=detected_at + 0.5)  # fmt: skip
+                            detected_at=detected_at, published_at=detected_at + 0.5)
 
 
 def timings(first_commit_at: float) -> list[RecoveryTimings]:
     return [RecoveryTimings(seen_at=first_commit_at - 2, transfer_s=0.1, rebuild_s=0.2, bytes_fetched=10,
-                            started_at=first_commit_at - 1, first_commit_at=first_commit_at)]  # fmt: skip
+                            started_at=first_commit_at - 1, first_commit_at=first_commit_at)]
 
 
 def test_fault_time_takes_the_latest_fault_before_the_detection() -> None:
     carried = [("kill-node2-step3", T0), ("rejoin-node2-step6", T0 + 10), ("hang-node2-now-ab12cd", T0 + 20),
-               ("kill-node12-step9", T0 + 25), ("partition-node2-now-0f0f0f", T0 + 40)]  # fmt: skip
+               ("kill-node12-step9", T0 + 25), ("partition-node2-now-0f0f0f", T0 + 40)]
     assert fault_time(carried, 2, detected=T0 + 5) == T0
     assert fault_time(carried, 2, detected=T0 + 15) == T0  # a rejoin is no fault
     assert fault_time(carried, 2, detected=T0 + 24) == T0 + 20
@@ -45,7 +45,7 @@ def test_repeated_faults_on_a_node_each_start_their_own_recovery(client: Any, jo
     # node 2 killed at T0, rejoins, hung at T0+30 (lost at T0+33, a TTL later), rejoins, killed at T0+60.
     for name, at in [("kill-node2-step3", T0), ("rejoin-node2-step5", T0 + 10),
                      ("hang-node2-step12", T0 + 30), ("rejoin-node2-step15", T0 + 40),
-                     ("kill-node2-now-a1b2c3", T0 + 60), ("kill-node1-step4", T0 + 0.5)]:  # fmt: skip
+                     ("kill-node2-now-a1b2c3", T0 + 60), ("kill-node1-step4", T0 + 0.5)]:
         client.put(rk.injected(name), repr(at))
     nodes = [0, 1, 3]
     first = recovery_breakdown(
@@ -55,7 +55,7 @@ def test_repeated_faults_on_a_node_each_start_their_own_recovery(client: Any, jo
         client, rk, 4, record(lost=[2], detected_at=T0 + 33, nodes=nodes), timings(T0 + 36)
     )
     third = recovery_breakdown(client, rk, 6, record(lost=[2], detected_at=T0 + 60.1, nodes=nodes),
-                               timings(T0 + 62))  # fmt: skip
+                               timings(T0 + 62))
     assert (first["fault_at"], second["fault_at"], third["fault_at"]) == (T0, T0 + 30, T0 + 60)
     assert abs(second["detecting_s"] - 3.0) < 1e-6 and abs(second["total_s"] - 6.0) < 1e-6
     # Two nodes lost together: the recovery runs from the earlier of their faults.

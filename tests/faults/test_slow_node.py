@@ -42,7 +42,7 @@ class Outcome:
     """What the run left: summary, final state, and what its etcd says afterwards."""
 
     def __init__(self, job: LiveJob, result: tuple[RunSummary, dict[str, torch.Tensor]], outputs: dict[str, str],
-                 codes: dict[str, int], samples: list[str], after: list[str]) -> None:  # fmt: skip
+                 codes: dict[str, int], samples: list[str], after: list[str]) -> None:
         self.summary, self.state = result
         self.samples, self.after = samples, after  # node 1's worker states during and right after the slow-down
         self.outputs, self.codes = outputs, codes
@@ -81,7 +81,7 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
         sampler.start()
         outputs, codes = {}, {}
         codes["slow"], outputs["slow"] = job.cli("inject", "slow", "--node", "1", "--factor", str(FACTOR),
-                                                 "--seconds", str(SLOW_S), "--wait", "60")  # fmt: skip
+                                                 "--seconds", str(SLOW_S), "--wait", "60")
         sampling.set()
         sampler.join()
         after = [worker.status() for _ in range(20)]
@@ -115,7 +115,7 @@ def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference
     running = [e for e in outcome.events if e["kind"] == "injection" and e["injection"] == "slow"][0]["time"]
     before = [s for s, t in zip(summary.step_seconds[1:], summary.step_committed_at[1:], strict=True) if t < running]
     during = [s for s, t in zip(summary.step_seconds, summary.step_committed_at, strict=True)
-              if running + 0.5 < t <= status.at]  # fmt: skip
+              if running + 0.5 < t <= status.at]
     if before and during:
         print(f"slowed / normal median step time: {statistics.median(during) / statistics.median(before):.2f}")
 

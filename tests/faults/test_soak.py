@@ -117,7 +117,7 @@ def test_soak(etcd_server: EtcdServer, tmp_path: Path) -> None:
         print("  " + entry.line())
     kinds = {k: sum(1 for e in log if e.fault.kind == k) for k in ("kill", "hang", "partition", "slow")}
     print(f"soak: {len(log)} faults {kinds}, {len(recoveries)} recoveries, {STEPS} steps, "
-          f"faults done after {faults_s:.0f} s, run {wall_s:.0f} s, failure-free reference {reference_s:.0f} s")  # fmt: skip
+          f"faults done after {faults_s:.0f} s, run {wall_s:.0f} s, failure-free reference {reference_s:.0f} s")
     for kind in ("kill", "hang", "partition"):
         totals = [
             r["total_s"]
@@ -127,10 +127,10 @@ def test_soak(etcd_server: EtcdServer, tmp_path: Path) -> None:
             if r["generation"] == e.lost_in
         ]
         detect = [r["detecting_s"] for e in log if e.fault.kind == kind for r in recoveries
-                  if r["generation"] == e.lost_in]  # fmt: skip
+                  if r["generation"] == e.lost_in]
         if totals:
             print(f"  {kind:<9} recovery total median {statistics.median(totals):.2f} s max {max(totals):.2f} s, "
-                  f"detection median {statistics.median(detect):.2f} s")  # fmt: skip
+                  f"detection median {statistics.median(detect):.2f} s")
     # A join generation that the next fault superseded before it trained has no total.
     joins = [r["total_s"] for r in recoveries if r["joined_nodes"] and not r["interrupted"]]
     cut = sum(1 for r in recoveries if r["joined_nodes"] and r["interrupted"])

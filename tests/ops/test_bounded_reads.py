@@ -110,9 +110,9 @@ class CountingClient:
 
 def job_config(run_dir: Path, steps: int) -> ElasticConfig:
     plan = even_plan(num_layers=6, nodes=list(range(NODES)), num_pipelines=1, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=0)  # fmt: skip
+                     microbatch_size=2, fault_tolerance=0)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(lr=1e-3),
-                   device="cpu")  # fmt: skip
+                   device="cpu")
     cluster = ClusterSpec(model="tiny", nodes=NODES, fault_tolerance=0, global_batch=8, microbatch=2)
     return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=0)
 
@@ -121,7 +121,7 @@ def record(step: int, recent: list[list[float]]) -> ProgressRecord:
     at = 1000.0 + 0.25 * step
     recent = [*recent, [float(step), at, 0.2]][-8:]
     return ProgressRecord(step=step, loss=3.0 - step / 1000, grad_norm=1.0, lr=1e-3, seconds=0.2, generation=1,
-                          committed_at=at, recent=recent)  # fmt: skip
+                          committed_at=at, recent=recent)
 
 
 def start_job(client: Any, keys: JobKeys, config: ElasticConfig) -> None:
@@ -209,7 +209,7 @@ def measured(etcd_server: EtcdServer, tmp_path: Path) -> dict[int, dict[str, Any
     try:
         client = CountingClient(inner)
         return {steps: measure(client, inner, etcd_server.endpoint, tmp_path / f"run{steps}", steps)
-                for steps in (SHORT, LONG)}  # fmt: skip
+                for steps in (SHORT, LONG)}
     finally:
         inner.close()
 
@@ -248,7 +248,7 @@ def test_summary_takes_the_steps_the_feed_missed_from_the_step_logs(tmp_path: Pa
     log = step_log_path(tmp_path, 1, 0)
     log.parent.mkdir(parents=True)
     logged = [StepResult(step=s, loss=2.0 - s / 10, grad_norm=1.0, lr=1e-3, seconds=0.3, generation=1,
-                         committed_at=50.0 + s) for s in range(6)]  # fmt: skip
+                         committed_at=50.0 + s) for s in range(6)]
     log.write_text("".join(r.to_json() + "\n" for r in logged) + '{"step": 6, "lo')  # a torn last line
     progress = Progress(generations={1: GenerationRecord(plan=config.spec.plan, resume_step=0, incarnations={})})
     recent: list[list[float]] = []
@@ -259,7 +259,7 @@ def test_summary_takes_the_steps_the_feed_missed_from_the_step_logs(tmp_path: Pa
     summary = elastic_summary(config, progress, started_at=0.0)
     assert summary.steps_committed == 6
     assert summary.losses == [record(0, []).loss, record(1, []).loss, *(r.loss for r in logged[2:5]),
-                              record(5, []).loss]  # fmt: skip
+                              record(5, []).loss]
     assert summary.step_seconds == [0.2, 0.2, 0.3, 0.3, 0.3, 0.2]
 
 

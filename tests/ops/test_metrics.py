@@ -80,12 +80,12 @@ class Live:
 
 def elastic_config(run_dir: Path) -> ElasticConfig:
     plan = even_plan(num_layers=6, nodes=[0, 1, 2], num_pipelines=2, global_microbatches=4, microbatch_size=2,
-                     fault_tolerance=1)  # fmt: skip
+                     fault_tolerance=1)
     spec = JobSpec(model="tiny", plan=plan, steps=STEPS, run_dir=str(run_dir),
-                   optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), device="cpu", collective_timeout_s=60.0)  # fmt: skip
+                   optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), device="cpu", collective_timeout_s=60.0)
     cluster = ClusterSpec(model="tiny", nodes=3, fault_tolerance=1, global_batch=8, microbatch=2)
     return ElasticConfig(spec=spec, cluster=cluster, injections=(parse_injection("kill:node=2,step=5"),),
-                         checkpoint_every=0)  # fmt: skip
+                         checkpoint_every=0)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
     def run() -> None:
         try:
             outcome["summary"] = launch_elastic(elastic_config(run_dir), etcd_endpoint=etcd_server.endpoint,
-                                                job=job, quiet=True, timeout_s=120)  # fmt: skip
+                                                job=job, quiet=True, timeout_s=120)
         except BaseException as exc:  # reported by the fixture below
             outcome["error"] = exc
 
@@ -132,14 +132,14 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
         wait_for(lambda: scrape(address)["elastic_workers"] == 0, 10, "node 1's workers to go")
         after = scrape(address)
         plans = {int(m.key.decode().rsplit("/", 1)[1]): GenerationRecord.from_json(v)
-                 for v, m in client.get_prefix(keys.plans)}  # fmt: skip
+                 for v, m in client.get_prefix(keys.plans)}
         timings: dict[int, dict[int, RecoveryTimings]] = {}
         for value, m in client.get_prefix(rk.recoveries):
             g, rank = m.key.decode().split("/")[-2:]
             timings.setdefault(int(g), {})[int(rank)] = RecoveryTimings.from_json(value)
         yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
                    published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
-                   timings=timings, progress=read_progress(client, rk))  # fmt: skip
+                   timings=timings, progress=read_progress(client, rk))
     finally:
         if metrics is not None:
             metrics.stop()
@@ -230,7 +230,7 @@ def _record(nodes: list[int], pipelines: int, **kw: Any) -> GenerationRecord:
 
 def _timings(first_commit_at: float, bytes_fetched: int) -> RecoveryTimings:
     return RecoveryTimings(seen_at=0.0, transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched,
-                           started_at=first_commit_at - 0.5, first_commit_at=first_commit_at)  # fmt: skip
+                           started_at=first_commit_at - 0.5, first_commit_at=first_commit_at)
 
 
 def test_snapshot_superseded_generation_and_rank_mapping() -> None:
@@ -243,7 +243,7 @@ def test_snapshot_superseded_generation_and_rank_mapping() -> None:
     timings = {2: {0: _timings(12.0, 100)}, 3: {0: _timings(14.0, 10), 1: _timings(14.5, 1000)}}
     injected = {"kill-node2-step5": 9.0, "kill-node1-reconfig": 10.8}
     snap = snapshot(node=3, seq_len=64, window=10, plans=plans, progress=None, timings=timings, injected=injected,
-                    workers=[], nodes_alive=2)  # fmt: skip
+                    workers=[], nodes_alive=2)
     assert snap.generation == 3 and snap.recoveries == 2 and snap.step == 0 and snap.tokens_per_s is None
     assert [r.generation for r in snap.finished] == [2, 3]
     last = snap.finished[-1]
@@ -257,21 +257,21 @@ def test_snapshot_superseded_generation_and_rank_mapping() -> None:
 
 def test_snapshot_throughput_of_one_step() -> None:
     record = ProgressRecord(step=0, loss=2.5, grad_norm=1.0, lr=1e-3, seconds=0.5, generation=1, committed_at=5.0,
-                            recent=[[0, 5.0, 0.5]])  # fmt: skip
+                            recent=[[0, 5.0, 0.5]])
     snap = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, progress=record, timings={},
-                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+                    injected={}, workers=[], nodes_alive=2)
     assert snap.step == 1 and snap.loss == 2.5 and snap.tokens_per_s == pytest.approx(8 * 64 / 0.5)
     assert snapshot(node=0, seq_len=None, window=10, plans={1: _record([0, 1], 2)}, progress=record,
-                    timings={}, injected={}, workers=[], nodes_alive=2).tokens_per_s is None  # fmt: skip
+                    timings={}, injected={}, workers=[], nodes_alive=2).tokens_per_s is None
 
 
 def test_snapshot_throughput_over_the_recent_window() -> None:
     recent = [[s, 10.0 + 0.5 * s, 0.4] for s in range(12, 20)]  # the record's window: 8 steps
     record = ProgressRecord(step=19, loss=2.0, grad_norm=1.0, lr=1e-3, seconds=0.4, generation=1,
-                            committed_at=19.5, recent=recent)  # fmt: skip
+                            committed_at=19.5, recent=recent)
     snap = snapshot(node=0, seq_len=64, window=4, plans={1: _record([0, 1], 2)}, progress=record, timings={},
-                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+                    injected={}, workers=[], nodes_alive=2)
     assert snap.step == 20 and snap.tokens_per_s == pytest.approx(8 * 64 * 3 / 1.5)
     wide = snapshot(node=0, seq_len=64, window=10, plans={1: _record([0, 1], 2)}, progress=record, timings={},
-                    injected={}, workers=[], nodes_alive=2)  # fmt: skip
+                    injected={}, workers=[], nodes_alive=2)
     assert wide.tokens_per_s == pytest.approx(8 * 64 * 7 / 3.5)  # capped at the record's 8 steps

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def result(step: int) -> StepResult:
     return StepResult(step=step, loss=10.0 - step / 7, grad_norm=1.0 + step / 3, lr=1e-3 * (step % 5 + 1),
-                      seconds=0.01 * step, generation=2, committed_at=1000.0 + step)  # fmt: skip
+                      seconds=0.01 * step, generation=2, committed_at=1000.0 + step)
 
 
 class Seen:

@@ -32,7 +32,7 @@ def static_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, RunSumma
     run_dir = tmp_path_factory.mktemp("static-run")
     plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=2, microbatch_size=2)
     spec = JobSpec(model="tiny", plan=plan, steps=STEPS, run_dir=str(run_dir), optim=OptimConfig(lr=1e-3),
-                   device="cpu", collective_timeout_s=60.0)  # fmt: skip
+                   device="cpu", collective_timeout_s=60.0)
     summary = launch(spec, quiet=True, timeout_s=80)
     (run_dir / "summary.json").write_text(summary.to_json())
     return run_dir, summary
@@ -108,7 +108,7 @@ def test_missing_directory_and_summary(tmp_path: Path, capsys: pytest.CaptureFix
         ('{"steps_committed": 1, "losses": ["x"], "step_seconds": [0.1], "global_batch": 8, "seq_len": 64}',
          "'losses' must be a list of numbers"),
     ],
-)  # fmt: skip
+)
 def test_malformed_summary(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, message: str
 ) -> None:
@@ -136,7 +136,7 @@ def test_summary_of_a_recovery_entry(static_run: tuple[Path, RunSummary], tmp_pa
         {"generation": 3, "lost_nodes": [], "joined_nodes": [2], "drained_nodes": [3], "total_s": 0.5, "bytes_moved": 200,
          "restore_checkpoint": 0, "fault_at": t0 + 3.1, "published_at": t0 + 3.2, "first_commit_at": t0 + 4,
          "interrupted": False},
-    ]  # fmt: skip
+    ]
     (tmp_path / "summary.json").write_text(json.dumps(data))
     text = summary_text(tmp_path)
     assert "2 recoveries, 1.75 s and 500 bytes in all" in text

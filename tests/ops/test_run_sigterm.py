@@ -31,7 +31,7 @@ def _job_processes(job: str) -> list[psutil.Process]:
 
 def _start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "3",
-           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir)]  # fmt: skip
+           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

@@ -86,9 +86,9 @@ def status_json(run: LiveRun) -> dict[str, Any]:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
     run_dir = tmp_path_factory.mktemp("live")
     plan = even_plan(num_layers=6, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=1)  # fmt: skip
+                     microbatch_size=2, fault_tolerance=1)
     spec = JobSpec(model="tiny", plan=plan, steps=STEPS, run_dir=str(run_dir), device="cpu",
-                   optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), collective_timeout_s=60.0)  # fmt: skip
+                   optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), collective_timeout_s=60.0)
     config = ElasticConfig(
         spec=spec,
         cluster=ClusterSpec(model="tiny", nodes=4, fault_tolerance=1, global_batch=8, microbatch=2),
@@ -193,7 +193,7 @@ def test_status_while_running(live: LiveRun, tmp_path: Path) -> None:
         follower = subprocess.Popen(
             [str(ELASTIC), "events", "--etcd", live.etcd, "--job", JOB, "--json", "--follow"],
             stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
     try:
         # Generation 1, every node alive: snapshots agree with etcd and progress is monotone.
         first = wait_for(lambda: _checked_snapshot(live), 60.0, "a status during generation 1")
@@ -332,7 +332,7 @@ def test_watch_redraws_until_interrupted(live: LiveRun) -> None:
     proc = subprocess.Popen(
         [str(ELASTIC), "status", "--etcd", live.etcd, "--job", JOB, "--json", "--watch", "0.2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         assert proc.stdout is not None
         snapshots = [json.loads(proc.stdout.readline()) for _ in range(2)]

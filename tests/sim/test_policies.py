@@ -86,7 +86,7 @@ def test_elastic_throughput_is_the_planners(book: PlanBook) -> None:
 def test_a_join_waits_for_the_step_boundary_and_loses_no_work(book: PlanBook) -> None:
     """The runtime takes a newcomer in when the in-flight step commits: only the failure loses work."""
     trace = Trace(initial_nodes=CLUSTER.nodes, events=(TraceEvent(time_s=300.0, event="fail", node=3),
-                                                       TraceEvent(time_s=900.0, event="join", node=3)))  # fmt: skip
+                                                       TraceEvent(time_s=900.0, event="join", node=3)))
     res = run_policy("elastic", book, COSTS, trace, HORIZON)
     first = instantiate(book.elastic, list(range(8)), global_microbatches=32, fault_tolerance=1).iteration_time
     assert res.lost_s == pytest.approx(300.0 - math.floor(300.0 / first + 1e-9) * first, abs=1e-6)
