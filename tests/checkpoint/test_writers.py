@@ -35,6 +35,7 @@ def spawn(directory: Path, saves: list[dict[str, Any]]) -> subprocess.Popen[str]
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_three_processes_write_one_step_together(tmp_path: Path) -> None:
     parts = [ALL[0:2], ALL[2:3], ALL[3:6]]
@@ -67,6 +68,7 @@ def _wait_for_data(directory: Path, step: int, key: tuple[int, int], deadline: f
     raise AssertionError(f"the writer never started writing {key} of step {step}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sigkill_mid_write_leaves_the_previous_step_as_latest(tmp_path: Path) -> None:
     last = ALL[-1]

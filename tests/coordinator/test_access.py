@@ -56,6 +56,7 @@ class _Node:
         self.client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_wrong_token_refused_job_undisturbed(etcd_server: EtcdServer, client: Any, job: str) -> None:
     etcd = EtcdConfig(endpoint=etcd_server.endpoint)

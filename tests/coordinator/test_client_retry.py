@@ -15,6 +15,7 @@ from elastic.coordinator import EtcdConfig, EtcdServer, connect
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.mark.slow
 def test_calls_during_an_outage_block_then_succeed(tmp_path: Path) -> None:
     with EtcdServer(data_dir=tmp_path / "etcd") as server:
         client = connect(EtcdConfig(endpoint=server.endpoint, retry_s=20.0))

@@ -27,6 +27,7 @@ from .support import Members, wait_for
 TTL = 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_leader_sigkill_new_leader_within_ttl_plus_1s(members: Members, client: Any, job: str) -> None:
     for n in ("c0", "c1", "c2"):
@@ -60,6 +61,7 @@ def test_deposed_leader_cannot_publish(etcd_server: EtcdServer, client: Any, job
     b.resign()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_generations_strictly_increasing_one_plan_each_under_concurrent_writers(
     etcd_server: EtcdServer, client: Any, job: str

@@ -15,6 +15,7 @@ from .support import Members, wait_for
 TTL = 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_restart_keeps_members_and_watches(tmp_path: Path) -> None:
     with EtcdServer(data_dir=tmp_path / "etcd") as server:

@@ -43,6 +43,7 @@ def test_sigkill_worker_every_member_sees_loss_under_1s(members: Members) -> Non
         assert {r["node"] for r in members.records(observer) if r["event"] == "loss"} == {"n0"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_sigstop_node_is_lost_within_ttl_plus_1s(members: Members) -> None:
     members.start("n0", ttl=TTL)

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 TTL = 2
 
 
+@pytest.mark.slow
 def test_gives_up_after_a_long_outage_only_with_give_up(tmp_path: Path) -> None:
     with EtcdServer(data_dir=tmp_path / "etcd") as server:
         client = connect(EtcdConfig(endpoint=server.endpoint, retry_s=0.0))
@@ -37,6 +38,7 @@ def test_gives_up_after_a_long_outage_only_with_give_up(tmp_path: Path) -> None:
             client.close()
 
 
+@pytest.mark.slow
 def test_an_outage_shorter_than_give_up_costs_nothing(tmp_path: Path) -> None:
     with EtcdServer(data_dir=tmp_path / "etcd") as server:
         client = connect(EtcdConfig(endpoint=server.endpoint, retry_s=0.0))

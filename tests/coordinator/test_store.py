@@ -33,6 +33,7 @@ for gen in (1, 2):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gloo_all_reduce_over_etcd_store_twice(etcd_server: EtcdServer, job: str) -> None:
     world = 4
@@ -78,6 +79,7 @@ def test_store_semantics(client: Any, job: str) -> None:
     assert other.num_keys() == 0 and not other.check(["n"])  # generations do not see each other
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(30)
 def test_blocking_get_wakes_on_write_and_times_out(client: Any, job: str) -> None:
     store = EtcdStore(client, JobKeys(job).store("gen-1"), timeout=timedelta(seconds=10))

@@ -65,6 +65,7 @@ def run_ranks(endpoint: str, job: str, *, lazy: bool, drop: bool) -> list[str]:
     return proc.stdout.splitlines()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_groups_on_a_temporary_store(etcd_server: EtcdServer, job: str, lazy: bool) -> None:
@@ -75,6 +76,7 @@ def test_groups_on_a_temporary_store(etcd_server: EtcdServer, job: str, lazy: bo
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_lazy_groups_fail_without_the_held_store(etcd_server: EtcdServer, job: str) -> None:
     lines = run_ranks(etcd_server.endpoint, job, lazy=True, drop=True)

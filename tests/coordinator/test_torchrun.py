@@ -51,6 +51,7 @@ def _stop(proc: subprocess.Popen[bytes], out: Path, node: str) -> None:
     proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_two_torchrun_nodes_one_job_kill_one(
     etcd_server: EtcdServer, client: Any, job: str, tmp_path: Path
@@ -84,6 +85,7 @@ def test_two_torchrun_nodes_one_job_kill_one(
         _stop(b, tmp_path, "b")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_torchrun_node_with_wrong_token_is_refused(etcd_server: EtcdServer, client: Any, job: str,
                                                    tmp_path: Path) -> None:

@@ -114,6 +114,7 @@ def test_addresses_are_the_namespaces_and_everything_is_removed(partitioned_run:
     assert f"netns-{netns['prefix']}" not in procs  # no agent or worker of the job is left
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.timeout(90)
 def test_sigterm_tears_everything_down(tmp_path: Path) -> None:

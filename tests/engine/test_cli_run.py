@@ -64,6 +64,7 @@ def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -
     assert max_rel_diff(tp_state, one_state) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("flags", "message"),

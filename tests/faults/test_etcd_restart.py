@@ -98,7 +98,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         server.close()
 
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_etcd_restart_loses_no_node_and_no_step(outcome: Outcome) -> None:

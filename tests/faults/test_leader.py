@@ -156,6 +156,7 @@ def test_a_vote_no_survivor_saw_complete_is_dropped(world: World) -> None:
     assert list(world.client.get_prefix(world.rk.sync(1))) == [], "generation 1's reports are deleted at 3"
 
 
+@pytest.mark.slow
 def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
     world.join(4, 0)
     time.sleep(0.5)

@@ -28,7 +28,7 @@ STEPS = 20
 KILL_AT = 8
 VICTIM = 1
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @dataclass

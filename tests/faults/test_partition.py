@@ -22,7 +22,7 @@ from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 40
 PARTITION_S = 7.0

@@ -18,7 +18,7 @@ from elastic.roles.launcher import JobFailed
 
 from .runs import check_same_training, reference_run, run_elastic
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 LONG = 160
 """Steps of the rejoin run: a fresh node needs seconds to start (torch import, agent, workers)

@@ -30,7 +30,7 @@ from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 STEPS = 40
 """Enough steps after the slow-down for the drain, even on a fast machine."""

@@ -45,6 +45,7 @@ def test_schedule_is_seeded_and_covers_every_kind() -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_soak(etcd_server: EtcdServer, tmp_path: Path) -> None:
     schedule = soak_schedule(FAULTS, seed=SEED, lease_ttl=LEASE_TTL)

@@ -32,6 +32,7 @@ def _loss_and_grads(stages: list[GPTStage]) -> tuple[torch.Tensor, dict[str, tor
     return loss.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bounds", [(3,), (1,), (5,), (1, 2, 4), (2, 3, 4, 5)])
 def test_consecutive_stages_equal_whole_model(bounds: tuple[int, ...]) -> None:
     ref_loss, ref_grads = _loss_and_grads([GPTStage(CFG)])

@@ -15,6 +15,7 @@ from tests.processes import run_processes
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("degree", [1, 2, 4])
 def test_tensor_parallel_matches_unsharded_reference(degree: int, tmp_path: Path) -> None:
     out = tmp_path / "result"

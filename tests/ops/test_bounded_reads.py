@@ -263,6 +263,7 @@ def test_summary_takes_the_steps_the_feed_missed_from_the_step_logs(tmp_path: Pa
     assert summary.step_seconds == [0.2, 0.2, 0.3, 0.3, 0.3, 0.2]
 
 
+@pytest.mark.slow
 def test_etcd_server_compacts_its_history(tmp_path: Path) -> None:
     """The embedded etcd runs with auto-compaction: old revisions of an overwritten key go."""
     with EtcdServer(data_dir=tmp_path / "etcd", auto_compaction=("periodic", "1s")) as server:

@@ -41,7 +41,7 @@ from templates.plan import even_plan
 
 from ..polling import wait_for
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 STEPS = 10
 NODE = 1  # survives; node 2 is killed

@@ -21,7 +21,7 @@ from elastic.records.summary import RunSummary
 from elastic.roles.launcher import launch
 from templates.plan import even_plan
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 STEPS = 4
 

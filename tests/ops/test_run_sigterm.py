@@ -16,6 +16,8 @@ import pytest
 
 from tests.polling import wait_for
 
+pytestmark = pytest.mark.slow
+
 
 def _job_processes(job: str) -> list[psutil.Process]:
     """Live processes whose command line names the job (agents and workers carry `--job ID`)."""

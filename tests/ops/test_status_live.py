@@ -35,7 +35,7 @@ from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
 from tests.polling import wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 JOB = "ops-status-live"
 STEPS = 24

@@ -116,6 +116,7 @@ def exchange_worker(rank: int, store_port: int, out: str) -> None:
     group.allreduce([torch.zeros(1)]).wait()  # nobody leaves while a peer may still read from it
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_exchange_three_processes_bit_identical(tmp_path: Path) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -179,6 +180,7 @@ def corrupt_worker(rank: int, store_port: int, out: str) -> None:
     group.allreduce([torch.zeros(1)]).wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_exchange_reports_a_corrupt_shard_and_keeps_the_others(tmp_path: Path) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -223,6 +225,7 @@ def failing_worker(rank: int, store_port: int, scenario: str, out: str) -> None:
     os._exit(0)  # leave pending sends behind without waiting for the group's teardown
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("scenario", ["abort", "peer_died"])
 def test_exchange_errors_propagate(tmp_path: Path, scenario: str) -> None:

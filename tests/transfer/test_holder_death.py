@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = [(layer, 0) for layer in range(4)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "hang"])
 def test_client_completes_from_another_holder(serve: ServeFn, sig: signal.Signals) -> None:
