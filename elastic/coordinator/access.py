@@ -13,8 +13,8 @@ import hashlib
 import hmac
 import json
 import os
-from typing import Any
 
+from .etcd_api import EtcdClient
 from .keys import JobKeys
 
 _ITERATIONS = 100_000
@@ -28,7 +28,7 @@ def _hash(token: str, salt: bytes) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", token.encode(), salt, _ITERATIONS)
 
 
-def admit(client: Any, keys: JobKeys, token: str | None) -> None:
+def admit(client: EtcdClient, keys: JobKeys, token: str | None) -> None:
     """Install the job's token hash (first node) or check `token` against it (everyone else)."""
     salt = os.urandom(16)
     record = json.dumps(

@@ -1,11 +1,12 @@
 """How to reach etcd: endpoint, credentials, TLS; and a client that survives an etcd restart.
 
 `EtcdConfig` is what a launcher, a worker or the torchrun handler carries around; `connect()`
-turns it into a `python3-etcd3` client. The stock client marks an endpoint "failed" for 300 s
-after one UNAVAILABLE error, which would make every call fail long after a restarted etcd is
-back; ours retries the endpoint at once. Its unary calls (get, put, delete, transaction, lease
-grant/revoke, ...) also retry transient errors for up to `EtcdConfig.retry_s` seconds, so an
-etcd restart shorter than that is invisible to callers: they block, then succeed.
+turns it into a `python3-etcd3` client, typed as the `EtcdClient` protocol (`etcd_api.py`). The
+stock client marks an endpoint "failed" for 300 s after one UNAVAILABLE error, which would make
+every call fail long after a restarted etcd is back; ours retries the endpoint at once. Its
+unary calls (get, put, delete, transaction, lease grant/revoke, ...) also retry transient errors
+for up to `EtcdConfig.retry_s` seconds, so an etcd restart shorter than that is invisible to
+callers: they block, then succeed.
 
 One ambiguity remains: a transaction whose connection broke after etcd applied it is retried,
 and a compare-and-swap retried that way reports failure although its first attempt succeeded.
@@ -24,6 +25,8 @@ from typing import Any
 import etcd3
 import etcd3.exceptions
 import grpc
+
+from .etcd_api import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +115,11 @@ _UNARY_CALLS = (
 
 
 class RetryingEtcdClient(etcd3.MultiEndpointEtcd3Client):
-    """A client whose unary calls retry transient errors for `retry_s` seconds (module doc)."""
+    """A client whose unary calls retry transient errors for `retry_s` seconds (module doc).
+
+    It keeps etcd3's signatures (each retried call wraps the original with `functools.wraps`),
+    so it is an `EtcdClient` like the stock client (tests/coordinator/test_etcd_api.py).
+    """
 
     retry_s: float = 0.0
 
@@ -137,7 +144,7 @@ for _name in _UNARY_CALLS:
     setattr(RetryingEtcdClient, _name, _retrying(getattr(etcd3.MultiEndpointEtcd3Client, _name)))
 
 
-def connect(config: EtcdConfig) -> RetryingEtcdClient:
+def connect(config: EtcdConfig) -> EtcdClient:
     """A client for `config`: its endpoint is retried at once after a failure, its unary calls
     for `config.retry_s` seconds."""
     secure = config.ca_cert is not None

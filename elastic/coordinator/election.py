@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from .client import TRANSIENT_ERRORS
+from .etcd_api import Compare, EtcdClient
 from .keys import JobKeys, check_name
 from .lease import KeptLease
 from .watch import PrefixWatch, WatchEvent
@@ -22,7 +22,7 @@ from .watch import PrefixWatch, WatchEvent
 log = logging.getLogger(__name__)
 
 
-def current_leader(client: Any, keys: JobKeys) -> str | None:
+def current_leader(client: EtcdClient, keys: JobKeys) -> str | None:
     """Id of the current leader, or None while there is none."""
     value, _ = client.get(keys.leader)
     return value.decode() if value is not None else None
@@ -36,7 +36,7 @@ wakes it at once on every change; this costs etcd 2 requests per standby node pe
 class LeaderElection:
     """Campaign for leadership of one job until `resign()`; `on_change(leader_id)` on every change."""
 
-    def __init__(self, client: Any, keys: JobKeys, candidate_id: str, *, ttl: int = 5,
+    def __init__(self, client: EtcdClient, keys: JobKeys, candidate_id: str, *, ttl: int = 5,
                  on_change: Callable[[str | None], None] | None = None) -> None:
         self.client = client
         self.keys = keys
@@ -72,7 +72,7 @@ class LeaderElection:
     def leader(self) -> str | None:
         return current_leader(self.client, self.keys)
 
-    def leader_compare(self) -> Any:
+    def leader_compare(self) -> Compare:
         """A transaction compare that holds only while this candidate is the leader."""
         return self.client.transactions.value(self.keys.leader) == self.candidate_id
 

@@ -6,10 +6,11 @@ import json
 import time
 from typing import Any
 
+from .etcd_api import EtcdClient
 from .keys import JobKeys
 
 
-def record_event(client: Any, keys: JobKeys, *, who: str, kind: str, **detail: Any) -> str:
+def record_event(client: EtcdClient, keys: JobKeys, *, who: str, kind: str, **detail: Any) -> str:
     """Append one event {"time", "who", "kind", **detail}; returns its key."""
     now = time.time_ns()
     key = f"{keys.events}{now:020d}-{who}"
@@ -17,6 +18,6 @@ def record_event(client: Any, keys: JobKeys, *, who: str, kind: str, **detail: A
     return key
 
 
-def read_events(client: Any, keys: JobKeys) -> list[dict[str, Any]]:
+def read_events(client: EtcdClient, keys: JobKeys) -> list[dict[str, Any]]:
     """All events of the job, oldest first."""
     return [json.loads(value) for value, _ in client.get_prefix(keys.events, sort_order="ascend")]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from .etcd_api import Compare, EtcdClient
 from .keys import JobKeys
 from .watch import PrefixWatch, WatchEvent
 
@@ -45,7 +45,7 @@ class Generation:
 class Generations:
     """Read, publish and watch the generations of one job."""
 
-    def __init__(self, client: Any, keys: JobKeys) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
         self.client = client
         self.keys = keys
 
@@ -65,11 +65,11 @@ class Generations:
 
     def get(self, number: int) -> Generation | None:
         value, meta = self.client.get(self.keys.plan(number))
-        if value is None:
+        if value is None or meta is None:
             return None
         return Generation(number=number, plan=value.decode(), revision=meta.mod_revision)
 
-    def publish(self, plan: str, *, expected: int, fence: Any = None) -> Generation:
+    def publish(self, plan: str, *, expected: int, fence: Compare | None = None) -> Generation:
         """Commit `plan` as generation expected+1, or raise GenerationConflict."""
         try:
             json.loads(plan)

@@ -6,9 +6,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from .client import TRANSIENT_ERRORS
+from .etcd_api import EtcdClient
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class KeptLease:
     a process whose etcd is gone for good stops waiting for it.
     """
 
-    def __init__(self, client: Any, ttl: int, *, interval: float | None = None,
+    def __init__(self, client: EtcdClient, ttl: int, *, interval: float | None = None,
                  on_lost: Callable[[], None] | None = None, name: str = "lease",
                  lease_id: int | None = None, give_up_s: float | None = None) -> None:
         if ttl < 2:

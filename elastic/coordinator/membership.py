@@ -27,8 +27,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal
 
+from .etcd_api import EtcdClient
 from .events import record_event
 from .keys import JobKeys, check_name
 from .lease import KeptLease
@@ -108,7 +109,7 @@ class Membership:
 
     def __init__(
         self,
-        client: Any,
+        client: EtcdClient,
         keys: JobKeys,
         identity: NodeIdentity,
         *,
@@ -159,7 +160,9 @@ class Membership:
         if self.lease is not None:
             raise RuntimeError("already joined")
         value, meta = self.client.get(self.keys.member(self.identity.node_id))
-        if value is None or NodeIdentity.from_json(value).incarnation != self.identity.incarnation:
+        if value is None or meta is None or (
+            NodeIdentity.from_json(value).incarnation != self.identity.incarnation
+        ):
             raise ValueError(
                 f"node {self.identity.node_id!r} incarnation {self.identity.incarnation} is not registered "
                 "(no rendezvous registration to adopt)"
@@ -200,7 +203,7 @@ class Membership:
             incarnation = self.identity.incarnation
         key = self.keys.member(node_id)
         value, meta = self.client.get(key)
-        if value is None:
+        if value is None or meta is None:
             return False
         ident = NodeIdentity.from_json(value)
         if incarnation is not None and ident.incarnation != incarnation:
@@ -251,7 +254,7 @@ class Membership:
             time.sleep(0.05)
 
 
-def read_members(client: Any, keys: JobKeys) -> tuple[dict[str, NodeIdentity], int]:
+def read_members(client: EtcdClient, keys: JobKeys) -> tuple[dict[str, NodeIdentity], int]:
     """Live members by node id, and the etcd revision they were read at."""
     resp = client.get_prefix_response(keys.members)
     members = {}
@@ -261,7 +264,7 @@ def read_members(client: Any, keys: JobKeys) -> tuple[dict[str, NodeIdentity], i
     return members, int(resp.header.revision)
 
 
-def watch_members(client: Any, keys: JobKeys, on_event: Callable[[MemberEvent], None], *,
+def watch_members(client: EtcdClient, keys: JobKeys, on_event: Callable[[MemberEvent], None], *,
                   start_revision: int | None = None,
                   on_connection: Callable[[bool], None] | None = None) -> PrefixWatch:
     """Watch `members/` and translate key changes into joins and losses."""

@@ -44,6 +44,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .client import TRANSIENT_ERRORS
+from .etcd_api import Compare, EtcdClient, TxnOp, TxnResponse
 from .store_waits import PrefixWaits
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -107,7 +108,7 @@ class _Counter:
 class EtcdStore(dist.Store):
     """A c10d Store whose keys live under `prefix` in etcd (module doc: one request a call)."""
 
-    def __init__(self, client: Any, prefix: str, *, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
         super().__init__()
         if not prefix.endswith("/"):
             raise ValueError(f"store prefix must end with '/', got {prefix!r}")
@@ -255,8 +256,8 @@ class EtcdStore(dist.Store):
         return self.prefix + key
 
     def _txn(
-        self, *, compare: list[Any], success: list[Any], failure: list[Any] | None = None
-    ) -> tuple[bool, list[Any]]:
+        self, *, compare: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None
+    ) -> tuple[bool, list[TxnResponse]]:
         """One etcd transaction (python3-etcd3 wants every branch as a list)."""
         ok, responses = self.client.transaction(compare=compare, success=success, failure=failure or [])
         return bool(ok), responses

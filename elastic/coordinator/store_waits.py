@@ -21,6 +21,8 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.utils import prefix_range_end
 
+from .etcd_api import EtcdClient
+
 
 class _Waiter:
     def __init__(self, missing: set[bytes], after: int) -> None:
@@ -36,7 +38,7 @@ class PrefixWaits:
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(
-        self, client: Any, prefix: str, start_revision: int, logical: Callable[[bytes], bytes]
+        self, client: EtcdClient, prefix: str, start_revision: int, logical: Callable[[bytes], bytes]
     ) -> None:
         self.client, self.prefix, self.start_revision, self.logical = client, prefix, start_revision, logical
         self.lock = threading.Lock()
@@ -51,7 +53,7 @@ class PrefixWaits:
     @classmethod
     def wait_for(
         cls,
-        client: Any,
+        client: EtcdClient,
         prefix: str,
         missing: set[bytes],
         revision: int,
@@ -84,7 +86,9 @@ class PrefixWaits:
             hub._leave()
 
     @classmethod
-    def _join(cls, client: Any, prefix: str, start: int, logical: Callable[[bytes], bytes]) -> PrefixWaits:
+    def _join(
+        cls, client: EtcdClient, prefix: str, start: int, logical: Callable[[bytes], bytes]
+    ) -> PrefixWaits:
         with cls._registry_lock:
             hub = cls._live.get((id(client), prefix))
             if hub is None or hub.broken:

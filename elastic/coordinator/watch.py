@@ -19,6 +19,8 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
+from .etcd_api import EtcdClient
+
 log = logging.getLogger(__name__)
 
 
@@ -43,7 +45,7 @@ class PrefixWatch:
 
     def __init__(
         self,
-        client: Any,
+        client: EtcdClient,
         prefix: str,
         on_events: Callable[[list[WatchEvent]], None],
         *,
@@ -156,7 +158,7 @@ def _convert(ev: Any) -> WatchEvent:
 
 
 def watch_from_now(
-    client: Any, prefix: str, on_events: Callable[[list[WatchEvent]], None], **kwargs: Any
+    client: EtcdClient, prefix: str, on_events: Callable[[list[WatchEvent]], None], **kwargs: Any
 ) -> PrefixWatch:
     """Deliver what is under `prefix` now (one put event per key, at its mod revision, on the
     calling thread) and then every change after that read (a PrefixWatch from the read's revision

@@ -25,6 +25,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.keys import JobKeys
 from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
 from elastic.records.recoveries import recovery_breakdown
@@ -51,14 +52,14 @@ class HistoryEvent:
         return json.dumps(asdict(self), sort_keys=True)
 
 
-def _from_log(value: bytes, meta: Any) -> HistoryEvent:
+def _from_log(value: bytes, meta: KVMetadata) -> HistoryEvent:
     data = json.loads(value)
     kind, who, when = data.pop("kind", "?"), data.pop("who", "?"), data.pop("time", None)
     return HistoryEvent(kind=str(kind), time=when, who=str(who), revision=meta.mod_revision,
                         key=meta.key.decode(), detail=data)
 
 
-def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
+def _generation(g: int, rec: GenerationRecord, meta: KVMetadata) -> HistoryEvent:
     detail = {
         "generation": g,
         "reason": rec.reason,
@@ -77,7 +78,7 @@ def _generation(g: int, rec: GenerationRecord, meta: Any) -> HistoryEvent:
 class History:
     """Reads a job's history; `poll()` returns events not returned by earlier polls."""
 
-    def __init__(self, client: Any, keys: JobKeys) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
         self.client = client
         self.keys = keys
         self.rk = RunKeys(keys)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, connect
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 
 CONNECT_TIMEOUT_S = 5.0
@@ -73,14 +74,14 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
     return JobTarget(etcd=etcd, job=job)
 
 
-def open_client(target: JobTarget) -> Any:
+def open_client(target: JobTarget) -> EtcdClient:
     """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S, without retrying:
     an operator wants to hear at once that etcd is gone, not wait out an etcd restart."""
     no_retry: dict[str, Any] = {"retry_s": 0.0} if "retry_s" in {f.name for f in fields(EtcdConfig)} else {}
     return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S, **no_retry))
 
 
-def list_jobs(client: Any, etcd: str) -> list[str]:
+def list_jobs(client: EtcdClient, etcd: str) -> list[str]:
     """Ids of the jobs under `/elastic/`, sorted; OpsError if etcd does not answer."""
     try:
         jobs = {
@@ -92,7 +93,7 @@ def list_jobs(client: Any, etcd: str) -> list[str]:
     return sorted(j for j in jobs if j)
 
 
-def find_job(client: Any, target: JobTarget) -> JobKeys:
+def find_job(client: EtcdClient, target: JobTarget) -> JobKeys:
     """The keys of the target's job; OpsError if etcd is unreachable or the job is not there."""
     jobs = list_jobs(client, target.etcd)
     known = ", ".join(jobs) if jobs else "none"

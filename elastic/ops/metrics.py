@@ -58,6 +58,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
@@ -86,7 +87,7 @@ def metrics_key(keys: JobKeys, node: int) -> str:
     return f"{keys.root}metrics/{node_id(node)}"
 
 
-def metrics_addresses(client: Any, keys: JobKeys) -> dict[str, str]:
+def metrics_addresses(client: EtcdClient, keys: JobKeys) -> dict[str, str]:
     """node id -> `host:port` of every metrics endpoint published in the job."""
     prefix = f"{keys.root}metrics/"
     found: dict[str, str] = {}
@@ -102,7 +103,7 @@ class _Mirror:
     """A local copy of the keys under one prefix, parsed: read once, then kept current by a watch
     from the revision after that read."""
 
-    def __init__(self, client: Any, prefix: str, parse: Callable[[bytes], Any]) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, parse: Callable[[bytes], Any]) -> None:
         self.prefix = prefix
         self._parse = parse
         self._lock = threading.Lock()
@@ -300,7 +301,7 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
 class NodeMetrics(Collector):
     """The metrics endpoint of one node (module doc); `start` serves it, `stop` ends it."""
 
-    def __init__(self, client: Any, keys: JobKeys, *, node: int, lease: int | None = None,
+    def __init__(self, client: EtcdClient, keys: JobKeys, *, node: int, lease: int | None = None,
                  window: int = 10) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 step, got {window}")

@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic.coordinator.election import current_leader
+from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.model.config import get_preset
@@ -229,16 +230,16 @@ class JobStatus:
 # ---- reading -------------------------------------------------------------------------------
 
 
-def _key_tail(meta: Any, prefix: str) -> list[str]:
+def _key_tail(meta: KVMetadata, prefix: str) -> list[str]:
     return str(meta.key.decode())[len(prefix) :].split("/")
 
 
-def _config(client: Any, rk: RunKeys) -> dict[str, Any] | None:
+def _config(client: EtcdClient, rk: RunKeys) -> dict[str, Any] | None:
     value, _ = client.get(rk.config)
     return json.loads(value) if value is not None else None
 
 
-def _generations(client: Any, keys: JobKeys) -> dict[int, GenerationRecord]:
+def _generations(client: EtcdClient, keys: JobKeys) -> dict[int, GenerationRecord]:
     return {
         int(_key_tail(meta, keys.plans)[0]): GenerationRecord.from_json(value)
         for value, meta in client.get_prefix(keys.plans)
@@ -263,7 +264,7 @@ def _throughput(record: ProgressRecord | None, tokens_per_step: int, window: int
 
 
 def _last_recovery(
-    client: Any, rk: RunKeys, generations: dict[int, GenerationRecord]
+    client: EtcdClient, rk: RunKeys, generations: dict[int, GenerationRecord]
 ) -> dict[str, Any] | None:
     later = [g for g in generations if g > 1]
     if not later:
@@ -280,14 +281,14 @@ def _last_recovery(
             "workers_expected": expected}
 
 
-def _lease(client: Any, lease_id: int) -> tuple[int | None, int | None]:
+def _lease(client: EtcdClient, lease_id: int) -> tuple[int | None, int | None]:
     if not lease_id:
         return None, None
     info = client.get_lease_info(lease_id)
     return (int(info.TTL), int(info.grantedTTL)) if info.TTL >= 0 else (None, None)
 
 
-def read_status(client: Any, keys: JobKeys, *, etcd: str, window: int = DEFAULT_WINDOW) -> JobStatus:
+def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = DEFAULT_WINDOW) -> JobStatus:
     """Read everything `elastic status` shows of job `keys` (etcd errors propagate)."""
     if window < 2:
         raise ValueError(f"the throughput window must be >= 2 steps, got {window}")
@@ -405,7 +406,7 @@ def _place(plan: Any, node: int) -> tuple[int, int, tuple[int, int]] | None:
     return None
 
 
-def _all_done(client: Any, rk: RunKeys, nodes: tuple[int, ...], gpus: int) -> bool:
+def _all_done(client: EtcdClient, rk: RunKeys, nodes: tuple[int, ...], gpus: int) -> bool:
     done = {
         tuple(int(x) for x in _key_tail(meta, rk.done)[:2])
         for _, meta in client.get_prefix(rk.done, keys_only=True)

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from elastic.coordinator.etcd_api import EtcdClient
+
 Kind = Literal["kill", "hang", "rejoin"]
 When = Literal["step", "reconfig"]
 _KINDS: tuple[Kind, ...] = ("kill", "hang", "rejoin")
@@ -234,7 +236,7 @@ class InjectionStatus:
         return cls(**json.loads(text))
 
 
-def submit_request(client: Any, root: str, request: InjectionRequest) -> None:
+def submit_request(client: EtcdClient, root: str, request: InjectionRequest) -> None:
     """Write `request` under `<root>injections/<id>` (create-only: ValueError if the id exists)."""
     key = f"{root}injections/{request.id}"
     txn = client.transactions
@@ -244,18 +246,18 @@ def submit_request(client: Any, root: str, request: InjectionRequest) -> None:
         raise ValueError(f"injection request {request.id!r} already exists")
 
 
-def read_requests(client: Any, root: str) -> list[InjectionRequest]:
+def read_requests(client: EtcdClient, root: str) -> list[InjectionRequest]:
     """Every request of the job, in id order."""
     return [InjectionRequest.from_json(v) for v, _ in client.get_prefix(f"{root}injections/")]
 
 
-def read_statuses(client: Any, root: str) -> dict[str, InjectionStatus]:
+def read_statuses(client: EtcdClient, root: str) -> dict[str, InjectionStatus]:
     """Request id -> its latest status, for the requests that have one."""
     prefix = f"{root}injection-status/"
     return {m.key.decode()[len(prefix) :]: InjectionStatus.from_json(v) for v, m in client.get_prefix(prefix)}
 
 
-def write_status(client: Any, root: str, request_id: str, status: InjectionStatus) -> None:
+def write_status(client: EtcdClient, root: str, request_id: str, status: InjectionStatus) -> None:
     client.put(f"{root}injection-status/{request_id}", status.to_json())
 
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.planning.cluster import ClusterSpec
@@ -62,7 +63,7 @@ def node_of(member_id: str) -> int:
     return int(member_id[4:])
 
 
-def live_nodes(client: Any, keys: JobKeys) -> dict[int, int]:
+def live_nodes(client: EtcdClient, keys: JobKeys) -> dict[int, int]:
     """Plan node -> incarnation of every live member of the job (members of another form skipped)."""
     out = {}
     for member_id, ident in read_members(client, keys)[0].items():
@@ -166,13 +167,13 @@ class RunKeys:
         return f"{self.injection_statuses}{request_id}"
 
 
-def read_progress(client: Any, rk: RunKeys) -> ProgressRecord | None:
+def read_progress(client: EtcdClient, rk: RunKeys) -> ProgressRecord | None:
     """The job's progress record (one key read); None before the first commit."""
     value, _ = client.get(rk.progress)
     return None if value is None else ProgressRecord.from_json(value)
 
 
-def committed_steps(client: Any, rk: RunKeys) -> int:
+def committed_steps(client: EtcdClient, rk: RunKeys) -> int:
     """How many steps the job has committed, from the progress record (one key read)."""
     record = read_progress(client, rk)
     return 0 if record is None else record.step + 1

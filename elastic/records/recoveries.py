@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
 
 
@@ -49,7 +50,7 @@ def generation_fields(g: int, rec: GenerationRecord) -> dict[str, Any]:
 
 
 def recovery_breakdown(
-    client: Any, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]
+    client: EtcdClient, rk: RunKeys, g: int, rec: GenerationRecord, timings: list[RecoveryTimings]
 ) -> dict[str, Any]:
     """One recovery's breakdown, reading the injections carried out from etcd (see `breakdown_of`)."""
     prefix = rk.injected("")

@@ -35,13 +35,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import LeaderElection
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
@@ -90,7 +91,7 @@ class InjectionTrigger:
     """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins.
     It watches the `progress` key (one event per committed step) and the generation records."""
 
-    def __init__(self, client: Any, keys: JobKeys) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
         self._committed = -1
         """Index of the furthest committed step seen (-1: none)."""
         self._last: tuple[float, float] = (0.0, 0.0)

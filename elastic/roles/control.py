@@ -18,8 +18,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.records.protocol import (
@@ -94,7 +95,7 @@ class GenerationFeed:
 class HaltFeed:
     """The leader's halt requests, generation -> HaltRecord (an abort halt replaces a boundary one)."""
 
-    def __init__(self, client: Any, rk: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, rk: RunKeys) -> None:
         self._halts: dict[int, HaltRecord] = {}
         self._cond = threading.Condition()
         self._prefix = rk.halts
@@ -148,7 +149,7 @@ class HaltFeed:
 class DecisionFeed:
     """The leader's commit/abort decisions of the job's last step, (generation, step) -> decision."""
 
-    def __init__(self, client: Any, rk: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, rk: RunKeys) -> None:
         self._decisions: dict[tuple[int, int], str] = {}
         self._cond = threading.Condition()
         self._prefix = rk.decisions
@@ -192,7 +193,9 @@ class ProgressWriter:
     the key see at most 1 / PROGRESS_MIN_INTERVAL_S puts a second, whatever the step rate).
     Steps beyond `PROGRESS_EARLIER_MAX` gathered ones are named only in the step logs."""
 
-    def __init__(self, client: Any, rk: RunKeys, *, min_interval_s: float = PROGRESS_MIN_INTERVAL_S) -> None:
+    def __init__(
+        self, client: EtcdClient, rk: RunKeys, *, min_interval_s: float = PROGRESS_MIN_INTERVAL_S
+    ) -> None:
         self.client, self.key, self.min_interval_s = client, rk.progress, min_interval_s
         self._recent: collections.deque[list[float]] = collections.deque(maxlen=PROGRESS_WINDOW)
         self._pending: collections.deque[StepResult] = collections.deque(maxlen=PROGRESS_EARLIER_MAX + 1)
@@ -249,6 +252,6 @@ class ProgressWriter:
         self._thread.join(timeout)
 
 
-def write_sync(client: Any, rk: RunKeys, generation: int, report: SyncReport) -> None:
+def write_sync(client: EtcdClient, rk: RunKeys, generation: int, report: SyncReport) -> None:
     """Report what this halted worker of `generation` holds (the leader waits for every live worker)."""
     client.put(rk.sync_report(generation, report.node, report.local_rank), report.to_json())

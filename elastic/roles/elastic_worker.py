@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
@@ -89,7 +90,7 @@ class AbortableStore(EtcdStore):
     aborted: a rendezvous with a peer that died during the reconfiguration does not wait out
     the store timeout."""
 
-    def __init__(self, client: Any, prefix: str, *, timeout: timedelta, abort: AbortSignal) -> None:
+    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta, abort: AbortSignal) -> None:
         super().__init__(client, prefix, timeout=timeout)
         self._abort = abort
 
@@ -118,7 +119,7 @@ class Drained(Exception):
 class ElasticWorker:
     """The worker loop of the module doc."""
 
-    def __init__(self, *, client: Any, keys: JobKeys, config: ElasticConfig, token: str,
+    def __init__(self, *, client: EtcdClient, keys: JobKeys, config: ElasticConfig, token: str,
                  node: int, local_rank: int, incarnation: int, lease: int) -> None:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.spec, self.token = config, config.spec, token

@@ -31,13 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch.distributed as dist
 
 from elastic.coordinator.access import admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.election import current_leader
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.records.injection import (
@@ -362,13 +363,13 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str, agents: list[
         time.sleep(_POLL_S)
 
 
-def _count(client: Any, prefix: str) -> int:
+def _count(client: EtcdClient, prefix: str) -> int:
     """Keys under `prefix` (etcd counts them; no key is returned)."""
     return int(client.get_prefix_response(prefix, count_only=True).count)
 
 
 def _due_rejoins(
-    client: Any, keys: JobKeys, progress: Progress, requests: list[InjectionRequest]
+    client: EtcdClient, keys: JobKeys, progress: Progress, requests: list[InjectionRequest]
 ) -> list[InjectionRequest]:
     """Those rejoin `requests` not yet carried out whose node is no member and whose step is in
     flight (no etcd read while there is none)."""
@@ -388,7 +389,7 @@ def _due_rejoins(
     return out
 
 
-def _step_in_flight(client: Any, rk: RunKeys, step: int | None, progress: Progress) -> bool:
+def _step_in_flight(client: EtcdClient, rk: RunKeys, step: int | None, progress: Progress) -> bool:
     """Whether step `step` (1-based) is in flight or past: step-1 was committed (the progress
     record, one key read, or any record the feed delivered before a checkpoint fallback)."""
     assert step is not None

@@ -38,9 +38,9 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from elastic.coordinator.election import LeaderElection
+from elastic.coordinator.etcd_api import Compare, EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys
@@ -86,7 +86,10 @@ class NotLeader(RuntimeError):
     """A fenced write found that this agent no longer leads (a stale leader resumed after a hang)."""
 
 
-def decide(client: Any, rk: RunKeys, generation: int, step: int, decision: str, *, fence: Any = None) -> str:
+def decide(
+    client: EtcdClient, rk: RunKeys, generation: int, step: int, decision: str, *,
+    fence: Compare | None = None,
+) -> str:
     """Create the decision of (generation, step) if absent; return the decision that stands.
     With `fence` (the election's leader compare) the decision is written only while this agent
     leads: NotLeader otherwise, so a leader that was SIGSTOPped and resumed cannot abort a step
@@ -111,7 +114,9 @@ def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
     )
 
 
-def live_holdings_gaps(client: Any, rk: RunKeys, plan: Plan, live: set[int]) -> list[tuple[int, int]] | None:
+def live_holdings_gaps(
+    client: EtcdClient, rk: RunKeys, plan: Plan, live: set[int]
+) -> list[tuple[int, int]] | None:
     """The (layer, tp_rank) shards that no live worker reports holding; None when no worker has
     reported yet (nothing trained: the seed state is everywhere)."""
     held: set[tuple[int, int]] = set()
@@ -134,7 +139,7 @@ def live_holdings_gaps(client: Any, rk: RunKeys, plan: Plan, live: set[int]) -> 
 class Leader:
     """Runs the leader's rounds while `election` says this agent leads (see the module doc)."""
 
-    def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, election: LeaderElection,
+    def __init__(self, client: EtcdClient, keys: JobKeys, config: ElasticConfig, election: LeaderElection,
                  *, who: str) -> None:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.election, self.who = config, election, who

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
 from elastic.records.job import JobSpec
@@ -42,7 +43,7 @@ class JobFeed:
     opened (what was there at opening first), queued in revision order per watch until `drain`
     takes it."""
 
-    def __init__(self, client: Any, rk: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, rk: RunKeys) -> None:
         self.rk = rk
         self._lock = threading.Lock()
         self._events: list[WatchEvent] = []
@@ -125,7 +126,7 @@ class Progress:
                 self.results[result.step] = result
 
 
-def run_finished(client: Any, rk: RunKeys, progress: Progress, steps: int) -> bool:
+def run_finished(client: EtcdClient, rk: RunKeys, progress: Progress, steps: int) -> bool:
     """Every step committed (the progress key, one read) and every worker of the last
     generation has its done key (read only once the steps are there)."""
     if not progress.generations:
@@ -173,7 +174,7 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
 
 
 def poll_progress(
-    client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
+    client: EtcdClient, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
     feed: JobFeed,
 ) -> None:
     """Take in what `feed` delivered since the last poll and report finished recoveries."""
@@ -214,7 +215,7 @@ def poll_progress(
 
 
 def final_poll(
-    client: Any, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
+    client: EtcdClient, keys: JobKeys, config: ElasticConfig, progress: Progress, say: Callable[[str], None],
     feed: JobFeed, *, catch_up_s: float = 5.0,
 ) -> None:
     """The last poll of a finished run: let the feed deliver up to the progress key's current
