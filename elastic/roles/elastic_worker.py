@@ -63,6 +63,7 @@ from elastic.records.protocol import (
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, list_shards
 from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -262,7 +263,7 @@ class ElasticWorker:
                  f"{self.trainer.step}: its shards are not the committed state")
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
-        fetch: Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]] | None
+        fetch: Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]] | None
         if record.restore_checkpoint is not None:
             from elastic.engine.checkpoint import load_shards
 
@@ -271,7 +272,7 @@ class ElasticWorker:
             ckpt, directory = record.restore_checkpoint, Path(self.config.checkpoint_path)
             _log(f"generation {generation}: restoring from the checkpoint of step {ckpt} in {directory}")
 
-            def fetch(missing: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+            def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
                 return load_shards(directory, ckpt, missing)
 
         else:  # the first generation initialises from the seed; later ones fetch what they miss
@@ -301,31 +302,31 @@ class ElasticWorker:
         )
         return layout
 
-    def _holdings_fn(self, generation: int, record: GenerationRecord) -> Callable[[], dict[int, list[tuple[int, int]]]] | None:
+    def _holdings_fn(self, generation: int, record: GenerationRecord) -> Callable[[], dict[int, list[ShardKey]]] | None:
         """For the collective shard path: rank of `generation` -> the shards it holds now, read
         from `holdings/` (one read; every worker reads the same final keys, since the leader
         publishes a generation only after every live worker of the one before has halted)."""
         if record.restore_checkpoint is not None or generation == 1 or self.spec.shard_transport != "collective":
             return None
 
-        def holdings() -> dict[int, list[tuple[int, int]]]:
+        def holdings() -> dict[int, list[ShardKey]]:
             ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(record.plan)}
-            out: dict[int, list[tuple[int, int]]] = {}
+            out: dict[int, list[ShardKey]] = {}
             for value, meta in self.client.get_prefix(self.rk.holdings):
                 node, local_rank = (int(x) for x in meta.key.decode().rsplit("/", 2)[-2:])
                 rank = ranks.get((node, local_rank))
                 if rank is not None:
-                    out[rank] = [(int(a), int(b)) for a, b in json.loads(value)]
+                    out[rank] = [ShardKey(int(a), int(b)) for a, b in json.loads(value)]
             return out
 
         return holdings
 
     def _fetch_from_holders(
         self, generation: int, record: GenerationRecord
-    ) -> Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]]:
+    ) -> Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]:
         config = FetchConfig(token=self.token, generation=generation, stall_timeout_s=min(30.0, self.timeout))
 
-        def fetch(missing: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+        def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
             holders = self._holders(generation, record, config)
             result = fetch_shards(missing, holders, config)
             return dict(result.shards)
@@ -334,9 +335,9 @@ class ElasticWorker:
 
     def _holders(
         self, generation: int, record: GenerationRecord, config: FetchConfig
-    ) -> dict[str, list[tuple[int, int]]]:
+    ) -> dict[str, list[ShardKey]]:
         """address -> shards, asked of every live worker of the generation (they wait until resolved)."""
-        holders: dict[str, list[tuple[int, int]]] = {}
+        holders: dict[str, list[ShardKey]] = {}
         for value, _meta in self.client.get_prefix(self.rk.workers):
             info = WorkerInfo.from_json(value)
             if info.transfer_address == self.server.address:
@@ -354,7 +355,7 @@ class ElasticWorker:
                     held = None
                     break
             if held is not None and held.shards:
-                holders[info.transfer_address] = [tuple(k) for k in held.shards]  # type: ignore[misc]
+                holders[info.transfer_address] = held.shards
         return holders
 
     def _train(self, generation: int, layout: ParallelLayout) -> bool:

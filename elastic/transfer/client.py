@@ -110,15 +110,15 @@ class FetchConfig:
 class FetchResult:
     """Verified shards plus what it cost to get them."""
 
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]]
-    """(layer, tp_rank) -> tensor name -> tensor, every tensor checksum-verified (keys are ShardKeys)."""
+    shards: dict[ShardKey, dict[str, torch.Tensor]]
+    """Shard -> tensor name -> tensor, every tensor checksum-verified."""
     bytes_by_holder: dict[str, int]
     """Tensor data bytes received from each holder, discarded (corrupt) ones included."""
     seconds: float
     """Wall time of the whole fetch."""
     refetches: int
     """Shard fetches repeated after a checksum failure or a broken call."""
-    incidents: dict[tuple[int, int], list[str]]
+    incidents: dict[ShardKey, list[str]]
     """For each shard that needed more than one try, why each failed try failed."""
 
     @property
@@ -293,8 +293,8 @@ def _fetch_from(
 
 
 def fetch_shards(
-    wanted: Iterable[tuple[int, int]],
-    holders: Mapping[str, Iterable[tuple[int, int]]],
+    wanted: Iterable[ShardKey],
+    holders: Mapping[str, Iterable[ShardKey]],
     config: FetchConfig,
     *,
     check: ShardCheck | None = None,

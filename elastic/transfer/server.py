@@ -188,7 +188,7 @@ class ShardServer:
         config: ServerConfig,
         *,
         provider: ShardProvider,
-        holdings: Callable[[], Iterable[tuple[int, int]]] = tuple,
+        holdings: Callable[[], Iterable[ShardKey]] = tuple,
         generation: int = 0,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
