@@ -3,9 +3,11 @@ workers: over the new generation's process group (`collective`), or over gRPC in
 chunks without pickling (everything else, and the fallback).
 
 - `codec`: tensor <-> header + raw bytes chunks, CRC-32 verification.
-- `shards`: `ShardKey` and the spreading of shards over holders.
+- `shards`: `ShardKey`, and `assign_shards`: which shard to fetch from which holder (a
+  `FetchAssignment`).
 - `server`: `ShardServer`, serving shards from a provider callable.
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
+- `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
 - `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
 - `collective`: `plan_moves` and `exchange`: batched point-to-point sends on a process group
   (gloo or NCCL), each tensor verified by a vectorised checksum.
@@ -17,8 +19,8 @@ Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the 
 from elastic.transfer.client import (
     FetchConfig,
     FetchResult,
+    GenerationBehind,
     Holdings,
-    ShardCheck,
     TransferError,
     fetch_shards,
     list_shards,
@@ -26,13 +28,16 @@ from elastic.transfer.client import (
 from elastic.transfer.codec import CorruptTensorError
 from elastic.transfer.collective import CollectiveResult, ShardMove, exchange, plan_moves
 from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
-from elastic.transfer.shards import ShardKey, assign_shards
+from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
+from elastic.transfer.stream import ShardCheck, ShardStreamParser
 
 __all__ = [
     "CollectiveResult",
     "CorruptTensorError",
+    "FetchAssignment",
     "FetchConfig",
     "FetchResult",
+    "GenerationBehind",
     "Holdings",
     "ServerConfig",
     "ShardCheck",
@@ -40,6 +45,7 @@ __all__ = [
     "ShardMove",
     "ShardProvider",
     "ShardServer",
+    "ShardStreamParser",
     "TransferError",
     "assign_shards",
     "exchange",
