@@ -8,7 +8,7 @@ chunks without pickling (everything else, and the fallback).
 - `server`: `ShardServer`, serving shards from a provider callable.
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
-- `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
+- `client`: `fetch_shards` (spread, verify, re-fetch) from a holder map the caller gives.
 - `collective`: `plan_moves` and `exchange`: batched point-to-point sends on a process group
   (gloo or NCCL), each tensor verified by a vectorised checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
@@ -20,10 +20,8 @@ from elastic.transfer.client import (
     FetchConfig,
     FetchResult,
     GenerationBehind,
-    Holdings,
     TransferError,
     fetch_shards,
-    list_shards,
 )
 from elastic.transfer.codec import CorruptTensorError
 from elastic.transfer.collective import CollectiveResult, ShardMove, exchange, plan_moves
@@ -38,7 +36,6 @@ __all__ = [
     "FetchConfig",
     "FetchResult",
     "GenerationBehind",
-    "Holdings",
     "ServerConfig",
     "ShardCheck",
     "ShardKey",
@@ -50,6 +47,5 @@ __all__ = [
     "assign_shards",
     "exchange",
     "fetch_shards",
-    "list_shards",
     "plan_moves",
 ]

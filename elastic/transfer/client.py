@@ -33,7 +33,6 @@ import grpc
 import torch
 
 from elastic.transfer import shard_transfer_pb2 as pb
-from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import CorruptTensorError
 from elastic.transfer.server import GENERATION_BEHIND_KEY, HEADER_ALLOWANCE, MISSING_SHARDS_KEY
 from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
@@ -412,36 +411,3 @@ def fetch_shards(
             channel.close()
     return state.result()
 
-
-@dataclass(frozen=True)
-class Holdings:
-    """What one server reported holding."""
-
-    shards: list[ShardKey]
-    """The shards it can serve."""
-    generation: int
-    """Its plan generation."""
-
-
-def list_shards(address: str, config: FetchConfig, *, timeout_s: float = 10.0) -> Holdings:
-    """Ask one server what it holds; TransferError if it refuses or cannot be reached."""
-    channel = _channel(address, config)
-    start = time.monotonic()
-    try:
-        while True:
-            try:
-                reply = pb_grpc.ShardTransferStub(channel).List(
-                    pb.ListRequest(credentials=_credentials(config)), timeout=timeout_s
-                )
-                break
-            except grpc.RpcError as e:
-                behind = e.code() == grpc.StatusCode.UNAVAILABLE and any(
-                    k == GENERATION_BEHIND_KEY for k, _ in e.trailing_metadata() or ()
-                )
-                if behind and time.monotonic() - start < config.behind_wait_s:
-                    time.sleep(config.behind_retry_s)
-                    continue
-                raise TransferError(f"List on {address} failed: {e.code().name}: {e.details()}") from e
-    finally:
-        channel.close()
-    return Holdings(shards=[ShardKey(s.layer, s.tp_rank) for s in reply.shards], generation=reply.generation)
