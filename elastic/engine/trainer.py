@@ -44,7 +44,7 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, split_microbatches
-from elastic.transfer.collective import ShardMove, exchange, plan_moves
+from elastic.transfer.collective import ShardMove, assign_moves, exchange
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 
@@ -360,7 +360,7 @@ class Trainer:
         for rank, keys in holdings.items():
             for k in keys:
                 holders.setdefault(k, []).append(rank)
-        moves = plan_moves(needs, holders)
+        moves = assign_moves(needs, holders)
         if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
             return {}
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,

@@ -9,8 +9,9 @@ chunks without pickling (everything else, and the fallback).
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
 - `client`: `fetch_shards` (spread, verify, re-fetch) from a holder map the caller gives.
-- `collective`: `plan_moves` and `exchange`: batched point-to-point sends on a process group
-  (gloo or NCCL), each tensor verified by a vectorised checksum.
+- `collective`: `assign_moves` (which rank sends which shard to which) and `exchange`: batched
+  point-to-point sends on a process group (gloo or NCCL), each tensor verified by a vectorised
+  checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
 Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.
@@ -24,7 +25,7 @@ from elastic.transfer.client import (
     fetch_shards,
 )
 from elastic.transfer.codec import CorruptTensorError
-from elastic.transfer.collective import CollectiveResult, ShardMove, exchange, plan_moves
+from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange
 from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
 from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
 from elastic.transfer.stream import ShardCheck, ShardStreamParser
@@ -44,8 +45,8 @@ __all__ = [
     "ShardServer",
     "ShardStreamParser",
     "TransferError",
+    "assign_moves",
     "assign_shards",
     "exchange",
     "fetch_shards",
-    "plan_moves",
 ]
