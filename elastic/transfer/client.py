@@ -141,7 +141,6 @@ class FetchResult:
         return sum(self.bytes_by_holder.values())
 
 
-
 @dataclass(kw_only=True)
 class _Outcome:
     """What one Fetch call to one holder produced; the shards it finished stand whatever broke after."""
@@ -203,7 +202,6 @@ def _channel(address: str, config: FetchConfig) -> grpc.Channel:
 
 def _credentials(config: FetchConfig) -> pb.Credentials:
     return pb.Credentials(token=config.token, generation=config.generation)
-
 
 
 def _fetch_from(
@@ -299,9 +297,9 @@ class _FetchState:
         return [k for k in self.keys if k not in self.results]
 
     def assign(self) -> FetchAssignment:
-        """This round's assignment of the pending shards to live holders, holders that sent a
-        shard damaged last (a lone holder may be asked again); TransferError when a shard has
-        no live holder left."""
+        """This round's assignment of the pending shards to live holders, preferring those that
+        have not sent the shard damaged (a lone holder may be asked again); TransferError when a
+        shard has no live holder left."""
         candidates: dict[ShardKey, list[str]] = {}
         for k in self.pending():
             alive = [a for a, held in self.holds.items() if k in held and a not in self.dead]

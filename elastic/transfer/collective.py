@@ -102,7 +102,6 @@ class CollectiveResult:
     """Wall time of the whole exchange on this rank."""
 
 
-
 # ---- assignment -------------------------------------------------------------------------------
 
 
@@ -133,7 +132,6 @@ def assign_moves(
         load[src] = load.get(src, 0) + 1
         moves.append(ShardMove(key=key, src=src, dst=dst))
     return sorted(moves, key=lambda m: (m.src, m.dst, m.key))
-
 
 
 def _header_frames(raw: bytes, device: torch.device) -> list[torch.Tensor]:
