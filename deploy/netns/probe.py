@@ -41,8 +41,7 @@ def probe(*, etcd: str, prefix: str, rank: int, world: int, timeout_s: float) ->
     if float(value) != want:
         raise RuntimeError(f"gloo all_reduce gave {float(value)}, expected {want}")
     mine = {"w": torch.full((4,), float(rank))}
-    with ShardServer(ServerConfig(token=_TOKEN, host=host), provider=lambda layer, tp: mine,
-                     holdings=lambda: [(rank, 0)]) as server:
+    with ShardServer(ServerConfig(token=_TOKEN, host=host), provider=lambda layer, tp: mine) as server:
         store.set(f"server/{rank}", server.address)
         peer = (rank + 1) % world
         address = store.get(f"server/{peer}").decode()

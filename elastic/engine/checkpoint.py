@@ -292,4 +292,4 @@ def checkpoint_writer_shards(layout: LayoutLike) -> list[ShardKey]:
     with the lowest global rank; every (layer, tp_rank) gets exactly one writer."""
     first, last = layout.layers
     t = layout.tp_rank
-    return [(layer, t) for layer in range(first, last) if layout.holders(layer, t)[0] == layout.rank]
+    return [ShardKey(layer, t) for layer in range(first, last) if layout.holders(layer, t)[0] == layout.rank]

@@ -21,8 +21,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-ShardKey = tuple[int, int]
-"""(planning layer, tensor-parallel rank)."""
+from elastic.transfer.shards import ShardKey
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 MARKER_VERSION = 1
@@ -109,7 +108,7 @@ def list_steps(directory: Path) -> list[int]:
 def all_keys(num_layers: int, tp_degree: int) -> list[ShardKey]:
     if num_layers < 1 or tp_degree < 1:
         raise ValueError(f"num_layers and tp_degree must be >= 1, got {num_layers} and {tp_degree}")
-    return [(layer, t) for layer in range(num_layers) for t in range(tp_degree)]
+    return [ShardKey(layer, t) for layer in range(num_layers) for t in range(tp_degree)]
 
 
 def missing_shards(directory: Path, step: int, keys: list[ShardKey]) -> list[ShardKey]:

@@ -44,12 +44,9 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, split_microbatches
-from elastic.transfer.collective import ShardMove, exchange, plan_moves
-from elastic.transfer.shards import ShardKey as MovedShard
+from elastic.transfer.collective import ShardMove, assign_moves, exchange
+from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
-
-ShardKey = tuple[int, int]
-"""(planning layer, tensor-parallel rank); `elastic.transfer.shards.ShardKey` is equal to it."""
 
 ShardState = dict[str, torch.Tensor]
 """One shard's committed state: `param/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` per
@@ -260,7 +257,7 @@ class Trainer:
         """
         layout = self._check_join(plan, generation, step)
         first, last = layout.layers
-        needed = [(layer, layout.tp_rank) for layer in range(first, last)]
+        needed = [ShardKey(layer, layout.tp_rank) for layer in range(first, last)]
         with self._lock:
             held = dict(self._served)
         missing = [k for k in needed if k not in held]
@@ -352,18 +349,18 @@ class Trainer:
     ) -> dict[ShardKey, ShardState]:
         """Send what peers of the generation need from me and receive what I need, over the world
         group (the collective shard path); returns what arrived intact."""
-        needs: dict[int, list[MovedShard]] = {}
+        needs: dict[int, list[ShardKey]] = {}
         for w in assign_ranks(layout.plan):
             first, last = layout.plan.pipelines[w.pipeline].stages[w.stage].layers
-            have = {tuple(k) for k in holdings.get(w.rank, [])}
-            want = [MovedShard(layer, w.tp_rank) for layer in range(first, last) if (layer, w.tp_rank) not in have]
+            have = set(holdings.get(w.rank, []))
+            want = [k for k in (ShardKey(layer, w.tp_rank) for layer in range(first, last)) if k not in have]
             if want:
                 needs[w.rank] = want
-        holders: dict[MovedShard, list[int]] = {}
+        holders: dict[ShardKey, list[int]] = {}
         for rank, keys in holdings.items():
             for k in keys:
-                holders.setdefault(MovedShard(*k), []).append(rank)
-        moves = plan_moves(needs, holders)
+                holders.setdefault(k, []).append(rank)
+        moves = assign_moves(needs, holders)
         if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
             return {}
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,
@@ -373,7 +370,7 @@ class Trainer:
                  "fetching it over gRPC")
         _log(f"generation {layout.generation}: collective exchange sent {result.bytes_sent} B, received "
              f"{result.bytes_received} B in {result.seconds:.3f} s")
-        return {(k.layer, k.tp_rank): v for k, v in result.shards.items()}
+        return dict(result.shards)
 
     def _live_shard(self, key: ShardKey) -> ShardState:
         """A held shard's own tensors (no copy: nothing updates them while a generation starts)."""
@@ -422,14 +419,14 @@ class Trainer:
         """Send my kept sums of layers I no longer hold to their new holders, and receive those
         moved to me (`replay.moved`); canonical name -> sum."""
         ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(layout.plan)}
-        moves = [ShardMove(key=MovedShard(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
+        moves = [ShardMove(key=ShardKey(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
                  for layer, tp, fn, fr, tn, tr in replay.moved]
         if not any(layout.rank in (m.src, m.dst) for m in moves):
             return {}
 
         def export(key: ShardKey) -> ShardState:
             assert kept is not None, "asked to send kept sums this worker does not keep"
-            return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key[0]}
+            return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key.layer}
 
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
                           tag=_SUMS_TAG, device=self.device, post=groups.p2p)
@@ -456,7 +453,7 @@ class Trainer:
             module = skeleton
             states: dict[str, ParamState] = {}
             for name, meta in list(module.named_parameters()):
-                key = (self.layer_of(name), layout.tp_rank)
+                key = ShardKey(self.layer_of(name), layout.tp_rank)
                 if key in held:
                     param, states[name] = held[key][name]
                 else:
@@ -466,7 +463,7 @@ class Trainer:
         module.train()
         served: _Held = {k: {} for k in needed}
         for name, param in optimizer.params:
-            served[(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
+            served[ShardKey(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
         return module, optimizer, served
 
     def export_shard(self, layer: int, tp_rank: int) -> ShardState:
@@ -476,13 +473,13 @@ class Trainer:
         generation's state until the switch; shards dropped at the last switch stay
         available, at that switch's state, until the next one.
         """
-        return self._held_shard((layer, tp_rank), copy=True)
+        return self._held_shard(ShardKey(layer, tp_rank), copy=True)
 
     def _held_shard(self, key: ShardKey, *, copy: bool) -> ShardState:
         with self._lock:
             entries = self._served.get(key, self._retired.get(key))
             if entries is None:
-                raise KeyError(f"shard (layer {key[0]}, tp_rank {key[1]}) is not held by this worker")
+                raise KeyError(f"shard (layer {key.layer}, tp_rank {key.tp_rank}) is not held by this worker")
             return _export(key, entries, copy=copy)
 
     # ---- steps ---------------------------------------------------------------------------

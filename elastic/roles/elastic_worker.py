@@ -47,7 +47,7 @@ from elastic.coordinator.store import EtcdStore
 from elastic.engine.step import NonFiniteStep, StepReport
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
-from elastic.parallel.layout import ParallelLayout, assign_ranks
+from elastic.parallel.layout import ParallelLayout
 from elastic.records.protocol import (
     COMMIT,
     ElasticConfig,
@@ -62,12 +62,13 @@ from elastic.records.protocol import (
     step_log_path,
 )
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
-from elastic.transfer.client import FetchConfig, TransferError, fetch_shards, list_shards
+from elastic.roles.holders import HolderMap, holder_map_reader
+from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
-_LIST_RETRY_S = 0.02
 _STORE_SLICE_S = 0.2
 _LOCAL_GRACE_MIN_S = 1.0
 _LOCAL_GRACE_FIRST_S = 5.0
@@ -129,7 +130,6 @@ class ElasticWorker:
         self.server = ShardServer(
             ServerConfig(token=token, host=bind_host()),
             provider=lambda layer, tp: self.trainer.export_shard(layer, tp),
-            holdings=lambda: self.trainer.holdings(),
         ).start()
         info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation)
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
@@ -263,7 +263,8 @@ class ElasticWorker:
                  f"{self.trainer.step}: its shards are not the committed state")
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
-        fetch: Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]] | None
+        holders = holder_map_reader(self.client, self.rk)  # one etcd reading for both shard paths
+        fetch: Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]] | None
         if record.restore_checkpoint is not None:
             from elastic.engine.checkpoint import load_shards
 
@@ -272,11 +273,11 @@ class ElasticWorker:
             ckpt, directory = record.restore_checkpoint, Path(self.config.checkpoint_path)
             _log(f"generation {generation}: restoring from the checkpoint of step {ckpt} in {directory}")
 
-            def fetch(missing: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+            def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
                 return load_shards(directory, ckpt, missing)
 
         else:  # the first generation initialises from the seed; later ones fetch what they miss
-            fetch = None if generation == 1 else self._fetch_from_holders(generation, record)
+            fetch = None if generation == 1 else self._fetch_from_holders(generation, holders)
         timings = self.trainer.start(
             plan=record.plan,
             generation=generation,
@@ -290,7 +291,7 @@ class ElasticWorker:
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
             replay=record.replay if record.restore_checkpoint is None else None,
-            holdings=self._holdings_fn(generation, record),
+            holdings=self._holdings_fn(generation, record, holders),
         )
         self._pending_recovery = (seen_at, timings, time.time())
         held = json.dumps(sorted(self.trainer.holdings()))
@@ -302,61 +303,34 @@ class ElasticWorker:
         )
         return layout
 
-    def _holdings_fn(self, generation: int, record: GenerationRecord) -> Callable[[], dict[int, list[tuple[int, int]]]] | None:
-        """For the collective shard path: rank of `generation` -> the shards it holds now, read
-        from `holdings/` (one read; every worker reads the same final keys, since the leader
-        publishes a generation only after every live worker of the one before has halted)."""
+    def _holdings_fn(
+        self, generation: int, record: GenerationRecord, holders: Callable[[], HolderMap]
+    ) -> Callable[[], dict[int, list[ShardKey]]] | None:
+        """For the collective shard path: rank of `generation` -> the shards it holds now, from
+        the holder map etcd knows (`elastic.roles.holders`)."""
         if record.restore_checkpoint is not None or generation == 1 or self.spec.shard_transport != "collective":
             return None
-
-        def holdings() -> dict[int, list[tuple[int, int]]]:
-            ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(record.plan)}
-            out: dict[int, list[tuple[int, int]]] = {}
-            for value, meta in self.client.get_prefix(self.rk.holdings):
-                node, local_rank = (int(x) for x in meta.key.decode().rsplit("/", 2)[-2:])
-                rank = ranks.get((node, local_rank))
-                if rank is not None:
-                    out[rank] = [(int(a), int(b)) for a, b in json.loads(value)]
-            return out
-
-        return holdings
+        return lambda: holders().by_rank(record.plan)
 
     def _fetch_from_holders(
-        self, generation: int, record: GenerationRecord
-    ) -> Callable[[list[tuple[int, int]]], dict[tuple[int, int], dict[str, torch.Tensor]]]:
-        config = FetchConfig(token=self.token, generation=generation, stall_timeout_s=min(30.0, self.timeout))
+        self, generation: int, holders: Callable[[], HolderMap]
+    ) -> Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]:
+        """For the gRPC shard path: fetch shards from the shard servers of the holder map etcd
+        knows (no server is asked what it holds). A holder still resolving its step of the
+        generation before answers "not yet" and is asked again, for up to the collective timeout."""
+        config = FetchConfig(token=self.token, generation=generation, stall_timeout_s=min(30.0, self.timeout),
+                             behind_wait_s=self.timeout)
 
-        def fetch(missing: list[tuple[int, int]]) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
-            holders = self._holders(generation, record, config)
-            result = fetch_shards(missing, holders, config)
+        def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
+            known = holders()
+            _log(f"generation {generation}: fetching shards {sorted(missing)} over gRPC; holder map read from "
+                 f"etcd (holdings/ + workers/): {known.describe()}")
+            result = fetch_shards(missing, known.by_address(exclude=self.server.address), config)
+            _log(f"generation {generation}: fetched {len(result.shards)} shards over gRPC "
+                 f"({result.bytes_moved} B) from {result.bytes_by_holder} in {result.seconds:.3f} s")
             return dict(result.shards)
 
         return fetch
-
-    def _holders(
-        self, generation: int, record: GenerationRecord, config: FetchConfig
-    ) -> dict[str, list[tuple[int, int]]]:
-        """address -> shards, asked of every live worker of the generation (they wait until resolved)."""
-        holders: dict[str, list[tuple[int, int]]] = {}
-        for value, _meta in self.client.get_prefix(self.rk.workers):
-            info = WorkerInfo.from_json(value)
-            if info.transfer_address == self.server.address:
-                continue
-            deadline = time.monotonic() + self.timeout
-            while True:
-                try:
-                    held = list_shards(info.transfer_address, config, timeout_s=5.0)
-                    break
-                except TransferError as exc:
-                    if "UNAVAILABLE" in str(exc) and "generation" in str(exc) and time.monotonic() < deadline:
-                        time.sleep(_LIST_RETRY_S)
-                        continue
-                    _log(f"holder {info.transfer_address} (pid {info.pid}) skipped: {exc}")
-                    held = None
-                    break
-            if held is not None and held.shards:
-                holders[info.transfer_address] = [tuple(k) for k in held.shards]  # type: ignore[misc]
-        return holders
 
     def _train(self, generation: int, layout: ParallelLayout) -> bool:
         """Run steps of `generation`; True when the job's steps are all committed, False when

@@ -67,6 +67,7 @@ from elastic.records.protocol import (
     live_nodes,
     read_progress,
 )
+from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
 from templates.plan import Plan
 from templates.replanning import replan
@@ -116,20 +117,20 @@ def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
 
 def live_holdings_gaps(
     client: EtcdClient, rk: RunKeys, plan: Plan, live: set[int]
-) -> list[tuple[int, int]] | None:
+) -> list[ShardKey] | None:
     """The (layer, tp_rank) shards that no live worker reports holding; None when no worker has
     reported yet (nothing trained: the seed state is everywhere)."""
-    held: set[tuple[int, int]] = set()
+    held: set[ShardKey] = set()
     reported = False
     for value, meta in client.get_prefix(rk.holdings):
         reported = True
         node = int(meta.key.decode().split("/")[-2])
         if node in live:
-            held.update((int(a), int(b)) for a, b in json.loads(value))
+            held.update(ShardKey(int(a), int(b)) for a, b in json.loads(value))
     if not reported:
         return None
     return [
-        (layer, t)
+        ShardKey(layer, t)
         for layer in range(plan.num_layers)
         for t in range(plan.gpus_per_node)
         if (layer, t) not in held
@@ -460,7 +461,7 @@ class Leader:
         # a second failure may have left a plan's holder without its shards.
         gaps = live_holdings_gaps(self.client, self.rk, plan, set(live))
         if gaps is None:
-            gaps = [] if surviving_holders_cover(plan, set(live)) else [(-1, -1)]
+            gaps = [] if surviving_holders_cover(plan, set(live)) else [ShardKey(-1, -1)]
         if not gaps:
             for f_now in range(f, -1, -1):
                 try:

@@ -3,12 +3,15 @@ workers: over the new generation's process group (`collective`), or over gRPC in
 chunks without pickling (everything else, and the fallback).
 
 - `codec`: tensor <-> header + raw bytes chunks, CRC-32 verification.
-- `shards`: `ShardKey` and the spreading of shards over holders.
+- `shards`: `ShardKey`, and `assign_shards`: which shard to fetch from which holder (a
+  `FetchAssignment`).
 - `server`: `ShardServer`, serving shards from a provider callable.
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
-- `client`: `fetch_shards` (spread, verify, re-fetch) and `list_shards`.
-- `collective`: `plan_moves` and `exchange`: batched point-to-point sends on a process group
-  (gloo or NCCL), each tensor verified by a vectorised checksum.
+- `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
+- `client`: `fetch_shards` (spread, verify, re-fetch) from a holder map the caller gives.
+- `collective`: `assign_moves` (which rank sends which shard to which) and `exchange`: batched
+  point-to-point sends on a process group (gloo or NCCL), each tensor verified by a vectorised
+  checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
 Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.
@@ -17,33 +20,33 @@ Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the 
 from elastic.transfer.client import (
     FetchConfig,
     FetchResult,
-    Holdings,
-    ShardCheck,
+    GenerationBehind,
     TransferError,
     fetch_shards,
-    list_shards,
 )
 from elastic.transfer.codec import CorruptTensorError
-from elastic.transfer.collective import CollectiveResult, ShardMove, exchange, plan_moves
+from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange
 from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
-from elastic.transfer.shards import ShardKey, assign_shards
+from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
+from elastic.transfer.stream import ShardCheck, ShardStreamParser
 
 __all__ = [
     "CollectiveResult",
     "CorruptTensorError",
+    "FetchAssignment",
     "FetchConfig",
     "FetchResult",
-    "Holdings",
+    "GenerationBehind",
     "ServerConfig",
     "ShardCheck",
     "ShardKey",
     "ShardMove",
     "ShardProvider",
     "ShardServer",
+    "ShardStreamParser",
     "TransferError",
+    "assign_moves",
     "assign_shards",
     "exchange",
     "fetch_shards",
-    "list_shards",
-    "plan_moves",
 ]

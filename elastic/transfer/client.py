@@ -1,29 +1,31 @@
 """Fetch shards from holders over gRPC: spread over holders, verified, re-fetched on failure.
 
-    result = fetch_shards([(3, 0), (4, 0)], {"10.0.0.2:7001": [(3, 0), (4, 0)], ...}, config)
-    result.shards[(3, 0)]["blocks.3.attn.qkv.weight"]      # a verified tensor
+    a, b = ShardKey(3, 0), ShardKey(4, 0)
+    result = fetch_shards([a, b], {"10.0.0.2:7001": [a, b], ...}, config)
+    result.shards[a]["blocks.3.attn.qkv.weight"]      # a verified tensor
 
-Each round spreads the still-missing shards over the holders that can serve them (see
-`assign_shards`) and streams from those holders in parallel, one Fetch call per holder. A shard
-whose tensor fails its checksum is fetched again in the next round, from another holder when
-there is one; a holder whose call breaks (dead, hung past `stall_timeout_s`, closed) is dropped
-and its unfinished shards move to others. Every shard gets at most `max_attempts` tries; after
-that, or when no holder is left, `TransferError` says which shards failed and why. A reply that
-breaks the protocol (data outside a tensor, a wrong byte count, a checksum mismatch, a header
-announcing more than `max_tensor_bytes`, a truncated stream, bytes that do not parse) counts
-as a failed try of that holder; so does a shard the caller's `check` rejects (wrong names,
-dtypes or shapes). No tensor is handed out before its bytes and the caller's check pass. A refusal
-that no other holder would answer differently (wrong token, stale generation, malformed or
-oversized messages) ends the fetch at once. A holder still at an older generation answers
-"not yet" (UNAVAILABLE with its generation): its shards are asked again every
-`behind_retry_s` until `behind_wait_s` has passed, without counting as failed tries.
+Where the holder map comes from is the caller's business (the runtime reads it from etcd,
+`elastic.roles.holders`). Each round spreads the still-missing shards over the holders that can
+serve them (a `FetchAssignment`, see `assign_shards`) and streams from those holders in
+parallel, one Fetch call per holder (`elastic.transfer.stream` turns each reply stream into
+verified tensors). A shard whose tensor fails its checksum is fetched again in the next round,
+from another holder when there is one; a holder whose call breaks (dead, hung past
+`stall_timeout_s`, closed) is dropped and its unfinished shards move to others. Every shard gets
+at most `max_attempts` tries; after that, or when no holder is left, `TransferError` says which
+shards failed and why. A reply that breaks the protocol counts as a failed try of that holder;
+so does a shard the caller's `check` rejects (wrong names, dtypes or shapes). A refusal that no
+other holder would answer differently (wrong token, stale generation, malformed or oversized
+messages) ends the fetch at once. A holder still at an older generation answers "not yet"
+(UNAVAILABLE with its generation in the `server-generation` trailer, `GenerationBehind` here):
+its shards are asked again every `behind_retry_s`, without counting as failed tries, until
+`behind_wait_s` has passed; then it is dropped like a broken holder.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -31,10 +33,10 @@ import grpc
 import torch
 
 from elastic.transfer import shard_transfer_pb2 as pb
-from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
-from elastic.transfer.codec import CorruptTensorError, TensorAssembler, parse_header
+from elastic.transfer.codec import CorruptTensorError
 from elastic.transfer.server import GENERATION_BEHIND_KEY, HEADER_ALLOWANCE, MISSING_SHARDS_KEY
-from elastic.transfer.shards import ShardKey, assign_shards
+from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
+from elastic.transfer.stream import ShardCheck, ShardStreamParser
 from elastic.transfer.wire import fetch_callable
 
 # Codes that another holder would answer the same way: retrying elsewhere cannot help.
@@ -48,10 +50,8 @@ _FATAL = frozenset(
     }
 )
 
-
-ShardCheck = Callable[[ShardKey, Mapping[str, torch.Tensor]], None]
-"""Raises ValueError when a received shard is not what the receiver expects (tensor names,
-dtypes, shapes); the shard then counts as corrupt and is fetched again elsewhere."""
+Tensors = dict[str, torch.Tensor]
+"""One shard's tensors by name."""
 
 
 class TransferError(RuntimeError):
@@ -60,6 +60,19 @@ class TransferError(RuntimeError):
     def __init__(self, message: str, failures: Mapping[ShardKey, list[str]] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class GenerationBehind(TransferError):
+    """A holder answered "not yet": it has not reached the requester's generation (it is still
+    resolving its in-flight step of the one before). Raised by one Fetch call; `fetch_shards`
+    asks that holder again until `FetchConfig.behind_wait_s` has passed."""
+
+    def __init__(self, message: str, *, address: str, server_generation: int) -> None:
+        super().__init__(message)
+        self.address = address
+        """The holder that answered."""
+        self.server_generation = server_generation
+        """The generation it is at."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +96,8 @@ class FetchConfig:
     parallel: int = 4
     """Holders streamed from at the same time."""
     behind_wait_s: float = 60.0
-    """How long to keep asking a holder that has not reached the requester's generation yet."""
+    """How long (from the start of the fetch) to keep asking a holder that has not reached the
+    requester's generation yet; after that it is dropped like a broken holder."""
     behind_retry_s: float = 0.02
     """Pause between asks of such a holder."""
 
@@ -106,19 +120,19 @@ class FetchConfig:
             raise ValueError("FetchConfig.behind_wait_s must be >= 0 and behind_retry_s positive")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FetchResult:
     """Verified shards plus what it cost to get them."""
 
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]]
-    """(layer, tp_rank) -> tensor name -> tensor, every tensor checksum-verified (keys are ShardKeys)."""
+    shards: dict[ShardKey, Tensors]
+    """Shard -> tensor name -> tensor, every tensor checksum-verified."""
     bytes_by_holder: dict[str, int]
     """Tensor data bytes received from each holder, discarded (corrupt) ones included."""
     seconds: float
     """Wall time of the whole fetch."""
     refetches: int
     """Shard fetches repeated after a checksum failure or a broken call."""
-    incidents: dict[tuple[int, int], list[str]]
+    incidents: dict[ShardKey, list[str]]
     """For each shard that needed more than one try, why each failed try failed."""
 
     @property
@@ -127,18 +141,17 @@ class FetchResult:
         return sum(self.bytes_by_holder.values())
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Outcome:
-    """What one Fetch call to one holder produced."""
+    """What one Fetch call to one holder produced; the shards it finished stand whatever broke after."""
 
-    done: dict[ShardKey, dict[str, torch.Tensor]] = field(default_factory=dict)
+    done: dict[ShardKey, Tensors] = field(default_factory=dict)
     corrupt: dict[ShardKey, str] = field(default_factory=dict)
     nbytes: int = 0
     error: grpc.StatusCode | None = None
     error_text: str = ""
     missing: frozenset[ShardKey] = frozenset()
-    behind: bool = False
-    """The holder refused because it has not reached the requester's generation yet."""
+    """The shards the holder said it does not hold (with NOT_FOUND)."""
 
 
 class _Watchdog:
@@ -199,8 +212,9 @@ def _fetch_from(
     watchdog: _Watchdog,
     check: ShardCheck | None,
 ) -> _Outcome:
-    """Stream `keys` from one holder; never raises for gRPC or data errors (see `_Outcome`)."""
-    out = _Outcome()
+    """Stream `keys` from one holder. gRPC and data errors end up in the outcome; only a "not
+    yet" answer raises (GenerationBehind)."""
+    parser = ShardStreamParser(keys, max_tensor_bytes=config.max_tensor_bytes, check=check)
     request = pb.FetchRequest(
         credentials=_credentials(config),
         shards=[pb.ShardId(layer=k.layer, tp_rank=k.tp_rank) for k in keys],
@@ -208,93 +222,167 @@ def _fetch_from(
     )
     call = fetch_callable(channel)(request, wait_for_ready=False)
     stamp = watchdog.track(call)
-    wanted = set(keys)
-    shard: ShardKey | None = None
-    tensors: dict[str, torch.Tensor] = {}
-    assembler: TensorAssembler | None = None
-    bad: str | None = None
-    expected_tensors = 0
+    failure: tuple[grpc.StatusCode | None, str, frozenset[ShardKey]] = (None, "", frozenset())
     try:
         for reply in call:
             stamp[0] = time.monotonic()
-            if isinstance(reply, memoryview) or reply.WhichOneof("item") == "data":
-                data = reply if isinstance(reply, memoryview) else memoryview(reply.data)
-                if assembler is None:
-                    raise CorruptTensorError("data chunk outside a tensor")
-                out.nbytes += len(data)
-                if bad is None:
-                    try:
-                        assembler.add(data)
-                    except CorruptTensorError as e:
-                        bad = str(e)
-                continue
-            kind = reply.WhichOneof("item")
-            if kind == "tensor_start":
-                if shard is None or assembler is not None:
-                    raise CorruptTensorError("tensor header outside a shard or inside another tensor")
-                t = reply.tensor_start
-                assembler = TensorAssembler(
-                    parse_header(name=t.name, dtype=t.dtype, shape=list(t.shape), nbytes=t.nbytes,
-                                 max_nbytes=config.max_tensor_bytes)
-                )
-            elif kind == "tensor_end":
-                if assembler is None:
-                    raise CorruptTensorError("tensor end without a tensor")
-                if bad is None:
-                    try:
-                        tensors[assembler.header.name] = assembler.finish(reply.tensor_end.crc32)
-                    except CorruptTensorError as e:
-                        bad = str(e)
-                assembler = None
-            elif kind == "shard_start":
-                key = ShardKey(reply.shard_start.shard.layer, reply.shard_start.shard.tp_rank)
-                if shard is not None or key not in wanted or key in out.done or key in out.corrupt:
-                    raise CorruptTensorError(f"unexpected start of shard {tuple(key)}")
-                shard, tensors, bad = key, {}, None
-                expected_tensors = reply.shard_start.num_tensors
-            elif kind == "shard_end":
-                if shard is None or assembler is not None:
-                    raise CorruptTensorError("shard end outside a shard or inside a tensor")
-                if bad is None and len(tensors) != expected_tensors:
-                    bad = f"announced {expected_tensors} tensors, received {len(tensors)} distinct ones"
-                if bad is None and check is not None:
-                    try:
-                        check(shard, tensors)
-                    except ValueError as e:
-                        bad = f"rejected by the receiver: {e}"
-                if bad is None:
-                    out.done[shard] = tensors
-                else:
-                    out.corrupt[shard] = bad
-                shard = None
-            else:
-                raise CorruptTensorError(f"a reply with no known item ({kind!r})")
-        if set(out.done) | set(out.corrupt) != wanted:
-            raise CorruptTensorError("the stream ended before every requested shard was sent")
+            parser.feed(reply)
+        parser.finish()
     except grpc.RpcError as e:
-        out.error = e.code()
-        out.error_text = f"{e.code().name}: {e.details()}"
-        for k, v in e.trailing_metadata() or ():
-            if k == GENERATION_BEHIND_KEY and e.code() == grpc.StatusCode.UNAVAILABLE:
-                out.behind = True
-            if k == MISSING_SHARDS_KEY:
-                out.missing = frozenset(
-                    ShardKey(*map(int, item.split(":"))) for item in str(v).split(",") if item
-                )
-        if e.code() == grpc.StatusCode.CANCELLED:
-            out.error_text = f"no data for {config.stall_timeout_s} s (holder hung?); call cancelled"
+        failure = _call_failure(address, e, config)
     except CorruptTensorError as e:
         call.cancel()
-        out.error = grpc.StatusCode.DATA_LOSS
-        out.error_text = f"protocol violation: {e}"
+        failure = (grpc.StatusCode.DATA_LOSS, f"protocol violation: {e}", frozenset())
     finally:
         watchdog.untrack(call)
-    return out
+    error, text, missing = failure
+    return _Outcome(done=parser.done, corrupt=parser.corrupt, nbytes=parser.nbytes, error=error,
+                    error_text=text, missing=missing)
+
+
+def _call_failure(
+    address: str, e: grpc.RpcError, config: FetchConfig
+) -> tuple[grpc.StatusCode, str, frozenset[ShardKey]]:
+    """Why a Fetch call failed: its status, the reason to report and the shards the holder says
+    it lacks. Raises GenerationBehind where the holder answered "not yet" (UNAVAILABLE with the
+    server-generation trailer)."""
+    code = e.code()
+    text = f"{code.name}: {e.details()}"
+    trailers = {k: str(v) for k, v in e.trailing_metadata() or ()}
+    behind = trailers.get(GENERATION_BEHIND_KEY, "")
+    if code == grpc.StatusCode.UNAVAILABLE and behind.isdigit():
+        raise GenerationBehind(text, address=address, server_generation=int(behind))
+    missing = frozenset(
+        ShardKey(*map(int, item.split(":"))) for item in trailers.get(MISSING_SHARDS_KEY, "").split(",") if item
+    )
+    if code == grpc.StatusCode.CANCELLED:
+        text = f"no data for {config.stall_timeout_s} s (holder hung?); call cancelled"
+    return code, text, missing
+
+
+@dataclass(kw_only=True)
+class _FetchState:
+    """Where one `fetch_shards` call stands between rounds: what arrived, what failed and why,
+    which holders are out."""
+
+    config: FetchConfig
+    started: float
+    """`time.monotonic()` at the start of the fetch."""
+    keys: list[ShardKey]
+    """The shards wanted, in the caller's order."""
+    holds: dict[str, set[ShardKey]]
+    """Holder -> the shards it is believed to hold (less those it said it lacks), in the caller's order."""
+    results: dict[ShardKey, Tensors] = field(default_factory=dict)
+    bytes_by_holder: dict[str, int] = field(default_factory=dict)
+    failures: dict[ShardKey, list[str]] = field(default_factory=dict)
+    """Shard -> why each of its failed tries failed."""
+    tried_bad: dict[ShardKey, set[str]] = field(default_factory=dict)
+    """Shard -> the holders that sent it damaged."""
+    dead: set[str] = field(default_factory=set)
+    """Holders dropped: their call broke (dead, hung, closed) or they stayed behind too long."""
+    refetches: int = 0
+
+    @classmethod
+    def begin(cls, wanted: Iterable[ShardKey], holders: Mapping[str, Iterable[ShardKey]],
+              config: FetchConfig) -> _FetchState:
+        keys = list(dict.fromkeys(ShardKey(*w) for w in wanted))
+        holds = {address: {ShardKey(*s) for s in shards} for address, shards in holders.items()}
+        orphans = [k for k in keys if not any(k in h for h in holds.values())]
+        if orphans:
+            raise ValueError(f"no holder is listed for shards {[tuple(k) for k in orphans]}")
+        return cls(config=config, started=time.monotonic(), keys=keys, holds=holds,
+                   failures={k: [] for k in keys}, tried_bad={k: set() for k in keys})
+
+    def pending(self) -> list[ShardKey]:
+        return [k for k in self.keys if k not in self.results]
+
+    def assign(self) -> FetchAssignment:
+        """This round's assignment of the pending shards to live holders, preferring those that
+        have not sent the shard damaged (a lone holder may be asked again); TransferError when a
+        shard has no live holder left."""
+        candidates: dict[ShardKey, list[str]] = {}
+        for k in self.pending():
+            alive = [a for a, held in self.holds.items() if k in held and a not in self.dead]
+            fresh = [a for a in alive if a not in self.tried_bad[k]]
+            candidates[k] = fresh or alive
+        stuck = {k: self.failures[k] for k, c in candidates.items() if not c}
+        if stuck:
+            raise TransferError(
+                "no live holder left for shards "
+                + ", ".join(f"{tuple(k)} ({'; '.join(r) or 'no holder'})" for k, r in stuck.items()),
+                self.failures,
+            )
+        return assign_shards(candidates)
+
+    def take_round(self, assignment: FetchAssignment, calls: Mapping[str, futures.Future[_Outcome]]) -> bool:
+        """Take in the outcome of every call of a round; True when some holder said "not yet"
+        (pause before the next round). TransferError when the fetch must stop."""
+        waiting = False
+        for address, call in calls.items():
+            try:
+                outcome = call.result()
+            except GenerationBehind as behind:
+                waiting |= self._behind(address, assignment[address], behind)
+                continue
+            self._record(address, assignment[address], outcome)
+        return waiting
+
+    def _behind(self, address: str, keys: list[ShardKey], behind: GenerationBehind) -> bool:
+        """Not a failure while `behind_wait_s` lasts (True: ask again); after it, the holder is
+        dropped like a broken one (False)."""
+        config = self.config
+        if time.monotonic() - self.started <= config.behind_wait_s:
+            return True
+        text = f"did not reach generation {config.generation} within {config.behind_wait_s:.0f} s: {behind}"
+        self._record(address, keys, _Outcome(error=grpc.StatusCode.UNAVAILABLE, error_text=text))
+        return False
+
+    def _record(self, address: str, keys: list[ShardKey], out: _Outcome) -> None:
+        self.bytes_by_holder[address] = self.bytes_by_holder.get(address, 0) + out.nbytes
+        self.results.update(out.done)
+        for k, reason in out.corrupt.items():
+            self.failures[k].append(f"{address}: {reason}")
+            self.tried_bad[k].add(address)
+        if out.error is not None:
+            self._broken_call(address, keys, out)
+        for k in keys:
+            if k not in out.done:
+                self.refetches += 1
+                if len(self.failures[k]) >= self.config.max_attempts:
+                    raise TransferError(
+                        f"shard {tuple(k)} failed {len(self.failures[k])} times: " + "; ".join(self.failures[k]),
+                        self.failures,
+                    )
+
+    def _broken_call(self, address: str, keys: list[ShardKey], out: _Outcome) -> None:
+        """A call that ended in an error: stop on a refusal every holder would repeat; drop the
+        holder (or, when it named the shards it lacks, only those); a failed try for its
+        unfinished shards."""
+        if out.error in _FATAL:
+            raise TransferError(f"holder {address} refused the request: {out.error_text}", self.failures)
+        unfinished = [k for k in keys if k not in out.done and k not in out.corrupt]
+        if out.error == grpc.StatusCode.NOT_FOUND and out.missing:
+            # It named what it lacks; the rest of its shards are asked again, unpenalised.
+            self.holds[address] -= out.missing
+            unfinished = [k for k in unfinished if k in out.missing]
+        else:
+            self.dead.add(address)
+        for k in unfinished:
+            self.failures[k].append(f"{address}: {out.error_text}")
+
+    def result(self) -> FetchResult:
+        return FetchResult(
+            shards={k: self.results[k] for k in self.keys},
+            bytes_by_holder=self.bytes_by_holder,
+            seconds=time.monotonic() - self.started,
+            refetches=self.refetches,
+            incidents={k: v for k, v in self.failures.items() if v},
+        )
 
 
 def fetch_shards(
-    wanted: Iterable[tuple[int, int]],
-    holders: Mapping[str, Iterable[tuple[int, int]]],
+    wanted: Iterable[ShardKey],
+    holders: Mapping[str, Iterable[ShardKey]],
     config: FetchConfig,
     *,
     check: ShardCheck | None = None,
@@ -302,126 +390,22 @@ def fetch_shards(
     """Fetch every shard of `wanted` from `holders` (address -> shards it holds); see module doc.
 
     `check(shard, tensors)` may reject a received shard (ValueError), e.g. a wrong shape."""
-    start = time.monotonic()
-    keys = list(dict.fromkeys(ShardKey(*w) for w in wanted))
-    holds = {address: {ShardKey(*s) for s in shards} for address, shards in holders.items()}
-    orphans = [k for k in keys if not any(k in h for h in holds.values())]
-    if orphans:
-        raise ValueError(f"no holder is listed for shards {[tuple(k) for k in orphans]}")
-
-    results: dict[ShardKey, dict[str, torch.Tensor]] = {}
-    bytes_by_holder: dict[str, int] = {}
-    failures: dict[ShardKey, list[str]] = {k: [] for k in keys}
-    tried_bad: dict[ShardKey, set[str]] = {k: set() for k in keys}  # holders that sent it corrupt
-    dead: set[str] = set()
-    refetches = 0
+    state = _FetchState.begin(wanted, holders, config)
     channels: dict[str, grpc.Channel] = {}
     watchdog = _Watchdog(config.stall_timeout_s)
     try:
         with futures.ThreadPoolExecutor(max_workers=config.parallel, thread_name_prefix="shard-fetch") as pool:
-            while pending := [k for k in keys if k not in results]:
-                candidates: dict[ShardKey, list[str]] = {}
-                for k in pending:
-                    alive = [a for a in holders if k in holds[a] and a not in dead]
-                    fresh = [a for a in alive if a not in tried_bad[k]]
-                    candidates[k] = fresh or alive  # a lone holder may be retried after a bad checksum
-                if any(not c for c in candidates.values()):
-                    stuck = {k: failures[k] for k, c in candidates.items() if not c}
-                    raise TransferError(
-                        "no live holder left for shards "
-                        + ", ".join(f"{tuple(k)} ({'; '.join(r) or 'no holder'})" for k, r in stuck.items()),
-                        failures,
-                    )
-                plan = assign_shards(candidates)
-                jobs = {}
-                for address, shard_keys in plan.items():
+            while state.pending():
+                assignment = state.assign()
+                calls = {}
+                for address, keys in assignment.items():
                     channel = channels.get(address) or channels.setdefault(address, _channel(address, config))
-                    jobs[address] = pool.submit(_fetch_from, address, channel, shard_keys, config, watchdog, check)
-                behind = False
-                for address, job in jobs.items():
-                    out = job.result()
-                    bytes_by_holder[address] = bytes_by_holder.get(address, 0) + out.nbytes
-                    results.update(out.done)
-                    if out.behind:
-                        # Not a failure: the holder resolves its in-flight step first; ask again.
-                        if time.monotonic() - start > config.behind_wait_s:
-                            raise TransferError(
-                                f"holder {address} did not reach generation {config.generation} within "
-                                f"{config.behind_wait_s:.0f} s: {out.error_text}",
-                                failures,
-                            )
-                        behind = True
-                        continue
-                    for k, reason in out.corrupt.items():
-                        failures[k].append(f"{address}: {reason}")
-                        tried_bad[k].add(address)
-                    unfinished = [k for k in plan[address] if k not in out.done and k not in out.corrupt]
-                    if out.error is not None:
-                        if out.error in _FATAL:
-                            raise TransferError(
-                                f"holder {address} refused the request: {out.error_text}", failures
-                            )
-                        if out.error == grpc.StatusCode.NOT_FOUND and out.missing:
-                            # It named what it lacks; the rest of its shards are asked again, unpenalised.
-                            holds[address] -= out.missing
-                            unfinished = [k for k in unfinished if k in out.missing]
-                        else:
-                            dead.add(address)
-                        for k in unfinished:
-                            failures[k].append(f"{address}: {out.error_text}")
-                    for k in plan[address]:
-                        if k not in out.done:
-                            refetches += 1
-                            if len(failures[k]) >= config.max_attempts:
-                                raise TransferError(
-                                    f"shard {tuple(k)} failed {len(failures[k])} times: "
-                                    + "; ".join(failures[k]),
-                                    failures,
-                                )
-                if behind:
+                    calls[address] = pool.submit(_fetch_from, address, channel, keys, config, watchdog, check)
+                if state.take_round(assignment, calls):
                     time.sleep(config.behind_retry_s)
     finally:
         watchdog.close()
         for channel in channels.values():
             channel.close()
-    return FetchResult(
-        shards={k: results[k] for k in keys},
-        bytes_by_holder=bytes_by_holder,
-        seconds=time.monotonic() - start,
-        refetches=refetches,
-        incidents={k: v for k, v in failures.items() if v},
-    )
+    return state.result()
 
-
-@dataclass(frozen=True)
-class Holdings:
-    """What one server reported holding."""
-
-    shards: list[ShardKey]
-    """The shards it can serve."""
-    generation: int
-    """Its plan generation."""
-
-
-def list_shards(address: str, config: FetchConfig, *, timeout_s: float = 10.0) -> Holdings:
-    """Ask one server what it holds; TransferError if it refuses or cannot be reached."""
-    channel = _channel(address, config)
-    start = time.monotonic()
-    try:
-        while True:
-            try:
-                reply = pb_grpc.ShardTransferStub(channel).List(
-                    pb.ListRequest(credentials=_credentials(config)), timeout=timeout_s
-                )
-                break
-            except grpc.RpcError as e:
-                behind = e.code() == grpc.StatusCode.UNAVAILABLE and any(
-                    k == GENERATION_BEHIND_KEY for k, _ in e.trailing_metadata() or ()
-                )
-                if behind and time.monotonic() - start < config.behind_wait_s:
-                    time.sleep(config.behind_retry_s)
-                    continue
-                raise TransferError(f"List on {address} failed: {e.code().name}: {e.details()}") from e
-    finally:
-        channel.close()
-    return Holdings(shards=[ShardKey(s.layer, s.tp_rank) for s in reply.shards], generation=reply.generation)

@@ -1,7 +1,7 @@
 """Collective shard transfer: move layer shards over a generation's process group with p2p sends.
 
 The alternative to fetching shards over gRPC (`client.fetch_shards`): every worker of the new
-generation calls `exchange` with the same move list (`plan_moves` makes one), and each move
+generation calls `exchange` with the same move list (`assign_moves` makes one), and each move
 `(key, src, dst)` travels as point-to-point `isend`/`irecv` on the group (gloo on CPU, NCCL on
 CUDA; tensors stay on whatever device the caller's tensors and `device` name).
 
@@ -102,11 +102,10 @@ class CollectiveResult:
     """Wall time of the whole exchange on this rank."""
 
 
+# ---- assignment -------------------------------------------------------------------------------
 
-# ---- planning ---------------------------------------------------------------------------------
 
-
-def plan_moves(
+def assign_moves(
     needs: Mapping[int, Sequence[ShardKey]], holders: Mapping[ShardKey, Sequence[int]]
 ) -> list[ShardMove]:
     """Pick a sender for every (shard, receiver) pair in `needs`, spreading load over holders.
@@ -133,7 +132,6 @@ def plan_moves(
         load[src] = load.get(src, 0) + 1
         moves.append(ShardMove(key=key, src=src, dst=dst))
     return sorted(moves, key=lambda m: (m.src, m.dst, m.key))
-
 
 
 def _header_frames(raw: bytes, device: torch.device) -> list[torch.Tensor]:
@@ -200,7 +198,35 @@ def exchange(
         elif m.dst == rank:
             incoming.setdefault(m.src, []).append(ShardKey(*m.key))
 
-    # 1. Every send, headers first (nothing here blocks).
+    sends, bytes_sent = _post_sends(outgoing, export, posting, tag, device)  # 1. nothing here blocks
+    pairs = _post_receives(incoming, posting, tag, wait, device)  # 2. headers, then each source's data
+
+    # 3. Data, each tensor verified as soon as it is in (while the next ones arrive).
+    received: dict[ShardKey, ShardState] = {}
+    failed: dict[ShardKey, str] = {}
+    bytes_received = 0
+    for pair in pairs:
+        bytes_received += _receive_pair(pair, received, failed, wait, device)
+    for work, _ in sends:
+        wait(work)
+    return CollectiveResult(
+        shards=received,
+        failed=failed,
+        bytes_received=bytes_received,
+        bytes_sent=bytes_sent,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _post_sends(
+    outgoing: Mapping[int, list[ShardKey]],
+    export: Callable[[ShardKey], ShardState],
+    posting: Post,
+    tag: int,
+    device: torch.device,
+) -> tuple[list[tuple[dist.Work, torch.Tensor]], int]:
+    """Post every send, each destination's header first; the posted sends and the tensor data
+    bytes they carry. Each shard is exported once, however many receivers it has."""
     exported: dict[ShardKey, tuple[ShardHeader, list[torch.Tensor]]] = {}
     sends: list[tuple[dist.Work, torch.Tensor]] = []
     bytes_sent = 0
@@ -215,8 +241,18 @@ def exchange(
             bytes_sent += sum(t.numel() for t in exported[key][1])
         for t in messages:
             sends.append((posting("send", t, dst, tag), t))
+    return sends, bytes_sent
 
-    # 2. Every header receive, then each source's data receives as soon as its header is in.
+
+def _post_receives(
+    incoming: Mapping[int, list[ShardKey]],
+    posting: Post,
+    tag: int,
+    wait: Callable[[dist.Work], None],
+    device: torch.device,
+) -> list[_Incoming]:
+    """Post every source's header receive, then, one source at a time as its header is in, the
+    receives of its data."""
     first_frames = {
         src: _recv(posting, src, tag, torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device))
         for src in sorted(incoming)
@@ -234,22 +270,7 @@ def exchange(
             if m.nbytes > 0
         ]
         pairs.append(_Incoming(src=src, expected=sorted(incoming[src]), shards=shards, posted=posted))
-
-    # 3. Data, each tensor verified as soon as it is in (while the next ones arrive).
-    received: dict[ShardKey, ShardState] = {}
-    failed: dict[ShardKey, str] = {}
-    bytes_received = 0
-    for pair in pairs:
-        bytes_received += _receive_pair(pair, received, failed, wait, device)
-    for work, _ in sends:
-        wait(work)
-    return CollectiveResult(
-        shards=received,
-        failed=failed,
-        bytes_received=bytes_received,
-        bytes_sent=bytes_sent,
-        seconds=time.perf_counter() - start,
-    )
+    return pairs
 
 
 def _receive_pair(

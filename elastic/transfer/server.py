@@ -1,8 +1,9 @@
 """The ShardTransfer gRPC server: streams the shards this worker holds to workers that need them.
 
 The runtime gives it a provider `(layer, tp_rank) -> {name: tensor}` (raising KeyError for a
-shard this worker does not hold), the shards it holds (for the List call), and keeps its
-generation current with `set_generation`. Every call must carry the job token.
+shard this worker does not hold) and keeps its generation current with `set_generation`. Every
+call must carry the job token. The server has one method, Fetch: who holds what is published
+in etcd (`holdings/`), never asked of a server.
 
 Generation rule: a requester whose generation is *older* than the server's is refused
 (FAILED_PRECONDITION): it is acting on a superseded plan. A *newer* requester is refused as
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -81,8 +82,7 @@ class _Servicer(pb_grpc.ShardTransferServicer):
     def __init__(self, server: ShardServer) -> None:
         self._server = server
 
-    def _check(self, request: pb.FetchRequest | pb.ListRequest | MalformedRequest,
-               context: grpc.ServicerContext) -> None:
+    def _check(self, request: pb.FetchRequest | MalformedRequest, context: grpc.ServicerContext) -> None:
         if isinstance(request, MalformedRequest):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -160,11 +160,6 @@ class _Servicer(pb_grpc.ShardTransferServicer):
                 yield from _tensor_replies(name, tensor, chunk)
             yield pb.FetchReply(shard_end=pb.ShardEnd(shard=shard_id))
 
-    def List(self, request: pb.ListRequest | MalformedRequest, context: grpc.ServicerContext) -> pb.ListReply:
-        self._check(request, context)
-        shards = [pb.ShardId(layer=k[0], tp_rank=k[1]) for k in sorted(self._server.holdings())]
-        return pb.ListReply(shards=shards, generation=self._server.generation)
-
 
 def _tensor_replies(name: str, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[FetchItem]:
     header, data = encode_tensor(name, tensor)
@@ -188,13 +183,11 @@ class ShardServer:
         config: ServerConfig,
         *,
         provider: ShardProvider,
-        holdings: Callable[[], Iterable[tuple[int, int]]] = tuple,
         generation: int = 0,
         interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
         self.config = config
         self.provider = provider
-        self.holdings = holdings
         self._generation = generation
         self._lock = threading.Lock()
         self._server = grpc.server(

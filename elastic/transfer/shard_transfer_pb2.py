@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%elastic/transfer/shard_transfer.proto\x12\x13\x65lastic.transfer.v1\")\n\x07ShardId\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x02 \x01(\x05\"0\n\x0b\x43redentials\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x8c\x01\n\x0c\x46\x65tchRequest\x12\x35\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32 .elastic.transfer.v1.Credentials\x12,\n\x06shards\x18\x02 \x03(\x0b\x32\x1c.elastic.transfer.v1.ShardId\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\"N\n\nShardStart\x12+\n\x05shard\x18\x01 \x01(\x0b\x32\x1c.elastic.transfer.v1.ShardId\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"I\n\x0bTensorStart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x1a\n\tTensorEnd\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\"7\n\x08ShardEnd\x12+\n\x05shard\x18\x01 \x01(\x0b\x32\x1c.elastic.transfer.v1.ShardId\"\x80\x02\n\nFetchReply\x12\x36\n\x0bshard_start\x18\x01 \x01(\x0b\x32\x1f.elastic.transfer.v1.ShardStartH\x00\x12\x38\n\x0ctensor_start\x18\x02 \x01(\x0b\x32 .elastic.transfer.v1.TensorStartH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\x34\n\ntensor_end\x18\x04 \x01(\x0b\x32\x1e.elastic.transfer.v1.TensorEndH\x00\x12\x32\n\tshard_end\x18\x05 \x01(\x0b\x32\x1d.elastic.transfer.v1.ShardEndH\x00\x42\x06\n\x04item\"D\n\x0bListRequest\x12\x35\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32 .elastic.transfer.v1.Credentials\"M\n\tListReply\x12,\n\x06shards\x18\x01 \x03(\x0b\x32\x1c.elastic.transfer.v1.ShardId\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x32\xa8\x01\n\rShardTransfer\x12M\n\x05\x46\x65tch\x12!.elastic.transfer.v1.FetchRequest\x1a\x1f.elastic.transfer.v1.FetchReply0\x01\x12H\n\x04List\x12 .elastic.transfer.v1.ListRequest\x1a\x1e.elastic.transfer.v1.ListReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%elastic/transfer/shard_transfer.proto\x12\x13\x65lastic.transfer.v1\")\n\x07ShardId\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x02 \x01(\x05\"0\n\x0b\x43redentials\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x8c\x01\n\x0c\x46\x65tchRequest\x12\x35\n\x0b\x63redentials\x18\x01 \x01(\x0b\x32 .elastic.transfer.v1.Credentials\x12,\n\x06shards\x18\x02 \x03(\x0b\x32\x1c.elastic.transfer.v1.ShardId\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\"N\n\nShardStart\x12+\n\x05shard\x18\x01 \x01(\x0b\x32\x1c.elastic.transfer.v1.ShardId\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\"I\n\x0bTensorStart\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x1a\n\tTensorEnd\x12\r\n\x05\x63rc32\x18\x01 \x01(\r\"7\n\x08ShardEnd\x12+\n\x05shard\x18\x01 \x01(\x0b\x32\x1c.elastic.transfer.v1.ShardId\"\x80\x02\n\nFetchReply\x12\x36\n\x0bshard_start\x18\x01 \x01(\x0b\x32\x1f.elastic.transfer.v1.ShardStartH\x00\x12\x38\n\x0ctensor_start\x18\x02 \x01(\x0b\x32 .elastic.transfer.v1.TensorStartH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x12\x34\n\ntensor_end\x18\x04 \x01(\x0b\x32\x1e.elastic.transfer.v1.TensorEndH\x00\x12\x32\n\tshard_end\x18\x05 \x01(\x0b\x32\x1d.elastic.transfer.v1.ShardEndH\x00\x42\x06\n\x04item2^\n\rShardTransfer\x12M\n\x05\x46\x65tch\x12!.elastic.transfer.v1.FetchRequest\x1a\x1f.elastic.transfer.v1.FetchReply0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,10 +48,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDEND']._serialized_end=536
   _globals['_FETCHREPLY']._serialized_start=539
   _globals['_FETCHREPLY']._serialized_end=795
-  _globals['_LISTREQUEST']._serialized_start=797
-  _globals['_LISTREQUEST']._serialized_end=865
-  _globals['_LISTREPLY']._serialized_start=867
-  _globals['_LISTREPLY']._serialized_end=944
-  _globals['_SHARDTRANSFER']._serialized_start=947
-  _globals['_SHARDTRANSFER']._serialized_end=1115
+  _globals['_SHARDTRANSFER']._serialized_start=797
+  _globals['_SHARDTRANSFER']._serialized_end=891
 # @@protoc_insertion_point(module_scope)

@@ -78,17 +78,3 @@ class FetchReply(_message.Message):
     tensor_end: TensorEnd
     shard_end: ShardEnd
     def __init__(self, shard_start: _Optional[_Union[ShardStart, _Mapping]] = ..., tensor_start: _Optional[_Union[TensorStart, _Mapping]] = ..., data: _Optional[bytes] = ..., tensor_end: _Optional[_Union[TensorEnd, _Mapping]] = ..., shard_end: _Optional[_Union[ShardEnd, _Mapping]] = ...) -> None: ...
-
-class ListRequest(_message.Message):
-    __slots__ = ("credentials",)
-    CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
-    credentials: Credentials
-    def __init__(self, credentials: _Optional[_Union[Credentials, _Mapping]] = ...) -> None: ...
-
-class ListReply(_message.Message):
-    __slots__ = ("shards", "generation")
-    SHARDS_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    shards: _containers.RepeatedCompositeFieldContainer[ShardId]
-    generation: int
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardId, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...

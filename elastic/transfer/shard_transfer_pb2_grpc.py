@@ -40,11 +40,6 @@ class ShardTransferStub:
                 request_serializer=elastic_dot_transfer_dot_shard__transfer__pb2.FetchRequest.SerializeToString,
                 response_deserializer=elastic_dot_transfer_dot_shard__transfer__pb2.FetchReply.FromString,
                 _registered_method=True)
-        self.List = channel.unary_unary(
-                '/elastic.transfer.v1.ShardTransfer/List',
-                request_serializer=elastic_dot_transfer_dot_shard__transfer__pb2.ListRequest.SerializeToString,
-                response_deserializer=elastic_dot_transfer_dot_shard__transfer__pb2.ListReply.FromString,
-                _registered_method=True)
 
 
 class ShardTransferServicer:
@@ -53,14 +48,10 @@ class ShardTransferServicer:
     def Fetch(self, request, context):
         """Stream the named shards. Errors: UNAUTHENTICATED (wrong or missing token), NOT_FOUND (a
         shard the server does not hold), FAILED_PRECONDITION (the requester's generation is older
-        than the server's), INVALID_ARGUMENT (malformed request), RESOURCE_EXHAUSTED (message too big).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def List(self, request, context):
-        """What the server holds, and its generation.
+        than the server's), UNAVAILABLE with a `server-generation` trailer ("not yet": the server has
+        not reached the requester's generation; retry), INVALID_ARGUMENT (malformed request),
+        RESOURCE_EXHAUSTED (message too big). Who holds which shard is published in etcd, not asked
+        of a server.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,11 +64,6 @@ def add_ShardTransferServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=elastic_dot_transfer_dot_shard__transfer__pb2.FetchRequest.FromString,
                     response_serializer=elastic_dot_transfer_dot_shard__transfer__pb2.FetchReply.SerializeToString,
-            ),
-            'List': grpc.unary_unary_rpc_method_handler(
-                    servicer.List,
-                    request_deserializer=elastic_dot_transfer_dot_shard__transfer__pb2.ListRequest.FromString,
-                    response_serializer=elastic_dot_transfer_dot_shard__transfer__pb2.ListReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -107,33 +93,6 @@ class ShardTransfer:
             '/elastic.transfer.v1.ShardTransfer/Fetch',
             elastic_dot_transfer_dot_shard__transfer__pb2.FetchRequest.SerializeToString,
             elastic_dot_transfer_dot_shard__transfer__pb2.FetchReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def List(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/elastic.transfer.v1.ShardTransfer/List',
-            elastic_dot_transfer_dot_shard__transfer__pb2.ListRequest.SerializeToString,
-            elastic_dot_transfer_dot_shard__transfer__pb2.ListReply.FromString,
             options,
             channel_credentials,
             insecure,

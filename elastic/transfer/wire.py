@@ -94,7 +94,7 @@ def decode_fetch_reply(buffer: bytes) -> pb.FetchReply | memoryview:
 
 
 def add_servicer(servicer: Any, server: grpc.Server) -> None:
-    """Register the ShardTransfer servicer with the fast Fetch serializer (List: generated one).
+    """Register the ShardTransfer servicer with the fast Fetch serializer.
 
     Requests that do not parse reach the servicer as `MalformedRequest`."""
     handlers = {
@@ -102,11 +102,6 @@ def add_servicer(servicer: Any, server: grpc.Server) -> None:
             servicer.Fetch,
             request_deserializer=_lenient(pb.FetchRequest, "Fetch"),
             response_serializer=encode_fetch_reply,
-        ),
-        "List": grpc.unary_unary_rpc_method_handler(
-            servicer.List,
-            request_deserializer=_lenient(pb.ListRequest, "List"),
-            response_serializer=pb.ListReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -36,7 +36,6 @@ def serve() -> Iterator[ServeFn]:
         server = ShardServer(
             ServerConfig(token=TOKEN, **config),  # type: ignore[arg-type]
             provider=lambda layer, tp: shards[ShardKey(layer, tp)],
-            holdings=shards.keys,
             generation=generation,
             interceptors=interceptors,
         )

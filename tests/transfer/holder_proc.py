@@ -22,7 +22,6 @@ def main() -> None:
     server = ShardServer(
         ServerConfig(token=token, chunk_bytes=int(chunk_bytes)),
         provider=lambda layer, tp: shards[ShardKey(layer, tp)],
-        holdings=shards.keys,
         generation=int(generation),
         interceptors=[FetchReplyInterceptor(StallAfterChunks(int(stall_after)))],
     ).start()

@@ -1,7 +1,7 @@
 """The collective shard transfer: shards moved over a real gloo group between real processes
 arrive bit-identical to the sender's (compared against a reference rebuilt from the same seed
-here), corruption is caught by the checksum and the receiver's verification, the move plan is
-deterministic and balanced, and errors of the group reach the caller unchanged."""
+here), corruption is caught by the checksum and the receiver's verification, the assignment of
+moves is deterministic and balanced, and errors of the group reach the caller unchanged."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from elastic.transfer import shard_header
-from elastic.transfer.collective import HEADER_FRAME_BYTES, ShardMove, exchange, plan_moves
+from elastic.transfer.collective import HEADER_FRAME_BYTES, ShardMove, assign_moves, exchange
 from elastic.transfer.shard_header import (
     CHECKSUM_CHUNK_WORDS,
     ProtocolError,
@@ -102,7 +102,7 @@ def plain_wait(work: dist.Work) -> None:
 def exchange_worker(rank: int, store_port: int, out: str) -> None:
     torch.set_num_threads(1)
     group = make_group(store_port, rank, 3)
-    moves = plan_moves(shuffled(NEEDS, rank), shuffled(HOLDERS, rank))  # every rank: another order
+    moves = assign_moves(shuffled(NEEDS, rank), shuffled(HOLDERS, rank))  # every rank: another order
     exported: list[ShardKey] = []
 
     def export(key: ShardKey) -> ShardState:
@@ -128,8 +128,8 @@ def test_exchange_three_processes_bit_identical(tmp_path: Path) -> None:
     run_processes(procs, timeout=50)
     runs = [torch.load(f"{out}.{r}", weights_only=False) for r in range(3)]
 
-    moves = plan_moves(NEEDS, HOLDERS)
-    assert all(run["moves"] == moves for run in runs)  # the same plan whatever the dict order
+    moves = assign_moves(NEEDS, HOLDERS)
+    assert all(run["moves"] == moves for run in runs)  # the same moves whatever the dict order
     assert {(m.src, m.dst) for m in moves} == {(0, 1), (1, 0), (0, 2), (1, 2)}
     assert len(encode_header([describe_shard(MANY, make_state(MANY))])) > HEADER_FRAME_BYTES
     sent = {r: sorted({m.key for m in moves if m.src == r}) for r in range(3)}
@@ -354,36 +354,36 @@ def test_exchange_validates_moves() -> None:
         exchange(group, rank=0, moves=[ShardMove(key=key, src=0, dst=4)], export=make_state, wait=wait)
 
 
-# ---- the plan -----------------------------------------------------------------------------------
+# ---- the assignment -----------------------------------------------------------------------------
 
 
-def test_plan_is_deterministic_under_reordering() -> None:
+def test_assignment_is_deterministic_under_reordering() -> None:
     holders = {ShardKey(layer, tp): [(layer + tp) % 4, (layer + 2 * tp + 1) % 4] for layer in range(6) for tp in (0, 1)}
     needs = {dst: [k for k in holders if dst not in holders[k]][: 5 + dst] for dst in range(4)}
-    plan = plan_moves(needs, holders)
-    assert plan and all(plan_moves(shuffled(needs, s), shuffled(holders, s)) == plan for s in range(10))
+    moves = assign_moves(needs, holders)
+    assert moves and all(assign_moves(shuffled(needs, s), shuffled(holders, s)) == moves for s in range(10))
     # plain tuples are the same keys as ShardKeys
-    assert plan_moves({d: [tuple(k) for k in ks] for d, ks in needs.items()}, holders) == plan  # type: ignore[misc]
-    assert plan == sorted(plan, key=lambda m: (m.src, m.dst, m.key))
+    assert assign_moves({d: [tuple(k) for k in ks] for d, ks in needs.items()}, holders) == moves  # type: ignore[misc]
+    assert moves == sorted(moves, key=lambda m: (m.src, m.dst, m.key))
 
 
-def test_plan_balances_and_never_sends_to_itself() -> None:
+def test_assignment_balances_and_never_sends_to_itself() -> None:
     keys = [ShardKey(layer, 0) for layer in range(6)]
-    plan = plan_moves({3: keys}, {k: [0, 1, 2] for k in keys})
-    loads = [sum(m.src == r for m in plan) for r in range(3)]
-    assert loads == [2, 2, 2] and {m.dst for m in plan} == {3}
+    moves = assign_moves({3: keys}, {k: [0, 1, 2] for k in keys})
+    loads = [sum(m.src == r for m in moves) for r in range(3)]
+    assert loads == [2, 2, 2] and {m.dst for m in moves} == {3}
 
     # Fewest candidates first: B (only on 0) is placed before A, which then goes to the idle 1.
     a, b = ShardKey(0, 0), ShardKey(1, 0)
-    assert plan_moves({2: [a, b]}, {a: [0, 1], b: [0]}) == [
+    assert assign_moves({2: [a, b]}, {a: [0, 1], b: [0]}) == [
         ShardMove(key=b, src=0, dst=2),
         ShardMove(key=a, src=1, dst=2),
     ]
     # Ties go to the lowest rank.
-    assert plan_moves({2: [a]}, {a: [1, 0]}) == [ShardMove(key=a, src=0, dst=2)]
+    assert assign_moves({2: [a]}, {a: [1, 0]}) == [ShardMove(key=a, src=0, dst=2)]
 
     # A receiver that holds a copy itself is never its own sender; unheld shards are skipped.
     c, lost = ShardKey(2, 0), ShardKey(9, 9)
-    plan = plan_moves({0: [c, lost], 1: [c]}, {c: [0, 1], lost: []})
-    assert plan == [ShardMove(key=c, src=0, dst=1), ShardMove(key=c, src=1, dst=0)]
-    assert plan_moves({0: [c]}, {c: [0]}) == []
+    moves = assign_moves({0: [c, lost], 1: [c]}, {c: [0, 1], lost: []})
+    assert moves == [ShardMove(key=c, src=0, dst=1), ShardMove(key=c, src=1, dst=0)]
+    assert assign_moves({0: [c]}, {c: [0]}) == []

@@ -14,10 +14,10 @@ from elastic.transfer import (
     ShardKey,
     TransferError,
     fetch_shards,
-    list_shards,
 )
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
+from elastic.transfer.wire import SERVICE
 from tests.transfer.conftest import TOKEN, ServeFn, shard_set
 from tests.transfer.faults import CorruptChunks, FetchReplyInterceptor, RecordChunks
 from tests.transfer.shard_data import bit_equal, shards_equal
@@ -125,8 +125,6 @@ def test_wrong_token_is_refused_and_server_keeps_serving(serve: ServeFn) -> None
     a = serve(shards)
     with pytest.raises(TransferError, match="UNAUTHENTICATED: wrong or missing job token"):
         fetch_shards(shards, {a.address: shards}, config(token="not-the-token"))
-    with pytest.raises(TransferError, match="UNAUTHENTICATED"):
-        list_shards(a.address, config(token="not-the-token"))
     result = fetch_shards(shards, {a.address: shards}, config())
     for key, tensors in shards.items():
         assert shards_equal(result.shards[key], tensors)
@@ -158,8 +156,6 @@ def test_stale_generation_is_refused_and_newer_waits_for_the_holder(serve: Serve
     # A newer requester is told "not yet" (retryable) until the holder resolves its step and moves on.
     with pytest.raises(TransferError, match="did not reach generation 4 within 0 s: UNAVAILABLE"):
         fetch_shards(shards, {a.address: shards}, config(generation=4, behind_wait_s=0.0))
-    with pytest.raises(TransferError, match="UNAVAILABLE: generation 4 not reached yet"):
-        list_shards(a.address, config(generation=4, behind_wait_s=0.0))
     timer = threading.Timer(0.5, a.set_generation, args=(4,))
     timer.start()
     try:
@@ -177,10 +173,34 @@ def test_stale_generation_is_refused_and_newer_waits_for_the_holder(serve: Serve
         a.set_generation(4)
 
 
-def test_list_reports_holdings_and_generation(serve: ServeFn) -> None:
-    a = serve(shard_set(KEYS[:3]), generation=7)
-    holdings = list_shards(a.address, config(generation=7))
-    assert holdings.shards == [ShardKey(*k) for k in KEYS[:3]] and holdings.generation == 7
+def test_a_holder_that_stays_behind_is_dropped_for_one_that_is_not(serve: ServeFn) -> None:
+    shards = shard_set(KEYS[:4])
+    behind, current = serve(shards, generation=3), serve(shards, generation=4)
+    t0 = time.monotonic()
+    result = fetch_shards(shards, {behind.address: shards, current.address: shards},
+                          config(generation=4, behind_wait_s=0.3))
+    assert time.monotonic() - t0 >= 0.3  # it was asked again until the wait ran out
+    for key, tensors in shards.items():
+        assert shards_equal(result.shards[key], tensors)
+    assert result.bytes_by_holder.get(behind.address, 0) == 0
+    assert result.incidents and all(
+        reasons == [f"{behind.address}: did not reach generation 4 within 0 s: UNAVAILABLE: generation 4 not "
+                    "reached yet: this server is at generation 3 until its in-flight step is resolved; retry"]
+        for reasons in result.incidents.values()
+    ), result.incidents
+
+
+def test_the_server_has_no_list_method(serve: ServeFn) -> None:
+    """Who holds which shard is read from etcd (elastic.roles.holders), never asked of a server."""
+    a = serve(shard_set(KEYS[:1]))
+    channel = grpc.insecure_channel(a.address)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/{SERVICE}/List")(b"", timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        channel.close()
+    assert not hasattr(pb_grpc.ShardTransferServicer, "List") and not hasattr(pb, "ListRequest")
 
 
 def test_oversized_request_is_rejected_and_server_keeps_serving(serve: ServeFn) -> None:

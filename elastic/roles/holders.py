@@ -1,0 +1,99 @@
+"""The holder map of a generation change: which live worker holds which shards, read from etcd.
+
+Every worker publishes the shards it holds under `holdings/<node>/<local_rank>` once it has
+joined a generation, and its shard server's address under `workers/<node>/<local_rank>`, both
+on its node's lease (a lost node's keys go with its lease). The leader publishes generation g
+only after every live worker of g-1 has halted, so when g is read these keys say what each live
+worker held after joining its last generation: what it serves until it has joined g (and the
+shards it drops then stay served until its next switch). The leader reads the same `holdings/`
+keys to decide whether some shard has no live holder. Two prefix reads per generation change,
+never per step.
+
+Both shard paths of `Trainer.start` start from it: the collective exchange by rank of the new
+generation (`HolderMap.by_rank`), the gRPC fetch of the rest by shard-server address
+(`HolderMap.by_address`); `holder_map_reader` lets them share one reading.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.parallel.layout import assign_ranks
+from elastic.records.protocol import RunKeys, WorkerInfo
+from elastic.transfer.shards import ShardKey
+from templates.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Holder:
+    """One live worker's entry in the holder map."""
+
+    node: int
+    local_rank: int
+    transfer_address: str | None
+    """host:port of its shard server (its `workers/` record); None when that record is gone."""
+    shards: tuple[ShardKey, ...]
+    """The shards it holds (its `holdings/` key)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HolderMap:
+    """What every live worker holds, as etcd knows it."""
+
+    holders: tuple[Holder, ...]
+    """One entry per `holdings/` key, by (node, local_rank)."""
+
+    @classmethod
+    def read(cls, client: Any, rk: RunKeys) -> HolderMap:
+        """`holdings/` joined with `workers/` on (node, local_rank): two prefix reads."""
+        addresses = {
+            _worker_of(meta.key): WorkerInfo.from_json(value).transfer_address
+            for value, meta in client.get_prefix(rk.workers)
+        }
+        holders = []
+        for value, meta in client.get_prefix(rk.holdings):
+            node, local_rank = _worker_of(meta.key)
+            shards = tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
+            holders.append(Holder(node=node, local_rank=local_rank, shards=shards,
+                                  transfer_address=addresses.get((node, local_rank))))
+        return cls(holders=tuple(sorted(holders, key=lambda h: (h.node, h.local_rank))))
+
+    def by_rank(self, plan: Plan) -> dict[int, list[ShardKey]]:
+        """Rank in `plan` -> the shards that worker holds (the collective path's input); workers
+        outside the plan are left out."""
+        ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(plan)}
+        return {
+            ranks[(h.node, h.local_rank)]: list(h.shards) for h in self.holders if (h.node, h.local_rank) in ranks
+        }
+
+    def by_address(self, *, exclude: str = "") -> dict[str, list[ShardKey]]:
+        """Shard-server address -> the shards it serves (`fetch_shards`' holders): every worker
+        that holds a shard and is registered, but the one serving at `exclude` (the caller)."""
+        return {
+            h.transfer_address: list(h.shards)
+            for h in self.holders
+            if h.shards and h.transfer_address and h.transfer_address != exclude
+        }
+
+    def describe(self) -> str:
+        """One line for a log: `node<N>.<local_rank>@<address> [(layer, tp), ...]` per holder."""
+        return "; ".join(
+            f"node{h.node}.{h.local_rank}@{h.transfer_address or '-'} {list(h.shards)}" for h in self.holders
+        ) or "no holder"
+
+
+def holder_map_reader(client: Any, rk: RunKeys) -> Callable[[], HolderMap]:
+    """A reader of the holder map that goes to etcd on its first call only, so that the shard
+    paths of one generation change (the collective exchange, then the gRPC fetch of what it did
+    not bring) share one reading."""
+    return functools.cache(functools.partial(HolderMap.read, client, rk))
+
+
+def _worker_of(key: bytes) -> tuple[int, int]:
+    """(node, local_rank) of a `.../<node>/<local_rank>` key."""
+    node, local_rank = key.decode().rsplit("/", 2)[-2:]
+    return int(node), int(local_rank)
