@@ -35,7 +35,7 @@ from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_plan, clip_grads, finalize_grads
+from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_layout, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
@@ -196,7 +196,7 @@ class StepTransaction:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
         per gradient bucket of `layout`, not yet attached."""
         names = [name for name, _ in module.named_parameters()]
-        partition = [group for _, group in bucket_plan(names, layout, layer_of)]
+        partition = [group for _, group in bucket_layout(names, layout, layer_of)]
         return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False)
 
     def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
