@@ -370,7 +370,8 @@ class WorkerInfo(JsonRecord):
 
 @dataclass(frozen=True, kw_only=True)
 class StepResult(JsonRecord):
-    """What the first worker of each pipeline reports of a committed step."""
+    """What a committed step produced: the step engine's result of a commit (elastic/engine/step.py),
+    which the progress writer publishes and each pipeline's first worker appends to its local log."""
 
     step: int
     """Index of the step (0-based)."""
@@ -379,13 +380,13 @@ class StepResult(JsonRecord):
     grad_norm: float
     """Global gradient norm before clipping."""
     lr: float
-    """Learning rate applied."""
+    """Learning rate applied (0 for a step skipped because its gradient is not finite)."""
     seconds: float
-    """Wall time of the step on the reporting worker, prepare to commit."""
+    """Wall time of the step on the committing worker, prepare to commit."""
     generation: int
     """Generation that committed it."""
     committed_at: float
-    """Wall time of the commit on the reporting worker."""
+    """Wall time of the commit on the committing worker."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store import EtcdStore
-from elastic.engine.step import NonFiniteStep, StepReport
+from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout, assign_ranks
@@ -409,12 +409,10 @@ class ElasticWorker:
             _log(f"step {step} of generation {generation}: aborted by the leader")
         return decision == COMMIT
 
-    def _record_step(self, layout: ParallelLayout, report: StepReport, *, started_at: float) -> float:
+    def _record_step(self, layout: ParallelLayout, result: StepResult, *, started_at: float) -> float:
         """Hand a committed step to the progress writer (world rank 0) and the local step log
         (each pipeline's first worker); the commit's wall time."""
-        now = time.time()
-        result = StepResult(step=report.step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
-                            seconds=report.seconds, generation=layout.generation, committed_at=now)
+        now = result.committed_at
         if layout.rank == 0:
             self.progress.publish(result)
         if layout.stage == 0 and layout.tp_rank == 0:
