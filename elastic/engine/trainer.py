@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -43,7 +42,7 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, split_microbatches
-from elastic.records.protocol import StepResult
+from elastic.records.protocol import ReconfigTimings, StepResult
 from elastic.transfer.collective import ShardMove, exchange, plan_moves
 from elastic.transfer.shards import ShardKey as MovedShard
 from templates.plan import Plan
@@ -72,20 +71,6 @@ _SUMS_TAG = 8
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReconfigTimings:
-    """Where the time of joining one generation went."""
-
-    transfer_s: float
-    """Seconds spent getting the missing shards (the fetch function)."""
-    rebuild_s: float
-    """Seconds spent building the process groups, the stage module and its optimizer state."""
-    bytes_fetched: int
-    """Bytes of fetched tensors (parameters and optimizer moments)."""
-    bytes_collective: int = 0
-    """The part of `bytes_fetched` that came over the generation's process group."""
 
 
 class _Background:

@@ -13,7 +13,7 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     sync/<g>/<node>/<local_rank>    SyncReport of a worker of g once it halted (what it committed)
     ready/<g>/<s>/<rank>            the job's last step s only: a worker's vote succeeded
     decisions/<g>/<s>               the job's last step s only: "commit" | "abort", created once by the leader
-    recoveries/<g>/<rank>           a worker's timings of its reconfiguration into g
+    recoveries/<g>/<rank>           RecoveryTimings: a worker's reconfiguration into g (one flat object)
     done/<node>/<local_rank>        a worker finished every step and saved its outputs
     injected/<name>                 when an injection (request id <name>) was carried out (wall time)
     injections/<id>                 InjectionRequest JSON (see injection.py), from the CLI or the launcher
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.coordinator.jsonrecord import JsonRecord, RecordError
+from elastic.coordinator.jsonrecord import INLINE, JsonRecord, RecordError
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.planning.cluster import ClusterSpec
@@ -390,20 +390,33 @@ class StepResult(JsonRecord):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReconfigTimings:
+    """Where the time of one worker's joining a generation went (what `Trainer.start` measured)."""
+
+    transfer_s: float
+    """Seconds spent getting the missing shards (over the generation's process group, then from
+    their holders) and the kept gradient sums that move with a layer."""
+    rebuild_s: float
+    """Seconds spent building the process groups, the stage module, its optimizer state and its
+    gradient buffers (the recovery breakdown's `rebuilding_s`, the slowest worker's)."""
+    bytes_fetched: int
+    """Bytes of fetched tensors (parameters and optimizer moments)."""
+    bytes_collective: int = 0
+    """The part of `bytes_fetched` that came over the generation's process group."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RecoveryTimings(JsonRecord):
-    """One worker's reconfiguration into a generation."""
+    """One worker's reconfiguration into a generation, at `recoveries/<g>/<rank>`.
+
+    Its JSON is one flat object (`reconfig`'s fields beside the others), the form that
+    `elastic status`, `elastic events`, the metrics and the launcher have always read."""
 
     seen_at: float
     """Wall time the worker learned of the generation."""
-    transfer_s: float
-    """Seconds fetching shards."""
-    rebuild_s: float
-    """Seconds building the generation's process groups."""
-    bytes_fetched: int
-    """Shard bytes it received."""
+    reconfig: ReconfigTimings = field(metadata=INLINE)
+    """What joining the generation cost (transfer, rebuild, bytes)."""
     started_at: float
     """Wall time `Trainer.start` returned."""
     first_commit_at: float
     """Wall time of its first commit in the generation."""
-    bytes_collective: int = 0
-    """The part of `bytes_fetched` that came over the generation's process group."""

@@ -42,7 +42,7 @@ class RunSummary:
     """Pipelines of the plan (of the last generation in an elastic run)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """Elastic runs: one entry per reconfiguration (generation, lost and joined nodes, seconds
-    detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved, and
+    detecting, planning, transferring, rebuilding (groups and stage) and replaying, total, bytes moved, and
     the wall times `detected_at`, `published_at`, `fault_at`, `first_commit_at`)."""
     worker_restarts: int = 0
     """Elastic runs: extra PIDs registered by a worker of the same node incarnation (must be 0)."""

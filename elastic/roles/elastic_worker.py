@@ -390,9 +390,7 @@ class ElasticWorker:
             if first_commit:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
-                rec = RecoveryTimings(seen_at=seen_at, transfer_s=t.transfer_s, rebuild_s=t.rebuild_s,
-                                      bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now,
-                                      bytes_collective=t.bytes_collective)
+                rec = RecoveryTimings(seen_at=seen_at, reconfig=t, started_at=started, first_commit_at=now)
                 self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
             self._maybe_checkpoint(layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:

@@ -26,6 +26,7 @@ from elastic.records.protocol import (
     GenerationRecord,
     HaltRecord,
     ProgressRecord,
+    ReconfigTimings,
     RecoveryTimings,
     StepResult,
     SyncReport,
@@ -61,8 +62,10 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     WorkerInfo: WorkerInfo(pid=4242, transfer_address="127.0.0.1:5001", incarnation=1),
     StepResult: StepResult(step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1,
                            committed_at=1000.4),
-    RecoveryTimings: RecoveryTimings(seen_at=1000.8, transfer_s=0.03, rebuild_s=0.02, bytes_fetched=7534112,
-                                     started_at=1000.9, first_commit_at=1001.0, bytes_collective=7534112),
+    RecoveryTimings: RecoveryTimings(
+        seen_at=1000.8, reconfig=ReconfigTimings(transfer_s=0.03, rebuild_s=0.02, bytes_fetched=7534112,
+                                                 bytes_collective=7534112),
+        started_at=1000.9, first_commit_at=1001.0),
     InjectionRequest: InjectionRequest(id="slow-node1-step5-3f2a9c", kind="slow", node=1, incarnation=0, when="step",
                                        step=5, seconds=2.0, factor=3.0, requested_at=999.0, by="cli"),
     InjectionStatus: InjectionStatus(state="done", at=1000.1, step=5, detail="slowed 2 workers"),
@@ -129,7 +132,7 @@ LEGACY: dict[type[JsonRecord], str] = {
     NodeIdentity: '{"address": "10.0.0.3:5000", "devices": 2, "incarnation": 1, "node_id": "node2"}',
 }
 """What the code before schema versions wrote for the etcd and run-directory records of EXAMPLES
-(no "v"; ClusterSpec without network_gbps)."""
+(no "v"; RecoveryTimings flat, as it still is; ClusterSpec without network_gbps)."""
 
 
 def _all_record_types() -> set[type]:
