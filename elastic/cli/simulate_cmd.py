@@ -13,8 +13,8 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS
-from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS
-from elastic.sim.config import RecoveryCosts, SimCluster
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_NETWORK_GBPS, DEFAULT_TFLOPS, ClusterSpec
+from elastic.sim.config import RecoveryCosts
 from elastic.sim.report import format_table
 from elastic.sim.simulate import POLICIES, simulate
 from elastic.sim.trace import load_trace, parse_duration, trace_from_spec
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     job.add_argument("--profile", default=None, help="measured profile JSON (default: derived from the preset)")
     job.add_argument("--device-tflops", type=float, default=DEFAULT_TFLOPS, help="derived: TFLOP/s per device")
     job.add_argument("--device-memory-gib", type=float, default=DEFAULT_MEMORY_GIB, help="derived: GiB per device")
-    job.add_argument("--network-gbps", type=float, default=100.0, help="per-node NIC bandwidth, Gbit/s")
+    job.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS, help="per-node NIC bandwidth, Gbit/s")
     rec = parser.add_argument_group("recovery costs")
     defaults = RecoveryCosts()
     rec.add_argument("--detect-s", type=float, default=defaults.detect_s, help="failure detection (lease TTL)")
@@ -68,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--hours must be > 0, got {args.hours}")
         horizon = args.hours * 3600.0
         policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-        cluster = SimCluster(
+        cluster = ClusterSpec(
             model=args.model,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,

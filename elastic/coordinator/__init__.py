@@ -4,7 +4,8 @@ Modules, one concern each: `etcd_server` (a private etcd for launchers and tests
 (connection settings, restart-proof client), `keys` (the key layout), `watch` (reconnecting
 prefix watch), `lease`, `membership`, `monitor` (local worker death -> report), `election`,
 `generations` (plans by compare-and-swap), `store` (c10d Store), `access`
-(job token), `rendezvous` (torchrun handler) and `events` (event log).
+(job token), `rendezvous` (torchrun handler), `events` (event log) and `jsonrecord` (the JSON
+form and schema version of every record the runtime stores).
 There is no facade object: each role holds the pieces it uses (see `elastic/roles/agent.py`).
 """
 

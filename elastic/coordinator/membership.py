@@ -26,11 +26,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 from .etcd_api import EtcdClient
 from .events import record_event
+from .jsonrecord import JsonRecord
 from .keys import JobKeys, check_name
 from .lease import KeptLease
 from .watch import PrefixWatch, WatchEvent
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class NodeIdentity:
+class NodeIdentity(JsonRecord):
     """Who a member is; a restarted node comes back with a higher incarnation."""
 
     node_id: str
@@ -57,13 +58,6 @@ class NodeIdentity:
             raise ValueError(f"incarnation must be >= 0, got {self.incarnation}")
         if self.devices < 1:
             raise ValueError(f"devices must be >= 1, got {self.devices}")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str | bytes) -> NodeIdentity:
-        return NodeIdentity(**json.loads(text))
 
 
 @dataclass(frozen=True, kw_only=True)

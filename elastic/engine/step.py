@@ -35,11 +35,12 @@ from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_plan, clip_grads, finalize_grads
+from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_layout, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
 from elastic.records.partial import PartialReport
+from elastic.records.protocol import StepResult
 
 
 class StepDiscarded(RuntimeError):
@@ -116,22 +117,6 @@ class PreparedStep:
     """Whether the vote asked the generation to halt after this step (all workers agree)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class StepReport:
-    """What a committed step produced."""
-
-    step: int
-    """Index of the committed step."""
-    loss: float
-    """Mean loss over the global batch."""
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    lr: float
-    """Learning rate applied."""
-    seconds: float
-    """Wall time of the step on this worker (prepare to commit)."""
-
-
 def dropout_key(step: int, global_microbatch: int) -> int:
     """Dropout seed of one microbatch: a function of (step, global microbatch index) only, so
     masks do not depend on the plan."""
@@ -196,7 +181,7 @@ class StepTransaction:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
         per gradient bucket of `layout`, not yet attached."""
         names = [name for name, _ in module.named_parameters()]
-        partition = [group for _, group in bucket_plan(names, layout, layer_of)]
+        partition = [group for _, group in bucket_layout(names, layout, layer_of)]
         return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False)
 
     def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +235,7 @@ class StepTransaction:
             )
         return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt)
 
-    def complete(self, step: int, *, grad_norm: float, loss: float) -> StepReport:
+    def complete(self, step: int, *, grad_norm: float, loss: float) -> StepResult:
         """Commit the pending step `step` with its vote's outcome as a peer saw it complete:
         the same clip factor and update as on that peer."""
         if self.pending != step:
@@ -258,8 +243,9 @@ class StepTransaction:
         clip_grads(self.accum, grad_norm=grad_norm, grad_clip=self.optim.grad_clip)
         return self.commit(PreparedStep(step=step, loss=loss, grad_norm=grad_norm, started=time.perf_counter()))
 
-    def commit(self, prepared: PreparedStep) -> StepReport:
-        """Apply the optimizer with the prepared gradients (no communication)."""
+    def commit(self, prepared: PreparedStep) -> StepResult:
+        """Apply the optimizer with the prepared gradients (no communication); what the step
+        produced, committed in this layout's generation now."""
         lr = lr_at(prepared.step, self.optim)
         self.optimizer.lr = lr
         self.accum.write_grads()
@@ -268,12 +254,14 @@ class StepTransaction:
         self.partial = None
         if self.replay is not None and self.replay.step <= prepared.step:
             self.replay = None
-        return StepReport(
+        return StepResult(
             step=prepared.step,
             loss=prepared.loss,
             grad_norm=prepared.grad_norm,
             lr=lr,
             seconds=time.perf_counter() - prepared.started,
+            generation=self.layout.generation,
+            committed_at=time.time(),
         )
 
     def discard(self) -> None:
@@ -282,7 +270,7 @@ class StepTransaction:
         self.accum.zero()
         self.pending = None
 
-    def run(self, step: int) -> StepReport:
+    def run(self, step: int) -> StepResult:
         """Prepare and commit step `step` back to back (the non-elastic path)."""
         return self.commit(self.prepare(step))
 

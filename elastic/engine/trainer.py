@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -32,7 +31,6 @@ from elastic.engine.step import (
     PreparedStep,
     StepDiscarded,
     StepReplay,
-    StepReport,
     StepTransaction,
 )
 from elastic.model.gpt import GPTStage
@@ -44,6 +42,7 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, split_microbatches
+from elastic.records.protocol import ReconfigTimings, StepResult
 from elastic.transfer.collective import ShardMove, assign_moves, exchange
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
@@ -69,20 +68,6 @@ _SUMS_TAG = 8
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReconfigTimings:
-    """Where the time of joining one generation went."""
-
-    transfer_s: float
-    """Seconds spent getting the missing shards (the fetch function)."""
-    rebuild_s: float
-    """Seconds spent building the process groups, the stage module and its optimizer state."""
-    bytes_fetched: int
-    """Bytes of fetched tensors (parameters and optimizer moments)."""
-    bytes_collective: int = 0
-    """The part of `bytes_fetched` that came over the generation's process group."""
 
 
 class _Background:
@@ -168,7 +153,7 @@ class Trainer:
         self.layer_of = functools.partial(layer_of, cfg=self.cfg)
         self.step = 0
         """Index of the next step to run (= committed steps so far)."""
-        self.last_report: StepReport | None = None
+        self.last_report: StepResult | None = None
         """The last step committed (or skipped) by this worker."""
         self.committed_at: list[float] = []
         """Wall time of each commit of `train()` (the non-elastic path)."""
@@ -512,7 +497,7 @@ class Trainer:
         """The step whose vote was cut short here, its reduced gradients kept; None if none."""
         return None if self._transaction is None else self._transaction.pending
 
-    def commit(self, prepared: PreparedStep) -> StepReport:
+    def commit(self, prepared: PreparedStep) -> StepResult:
         """Apply the prepared step's update (no communication) and advance the step counter."""
         transaction = self._require()
         if prepared is not self._prepared:
@@ -522,7 +507,7 @@ class Trainer:
             self._advance(report)
         return report
 
-    def complete_pending(self, *, grad_norm: float, loss: float) -> StepReport:
+    def complete_pending(self, *, grad_norm: float, loss: float) -> StepResult:
         """Commit the pending step with its vote's outcome as a peer saw it (see StepTransaction.complete)."""
         transaction = self._require()
         with self._lock:
@@ -530,16 +515,17 @@ class Trainer:
             self._advance(report)
         return report
 
-    def skip(self, *, grad_norm: float, loss: float) -> StepReport:
+    def skip(self, *, grad_norm: float, loss: float) -> StepResult:
         """Count step `self.step` as done without an update (every worker agreed that its
         gradient is not finite): the state is unchanged, the next step takes the next samples."""
         self.discard()
-        report = StepReport(step=self.step, loss=loss, grad_norm=grad_norm, lr=0.0, seconds=0.0)
+        report = StepResult(step=self.step, loss=loss, grad_norm=grad_norm, lr=0.0, seconds=0.0,
+                            generation=self.layout.generation, committed_at=time.time())
         with self._lock:
             self._advance(report)
         return report
 
-    def _advance(self, report: StepReport) -> None:
+    def _advance(self, report: StepResult) -> None:
         self._kept = None
         self.step += 1
         self._prepared = None
@@ -550,7 +536,7 @@ class Trainer:
         self._require().discard()
         self._prepared = None
 
-    def train(self, steps: int, *, on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
+    def train(self, steps: int, *, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
         """Prepare and commit steps back to back until `steps` are committed (non-elastic)."""
         reports = []
         while self.step < steps:
@@ -567,7 +553,7 @@ class Trainer:
         """Full fp32 parameters of my stage (collective over my tensor-parallel group)."""
         return full_state_dict(self.module, self.groups.tp)
 
-    def save_outputs(self, reports: list[StepReport], train_seconds: float) -> None:
+    def save_outputs(self, reports: list[StepResult], train_seconds: float) -> None:
         """Pipeline 0's stages write their full parameters; rank 0 writes the step results."""
         state = self.full_state()
         layout = self.layout
@@ -600,7 +586,7 @@ def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: torch.distri
     trainer.start(plan=spec.plan, generation=spec.generation, store=store, abort=None, fetch=None, step=0)
     seq_tokens = spec.plan.global_batch * spec.model_config.seq_len
 
-    def progress(r: StepReport) -> None:
+    def progress(r: StepResult) -> None:
         if trainer.layout.rank == 0:
             print(
                 f"step {r.step + 1}/{spec.steps}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.3f}  "

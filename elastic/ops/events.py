@@ -7,10 +7,10 @@ Sources, in etcd revision order (one total order, whatever the writers' clocks s
     plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
                    resume step, restored checkpoint, pipelines)
     injected/<n>   kind "injection": a fault an agent (or the launcher) carried out
+    recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
+                   the breakdown of elastic.records.recoveries.recovery_breakdown
 
 A generation or an injection that both has its own key and is logged in events/ is shown once.
-    recoveries/<g> kind "recovered": once every worker of generation g > 1 reported its timings,
-                   the breakdown of elastic.roles.progress.recovery_breakdown
 
 Each `HistoryEvent` has `time` (wall time, Unix seconds; null where the writer recorded none,
 e.g. the first generation), `kind`, `who` (member id, "leader", "launcher" or an agent),
@@ -22,10 +22,11 @@ and prints what is new.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
+from elastic.coordinator.jsonrecord import to_data
 from elastic.coordinator.keys import JobKeys
 from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
 from elastic.records.recoveries import recovery_breakdown
@@ -49,7 +50,9 @@ class HistoryEvent:
     """Kind-specific fields."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """One line of `elastic events --json`. Not a JsonRecord: an operator's output, never
+        read back into this type, so it carries no schema version."""
+        return json.dumps(to_data(self), sort_keys=True)
 
 
 def _from_log(value: bytes, meta: KVMetadata) -> HistoryEvent:

@@ -220,9 +220,9 @@ def snapshot(
         world = len(rec.plan.nodes) * rec.plan.gpus_per_node
         coords = assign_ranks(rec.plan)
         for rank, t in got.items():
-            job_bytes += t.bytes_fetched
+            job_bytes += t.reconfig.bytes_fetched
             if rank < len(coords) and coords[rank].node == node:
-                node_bytes += t.bytes_fetched
+                node_bytes += t.reconfig.bytes_fetched
         superseded = any(later > g for later in plans)
         if g > 1 and got and (len(got) >= world or superseded):
             finished.append(recovery_of(g, rec, list(got.values()), injected))

@@ -53,11 +53,14 @@ class VoteInterrupted(RuntimeError):
     reduced but not clipped, and kept for the control plane to commit or drop."""
 
 
-def bucket_plan(
-    names: Sequence[str], layout: ParallelLayout, layer_of: Callable[[str], int]
-) -> list[tuple[GradBucket, tuple[str, ...]]]:
-    """My gradient buckets with the parameter names each holds (name order): the partition a
-    GradAccumulator should be built with, so each bucket is one flat buffer."""
+BucketLayout = list[tuple[GradBucket, tuple[str, ...]]]
+"""A worker's gradient buckets, each with the parameter names it holds (name order). Not a plan:
+"plan" is the generation's parallel plan (`templates.plan.Plan`) that the buckets follow from."""
+
+
+def bucket_layout(names: Sequence[str], layout: ParallelLayout, layer_of: Callable[[str], int]) -> BucketLayout:
+    """My gradient buckets with the parameter names each holds: the partition a GradAccumulator
+    should be built with, so each bucket is one flat buffer."""
     out = []
     for bucket in layout.buckets:
         wanted = set(bucket.layers)
@@ -86,13 +89,13 @@ def finalize_grads(
     this worker's wish to stop after this step, summed into the vote.
     """
     grads = accum.buffers
-    plan = bucket_plan(list(grads), layout, layer_of)
+    buckets = bucket_layout(list(grads), layout, layer_of)
     params = dict(accum.named)
 
     # 1. Cross-pipeline bucket all-reduce. Buckets are launched in ascending layer order on
     # every worker, which is a single global order, so waits cannot form a cycle.
     pending: list[dist.Work] = []
-    for bucket, names in plan:
+    for bucket, names in buckets:
         group = groups.bucket_group(bucket.ranks)
         if group is None or not names:
             continue
@@ -105,7 +108,7 @@ def finalize_grads(
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
     device = next(iter(grads.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for bucket, names in plan:
+    for bucket, names in buckets:
         if not names or not layout.counts_layer_for_norm(bucket.layers[0]):
             continue
         if layout.tp_rank == 0:

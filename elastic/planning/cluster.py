@@ -1,9 +1,10 @@
 """From a preset and cluster flags to pipeline templates and a plan: the runtime's use of the
-planner, shared by `elastic plan`, `elastic run` and the leader's re-planning.
+planner, shared by `elastic plan`, `elastic run`, the leader's re-planning and `elastic simulate`.
 
 Without a measured profile, the profile is derived from the preset's FLOP and byte counts on a
-nominal device (`device_tflops`, `device_memory_gib`). A small memory budget is how a run on
-this machine emulates devices too small to hold the model, which forces multi-stage pipelines.
+nominal device (`device_tflops`, `device_memory_gib`, `network_gbps`). A small memory budget is
+how a run on this machine emulates devices too small to hold the model, which forces multi-stage
+pipelines.
 """
 
 from __future__ import annotations
@@ -22,20 +23,26 @@ DEFAULT_TFLOPS = 100.0
 """Nominal achieved TFLOP/s of one device for derived profiles."""
 DEFAULT_MEMORY_GIB = 80.0
 """Nominal memory of one device for derived profiles."""
+DEFAULT_NETWORK_GBPS = 100.0
+"""Nominal inter-node bandwidth of one node's NIC in Gbit/s for derived profiles."""
+GBIT = 1e9 / 8
+"""Bytes per second in one Gbit/s."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
-    """What the planner needs to know about the job and the cluster."""
+    """What the planner needs to know about the job and the cluster (for a run, and for the
+    simulator: the cluster at time 0). Validation errors name the CLI flags."""
 
     model: str
     """Model preset name."""
     nodes: int
-    """N: live nodes."""
+    """N: live nodes (a run's config: the largest node count; the simulator: nodes at time 0)."""
     gpus_per_node: int = 1
     """G: devices per node, the tensor-parallel degree."""
     fault_tolerance: int = 0
-    """f: keep at least f+1 pipelines."""
+    """f: keep at least f+1 pipelines (the leader and the simulator's elastic policy relax it
+    towards 0 when they cannot)."""
     global_batch: int = 8
     """Samples per optimizer step."""
     microbatch: int = 2
@@ -46,6 +53,9 @@ class ClusterSpec:
     """Derived profiles: achieved TFLOP/s of one device."""
     device_memory_gib: float = DEFAULT_MEMORY_GIB
     """Derived profiles: memory of one device in GiB."""
+    network_gbps: float = DEFAULT_NETWORK_GBPS
+    """Inter-node bandwidth of one node's NIC in Gbit/s: pipeline p2p in derived profiles, and
+    the simulator's layer-shard transfers."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
@@ -74,6 +84,8 @@ class ClusterSpec:
                 raise ValueError(f"--device-tflops must be a positive number, got {self.device_tflops}")
             if not (math.isfinite(self.device_memory_gib) and self.device_memory_gib > 0):
                 raise ValueError(f"--device-memory-gib must be a positive number, got {self.device_memory_gib}")
+        if not (math.isfinite(self.network_gbps) and self.network_gbps > 0):
+            raise ValueError(f"--network-gbps must be a positive number, got {self.network_gbps}")
         cfg = self.config
         for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
             if size % self.gpus_per_node:
@@ -88,6 +100,10 @@ class ClusterSpec:
     @property
     def global_microbatches(self) -> int:
         return self.global_batch // self.microbatch
+
+    @property
+    def network_bytes_per_s(self) -> float:
+        return self.network_gbps * GBIT
 
 
 def gpt_layer_counts(cfg: GPTConfig) -> list[LayerCounts]:
@@ -130,13 +146,16 @@ def derived_profile(name: str, cfg: GPTConfig, microbatch: int, device: DeviceSp
 
 
 def cluster_profile(spec: ClusterSpec) -> Profile:
-    """The measured profile at `spec.profile_path`, or one derived from the preset."""
+    """The measured profile at `spec.profile_path`, or one derived from the preset with the
+    cluster's device speed, memory and network bandwidth."""
     cfg = spec.config
     if spec.profile_path is None:
         device = DeviceSpeed(
             flops_per_second=spec.device_tflops * 1e12,
             memory_bytes=int(spec.device_memory_gib * 2**30),
-            description=f"nominal device: {spec.device_tflops:g} TFLOP/s, {spec.device_memory_gib:g} GiB",
+            p2p_bandwidth=spec.network_bytes_per_s,
+            description=f"nominal device: {spec.device_tflops:g} TFLOP/s, {spec.device_memory_gib:g} GiB, "
+            f"{spec.network_gbps:g} Gbit/s network",
         )
         return derived_profile(spec.model, cfg, spec.microbatch, device)
     profile = Profile.load(spec.profile_path)  # ProfileError (a ValueError) when malformed

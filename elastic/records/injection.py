@@ -21,17 +21,17 @@ incarnation). Whoever does writes an `InjectionStatus` under `injection-status/<
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.jsonrecord import JsonRecord
 
 Kind = Literal["kill", "hang", "rejoin"]
 When = Literal["step", "reconfig"]
@@ -39,8 +39,8 @@ _KINDS: tuple[Kind, ...] = ("kill", "hang", "rejoin")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Injection:
-    """One fault to inject."""
+class Injection(JsonRecord):
+    """One fault to inject (a part of the job's config, never a record of its own in etcd)."""
 
     kind: Kind
     """kill (SIGKILL the workers), hang (SIGSTOP workers and agent) or rejoin (fresh agent)."""
@@ -77,13 +77,6 @@ class Injection:
         """A stable key-safe name, e.g. `kill-node2-step8` (`kill-node2-step8-at0.5` with `at`)."""
         at = f"step{self.step}" if self.when == "step" else "reconfig"
         return f"{self.kind}-node{self.node}-{at}" + (f"-at{self.at:g}" if self.at else "")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "node": self.node, "step": self.step, "when": self.when, "at": self.at}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Injection:
-        return cls(kind=data["kind"], node=int(data["node"]), step=data["step"], when=data["when"], at=data.get("at"))
 
 
 def parse_injection(text: str) -> Injection:
@@ -152,7 +145,7 @@ State = Literal["running", "done", "refused", "fenced"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class InjectionRequest:
+class InjectionRequest(JsonRecord):
     """One fault (or drain, or rejoin) asked of a running job, stored at `injections/<id>`."""
 
     id: str
@@ -194,13 +187,6 @@ class InjectionRequest:
         if self.at is not None and (self.when != "step" or not 0.0 <= self.at <= 10.0):
             raise ValueError(f"at must be a fraction in [0, 10] of a step, with when='step' (got {self.at})")
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> InjectionRequest:
-        return cls(**json.loads(text))
-
     @classmethod
     def from_injection(cls, inj: Injection) -> InjectionRequest:
         """The request of one `--inject` value (targets incarnation 0; its id is `inj.name`)."""
@@ -214,7 +200,7 @@ def request_id(kind: str, node: int, step: int | None) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class InjectionStatus:
+class InjectionStatus(JsonRecord):
     """What became of a request, at `injection-status/<id>` (rewritten as it progresses)."""
 
     state: State
@@ -227,13 +213,6 @@ class InjectionStatus:
     """Drain: the generation without the node; fenced: the generation found after the heal."""
     detail: str = ""
     """Why it was refused, or what happened, in words."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> InjectionStatus:
-        return cls(**json.loads(text))
 
 
 def submit_request(client: EtcdClient, root: str, request: InjectionRequest) -> None:

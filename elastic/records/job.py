@@ -6,18 +6,17 @@ model, the plan, the data and the optimizer without talking to the others.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from elastic.coordinator.jsonrecord import JsonRecord
 from elastic.model.config import GPTConfig, get_preset
 from elastic.records.optim_config import OptimConfig
 from templates.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobSpec:
+class JobSpec(JsonRecord):
     """A training job: model, plan, data, optimizer and where results go."""
 
     model: str
@@ -91,23 +90,10 @@ class JobSpec:
     def log_path(self, node: int, local_rank: int) -> Path:
         return Path(self.run_dir) / "logs" / f"node{node}.worker{local_rank}.log"
 
-    # ---- JSON ----------------------------------------------------------------------------
-
-    def to_json(self) -> str:
-        data: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("plan", "optim")}
-        data["plan"] = self.plan.to_dict()
-        data["optim"] = asdict(self.optim)
-        return json.dumps(data, indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        data = json.loads(text)
-        optim = dict(data.pop("optim"))
-        optim["betas"] = tuple(optim["betas"])
-        return cls(plan=Plan.from_dict(data.pop("plan")), optim=OptimConfig(**optim), **data)
+    # ---- the job file (JSON from the fields, elastic/coordinator/jsonrecord.py) ------------
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        Path(path).write_text(self.to_json(indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:

@@ -19,10 +19,10 @@ imports no torch: the leader uses it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from elastic.coordinator.jsonrecord import JsonRecord
 from templates.plan import Plan
 
 FINISH_FROM = 1 / 3
@@ -41,7 +41,7 @@ def worth_finishing(elapsed_s: float, step_s: float) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PartialReport:
+class PartialReport(JsonRecord):
     """Gradient sums a worker kept from an interrupted step: what its sync report says."""
 
     step: int
@@ -53,19 +53,9 @@ class PartialReport:
     tp_rank: int
     """Their tensor-parallel rank."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "microbatches": list(self.microbatches), "layers": list(self.layers),
-                "tp_rank": self.tp_rank}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PartialReport:
-        first, last = (int(x) for x in data["layers"])
-        return cls(step=int(data["step"]), microbatches=tuple(int(m) for m in data["microbatches"]),
-                   layers=(first, last), tp_rank=int(data["tp_rank"]))
-
 
 @dataclass(frozen=True, kw_only=True)
-class ReplayRecord:
+class ReplayRecord(JsonRecord):
     """How a generation's first step reuses the interrupted step's finished microbatches."""
 
     step: int
@@ -95,16 +85,6 @@ class ReplayRecord:
 
     def is_keeper(self, node: int, local_rank: int) -> bool:
         return [node, local_rank] in self.keepers
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ReplayRecord:
-        return cls(step=int(data["step"]), total=int(data["total"]), kept=[int(m) for m in data["kept"]],
-                   keepers=[[int(n), int(r)] for n, r in data["keepers"]],
-                   recomputed=[str(x) for x in data.get("recomputed", [])],
-                   moved=[[int(x) for x in m] for m in data.get("moved", [])])
 
 
 def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[int, ...]]:

@@ -13,13 +13,15 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     sync/<g>/<node>/<local_rank>    SyncReport of a worker of g once it halted (what it committed)
     ready/<g>/<s>/<rank>            the job's last step s only: a worker's vote succeeded
     decisions/<g>/<s>               the job's last step s only: "commit" | "abort", created once by the leader
-    recoveries/<g>/<rank>           a worker's timings of its reconfiguration into g
+    recoveries/<g>/<rank>           RecoveryTimings: a worker's reconfiguration into g (one flat object)
     done/<node>/<local_rank>        a worker finished every step and saved its outputs
     injected/<name>                 when an injection (request id <name>) was carried out (wall time)
     injections/<id>                 InjectionRequest JSON (see injection.py), from the CLI or the launcher
     injection-status/<id>           InjectionStatus JSON: running, done, refused or fenced
 
 Node ids in etcd are `node<k>` for plan node k; a node's incarnation counts its (re)starts.
+Every JSON record here is a `JsonRecord` (elastic/coordinator/jsonrecord.py): its JSON comes from
+its fields and carries the schema version `"v"` (a record without one is version 1).
 
 The failure-free step path touches etcd once per step (the `progress` put, off the critical
 path): every worker commits a step when the step's world all-reduce (the vote: gradient norm,
@@ -33,12 +35,11 @@ reads at the end; etcd keeps no per-step history.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.jsonrecord import INLINE, JsonRecord, RecordError
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.planning.cluster import ClusterSpec
@@ -193,7 +194,7 @@ def read_step_logs(run_dir: str | Path) -> dict[int, StepResult]:
         for line in path.read_text().splitlines():
             try:
                 r = StepResult.from_json(line)
-            except (ValueError, TypeError, KeyError):
+            except RecordError:
                 continue
             if r.step not in out or r.generation >= out[r.step].generation:
                 out[r.step] = r
@@ -201,7 +202,7 @@ def read_step_logs(run_dir: str | Path) -> dict[int, StepResult]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ElasticConfig:
+class ElasticConfig(JsonRecord):
     """What every process of an elastic run reads from etcd's `config` key."""
 
     spec: JobSpec
@@ -221,33 +222,9 @@ class ElasticConfig:
     def checkpoint_path(self) -> str:
         return self.checkpoint_dir or f"{self.spec.run_dir}/checkpoints"
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "spec": json.loads(self.spec.to_json()),
-                "cluster": asdict(self.cluster),
-                "injections": [i.to_dict() for i in self.injections],
-                "checkpoint_every": self.checkpoint_every,
-                "checkpoint_dir": self.checkpoint_dir,
-                "lease_ttl": self.lease_ttl,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ElasticConfig:
-        data = json.loads(text)
-        return cls(
-            spec=JobSpec.from_json(json.dumps(data["spec"])),
-            cluster=ClusterSpec(**data["cluster"]),
-            injections=tuple(Injection.from_dict(i) for i in data["injections"]),
-            checkpoint_every=int(data["checkpoint_every"]),
-            checkpoint_dir=str(data["checkpoint_dir"]),
-            lease_ttl=int(data["lease_ttl"]),
-        )
-
 
 @dataclass(frozen=True, kw_only=True)
-class GenerationRecord:
+class GenerationRecord(JsonRecord):
     """One generation: its plan and why and from where training goes on under it."""
 
     plan: Plan
@@ -290,24 +267,6 @@ class GenerationRecord:
             return self.replay.replayed_fraction
         return 1.0 if self.lost and self.restore_checkpoint is None else None
 
-    def to_json(self) -> str:
-        data: dict[str, Any] = asdict(self)
-        data["plan"] = self.plan.to_dict()
-        data["replay"] = None if self.replay is None else self.replay.to_dict()
-        data["incarnations"] = {str(k): v for k, v in self.incarnations.items()}
-        return json.dumps(data, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> GenerationRecord:
-        data = json.loads(text)
-        data["plan"] = Plan.from_dict(data["plan"])
-        data["incarnations"] = {int(k): int(v) for k, v in data["incarnations"].items()}
-        vote = data.get("completed_vote")
-        data["completed_vote"] = None if vote is None else Vote(**vote)
-        replay = data.get("replay")
-        data["replay"] = None if replay is None else ReplayRecord.from_dict(replay)
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
 class Vote:
@@ -322,7 +281,7 @@ class Vote:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HaltRecord:
+class HaltRecord(JsonRecord):
     """The leader's request that generation g stop: `abort` (a member is lost: drop the in-flight
     step unless its vote completed) or at the next step boundary (a join or a drain)."""
 
@@ -336,16 +295,9 @@ class HaltRecord:
     """With `abort`: the lost nodes. A pipeline with none of them finishes its microbatches and
     keeps their gradients (partial replay); empty: every pipeline stops at once."""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> HaltRecord:
-        return cls(**json.loads(text))
-
 
 @dataclass(frozen=True, kw_only=True)
-class SyncReport:
+class SyncReport(JsonRecord):
     """What a worker of a halted generation holds, for the leader to pick the resume step."""
 
     committed: int | None
@@ -364,23 +316,9 @@ class SyncReport:
     """Gradient sums it kept of step `committed` (its pipeline finished that step's
     microbatches before the step was abandoned); None if none."""
 
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["partial"] = None if self.partial is None else self.partial.to_dict()
-        return json.dumps(data)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> SyncReport:
-        data = json.loads(text)
-        vote = data.get("last_vote")
-        data["last_vote"] = None if vote is None else Vote(**vote)
-        partial = data.get("partial")
-        data["partial"] = None if partial is None else PartialReport.from_dict(partial)
-        return cls(**data)
-
 
 @dataclass(frozen=True, kw_only=True)
-class ProgressRecord:
+class ProgressRecord(JsonRecord):
     """The `progress` key: the last committed step and a short window of the steps before it.
     Readers (launcher, status, metrics, inject) read this one key, never a per-step history."""
 
@@ -417,16 +355,9 @@ class ProgressRecord:
                           committed_at=at) for s, loss, norm, lr, sec, at in self.earlier]
         return [*out, self.result()]
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> ProgressRecord:
-        return cls(**json.loads(text))
-
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerInfo:
+class WorkerInfo(JsonRecord):
     """A worker's registration under `workers/<node>/<local_rank>`."""
 
     pid: int
@@ -436,17 +367,11 @@ class WorkerInfo:
     incarnation: int
     """Incarnation of its node."""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WorkerInfo:
-        return cls(**json.loads(text))
-
 
 @dataclass(frozen=True, kw_only=True)
-class StepResult:
-    """What the first worker of each pipeline reports of a committed step."""
+class StepResult(JsonRecord):
+    """What a committed step produced: the step engine's result of a commit (elastic/engine/step.py),
+    which the progress writer publishes and each pipeline's first worker appends to its local log."""
 
     step: int
     """Index of the step (0-based)."""
@@ -455,44 +380,43 @@ class StepResult:
     grad_norm: float
     """Global gradient norm before clipping."""
     lr: float
-    """Learning rate applied."""
+    """Learning rate applied (0 for a step skipped because its gradient is not finite)."""
     seconds: float
-    """Wall time of the step on the reporting worker, prepare to commit."""
+    """Wall time of the step on the committing worker, prepare to commit."""
     generation: int
     """Generation that committed it."""
     committed_at: float
-    """Wall time of the commit on the reporting worker."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> StepResult:
-        return cls(**json.loads(text))
+    """Wall time of the commit on the committing worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecoveryTimings:
-    """One worker's reconfiguration into a generation."""
+class ReconfigTimings:
+    """Where the time of one worker's joining a generation went (what `Trainer.start` measured)."""
+
+    transfer_s: float
+    """Seconds spent getting the missing shards (over the generation's process group, then from
+    their holders) and the kept gradient sums that move with a layer."""
+    rebuild_s: float
+    """Seconds spent building the process groups, the stage module, its optimizer state and its
+    gradient buffers (the recovery breakdown's `rebuilding_s`, the slowest worker's)."""
+    bytes_fetched: int
+    """Bytes of fetched tensors (parameters and optimizer moments)."""
+    bytes_collective: int = 0
+    """The part of `bytes_fetched` that came over the generation's process group."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryTimings(JsonRecord):
+    """One worker's reconfiguration into a generation, at `recoveries/<g>/<rank>`.
+
+    Its JSON is one flat object (`reconfig`'s fields beside the others), the form that
+    `elastic status`, `elastic events`, the metrics and the launcher have always read."""
 
     seen_at: float
     """Wall time the worker learned of the generation."""
-    transfer_s: float
-    """Seconds fetching shards."""
-    rebuild_s: float
-    """Seconds building the generation's process groups."""
-    bytes_fetched: int
-    """Shard bytes it received."""
+    reconfig: ReconfigTimings = field(metadata=INLINE)
+    """What joining the generation cost (transfer, rebuild, bytes)."""
     started_at: float
     """Wall time `Trainer.start` returned."""
     first_commit_at: float
     """Wall time of its first commit in the generation."""
-    bytes_collective: int = 0
-    """The part of `bytes_fetched` that came over the generation's process group."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> RecoveryTimings:
-        return cls(**json.loads(text))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from elastic.coordinator.jsonrecord import to_data
 
 if TYPE_CHECKING:  # torch takes seconds to import; `elastic status` reads summaries without it
     import torch
@@ -40,7 +42,7 @@ class RunSummary:
     """Pipelines of the plan (of the last generation in an elastic run)."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """Elastic runs: one entry per reconfiguration (generation, lost and joined nodes, seconds
-    detecting, planning, transferring, rebuilding groups and replaying, total, bytes moved, and
+    detecting, planning, transferring, rebuilding (groups and stage) and replaying, total, bytes moved, and
     the wall times `detected_at`, `published_at`, `fault_at`, `first_commit_at`)."""
     worker_restarts: int = 0
     """Elastic runs: extra PIDs registered by a worker of the same node incarnation (must be 0)."""
@@ -56,8 +58,11 @@ class RunSummary:
     started_at: float = 0.0
     """Elastic runs: wall time (Unix seconds) at which the launcher started."""
 
+    # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
+    # plain object by `elastic report` and people, and never read back into this type; it
+    # carries no schema version.
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_data(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

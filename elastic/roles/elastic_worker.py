@@ -44,7 +44,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store import EtcdStore
-from elastic.engine.step import NonFiniteStep, StepReport
+from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
@@ -365,9 +365,7 @@ class ElasticWorker:
             if first_commit:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
-                rec = RecoveryTimings(seen_at=seen_at, transfer_s=t.transfer_s, rebuild_s=t.rebuild_s,
-                                      bytes_fetched=t.bytes_fetched, started_at=started, first_commit_at=now,
-                                      bytes_collective=t.bytes_collective)
+                rec = RecoveryTimings(seen_at=seen_at, reconfig=t, started_at=started, first_commit_at=now)
                 self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
             self._maybe_checkpoint(layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:
@@ -384,12 +382,10 @@ class ElasticWorker:
             _log(f"step {step} of generation {generation}: aborted by the leader")
         return decision == COMMIT
 
-    def _record_step(self, layout: ParallelLayout, report: StepReport, *, started_at: float) -> float:
+    def _record_step(self, layout: ParallelLayout, result: StepResult, *, started_at: float) -> float:
         """Hand a committed step to the progress writer (world rank 0) and the local step log
         (each pipeline's first worker); the commit's wall time."""
-        now = time.time()
-        result = StepResult(step=report.step, loss=report.loss, grad_norm=report.grad_norm, lr=report.lr,
-                            seconds=report.seconds, generation=layout.generation, committed_at=now)
+        now = result.committed_at
         if layout.rank == 0:
             self.progress.publish(result)
         if layout.stage == 0 and layout.tp_rank == 0:

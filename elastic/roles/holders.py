@@ -20,8 +20,8 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from elastic.coordinator.etcd_api import EtcdClient
 from elastic.parallel.layout import assign_ranks
 from elastic.records.protocol import RunKeys, WorkerInfo
 from elastic.transfer.shards import ShardKey
@@ -48,7 +48,7 @@ class HolderMap:
     """One entry per `holdings/` key, by (node, local_rank)."""
 
     @classmethod
-    def read(cls, client: Any, rk: RunKeys) -> HolderMap:
+    def read(cls, client: EtcdClient, rk: RunKeys) -> HolderMap:
         """`holdings/` joined with `workers/` on (node, local_rank): two prefix reads."""
         addresses = {
             _worker_of(meta.key): WorkerInfo.from_json(value).transfer_address
@@ -86,7 +86,7 @@ class HolderMap:
         ) or "no holder"
 
 
-def holder_map_reader(client: Any, rk: RunKeys) -> Callable[[], HolderMap]:
+def holder_map_reader(client: EtcdClient, rk: RunKeys) -> Callable[[], HolderMap]:
     """A reader of the holder map that goes to etcd on its first call only, so that the shard
     paths of one generation change (the collective exchange, then the gRPC fetch of what it did
     not bring) share one reading."""

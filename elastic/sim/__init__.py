@@ -5,8 +5,8 @@ optimizer steps, with plan iteration times from the planner's cost model and rec
 from `RecoveryCosts`. Every assumption is stated in the policy docstrings and in the output.
 """
 
-from elastic.sim.config import RecoveryCosts, SimCluster
-from elastic.sim.planbook import PlanBook, sim_profile
+from elastic.sim.config import RecoveryCosts
+from elastic.sim.planbook import PlanBook
 from elastic.sim.result import PolicyResult, Segment
 from elastic.sim.simulate import POLICIES, references, run_policy, simulate
 from elastic.sim.trace import Trace, TraceError, TraceEvent, load_trace, trace_from_json, trace_from_spec
@@ -17,14 +17,12 @@ __all__ = [
     "PolicyResult",
     "RecoveryCosts",
     "Segment",
-    "SimCluster",
     "Trace",
     "TraceError",
     "TraceEvent",
     "load_trace",
     "references",
     "run_policy",
-    "sim_profile",
     "simulate",
     "trace_from_json",
     "trace_from_spec",

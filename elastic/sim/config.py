@@ -1,4 +1,5 @@
-"""What the simulator is told: the job and cluster, and the costs of recovering from failures.
+"""What the simulator is told besides the job and cluster (`elastic.planning.cluster.ClusterSpec`,
+the same type a run plans with): the costs of recovering from failures.
 
 Every number here is an assumption of the simulation and is printed with its results.
 """
@@ -9,62 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS, ClusterSpec
-
-GBIT = 1e9 / 8
-"""Bytes per second in one Gbit/s."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SimCluster:
-    """The job and the cluster at time 0."""
-
-    model: str
-    """Model preset (elastic/model/config.py PRESETS)."""
-    nodes: int
-    """N: nodes live at time 0 (the trace's initial nodes)."""
-    gpus_per_node: int = 1
-    """G: devices per node, the tensor-parallel degree of every stage."""
-    fault_tolerance: int = 1
-    """f: the elastic policy keeps at least f+1 pipelines (relaxed towards 0 when it cannot)."""
-    global_batch: int = 512
-    """Samples per optimizer step."""
-    microbatch: int = 1
-    """Samples per microbatch."""
-    device_tflops: float = DEFAULT_TFLOPS
-    """Derived profiles: achieved TFLOP/s of one device."""
-    device_memory_gib: float = DEFAULT_MEMORY_GIB
-    """Derived profiles: memory budget of one device in GiB."""
-    network_gbps: float = 100.0
-    """Inter-node bandwidth of one node's NIC in Gbit/s: pipeline p2p and layer-shard transfers."""
-    profile_path: str | None = None
-    """A measured profile (`elastic profile`) instead of a derived one."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.network_gbps) and self.network_gbps > 0):
-            raise ValueError(f"--network-gbps must be a positive number, got {self.network_gbps}")
-        self.spec()  # validates the planner's part
-
-    def spec(self) -> ClusterSpec:
-        """The planner's view of this cluster (validates flags, names the known presets)."""
-        return ClusterSpec(
-            model=self.model,
-            nodes=self.nodes,
-            gpus_per_node=self.gpus_per_node,
-            fault_tolerance=self.fault_tolerance,
-            global_batch=self.global_batch,
-            microbatch=self.microbatch,
-            profile_path=self.profile_path,
-            device_tflops=self.device_tflops,
-            device_memory_gib=self.device_memory_gib,
-        )
-
-    @property
-    def network_bytes_per_s(self) -> float:
-        return self.network_gbps * GBIT
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from elastic.planning.cluster import GBIT
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,9 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from elastic.planning.cluster import cluster_profile, derived_profile
-from elastic.sim.config import SimCluster
-from templates.derive import DeviceSpeed
+from elastic.planning.cluster import ClusterSpec
 from templates.instantiation import build_plan, instantiate, split_microbatches
 from templates.plan import Plan
 from templates.profile import Profile
@@ -39,22 +37,6 @@ class Shape:
     """Seconds per optimizer step from the planner's cost model."""
     planning_s: float
     """Wall time the planner took to find it (measured once per node count)."""
-
-
-def sim_profile(cluster: SimCluster) -> Profile:
-    """The measured profile at `cluster.profile_path`, else one derived from the preset with the
-    cluster's device speed, memory and network bandwidth."""
-    spec = cluster.spec()
-    if spec.profile_path is not None:
-        return cluster_profile(spec)
-    device = DeviceSpeed(
-        flops_per_second=cluster.device_tflops * 1e12,
-        memory_bytes=int(cluster.device_memory_gib * 2**30),
-        p2p_bandwidth=cluster.network_bytes_per_s,
-        description=f"nominal device: {cluster.device_tflops:g} TFLOP/s, {cluster.device_memory_gib:g} GiB, "
-        f"{cluster.network_gbps:g} Gbit/s network",
-    )
-    return derived_profile(cluster.model, spec.config, cluster.microbatch, device)
 
 
 def redundant_profile(profile: Profile, forward_fraction: float) -> Profile:
@@ -80,10 +62,10 @@ def redundant_profile(profile: Profile, forward_fraction: float) -> Profile:
 class PlanBook:
     """Template sets and per-node-count plans for every policy, computed once and cached."""
 
-    def __init__(self, cluster: SimCluster, profile: Profile, *, redundant_forward: float) -> None:
+    def __init__(self, cluster: ClusterSpec, profile: Profile, *, redundant_forward: float) -> None:
         self.cluster = cluster
         self.profile = profile
-        self.mbs = cluster.spec().global_microbatches
+        self.mbs = cluster.global_microbatches
         self.f = cluster.fault_tolerance
         self.elastic = self._templates(profile, cluster.fault_tolerance)
         self.flat = self._templates(profile, 0)

@@ -11,13 +11,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
+from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.sim.checkpoint_policy import CheckpointRestartPolicy
-from elastic.sim.config import RecoveryCosts, SimCluster
+from elastic.sim.config import RecoveryCosts
 from elastic.sim.elastic_policy import ElasticPolicy
-from elastic.sim.planbook import PlanBook, sim_profile
+from elastic.sim.planbook import PlanBook
 from elastic.sim.redundant_policy import RedundantPolicy
 from elastic.sim.result import PolicyResult, whole_steps
 from elastic.sim.trace import Trace
@@ -79,7 +80,7 @@ def run_policy(name: str, book: PlanBook, costs: RecoveryCosts, trace: Trace, ho
 
 
 def simulate(
-    cluster: SimCluster,
+    cluster: ClusterSpec,
     costs: RecoveryCosts,
     trace: Trace,
     *,
@@ -94,7 +95,7 @@ def simulate(
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    book = PlanBook(cluster, sim_profile(cluster), redundant_forward=costs.redundant_forward)
+    book = PlanBook(cluster, cluster_profile(cluster), redundant_forward=costs.redundant_forward)
     refs = references(book, trace, horizon_s)
     out = []
     for name in policies:
@@ -105,7 +106,7 @@ def simulate(
         out.append(entry)
     return {
         "version": REPORT_VERSION,
-        "cluster": cluster.to_dict(),
+        "cluster": asdict(cluster),
         "costs": costs.to_dict(),
         "horizon_s": horizon_s,
         "profile": {"source": book.profile.source, "notes": book.profile.notes, "model_bytes": book.model_bytes},

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from elastic.coordinator import JobKeys
-from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.records.protocol import GenerationRecord, ReconfigTimings, RecoveryTimings, RunKeys
 from elastic.records.recoveries import fault_time, recovery_breakdown
 from templates.plan import even_plan
 
@@ -25,8 +25,8 @@ def record(*, lost: list[int], detected_at: float, nodes: list[int]) -> Generati
 
 
 def timings(first_commit_at: float) -> list[RecoveryTimings]:
-    return [RecoveryTimings(seen_at=first_commit_at - 2, transfer_s=0.1, rebuild_s=0.2, bytes_fetched=10,
-                            started_at=first_commit_at - 1, first_commit_at=first_commit_at)]
+    return [RecoveryTimings(seen_at=first_commit_at - 2, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2,
+                            bytes_fetched=10), started_at=first_commit_at - 1, first_commit_at=first_commit_at)]
 
 
 def test_fault_time_takes_the_latest_fault_before_the_detection() -> None:

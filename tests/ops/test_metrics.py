@@ -30,6 +30,7 @@ from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
     ProgressRecord,
+    ReconfigTimings,
     RecoveryTimings,
     RunKeys,
     node_id,
@@ -205,7 +206,7 @@ def test_bytes_transferred(live: Live) -> None:
     assert live.after["elastic_job_transfer_bytes_total"] == rec["bytes_moved"] > 0
     # This node's share: the ranks that generation 2's layout puts on node 1.
     coords = assign_ranks(live.plans[2].plan)
-    mine = sum(t.bytes_fetched for rank, t in live.timings[2].items() if coords[rank].node == NODE)
+    mine = sum(t.reconfig.bytes_fetched for rank, t in live.timings[2].items() if coords[rank].node == NODE)
     assert 0 < live.after["elastic_transfer_bytes_total"] == mine < rec["bytes_moved"]
 
 
@@ -229,7 +230,7 @@ def _record(nodes: list[int], pipelines: int, **kw: Any) -> GenerationRecord:
 
 
 def _timings(first_commit_at: float, bytes_fetched: int) -> RecoveryTimings:
-    return RecoveryTimings(seen_at=0.0, transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched,
+    return RecoveryTimings(seen_at=0.0, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched),
                            started_at=first_commit_at - 0.5, first_commit_at=first_commit_at)
 
 

@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.sim.checkpoint_policy import CheckpointRestartPolicy
-from elastic.sim.config import RecoveryCosts, SimCluster
+from elastic.sim.config import RecoveryCosts
 from elastic.sim.elastic_policy import ElasticPolicy
-from elastic.sim.planbook import PlanBook, sim_profile
+from elastic.sim.planbook import PlanBook
 from elastic.sim.redundant_policy import RedundantPolicy
 from elastic.sim.simulate import POLICIES, references, run_policy, simulate
 from elastic.sim.trace import Trace, TraceEvent
@@ -24,7 +25,7 @@ from templates.replanning import replan
 
 pytestmark = pytest.mark.timeout(120)
 
-CLUSTER = SimCluster(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
+CLUSTER = ClusterSpec(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
 REPLAN_S = 0.05
 COSTS = RecoveryCosts(replan_s=REPLAN_S, checkpoint_interval_s=120.0)
 HORIZON = 3600.0
@@ -32,7 +33,7 @@ HORIZON = 3600.0
 
 @pytest.fixture(scope="module")
 def book() -> PlanBook:
-    return PlanBook(CLUSTER, sim_profile(CLUSTER), redundant_forward=COSTS.redundant_forward)
+    return PlanBook(CLUSTER, cluster_profile(CLUSTER), redundant_forward=COSTS.redundant_forward)
 
 
 def fails(*events: tuple[float, int]) -> Trace:

@@ -1,0 +1,260 @@
+"""One JSON form for every record, derived from its keyword-only dataclass fields.
+
+A record (what goes into etcd or the run directory) subclasses `JsonRecord` and gets `to_dict`,
+`from_dict`, `to_json` and `from_json` from its fields: nested dataclasses become objects,
+lists and tuples arrays, dicts objects (int keys written as strings), optionals null, and a
+type with its own `to_dict`/`from_dict` (the plan, `templates.plan.Plan`) keeps its format.
+A field with `metadata=INLINE` writes the fields of its dataclass into the enclosing object.
+
+`to_json` adds the record's schema version under `"v"`; `from_json` reads a record without one
+as version 1 (what every record was before versions existed) and refuses a newer version. Any
+record that cannot be read raises `RecordError` (a ValueError) naming the record type and the
+field, e.g. `SyncReport.last_vote.step: expected int, got str 'x'`.
+
+`to_data`/`from_data` are the same conversion for a plain dataclass that is not a record of
+its own (a record's nested parts, the simulator's cluster). Imports nothing of the project:
+every package above the coordinator may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, Self, TypeVar, Union
+
+VERSION_KEY = "v"
+"""The key of a record's schema version in its JSON object."""
+
+INLINE: Mapping[str, Any] = types.MappingProxyType({"json": "inline"})
+"""Field metadata: write the nested dataclass's fields into the enclosing object (no sub-object)."""
+
+T = TypeVar("T")
+
+
+class RecordError(ValueError):
+    """A record that cannot be read: not JSON, an unknown or newer schema version, a missing or
+    unknown field, or a value of the wrong type. The message names the record type and the field."""
+
+
+class JsonRecord:
+    """Mixin of a keyword-only dataclass stored as JSON: the conversions come from its fields."""
+
+    VERSION: ClassVar[int] = 1
+    """Schema version written with the record. Raise it when a field changes meaning or an older
+    reader could not read the new form; readers refuse versions above their own."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON-ready object (no version: it may be nested in another record)."""
+        return to_data(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Self:
+        """The record from `to_dict`'s object; RecordError naming the field otherwise."""
+        return from_data(cls, data)
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The record with its schema version, keys sorted."""
+        return json.dumps({VERSION_KEY: self.VERSION, **self.to_dict()}, indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        """The record from `to_json`'s text (or a version-less one of version 1)."""
+        name = cls.__name__
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RecordError(f"{name}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise RecordError(f"{name}: expected a JSON object, got {type(data).__name__}")
+        version = data.pop(VERSION_KEY, 1)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise RecordError(f"{name}.{VERSION_KEY}: unknown schema version {version!r}")
+        if version > cls.VERSION:
+            raise RecordError(
+                f"{name}.{VERSION_KEY}: schema version {version} is newer than this code reads ({cls.VERSION})"
+            )
+        return from_data(cls, data)
+
+
+_DERIVED_FROM_DICT = JsonRecord.from_dict.__func__  # type: ignore[attr-defined]
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def to_data(obj: Any) -> dict[str, Any]:
+    """A dataclass instance as a JSON-ready object, field by field (INLINE fields merged in)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = _encode(getattr(obj, f.name))
+        if f.metadata.get("json") == "inline":
+            out.update(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def _encode(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):  # a record, or a type with a format of its own (the plan)
+        return to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_data(value)
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    raise TypeError(f"cannot write a {type(value).__name__} as JSON: {value!r}")
+
+
+# ---- reading -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_data(cls: type[T], data: Any, *, where: str | None = None) -> T:
+    """The dataclass `cls` from `to_data`'s object: every field checked against its type; a
+    missing field takes its default. RecordError naming `where` (default: the class name) and
+    the field when the object does not fit."""
+    where = where or cls.__name__
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {_shown(data)}")
+    kwargs, used = _fields_from(cls, data, where)
+    unknown = sorted(set(data) - used)
+    if unknown:
+        raise RecordError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # the dataclass's own checks (__post_init__)
+        if isinstance(exc, RecordError):
+            raise
+        raise RecordError(f"{where}: {exc}") from exc
+
+
+def _fields_from(cls: type, data: dict[str, Any], where: str) -> tuple[dict[str, Any], set[str]]:
+    """Constructor arguments of `cls` read from `data`, and the keys of `data` they used."""
+    types_ = _field_types(cls)
+    kwargs: dict[str, Any] = {}
+    used: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.metadata.get("json") == "inline":
+            inner = types_[f.name]
+            names = {g.name for g in dataclasses.fields(inner)}
+            part = {k: v for k, v in data.items() if k in names}
+            kwargs[f.name] = from_data(inner, part, where=where)
+            used |= set(part)
+        elif f.name in data:
+            kwargs[f.name] = _decode(types_[f.name], data[f.name], f"{where}.{f.name}")
+            used.add(f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecordError(f"{where}: missing field {f.name!r}")
+    return kwargs, used
+
+
+def _decode(tp: Any, data: Any, where: str) -> Any:
+    """`data` read as a value of type `tp`; RecordError naming `where` when it is not one."""
+    if tp is Any:
+        return data
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        return _decode_union(args, data, where)
+    if origin is Literal:
+        if data not in args:
+            raise RecordError(f"{where}: expected one of {', '.join(map(repr, args))}, got {_shown(data)}")
+        return data
+    if origin is list or tp is list:
+        return [_decode(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(_array(data, where))]
+    if origin is tuple or tp is tuple:
+        return _decode_tuple(args, data, where)
+    if origin is dict or tp is dict:
+        return _decode_dict(args, data, where)
+    if tp in (bool, int, float, str):
+        return _scalar(tp, data, where)
+    if isinstance(tp, type):
+        if _own_format(tp):  # the plan
+            try:
+                return tp.from_dict(data)  # type: ignore[attr-defined]
+            except (ValueError, TypeError, KeyError) as exc:
+                raise RecordError(f"{where}: {exc}") from exc
+        if dataclasses.is_dataclass(tp):
+            return from_data(tp, data, where=where)
+    raise TypeError(f"{where}: records cannot hold a field of type {tp!r}")
+
+
+def _own_format(tp: type) -> bool:
+    """Whether `tp` reads its JSON form with a `from_dict` of its own (not the derived one)."""
+    from_dict = getattr(tp, "from_dict", None)
+    return from_dict is not None and getattr(from_dict, "__func__", None) is not _DERIVED_FROM_DICT
+
+
+def _decode_union(args: tuple[Any, ...], data: Any, where: str) -> Any:
+    if data is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    errors = []
+    for option in options:
+        try:
+            return _decode(option, data, where)
+        except RecordError as exc:
+            errors.append(exc)
+    if len(errors) == 1:
+        raise errors[0]
+    names = " or ".join(getattr(a, "__name__", repr(a)) for a in args)
+    raise RecordError(f"{where}: expected {names}, got {_shown(data)}")
+
+
+def _decode_tuple(args: tuple[Any, ...], data: Any, where: str) -> tuple[Any, ...]:
+    items = _array(data, where)
+    if not args or (len(args) == 2 and args[1] is Ellipsis):
+        inner = args[0] if args else Any
+        return tuple(_decode(inner, v, f"{where}[{i}]") for i, v in enumerate(items))
+    if len(items) != len(args):
+        raise RecordError(f"{where}: expected {len(args)} items, got {len(items)}")
+    return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, items, strict=True)))
+
+
+def _decode_dict(args: tuple[Any, ...], data: Any, where: str) -> dict[Any, Any]:
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {_shown(data)}")
+    key_type, value_type = args if args else (str, Any)
+    out = {}
+    for k, v in data.items():
+        if key_type is int:
+            try:
+                key: Any = int(k)
+            except ValueError:
+                raise RecordError(f"{where}: key {k!r} is not an integer") from None
+        else:
+            key = _decode(key_type, k, f"{where} key")
+        out[key] = _decode(value_type, v, f"{where}[{k!r}]")
+    return out
+
+
+def _array(data: Any, where: str) -> list[Any]:
+    if not isinstance(data, list):
+        raise RecordError(f"{where}: expected an array, got {_shown(data)}")
+    return data
+
+
+def _scalar(tp: type, data: Any, where: str) -> Any:
+    if tp is float and isinstance(data, int) and not isinstance(data, bool):
+        return float(data)  # a float field set to an int (`at=0`) was written as an integer
+    if isinstance(data, tp) and (tp is bool or not isinstance(data, bool)):
+        return data
+    raise RecordError(f"{where}: expected {tp.__name__}, got {_shown(data)}")
+
+
+def _shown(data: Any) -> str:
+    text = repr(data)
+    return f"{type(data).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

@@ -1,0 +1,228 @@
+"""Every record that goes into etcd or the run directory, through its JSON form: a realistic
+instance of each type round-trips, carries the schema version, and reads back from the exact text
+the code before schema versions wrote (what the etcd of a running job holds); bad records give
+one RecordError naming the record type and the field. The base itself:
+tests/coordinator/test_jsonrecord.py."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+
+import pytest
+
+import elastic
+from elastic.coordinator.jsonrecord import VERSION_KEY, JsonRecord, RecordError
+from elastic.coordinator.membership import NodeIdentity
+from elastic.ops.events import HistoryEvent
+from elastic.planning.cluster import ClusterSpec
+from elastic.records.injection import Injection, InjectionRequest, InjectionStatus, parse_injection
+from elastic.records.job import JobSpec
+from elastic.records.optim_config import OptimConfig
+from elastic.records.partial import PartialReport, ReplayRecord
+from elastic.records.protocol import (
+    ElasticConfig,
+    GenerationRecord,
+    HaltRecord,
+    ProgressRecord,
+    ReconfigTimings,
+    RecoveryTimings,
+    StepResult,
+    SyncReport,
+    Vote,
+    WorkerInfo,
+)
+from elastic.records.summary import RunSummary
+from templates.plan import even_plan
+
+PLAN = even_plan(num_layers=6, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=4, microbatch_size=2,
+                 fault_tolerance=1)
+SPEC = JobSpec(model="tiny", plan=PLAN, steps=12, run_dir="/runs/a", data_seed=3,
+               optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=2, decay_steps=12))
+VOTE = Vote(step=6, grad_norm=1.25, loss=3.5)
+REPLAY = ReplayRecord(step=7, total=4, kept=[2, 3], keepers=[[1, 0], [3, 0]], recomputed=[],
+                      moved=[[1, 0, 3, 0, 0, 0]])
+PARTIAL = PartialReport(step=7, microbatches=(2, 3), layers=(3, 6), tp_rank=0)
+
+EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
+    ElasticConfig: ElasticConfig(
+        spec=SPEC, cluster=ClusterSpec(model="tiny", nodes=4, fault_tolerance=1),
+        injections=(parse_injection("kill:node=2,step=3,at=0.5"), parse_injection("rejoin:node=2,step=8")),
+        checkpoint_every=4, lease_ttl=3),
+    JobSpec: SPEC,
+    GenerationRecord: GenerationRecord(
+        plan=PLAN, resume_step=7, incarnations={0: 0, 1: 0, 3: 0, 2: 1}, lost=[2], reason="lost node 2",
+        detected_at=1000.5, published_at=1000.75, synced_at=1000.6, completed_vote=VOTE, replay=REPLAY),
+    HaltRecord: HaltRecord(abort=True, reason="lost node 2", at=1000.55, lost=[2]),
+    SyncReport: SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
+    ProgressRecord: ProgressRecord(
+        step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1, committed_at=1000.4,
+        recent=[[5, 1000.35, 0.05], [6, 1000.4, 0.05]], earlier=[[5, 3.6, 1.3, 2.6e-4, 0.05, 1000.35]]),
+    WorkerInfo: WorkerInfo(pid=4242, transfer_address="127.0.0.1:5001", incarnation=1),
+    StepResult: StepResult(step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1,
+                           committed_at=1000.4),
+    RecoveryTimings: RecoveryTimings(
+        seen_at=1000.8, reconfig=ReconfigTimings(transfer_s=0.03, rebuild_s=0.02, bytes_fetched=7534112,
+                                                 bytes_collective=7534112),
+        started_at=1000.9, first_commit_at=1001.0),
+    InjectionRequest: InjectionRequest(id="slow-node1-step5-3f2a9c", kind="slow", node=1, incarnation=0, when="step",
+                                       step=5, seconds=2.0, factor=3.0, requested_at=999.0, by="cli"),
+    InjectionStatus: InjectionStatus(state="done", at=1000.1, step=5, detail="slowed 2 workers"),
+    NodeIdentity: NodeIdentity(node_id="node2", incarnation=1, address="10.0.0.3:5000", devices=2),
+    Injection: Injection(kind="hang", node=1, step=4, at=0.25),
+    PartialReport: PARTIAL,
+    ReplayRecord: REPLAY,
+}
+"""A realistic instance of every JsonRecord type of the project."""
+
+_PLAN_JSON = (
+    '{"fault_tolerance": 1, "gpus_per_node": 1, "iteration_time": 0.0, "microbatch_size": 2, "num_layers": 6, '
+    '"pipelines": [{"iteration_time": 0.0, "microbatches": 2, "nodes": [0, 1], "stages": [{"layers": [0, 3], '
+    '"node": 0}, {"layers": [3, 6], "node": 1}]}, {"iteration_time": 0.0, "microbatches": 2, "nodes": [2, 3], '
+    '"stages": [{"layers": [0, 3], "node": 2}, {"layers": [3, 6], "node": 3}]}], "schema_version": 1}'
+)
+_SPEC_JSON = (
+    '{"collective_timeout_s": 120.0, "data_path": null, "data_seed": 3, "device": "auto", "exact_grad_sum": true, '
+    '"generation": 0, "model": "tiny", "optim": {"betas": [0.9, 0.95], "decay_steps": 12, "eps": 1e-06, '
+    '"grad_clip": 1.0, "lr": 0.0003, "min_lr": 3e-05, "warmup_steps": 2, "weight_decay": 0.1}, '
+    f'"partial_replay": true, "plan": {_PLAN_JSON}, "run_dir": "/runs/a", "shard_transport": "collective", '
+    '"steps": 12, "threads_per_worker": 1}'
+)
+LEGACY: dict[type[JsonRecord], str] = {
+    ElasticConfig: (
+        f'{{"spec": {_SPEC_JSON}, "cluster": {{"model": "tiny", "nodes": 4, "gpus_per_node": 1, "fault_tolerance": 1, '
+        '"global_batch": 8, "microbatch": 2, "profile_path": null, "device_tflops": 100.0, "device_memory_gib": 80.0}, '
+        '"injections": [{"kind": "kill", "node": 2, "step": 3, "when": "step", "at": 0.5}, {"kind": "rejoin", '
+        '"node": 2, "step": 8, "when": "step", "at": null}], "checkpoint_every": 4, "checkpoint_dir": "", '
+        '"lease_ttl": 3}'
+    ),
+    JobSpec: _SPEC_JSON,
+    GenerationRecord: (
+        '{"completed_vote": {"grad_norm": 1.25, "loss": 3.5, "step": 6}, "detected_at": 1000.5, "drained": [], '
+        '"incarnations": {"0": 0, "1": 0, "2": 1, "3": 0}, "joined": [], "lost": [2], '
+        f'"plan": {_PLAN_JSON}, "published_at": 1000.75, "reason": "lost node 2", "replay": {{"keepers": '
+        '[[1, 0], [3, 0]], "kept": [2, 3], "moved": [[1, 0, 3, 0, 0, 0]], "recomputed": [], "step": 7, "total": 4}, '
+        '"restore_checkpoint": null, "resume_step": 7, "synced_at": 1000.6}'
+    ),
+    HaltRecord: '{"abort": true, "reason": "lost node 2", "at": 1000.55, "lost": [2]}',
+    SyncReport: (
+        '{"committed": 7, "pending": null, "last_vote": {"step": 6, "grad_norm": 1.25, "loss": 3.5}, "node": 3, '
+        '"local_rank": 0, "partial": {"step": 7, "microbatches": [2, 3], "layers": [3, 6], "tp_rank": 0}}'
+    ),
+    ProgressRecord: (
+        '{"step": 6, "loss": 3.5, "grad_norm": 1.25, "lr": 0.00025, "seconds": 0.05, "generation": 1, '
+        '"committed_at": 1000.4, "recent": [[5, 1000.35, 0.05], [6, 1000.4, 0.05]], '
+        '"earlier": [[5, 3.6, 1.3, 0.00026, 0.05, 1000.35]]}'
+    ),
+    WorkerInfo: '{"pid": 4242, "transfer_address": "127.0.0.1:5001", "incarnation": 1}',
+    StepResult: (
+        '{"step": 6, "loss": 3.5, "grad_norm": 1.25, "lr": 0.00025, "seconds": 0.05, "generation": 1, '
+        '"committed_at": 1000.4}'
+    ),
+    RecoveryTimings: (
+        '{"seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7534112, "started_at": 1000.9, '
+        '"first_commit_at": 1001.0, "bytes_collective": 7534112}'
+    ),
+    InjectionRequest: (
+        '{"at": null, "by": "cli", "factor": 3.0, "id": "slow-node1-step5-3f2a9c", "incarnation": 0, "kind": "slow", '
+        '"node": 1, "requested_at": 999.0, "seconds": 2.0, "step": 5, "when": "step"}'
+    ),
+    InjectionStatus: '{"at": 1000.1, "detail": "slowed 2 workers", "generation": null, "state": "done", "step": 5}',
+    NodeIdentity: '{"address": "10.0.0.3:5000", "devices": 2, "incarnation": 1, "node_id": "node2"}',
+}
+"""What the code before schema versions wrote for the etcd and run-directory records of EXAMPLES
+(no "v"; RecoveryTimings flat, as it still is; ClusterSpec without network_gbps)."""
+
+
+def _all_record_types() -> set[type]:
+    for module in pkgutil.walk_packages(elastic.__path__, "elastic."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
+    out: set[type] = set()
+    todo = list(JsonRecord.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("elastic."):
+            out.add(cls)
+        todo += cls.__subclasses__()
+    return out
+
+
+def test_every_record_type_has_an_example() -> None:
+    assert _all_record_types() == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("cls", list(EXAMPLES), ids=lambda c: c.__name__)
+def test_round_trip(cls: type[JsonRecord]) -> None:
+    record = EXAMPLES[cls]
+    assert type(record) is cls
+    text = record.to_json()
+    assert json.loads(text)[VERSION_KEY] == 1
+    assert cls.from_json(text) == record
+    assert cls.from_dict(json.loads(json.dumps(record.to_dict()))) == record
+
+
+@pytest.mark.parametrize("cls", list(LEGACY), ids=lambda c: c.__name__)
+def test_records_written_before_versions_still_read(cls: type[JsonRecord]) -> None:
+    assert cls.from_json(LEGACY[cls]) == EXAMPLES[cls]
+    assert cls.from_json(LEGACY[cls].encode()) == EXAMPLES[cls]
+
+
+def test_recovery_timings_stay_one_flat_object() -> None:
+    """`elastic status`, `elastic events`, the metrics and the launcher read these keys."""
+    data = json.loads(EXAMPLES[RecoveryTimings].to_json())
+    assert data == {VERSION_KEY: 1, **json.loads(LEGACY[RecoveryTimings])}
+
+
+def test_job_file_is_indented_and_reads_back(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "job.json"
+    SPEC.save(path)
+    assert path.read_text().startswith("{\n")
+    assert JobSpec.load(path) == SPEC
+
+
+@pytest.mark.parametrize(
+    ("cls", "text", "message"),
+    [
+        (ProgressRecord, '{"v": 2, "step": 1}', r"^ProgressRecord\.v: schema version 2 is newer than this code reads"),
+        (StepResult, '{"step": 6, "loss": 3.5}', r"^StepResult: missing field 'grad_norm'$"),
+        (WorkerInfo, '{"pid": "4242", "transfer_address": "a:1", "incarnation": 1}',
+         r"^WorkerInfo\.pid: expected int, got str '4242'$"),
+        (SyncReport, LEGACY[SyncReport].replace('"tp_rank": 0', '"tp_rank": "0"'),
+         r"^SyncReport\.partial\.tp_rank: expected int, got str '0'$"),
+        (GenerationRecord, LEGACY[GenerationRecord].replace('"schema_version": 1', '"schema_version": 7'),
+         r"^GenerationRecord\.plan: unsupported plan schema_version 7"),
+        (GenerationRecord, LEGACY[GenerationRecord].replace('"2": 1', '"two": 1'),
+         r"^GenerationRecord\.incarnations: key 'two' is not an integer$"),
+        (InjectionRequest, LEGACY[InjectionRequest].replace('"kind": "slow"', '"kind": "melt"'),
+         r"^InjectionRequest\.kind: expected one of 'kill', "),
+        (InjectionRequest, LEGACY[InjectionRequest].replace('"factor": 3.0', '"factor": 0.5'),
+         r"^InjectionRequest: slow needs a factor > 1, got 0\.5$"),
+        (ElasticConfig, LEGACY[ElasticConfig].replace('"nodes": 4', '"nodes": 0'),
+         r"^ElasticConfig\.cluster: --nodes must be >= 1, got 0$"),
+        (ElasticConfig, LEGACY[ElasticConfig].replace('"steps": 12', '"steps": "12"'),
+         r"^ElasticConfig\.spec\.steps: expected int, got str '12'$"),
+        (RecoveryTimings, LEGACY[RecoveryTimings].replace('"rebuild_s": 0.02, ', ''),
+         r"^RecoveryTimings: missing field 'rebuild_s'$"),
+        (NodeIdentity, '{"address": "a:1", "devices": 2, "incarnation": 1, "node_id": "n", "rack": 3}',
+         r"^NodeIdentity: unknown field\(s\) 'rack'$"),
+    ],
+)
+def test_bad_records_name_the_type_and_the_field(cls: type[JsonRecord], text: str, message: str) -> None:
+    with pytest.raises(RecordError, match=message):
+        cls.from_json(text)
+
+
+def test_outputs_carry_no_version() -> None:
+    """The run summary and `elastic events --json` lines are outputs, not records read back."""
+    event = HistoryEvent(kind="generation", time=None, who="leader", revision=7, key="/elastic/j/plan/2",
+                         detail={"generation": 2, "lost_nodes": [2]})
+    assert json.loads(event.to_json()) == {"kind": "generation", "time": None, "who": "leader", "revision": 7,
+                                           "key": "/elastic/j/plan/2", "detail": {"generation": 2, "lost_nodes": [2]}}
+    summary = RunSummary(steps_committed=1, losses=[3.5], tokens_per_s=10.0, steady_step_s=0.1, step_seconds=[0.1],
+                         grad_norms=[1.0], global_batch=8, seq_len=64, world_size=4, pipelines=2)
+    assert VERSION_KEY not in json.loads(summary.to_json())
+    assert json.loads(summary.to_json()) == summary.to_dict()
