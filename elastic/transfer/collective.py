@@ -201,6 +201,36 @@ def exchange(
             incoming.setdefault(m.src, []).append(ShardKey(*m.key))
 
     # 1. Every send, headers first (nothing here blocks).
+    sends, bytes_sent = _post_sends(outgoing, export, posting, tag, device)
+    # 2. Every header receive, then each source's data receives as soon as its header is in.
+    pairs = _post_receives(incoming, posting, tag, wait, device)
+    # 3. Data, each tensor verified as soon as it is in (while the next ones arrive).
+    received: dict[ShardKey, ShardState] = {}
+    failed: dict[ShardKey, str] = {}
+    bytes_received = 0
+    for pair in pairs:
+        bytes_received += _receive_pair(pair, received, failed, wait, device)
+    for work, _ in sends:
+        wait(work)
+    return CollectiveResult(
+        shards=received,
+        failed=failed,
+        bytes_received=bytes_received,
+        bytes_sent=bytes_sent,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _post_sends(
+    outgoing: dict[int, list[ShardKey]],
+    export: Callable[[ShardKey], ShardState],
+    posting: Post,
+    tag: int,
+    device: torch.device,
+) -> tuple[list[tuple[dist.Work, torch.Tensor]], int]:
+    """The send side: post, per receiver in rank order, its header frames and then its shards'
+    tensors (each shard exported once, however many receivers); the posted sends (with their
+    tensors, kept alive until waited for) and the tensor bytes sent. Nothing here blocks."""
     exported: dict[ShardKey, tuple[ShardHeader, list[torch.Tensor]]] = {}
     sends: list[tuple[dist.Work, torch.Tensor]] = []
     bytes_sent = 0
@@ -215,8 +245,18 @@ def exchange(
             bytes_sent += sum(t.numel() for t in exported[key][1])
         for t in messages:
             sends.append((posting("send", t, dst, tag), t))
+    return sends, bytes_sent
 
-    # 2. Every header receive, then each source's data receives as soon as its header is in.
+
+def _post_receives(
+    incoming: dict[int, list[ShardKey]],
+    posting: Post,
+    tag: int,
+    wait: Callable[[dist.Work], None],
+    device: torch.device,
+) -> list[_Incoming]:
+    """The receive side up to the data: post every source's header receive, then, one source at a
+    time in rank order, wait for its header and post its data receives; one `_Incoming` per source."""
     first_frames = {
         src: _recv(posting, src, tag, torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device))
         for src in sorted(incoming)
@@ -234,22 +274,7 @@ def exchange(
             if m.nbytes > 0
         ]
         pairs.append(_Incoming(src=src, expected=sorted(incoming[src]), shards=shards, posted=posted))
-
-    # 3. Data, each tensor verified as soon as it is in (while the next ones arrive).
-    received: dict[ShardKey, ShardState] = {}
-    failed: dict[ShardKey, str] = {}
-    bytes_received = 0
-    for pair in pairs:
-        bytes_received += _receive_pair(pair, received, failed, wait, device)
-    for work, _ in sends:
-        wait(work)
-    return CollectiveResult(
-        shards=received,
-        failed=failed,
-        bytes_received=bytes_received,
-        bytes_sent=bytes_sent,
-        seconds=time.perf_counter() - start,
-    )
+    return pairs
 
 
 def _receive_pair(
