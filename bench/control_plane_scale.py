@@ -86,6 +86,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -338,6 +339,266 @@ def concat(parts: list[dict[str, Any]], name: str) -> list[Any]:
     return [v for p in parts for v in p[name]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardLayout:
+    """How one W's nodes are spread over shard processes."""
+
+    world: int
+    """Simulated workers."""
+    gpus: int
+    """Workers a node."""
+    n_nodes: int
+    """Simulated nodes."""
+    in_process: bool
+    """Whether the single shard runs as a thread of this process (`--procs 0`)."""
+    blocks: list[tuple[int, ...]]
+    """The nodes of each shard, contiguous, node 0 in the first."""
+
+    @classmethod
+    def of(cls, world: int, procs: int | None) -> ShardLayout:
+        """The layout of W = `world` over `procs` shard processes (None: `default_procs(world)`;
+        0: one shard, a thread of this process); never more shards than nodes."""
+        gpus = gpus_per_node(world)
+        n_nodes = world // gpus
+        procs = default_procs(world) if procs is None else procs
+        if procs < 0:
+            raise ValueError(f"procs must be >= 0, got {procs}")
+        in_process = procs == 0
+        n_shards = 1 if in_process else min(procs, n_nodes)
+        return cls(world=world, gpus=gpus, n_nodes=n_nodes, in_process=in_process,
+                   blocks=split_nodes(n_nodes, n_shards))
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def shard_of(self) -> dict[int, int]:
+        """Node -> index of the shard that hosts it."""
+        return {n: i for i, block in enumerate(self.blocks) for n in block}
+
+
+class ScaleRun:
+    """One W's simulated job on a fresh etcd: the bench's own client, the shards that host the
+    nodes, and the measured phases (setup, failure-free steps, a generation change)."""
+
+    def __init__(self, layout: ShardLayout, *, server: EtcdServer, run_dir: str, grpc_poll_s: float) -> None:
+        self.layout = layout
+        self.server = server
+        self.endpoint = server.endpoint
+        self.grpc_poll_s = grpc_poll_s
+        self.admin = connect(EtcdConfig(endpoint=self.endpoint))
+        self.keys = JobKeys(f"scale-{layout.world}")
+        self.rk = RunKeys(self.keys)
+        self.config, self.plan = make_config(layout.world, run_dir)
+        self.shards: list[ShardHandle] = []
+        self.observer: Observer | None = None
+
+    def plan_figures(self) -> dict[str, Any]:
+        """The shape of the job's plan."""
+        return {"pipelines": len(self.plan.pipelines),
+                "stages_per_pipeline": sorted({len(p.stages) for p in self.plan.pipelines}),
+                "json_bytes": len(self.plan.to_json())}
+
+    def leader_rounds(self) -> int:
+        """Rounds the leader (node 0's, in shard 0) has run so far."""
+        return int(self.shards[0].call("leader_rounds", 0))
+
+    def setup(self, *, standby_leaders: bool) -> dict[str, Any]:
+        """Shard processes, members, workers (registrations, feeds), generation 1, agents; the
+        setup's figures (shard PIDs, seconds, threads, etcd watchers)."""
+        layout, world = self.layout, self.layout.world
+        out: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        level = logging.getLogger().getEffectiveLevel()
+        for i, block in enumerate(layout.blocks):
+            spec = ShardSpec(index=i, endpoint=self.endpoint, job=self.keys.job,
+                             config_json=self.config.to_json(), nodes=block, gpus=layout.gpus,
+                             grpc_poll_s=self.grpc_poll_s, log_level=level)
+            self.shards.append(ShardHandle(spec, in_process=layout.in_process))
+        first_shard = self.shards[0]
+        setups = call_all(self.shards, "setup", timeout=SETUP_TIMEOUT_S)
+        out["shard_pids"] = [s["pid"] for s in setups]
+        first = GenerationRecord(plan=self.plan, resume_step=0, incarnations=dict.fromkeys(range(layout.n_nodes), 0))
+        Generations(self.admin, self.keys).publish(first.to_json(), expected=0)
+        log.info("W=%d: %d members joined in %d shard(s) (%.1f s)", world, layout.n_nodes, layout.n_shards,
+                 time.perf_counter() - t0)
+        call_all(self.shards, "start_workers", timeout=SETUP_TIMEOUT_S)
+        log.info("W=%d: workers' feeds up (%.1f s)", world, time.perf_counter() - t0)
+        call_all(self.shards, "enter", 1, timeout=SETUP_TIMEOUT_S)
+        log.info("W=%d: workers entered generation 1 (%.1f s)", world, time.perf_counter() - t0)
+        first_shard.call("start_agents", [0], True)  # node 0's election goes first: it leads
+        assert first_shard.call("wait_leader", 0, 10.0, timeout=30.0), "node 0 was not elected"
+        call_all(self.shards, "start_agents", None, standby_leaders, timeout=SETUP_TIMEOUT_S)
+        wait_until("the leader's first round", lambda: self.leader_rounds() >= 1, 30.0, poll=0.05)
+        out["setup_s"] = round(time.perf_counter() - t0, 2)
+        _, threads = bench_usage(self.shards)
+        out["threads"] = sum(threads)
+        out["threads_per_proc"] = threads
+        m = etcd_metrics(self.endpoint)
+        out["watchers"] = int(m["etcd_debugging_mvcc_watcher_total"])
+        out["watch_streams"] = int(m["etcd_debugging_mvcc_watch_stream_total"])
+        return out
+
+    def steady(self, *, steps: int, pace_ms: float) -> dict[str, Any]:
+        """Part 1 (module doc): an idle second's background, then `steps` ticks every `pace_ms`
+        ms; the per-step figures."""
+        shards, endpoint, etcd_pid = self.shards, self.endpoint, self.server.pid
+        time.sleep(0.5)
+        idle0, cpu0 = etcd_metrics(endpoint), cpu_now(shards, etcd_pid)
+        time.sleep(2.0)
+        idle1, cpu1 = etcd_metrics(endpoint), cpu_now(shards, etcd_pid)
+        background = counts(delta(idle1, idle0), per=2.0)
+        call_all(shards, "run")
+        before, cpu2 = etcd_metrics(endpoint), cpu_now(shards, etcd_pid)
+        run_s = self._tick(steps, pace_ms)
+        cpu3 = cpu_now(shards, etcd_pid)
+        self._settle(steps - 1)
+        after = etcd_metrics(endpoint)
+        per_step = counts(delta(after, before), per=steps)
+        parts = call_all(shards, "steady", timeout=120.0)
+        seen_each, seen_all = trigger_latencies(parts, steps)
+        job_keys = int(self.admin.get_prefix_response(self.keys.root, count_only=True).count)
+        return {
+            "ticks_s": round(run_s, 3),
+            "requested_us": summary(concat(parts, "requested"), 1e6, 1),
+            "latest_us": summary(concat(parts, "latest"), 1e6, 1),
+            "publish_us": summary(concat(parts, "publish"), 1e6, 1),
+            "coordination_us": summary(concat(parts, "per_step"), 1e6, 1),
+            "agents_seen_all_ms": summary(seen_all, 1e3, 2),
+            "agent_seen_each_ms": summary(seen_each, 1e3, 2),
+            "per_step": per_step,
+            "trigger_events_per_step": round(sum(p["trigger_events"] for p in parts) / steps, 2),
+            "progress_puts": sum(p["progress_puts"] for p in parts),
+            "background_per_s": background,
+            "sim_lag_ms": summary(concat(parts, "lag"), 1e3, 2),
+            "bench_cpu_idle": round((cpu1["bench"] - cpu0["bench"]) / 2.0, 2),
+            "bench_cpu_steps": round((cpu3["bench"] - cpu2["bench"]) / run_s, 2),
+            "cores_idle": cores(cpu1, cpu0, 2.0),
+            "cores_steps": cores(cpu3, cpu2, run_s),
+            "db_bytes": int(after["etcd_mvcc_db_total_size_in_bytes"]),
+            "db_in_use_bytes": int(after["etcd_mvcc_db_total_size_in_use_in_bytes"]),
+            "job_keys": job_keys,
+        }
+
+    def _tick(self, steps: int, pace_ms: float) -> float:
+        """The step clock: tick every shard once per step, every `pace_ms` ms; the seconds it took."""
+        start = time.perf_counter()
+        for s in range(steps):
+            time.sleep(max(0.0, start + (s + 1) * pace_ms / 1e3 - time.perf_counter()))
+            at = time.time()  # the vote of step s completed: tell every shard's clock
+            for sh in self.shards:
+                sh.post("tick", s, at)
+        return time.perf_counter() - start
+
+    def _settle(self, last: int) -> None:
+        """Wait until every driver and every trigger is at step `last`; RuntimeError if a
+        generation was halted meanwhile (a lease expired?)."""
+
+        def settled(what: str) -> bool:
+            states = call_all(self.shards, "progress", last)
+            halted = [n for st in states for n in st["halted"]]
+            if halted:
+                raise RuntimeError(f"a generation was halted during the failure-free steps (nodes "
+                                   f"{halted[:8]}: a lease expired?)")
+            return all(st[what] for st in states)
+
+        wait_until("every driver at the last step", lambda: settled("done"), 60.0, poll=0.02)
+        wait_until("every trigger at the last step", lambda: settled("triggers"), 60.0, poll=0.02)
+
+    def change(self) -> dict[str, Any]:
+        """Part 2 (module doc): one node stops and is reported failed; the figures of the
+        generation change until every live worker has generation 2."""
+        shards, endpoint, etcd_pid = self.shards, self.endpoint, self.server.pid
+        rank0_node = self.plan.pipelines[0].stages[0].node
+        victim = max(n for n in range(self.layout.n_nodes) if n not in (0, rank0_node))
+        victim_shard = shards[self.layout.shard_of[victim]]
+        observer = self.observer = Observer(self.admin, self.keys)
+        victim_shard.call("kill", victim)
+        rounds0 = self.leader_rounds()
+        before, cpu4 = etcd_metrics(endpoint), cpu_now(shards, etcd_pid)
+        t_fail, reported = victim_shard.call("report_failure", victim)
+        assert reported, f"node {victim}'s member was not registered any more"
+        self._await_generation_2(observer)
+        t_done = time.time()
+        cpu5 = cpu_now(shards, etcd_pid)
+        time.sleep(1.0)  # the leader's round after the publish, late watch deliveries
+        after = etcd_metrics(endpoint)
+        parts = call_all(shards, "change", 2)
+        record = GenerationRecord.from_json(parts[0]["record"])  # node 0's shard: never the victim's only
+        halt_at = observer.at(self.rk.halt(1))
+        plan_at = observer.at(self.keys.plan(2))
+        assert halt_at is not None and plan_at is not None
+        aborts = concat(parts, "aborts")
+        synced = concat(parts, "synced")
+        seen = concat(parts, "seen")
+        return {
+            "lost_node": victim,
+            "lost_in_record": record.lost,
+            "valid": record.lost == [victim] and max(p["latest"] for p in parts) == 2,
+            "latest_generation": max(p["latest"] for p in parts),
+            "leases_lost": concat(parts, "leases_lost"),
+            "new_plan": {
+                "pipelines": len(record.plan.pipelines),
+                "stages_per_pipeline": sorted({len(p.stages) for p in record.plan.pipelines}),
+                "reason": record.reason[:120],
+            },
+            "detected_s": round((record.detected_at or t_fail) - t_fail, 4),
+            "halt_written_s": round(halt_at - t_fail, 4),
+            "halt_seen_all_s": round(max(aborts) - t_fail, 4),
+            "syncs_written_s": round(max(synced) - t_fail, 4),
+            "published_s": round(plan_at - t_fail, 4),
+            "leader_published_at_s": round((record.published_at or t_fail) - t_fail, 4),
+            "all_seen_s": round(max(seen) - t_fail, 4),
+            "seen_p50_s": round(pct(seen, 50) - t_fail, 4),
+            "measured_until_s": round(t_done - t_fail, 4),
+            "all_seen_by_proc_s": [round(max(p["seen"]) - t_fail, 4) for p in parts if p["seen"]],
+            "cores": cores(cpu5, cpu4, max(t_done - t_fail, 1e-3)),
+            "leader_rounds": self.leader_rounds() - rounds0,
+            "etcd": counts(delta(after, before)),
+        }
+
+    def _await_generation_2(self, observer: Observer) -> None:
+        """Wait until every live worker has generation 2 and wrote its sync report, and the
+        observer saw `plan/2`."""
+
+        def changed(what: str) -> bool:
+            return all(st[what] for st in call_all(self.shards, "change_status", 2))
+
+        wait_until("generation 2 on every live worker", lambda: changed("seen"), 120.0, poll=0.02)
+        wait_until("every live worker's sync report", lambda: changed("synced"), 30.0, poll=0.02)
+        wait_until("the observer", lambda: observer.at(self.keys.plan(2)) is not None, 30.0)
+
+    def close(self, *, interrupted: bool) -> float:
+        """End the observer, every shard and the bench's client; the seconds it took."""
+        t0 = time.perf_counter()
+        if self.observer is not None:
+            self.observer.close()
+        # Stage by stage on every shard, then each process joined or killed; a Ctrl-C also
+        # reaches etcd (same process group), so only "abort" when interrupted or etcd is gone.
+        teardown(self.shards, graceful=not interrupted and self.server.running())
+        with contextlib.suppress(Exception):
+            self.admin.close()
+        return round(time.perf_counter() - t0, 2)
+
+
+def trigger_latencies(parts: list[dict[str, Any]], steps: int) -> tuple[list[float], list[float]]:
+    """Seconds from rank 0's publish of each step until each agent's trigger had it (every
+    agent, every step), and until the last one had it (one per step)."""
+    publish_at: dict[int, float] = {}
+    for p in parts:
+        publish_at.update(p["publish_at"])
+    seen_by_trigger: list[dict[int, float]] = [d for p in parts for d in p["seen"]]
+    seen_each: list[float] = []
+    seen_all: list[float] = []
+    for s in range(steps):
+        published = publish_at[s]
+        lat = [seen[s] - published for seen in seen_by_trigger]
+        seen_each.extend(lat)
+        seen_all.append(max(lat))
+    return seen_each, seen_all
+
+
 def run_one(
     world: int,
     *,
@@ -351,209 +612,30 @@ def run_one(
     """Everything for one W (see the module doc); JSON-serialisable. `procs`: shard processes
     (None: `default_procs(world)`; 0: one shard, a thread of this process)."""
     wall0 = time.perf_counter()
-    gpus = gpus_per_node(world)
-    n_nodes = world // gpus
-    procs = default_procs(world) if procs is None else procs
-    if procs < 0:
-        raise ValueError(f"procs must be >= 0, got {procs}")
-    in_process = procs == 0
-    n_shards = 1 if in_process else min(procs, n_nodes)
-    blocks = split_nodes(n_nodes, n_shards)
-    shard_of = {n: i for i, block in enumerate(blocks) for n in block}
-    out: dict[str, Any] = {"workers": world, "nodes": n_nodes, "gpus_per_node": gpus, "model": MODEL,
-                           "etcd_clients": n_nodes + 1, "steps": steps, "pace_ms": pace_ms, "standby_leaders": standby_leaders,
-                           "procs": 0 if in_process else n_shards,
-                           "nodes_per_proc": [len(b) for b in blocks]}
+    layout = ShardLayout.of(world, procs)
+    out: dict[str, Any] = {"workers": world, "nodes": layout.n_nodes, "gpus_per_node": layout.gpus, "model": MODEL,
+                           "etcd_clients": layout.n_nodes + 1, "steps": steps, "pace_ms": pace_ms,
+                           "standby_leaders": standby_leaders,
+                           "procs": 0 if layout.in_process else layout.n_shards,
+                           "nodes_per_proc": [len(b) for b in layout.blocks]}
     with tempfile.TemporaryDirectory(prefix="cp-scale-") as run_dir, EtcdServer() as server:
-        endpoint = server.endpoint
-        admin = connect(EtcdConfig(endpoint=endpoint))
-        keys = JobKeys(f"scale-{world}")
-        rk = RunKeys(keys)
-        config, plan = make_config(world, run_dir)
-        out["plan"] = {"pipelines": len(plan.pipelines),
-                       "stages_per_pipeline": sorted({len(p.stages) for p in plan.pipelines}),
-                       "json_bytes": len(plan.to_json())}
-        admin.put(rk.config, config.to_json())
-        shards: list[ShardHandle] = []
-        observer: Observer | None = None
+        run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s)
+        out["plan"] = run.plan_figures()
+        run.admin.put(run.rk.config, run.config.to_json())
         interrupted = False
         try:
-            # -- setup: shard processes, members, workers (registrations, feeds), generation 1,
-            #    agents --------------------------------------------------------------------------
-            t0 = time.perf_counter()
-            level = logging.getLogger().getEffectiveLevel()
-            for i, block in enumerate(blocks):
-                spec = ShardSpec(index=i, endpoint=endpoint, job=keys.job,
-                                 config_json=config.to_json(), nodes=block, gpus=gpus, grpc_poll_s=grpc_poll_s,
-                                 log_level=level)
-                shards.append(ShardHandle(spec, in_process=in_process))
-            first_shard = shards[0]
-            setups = call_all(shards, "setup", timeout=SETUP_TIMEOUT_S)
-            out["shard_pids"] = [s["pid"] for s in setups]
-            first = GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(range(n_nodes), 0))
-            Generations(admin, keys).publish(first.to_json(), expected=0)
-            log.info("W=%d: %d members joined in %d shard(s) (%.1f s)", world, n_nodes, n_shards,
-                     time.perf_counter() - t0)
-            call_all(shards, "start_workers", timeout=SETUP_TIMEOUT_S)
-            log.info("W=%d: workers' feeds up (%.1f s)", world, time.perf_counter() - t0)
-            call_all(shards, "enter", 1, timeout=SETUP_TIMEOUT_S)
-            log.info("W=%d: workers entered generation 1 (%.1f s)", world, time.perf_counter() - t0)
-            first_shard.call("start_agents", [0], True)  # node 0's election goes first: it leads
-            assert first_shard.call("wait_leader", 0, 10.0, timeout=30.0), "node 0 was not elected"
-            call_all(shards, "start_agents", None, standby_leaders, timeout=SETUP_TIMEOUT_S)
-
-            def leader_rounds() -> int:
-                return int(first_shard.call("leader_rounds", 0))
-
-            wait_until("the leader's first round", lambda: leader_rounds() >= 1, 30.0, poll=0.05)
-            out["setup_s"] = round(time.perf_counter() - t0, 2)
-            _, threads = bench_usage(shards)
-            out["threads"] = sum(threads)
-            out["threads_per_proc"] = threads
-            m = etcd_metrics(endpoint)
-            out["watchers"] = int(m["etcd_debugging_mvcc_watcher_total"])
-            out["watch_streams"] = int(m["etcd_debugging_mvcc_watch_stream_total"])
-
-            # -- 1. failure-free steps -----------------------------------------------------------
-            time.sleep(0.5)
-            idle0, cpu0 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
-            time.sleep(2.0)
-            idle1, cpu1 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
-            background = counts(delta(idle1, idle0), per=2.0)
-            call_all(shards, "run")
-            before, cpu2 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
-            start = time.perf_counter()
-            for s in range(steps):
-                time.sleep(max(0.0, start + (s + 1) * pace_ms / 1e3 - time.perf_counter()))
-                at = time.time()  # the vote of step s completed: tell every shard's clock
-                for sh in shards:
-                    sh.post("tick", s, at)
-            run_s = time.perf_counter() - start
-            cpu3 = cpu_now(shards, server.pid)
-            last = steps - 1
-
-            def settled(what: str) -> bool:
-                states = call_all(shards, "progress", last)
-                halted = [n for st in states for n in st["halted"]]
-                if halted:
-                    raise RuntimeError(f"a generation was halted during the failure-free steps (nodes "
-                                       f"{halted[:8]}: a lease expired?)")
-                return all(st[what] for st in states)
-
-            wait_until("every driver at the last step", lambda: settled("done"), 60.0, poll=0.02)
-            wait_until("every trigger at the last step", lambda: settled("triggers"), 60.0, poll=0.02)
-            after = etcd_metrics(endpoint)
-            per_step = counts(delta(after, before), per=steps)
-            parts = call_all(shards, "steady", timeout=120.0)
-
-            publish_at: dict[int, float] = {}
-            for p in parts:
-                publish_at.update(p["publish_at"])
-            seen_by_trigger: list[dict[int, float]] = [d for p in parts for d in p["seen"]]
-            seen_each: list[float] = []
-            seen_all: list[float] = []
-            for s in range(steps):
-                published = publish_at[s]
-                lat = [seen[s] - published for seen in seen_by_trigger]
-                seen_each.extend(lat)
-                seen_all.append(max(lat))
-            job_keys = int(admin.get_prefix_response(keys.root, count_only=True).count)
-            out["steady"] = {
-                "ticks_s": round(run_s, 3),
-                "requested_us": summary(concat(parts, "requested"), 1e6, 1),
-                "latest_us": summary(concat(parts, "latest"), 1e6, 1),
-                "publish_us": summary(concat(parts, "publish"), 1e6, 1),
-                "coordination_us": summary(concat(parts, "per_step"), 1e6, 1),
-                "agents_seen_all_ms": summary(seen_all, 1e3, 2),
-                "agent_seen_each_ms": summary(seen_each, 1e3, 2),
-                "per_step": per_step,
-                "trigger_events_per_step": round(sum(p["trigger_events"] for p in parts) / steps, 2),
-                "progress_puts": sum(p["progress_puts"] for p in parts),
-                "background_per_s": background,
-                "sim_lag_ms": summary(concat(parts, "lag"), 1e3, 2),
-                "bench_cpu_idle": round((cpu1["bench"] - cpu0["bench"]) / 2.0, 2),
-                "bench_cpu_steps": round((cpu3["bench"] - cpu2["bench"]) / run_s, 2),
-                "cores_idle": cores(cpu1, cpu0, 2.0),
-                "cores_steps": cores(cpu3, cpu2, run_s),
-                "db_bytes": int(after["etcd_mvcc_db_total_size_in_bytes"]),
-                "db_in_use_bytes": int(after["etcd_mvcc_db_total_size_in_use_in_bytes"]),
-                "job_keys": job_keys,
-            }
-
-            # -- 2. a generation change ----------------------------------------------------------
-            rank0_node = plan.pipelines[0].stages[0].node
-            victim = max(n for n in range(n_nodes) if n not in (0, rank0_node))
-            victim_shard = shards[shard_of[victim]]
-            observer = Observer(admin, keys)
-            victim_shard.call("kill", victim)
-            rounds0 = leader_rounds()
-            before, cpu4 = etcd_metrics(endpoint), cpu_now(shards, server.pid)
-            t_fail, reported = victim_shard.call("report_failure", victim)
-            assert reported, f"node {victim}'s member was not registered any more"
-
-            def changed(what: str) -> bool:
-                return all(st[what] for st in call_all(shards, "change_status", 2))
-
-            wait_until("generation 2 on every live worker", lambda: changed("seen"), 120.0, poll=0.02)
-            wait_until("every live worker's sync report", lambda: changed("synced"), 30.0, poll=0.02)
-            wait_until(
-                "the observer", lambda: observer is not None and observer.at(keys.plan(2)) is not None, 30.0
-            )
-            t_done = time.time()
-            cpu5 = cpu_now(shards, server.pid)
-            time.sleep(1.0)  # the leader's round after the publish, late watch deliveries
-            after = etcd_metrics(endpoint)
-            parts = call_all(shards, "change", 2)
-            record = GenerationRecord.from_json(parts[0]["record"])  # node 0's shard: never the victim's only
-            halt_at = observer.at(rk.halt(1))
-            plan_at = observer.at(keys.plan(2))
-            assert halt_at is not None and plan_at is not None
-            aborts = concat(parts, "aborts")
-            synced = concat(parts, "synced")
-            seen = concat(parts, "seen")
-            out["change"] = {
-                "lost_node": victim,
-                "lost_in_record": record.lost,
-                "valid": record.lost == [victim] and max(p["latest"] for p in parts) == 2,
-                "latest_generation": max(p["latest"] for p in parts),
-                "leases_lost": concat(parts, "leases_lost"),
-                "new_plan": {
-                    "pipelines": len(record.plan.pipelines),
-                    "stages_per_pipeline": sorted({len(p.stages) for p in record.plan.pipelines}),
-                    "reason": record.reason[:120],
-                },
-                "detected_s": round((record.detected_at or t_fail) - t_fail, 4),
-                "halt_written_s": round(halt_at - t_fail, 4),
-                "halt_seen_all_s": round(max(aborts) - t_fail, 4),
-                "syncs_written_s": round(max(synced) - t_fail, 4),
-                "published_s": round(plan_at - t_fail, 4),
-                "leader_published_at_s": round((record.published_at or t_fail) - t_fail, 4),
-                "all_seen_s": round(max(seen) - t_fail, 4),
-                "seen_p50_s": round(pct(seen, 50) - t_fail, 4),
-                "measured_until_s": round(t_done - t_fail, 4),
-                "all_seen_by_proc_s": [round(max(p["seen"]) - t_fail, 4) for p in parts if p["seen"]],
-                "cores": cores(cpu5, cpu4, max(t_done - t_fail, 1e-3)),
-                "leader_rounds": leader_rounds() - rounds0,
-                "etcd": counts(delta(after, before)),
-            }
-
+            out.update(run.setup(standby_leaders=standby_leaders))
+            out["steady"] = run.steady(steps=steps, pace_ms=pace_ms)
+            out["change"] = run.change()
             # -- 3. the new generation's rendezvous --------------------------------------------
-            out["rendezvous"] = rendezvous_figure(endpoint, world) if rendezvous else {"status": "skipped"}
-            final = etcd_metrics(endpoint)
+            out["rendezvous"] = rendezvous_figure(server.endpoint, world) if rendezvous else {"status": "skipped"}
+            final = etcd_metrics(server.endpoint)
             out["db_bytes_end"] = int(final["etcd_mvcc_db_total_size_in_bytes"])
         except BaseException as exc:
             interrupted = not isinstance(exc, Exception)  # Ctrl-C, SIGTERM: end the shards at once
             raise
         finally:
-            t0 = time.perf_counter()
-            if observer is not None:
-                observer.close()
-            # Stage by stage on every shard, then each process joined or killed; a Ctrl-C also
-            # reaches etcd (same process group), so only "abort" when interrupted or etcd is gone.
-            teardown(shards, graceful=not interrupted and server.running())
-            with contextlib.suppress(Exception):
-                admin.close()
-            out["teardown_s"] = round(time.perf_counter() - t0, 2)
+            out["teardown_s"] = run.close(interrupted=interrupted)
     out["wall_s"] = round(time.perf_counter() - wall0, 2)
     return out
 

@@ -126,7 +126,8 @@ class AbortFlag:
         self.at: float | None = None
         self.reason = ""
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: str, *, local: bool = False) -> None:
+        """Like AbortSignal.set; `local` (a worker's own abort) makes no difference to a simulated worker."""
         if self.at is None:
             self.at, self.reason = time.time(), reason
         self._wake.set()

@@ -8,7 +8,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import PRESETS, get_preset
@@ -20,6 +20,10 @@ from elastic.planning.cluster import (
     initial_plan,
 )
 from templates.plan import Plan, PlanError
+
+if TYPE_CHECKING:
+    from elastic.records.job import JobSpec
+    from elastic.records.summary import RunSummary
 
 
 def register(subparsers: Any) -> None:
@@ -159,28 +163,13 @@ def _run(args: argparse.Namespace) -> int:
     _unwind_on_sigterm()
     # torch and the runtime load here, not at import, so that `elastic --help` and the planner
     # commands start without torch.
-    import torch
-
-    from elastic.engine.optim import OptimConfig
-    from elastic.records.job import JobSpec
-    from elastic.records.summary import load_final_state
     from elastic.roles.launcher import JobFailed, WorkerFailed, launch, launch_elastic
 
     try:
         cfg = get_preset(args.model)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if args.steps < 0:
-        raise UsageError(f"--steps must be >= 0, got {args.steps}")
-    if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
-        raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
-    token = None
-    if args.agents == "external":
-        import os
-
-        token = os.environ.get("ELASTIC_JOB_TOKEN") or None
-        if args.static or args.etcd is None or args.job is None or token is None:
-            raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
+    token = _check_flags(args)
     plan = build_plan(args, cfg.num_layers)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
@@ -188,22 +177,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node"
             )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
-    try:
-        optim = OptimConfig(
-            lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
-        )
-        spec = JobSpec(
-            model=args.model,
-            plan=plan,
-            steps=args.steps,
-            run_dir=str(run_dir),
-            data_seed=args.seed,
-            data_path=args.data,
-            optim=optim,
-            device=args.device,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    spec = _job_spec(args, plan, run_dir)
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
     print(
         f"elastic run: {args.model}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
@@ -221,6 +195,59 @@ def _run(args: argparse.Namespace) -> int:
     except (WorkerFailed, JobFailed, TimeoutError) as exc:
         print(f"elastic run: error: {exc}", file=sys.stderr)
         return 1
+    _write_outputs(args, spec, summary, run_dir, elastic=elastic)
+    return 0
+
+
+def _check_flags(args: argparse.Namespace) -> str | None:
+    """Check the flags that go together (UsageError); the job token of `--agents external`
+    ($ELASTIC_JOB_TOKEN), else None."""
+    if args.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
+        raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
+    token = None
+    if args.agents == "external":
+        import os
+
+        token = os.environ.get("ELASTIC_JOB_TOKEN") or None
+        if args.static or args.etcd is None or args.job is None or token is None:
+            raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
+    return token
+
+
+def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path) -> JobSpec:
+    """The JobSpec of the run (optimizer, data and device from the flags); UsageError if invalid."""
+    from elastic.engine.optim import OptimConfig
+    from elastic.records.job import JobSpec
+
+    try:
+        optim = OptimConfig(
+            lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
+        )
+        return JobSpec(
+            model=args.model,
+            plan=plan,
+            steps=args.steps,
+            run_dir=str(run_dir),
+            data_seed=args.seed,
+            data_path=args.data,
+            optim=optim,
+            device=args.device,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _write_outputs(
+    args: argparse.Namespace, spec: JobSpec, summary: RunSummary, run_dir: Path, *, elastic: bool
+) -> None:
+    """Print the run's result lines, then write what the flags ask for (final state, summary)
+    and the run directory's summary and report."""
+    import torch
+
+    from elastic.records.summary import load_final_state
+
     print(
         f"elastic run: {summary.steps_committed} steps committed, final loss "
         f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {summary.tokens_per_s:.0f} tokens/s",
@@ -238,7 +265,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.summary is not None:
         args.summary.write_text(summary_json)
     _write_report(run_dir)
-    return 0
 
 
 def _write_report(run_dir: Path) -> None:

@@ -217,6 +217,70 @@ class Trainer:
 
     # ---- joining a generation ------------------------------------------------------------
 
+    @property
+    def _grad_dtype(self) -> torch.dtype:
+        """Dtype of the gradient sums (float64 when the job asks for exact sums)."""
+        return torch.float64 if self.spec.exact_grad_sum else torch.float32
+
+    def _open_generation(
+        self, layout: ParallelLayout, store: torch.distributed.Store, abort: AbortSignal | None
+    ) -> tuple[ParallelGroups, GPTStage, _Background]:
+        """The generation's process groups (built on `store`), the skeleton of my stage (on the
+        meta device: parameter names and shapes only, no memory, no initialisation), and its
+        gradient buffers being allocated on a thread of their own: their pages are faulted in
+        while shards arrive (a GB for gpt2-124m)."""
+        timeout = timedelta(seconds=self.spec.collective_timeout_s)
+        groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
+        first, last = layout.layers
+        with torch.device("meta"):
+            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
+        buffers = _Background(lambda: StepTransaction.buffers_for(
+            skeleton, layout=layout, layer_of=self.layer_of, dtype=self._grad_dtype, device=self.device))
+        return groups, skeleton, buffers
+
+    def _new_transaction(
+        self, layout: ParallelLayout, groups: ParallelGroups, module: GPTStage, optimizer: MasterAdamW,
+        replay: StepReplay | None, accum: GradAccumulator,
+    ) -> StepTransaction:
+        """The generation's step transaction; the previous one's buffers stop receiving gradients."""
+        if self._transaction is not None:
+            self._transaction.accum.remove()  # kept parameters must not feed the old buffers
+        return StepTransaction(
+            module=module,
+            optimizer=optimizer,
+            layout=layout,
+            groups=groups,
+            dataset=self.dataset,
+            optim=self.spec.optim,
+            layer_of=self.layer_of,
+            d_model=self.cfg.d_model,
+            device=self.device,
+            grad_dtype=self._grad_dtype,
+            keep_partial=self.spec.partial_replay,
+            replay=replay,
+            accum=accum,
+        )
+
+    def _switch(
+        self, layout: ParallelLayout, groups: ParallelGroups, module: GPTStage, optimizer: MasterAdamW,
+        transaction: StepTransaction, *, served: _Held, step: int, keeper: bool,
+    ) -> None:
+        """Make the new generation's layout, groups, stage, optimizer and transaction current,
+        `served` the shards export_shard serves and `step` the next step. The shards dropped stay
+        servable (retired) until the next switch; the old groups go to the graveyard. Only a
+        `keeper` (its kept gradient sums count in the replayed step) keeps its sums."""
+        with self._lock:
+            self._retired = {k: v for k, v in self._served.items() if k not in served}
+            self._served = served
+            if self._groups is not None:
+                self._graveyard.append(self._groups)
+            self._layout, self._groups, self._module = layout, groups, module
+            self._optimizer, self._transaction = optimizer, transaction
+            self._prepared = None
+            if not keeper:
+                self._kept = None
+            self.step = step
+
     def start(
         self,
         *,
@@ -248,14 +312,7 @@ class Trainer:
         missing = [k for k in needed if k not in held]
 
         t0 = time.perf_counter()
-        timeout = timedelta(seconds=self.spec.collective_timeout_s)
-        groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
-        with torch.device("meta"):  # parameter names and shapes only: no memory, no initialisation
-            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
-        grad_dtype = torch.float64 if self.spec.exact_grad_sum else torch.float32
-        # The gradient buffers' pages are faulted in while shards arrive (a GB for gpt2-124m).
-        buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, dtype=grad_dtype, device=self.device))
+        groups, skeleton, buffers = self._open_generation(layout, store, abort)
         t1 = time.perf_counter()
         try:
             fetched, over_group = self._gather(layout, groups, missing, held, holdings, fetch)
@@ -266,34 +323,10 @@ class Trainer:
             self._graveyard.append(groups)  # an operation of it may be pending: never destroyed
             raise
         module, optimizer, served = self._build_stage(layout, groups, skeleton, needed, held, fetched)
-        if self._transaction is not None:
-            self._transaction.accum.remove()  # kept parameters must not feed the old buffers
-        transaction = StepTransaction(
-            module=module,
-            optimizer=optimizer,
-            layout=layout,
-            groups=groups,
-            dataset=self.dataset,
-            optim=self.spec.optim,
-            layer_of=self.layer_of,
-            d_model=self.cfg.d_model,
-            device=self.device,
-            grad_dtype=grad_dtype,
-            keep_partial=self.spec.partial_replay,
-            replay=step_replay,
-            accum=accum,
-        )
-        with self._lock:
-            self._retired = {k: v for k, v in self._served.items() if k not in served}
-            self._served = served
-            if self._groups is not None:
-                self._graveyard.append(self._groups)
-            self._layout, self._groups, self._module = layout, groups, module
-            self._optimizer, self._transaction = optimizer, transaction
-            self._prepared = None
-            if step_replay is None or not replay or not replay.is_keeper(self.node, self.local_rank):
-                self._kept = None  # a keeper keeps its sums until the replayed step commits
-            self.step = step
+        transaction = self._new_transaction(layout, groups, module, optimizer, step_replay, accum)
+        # A keeper keeps its sums until the replayed step commits.
+        keeper = step_replay is not None and replay is not None and replay.is_keeper(self.node, self.local_rank)
+        self._switch(layout, groups, module, optimizer, transaction, served=served, step=step, keeper=keeper)
         t3 = time.perf_counter()
         replayed = "" if step_replay is None else (
             f", step {step} replays microbatches {list(step_replay.microbatches)} here"

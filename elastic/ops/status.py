@@ -79,6 +79,7 @@ from elastic.records.protocol import (
     read_progress,
 )
 from elastic.records.recoveries import change_words, generation_fields, recovery_breakdown
+from templates.plan import Plan
 
 SCHEMA_VERSION = 1
 DEFAULT_WINDOW = 5
@@ -299,25 +300,60 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     g = max(generations, default=0)
     rec = generations.get(g)
     plan = rec.plan if rec is not None else None
+    nodes = _read_nodes(client, keys, generations, plan)
+    progress = read_progress(client, rk)
+    committed = 0 if progress is None else progress.step + 1
+    spec = config["spec"] if config is not None else None
+    seq_len = get_preset(spec["model"]).seq_len if spec is not None else None
+    tokens = plan.global_batch * seq_len if plan is not None and seq_len is not None else None
+    fatal_value, _ = client.get(keys.root + "fatal")
+    fatal = fatal_value.decode() if fatal_value is not None else None
+    total = int(spec["steps"]) if spec is not None else None
+    return JobStatus(
+        job=keys.job,
+        etcd=etcd,
+        read_at=read_at,
+        state=_state(client, rk, fatal=fatal, plan=plan, total=total, committed=committed),
+        fatal=fatal,
+        leader=current_leader(client, keys),
+        generation=g,
+        generation_reason=rec.reason if rec is not None else None,
+        resume_step=rec.resume_step if rec is not None else None,
+        committed_steps=committed,
+        reported_steps=committed,
+        total_steps=total,
+        last_loss=progress.loss if progress is not None else None,
+        lease_ttl_s=int(config["lease_ttl"]) if config is not None else None,
+        global_batch=plan.global_batch if plan is not None else None,
+        microbatch_size=plan.microbatch_size if plan is not None else None,
+        seq_len=seq_len,
+        nodes=nodes,
+        pipelines=_pipelines(plan),
+        throughput=_throughput(progress, tokens, window) if tokens is not None else None,
+        recoveries=sum(1 for n in generations if n > 1),
+        last_recovery=_last_recovery(client, rk, generations),
+    )
 
-    members: dict[int, tuple[NodeIdentity, int]] = {}
-    for value, meta in client.get_prefix(keys.members):
-        member = NodeIdentity.from_json(value)
-        members[node_of(member.node_id)] = (member, meta.lease_id)
-    failures: dict[int, list[FailureReport]] = {}
-    for value, meta in client.get_prefix(keys.failed):
-        member_id, inc = _key_tail(meta, keys.failed)[:2]
-        data = json.loads(value)
-        report = FailureReport(incarnation=int(inc), reporter=str(data["reporter"]), reason=str(data["reason"]),
-                               time=float(data["time"]))
-        failures.setdefault(node_of(member_id), []).append(report)
-    workers: dict[int, list[WorkerStatus]] = {}
-    for value, meta in client.get_prefix(rk.workers):
-        node, local_rank = (int(x) for x in _key_tail(meta, rk.workers)[:2])
-        info = WorkerInfo.from_json(value)
-        workers.setdefault(node, []).append(WorkerStatus(local_rank=local_rank, pid=info.pid,
-                                            transfer_address=info.transfer_address, incarnation=info.incarnation))
 
+def _state(client: EtcdClient, rk: RunKeys, *, fatal: str | None, plan: Plan | None, total: int | None,
+           committed: int) -> str:
+    """The job's state (module doc: `state`); reads the done keys only once every step is committed."""
+    if fatal is not None:
+        return "failed"
+    if plan is None:
+        return "starting"
+    if total is not None and committed >= total and _all_done(client, rk, plan.nodes, plan.gpus_per_node):
+        return "finished"
+    return "running"
+
+
+def _read_nodes(
+    client: EtcdClient, keys: JobKeys, generations: dict[int, GenerationRecord], plan: Plan | None
+) -> list[NodeStatus]:
+    """Every node ever seen (a member, a failure report, a node of any plan), by node number."""
+    members = _members(client, keys)
+    failures = _failures(client, keys)
+    workers = _workers(client, RunKeys(keys))
     known = set(members) | set(failures) | {n for r in generations.values() for n in r.plan.nodes}
     nodes = []
     for node in sorted(known):
@@ -345,58 +381,54 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
                 workers=sorted(workers.get(node, []), key=lambda w: w.local_rank),
             )
         )
+    return nodes
 
+
+def _members(client: EtcdClient, keys: JobKeys) -> dict[int, tuple[NodeIdentity, int]]:
+    """Node -> its member record and the id of the lease it is on (members alive now)."""
+    members: dict[int, tuple[NodeIdentity, int]] = {}
+    for value, meta in client.get_prefix(keys.members):
+        member = NodeIdentity.from_json(value)
+        members[node_of(member.node_id)] = (member, meta.lease_id)
+    return members
+
+
+def _failures(client: EtcdClient, keys: JobKeys) -> dict[int, list[FailureReport]]:
+    """Node -> the failure reports about it (`failed/<member>/<incarnation>`), in etcd's key order."""
+    failures: dict[int, list[FailureReport]] = {}
+    for value, meta in client.get_prefix(keys.failed):
+        member_id, inc = _key_tail(meta, keys.failed)[:2]
+        data = json.loads(value)
+        report = FailureReport(incarnation=int(inc), reporter=str(data["reporter"]), reason=str(data["reason"]),
+                               time=float(data["time"]))
+        failures.setdefault(node_of(member_id), []).append(report)
+    return failures
+
+
+def _workers(client: EtcdClient, rk: RunKeys) -> dict[int, list[WorkerStatus]]:
+    """Node -> its workers registered now (`workers/<node>/<local_rank>`), in etcd's key order."""
+    workers: dict[int, list[WorkerStatus]] = {}
+    for value, meta in client.get_prefix(rk.workers):
+        node, local_rank = (int(x) for x in _key_tail(meta, rk.workers)[:2])
+        info = WorkerInfo.from_json(value)
+        workers.setdefault(node, []).append(WorkerStatus(local_rank=local_rank, pid=info.pid,
+                                            transfer_address=info.transfer_address, incarnation=info.incarnation))
+    return workers
+
+
+def _pipelines(plan: Plan | None) -> list[PipelineStatus]:
+    """The pipelines of `plan` (none without a plan)."""
+    if plan is None:
+        return []
     pipelines = []
-    if plan is not None:
-        for p, pipe in enumerate(plan.pipelines):
-            stages = [StageStatus(node=s.node, layers=s.layers) for s in pipe.stages]
-            pipelines.append(PipelineStatus(index=p, template=len(stages), nodes=list(pipe.nodes),
-                                            stages=stages, microbatches=pipe.microbatches))
-
-    progress = read_progress(client, rk)
-    committed = 0 if progress is None else progress.step + 1
-    spec = config["spec"] if config is not None else None
-    seq_len = get_preset(spec["model"]).seq_len if spec is not None else None
-    tokens = plan.global_batch * seq_len if plan is not None and seq_len is not None else None
-    fatal_value, _ = client.get(keys.root + "fatal")
-    fatal = fatal_value.decode() if fatal_value is not None else None
-    total = int(spec["steps"]) if spec is not None else None
-
-    if fatal is not None:
-        state = "failed"
-    elif plan is None:
-        state = "starting"
-    elif total is not None and committed >= total and _all_done(client, rk, plan.nodes, plan.gpus_per_node):
-        state = "finished"
-    else:
-        state = "running"
-    return JobStatus(
-        job=keys.job,
-        etcd=etcd,
-        read_at=read_at,
-        state=state,
-        fatal=fatal,
-        leader=current_leader(client, keys),
-        generation=g,
-        generation_reason=rec.reason if rec is not None else None,
-        resume_step=rec.resume_step if rec is not None else None,
-        committed_steps=committed,
-        reported_steps=committed,
-        total_steps=total,
-        last_loss=progress.loss if progress is not None else None,
-        lease_ttl_s=int(config["lease_ttl"]) if config is not None else None,
-        global_batch=plan.global_batch if plan is not None else None,
-        microbatch_size=plan.microbatch_size if plan is not None else None,
-        seq_len=seq_len,
-        nodes=nodes,
-        pipelines=pipelines,
-        throughput=_throughput(progress, tokens, window) if tokens is not None else None,
-        recoveries=sum(1 for n in generations if n > 1),
-        last_recovery=_last_recovery(client, rk, generations),
-    )
+    for p, pipe in enumerate(plan.pipelines):
+        stages = [StageStatus(node=s.node, layers=s.layers) for s in pipe.stages]
+        pipelines.append(PipelineStatus(index=p, template=len(stages), nodes=list(pipe.nodes),
+                                        stages=stages, microbatches=pipe.microbatches))
+    return pipelines
 
 
-def _place(plan: Any, node: int) -> tuple[int, int, tuple[int, int]] | None:
+def _place(plan: Plan | None, node: int) -> tuple[int, int, tuple[int, int]] | None:
     if plan is None:
         return None
     for p, pipe in enumerate(plan.pipelines):

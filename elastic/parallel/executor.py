@@ -9,6 +9,7 @@ addressed by their rank inside `group` (the generation's world group: the layout
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -75,69 +76,144 @@ def run_schedule(
     `autocast` returns a context manager wrapping each forward (bf16 on CUDA, no-op on CPU).
     `post` posts each transfer (default: `dist.isend`/`dist.irecv` on `group`).
     """
-    first, last = spec.prev_rank is None, spec.next_rank is None
-    if first and tokens is None:
+    if spec.prev_rank is None and tokens is None:
         raise ValueError("a first stage needs token inputs")
-    if last and targets is None:
+    if spec.next_rank is None and targets is None:
         raise ValueError("a last stage needs targets")
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    out_grads: dict[int, torch.Tensor] = {}
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
-    result = MicrobatchResult()
+    run = _StageRun(
+        module=module, spec=spec, wait=wait, post=post or functools.partial(_plain_post, group), device=device,
+        tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
+    )
+    for a in actions:
+        run.do(a)
+    return run.finish()
 
-    def plain(op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-        work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
-                else dist.irecv(t, group=group, group_src=peer, tag=tag))
-        assert work is not None
-        return work
 
-    posting = post or plain
+def _plain_post(group: dist.ProcessGroup, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    """Post one transfer with `dist.isend`/`dist.irecv` on `group` (peers are group ranks)."""
+    work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
+            else dist.irecv(t, group=group, group_src=peer, tag=tag))
+    assert work is not None
+    return work
 
-    def recv(src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(spec.act_shape, dtype=spec.act_dtype, device=device)
-        wait(posting("recv", buf, src, tag))
+
+@dataclass(kw_only=True)
+class _StageRun:
+    """One step of one stage in progress: what its actions read and leave for later actions
+    (received inputs, outputs awaiting their backward, received output gradients, posted sends)."""
+
+    module: torch.nn.Module
+    """The stage module; gradients accumulate into its parameters."""
+    spec: StageSpec
+    """The stage's place in its pipeline."""
+    wait: Callable[[dist.Work | None], None]
+    """Blocks until one posted transfer completed (may raise to abandon the step)."""
+    post: Post
+    """Posts one transfer."""
+    device: torch.device
+    """Where inputs, activations and receive buffers live."""
+    tokens: Inputs | None
+    """Token ids of a microbatch (a first stage only)."""
+    targets: Inputs | None
+    """Targets of a microbatch (a last stage only)."""
+    loss_scale: float
+    """Multiplies each microbatch loss before its backward."""
+    dropout_key: Callable[[int], int | None]
+    """Microbatch -> the dropout key of its forward."""
+    autocast: Callable[[], object]
+    """Returns the context manager wrapping each forward."""
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Microbatch -> received activation (requires grad), until its input gradient is sent."""
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Microbatch -> its output (a last stage: its scaled loss), until its backward."""
+    out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Microbatch -> received gradient of its output, until its backward."""
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    """Posted sends and their tensors (kept alive until waited for at the end of the step)."""
+    result: MicrobatchResult = field(default_factory=MicrobatchResult)
+    """Losses of the microbatches finished so far."""
+
+    @property
+    def first(self) -> bool:
+        return self.spec.prev_rank is None
+
+    @property
+    def last(self) -> bool:
+        return self.spec.next_rank is None
+
+    def do(self, action: Action) -> None:
+        """Run one action of the schedule."""
+        _HANDLERS[action.op](self, action.mb)
+
+    def recv_act(self, m: int) -> None:
+        """Receive microbatch `m`'s activation from the previous stage (blocks)."""
+        assert self.spec.prev_rank is not None
+        self.inputs[m] = self._recv(self.spec.prev_rank, _ACT_TAG).requires_grad_(True)
+
+    def forward(self, m: int) -> None:
+        """Forward microbatch `m`; on a last stage, its loss (recorded, then scaled for the backward)."""
+        x = self.tokens(m).to(self.device) if self.first and self.tokens is not None else self.inputs[m]
+        with self.autocast():  # type: ignore[attr-defined]
+            out = self.module(x, dropout_key=self.dropout_key(m))
+            if self.last:
+                assert self.targets is not None
+                loss = self.module.loss(out, self.targets(m).to(self.device))  # type: ignore[operator]
+        if self.last:
+            self.result.losses[m] = float(loss.detach())
+            self.outputs[m] = loss.float() * self.loss_scale
+        else:
+            self.outputs[m] = out.to(self.spec.act_dtype)
+
+    def send_act(self, m: int) -> None:
+        """Post microbatch `m`'s activation to the next stage."""
+        assert self.spec.next_rank is not None
+        self._send(self.outputs[m].detach(), self.spec.next_rank, _ACT_TAG)
+
+    def recv_grad(self, m: int) -> None:
+        """Receive the gradient of microbatch `m`'s output from the next stage (blocks)."""
+        assert self.spec.next_rank is not None
+        self.out_grads[m] = self._recv(self.spec.next_rank, _GRAD_TAG)
+
+    def backward(self, m: int) -> None:
+        """Backward microbatch `m`: from its scaled loss on a last stage, else from its output gradient."""
+        out = self.outputs.pop(m)
+        if self.last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=self.out_grads.pop(m))
+
+    def send_grad(self, m: int) -> None:
+        """Post the gradient of microbatch `m`'s input to the previous stage."""
+        assert self.spec.prev_rank is not None
+        x = self.inputs.pop(m)
+        assert x.grad is not None, f"rank {self.spec.rank}: no input gradient for microbatch {m}"
+        self._send(x.grad, self.spec.prev_rank, _GRAD_TAG)
+
+    def finish(self) -> MicrobatchResult:
+        """Wait for every posted send; the step's losses."""
+        for work, _ in self.sends:
+            self.wait(work)
+        assert not self.outputs and not self.out_grads, (
+            f"rank {self.spec.rank}: schedule left unfinished microbatches"
+        )
+        return self.result
+
+    def _recv(self, src: int, tag: int) -> torch.Tensor:
+        buf = torch.empty(self.spec.act_shape, dtype=self.spec.act_dtype, device=self.device)
+        self.wait(self.post("recv", buf, src, tag))
         return buf
 
-    def send(t: torch.Tensor, dst: int, tag: int) -> None:
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         t = t.contiguous()
-        sends.append((posting("send", t, dst, tag), t))
+        self.sends.append((self.post("send", t, dst, tag), t))
 
-    for a in actions:
-        m = a.mb
-        if a.op is Op.RECV_ACT:
-            assert spec.prev_rank is not None
-            inputs[m] = recv(spec.prev_rank, _ACT_TAG).requires_grad_(True)
-        elif a.op is Op.FORWARD:
-            x = tokens(m).to(device) if first and tokens is not None else inputs[m]
-            with autocast():  # type: ignore[attr-defined]
-                out = module(x, dropout_key=dropout_key(m))
-                if last:
-                    assert targets is not None
-                    loss = module.loss(out, targets(m).to(device))  # type: ignore[operator]
-            if last:
-                result.losses[m] = float(loss.detach())
-                outputs[m] = loss.float() * loss_scale
-            else:
-                outputs[m] = out.to(spec.act_dtype)
-        elif a.op is Op.SEND_ACT:
-            assert spec.next_rank is not None
-            send(outputs[m].detach(), spec.next_rank, _ACT_TAG)
-        elif a.op is Op.RECV_GRAD:
-            assert spec.next_rank is not None
-            out_grads[m] = recv(spec.next_rank, _GRAD_TAG)
-        elif a.op is Op.BACKWARD:
-            out = outputs.pop(m)
-            if last:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=out_grads.pop(m))
-        elif a.op is Op.SEND_GRAD:
-            assert spec.prev_rank is not None
-            x = inputs.pop(m)
-            assert x.grad is not None, f"rank {spec.rank}: no input gradient for microbatch {m}"
-            send(x.grad, spec.prev_rank, _GRAD_TAG)
-    for work, _ in sends:
-        wait(work)
-    assert not outputs and not out_grads, f"rank {spec.rank}: schedule left unfinished microbatches"
-    return result
+
+_HANDLERS: dict[Op, Callable[[_StageRun, int], None]] = {
+    Op.RECV_ACT: _StageRun.recv_act,
+    Op.FORWARD: _StageRun.forward,
+    Op.SEND_ACT: _StageRun.send_act,
+    Op.RECV_GRAD: _StageRun.recv_grad,
+    Op.BACKWARD: _StageRun.backward,
+    Op.SEND_GRAD: _StageRun.send_grad,
+}
+"""The method of `_StageRun` that runs each kind of action."""

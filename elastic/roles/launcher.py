@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
@@ -197,6 +197,151 @@ class _Agent:
     log_path: Path
 
 
+@dataclass(kw_only=True)
+class _AgentPool:
+    """The agent processes this launcher started for one job: how to start one for a node's
+    incarnation, and how they stand (all exited, the last one's log) when the run ends."""
+
+    run_dir: Path
+    """Run directory: each agent logs to `logs/agent<node>.inc<incarnation>.log` under it."""
+    etcd_endpoint: str
+    """host:port of the job's etcd."""
+    job: str
+    """Job id."""
+    token: str
+    """The job's access token, handed to each agent in its environment."""
+    threads_per_worker: int
+    """OMP_NUM_THREADS of each agent (and so of its workers)."""
+    placement: AgentPlacement | None
+    """node -> command prefix and extra environment of its agent (None: plain local processes)."""
+    local: bool
+    """Whether agents are started here at all (False: agents on other hosts join the job)."""
+    agents: list[_Agent] = field(default_factory=list)
+    """Every agent started so far, in start order."""
+
+    def spawn(self, node: int, incarnation: int) -> None:
+        """Start the agent of `node`'s `incarnation` (only its log file when agents are not local)."""
+        log_path = self.run_dir / "logs" / f"agent{node}.inc{incarnation}.log"
+        log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop_agents
+        if not self.local:
+            return
+        prefix, extra_env = self.placement(node) if self.placement is not None else ([], {})
+        env = dict(
+            os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker), **extra_env
+        )
+        cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", self.etcd_endpoint,
+               "--job", self.job, "--node", str(node), "--incarnation", str(incarnation)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        self.agents.append(_Agent(node, incarnation, proc, log, log_path))
+
+    def next_incarnation(self, node: int) -> int:
+        """One more than the latest incarnation of `node` started here (0 for none)."""
+        return 1 + max((a.incarnation for a in self.agents if a.node == node), default=-1)
+
+    def stop_node(self, node: int) -> None:
+        """Stop `node`'s agents that still run."""
+        _stop_agents([a for a in self.agents if a.node == node and a.proc.poll() is None])
+
+    def all_exited(self) -> bool:
+        """Whether agents were started and every one of them has exited."""
+        return bool(self.agents) and all(a.proc.poll() is not None for a in self.agents)
+
+    def exit_report(self, steps: int) -> str:
+        """Why the run cannot go on once every agent exited: their exit codes, the last one's log."""
+        codes = ", ".join(f"node {a.node}.{a.incarnation}: {a.proc.returncode}" for a in self.agents)
+        last = self.agents[-1].log_path
+        return (
+            f"every agent exited before step {steps} was committed (exit codes {codes}); "
+            f"last lines of {last}:\n{_tail(last)}"
+        )
+
+
+@dataclass(kw_only=True)
+class _RunLoop:
+    """The launcher's side of a running elastic job: relays what the feed delivers, carries out
+    rejoin requests, and decides when the run is over (finished, failed, timed out, stopped)."""
+
+    config: ElasticConfig
+    """The job's configuration."""
+    client: EtcdClient
+    """The launcher's etcd client."""
+    keys: JobKeys
+    """The job's keys."""
+    feed: JobFeed
+    """Every step, plan and worker of the job, as its watches deliver them."""
+    progress: Progress
+    """What has been seen of the run so far."""
+    pool: _AgentPool
+    """The agents started here."""
+    say: Callable[[str], None]
+    """Prints one line for people (or nothing, when quiet)."""
+    start: float
+    """monotonic() at the launch, the origin of `timeout_s`."""
+    timeout_s: float | None
+    """Run time after which the run ends with TimeoutError (None: no limit)."""
+    stop: threading.Event | None
+    """Set from another thread to end the run with JobFailed."""
+
+    def follow(self) -> None:
+        """Poll until every step is committed and every worker is done; raises JobFailed or
+        TimeoutError when the run cannot finish."""
+        requests: list[InjectionRequest] = []
+        next_read = 0.0
+        while True:
+            self.poll()
+            # etcd is read here only once a second (the feed's watches deliver the rest), so a
+            # fast step loop does not pay for the launcher's polling.
+            read_now = time.monotonic() >= next_read
+            if read_now:
+                next_read = time.monotonic() + _READ_EVERY_S
+                requests = self._read_requests()
+            for req in _due_rejoins(self.client, self.keys, self.progress, requests):
+                self._rejoin(req)
+            if self._finished(read_now):
+                return
+            time.sleep(_POLL_S)
+
+    def poll(self) -> None:
+        """Take in what the feed delivered (prints step, failure and recovery lines)."""
+        poll_progress(self.client, self.keys, self.config, self.progress, self.say, self.feed)
+
+    def _read_requests(self) -> list[InjectionRequest]:
+        """The job's injection requests; JobFailed if the leader gave up (its `fatal` key)."""
+        fatal, _ = self.client.get(self.keys.root + "fatal")
+        if fatal is not None:
+            raise JobFailed(f"the leader gave up: {fatal.decode()}")
+        return read_requests(self.client, self.keys.root)
+
+    def _rejoin(self, req: InjectionRequest) -> None:
+        """Carry out one due rejoin: end what is left of the node, start its next incarnation."""
+        self.progress.rejoined.add(req.id)
+        self.client.put(RunKeys(self.keys).injected(req.id), repr(time.time()))
+        incarnation = self.pool.next_incarnation(req.node)
+        self.pool.stop_node(req.node)
+        _kill_workers(self.progress, node=req.node)
+        self.say(f"elastic run: node {req.node} rejoins (incarnation {incarnation})")
+        self.pool.spawn(req.node, incarnation)
+        status = InjectionStatus(state="done", at=time.time(), detail=f"incarnation {incarnation} started")
+        write_status(self.client, self.keys.root, req.id, status)
+
+    def _finished(self, read_now: bool) -> bool:
+        """Whether the run finished (True) or goes on (False); raises why it must stop otherwise."""
+        steps = self.config.spec.steps
+        rk = RunKeys(self.keys)
+        if (read_now or self.progress.committed >= steps) and run_finished(self.client, rk, self.progress, steps):
+            return True
+        if self.pool.all_exited():
+            self.poll()
+            if run_finished(self.client, rk, self.progress, steps):
+                return True
+            raise JobFailed(self.pool.exit_report(steps))
+        if self.timeout_s is not None and time.monotonic() - self.start > self.timeout_s:
+            raise TimeoutError(f"job did not finish within {self.timeout_s:.0f} s; stopped everything")
+        if self.stop is not None and self.stop.is_set():
+            raise JobFailed("stopped on request")
+        return False
+
+
 def launch_elastic(
     config: ElasticConfig,
     *,
@@ -224,22 +369,18 @@ def launch_elastic(
     started_at = time.time()
     spec = config.spec
     run_dir = Path(spec.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in [spec.result_path, run_dir / "final_plan.json",
-                  *(spec.stage_state_path(s) for s in range(spec.plan.num_layers)),
-                  *step_log_path(run_dir, 0, 0).parent.glob("*.jsonl")]:
-        stale.unlink(missing_ok=True)  # a previous run's step logs would enter this run's summary
+    _clear_run_dir(spec)
     server = None
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
         etcd_endpoint = server.endpoint
     job = job or f"run-{secrets.token_hex(4)}"
     token = token or secrets.token_hex(16)
-    agents: list[_Agent] = []
+    pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
+                      threads_per_worker=spec.threads_per_worker, placement=placement, local=local_agents)
     progress = Progress()
     client = connect(EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
-    rk = RunKeys(keys)
     feeds: list[JobFeed] = []
     start = time.monotonic()
 
@@ -247,91 +388,62 @@ def launch_elastic(
         if not quiet:
             print(line, flush=True)
 
-    def spawn(node: int, incarnation: int) -> None:
-        log_path = run_dir / "logs" / f"agent{node}.inc{incarnation}.log"
-        log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop_agents
-        if not local_agents:
-            return
-        prefix, extra_env = placement(node) if placement is not None else ([], {})
-        env = dict(
-            os.environ, ELASTIC_JOB_TOKEN=token, OMP_NUM_THREADS=str(spec.threads_per_worker), **extra_env
-        )
-        cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", etcd_endpoint, "--job", job,
-               "--node", str(node), "--incarnation", str(incarnation)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-        agents.append(_Agent(node, incarnation, proc, log, log_path))
-
     try:
         admit(client, keys, token)
-        feed = JobFeed(client, rk)  # before anything is written: every step, plan and worker is seen
+        feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
         feeds.append(feed)
-        write_job_file(run_dir, etcd=etcd_endpoint, job=job, token=token)
-        client.put(rk.config, config.to_json())
-        for inj in config.injections:
-            submit_request(client, keys.root, InjectionRequest.from_injection(inj))
-        nodes = sorted(spec.plan.nodes)
-        spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
-        join_s = 1.0 if local_agents else 30.0  # external agents: pods and hosts take their time to start
-        _wait_for(lambda: current_leader(client, keys) is not None, 60.0 * join_s, "no leader elected", agents)
-        for node in nodes[1:]:
-            spawn(node, 0)
-        world = len(nodes) * spec.plan.gpus_per_node
-        _wait_for(lambda: _count(client, rk.workers) >= world, 120.0 * join_s, "workers did not register", agents)
-        first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
-                                 published_at=time.time())
-        Generations(client, keys).publish(first.to_json(), expected=0)
-        say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(nodes)} agents, generation 1 published")
-        requests: list[InjectionRequest] = []
-        next_read = 0.0
-        while True:
-            poll_progress(client, keys, config, progress, say, feed)
-            # etcd is read here only once a second (the feed's watches deliver the rest), so a
-            # fast step loop does not pay for the launcher's polling.
-            read_now = time.monotonic() >= next_read
-            if read_now:
-                next_read = time.monotonic() + _READ_EVERY_S
-                fatal, _ = client.get(keys.root + "fatal")
-                if fatal is not None:
-                    raise JobFailed(f"the leader gave up: {fatal.decode()}")
-                requests = read_requests(client, keys.root)
-            for req in _due_rejoins(client, keys, progress, requests):
-                progress.rejoined.add(req.id)
-                client.put(rk.injected(req.id), repr(time.time()))
-                incarnation = 1 + max((a.incarnation for a in agents if a.node == req.node), default=-1)
-                _stop_agents([a for a in agents if a.node == req.node and a.proc.poll() is None])
-                _kill_workers(progress, node=req.node)
-                say(f"elastic run: node {req.node} rejoins (incarnation {incarnation})")
-                spawn(req.node, incarnation)
-                status = InjectionStatus(
-                    state="done", at=time.time(), detail=f"incarnation {incarnation} started"
-                )
-                write_status(client, keys.root, req.id, status)
-            if (read_now or progress.committed >= spec.steps) and run_finished(client, rk, progress, spec.steps):
-                break
-            if agents and all(a.proc.poll() is not None for a in agents):
-                poll_progress(client, keys, config, progress, say, feed)
-                if run_finished(client, rk, progress, spec.steps):
-                    break
-                codes = ", ".join(f"node {a.node}.{a.incarnation}: {a.proc.returncode}" for a in agents)
-                raise JobFailed(
-                    f"every agent exited before step {spec.steps} was committed (exit codes {codes}); "
-                    f"last lines of {agents[-1].log_path}:\n{_tail(agents[-1].log_path)}"
-                )
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"job did not finish within {timeout_s:.0f} s; stopped everything")
-            if stop is not None and stop.is_set():
-                raise JobFailed("stopped on request")
-            time.sleep(_POLL_S)
+        _submit_job(client, keys, config, etcd=etcd_endpoint, token=token)
+        _start_job(client, keys, spec, pool)
+        say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(spec.plan.nodes)} agents, generation 1 published")
+        loop = _RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
+                        start=start, timeout_s=timeout_s, stop=stop)
+        loop.follow()
         final_poll(client, keys, config, progress, say, feed)
         return elastic_summary(config, progress, started_at=started_at)
     finally:
-        _stop_agents(agents)
+        _stop_agents(pool.agents)
         _kill_workers(progress)
         for f in feeds:
             f.close()
         client.close()
         if server is not None:
             server.stop()
+
+
+def _clear_run_dir(spec: JobSpec) -> None:
+    """Create the run directory's `logs/` and delete what a previous run left that this run writes
+    (results, final plan, stage states, step logs: they would enter this run's summary)."""
+    run_dir = Path(spec.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in [spec.result_path, run_dir / "final_plan.json",
+                  *(spec.stage_state_path(s) for s in range(spec.plan.num_layers)),
+                  *step_log_path(run_dir, 0, 0).parent.glob("*.jsonl")]:
+        stale.unlink(missing_ok=True)  # a previous run's step logs would enter this run's summary
+
+
+def _submit_job(client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, etcd: str, token: str) -> None:
+    """Write the job file of the run directory, the job's config and its injection requests."""
+    write_job_file(Path(config.spec.run_dir), etcd=etcd, job=keys.job, token=token)
+    client.put(RunKeys(keys).config, config.to_json())
+    for inj in config.injections:
+        submit_request(client, keys.root, InjectionRequest.from_injection(inj))
+
+
+def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: _AgentPool) -> None:
+    """Start the agents (the first node's alone until it leads), wait for every worker to
+    register, and publish generation 1."""
+    nodes = sorted(spec.plan.nodes)
+    pool.spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
+    join_s = 1.0 if pool.local else 30.0  # external agents: pods and hosts take their time to start
+    _wait_for(lambda: current_leader(client, keys) is not None, 60.0 * join_s, "no leader elected", pool.agents)
+    for node in nodes[1:]:
+        pool.spawn(node, 0)
+    world = len(nodes) * spec.plan.gpus_per_node
+    workers = RunKeys(keys).workers
+    _wait_for(lambda: _count(client, workers) >= world, 120.0 * join_s, "workers did not register", pool.agents)
+    first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
+                             published_at=time.time())
+    Generations(client, keys).publish(first.to_json(), expected=0)
 
 
 JOB_FILE = "job.json"
