@@ -52,6 +52,7 @@ class GenerationFeed:
 
     def __init__(self, generations: Generations) -> None:
         self._records: dict[int, tuple[GenerationRecord, float]] = {}
+        self._revisions: dict[int, int] = {}
         self._cond = threading.Condition()
         self._abort: Abortable | None = None
         self._current = 0
@@ -61,6 +62,7 @@ class GenerationFeed:
         record = GenerationRecord.from_json(gen.plan)
         with self._cond:
             self._records[gen.number] = (record, time.time())
+            self._revisions[gen.number] = gen.revision
             if gen.number > self._current and self._abort is not None:
                 self._abort.set(f"generation {gen.number} published: {record.reason}")
             self._cond.notify_all()
@@ -80,6 +82,11 @@ class GenerationFeed:
         """The record of generation `number` and the wall time this worker saw it."""
         with self._cond:
             return self._records[number]
+
+    def revision(self, number: int) -> int:
+        """The etcd revision at which generation `number` was published."""
+        with self._cond:
+            return self._revisions[number]
 
     def wait_newer(self, than: int, timeout: float) -> int:
         """The newest generation number above `than`; TimeoutError after `timeout` s."""

@@ -263,7 +263,8 @@ class ElasticWorker:
                  f"{self.trainer.step}: its shards are not the committed state")
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
-        holders = holder_map_reader(self.client, self.rk)  # one etcd reading for both shard paths
+        # One etcd reading for both shard paths, at the revision that published `generation`.
+        holders = holder_map_reader(self.client, self.rk, revision=self.generations.revision(generation))
         fetch: Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]] | None
         if record.restore_checkpoint is not None:
             from elastic.engine.checkpoint import load_shards

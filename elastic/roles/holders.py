@@ -9,6 +9,12 @@ shards it drops then stay served until its next switch). The leader reads the sa
 keys to decide whether some shard has no live holder. Two prefix reads per generation change,
 never per step.
 
+Every worker of generation g reads these keys at the etcd revision at which g was published, not
+at "now": a worker that has already joined g rewrites its `holdings/` key, and a slower peer that
+read it would plan a different collective exchange than the others (a send nobody posts). At the
+publication revision all of them read the same map. When etcd has compacted that revision away
+(10 s of history by default: a very slow reconfiguration), the map is read as it is now.
+
 Both shard paths of `Trainer.start` start from it: the collective exchange by rank of the new
 generation (`HolderMap.by_rank`), the gRPC fetch of the rest by shard-server address
 (`HolderMap.by_address`); `holder_map_reader` lets them share one reading.
@@ -20,6 +26,8 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import grpc
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.parallel.layout import assign_ranks
@@ -48,14 +56,25 @@ class HolderMap:
     """One entry per `holdings/` key, by (node, local_rank)."""
 
     @classmethod
-    def read(cls, client: EtcdClient, rk: RunKeys) -> HolderMap:
-        """`holdings/` joined with `workers/` on (node, local_rank): two prefix reads."""
+    def read(cls, client: EtcdClient, rk: RunKeys, *, revision: int | None = None) -> HolderMap:
+        """`holdings/` joined with `workers/` on (node, local_rank): two prefix reads, at `revision`
+        (module doc) or, when None or compacted away, at the current revision."""
+        if revision is not None:
+            try:
+                return cls._read(client, rk, revision)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
+                    raise
+        return cls._read(client, rk, None)
+
+    @classmethod
+    def _read(cls, client: EtcdClient, rk: RunKeys, revision: int | None) -> HolderMap:
         addresses = {
             _worker_of(meta.key): WorkerInfo.from_json(value).transfer_address
-            for value, meta in client.get_prefix(rk.workers)
+            for value, meta in client.get_prefix(rk.workers, revision=revision)
         }
         holders = []
-        for value, meta in client.get_prefix(rk.holdings):
+        for value, meta in client.get_prefix(rk.holdings, revision=revision):
             node, local_rank = _worker_of(meta.key)
             shards = tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
             holders.append(Holder(node=node, local_rank=local_rank, shards=shards,
@@ -86,11 +105,11 @@ class HolderMap:
         ) or "no holder"
 
 
-def holder_map_reader(client: EtcdClient, rk: RunKeys) -> Callable[[], HolderMap]:
-    """A reader of the holder map that goes to etcd on its first call only, so that the shard
-    paths of one generation change (the collective exchange, then the gRPC fetch of what it did
-    not bring) share one reading."""
-    return functools.cache(functools.partial(HolderMap.read, client, rk))
+def holder_map_reader(client: EtcdClient, rk: RunKeys, *, revision: int | None = None) -> Callable[[], HolderMap]:
+    """A reader of the holder map (at `revision`, see `HolderMap.read`) that goes to etcd on its
+    first call only, so that the shard paths of one generation change (the collective exchange,
+    then the gRPC fetch of what it did not bring) share one reading."""
+    return functools.cache(functools.partial(HolderMap.read, client, rk, revision=revision))
 
 
 def _worker_of(key: bytes) -> tuple[int, int]:

@@ -63,6 +63,26 @@ def test_the_holder_map_joins_holdings_with_workers(client: Any, job: str) -> No
     assert [h.node for h in HolderMap.read(client, rk).holders] == [0, 2]
 
 
+def test_every_worker_reads_the_map_as_it_was_when_the_generation_was_published(client: Any, job: str) -> None:
+    """A worker that has joined the new generation rewrites its holdings; a slower peer reading
+    after it still gets the map of the publication revision (the same one every worker of the
+    generation reads). Once etcd has compacted that revision, the map is read as it is now."""
+    rk = RunKeys(JobKeys(job))
+    lease = client.lease(30)
+    _register(client, rk, 0, 0, "10.0.0.1:7000", lease)
+    client.put(rk.worker_holdings(0, 0), json.dumps([[0, 0]]), lease=lease)
+    published = client.put(rk.job.root + "plan-stand-in", "g").header.revision
+    client.put(rk.worker_holdings(0, 0), json.dumps([[0, 0], [1, 0]]), lease=lease)  # joined: holds more
+    _register(client, rk, 1, 0, "10.0.0.2:7000", lease)  # and a worker registered later
+    at_publication = HolderMap.read(client, rk, revision=published)
+    assert [(h.node, h.shards) for h in at_publication.holders] == [(0, (ShardKey(0, 0),))]
+    assert holder_map_reader(client, rk, revision=published)() == at_publication
+    now = HolderMap.read(client, rk)
+    assert [(h.node, h.shards) for h in now.holders] == [(0, (ShardKey(0, 0), ShardKey(1, 0)))]
+    client.compact(client.put(rk.job.root + "plan-stand-in", "g2").header.revision)
+    assert HolderMap.read(client, rk, revision=published) == now
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     return reference_run(tmp_path_factory, steps=20)
@@ -73,6 +93,7 @@ def _worker_lines(run_dir: Path) -> list[str]:
             for line in log.read_text(errors="replace").splitlines()]
 
 
+@pytest.mark.slow
 def test_recovery_over_grpc_fetches_from_the_holders_etcd_knows(reference: Reference, tmp_path: Path) -> None:
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",),
                                  shard_transport="grpc")
