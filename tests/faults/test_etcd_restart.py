@@ -80,7 +80,9 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         time.sleep(1.0)
         server.start()
         outage = time.monotonic() - down
-        assert run.committed() < STEPS - 5, "etcd was not restarted mid-run"
+        # Steps commit on the workers' vote without etcd, so a slow restart (a loaded machine) can
+        # see many steps go by; the job's last step needs the leader's decision through etcd.
+        assert run.committed() < STEPS, "etcd was not restarted mid-run"
         intruders: dict[str, subprocess.CompletedProcess[str]] = {}
         for name, proc in zip(("agent", "worker"), procs, strict=True):
             out, err = proc.communicate(timeout=60)
