@@ -370,6 +370,7 @@ def launch_elastic(
     spec = config.spec
     run_dir = Path(spec.run_dir)
     _clear_run_dir(spec)
+    spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
     server = None
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
