@@ -192,6 +192,8 @@ def describe(event: HistoryEvent) -> str:
             + ("" if d.get("replayed_fraction") is None else f"; replayed {d['replayed_fraction']:.0%} of the step")
             + ")"
         )
+    if event.kind == "preempted":
+        return f"{event.who} (incarnation {d.get('incarnation')}) got SIGTERM: asked for drain {d.get('id')}"
     if event.kind == "fenced":
         return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"
     if event.kind == "fatal":

@@ -169,7 +169,8 @@ class InjectionRequest(JsonRecord):
     requested_at: float = 0.0
     """Wall time of the request."""
     by: str = "cli"
-    """Who asked: "cli" (an operator), "config" (`elastic run --inject`), or a test's name."""
+    """Who asked: "cli" (an operator), "config" (`elastic run --inject`), "sigterm" (a preempted
+    node's agent asking for its own drain), or a test's name."""
 
     def __post_init__(self) -> None:
         if self.kind not in REQUEST_KINDS:
@@ -234,6 +235,12 @@ def read_statuses(client: EtcdClient, root: str) -> dict[str, InjectionStatus]:
     """Request id -> its latest status, for the requests that have one."""
     prefix = f"{root}injection-status/"
     return {m.key.decode()[len(prefix) :]: InjectionStatus.from_json(v) for v, m in client.get_prefix(prefix)}
+
+
+def read_status(client: EtcdClient, root: str, request_id: str) -> InjectionStatus | None:
+    """The latest status of one request (one key read), None while it has none."""
+    value, _ = client.get(f"{root}injection-status/{request_id}")
+    return None if value is None else InjectionStatus.from_json(value)
 
 
 def write_status(client: EtcdClient, root: str, request_id: str, status: InjectionStatus) -> None:

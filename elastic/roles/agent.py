@@ -14,6 +14,15 @@ SIGSTOPped for the given seconds; after the heal the node finds itself fenced, k
 workers before they run again and exits 3). An agent that finds its own lease expired (a real
 partition healed, a hang continued) likewise kills its workers and exits 3.
 
+Preemption: SIGTERM (Kubernetes' and SLURM's notice, or torchrun passing its own on) asks the
+leader for a drain of this node, as `elastic drain` does (a request under `injections/`, by
+"sigterm"). When the leader meets it, the node leaves at the next step boundary with nothing
+discarded: its workers hand their shards over and the agent exits 0. When the leader refuses it
+(the other nodes could not form the job's f+1 pipelines) or it is not done within
+$ELASTIC_PREEMPT_GRACE_S (default 20 s, below Kubernetes' default grace of 30 s), the node leaves
+as a failure, exit 3. SIGINT (Ctrl-C, or the local launcher stopping its job) stops the node at
+once, exit 3.
+
 Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed, 4 when the job token was refused. The
 job token comes in the ELASTIC_JOB_TOKEN environment variable.
 
@@ -56,7 +65,10 @@ from elastic.records.injection import (
     InjectionStatus,
     State,
     Throttle,
+    read_status,
     read_statuses,
+    request_id,
+    submit_request,
     write_status,
 )
 from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, node_id, node_of
@@ -76,6 +88,12 @@ ETCD_GIVE_UP_S = 300.0
 """How long etcd may stay unreachable before the agent counts its node lost, stops its workers
 and exits (EXIT_FAILED); $ELASTIC_ETCD_GIVE_UP_S overrides it. etcd extends every lease when it
 comes back, so shorter outages cost nothing."""
+PREEMPT_GRACE_ENV = "ELASTIC_PREEMPT_GRACE_S"
+PREEMPT_GRACE_S = 20.0
+"""How long a SIGTERMed node may take to be drained before it leaves as a failure (module doc);
+$ELASTIC_PREEMPT_GRACE_S overrides it. Below Kubernetes' default terminationGracePeriodSeconds
+(30 s) and torchrun's shutdown timeout (30 s), which end the agent with SIGKILL after it."""
+_PREEMPT_POLL_S = 0.1
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
@@ -202,6 +220,7 @@ class Agent:
         self.monitor: WorkerMonitor | None = None
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
+        self._preempted = False
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -344,6 +363,59 @@ class Agent:
             except Exception as exc:
                 log.warning("%s: %s on the way out: %s", self.who, step.__name__, exc)
         self.client.close()
+
+    # ---- preemption ----------------------------------------------------------------------
+
+    def preempt(self, grace_s: float) -> None:
+        """SIGTERM: ask for a drain of this node from a thread of its own (module doc); a second
+        SIGTERM changes nothing."""
+        if self._preempted or self.exit_code is not None:
+            return
+        self._preempted = True
+        threading.Thread(target=self._preempt, args=(grace_s,), name="preempt", daemon=True).start()
+
+    def _preempt(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        try:
+            req = self._request_drain()
+        except Exception as exc:  # etcd away, no generation yet, ...: a failure, as before
+            self._fail(f"preempted (SIGTERM) and no drain could be asked: {exc}")
+            return
+        log.warning("%s: preempted (SIGTERM): asked the leader for drain %s (grace %.0f s)", self.who, req.id, grace_s)
+        drained = False
+        while not self.done.wait(_PREEMPT_POLL_S):
+            if time.monotonic() > deadline:
+                what = "its workers did not hand over and leave" if drained else "the leader did not drain it"
+                self._fail(f"preempted (SIGTERM): {what} within {grace_s:g} s (${PREEMPT_GRACE_ENV})")
+                return
+            if drained:
+                continue  # the workers serve their shards, then exit 0 (`_on_death` finishes)
+            try:
+                status = read_status(self.client, self.keys.root, req.id)
+            except Exception as exc:  # a transient etcd error: the deadline decides
+                log.warning("%s: reading the drain's status: %s", self.who, exc)
+                continue
+            if status is not None and status.state == "refused":
+                self._fail(f"preempted (SIGTERM) and the drain was refused: {status.detail}")
+                return
+            if status is not None and status.state == "done":
+                drained = True
+                log.warning("%s: drained by generation %s: leaving once the workers have handed over",
+                            self.who, status.generation)
+
+    def _request_drain(self) -> InjectionRequest:
+        """Write the drain request of this node's incarnation; ValueError if it is in no generation."""
+        from elastic.records.protocol import GenerationRecord
+
+        gen = Generations(self.client, self.keys).current()
+        if gen is None or GenerationRecord.from_json(gen.plan).incarnations.get(self.node) != self.incarnation:
+            raise ValueError(f"{self.who} (incarnation {self.incarnation}) is in no generation of the job yet")
+        req = InjectionRequest(id=request_id("drain", self.node, None), kind="drain", node=self.node,
+                               incarnation=self.incarnation, requested_at=time.time(), by="sigterm")
+        submit_request(self.client, self.keys.root, req)
+        record_event(self.client, self.keys, who=self.who, kind="preempted", node=self.node,
+                     incarnation=self.incarnation, id=req.id)
+        return req
 
     # ---- injections ----------------------------------------------------------------------
 
@@ -494,14 +566,17 @@ def main(argv: list[str] | None = None) -> int:
     except JobAccessError as exc:  # refused before writing anything under the job
         print(f"elastic agent: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    stop = threading.Event()
-
-    def on_term(signum: int, frame: object) -> None:
-        stop.set()
-        agent._finish(EXIT_FAILED)
-
-    signal.signal(signal.SIGTERM, on_term)
-    return agent.run()
+    try:
+        grace = float(os.environ.get(PREEMPT_GRACE_ENV, PREEMPT_GRACE_S))
+    except ValueError:
+        print(f"elastic agent: error: ${PREEMPT_GRACE_ENV} must be seconds, got {os.environ[PREEMPT_GRACE_ENV]!r}",
+              file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda signum, frame: agent.preempt(grace))
+    signal.signal(signal.SIGINT, lambda signum, frame: agent._finish(EXIT_FAILED))
+    code = agent.run()
+    log.warning("%s (incarnation %d): exiting with code %d", agent.who, agent.incarnation, code)
+    return code
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -443,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease", type=int, required=True, help="the node's etcd lease id")
     args = parser.parse_args(argv)
     agent_pid = os.environ.get("ELASTIC_AGENT_PID")
+    if agent_pid:
+        # A preemption notice is the agent's to act on (a drain: agent.py); SLURM and a process
+        # group kill signal every process, and a worker dying of it would turn the drain into a
+        # failure. The agent stops its workers with SIGKILL, and they die with it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if agent_pid:  # an orphan of a SIGKILLed agent would train on unmonitored: die with it
         die_with_parent(int(agent_pid))
     # gloo groups connect each pair of ranks on its first use, not all pairs at construction: a

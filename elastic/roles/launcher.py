@@ -370,6 +370,7 @@ def launch_elastic(
     spec = config.spec
     run_dir = Path(spec.run_dir)
     _clear_run_dir(spec)
+    spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
     server = None
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
@@ -513,8 +514,8 @@ def _step_in_flight(client: EtcdClient, rk: RunKeys, step: int | None, progress:
 def _stop_agents(agents: list[_Agent]) -> None:
     for a in agents:
         if a.proc.poll() is None:
-            os.kill(a.proc.pid, signal.SIGCONT)  # a hung (stopped) agent cannot act on SIGTERM
-            a.proc.send_signal(signal.SIGTERM)
+            os.kill(a.proc.pid, signal.SIGCONT)  # a hung (stopped) agent cannot act on SIGINT
+            a.proc.send_signal(signal.SIGINT)  # stop at once (SIGTERM would ask for a drain: agent.py)
     deadline = time.monotonic() + _STOP_GRACE_S
     for a in agents:
         try:

@@ -195,6 +195,25 @@ def test_every_etcd_compacts_its_history_as_the_embedded_one_does() -> None:
     assert f"--auto-compaction-mode={mode} --auto-compaction-retention={retention}" in (DEPLOY / "README.md").read_text()
 
 
+def test_preemption_grace_periods_nest() -> None:
+    """SIGTERM becomes a drain (elastic/roles/agent.py): the agent's grace must end before
+    torchrun's wait for it, and that before the pod's (or SLURM's) SIGKILL."""
+    from elastic.roles.agent import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S
+
+    pod = _one("Job", "elastic-train")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    grace, shutdown = float(env[PREEMPT_GRACE_ENV]), float(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert 0 < grace < shutdown < pod["terminationGracePeriodSeconds"], (grace, shutdown, pod)
+    assert PREEMPT_GRACE_S < 30, "the default must fit Kubernetes' default grace period"
+    sbatch = (DEPLOY / "slurm" / "elastic.sbatch").read_text()
+    signal = re.search(r"^#SBATCH --signal=TERM@(\d+)$", sbatch, re.M)
+    assert signal, "the batch script asks for SIGTERM before the time limit"
+    defaults = {name: float(value) for name, value in re.findall(r"^export (\w+)=\$\{\1:-([\d.]+)\}$", sbatch, re.M)}
+    slurm_grace, slurm_shutdown = defaults[PREEMPT_GRACE_ENV], defaults["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+    kill_wait = 30.0  # SLURM's default KillWait between SIGTERM and SIGKILL
+    assert 0 < slurm_grace < slurm_shutdown < min(kill_wait, float(signal.group(1))), defaults
+
+
 @pytest.mark.skipif(
     shutil.which("kubeconform") is None, reason="kubeconform is not installed (no offline install)"
 )
