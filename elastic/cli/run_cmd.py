@@ -103,6 +103,12 @@ def register(subparsers: Any) -> None:
         "needs --etcd, --job and $ELASTIC_JOB_TOKEN)",
     )
     parser.add_argument("--job", default=None, help="elastic: job id (default: a fresh random one)")
+    # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
+    parser.add_argument("--eval-every", type=int, default=0, metavar="N",
+                        help="validation loss on held-out data after every N committed steps and after the last "
+                        "(default 0: never; holds out the tail of the corpus from training)")
+    parser.add_argument("--eval-batches", type=int, default=None, metavar="K",
+                        help="held-out microbatches each evaluation averages over (default 8; needs --eval-every)")
     parser.set_defaults(func=_run)
 
 
@@ -178,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
             )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
     spec = _job_spec(args, plan, run_dir)
+    _check_held_out(spec)
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
     print(
         f"elastic run: {args.model}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
@@ -234,9 +241,36 @@ def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path) -> JobSpec:
             data_path=args.data,
             optim=optim,
             device=args.device,
+            eval_every=args.eval_every,
+            eval_batches=_eval_batches(args),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _eval_batches(args: argparse.Namespace) -> int:
+    """--eval-batches (default 8), checked with --eval-every (UsageError if they do not go together)."""
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
+    if args.eval_batches is None:
+        return 8
+    if args.eval_every == 0:
+        raise UsageError("--eval-batches needs --eval-every N (N > 0)")
+    if args.eval_batches < 1:
+        raise UsageError(f"--eval-batches must be >= 1, got {args.eval_batches}")
+    return int(args.eval_batches)
+
+
+def _check_held_out(spec: JobSpec) -> None:
+    """With --eval-every, the corpus must hold both a training part and a held-out tail (UsageError)."""
+    if spec.eval_every == 0:
+        return
+    from elastic.data.dataset import TokenDataset
+
+    try:
+        TokenDataset(seq_len=spec.model_config.seq_len, seed=spec.data_seed, path=spec.data_path, held_out=True)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--eval-every: {exc}") from None
 
 
 def _write_outputs(

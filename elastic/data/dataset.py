@@ -3,17 +3,29 @@
 Sample i is the window of seq_len + 1 tokens starting at an offset drawn from a hash of
 (seed, i): no layout, worker or read order can change what a sample holds. Step s of a
 global batch B consumes samples [s*B, (s+1)*B).
+
+The held-out split (`held_out=True`, a job with `--eval-every`): the last HELD_OUT_FRACTION of
+the token stream is reserved. Training windows are drawn from the tokens before it and held-out
+windows (`held_out_batch`) from the tokens in it, so no training sample of any step shares a
+token position with a held-out sample. Without `held_out` nothing is reserved and the training
+samples are exactly those of earlier versions (the equivalence tests' references stand); with
+it the training samples differ from a run without evaluation, so compare runs with evaluation
+only with runs with evaluation.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from elastic.data.corpus import default_corpus, load_corpus
+
+HELD_OUT_FRACTION = 0.1
+"""Share of the token stream (its tail) reserved for held-out windows when a job evaluates."""
 
 
 def step_sample_indices(step: int, global_batch: int) -> range:
@@ -26,7 +38,8 @@ def step_sample_indices(step: int, global_batch: int) -> range:
 class TokenDataset:
     """Fixed-length training windows over a token corpus."""
 
-    def __init__(self, *, seq_len: int, seed: int = 0, path: str | Path | None = None) -> None:
+    def __init__(self, *, seq_len: int, seed: int = 0, path: str | Path | None = None, held_out: bool = False) -> None:
+        """`held_out`: reserve the tail of the stream for held-out windows (module doc)."""
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         tokens = default_corpus() if path is None else load_corpus(path)
@@ -38,6 +51,24 @@ class TokenDataset:
         self.source = "default (python stdlib sources)" if path is None else str(path)
         digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
         self.fingerprint = f"{digest}:seed={seed}:seq_len={seq_len}"
+        self.held_out = held_out
+        self.train_end = self._split(tokens.size)
+        """Training windows lie in tokens [0, train_end); held-out ones in [train_end, end)."""
+        if held_out:
+            self.fingerprint += ":held_out"
+
+    def _split(self, size: int) -> int:
+        """Where the training region ends (all of the stream without `held_out`)."""
+        if not self.held_out:
+            return size
+        train_end = size - math.ceil(size * HELD_OUT_FRACTION)
+        need = self.seq_len + 2
+        if min(train_end, size - train_end) < need:
+            raise ValueError(
+                f"corpus {self.source} has {size} tokens: its held-out tail ({HELD_OUT_FRACTION:.0%}) and the "
+                f"training part must each hold at least {need} tokens (seq_len={self.seq_len} + 2)"
+            )
+        return train_end
 
     @property
     def max_token(self) -> int:
@@ -50,7 +81,27 @@ class TokenDataset:
 
     def _offset(self, index: int) -> int:
         digest = hashlib.sha256(f"{self.seed}:{index}".encode()).digest()
-        return int.from_bytes(digest[:8], "little") % (self.tokens.numel() - self.seq_len - 1)
+        return int.from_bytes(digest[:8], "little") % (self.train_end - self.seq_len - 1)
+
+    def window_start(self, index: int) -> int:
+        """Token position where training sample `index` starts (its window is seq_len + 1 long)."""
+        return self._offset(index)
+
+    def held_out_start(self, index: int) -> int:
+        """Token position where held-out sample `index` starts: inside the reserved tail."""
+        if not self.held_out:
+            raise ValueError("this dataset reserves no held-out split (held_out=False)")
+        if index < 0:
+            raise ValueError(f"held-out sample index must be >= 0, got {index}")
+        digest = hashlib.sha256(f"{self.seed}:held-out:{index}".encode()).digest()
+        span = self.tokens.numel() - self.train_end - self.seq_len - 1
+        return self.train_end + int.from_bytes(digest[:8], "little") % span
+
+    def held_out_batch(self, indices: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of held-out samples, as `batch` gives for training samples."""
+        starts = [self.held_out_start(i) for i in indices]
+        rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])  # (batch, seq_len + 1)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def sample(self, index: int) -> torch.Tensor:
         """Tokens of global sample `index`: (seq_len + 1,) int64."""

@@ -25,6 +25,7 @@ from torch import nn
 from elastic.data.dataset import TokenDataset
 from elastic.engine.adamw import MasterAdamW, ParamState
 from elastic.engine.device import backend_for, select_device
+from elastic.engine.eval import eval_due, evaluate
 from elastic.engine.optim import build_optimizer
 from elastic.engine.step import (
     KeptGrads,
@@ -148,7 +149,8 @@ class Trainer:
         self.spec, self.node, self.local_rank = spec, node, local_rank
         self.cfg = spec.model_config
         self.device = select_device(local_rank, want=spec.device)
-        self.dataset = TokenDataset(seq_len=self.cfg.seq_len, seed=spec.data_seed, path=spec.data_path)
+        self.dataset = TokenDataset(seq_len=self.cfg.seq_len, seed=spec.data_seed, path=spec.data_path,
+                                    held_out=spec.eval_every > 0)
         self.dataset.check_vocab(self.cfg.vocab_size)
         self.layer_of = functools.partial(layer_of, cfg=self.cfg)
         self.step = 0
@@ -157,6 +159,8 @@ class Trainer:
         """The last step committed (or skipped) by this worker."""
         self.committed_at: list[float] = []
         """Wall time of each commit of `train()` (the non-elastic path)."""
+        self.evals: list[tuple[int, float]] = []
+        """(committed steps, validation loss) of each evaluation of `train()` (the non-elastic path)."""
         self._layout: ParallelLayout | None = None
         self._groups: ParallelGroups | None = None
         self._module: GPTStage | None = None
@@ -569,8 +573,24 @@ class Trainer:
         self._require().discard()
         self._prepared = None
 
-    def train(self, steps: int, *, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
-        """Prepare and commit steps back to back until `steps` are committed (non-elastic)."""
+    def evaluate(self) -> float:
+        """The validation loss of the committed parameters over `spec.eval_batches` held-out
+        microbatches (elastic/engine/eval.py); collective over the generation's world group.
+        Only between steps: never while a step is prepared or pending."""
+        self._require()
+        if self._prepared is not None or self.pending is not None:
+            raise RuntimeError(f"step {self.step} is prepared or pending: evaluate between steps only")
+        return evaluate(self.module, layout=self.layout, groups=self.groups, dataset=self.dataset,
+                        batches=self.spec.eval_batches, batch_size=self.spec.plan.microbatch_size,
+                        d_model=self.cfg.d_model, device=self.device)
+
+    def train(
+        self, steps: int, *, on_step: Callable[[StepResult], None] | None = None,
+        on_eval: Callable[[int, float], None] | None = None,
+    ) -> list[StepResult]:
+        """Prepare and commit steps back to back until `steps` are committed (non-elastic),
+        evaluating after every `spec.eval_every` of them and after the last (`on_eval(committed,
+        loss)`; the results accumulate in `evals`)."""
         reports = []
         while self.step < steps:
             report = self.commit(self.prepare_step())
@@ -578,6 +598,10 @@ class Trainer:
             self.committed_at.append(time.time())
             if on_step is not None:
                 on_step(report)
+            if eval_due(self.step, every=self.spec.eval_every, steps=steps):
+                self.evals.append((self.step, self.evaluate()))
+                if on_eval is not None:
+                    on_eval(*self.evals[-1])
         return reports
 
     # ---- outputs -------------------------------------------------------------------------
@@ -603,6 +627,7 @@ class Trainer:
                 "step_seconds": [r.seconds for r in reports],
                 "step_committed_at": self.committed_at,
                 "train_seconds": train_seconds,
+                "eval_losses": [[step, loss] for step, loss in self.evals],
             }
             self.spec.result_path.write_text(json.dumps(result, indent=1))
 
@@ -627,8 +652,13 @@ def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: torch.distri
                 flush=True,
             )
 
+    def on_eval(committed: int, loss: float) -> None:
+        if trainer.layout.rank == 0:
+            print(f"eval after step {committed}/{spec.steps}  val_loss {loss:.4f}  "
+                  f"({spec.eval_batches} held-out batches)", flush=True)
+
     start = time.perf_counter()
-    reports = trainer.train(spec.steps, on_step=progress)
+    reports = trainer.train(spec.steps, on_step=progress, on_eval=on_eval)
     train_seconds = time.perf_counter() - start
     trainer.save_outputs(reports, train_seconds)
     trainer.close()

@@ -4,7 +4,7 @@ The agent starts one `NodeMetrics` (one call, after it joined the membership):
 
     NodeMetrics(client, keys, node=node, lease=membership.lease_id).start()
 
-It mirrors the job's `progress` key and five prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
+It mirrors the job's `progress` and `eval` keys and five prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
 `members/`, `injected/`), each read once and then kept current by a watch from the revision after
 that read (never from revision 1: auto-compaction drops old history), serves them in its own `CollectorRegistry` on
 `host:port` (default `elastic.coordinator.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
@@ -19,6 +19,8 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_node_info | info | job_id, node | which job and node this endpoint belongs to (value 1) |
 | elastic_step | gauge | | steps committed (index of the last committed step + 1) |
 | elastic_loss | gauge | | loss of the last committed step |
+| elastic_eval_loss | gauge | | the latest validation loss on the held-out split (`--eval-every`; absent before the first) |
+| elastic_eval_step | gauge | | steps committed when that validation loss was computed |
 | elastic_step_seconds | gauge | | wall time of the last committed step on its reporting worker |
 | elastic_tokens_per_second | gauge | | tokens of the last `window` committed steps (at most the progress record's 8) over the wall time they spanned |
 | elastic_generation | gauge | | the latest published generation |
@@ -64,6 +66,7 @@ from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.model.config import get_preset
 from elastic.parallel.layout import assign_ranks
+from elastic.records.evals import EvalResult, eval_key
 from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
@@ -174,6 +177,10 @@ class Snapshot:
     """elastic_workers_alive."""
     nodes_alive: int = 0
     """elastic_nodes_alive."""
+    eval_loss: float | None = None
+    """elastic_eval_loss (None: no evaluation yet)."""
+    eval_step: int | None = None
+    """elastic_eval_step."""
 
 
 def recovery_of(
@@ -204,11 +211,12 @@ def snapshot(
     injected: dict[str, float],
     workers: list[WorkerInfo],
     nodes_alive: int,
+    last_eval: EvalResult | None = None,
 ) -> Snapshot:
     """What the endpoint serves for plan node `node`, given the job's state (see the module doc).
 
     `progress` is the job's progress record (None before the first commit); `seq_len` None (the
-    job config not read yet) leaves tokens/s out."""
+    job config not read yet) leaves tokens/s out; `last_eval` is the `eval` key (None: none yet)."""
     last = progress
     tokens_per_s = None
     if last is not None and seq_len and last.generation in plans:
@@ -239,6 +247,8 @@ def snapshot(
         workers=len(workers),
         workers_alive=sum(1 for w in workers if _alive(w.pid)),
         nodes_alive=nodes_alive,
+        eval_loss=None if last_eval is None else last_eval.loss,
+        eval_step=None if last_eval is None else last_eval.step,
     )
 
 
@@ -296,6 +306,10 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
         "elastic_workers_alive", "Registered workers of this node that are running.", snap.workers_alive
     )
     yield _gauge("elastic_nodes_alive", "Members of the job with a live lease.", snap.nodes_alive)
+    if snap.eval_loss is not None and snap.eval_step is not None:
+        yield _gauge("elastic_eval_loss", "Latest validation loss on the held-out split.", snap.eval_loss)
+        yield _gauge("elastic_eval_step", "Steps committed when the latest validation loss was computed.",
+                     snap.eval_step)
 
 
 class NodeMetrics(Collector):
@@ -336,6 +350,7 @@ class NodeMetrics(Collector):
             "workers": _Mirror(self.client, rk.node_workers(self.node), WorkerInfo.from_json),
             "members": _Mirror(self.client, self.keys.members, lambda v: v),
             "injected": _Mirror(self.client, rk.injected(""), lambda v: float(v.decode())),
+            "eval": _Mirror(self.client, eval_key(self.keys), EvalResult.from_json),
         }
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         bound_host, bound_port = self._server.server_address[:2]
@@ -394,6 +409,7 @@ class NodeMetrics(Collector):
             injected=m["injected"],
             workers=list(m["workers"].values()),
             nodes_alive=len(m["members"]),
+            last_eval=m["eval"].get(""),
         )
 
     def collect(self) -> Iterator[Metric]:

@@ -3,7 +3,8 @@
 `write_report(run_dir)` reads `<run_dir>/summary.json` (a RunSummary) and draws
 `<run_dir>/report.png`, 1200 x 800 pixels, two panels over wall time since the launcher
 started: the loss of each committed step, and each step's throughput (tokens of the global batch
-over the step's seconds). On both panels a red line marks each injected fault or lost node
+over the step's seconds); a run with `--eval-every` adds its validation losses to the loss panel
+(squares at the commit of the step each followed). On both panels a red line marks each injected fault or lost node
 ("node 2 lost"), a shaded span covers each recovery (fault to the first commit after it), a
 dotted line marks each new generation, and a green line each node that joined.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ class Timeline:
     """The summary's tokens/s over the whole run."""
     steady_step_s: float
     """The summary's median step time."""
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    """(steps committed, validation loss) of each evaluation (`--eval-every`), by step."""
 
 
 def _number_list(data: dict[str, Any], key: str) -> list[float]:
@@ -106,6 +109,7 @@ def load_timeline(run_dir: Path) -> Timeline:
         origin, times = 0.0, [sum(seconds[: i + 1]) for i in range(len(seconds))]
         generations, recoveries = [], []
     return Timeline(
+        eval_losses=_eval_losses(data, len(losses), path),
         times=times,
         losses=losses,
         throughput=[tokens / s if s > 0 else math.nan for s in seconds],
@@ -115,6 +119,18 @@ def load_timeline(run_dir: Path) -> Timeline:
         tokens_per_s=_number(data, "tokens_per_s", 0.0),
         steady_step_s=_number(data, "steady_step_s", 0.0),
     )
+
+
+def _eval_losses(data: dict[str, Any], steps: int, path: Path) -> list[tuple[int, float]]:
+    """The summary's `eval_losses` ([[step, loss], ...], step in [1, steps]), checked."""
+    value = data.get("eval_losses", [])
+    ok = isinstance(value, list) and all(
+        isinstance(e, list) and len(e) == 2 and all(isinstance(x, int | float) and not isinstance(x, bool) for x in e)
+        and 1 <= e[0] <= steps for e in value
+    )
+    if not ok:
+        raise ReportError(f"{path}: 'eval_losses' must be a list of [step, loss] with steps of committed steps")
+    return [(int(step), float(loss)) for step, loss in value]
 
 
 def _nodes(nodes: list[int]) -> str:
@@ -142,6 +158,9 @@ def summary_text(run_dir: Path) -> str:
         f"{len(t.losses)} steps committed in {t.times[-1]:.1f} s, final loss {t.losses[-1]:.4f} "
         f"(first {t.losses[0]:.4f}), {t.tokens_per_s:.0f} tokens/s, median step {t.steady_step_s * 1000:.0f} ms."
     )
+    if t.eval_losses:
+        step, loss = t.eval_losses[-1]
+        text += f" Validation loss {loss:.4f} after step {step} ({len(t.eval_losses)} evaluations)."
     finished = [r for r in t.recoveries if not r.get("interrupted")]
     interrupted = len(t.recoveries) - len(finished)
     if not t.recoveries:
@@ -178,6 +197,9 @@ def write_report(run_dir: Path) -> Path:
         for lo, hi in _segments(t.generations, len(t.times)):  # no line across a reconfiguration
             ax_loss.plot(t.times[lo:hi], t.losses[lo:hi], marker="o", markersize=3, color="tab:blue")
             ax_tput.plot(t.times[lo:hi], t.throughput[lo:hi], marker="o", markersize=3, color="tab:orange")
+        if t.eval_losses:
+            ax_loss.plot([t.times[step - 1] for step, _ in t.eval_losses], [loss for _, loss in t.eval_losses],
+                         marker="s", markersize=5, color="tab:green", label="validation loss (held-out)")
         ax_loss.set_ylabel("loss")
         ax_tput.set_ylabel("tokens/s (per step)")
         ax_tput.set_xlabel("seconds since start" if t.origin else "seconds of training (static run)")

@@ -55,6 +55,9 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
                         fields are null until a worker has reported) and
         complete          every worker of that generation reported its timings (the numbers are final)
         workers_reported, workers_expected
+    last_eval           null (no `--eval-every`, or none yet), or the latest validation loss (the
+                        `eval` key, elastic/records/evals.py): step (steps committed when it ran),
+                        loss, batches, generation, at, seconds
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.model.config import get_preset
+from elastic.records.evals import EvalResult, eval_key
 from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
@@ -219,6 +223,7 @@ class JobStatus:
     throughput: Throughput | None
     recoveries: int
     last_recovery: dict[str, Any] | None
+    last_eval: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -332,7 +337,14 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         throughput=_throughput(progress, tokens, window) if tokens is not None else None,
         recoveries=sum(1 for n in generations if n > 1),
         last_recovery=_last_recovery(client, rk, generations),
+        last_eval=_last_eval(client, keys),
     )
+
+
+def _last_eval(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
+    """The latest evaluation (one key read), or None."""
+    value, _ = client.get(eval_key(keys))
+    return None if value is None else EvalResult.from_json(value).to_dict()
 
 
 def _state(client: EtcdClient, rk: RunKeys, *, fatal: str | None, plan: Plan | None, total: int | None,
@@ -489,6 +501,10 @@ def render_table(status: JobStatus) -> str:
         + f"; committed {s.committed_steps}/{total} steps"
         + (f", last loss {s.last_loss:.4f}" if s.last_loss is not None else ""),
     ]
+    if s.last_eval is not None:
+        e = s.last_eval
+        lines.append(f"validation loss {e['loss']:.4f} after step {e['step']} ({e['batches']} held-out batches, "
+                     f"generation {e['generation']})")
     if s.throughput is not None:
         t = s.throughput
         lines.append(

@@ -67,6 +67,7 @@ def run_schedule(
     dropout_key: Callable[[int], int | None],
     autocast: Callable[[], object],
     post: Post | None = None,
+    forward_only: bool = False,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -75,6 +76,8 @@ def run_schedule(
     `wait` blocks until one posted transfer completed (it may raise to abandon the step).
     `autocast` returns a context manager wrapping each forward (bf16 on CUDA, no-op on CPU).
     `post` posts each transfer (default: `dist.isend`/`dist.irecv` on `group`).
+    `forward_only`: `actions` has no backward (`schedule.forward_only`, evaluation; call it under
+    `torch.no_grad()`): nothing is kept for a backward, a last stage only records its losses.
     """
     if spec.prev_rank is None and tokens is None:
         raise ValueError("a first stage needs token inputs")
@@ -83,6 +86,7 @@ def run_schedule(
     run = _StageRun(
         module=module, spec=spec, wait=wait, post=post or functools.partial(_plain_post, group), device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
+        forward_only=forward_only,
     )
     for a in actions:
         run.do(a)
@@ -122,6 +126,8 @@ class _StageRun:
     """Microbatch -> the dropout key of its forward."""
     autocast: Callable[[], object]
     """Returns the context manager wrapping each forward."""
+    forward_only: bool = False
+    """No backward follows: inputs and outputs are dropped once forwarded and sent."""
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> received activation (requires grad), until its input gradient is sent."""
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -148,11 +154,14 @@ class _StageRun:
     def recv_act(self, m: int) -> None:
         """Receive microbatch `m`'s activation from the previous stage (blocks)."""
         assert self.spec.prev_rank is not None
-        self.inputs[m] = self._recv(self.spec.prev_rank, _ACT_TAG).requires_grad_(True)
+        self.inputs[m] = self._recv(self.spec.prev_rank, _ACT_TAG).requires_grad_(not self.forward_only)
 
     def forward(self, m: int) -> None:
         """Forward microbatch `m`; on a last stage, its loss (recorded, then scaled for the backward)."""
-        x = self.tokens(m).to(self.device) if self.first and self.tokens is not None else self.inputs[m]
+        if self.first and self.tokens is not None:
+            x = self.tokens(m).to(self.device)
+        else:
+            x = self.inputs.pop(m) if self.forward_only else self.inputs[m]
         with self.autocast():  # type: ignore[attr-defined]
             out = self.module(x, dropout_key=self.dropout_key(m))
             if self.last:
@@ -160,14 +169,16 @@ class _StageRun:
                 loss = self.module.loss(out, self.targets(m).to(self.device))  # type: ignore[operator]
         if self.last:
             self.result.losses[m] = float(loss.detach())
-            self.outputs[m] = loss.float() * self.loss_scale
+            if not self.forward_only:
+                self.outputs[m] = loss.float() * self.loss_scale
         else:
             self.outputs[m] = out.to(self.spec.act_dtype)
 
     def send_act(self, m: int) -> None:
         """Post microbatch `m`'s activation to the next stage."""
         assert self.spec.next_rank is not None
-        self._send(self.outputs[m].detach(), self.spec.next_rank, _ACT_TAG)
+        out = self.outputs.pop(m) if self.forward_only else self.outputs[m]
+        self._send(out.detach(), self.spec.next_rank, _ACT_TAG)
 
     def recv_grad(self, m: int) -> None:
         """Receive the gradient of microbatch `m`'s output from the next stage (blocks)."""

@@ -72,6 +72,23 @@ def one_f_one_b(*, num_stages: int, stage: int, microbatches: int) -> list[Actio
     return actions
 
 
+def forward_only(*, num_stages: int, stage: int, microbatches: int) -> list[Action]:
+    """The actions of `stage` for a pass without backward (evaluation): every microbatch is
+    received, forwarded and sent on in order. Sends never block, so no stage waits on a later one."""
+    if num_stages < 1 or not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} outside a pipeline of {num_stages} stages")
+    if microbatches < 1:
+        raise ValueError(f"a pipeline needs at least one microbatch, got {microbatches}")
+    actions: list[Action] = []
+    for m in range(microbatches):
+        if stage > 0:
+            actions.append(Action(Op.RECV_ACT, m))
+        actions.append(Action(Op.FORWARD, m))
+        if stage < num_stages - 1:
+            actions.append(Action(Op.SEND_ACT, m))
+    return actions
+
+
 def pipeline_schedule(*, num_stages: int, microbatches: int) -> list[list[Action]]:
     """The 1F1B schedules of every stage of one pipeline."""
     return [one_f_one_b(num_stages=num_stages, stage=s, microbatches=microbatches) for s in range(num_stages)]

@@ -53,6 +53,13 @@ class JobSpec(JsonRecord):
     (elastic/records/partial.py). Costs one copy of each worker's gradient sums per step."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
+    # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
+    eval_every: int = 0
+    """Compute the validation loss after every this many committed steps and after the last
+    (0: never). With it, the tail of the corpus is held out: training windows come from the rest
+    (elastic/data/dataset.py), so training samples differ from those of a run without it."""
+    eval_batches: int = 8
+    """Held-out microbatches (of the plan's microbatch size) each evaluation averages over."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)
@@ -67,6 +74,8 @@ class JobSpec(JsonRecord):
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         if self.shard_transport not in ("collective", "grpc"):
             raise ValueError(f"shard_transport must be 'collective' or 'grpc', got {self.shard_transport!r}")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"need eval_every >= 0 and eval_batches >= 1, got {self.eval_every} and {self.eval_batches}")
 
     @property
     def model_config(self) -> GPTConfig:

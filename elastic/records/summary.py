@@ -57,6 +57,9 @@ class RunSummary:
     """Elastic runs: the generation that committed each step."""
     started_at: float = 0.0
     """Elastic runs: wall time (Unix seconds) at which the launcher started."""
+    eval_losses: list[list[float]] = field(default_factory=list)
+    """Runs with `--eval-every`: [[step, validation loss], ...], one entry per evaluation, where
+    `step` is the number of steps committed when it ran (elastic/engine/eval.py)."""
 
     # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
     # plain object by `elastic report` and people, and never read back into this type; it
@@ -86,6 +89,7 @@ def collect_summary(spec: JobSpec) -> RunSummary:
         world_size=spec.world_size,
         pipelines=len(spec.plan.pipelines),
         step_committed_at=[float(x) for x in result.get("step_committed_at", [])],
+        eval_losses=[[int(step), float(loss)] for step, loss in result.get("eval_losses", [])],
     )
 
 

@@ -45,10 +45,12 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store import EtcdStore
+from elastic.engine.eval import eval_due
 from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.records.evals import EvalResult, append_eval_log, eval_key
 from elastic.records.protocol import (
     COMMIT,
     ElasticConfig,
@@ -344,6 +346,8 @@ class ElasticWorker:
             halt = self.halts.requested(generation)
             if self.generations.latest() > generation or (halt is not None and halt.abort):
                 return False
+            if self._eval_due(step) and not self._evaluate(generation, layout):
+                return False
             started_at = time.time()
             skipped = None
             try:
@@ -373,6 +377,34 @@ class ElasticWorker:
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:
                 _log(f"generation {generation}: halted after step {step} (voted)")
                 return False
+        if self._eval_due(self.trainer.step):  # after the last step; a failure here only loses it
+            self._evaluate(generation, layout)
+        return True
+
+    def _eval_due(self, committed: int) -> bool:
+        """Whether every worker evaluates at this step boundary (the same rule everywhere, so a
+        generation that resumes at a due boundary evaluates it again)."""
+        return eval_due(committed, every=self.spec.eval_every, steps=self.spec.steps)
+
+    def _evaluate(self, generation: int, layout: ParallelLayout) -> bool:
+        """Evaluate the held-out split after `trainer.step` committed steps (collective over the
+        generation); world rank 0 logs the result and puts the `eval` key. False when it failed
+        (a halt, a peer's death): the leader halts the generation, and the next one evaluates."""
+        committed, started = self.trainer.step, time.perf_counter()
+        try:
+            loss = self.trainer.evaluate()
+        except Exception as exc:  # StepAborted, a peer's death seen by gloo
+            _log(f"evaluation after step {committed} of generation {generation} not finished: "
+                 f"{type(exc).__name__}: {exc}")
+            return False
+        result = EvalResult(step=committed, loss=loss, batches=self.spec.eval_batches, generation=generation,
+                            at=time.time(), seconds=time.perf_counter() - started)
+        if layout.rank == 0:
+            append_eval_log(self.spec.run_dir, self.node, self.local_rank, result)
+            try:
+                self.client.put(eval_key(self.keys), result.to_json())
+            except Exception as exc:  # etcd unreachable: the local log keeps it for the summary
+                _log(f"evaluation after step {committed}: eval key not written: {exc}")
         return True
 
     def _last_step_decided(self, generation: int, step: int, layout: ParallelLayout) -> bool:

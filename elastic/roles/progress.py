@@ -1,8 +1,8 @@
 """What the launcher reads of an elastic run from etcd: committed steps, generations,
 recoveries (with their breakdown) and worker PIDs, and the run summary built from them.
 
-Nothing here scans per-step history. A `JobFeed` watches four things from the moment it is
-opened: the `progress` key (every put names the steps committed since the previous one, so the
+Nothing here scans per-step history. A `JobFeed` watches five things from the moment it is
+opened: the `eval` key (one put per evaluation, `--eval-every`: a line each), the `progress` key (every put names the steps committed since the previous one, so the
 launcher prints one line a step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
 worker) and `recoveries/` (one key a worker a generation). `poll_progress` only drains what the
 watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
@@ -22,6 +22,7 @@ from typing import Any
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
+from elastic.records.evals import EvalResult, eval_key, eval_losses, newer, read_eval_logs
 from elastic.records.job import JobSpec
 from elastic.records.protocol import (
     ElasticConfig,
@@ -49,7 +50,7 @@ class JobFeed:
         self._events: list[WatchEvent] = []
         self._watches: list[PrefixWatch] = []
         try:
-            for prefix in (rk.progress, rk.job.plans, rk.workers, rk.recoveries):
+            for prefix in (rk.progress, rk.job.plans, rk.workers, rk.recoveries, eval_key(rk.job)):
                 self._watches.append(watch_from_now(client, prefix, self._on_events))
         except BaseException:
             self.close()
@@ -108,6 +109,8 @@ class Progress:
     """Generations seen committing a step."""
     timings: dict[int, dict[str, RecoveryTimings]] = field(default_factory=dict)
     """Generation -> rank -> that worker's timings of its reconfiguration into the generation."""
+    evals: dict[int, EvalResult] = field(default_factory=dict)
+    """Committed steps -> the evaluation after them (`--eval-every`; newest generation's)."""
 
     @property
     def committed(self) -> int:
@@ -147,6 +150,12 @@ def step_line(r: StepResult, spec: JobSpec) -> str:
             f"{r.seconds * 1000:.0f} ms  {tokens / max(r.seconds, 1e-9):.0f} tok/s  (generation {r.generation})")
 
 
+def eval_line(r: EvalResult, spec: JobSpec) -> str:
+    """The line `elastic run` prints for an evaluation of the held-out split."""
+    return (f"eval after step {r.step}/{spec.steps}  val_loss {r.loss:.4f}  ({r.batches} held-out batches, "
+            f"{r.seconds * 1000:.0f} ms, generation {r.generation})")
+
+
 def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], None], spec: JobSpec) -> None:
     """Apply one delivered change to `progress`, saying what a person should see."""
     if ev.kind != "put":
@@ -171,6 +180,11 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
     elif ev.key.startswith(rk.recoveries):
         generation, rank = ev.key[len(rk.recoveries) :].split("/")[:2]
         progress.timings.setdefault(int(generation), {})[rank] = RecoveryTimings.from_json(ev.value)
+    elif ev.key == eval_key(rk.job):
+        evaluation = EvalResult.from_json(ev.value)
+        if evaluation.step not in progress.evals:
+            say(eval_line(evaluation, spec))
+        newer(progress.evals, evaluation)
 
 
 def poll_progress(
@@ -232,6 +246,10 @@ def final_poll(
         if step not in shown and step < progress.committed:
             progress.printed.add((step, r.generation))
             say(step_line(r, config.spec))
+    for step, e in sorted(read_eval_logs(config.spec.run_dir).items()):  # evaluations the feed missed
+        if step not in progress.evals:
+            say(eval_line(e, config.spec))
+            progress.evals[step] = e
 
 
 def merged_results(config: ElasticConfig, progress: Progress) -> dict[int, StepResult]:
@@ -275,4 +293,13 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         worker_restarts=restarts,
         startup_s=(results[0].committed_at - started_at) if results else 0.0,
         worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
+        eval_losses=eval_losses(_merged_evals(config, progress), up_to=len(results)),
     )
+
+
+def _merged_evals(config: ElasticConfig, progress: Progress) -> dict[int, EvalResult]:
+    """Every evaluation known: what the feed saw, completed from the run's local eval logs."""
+    out = dict(progress.evals)
+    for result in read_eval_logs(config.spec.run_dir).values():
+        newer(out, result)
+    return out

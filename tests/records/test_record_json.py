@@ -17,6 +17,7 @@ from elastic.coordinator.jsonrecord import VERSION_KEY, JsonRecord, RecordError
 from elastic.coordinator.membership import NodeIdentity
 from elastic.ops.events import HistoryEvent
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.evals import EvalResult
 from elastic.records.injection import Injection, InjectionRequest, InjectionStatus, parse_injection
 from elastic.records.job import JobSpec
 from elastic.records.optim_config import OptimConfig
@@ -73,6 +74,7 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     Injection: Injection(kind="hang", node=1, step=4, at=0.25),
     PartialReport: PARTIAL,
     ReplayRecord: REPLAY,
+    EvalResult: EvalResult(step=6, loss=3.25, batches=8, generation=2, at=1001.2, seconds=0.02),
 }
 """A realistic instance of every JsonRecord type of the project."""
 
