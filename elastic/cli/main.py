@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # Subcommand modules, in the order `elastic --help` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
     "run", "plan", "profile", "status", "events", "inject", "drain", "report", "simulate",
+    "prepare_data",  # elastic prepare-data (elastic/cli/prepare_data_cmd.py)
 )
 
 
