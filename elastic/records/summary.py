@@ -57,6 +57,9 @@ class RunSummary:
     """Elastic runs: the generation that committed each step."""
     started_at: float = 0.0
     """Elastic runs: wall time (Unix seconds) at which the launcher started."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The model's shape (GPTConfig fields: vocab_size, seq_len, n_layer, n_head, d_model, dropout,
+    init_seed) and its parameter count (`num_params`)."""
 
     # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
     # plain object by `elastic report` and people, and never read back into this type; it
@@ -86,7 +89,14 @@ def collect_summary(spec: JobSpec) -> RunSummary:
         world_size=spec.world_size,
         pipelines=len(spec.plan.pipelines),
         step_committed_at=[float(x) for x in result.get("step_committed_at", [])],
+        model=model_fields(spec),
     )
+
+
+def model_fields(spec: JobSpec) -> dict[str, Any]:
+    """The summary's `model`: the job's shape and its parameter count."""
+    cfg = spec.model_config
+    return {**cfg.as_dict(), "num_params": cfg.num_params()}
 
 
 def load_final_state(spec: JobSpec) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from elastic.records.protocol import (
     read_step_logs,
 )
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
-from elastic.records.summary import RunSummary
+from elastic.records.summary import RunSummary, model_fields
 
 
 class JobFeed:
@@ -275,4 +275,5 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         worker_restarts=restarts,
         startup_s=(results[0].committed_at - started_at) if results else 0.0,
         worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
+        model=model_fields(spec),
     )
