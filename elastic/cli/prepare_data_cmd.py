@@ -85,15 +85,29 @@ def _tokenizer(args: argparse.Namespace) -> tuple[Tokenizer, str]:
             raise UsageError(str(exc)) from None
     else:
         target = DEFAULT_VOCAB if args.vocab_size is None else args.vocab_size
-        print(f"elastic prepare-data: training a byte-level BPE tokenizer of {target} ids", file=sys.stderr, flush=True)
+        if sum(p.stat().st_size for p in args.inputs) >= PROGRESS_MIN_BYTES:
+            print(f"elastic prepare-data: training a byte-level BPE tokenizer of {target} ids", file=sys.stderr)
         try:
             tokenizer = train_tokenizer(args.inputs, vocab_size=target, show_progress=sys.stderr.isatty())
         except Exception as exc:  # tokenizers raises a plain Exception, e.g. for a file that is not UTF-8
-            raise UsageError(f"cannot train a tokenizer on the inputs: {str(exc).splitlines()[0]}") from None
+            raise UsageError(f"cannot train a tokenizer on the inputs: {_train_error(args.inputs, exc)}") from None
         origin = f"trained: byte-level BPE, target vocabulary {target}"
     if vocab_bound(tokenizer) > MAX_VOCAB:
         raise UsageError(f"the tokenizer has {vocab_bound(tokenizer)} ids; uint16 token files hold at most {MAX_VOCAB}")
     return tokenizer, origin
+
+
+def _train_error(inputs: list[Path], exc: Exception) -> str:
+    """Why training failed, in words: the first input that is not UTF-8, else the library's message."""
+    from elastic.data.prepare import text_chunks
+
+    for path in inputs:
+        try:
+            for _ in text_chunks(path):
+                pass
+        except UnicodeDecodeError as bad:
+            return f"input {path} is not UTF-8 text: {bad.reason}"
+    return str(exc).splitlines()[0]
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from elastic.records.injection import Injection, InjectionRequest, InjectionStat
 from elastic.records.job import JobSpec
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
+from elastic.records.prepared_data import PreparedData, ShardInfo, SourceInfo
 from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
@@ -73,6 +74,11 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     Injection: Injection(kind="hang", node=1, step=4, at=0.25),
     PartialReport: PARTIAL,
     ReplayRecord: REPLAY,
+    PreparedData: PreparedData(
+        vocab_size=4096, tokens=300, shards=[ShardInfo(name="tokens-00000.bin", tokens=200),
+                                             ShardInfo(name="tokens-00001.bin", tokens=100)],
+        sources=[SourceInfo(path="/data/a.txt", bytes=1000, tokens=299)], separator_id=0,
+        tokenizer_origin="trained: byte-level BPE, target vocabulary 4096"),
 }
 """A realistic instance of every JsonRecord type of the project."""
 
