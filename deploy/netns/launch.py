@@ -114,24 +114,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     """The ElasticConfig of `elastic run` with these flags, and the partitions (ValueError if bad)."""
+    from elastic.cli.model_flags import model_for_data
     from elastic.cli.run_cmd import _elastic_config, build_plan
     from elastic.engine.optim import OptimConfig
-    from elastic.model.config import get_preset
     from elastic.records.job import JobSpec
 
     if args.static or args.etcd is not None:
         raise ValueError("--static and --etcd do not apply: this launcher runs its own etcd on the bridge")
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
-    cfg = get_preset(args.model)
-    plan = build_plan(args, cfg.num_layers)
+    cfg = model_for_data(args)  # --model, --model-config, --n-layer ...; prepared --data: its vocabulary
+    plan = build_plan(args, cfg.num_layers, shape=cfg)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-netns-"))
     args.run_dir = run_dir
     optim = OptimConfig(
         lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
     )
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
-                   data_path=args.data, optim=optim, device=args.device)
+                   data_path=args.data, optim=optim, device=args.device, shape=cfg)
     config = _elastic_config(args, spec, plan)
     partitions = [parse_partition(text) for text in args.partition]
     for p in partitions:

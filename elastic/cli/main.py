@@ -15,6 +15,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: tuple[str, ...] = (
     "run", "plan", "profile", "status", "events", "inject", "drain", "report", "simulate",
     "export", "sample",
+    "prepare_data",  # elastic prepare-data (elastic/cli/prepare_data_cmd.py)
 )
 
 

@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.model.config import PRESETS
+from elastic.cli.model_flags import add_shape_flags, model_from_flags
+from elastic.model.config import PRESETS, GPTConfig, describe_model
 from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
@@ -31,6 +32,7 @@ def register(subparsers: Any) -> None:
         "instantiation over N nodes with at least f+1 pipelines.",
     )
     parser.add_argument("--model", required=True, help=f"model preset ({', '.join(PRESETS)})")
+    add_shape_flags(parser)
     parser.add_argument("--nodes", type=int, required=True, help="N: live nodes")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="G: devices per node (TP degree)")
     parser.add_argument("--fault-tolerance", type=int, default=0, help="f: keep at least f+1 pipelines")
@@ -48,6 +50,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cfg = model_from_flags(args)
     try:
         spec = ClusterSpec(
             model=args.model,
@@ -59,21 +62,23 @@ def _run(args: argparse.Namespace) -> int:
             profile_path=args.profile,
             device_tflops=args.device_tflops,
             device_memory_gib=args.device_memory_gib,
+            shape=cfg,
         )
         tset = cluster_templates(spec)
         plan = initial_plan(spec, tset)
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps(_as_json(args, tset, plan), indent=2))
+        print(json.dumps(_as_json(args, cfg, tset, plan), indent=2))
     else:
-        print(_as_table(args, tset, plan))
+        print(_as_table(args, cfg, tset, plan))
     return 0
 
 
-def _as_json(args: argparse.Namespace, tset: TemplateSet, plan: Plan) -> dict[str, Any]:
+def _as_json(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: Plan) -> dict[str, Any]:
     return {
         "model": args.model,
+        "shape": cfg.as_dict(),
         "nodes": args.nodes,
         "gpus_per_node": args.gpus_per_node,
         "fault_tolerance": args.fault_tolerance,
@@ -91,9 +96,9 @@ def _ranges(stages: Any) -> str:
     return " ".join(f"[{a},{b})" for a, b in stages)
 
 
-def _as_table(args: argparse.Namespace, tset: TemplateSet, plan: Plan) -> str:
+def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: Plan) -> str:
     lines = [
-        f"model {args.model}: {tset.num_layers} planning layers; profile {tset.profile.source} "
+        f"model {describe_model(args.model, cfg)}: {tset.num_layers} planning layers; profile {tset.profile.source} "
         f"({tset.profile.notes.split(';')[0]})",
         f"cluster: {args.nodes} nodes x {args.gpus_per_node} devices, f = {args.fault_tolerance}, "
         f"global batch {args.global_batch} = {plan.global_microbatches} microbatches of {args.microbatch}",

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.model.config import PRESETS, get_preset
+from elastic.cli.model_flags import add_shape_flags, model_from_flags
+from elastic.model.config import PRESETS, describe_model
 from elastic.planning.cluster import gpt_layer_counts
 
 
@@ -25,6 +26,7 @@ def register(subparsers: Any) -> None:
         "profile `elastic plan --profile` reads.",
     )
     parser.add_argument("--model", required=True, help=f"model preset ({', '.join(PRESETS)})")
+    add_shape_flags(parser)
     parser.add_argument("--microbatch", type=int, required=True, help="samples per microbatch")
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here (default: stdout)")
     parser.add_argument(
@@ -40,10 +42,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        cfg = get_preset(args.model)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    cfg = model_from_flags(args)
+    name = describe_model(args.model, cfg)
     if args.microbatch < 1:
         raise UsageError(f"--microbatch must be >= 1, got {args.microbatch}")
     if args.repeats < 1:
@@ -72,12 +72,12 @@ def _run(args: argparse.Namespace) -> int:
     flops = matmul_flops_per_second(device)
     measure = args.mode == "measure" or (args.mode == "auto" and should_measure(cfg, counts, conf, flops))
     if measure:
-        profile = measure_profile(args.model, cfg, counts, conf)
+        profile = measure_profile(name, cfg, counts, conf)
     else:
-        profile = derived_from_speed(args.model, cfg, counts, conf, flops)
+        profile = derived_from_speed(name, cfg, counts, conf, flops)
     if args.output is None:
         sys.stdout.write(profile.to_json() + "\n")
     else:
         profile.save(args.output)
-        print(f"wrote {profile.source} profile of {args.model} ({profile.num_layers} layers) to {args.output}")
+        print(f"wrote {profile.source} profile of {name} ({profile.num_layers} layers) to {args.output}")
     return 0

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
-from elastic.model.config import PRESETS, get_preset
+from elastic.cli.model_flags import add_shape_flags, model_for_data
+from elastic.model.config import PRESETS, GPTConfig, describe_model
 from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
@@ -34,6 +35,7 @@ def register(subparsers: Any) -> None:
         "(G workers per node), on local worker processes.",
     )
     parser.add_argument("--model", default="tiny", help=f"model preset ({', '.join(PRESETS)})")
+    add_shape_flags(parser)  # --model-config FILE, --n-layer, --d-model, --n-head, --seq-len, --vocab-size
     parser.add_argument("--nodes", type=int, default=None, help="simulated nodes (default 1, or the plan's)")
     parser.add_argument(
         "--gpus-per-node",
@@ -112,8 +114,9 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=_run)
 
 
-def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
-    """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines."""
+def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | None = None) -> Plan:
+    """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
+    (for the model `shape`; None: the --model preset's)."""
     if args.plan is not None:
         try:
             plan = Plan.from_json(args.plan.read_text())
@@ -147,6 +150,7 @@ def build_plan(args: argparse.Namespace, num_layers: int) -> Plan:
             profile_path=args.profile,
             device_tflops=args.device_tflops,
             device_memory_gib=args.device_memory_gib,
+            shape=shape,
         )
         return initial_plan(spec, cluster_templates(spec))
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
@@ -171,23 +175,20 @@ def _run(args: argparse.Namespace) -> int:
     # commands start without torch.
     from elastic.roles.launcher import JobFailed, WorkerFailed, launch, launch_elastic
 
-    try:
-        cfg = get_preset(args.model)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
     token = _check_flags(args)
-    plan = build_plan(args, cfg.num_layers)
+    plan = build_plan(args, cfg.num_layers, shape=cfg)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
             raise UsageError(
                 f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node"
             )
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
-    spec = _job_spec(args, plan, run_dir)
+    spec = _job_spec(args, plan, run_dir, shape=cfg)
     _check_held_out(spec)
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
     print(
-        f"elastic run: {args.model}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
+        f"elastic run: {describe_model(args.model, cfg)}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
         f"global batch {plan.global_batch}, run dir {run_dir}",
         flush=True,
     )
@@ -223,8 +224,9 @@ def _check_flags(args: argparse.Namespace) -> str | None:
     return token
 
 
-def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path) -> JobSpec:
-    """The JobSpec of the run (optimizer, data and device from the flags); UsageError if invalid."""
+def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:
+    """The JobSpec of the run (model shape, optimizer, data and device from the flags); UsageError
+    if invalid."""
     from elastic.engine.optim import OptimConfig
     from elastic.records.job import JobSpec
 
@@ -243,6 +245,7 @@ def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path) -> JobSpec:
             device=args.device,
             eval_every=args.eval_every,
             eval_batches=_eval_batches(args),
+            shape=shape,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -334,6 +337,7 @@ def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             profile_path=args.profile,
             device_tflops=args.device_tflops,
             device_memory_gib=args.device_memory_gib,
+            shape=spec.model_config,
         )
         return ElasticConfig(
             spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from elastic.cli.main import UsageError
+from elastic.cli.model_flags import add_shape_flags, model_from_flags
 from elastic.model.config import PRESETS
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_NETWORK_GBPS, DEFAULT_TFLOPS, ClusterSpec
 from elastic.sim.config import RecoveryCosts
@@ -29,6 +30,7 @@ def register(subparsers: Any) -> None:
         "(Bamboo-like) policies. Every assumption is printed with the results.",
     )
     parser.add_argument("--model", required=True, help=f"model preset ({', '.join(PRESETS)})")
+    add_shape_flags(parser)
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes at time 0")
     parser.add_argument(
         "--trace", required=True,
@@ -63,6 +65,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cfg = model_from_flags(args)
     try:
         if not args.hours > 0:
             raise ValueError(f"--hours must be > 0, got {args.hours}")
@@ -79,6 +82,7 @@ def _run(args: argparse.Namespace) -> int:
             device_memory_gib=args.device_memory_gib,
             network_gbps=args.network_gbps,
             profile_path=args.profile,
+            shape=cfg,
         )
         costs = RecoveryCosts(
             detect_s=args.detect_s,

@@ -7,7 +7,11 @@ without a cross-stage weight tie).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +94,16 @@ class GPTConfig:
     def with_overrides(self, **changes: object) -> GPTConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    def as_dict(self) -> dict[str, int | float]:
+        """The fields as a JSON-ready object (what `--model-config` files hold)."""
+        return dataclasses.asdict(self)
+
+    def check_tensor_parallel(self, degree: int) -> None:
+        """ValueError unless `degree` tensor-parallel ranks can split this shape (heads and vocabulary)."""
+        for what, size in (("n_head", self.n_head), ("vocab_size", self.vocab_size)):
+            if size % degree:
+                raise ValueError(f"{what}={size} is not divisible by the tensor-parallel degree {degree}")
+
 
 PRESETS: dict[str, GPTConfig] = {
     # ~0.86M parameters, byte-level vocabulary: for tests.
@@ -113,3 +127,52 @@ def get_preset(name: str) -> GPTConfig:
     except KeyError:
         known = ", ".join(PRESETS)
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
+
+
+SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model")
+"""The GPTConfig fields the command line can override one by one (--vocab-size, --seq-len, ...)."""
+
+
+def config_from_dict(data: object, *, base: GPTConfig, where: str) -> GPTConfig:
+    """`base` with the fields named in `data` (a JSON object of GPTConfig fields) replaced.
+
+    ValueError naming `where` for anything but an object, an unknown field, a value of the
+    wrong type or an impossible shape (non-positive sizes, d_model not divisible by n_head).
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a JSON object of GPTConfig fields, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(fields)}")
+    changes: dict[str, object] = {}
+    for name, value in data.items():
+        floating = name == "dropout"
+        ok = isinstance(value, (int, float) if floating else int) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"{where}: {name} must be {'a number' if floating else 'an integer'}, got {value!r}")
+        changes[name] = float(value) if floating else value
+    try:
+        return base.with_overrides(**changes)
+    except ValueError as exc:  # __post_init__: non-positive sizes, heads that do not divide the width
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, object]:
+    """The JSON object of a `--model-config` file; ValueError naming the file when it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read model config {path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"model config {path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model config {path}: expected a JSON object of GPTConfig fields, got {type(data).__name__}")
+    return data
+
+
+def describe_model(preset: str, cfg: GPTConfig) -> str:
+    """A short name for a model: the preset's name, followed by the fields that differ from it."""
+    base = get_preset(preset)
+    changed = [f"{k}={v}" for k, v in cfg.as_dict().items() if getattr(base, k) != v]
+    return preset if not changed else f"{preset} ({', '.join(changed)})"

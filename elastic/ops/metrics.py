@@ -64,9 +64,9 @@ from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.model.config import get_preset
 from elastic.parallel.layout import assign_ranks
 from elastic.records.evals import EvalResult, eval_key
+from elastic.records.job import shape_of_spec
 from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
@@ -384,7 +384,7 @@ class NodeMetrics(Collector):
         if self._seq_len is None:
             raw, _ = self.client.get(RunKeys(self.keys).config)
             if raw is not None:
-                self._seq_len = get_preset(json.loads(raw)["spec"]["model"]).seq_len
+                self._seq_len = shape_of_spec(json.loads(raw)["spec"]).seq_len
         return self._seq_len
 
     def snapshot(self) -> Snapshot:

@@ -71,8 +71,8 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
-from elastic.model.config import get_preset
 from elastic.records.evals import EvalResult, eval_key
+from elastic.records.job import shape_of_spec
 from elastic.records.protocol import (
     GenerationRecord,
     ProgressRecord,
@@ -309,7 +309,7 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     progress = read_progress(client, rk)
     committed = 0 if progress is None else progress.step + 1
     spec = config["spec"] if config is not None else None
-    seq_len = get_preset(spec["model"]).seq_len if spec is not None else None
+    seq_len = shape_of_spec(spec).seq_len if spec is not None else None
     tokens = plan.global_batch * seq_len if plan is not None and seq_len is not None else None
     fatal_value, _ = client.get(keys.root + "fatal")
     fatal = fatal_value.decode() if fatal_value is not None else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from elastic.model.config import GPTConfig, get_preset
+from elastic.model.config import GPTConfig, describe_model, get_preset
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -35,7 +35,7 @@ class ClusterSpec:
     simulator: the cluster at time 0). Validation errors name the CLI flags."""
 
     model: str
-    """Model preset name."""
+    """Model preset name (with `shape`: the preset the shape was derived from, a label)."""
     nodes: int
     """N: live nodes (a run's config: the largest node count; the simulator: nodes at time 0)."""
     gpus_per_node: int = 1
@@ -56,6 +56,9 @@ class ClusterSpec:
     network_gbps: float = DEFAULT_NETWORK_GBPS
     """Inter-node bandwidth of one node's NIC in Gbit/s: pipeline p2p in derived profiles, and
     the simulator's layer-shard transfers."""
+    shape: GPTConfig | None = None
+    """The model's shape when it is not the preset's (`--model-config`, `--n-layer`, ...);
+    None: the preset `model`."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
@@ -90,12 +93,18 @@ class ClusterSpec:
         for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
             if size % self.gpus_per_node:
                 raise ValueError(
-                    f"model {self.model}'s {what}={size} is not divisible by --gpus-per-node {self.gpus_per_node}"
+                    f"model {self.label}'s {what}={size} is not divisible by --gpus-per-node {self.gpus_per_node}"
                 )
 
     @property
     def config(self) -> GPTConfig:
-        return get_preset(self.model)
+        """The model's shape: `shape`, or the preset's."""
+        return self.shape if self.shape is not None else get_preset(self.model)
+
+    @property
+    def label(self) -> str:
+        """The model's name in messages and profiles: the preset, and the fields `shape` changes."""
+        return describe_model(self.model, self.config)
 
     @property
     def global_microbatches(self) -> int:
@@ -157,10 +166,10 @@ def cluster_profile(spec: ClusterSpec) -> Profile:
             description=f"nominal device: {spec.device_tflops:g} TFLOP/s, {spec.device_memory_gib:g} GiB, "
             f"{spec.network_gbps:g} Gbit/s network",
         )
-        return derived_profile(spec.model, cfg, spec.microbatch, device)
+        return derived_profile(spec.label, cfg, spec.microbatch, device)
     profile = Profile.load(spec.profile_path)  # ProfileError (a ValueError) when malformed
     if profile.num_layers != cfg.num_layers:
-        raise ValueError(f"profile {spec.profile_path} has {profile.num_layers} layers but {spec.model} has {cfg.num_layers}")
+        raise ValueError(f"profile {spec.profile_path} has {profile.num_layers} layers but {spec.label} has {cfg.num_layers}")
     if profile.microbatch_size != spec.microbatch:
         raise ValueError(
             f"profile {spec.profile_path} was taken at microbatch {profile.microbatch_size}, not {spec.microbatch}"

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from elastic.coordinator.jsonrecord import JsonRecord
+from elastic.coordinator.jsonrecord import JsonRecord, from_data
 from elastic.model.config import GPTConfig, get_preset
 from elastic.records.optim_config import OptimConfig
 from templates.plan import Plan
@@ -60,6 +61,10 @@ class JobSpec(JsonRecord):
     (elastic/data/dataset.py), so training samples differ from those of a run without it."""
     eval_batches: int = 8
     """Held-out microbatches (of the plan's microbatch size) each evaluation averages over."""
+    # ---- model shape (--model-config, --n-layer, ...) ---------------------------------------
+    shape: GPTConfig | None = None
+    """The model's resolved shape when it is not the preset's; None: the preset `model`. Every
+    worker, checkpoint and summary reads the shape through `model_config`."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)
@@ -79,7 +84,8 @@ class JobSpec(JsonRecord):
 
     @property
     def model_config(self) -> GPTConfig:
-        return get_preset(self.model)
+        """The model's shape: `shape`, or the preset's."""
+        return self.shape if self.shape is not None else get_preset(self.model)
 
     @property
     def world_size(self) -> int:
@@ -107,3 +113,10 @@ class JobSpec(JsonRecord):
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:
         return cls.from_json(Path(path).read_text())
+
+
+def shape_of_spec(spec: dict[str, Any]) -> GPTConfig:
+    """The model shape of a JobSpec's JSON object (`to_dict`), for readers of the job config that
+    read it as plain JSON (`elastic status`, the metrics endpoint)."""
+    shape = spec.get("shape")
+    return get_preset(spec["model"]) if shape is None else from_data(GPTConfig, shape, where="JobSpec.shape")

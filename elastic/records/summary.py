@@ -60,6 +60,9 @@ class RunSummary:
     eval_losses: list[list[float]] = field(default_factory=list)
     """Runs with `--eval-every`: [[step, validation loss], ...], one entry per evaluation, where
     `step` is the number of steps committed when it ran (elastic/engine/eval.py)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """The model's shape (GPTConfig fields: vocab_size, seq_len, n_layer, n_head, d_model, dropout,
+    init_seed) and its parameter count (`num_params`)."""
 
     # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
     # plain object by `elastic report` and people, and never read back into this type; it
@@ -90,7 +93,14 @@ def collect_summary(spec: JobSpec) -> RunSummary:
         pipelines=len(spec.plan.pipelines),
         step_committed_at=[float(x) for x in result.get("step_committed_at", [])],
         eval_losses=[[int(step), float(loss)] for step, loss in result.get("eval_losses", [])],
+        model=model_fields(spec),
     )
+
+
+def model_fields(spec: JobSpec) -> dict[str, Any]:
+    """The summary's `model`: the job's shape and its parameter count."""
+    cfg = spec.model_config
+    return {**cfg.as_dict(), "num_params": cfg.num_params()}
 
 
 def load_final_state(spec: JobSpec) -> dict[str, torch.Tensor]:

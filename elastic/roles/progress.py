@@ -36,7 +36,7 @@ from elastic.records.protocol import (
     read_step_logs,
 )
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
-from elastic.records.summary import RunSummary
+from elastic.records.summary import RunSummary, model_fields
 
 
 class JobFeed:
@@ -294,6 +294,7 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         startup_s=(results[0].committed_at - started_at) if results else 0.0,
         worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
         eval_losses=eval_losses(_merged_evals(config, progress), up_to=len(results)),
+        model=model_fields(spec),
     )
 
 

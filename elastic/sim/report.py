@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic.model.config import GPTConfig, describe_model
+
 
 def format_table(report: dict[str, Any]) -> str:
     c, refs = report["cluster"], report["references"]
     hours = report["horizon_s"] / 3600
     tr = report["trace"]
+    model = c["model"] if not c.get("shape") else describe_model(c["model"], GPTConfig(**c["shape"]))
     lines = [
-        f"model {c['model']} on {c['nodes']} nodes x {c['gpus_per_node']} devices "
+        f"model {model} on {c['nodes']} nodes x {c['gpus_per_node']} devices "
         f"({c['device_tflops']:g} TFLOP/s, {c['device_memory_gib']:g} GiB, {c['network_gbps']:g} Gbit/s), "
         f"f = {c['fault_tolerance']}, global batch {c['global_batch']} (microbatch {c['microbatch']})",
         f"profile: {report['profile']['source']}; checkpoint/replica state {report['profile']['model_bytes'] / 1e9:.2f} GB",

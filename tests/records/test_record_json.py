@@ -22,6 +22,7 @@ from elastic.records.injection import Injection, InjectionRequest, InjectionStat
 from elastic.records.job import JobSpec
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
+from elastic.records.prepared_data import PreparedData, ShardInfo, SourceInfo
 from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
@@ -75,6 +76,11 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     PartialReport: PARTIAL,
     ReplayRecord: REPLAY,
     EvalResult: EvalResult(step=6, loss=3.25, batches=8, generation=2, at=1001.2, seconds=0.02),
+    PreparedData: PreparedData(
+        vocab_size=4096, tokens=300, shards=[ShardInfo(name="tokens-00000.bin", tokens=200),
+                                             ShardInfo(name="tokens-00001.bin", tokens=100)],
+        sources=[SourceInfo(path="/data/a.txt", bytes=1000, tokens=299)], separator_id=0,
+        tokenizer_origin="trained: byte-level BPE, target vocabulary 4096"),
 }
 """A realistic instance of every JsonRecord type of the project."""
 

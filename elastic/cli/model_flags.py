@@ -1,0 +1,72 @@
+"""The model-shape flags shared by `run`, `plan`, `profile` and `simulate`.
+
+A model is a preset (`--model`), changed by a JSON file of GPTConfig fields (`--model-config`),
+then by single fields (`--n-layer --d-model --n-head --seq-len --vocab-size`), in that order.
+Every command that takes `--model` takes the others, and all of them resolve the shape here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from elastic.cli.main import UsageError
+from elastic.model.config import SHAPE_FIELDS, GPTConfig, config_from_dict, get_preset, read_config_file
+
+
+def add_shape_flags(parser: Any) -> None:
+    """Add `--model-config FILE` and one flag per field of SHAPE_FIELDS (`--n-layer`, ...)."""
+    group = parser.add_argument_group(
+        "model shape", "change the --model preset: a JSON file of GPTConfig fields, then single fields"
+    )
+    group.add_argument(
+        "--model-config",
+        default=None,
+        metavar="FILE",
+        help="JSON object of GPTConfig fields (vocab_size, seq_len, n_layer, n_head, d_model, dropout, "
+        "init_seed) replacing the preset's",
+    )
+    for name in SHAPE_FIELDS:
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"the model's {name}")
+
+
+def shape_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The single-field flags given on the command line (field name -> value)."""
+    return {name: getattr(args, name) for name in SHAPE_FIELDS if getattr(args, name, None) is not None}
+
+
+def model_from_flags(args: argparse.Namespace, *, defaults: dict[str, int] | None = None) -> GPTConfig:
+    """The model of the command line: the `--model` preset, then the fields of `--model-config`,
+    then `defaults` (fields the command derives, e.g. the vocabulary of prepared data) where
+    neither the file nor a flag sets them, then the single-field flags. UsageError (one line,
+    exit 2) for an unknown preset or field, or an impossible shape."""
+    try:
+        base = get_preset(args.model)
+        from_file = {} if args.model_config is None else read_config_file(args.model_config)
+        overrides = shape_overrides(args)
+        derived = {k: v for k, v in (defaults or {}).items() if k not in from_file and k not in overrides}
+        where = "model shape" if args.model_config is None else f"model config {args.model_config}"
+        return config_from_dict({**from_file, **derived, **overrides}, base=base, where=where)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def model_for_data(args: argparse.Namespace) -> GPTConfig:
+    """`model_from_flags` for a run on `args.data`: with a prepared data directory (meta.json of
+    `elastic prepare-data`), the vocabulary defaults to the tokenizer's (rounded up to a multiple
+    of --gpus-per-node) and must cover it; UsageError (one line, exit 2) otherwise."""
+    from elastic.records.prepared_data import PreparedData
+
+    try:
+        prepared = PreparedData.find(args.data)
+    except ValueError as exc:
+        raise UsageError(f"--data {args.data}: {exc}") from None
+    if prepared is None:
+        return model_from_flags(args)
+    tp = getattr(args, "gpus_per_node", None) or 1
+    cfg = model_from_flags(args, defaults={"vocab_size": -(-prepared.vocab_size // tp) * tp})
+    try:
+        prepared.check_model(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, where=f"--data {args.data}")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return cfg
