@@ -74,7 +74,7 @@ def check_shapes(directory: Path, step: int, cfg: GPTConfig) -> int:
     num_layers, tp_degree = step_layout(directory, step)
     where = f"the checkpoint of step {step} in {directory}"
     if num_layers != cfg.num_layers:
-        raise CheckpointMismatch(f"{where} is of a model with {num_layers} planning layers "
+        raise CheckpointMismatch(f"{where} is of another model shape: {num_layers} planning layers "
                                  f"({num_layers - 2} blocks); this model has {cfg.num_layers} ({cfg.n_layer} blocks)")
     for layer in range(num_layers):
         params = layer_parameters(cfg, layer)
