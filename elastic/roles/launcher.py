@@ -8,7 +8,9 @@ failure and recovery as watches on etcd deliver them (one line per put of the
 `progress` key), and counts restarts of survivors' workers from
 the PIDs the workers register. It carries out rejoin requests itself: once the node's member is
 gone (and the request's step is in flight), any process left of the node's older incarnations
-is killed and an agent for the next incarnation is started.
+is killed and an agent for the next incarnation is started. It writes the checkpoint manifest
+(elastic/records/resume.py) beside the job's checkpoints; a resumed run (`config.resume`,
+`elastic run --resume`) publishes generation 1 as a restore of the earlier run's checkpoint.
 
 The launcher hosts the rendezvous store (a TCPStore on 127.0.0.1; the store is a parameter so
 an etcd-backed one can take its place), writes the job spec, starts one worker subprocess per
