@@ -5,6 +5,7 @@ and version-1 markers still read."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -149,3 +150,39 @@ def test_version_1_markers_are_still_read(tmp_path: Path) -> None:
     assert find_resume_point(tmp_path, CFG, checkpoint_dir=tmp_path).tp_degree == 2
     keys = [ShardKey(layer, 0) for layer in range(LAYERS)]
     assert_equal(load_resharded(tmp_path, 5, keys, cfg=CFG, tp_degree=1), shards_at(full, 1, step=5))
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_must_keep_the_samples_of_every_step() -> None:
+    from elastic.records.optim_config import OptimConfig
+    from elastic.records.resume import CheckpointManifest, compare_runs
+
+    earlier = CheckpointManifest(model="tiny", model_config=CFG, global_batch=8, data_seed=0, data_path=None,
+                                 optim=OptimConfig())
+    assert compare_runs(earlier, earlier) == ([], [])
+    for change, word in (({"global_batch": 16}, "global batch"), ({"data_seed": 1}, "data seed"),
+                         ({"data_path": "x.bin"}, "data (--data)"),
+                         ({"model_config": CFG.with_overrides(n_head=8)}, "another model shape (n_head 4 -> 8)")):
+        refusals, _ = compare_runs(earlier, dataclasses.replace(earlier, **change))  # type: ignore[arg-type]
+        assert len(refusals) == 1 and word in refusals[0], refusals
+    refusals, notes = compare_runs(earlier, dataclasses.replace(earlier, optim=OptimConfig(lr=3e-4)))
+    assert refusals == [] and len(notes) == 1 and "optimizer" in notes[0]
+
+
+@pytest.mark.timeout(60)
+def test_resuming_into_the_same_directory_sets_the_newer_steps_aside(tmp_path: Path) -> None:
+    from elastic.records.resume import CheckpointManifest, ResumeSource
+    from elastic.roles.launcher import _prepare_checkpoints
+    from tests.faults.runs import tiny_config
+
+    config = tiny_config(tmp_path, nodes=2, pipelines=2, steps=20)
+    checkpoints = Path(config.checkpoint_path)
+    for step in (5, 10, 15):
+        step_dir(checkpoints, step).mkdir(parents=True)
+    source = ResumeSource(run_dir=str(tmp_path), checkpoint_dir=str(checkpoints), step=5, tp_degree=1)
+    _prepare_checkpoints(dataclasses.replace(config, resume=source))
+    assert [p.name for p in checkpoints.glob("step-*")] == ["step-00000005"]
+    aside = list(checkpoints.glob("set-aside-*/step-*"))
+    assert sorted(p.name for p in aside) == ["step-00000010", "step-00000015"]
+    manifest = CheckpointManifest.load(checkpoints)
+    assert manifest is not None and manifest.global_batch == 8 and manifest.model_config == CFG

@@ -12,12 +12,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from elastic.engine.checkpoint import latest_complete
 from elastic.engine.checkpoint_files import list_steps, read_marker, step_dir
 from elastic.transfer.shards import ShardKey
 
@@ -53,8 +55,10 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     # the Ctrl-C lands, however far the launcher's printing lags behind the workers on a loaded
     # machine: the stop falls between the checkpoints of steps 10 and 15 (found by lease expiry
     # only after 10 s: the Ctrl-C comes first).
-    cmd = [sys.executable, "-m", "elastic.cli", "run", *FLAGS, "--nodes", "4", "--run-dir", str(run_dir),
-           "--inject", f"hang:node=3,step={STOP_AFTER + 1}"]
+    # Devices of 12 MiB: 2 pipelines of 2 stages (slower steps than 4 one-stage pipelines, so the
+    # stop lags step 13 by less than the 3 steps to the next checkpoint).
+    cmd = [sys.executable, "-m", "elastic.cli", "run", *FLAGS, "--nodes", "4", "--device-memory-gib", "0.012",
+           "--run-dir", str(run_dir), "--inject", f"hang:node=3,step={STOP_AFTER + 1}"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -62,6 +66,10 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
         for line in launcher.stdout:
             lines.append(line)
             if line.startswith(f"step {STOP_AFTER}/{STEPS}"):
+                # The checkpoint of step 10 is written in the background; on a loaded machine its
+                # fsyncs may still run two steps later, and a Ctrl-C then would (rightly) fall back
+                # to step 5. The job is frozen at step 13: let the write finish first.
+                _wait_complete(run_dir / "checkpoints", 10, timeout=6.0)
                 launcher.send_signal(signal.SIGINT)  # Ctrl-C
                 break
         rest, _ = launcher.communicate(timeout=60)
@@ -71,6 +79,15 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
         launcher.wait(10)
     return Interrupted(run_dir=run_dir, stdout="".join(lines) + rest, returncode=launcher.returncode,
                        reference=reference)
+
+
+def _wait_complete(directory: Path, step: int, *, timeout: float) -> None:
+    """Wait (at most `timeout` s) until the checkpoint of `step` is complete."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if latest_complete(directory, num_layers=6, tp_degree=1) == step:
+            return
+        time.sleep(0.05)
 
 
 def resume(source: Path, run_dir: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], dict, dict]:  # type: ignore[type-arg]
@@ -136,6 +153,10 @@ def test_another_model_shape_or_no_checkpoint_is_refused_with_one_line(interrupt
     assert other.returncode == 2, other.stderr
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
     assert "another model" in other.stderr and f"--resume {interrupted.run_dir}" in other.stderr
+    seed = elastic_run(*FLAGS, "--resume", str(interrupted.run_dir), "--nodes", "2", "--seed", "1",
+                       "--run-dir", str(tmp_path / "seed"), timeout=60)
+    assert seed.returncode == 2 and len(seed.stderr.strip().splitlines()) == 1, seed.stderr
+    assert "data seed (--seed) 0, this run 1" in seed.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     none = elastic_run(*FLAGS, "--resume", str(empty), "--nodes", "2", "--run-dir", str(tmp_path / "x"), timeout=60)
