@@ -111,6 +111,17 @@ def register(subparsers: Any) -> None:
                         "(default 0: never; holds out the tail of the corpus from training)")
     parser.add_argument("--eval-batches", type=int, default=None, metavar="K",
                         help="held-out microbatches each evaluation averages over (default 8; needs --eval-every)")
+    # ---- --resume (elastic/engine/checkpoint_resume.py) ----
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="elastic: start from the latest complete checkpoint of an earlier run in RUN_DIR (parameters, "
+        "AdamW state, step, LR schedule and data position), at any node count, TP degree or plan; an "
+        "incomplete or corrupt newest checkpoint falls back to the one before. --global-batch and --data "
+        "default to the earlier run's",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -177,6 +188,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
     token = _check_flags(args)
+    _resume_defaults(args)
     plan = build_plan(args, cfg.num_layers, shape=cfg)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
         if size % plan.gpus_per_node:
@@ -196,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if elastic:
             config = _elastic_config(args, spec, plan)
+            config = _resume_config(args, config)
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local")
         else:
@@ -345,3 +358,69 @@ def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+# ---- --resume ----------------------------------------------------------------------------
+
+
+def _resume_manifest(args: argparse.Namespace) -> Any:
+    """The manifest of the run to resume (None when it has none); UsageError if unreadable."""
+    from elastic.coordinator.jsonrecord import RecordError
+    from elastic.records.resume import CheckpointManifest
+
+    try:
+        return CheckpointManifest.load(args.resume / "checkpoints")
+    except (RecordError, OSError) as exc:
+        raise UsageError(f"--resume {args.resume}: unreadable checkpoint manifest: {exc}") from None
+
+
+def _resume_defaults(args: argparse.Namespace) -> None:
+    """With --resume: check the flags that go with it, and take --global-batch and --data from the
+    earlier run when they are not given (they fix the samples of every step)."""
+    if args.resume is None:
+        return
+    if args.static:
+        raise UsageError("--resume needs the control plane: it cannot take --static")
+    if not args.resume.is_dir():
+        raise UsageError(f"--resume {args.resume}: no such run directory")
+    manifest = _resume_manifest(args)
+    if manifest is not None:
+        if args.global_batch is None and args.plan is None:
+            args.global_batch = manifest.global_batch
+        if args.data is None:
+            args.data = manifest.data_path
+
+
+def _resume_config(args: argparse.Namespace, config: Any) -> Any:
+    """`config` with the checkpoint to resume from (--resume), after checking it continues the
+    earlier run exactly; UsageError (exit 2) for a missing, corrupt or incomplete checkpoint, or
+    one of another model shape, batch or data."""
+    if args.resume is None:
+        return config
+    import dataclasses
+
+    from elastic.engine.checkpoint_resume import CheckpointError, find_resume_point
+    from elastic.records.resume import CheckpointManifest, compare_runs
+
+    spec = config.spec
+    try:
+        source = find_resume_point(args.resume, spec.model_config)
+    except CheckpointError as exc:
+        raise UsageError(f"--resume {args.resume}: {exc}") from None
+    earlier = _resume_manifest(args)
+    if earlier is not None:
+        ours = CheckpointManifest(model=spec.model, model_config=spec.model_config,
+                                  global_batch=spec.plan.global_batch, data_seed=spec.data_seed,
+                                  data_path=spec.data_path, optim=spec.optim)
+        refusals, notes = compare_runs(earlier, ours)
+        if refusals:
+            raise UsageError(f"--resume {args.resume}: {refusals[0]}")
+        for note in notes:
+            print(f"elastic run: note: {note}", file=sys.stderr, flush=True)
+    if source.step >= spec.steps:
+        raise UsageError(f"--resume {args.resume}: its checkpoint is at step {source.step}; --steps {spec.steps} "
+                         "leaves nothing to run")
+    for skipped in source.skipped:
+        print(f"elastic run: warning: the checkpoint of step {skipped.step} of {args.resume} cannot be used "
+              f"({skipped.why}); falling back to the one before", file=sys.stderr, flush=True)
+    return dataclasses.replace(config, resume=source)

@@ -36,6 +36,7 @@ from elastic.engine.checkpoint_files import (
     read_marker,
     shard_stem,
     step_dir,
+    verify_data,
     write_marker,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "checkpoint_writer_shards",
     "latest_complete",
     "load_shards",
+    "shard_metadata",
 ]
 
 Shards = dict[ShardKey, dict[str, torch.Tensor]]
@@ -191,7 +193,8 @@ class CheckpointWriter:
             data = new_data_dir(self.directory, job.step, key)
             data.parent.mkdir(parents=True, exist_ok=True)
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
-            write_marker(self.directory, job.step, key, data, list(tensors))
+            write_marker(self.directory, job.step, key, data, list(tensors), num_layers=self.num_layers,
+                         tp_degree=self.tp_degree)
             _remove_stale_data(data)
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         prune(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree, keep=self.keep)
@@ -225,7 +228,8 @@ def latest_complete(directory: Path, *, num_layers: int, tp_degree: int) -> int 
 
 
 def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
-    """The committed shards `keys` of `step`, as CPU tensors named like `Trainer.export_shard`."""
+    """The committed shards `keys` of `step`, as CPU tensors named like `Trainer.export_shard`;
+    every file is checked against its marker's CRC-32 first (CheckpointError if corrupt)."""
     directory = Path(directory)
     if not step_dir(directory, step).is_dir():
         present = list_steps(directory)
@@ -245,26 +249,40 @@ def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
     return out
 
 
-def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
+def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor of one committed shard, from its DCP metadata alone
+    (no tensor is read); CheckpointError if the shard is not committed or its metadata is unreadable
+    or disagrees with the marker."""
     marker = read_marker(directory, step, key)
-    assert marker is not None  # checked by the caller
-    data = step_dir(directory, step) / str(marker["data"])
     where = f"shard {shard_stem(key)} of step {step} in {directory}"
+    if marker is None:
+        raise CheckpointError(f"{where} is not committed")
+    data = step_dir(directory, step) / marker.data
     try:
-        reader = dcp.FileSystemReader(data)
-        metadata = reader.read_metadata().state_dict_metadata
+        metadata = dcp.FileSystemReader(data).read_metadata().state_dict_metadata
     except Exception as e:
         raise CheckpointError(f"{where}: cannot read {data}: {e}") from e
-    if sorted(metadata) != marker["names"]:
-        raise CheckpointError(
-            f"{where}: tensors {sorted(metadata)} differ from the marker's {marker['names']}"
-        )
-    tensors: dict[str, torch.Tensor] = {}
+    if sorted(metadata) != marker.names:
+        raise CheckpointError(f"{where}: tensors {sorted(metadata)} differ from the marker's {marker.names}")
+    out = {}
     for name, meta in metadata.items():
         if not isinstance(meta, dcp.TensorStorageMetadata):
             raise CheckpointError(f"{where}: entry {name!r} is not a tensor")
-        tensors[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+        out[name] = (tuple(meta.size), meta.properties.dtype)
+    return out
+
+
+def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
+    marker = read_marker(directory, step, key)
+    assert marker is not None  # checked by the caller
+    verify_data(directory, marker)
+    shapes = shard_metadata(directory, step, key)
+    data = step_dir(directory, step) / marker.data
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    try:
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(data), no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"shard {shard_stem(key)} of step {step} in {directory}: cannot read {data}: {e}") from e
     return tensors
 
 

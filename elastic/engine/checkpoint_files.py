@@ -9,26 +9,61 @@ to a temporary name, fsynced and renamed over the final name: the rename is the 
 writer killed at any moment therefore leaves either no marker (the shard does not count) or the
 previous marker (pointing to data that is still whole). A step is complete when the marker of
 every (layer, tp_rank) of the model exists.
+
+The marker (`ShardMarker`, version 2) also names the model's layer count and tensor-parallel
+degree, so a step directory describes itself (a resumed run reshards it), and the CRC-32 of
+every file of the data directory, so a reader detects a corrupt shard before it uses it.
+Version-1 markers (no degree, no checksums) are still read; their shards are not verified.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
 import uuid
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.coordinator.jsonrecord import JsonRecord, RecordError
 from elastic.transfer.shards import ShardKey
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
-MARKER_VERSION = 1
+_MARKER_RE = re.compile(r"^layer-(\d{4})-tp-(\d{2})\.done$")
+MARKER_VERSION = 2
+_CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that was asked for does not exist, is incomplete or is unreadable."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardMarker(JsonRecord):
+    """The commit record of one shard of one step: where its data is and how to check it."""
+
+    step: int
+    """Optimizer step the shard belongs to (the number of committed steps)."""
+    layer: int
+    """Planning layer of the shard."""
+    tp_rank: int
+    """Tensor-parallel rank of the shard."""
+    data: str
+    """Name of the shard's data directory (torch.distributed.checkpoint files) in the step's directory."""
+    names: list[str]
+    """Sorted tensor names in the data directory."""
+    num_layers: int | None = None
+    """Planning layers of the model that wrote it (None: a version-1 marker)."""
+    tp_degree: int | None = None
+    """Tensor-parallel degree of the run that wrote it (None: a version-1 marker)."""
+    checksums: dict[str, int] | None = None
+    """CRC-32 of every file of the data directory, by relative path (None: a version-1 marker,
+    not verified)."""
+    version: int = MARKER_VERSION
+    """Marker format: 1 (data and names only) or 2 (with the model's layers and degree, and
+    checksums). The field predates the JSON records' schema version and stays the marker's own."""
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -57,40 +92,80 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_marker(directory: Path, step: int, key: ShardKey, data_dir: Path, names: list[str]) -> None:
-    """Commit one shard: temp file, fsync, atomic rename, fsync of the step directory."""
+def file_crc32(path: Path) -> int:
+    """CRC-32 of a file's bytes, read in chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def data_checksums(data_dir: Path) -> dict[str, int]:
+    """CRC-32 of every file under a shard's data directory, by path relative to it."""
+    return {p.relative_to(data_dir).as_posix(): file_crc32(p) for p in sorted(data_dir.rglob("*")) if p.is_file()}
+
+
+def write_marker(
+    directory: Path, step: int, key: ShardKey, data_dir: Path, names: list[str], *, num_layers: int, tp_degree: int
+) -> None:
+    """Commit one shard: checksums of its data, temp file, fsync, atomic rename, fsync of the
+    step directory."""
     final = marker_path(directory, step, key)
-    body = {
-        "version": MARKER_VERSION,
-        "step": step,
-        "layer": key[0],
-        "tp_rank": key[1],
-        "data": data_dir.name,
-        "names": sorted(names),
-    }
+    marker = ShardMarker(step=step, layer=key[0], tp_rank=key[1], data=data_dir.name, names=sorted(names),
+                         num_layers=num_layers, tp_degree=tp_degree, checksums=data_checksums(data_dir))
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(body, f)
+        f.write(marker.to_json())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
     _fsync_dir(final.parent)
 
 
-def read_marker(directory: Path, step: int, key: ShardKey) -> dict[str, object] | None:
-    """The marker of one shard, or None when the shard was never committed."""
+def read_marker(directory: Path, step: int, key: ShardKey) -> ShardMarker | None:
+    """The marker of one shard, or None when the shard was never committed (CheckpointError
+    when it cannot be read)."""
     path = marker_path(directory, step, key)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"marker {path} is not text: {e}") from e
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError as e:  # cannot happen with an atomic rename, but say so if it does
-        raise CheckpointError(f"marker {path} is not valid JSON: {e}") from e
-    if not isinstance(body, dict) or body.get("version") != MARKER_VERSION:
-        raise CheckpointError(f"marker {path} has an unknown format: {text[:200]!r}")
-    return body
+        marker = ShardMarker.from_json(text)
+    except RecordError as e:  # cannot happen with an atomic rename, but say so if it does
+        raise CheckpointError(f"marker {path} has an unknown format ({e}): {text[:200]!r}") from e
+    if not 1 <= marker.version <= MARKER_VERSION:
+        raise CheckpointError(f"marker {path} has an unknown format version {marker.version}")
+    return marker
+
+
+def verify_data(directory: Path, marker: ShardMarker) -> None:
+    """CheckpointError unless every file of the marker's data directory has its recorded CRC-32
+    (and no recorded file is missing); a version-1 marker has nothing to verify."""
+    if marker.checksums is None:
+        return
+    data = step_dir(directory, marker.step) / marker.data
+    where = f"shard {shard_stem(ShardKey(marker.layer, marker.tp_rank))} of step {marker.step} in {directory}"
+    for rel, want in sorted(marker.checksums.items()):
+        path = data / rel
+        try:
+            got = file_crc32(path)
+        except OSError as e:
+            raise CheckpointError(f"{where} is corrupt: cannot read {path}: {e.strerror}") from e
+        if got != want:
+            raise CheckpointError(f"{where} is corrupt: {path} has CRC-32 {got:08x}, its marker says {want:08x}")
+
+
+def committed_keys(directory: Path, step: int) -> list[ShardKey]:
+    """The (layer, tp_rank) of every marker in `step`'s directory, ascending."""
+    d = step_dir(directory, step)
+    if not d.is_dir():
+        return []
+    found = (_MARKER_RE.match(p.name) for p in d.iterdir())
+    return sorted(ShardKey(int(m.group(1)), int(m.group(2))) for m in found if m)
 
 
 def list_steps(directory: Path) -> list[int]:

@@ -46,6 +46,7 @@ from elastic.planning.cluster import ClusterSpec
 from elastic.records.injection import Injection
 from elastic.records.job import JobSpec
 from elastic.records.partial import PartialReport, ReplayRecord
+from elastic.records.resume import ResumeSource
 from templates.plan import Plan
 
 COMMIT = "commit"
@@ -217,6 +218,9 @@ class ElasticConfig(JsonRecord):
     """Directory of the checkpoints; empty means `<run_dir>/checkpoints`."""
     lease_ttl: int = 3
     """Seconds of silence after which etcd declares a node lost."""
+    resume: ResumeSource | None = None
+    """`elastic run --resume`: the earlier run's checkpoint that generation 1 restores (None: a
+    fresh run, initialised from the seed)."""
 
     @property
     def checkpoint_path(self) -> str:
@@ -242,6 +246,9 @@ class GenerationRecord(JsonRecord):
     serve their shards until this generation has committed a step, then leave with code 0."""
     restore_checkpoint: int | None = None
     """Checkpoint step every worker restores from (None: survivors keep their state)."""
+    restore_dir: str | None = None
+    """Directory of that checkpoint when it is not the job's own (a resumed run's generation 1:
+    the earlier run's checkpoints, resharded to this plan's tensor-parallel degree)."""
     reason: str = "start"
     """Why this generation exists, in words."""
     detected_at: float | None = None

@@ -63,6 +63,14 @@ class RunSummary:
     model: dict[str, Any] = field(default_factory=dict)
     """The model's shape (GPTConfig fields: vocab_size, seq_len, n_layer, n_head, d_model, dropout,
     init_seed) and its parameter count (`num_params`)."""
+    first_step: int = 0
+    """Index (0-based) of the first step this run committed: the step it resumed from, else 0;
+    `losses[i]` is the loss of step `first_step + i` (printed as step first_step + i + 1)."""
+    resumed_from: dict[str, Any] | None = None
+    """`elastic run --resume`: the earlier run's checkpoint this run started from: `run_dir`,
+    `checkpoint_dir`, `step`, `tp_degree` (the degree it was written at), `skipped` (newer
+    checkpoints that were incomplete or corrupt: `step`, `why`) and `text` ("resumed from step N
+    of RUN_DIR", with the skipped ones). None for a run that started from the seed."""
 
     # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
     # plain object by `elastic report` and people, and never read back into this type; it

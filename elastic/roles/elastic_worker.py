@@ -270,16 +270,7 @@ class ElasticWorker:
         holders = holder_map_reader(self.client, self.rk, revision=self.generations.revision(generation))
         fetch: Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]] | None
         if record.restore_checkpoint is not None:
-            from elastic.engine.checkpoint import load_shards
-
-            if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
-                self.trainer = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
-            ckpt, directory = record.restore_checkpoint, Path(self.config.checkpoint_path)
-            _log(f"generation {generation}: restoring from the checkpoint of step {ckpt} in {directory}")
-
-            def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
-                return load_shards(directory, ckpt, missing)
-
+            fetch = self._restore_fetch(generation, record)
         else:  # the first generation initialises from the seed; later ones fetch what they miss
             fetch = None if generation == 1 else self._fetch_from_holders(generation, holders)
         timings = self.trainer.start(
@@ -306,6 +297,27 @@ class ElasticWorker:
             f"groups and stage {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
         )
         return layout
+
+    def _restore_fetch(
+        self, generation: int, record: GenerationRecord
+    ) -> Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]:
+        """For a generation that restores a checkpoint (a fallback, or a resumed run's first):
+        drop any newer state held here and read the shards from the checkpoint, resharded when it
+        was written at another tensor-parallel degree (elastic/engine/checkpoint_reshard.py)."""
+        from elastic.engine.checkpoint_reshard import load_resharded
+
+        if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
+            self.trainer = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
+        ckpt = record.restore_checkpoint
+        assert ckpt is not None
+        directory = Path(record.restore_dir or self.config.checkpoint_path)
+        cfg, degree = self.spec.model_config, record.plan.gpus_per_node
+        _log(f"generation {generation}: restoring from the checkpoint of step {ckpt} in {directory}")
+
+        def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
+            return load_resharded(directory, ckpt, missing, cfg=cfg, tp_degree=degree)
+
+        return fetch
 
     def _holdings_fn(
         self, generation: int, record: GenerationRecord, holders: Callable[[], HolderMap]

@@ -8,7 +8,9 @@ failure and recovery as watches on etcd deliver them (one line per put of the
 `progress` key), and counts restarts of survivors' workers from
 the PIDs the workers register. It carries out rejoin requests itself: once the node's member is
 gone (and the request's step is in flight), any process left of the node's older incarnations
-is killed and an agent for the next incarnation is started.
+is killed and an agent for the next incarnation is started. It writes the checkpoint manifest
+(elastic/records/resume.py) beside the job's checkpoints; a resumed run (`config.resume`,
+`elastic run --resume`) publishes generation 1 as a restore of the earlier run's checkpoint.
 
 The launcher hosts the rendezvous store (a TCPStore on 127.0.0.1; the store is a parameter so
 an etcd-backed one can take its place), writes the job spec, starts one worker subprocess per
@@ -19,6 +21,7 @@ its exit code) or when it is interrupted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -57,6 +60,7 @@ from elastic.records.protocol import (
     committed_steps,
     step_log_path,
 )
+from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary, collect_summary
 from elastic.roles.progress import (
     JobFeed,
@@ -371,6 +375,7 @@ def launch_elastic(
     run_dir = Path(spec.run_dir)
     _clear_run_dir(spec)
     spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
+    _prepare_checkpoints(config)
     server = None
     if etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
@@ -394,8 +399,10 @@ def launch_elastic(
         feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
         feeds.append(feed)
         _submit_job(client, keys, config, etcd=etcd_endpoint, token=token)
-        _start_job(client, keys, spec, pool)
+        _start_job(client, keys, spec, pool, resume=config.resume)
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(spec.plan.nodes)} agents, generation 1 published")
+        if config.resume is not None:
+            say(f"elastic run: {config.resume.describe()}")
         loop = _RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
                         start=start, timeout_s=timeout_s, stop=stop)
         loop.follow()
@@ -430,9 +437,34 @@ def _submit_job(client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, etc
         submit_request(client, keys.root, InjectionRequest.from_injection(inj))
 
 
-def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: _AgentPool) -> None:
+def _prepare_checkpoints(config: ElasticConfig) -> None:
+    """Write the manifest beside the run's checkpoints (what a later `--resume` checks), and when
+    a resumed run writes into the checkpoint directory it resumes from, set aside the steps newer
+    than its start (incomplete or corrupt ones it skipped): they would mix with the steps it writes."""
+    if config.checkpoint_every <= 0:
+        return
+    from elastic.engine.checkpoint_files import list_steps, step_dir
+    from elastic.records.resume import CheckpointManifest
+
+    spec, directory = config.spec, Path(config.checkpoint_path)
+    CheckpointManifest(model=spec.model, model_config=spec.model_config, global_batch=spec.plan.global_batch,
+                       data_seed=spec.data_seed, data_path=spec.data_path, optim=spec.optim).save(directory)
+    resume = config.resume
+    if resume is None or Path(resume.checkpoint_dir).resolve() != directory.resolve():
+        return
+    aside = directory / f"set-aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    for step in list_steps(directory):
+        if step > resume.step:
+            aside.mkdir(exist_ok=True)
+            os.rename(step_dir(directory, step), aside / step_dir(directory, step).name)
+            print(f"elastic run: moved the checkpoint of step {step} (newer than the resumed step {resume.step}) "
+                  f"to {aside}", file=sys.stderr, flush=True)
+
+
+def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: _AgentPool, *,
+               resume: ResumeSource | None = None) -> None:
     """Start the agents (the first node's alone until it leads), wait for every worker to
-    register, and publish generation 1."""
+    register, and publish generation 1 (which restores `resume`'s checkpoint when given)."""
     nodes = sorted(spec.plan.nodes)
     pool.spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
     join_s = 1.0 if pool.local else 30.0  # external agents: pods and hosts take their time to start
@@ -444,6 +476,9 @@ def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: _AgentPoo
     _wait_for(lambda: _count(client, workers) >= world, 120.0 * join_s, "workers did not register", pool.agents)
     first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
                              published_at=time.time())
+    if resume is not None:
+        first = dataclasses.replace(first, resume_step=resume.step, restore_checkpoint=resume.step,
+                                    restore_dir=resume.checkpoint_dir, reason=resume.describe())
     Generations(client, keys).publish(first.to_json(), expected=0)
 
 

@@ -425,6 +425,7 @@ class Leader:
             joined=joined,
             drained=drained or [],
             restore_checkpoint=restore,
+            restore_dir=self._restore_dir(restore),
             reason=reason,
             detected_at=self._detected,
             synced_at=synced,
@@ -442,6 +443,15 @@ class Leader:
                                                    "recomputed": replay.recomputed}))
         self._forget(g - 1)
         return True
+
+    def _restore_dir(self, restore: int | None) -> str | None:
+        """Where checkpoint step `restore` lies when it is not in the job's own directory: a
+        resumed run writes only steps after the one it resumed from, so that step is the
+        earlier run's."""
+        resume = self.config.resume
+        if restore is None or resume is None or restore != resume.step:
+            return None
+        return resume.checkpoint_dir
 
     def _forget(self, g: int) -> None:
         """Delete what generation `g` (and any before it) left that no one reads any more."""
@@ -475,6 +485,9 @@ class Leader:
         spec = self.config.spec
         ckpt = latest_complete(Path(self.config.checkpoint_path), num_layers=plan.num_layers,
                                tp_degree=plan.gpus_per_node)
+        resume = self.config.resume
+        if ckpt is None and resume is not None:  # a resumed run before its own first checkpoint
+            ckpt = resume.step
         if ckpt is None:
             raise FallbackImpossible(
                 f"{what}: shards {gaps} have no live holder and no complete checkpoint exists in "

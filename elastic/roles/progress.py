@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.jsonrecord import to_data
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
 from elastic.records.evals import EvalResult, eval_key, eval_losses, newer, read_eval_logs
@@ -295,6 +296,8 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         worker_pids={f"{n}/{r}/{i}": sorted(p) for (n, r, i), p in sorted(progress.pids.items())},
         eval_losses=eval_losses(_merged_evals(config, progress), up_to=len(results)),
         model=model_fields(spec),
+        first_step=results[0].step if results else 0,
+        resumed_from=None if config.resume is None else {**to_data(config.resume), "text": config.resume.describe()},
     )
 
 

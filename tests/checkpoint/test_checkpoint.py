@@ -122,8 +122,8 @@ def test_rewriting_a_shard_replaces_it_and_drops_the_old_data(tmp_path: Path) ->
     w.save_async(4, make_shards([(1, 1)], step=4))
     w.close()
     new = read_marker(tmp_path, 4, (1, 1))
-    assert new is not None and new["data"] != old["data"]
-    assert not (step_dir(tmp_path, 4) / str(old["data"])).exists()
+    assert new is not None and new.data != old.data
+    assert not (step_dir(tmp_path, 4) / old.data).exists()
     assert marker_path(tmp_path, 4, (1, 1)).is_file()
     assert_shards_equal(load_shards(tmp_path, 4, [(1, 1)]), make_shards([(1, 1)], step=4))
 

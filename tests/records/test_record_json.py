@@ -15,6 +15,7 @@ import pytest
 import elastic
 from elastic.coordinator.jsonrecord import VERSION_KEY, JsonRecord, RecordError
 from elastic.coordinator.membership import NodeIdentity
+from elastic.engine.checkpoint_files import ShardMarker
 from elastic.ops.events import HistoryEvent
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.evals import EvalResult
@@ -35,6 +36,7 @@ from elastic.records.protocol import (
     Vote,
     WorkerInfo,
 )
+from elastic.records.resume import CheckpointManifest
 from elastic.records.summary import RunSummary
 from templates.plan import even_plan
 
@@ -81,6 +83,11 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
                                              ShardInfo(name="tokens-00001.bin", tokens=100)],
         sources=[SourceInfo(path="/data/a.txt", bytes=1000, tokens=299)], separator_id=0,
         tokenizer_origin="trained: byte-level BPE, target vocabulary 4096"),
+    ShardMarker: ShardMarker(step=10, layer=2, tp_rank=1, data="layer-0002-tp-01.0123456789ab",
+                             names=["exp_avg/blocks.1.ln1.bias", "step"], num_layers=6, tp_degree=2,
+                             checksums={".metadata": 305419896, "__0_0.distcp": 2882400001}),
+    CheckpointManifest: CheckpointManifest(model="tiny", model_config=SPEC.model_config, global_batch=8,
+                                           data_seed=3, data_path=None, optim=SPEC.optim),
 }
 """A realistic instance of every JsonRecord type of the project."""
 
