@@ -13,19 +13,14 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from elastic.cli.main import main
-from elastic.engine.checkpoint import ShardKey
-from elastic.engine.checkpoint_params import merge_shards
 from elastic.model.config import get_preset
-from elastic.model.init import shard_tensor
-from elastic.model.naming import layer_of
 from elastic.ops.sample import load_model
-from tests.faults.runs import max_rel_diff, run_elastic, static_reference
+from tests.faults.runs import run_elastic, static_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,16 +164,3 @@ def test_sample_refuses_bad_flags_with_one_line(tmp_path: Path) -> None:
                          (["--max-new-tokens", "-2"], "--max-new-tokens"), (["--tokenizer", "nope.json"], "nope")):
         code, _, err = _cli("sample", str(tmp_path), "--prompt", "x", *flags)
         assert code == 2 and err.count("\n") == 1 and words in err, err
-
-
-def test_merging_tensor_parallel_shards_gives_the_full_tensors() -> None:
-    from elastic.model.gpt import GPTStage
-
-    full = {n: p.detach() for n, p in GPTStage(TINY).named_parameters()}
-    tp_dims: dict[str, Any] = {n: p.tp_dim for n, p in GPTStage(TINY, initialise=False).named_parameters()}  # type: ignore[attr-defined]
-    shards: dict[ShardKey, dict[str, torch.Tensor]] = {}
-    for name, tensor in full.items():
-        for rank in range(4):
-            key = ShardKey(layer_of(name, TINY), rank)
-            shards.setdefault(key, {})[name] = shard_tensor(tensor, tp_dims[name], rank, 4).clone()
-    assert max_rel_diff(merge_shards(shards, TINY), full) == 0.0
