@@ -73,12 +73,10 @@ class HolderMap:
             _worker_of(meta.key): WorkerInfo.from_json(value).transfer_address
             for value, meta in client.get_prefix(rk.workers, revision=revision)
         }
-        holders = []
-        for value, meta in client.get_prefix(rk.holdings, revision=revision):
-            node, local_rank = _worker_of(meta.key)
-            shards = tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
-            holders.append(Holder(node=node, local_rank=local_rank, shards=shards,
-                                  transfer_address=addresses.get((node, local_rank))))
+        holders = [
+            Holder(node=node, local_rank=local_rank, shards=shards, transfer_address=addresses.get((node, local_rank)))
+            for (node, local_rank), shards in read_holdings(client, rk, revision=revision).items()
+        ]
         return cls(holders=tuple(sorted(holders, key=lambda h: (h.node, h.local_rank))))
 
     def by_rank(self, plan: Plan) -> dict[int, list[ShardKey]]:
@@ -110,6 +108,17 @@ def holder_map_reader(client: EtcdClient, rk: RunKeys, *, revision: int | None =
     first call only, so that the shard paths of one generation change (the collective exchange,
     then the gRPC fetch of what it did not bring) share one reading."""
     return functools.cache(functools.partial(HolderMap.read, client, rk, revision=revision))
+
+
+def read_holdings(
+    client: EtcdClient, rk: RunKeys, *, revision: int | None = None
+) -> dict[tuple[int, int], tuple[ShardKey, ...]]:
+    """(node, local_rank) -> the shards that worker reports holding: one read of `holdings/`
+    (at `revision`, or the current one). The leader reads it to find shards without a live holder."""
+    return {
+        _worker_of(meta.key): tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
+        for value, meta in client.get_prefix(rk.holdings, revision=revision)
+    }
 
 
 def _worker_of(key: bytes) -> tuple[int, int]:

@@ -33,7 +33,6 @@ when g+1 is published, so etcd holds O(workers) of them whatever the run's lengt
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -67,6 +66,7 @@ from elastic.records.protocol import (
     live_nodes,
     read_progress,
 )
+from elastic.roles.holders import read_holdings
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -120,15 +120,10 @@ def live_holdings_gaps(
 ) -> list[ShardKey] | None:
     """The (layer, tp_rank) shards that no live worker reports holding; None when no worker has
     reported yet (nothing trained: the seed state is everywhere)."""
-    held: set[ShardKey] = set()
-    reported = False
-    for value, meta in client.get_prefix(rk.holdings):
-        reported = True
-        node = int(meta.key.decode().split("/")[-2])
-        if node in live:
-            held.update(ShardKey(int(a), int(b)) for a, b in json.loads(value))
-    if not reported:
+    holdings = read_holdings(client, rk)
+    if not holdings:
         return None
+    held = {shard for (node, _), shards in holdings.items() if node in live for shard in shards}
     return [
         ShardKey(layer, t)
         for layer in range(plan.num_layers)
