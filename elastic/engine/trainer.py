@@ -157,8 +157,6 @@ class Trainer:
         """Index of the next step to run (= committed steps so far)."""
         self.last_report: StepResult | None = None
         """The last step committed (or skipped) by this worker."""
-        self.committed_at: list[float] = []
-        """Wall time of each commit of `train()` (the non-elastic path)."""
         self.evals: list[tuple[int, float]] = []
         """(committed steps, validation loss) of each evaluation of `train()` (the non-elastic path)."""
         self._layout: ParallelLayout | None = None
@@ -595,7 +593,6 @@ class Trainer:
         while self.step < steps:
             report = self.commit(self.prepare_step())
             reports.append(report)
-            self.committed_at.append(time.time())
             if on_step is not None:
                 on_step(report)
             if eval_due(self.step, every=self.spec.eval_every, steps=steps):
@@ -625,7 +622,7 @@ class Trainer:
                 "grad_norms": [r.grad_norm for r in reports],
                 "lrs": [r.lr for r in reports],
                 "step_seconds": [r.seconds for r in reports],
-                "step_committed_at": self.committed_at,
+                "step_committed_at": [r.committed_at for r in reports],
                 "train_seconds": train_seconds,
                 "eval_losses": [[step, loss] for step, loss in self.evals],
             }
