@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import torch
@@ -37,6 +38,7 @@ from elastic.transfer.codec import CorruptTensorError
 from elastic.transfer.server import GENERATION_BEHIND_KEY, HEADER_ALLOWANCE, MISSING_SHARDS_KEY
 from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
 from elastic.transfer.stream import ShardCheck, ShardStreamParser
+from elastic.transfer.tls import TlsConfig
 from elastic.transfer.wire import fetch_callable
 
 # Codes that another holder would answer the same way: retrying elsewhere cannot help.
@@ -100,6 +102,8 @@ class FetchConfig:
     requester's generation yet; after that it is dropped like a broken holder."""
     behind_retry_s: float = 0.02
     """Pause between asks of such a holder."""
+    tls: TlsConfig | None = None
+    """Mutual TLS (elastic/transfer/tls.py): talk only to servers the CA signed; None: plain gRPC."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -189,15 +193,15 @@ class _Watchdog:
 
 
 def _channel(address: str, config: FetchConfig) -> grpc.Channel:
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", config.max_reply_bytes),
-            ("grpc.max_send_message_length", config.max_request_bytes),
-            ("grpc.use_local_subchannel_pool", 1),
-            ("grpc.enable_retries", 0),
-        ],
-    )
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", config.max_reply_bytes),
+        ("grpc.max_send_message_length", config.max_request_bytes),
+        ("grpc.use_local_subchannel_pool", 1),
+        ("grpc.enable_retries", 0),
+    ]
+    if config.tls is not None:
+        return grpc.secure_channel(address, config.tls.channel_credentials(), options=options + config.tls.channel_options())
+    return grpc.insecure_channel(address, options=options)
 
 
 def _credentials(config: FetchConfig) -> pb.Credentials:

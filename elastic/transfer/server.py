@@ -28,6 +28,7 @@ from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 from elastic.transfer.codec import crc32, encode_tensor, iter_chunks
 from elastic.transfer.shards import ShardKey
+from elastic.transfer.tls import TlsConfig
 from elastic.transfer.wire import DataChunk, FetchItem, MalformedRequest, add_servicer
 
 ShardProvider = Callable[[int, int], Mapping[str, torch.Tensor]]
@@ -59,6 +60,8 @@ class ServerConfig:
     """Largest request message accepted; larger ones are refused with RESOURCE_EXHAUSTED."""
     max_workers: int = 4
     """Threads serving calls concurrently."""
+    tls: TlsConfig | None = None
+    """Mutual TLS (elastic/transfer/tls.py): serve only clients the CA signed; None: plain gRPC."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -200,7 +203,11 @@ class ShardServer:
             ],
         )
         add_servicer(_Servicer(self), self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        bind = f"{config.host}:{config.port}"
+        if config.tls is not None:
+            self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind the shard server to {config.host}:{config.port}")
 
