@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.keys import JobKeys
 from elastic.records.protocol import RunKeys, committed_steps
 
@@ -99,7 +99,7 @@ class Partitioner:
         return committed_steps(client, self.rk)
 
     def _run(self) -> None:
-        client = connect(EtcdConfig(endpoint=self.etcd))
+        client = connect(config_from_env(self.etcd))
         try:
             for spec in self.specs:
                 while self._committed(client) < spec.step - 1:

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.netaddr import LOOPBACK, bind_host
 from elastic.coordinator.store import EtcdStore
 from elastic.parallel.groups import new_group
@@ -31,7 +31,7 @@ def probe(*, etcd: str, prefix: str, rank: int, world: int, timeout_s: float) ->
     host = bind_host()
     if host == LOOPBACK:
         raise RuntimeError("ELASTIC_HOST is not set: this probe checks traffic between namespaces")
-    client = connect(EtcdConfig(endpoint=etcd))
+    client = connect(config_from_env(etcd))
     timeout = timedelta(seconds=timeout_s)
     store = EtcdStore(client, f"netns-probe/{prefix}/", timeout=timeout)
     group = new_group(store, rank=rank, size=world, timeout=timeout, backend="gloo")

@@ -52,9 +52,12 @@ def _run(args: argparse.Namespace) -> int:
     kinds = _kinds(args.kind)
     try:
         target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+        client = open_client(target)  # EtcdAccessError (a ValueError) for credentials etcd refuses
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    client = open_client(target)
+    except OpsError as exc:
+        print(f"elastic events: error: {exc}", file=sys.stderr)
+        return 1
     watches: list[PrefixWatch] = []
     try:
         keys = find_job(client, target)

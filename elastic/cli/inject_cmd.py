@@ -62,9 +62,11 @@ class OperatorJob:
             raise UsageError(f"--wait must be >= 0, got {args.wait}")
         try:
             target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+            self.client = open_client(target)  # EtcdAccessError (a ValueError) for credentials etcd refuses
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        self.client = open_client(target)
+        except OpsError as exc:
+            raise JobError(str(exc)) from None
         try:
             self.keys = find_job(self.client, target)
         except OpsError as exc:

@@ -184,6 +184,7 @@ def _run(args: argparse.Namespace) -> int:
     _unwind_on_sigterm()
     # torch and the runtime load here, not at import, so that `elastic --help` and the planner
     # commands start without torch.
+    from elastic.coordinator.client import EtcdAccessError
     from elastic.roles.launcher import JobFailed, WorkerFailed, launch, launch_elastic
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
@@ -216,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
     except (WorkerFailed, JobFailed, TimeoutError) as exc:
         print(f"elastic run: error: {exc}", file=sys.stderr)
         return 1
+    except EtcdAccessError as exc:  # --etcd refuses our credentials (or has none of ours): nothing was written
+        raise UsageError(str(exc)) from None
     _write_outputs(args, spec, summary, run_dir, elastic=elastic)
     return 0
 

@@ -62,8 +62,12 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
         target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+        client = open_client(target)  # EtcdAccessError (a ValueError) for credentials etcd refuses
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except OpsError as exc:
+        print(f"elastic status: error: {exc}", file=sys.stderr)
+        return 1
     interrupted = threading.Event()
     if args.watch is not None:
         # A handler of our own: Ctrl-C ends the watch even when SIGINT was inherited as ignored
@@ -76,7 +80,6 @@ def _run(args: argparse.Namespace) -> int:
             interrupted.set()
 
         signal.signal(signal.SIGINT, on_sigint)
-    client = open_client(target)
     try:
         keys = find_job(client, target)
         while not interrupted.is_set():

@@ -25,7 +25,10 @@ ELASTIC_INCARNATION, ELASTIC_RDZV_ROUND. The handler never shares a TCPStore wit
 worker's store address) cannot arise; each round gets a fresh `EtcdStore` prefix.
 
 rdzv-conf keys: token, node_id, devices, ttl, last_call_timeout, timeout (join timeout), user,
-password, ca_cert, cert_key, cert_cert ($ELASTIC_ETCD_USER / $ELASTIC_ETCD_PASSWORD also work).
+password, ca_cert, cert_key, cert_cert. The credentials are better given in the environment
+($ELASTIC_ETCD_USER, $ELASTIC_ETCD_PASSWORD, $ELASTIC_ETCD_CA, $ELASTIC_ETCD_CERT,
+$ELASTIC_ETCD_KEY; see `client.config_from_env`): rdzv-conf is on torchrun's command line, which
+`ps` shows. Either way the handler leaves them in the environment its workers inherit.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from .access import admit
-from .client import EtcdConfig, connect
+from .client import EtcdConfig, config_from_env, connect, credentials_env
 from .keys import JobKeys, check_name
 from .membership import Membership, MembershipConfig, NodeIdentity, read_members
 from .store import EtcdStore
@@ -153,6 +156,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             ELASTIC_INCARNATION=str(incarnation),
             ELASTIC_RDZV_ROUND=str(round_number),
         )
+        os.environ.update(credentials_env(self.etcd))  # rdzv-conf credentials reach the workers too
         log.info("node %s (incarnation %d) joined round %d as %d/%d", self.node_id, incarnation, round_number,
                  rank, world)
         return RendezvousInfo(store, rank, world, bootstrap)
@@ -212,14 +216,8 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     if not params.endpoint:
         raise ValueError("--rdzv-endpoint=HOST:PORT of etcd is required for the elastic-etcd backend")
     endpoint = params.endpoint if ":" in params.endpoint else f"{params.endpoint}:2379"
-    etcd = EtcdConfig(
-        endpoint=endpoint,
-        user=params.get("user") or os.environ.get("ELASTIC_ETCD_USER"),
-        password=params.get("password") or os.environ.get("ELASTIC_ETCD_PASSWORD"),
-        ca_cert=params.get("ca_cert"),
-        cert_key=params.get("cert_key"),
-        cert_cert=params.get("cert_cert"),
-    )
+    given = {field: params.get(field) for field in ("user", "password", "ca_cert", "cert_key", "cert_cert")}
+    etcd = config_from_env(endpoint, **{field: value for field, value in given.items() if value})
     node_id = params.get("node_id") or f"{socket.gethostname()}-{os.getpid()}"
     return EtcdRendezvousHandler(
         etcd=etcd,

@@ -17,11 +17,10 @@ elastic/coordinator/access.py); who may read etcd at all is etcd's own authentic
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, connect
+from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, check_access, config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 
@@ -76,9 +75,17 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
 
 def open_client(target: JobTarget) -> EtcdClient:
     """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S, without retrying:
-    an operator wants to hear at once that etcd is gone, not wait out an etcd restart."""
-    no_retry: dict[str, Any] = {"retry_s": 0.0} if "retry_s" in {f.name for f in fields(EtcdConfig)} else {}
-    return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S, **no_retry))
+    an operator wants to hear at once that etcd is gone, not wait out an etcd restart.
+
+    Credentials come from the environment ($ELASTIC_ETCD_USER/PASSWORD/CA/CERT/KEY, see
+    `config_from_env`). A credential etcd refuses, a failed TLS handshake or a user without read
+    access to the job's prefix raises EtcdAccessError (a ValueError: the CLI's exit code 2);
+    an etcd that does not answer, OpsError."""
+    config = config_from_env(target.etcd, timeout=CONNECT_TIMEOUT_S, retry_s=0.0)
+    try:
+        return check_access(config, key=JobKeys(target.job).root if target.job is not None else _ROOT)
+    except TRANSIENT_ERRORS:
+        raise OpsError(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
 
 
 def list_jobs(client: EtcdClient, etcd: str) -> list[str]:
@@ -93,8 +100,18 @@ def list_jobs(client: EtcdClient, etcd: str) -> list[str]:
     return sorted(j for j in jobs if j)
 
 
+def _has_keys(client: EtcdClient, prefix: str, etcd: str) -> bool:
+    """Whether anything lives under `prefix`; OpsError if etcd does not answer."""
+    try:
+        return client.get_prefix_response(prefix, count_only=True).count > 0
+    except TRANSIENT_ERRORS:
+        raise OpsError(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+
+
 def find_job(client: EtcdClient, target: JobTarget) -> JobKeys:
     """The keys of the target's job; OpsError if etcd is unreachable or the job is not there."""
+    if target.job is not None and _has_keys(client, JobKeys(target.job).root, target.etcd):
+        return JobKeys(target.job)  # without listing /elastic/: a job's own etcd user may read only its prefix
     jobs = list_jobs(client, target.etcd)
     known = ", ".join(jobs) if jobs else "none"
     if target.job is None:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
@@ -178,7 +178,7 @@ class Agent:
 
     def __init__(self, *, endpoint: str, job: str, node: int, incarnation: int, token: str) -> None:
         self.endpoint, self.node, self.incarnation, self.token = endpoint, node, incarnation, token
-        self.client = connect(EtcdConfig(endpoint=endpoint))
+        self.client = connect(config_from_env(endpoint))
         self.keys = JobKeys(job)
         self.rk = RunKeys(self.keys)
         admit(self.client, self.keys, token or None)

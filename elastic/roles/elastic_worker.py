@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
@@ -69,6 +69,7 @@ from elastic.roles.holders import HolderMap, holder_map_reader
 from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
 from elastic.transfer.shards import ShardKey
+from elastic.transfer.tls import TlsConfig
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -130,8 +131,9 @@ class ElasticWorker:
         self.node, self.local_rank, self.incarnation = node, local_rank, incarnation
         torch.set_num_threads(self.spec.threads_per_worker)
         self.trainer = Trainer(self.spec, node=node, local_rank=local_rank)
+        self.tls = TlsConfig.from_env()  # mutual TLS of the gRPC shard path, when the environment sets it
         self.server = ShardServer(
-            ServerConfig(token=token, host=bind_host()),
+            ServerConfig(token=token, host=bind_host(), tls=self.tls),
             provider=lambda layer, tp: self.trainer.export_shard(layer, tp),
         ).start()
         info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation)
@@ -335,7 +337,7 @@ class ElasticWorker:
         knows (no server is asked what it holds). A holder still resolving its step of the
         generation before answers "not yet" and is asked again, for up to the collective timeout."""
         config = FetchConfig(token=self.token, generation=generation, stall_timeout_s=min(30.0, self.timeout),
-                             behind_wait_s=self.timeout)
+                             behind_wait_s=self.timeout, tls=self.tls)
 
         def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
             known = holders()
@@ -501,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     # TORCH_GLOO_LAZY_INIT=0 in the environment keeps the eager full mesh.
     os.environ.setdefault(GLOO_LAZY_ENV, "1")
     token = os.environ.get(TOKEN_ENV, "")
-    client = connect(EtcdConfig(endpoint=args.etcd))
+    client = connect(config_from_env(args.etcd))
     keys = JobKeys(args.job)
     try:
         admit(client, keys, token or None)

@@ -39,7 +39,13 @@ from typing import IO
 import torch.distributed as dist
 
 from elastic.coordinator.access import admit
-from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.client import (
+    ETCD_CREDENTIAL_ENVS,
+    EtcdConfig,
+    check_access,
+    config_from_env,
+    connect,
+)
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
@@ -222,6 +228,9 @@ class _AgentPool:
     """Whether agents are started here at all (False: agents on other hosts join the job)."""
     agents: list[_Agent] = field(default_factory=list)
     """Every agent started so far, in start order."""
+    plain_etcd: bool = False
+    """The launcher started the job's etcd itself (plain, no auth): the agents do not get the
+    ELASTIC_ETCD_* credentials of the environment, which are for an external etcd."""
 
     def spawn(self, node: int, incarnation: int) -> None:
         """Start the agent of `node`'s `incarnation` (only its log file when agents are not local)."""
@@ -233,6 +242,8 @@ class _AgentPool:
         env = dict(
             os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker), **extra_env
         )
+        for var in ETCD_CREDENTIAL_ENVS if self.plain_etcd else ():
+            env.pop(var, None)
         cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", self.etcd_endpoint,
                "--job", self.job, "--node", str(node), "--incarnation", str(incarnation)]
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
@@ -373,6 +384,9 @@ def launch_elastic(
     started_at = time.time()
     spec = config.spec
     run_dir = Path(spec.run_dir)
+    if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
+        job = job or f"run-{secrets.token_hex(4)}"
+        check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root).close()
     _clear_run_dir(spec)
     spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
     _prepare_checkpoints(config)
@@ -383,9 +397,10 @@ def launch_elastic(
     job = job or f"run-{secrets.token_hex(4)}"
     token = token or secrets.token_hex(16)
     pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
-                      threads_per_worker=spec.threads_per_worker, placement=placement, local=local_agents)
+                      threads_per_worker=spec.threads_per_worker, placement=placement, local=local_agents,
+                      plain_etcd=server is not None)
     progress = Progress()
-    client = connect(EtcdConfig(endpoint=etcd_endpoint))
+    client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
     feeds: list[JobFeed] = []
     start = time.monotonic()

@@ -127,7 +127,8 @@ class LiveJob:
                  timeout_s: float = 150.0) -> None:
         import secrets
 
-        from elastic.coordinator import EtcdConfig, JobKeys, connect
+        from elastic.coordinator import JobKeys, connect
+        from elastic.coordinator.client import config_from_env
         from elastic.records.protocol import RunKeys
 
         self.config, self.etcd = config, etcd
@@ -135,7 +136,7 @@ class LiveJob:
         self.token = token or secrets.token_hex(8)
         self.keys = JobKeys(self.job)
         self.rk = RunKeys(self.keys)
-        self.client = connect(EtcdConfig(endpoint=etcd))
+        self.client = connect(config_from_env(etcd))
         self.summary: RunSummary | None = None
         self.error: BaseException | None = None
         self._timeout_s = timeout_s
