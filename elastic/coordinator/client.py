@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -212,27 +213,40 @@ def config_from_env(endpoint: str, env: Mapping[str, str] | None = None, **overr
                               f"${ETCD_CA_ENV})") from None
 
 
-def _access_problem(exc: grpc.RpcError, config: EtcdConfig) -> str | None:
+def _tls_reason(details: str) -> str:
+    """The SSL reason of a failed handshake (CERTIFICATE_VERIFY_FAILED, ...), else the details."""
+    found = re.findall(r"OPENSSL_internal:([A-Z0-9_]+)", details)
+    return found[-1] if found else details[:200]
+
+
+def _access_problem(exc: grpc.RpcError, config: EtcdConfig, key: str) -> str | None:
     """One line for a refusal that retrying cannot cure, None for "unreachable right now"."""
     code, details = exc.code(), (exc.details() or "").replace("\n", " ")
     where = f"etcd at {config.endpoint}"
-    if code == grpc.StatusCode.UNAVAILABLE and any(
-        word in details.lower() for word in ("handshake", "ssl", "certificate", "tls")
-    ):
+    if code == grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower():
         hint = f"check ${ETCD_CA_ENV}, ${ETCD_CERT_ENV} and ${ETCD_KEY_ENV}"
         if config.ca_cert is None:
             hint = f"does it serve TLS? then set ${ETCD_CA_ENV}"
-        return f"TLS handshake with {where} failed ({hint}): {details[:200]}"
-    if code == grpc.StatusCode.UNAVAILABLE and config.ca_cert is not None and "Socket closed" in details:
-        return f"{where} closed the TLS connection (does it serve TLS?): {details[:200]}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication" in details:
+        return f"TLS handshake with {where} failed: {_tls_reason(details)} ({hint})"
+    if code == grpc.StatusCode.INVALID_ARGUMENT and "authentication failed" in details:
         return f"{where} refused user {config.user!r}: {details} (check ${ETCD_USER_ENV} and ${ETCD_PASSWORD_ENV})"
     if code == grpc.StatusCode.FAILED_PRECONDITION and "authentication is not enabled" in details:
-        return f"{where} has authentication off but ${ETCD_USER_ENV} is set: unset it or enable auth"
-    if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in details:
-        return f"{where} has authentication on: set ${ETCD_USER_ENV} and ${ETCD_PASSWORD_ENV}"
+        return f"{where} has authentication off but ${ETCD_USER_ENV} is set: unset it, or enable auth there"
     if code == grpc.StatusCode.PERMISSION_DENIED:
-        return f"{where}: user {config.user!r} is not permitted ({details}); grant its role the job's prefix"
+        if config.user is None:
+            return (f"{where} refused to let us read {key} ({details}): it has authentication on; "
+                    f"set ${ETCD_USER_ENV} and ${ETCD_PASSWORD_ENV}")
+        return f"{where}: user {config.user!r} may not read {key} ({details}); grant its role readwrite on that prefix"
+    return None
+
+
+def _unreachable_problem(exc: grpc.RpcError, config: EtcdConfig) -> str | None:
+    """After the retries: one line for an etcd that answers every connection by closing it (a
+    TLS etcd dialled in plain text, or the reverse), None for one that is just not there."""
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (exc.details() or ""):
+        if config.ca_cert is None:
+            return f"etcd at {config.endpoint} closes every plain-text connection: does it serve TLS? then set ${ETCD_CA_ENV}"
+        return f"etcd at {config.endpoint} closes every connection: does it serve TLS? (${ETCD_CA_ENV} is set)"
     return None
 
 
@@ -257,10 +271,13 @@ def check_access(config: EtcdConfig, *, key: str) -> EtcdClient:
                 client.close()
                 raise
         except grpc.RpcError as exc:
-            problem = _access_problem(exc, config)
+            problem = _access_problem(exc, config, key)
             if problem is not None:
                 raise EtcdAccessError(problem) from None
             if time.monotonic() + _RETRY_PAUSE_S > deadline:
+                problem = _unreachable_problem(exc, config)
+                if problem is not None:
+                    raise EtcdAccessError(problem) from None
                 return connect(config)  # unreachable: the caller's own call says so its way
             time.sleep(_RETRY_PAUSE_S)
 
