@@ -91,8 +91,9 @@ class SecureEtcd:
     """One etcd member on 127.0.0.1 with client TLS (--client-cert-auth) and, after
     `enable_auth`, user/password authentication; stopped by PID."""
 
-    def __init__(self, pki: Pki, data_dir: Path) -> None:
-        self.pki, self.data_dir = pki, Path(data_dir)
+    def __init__(self, pki: Pki, data_dir: Path, *, extra_args: tuple[str, ...] = ()) -> None:
+        """`extra_args`: more etcd flags (e.g. `--auth-token-ttl 1`)."""
+        self.pki, self.data_dir, self.extra_args = pki, Path(data_dir), extra_args
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.binary = find_etcd_binary()
         self.etcdctl = str(Path(self.binary).parent / "etcdctl")
@@ -114,7 +115,7 @@ class SecureEtcd:
                 "--initial-cluster", f"secure={peer}",
                 "--client-cert-auth", "--trusted-ca-file", str(self.pki.ca),
                 "--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
-                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10s"]
+                "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10s", *self.extra_args]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self._proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()

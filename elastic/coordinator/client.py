@@ -124,12 +124,15 @@ class RetryingEtcdClient(etcd3.MultiEndpointEtcd3Client):
     """
 
     retry_s: float = 0.0
+    credentials: tuple[str, str] | None = None
+    """(user, password) to authenticate again with when etcd forgets our token (`_renew_token`)."""
 
 
 def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def retried(self: RetryingEtcdClient, *args: Any, **kwargs: Any) -> Any:
         deadline = time.monotonic() + self.retry_s
+        renewed = False
         while True:
             try:
                 return call(self, *args, **kwargs)
@@ -138,6 +141,10 @@ def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
                     raise
                 log.debug("etcd %s failed (%s); retrying", call.__name__, type(exc).__name__)
                 time.sleep(_RETRY_PAUSE_S)
+            except grpc.RpcError as exc:  # an auth token that expired unused (past etcd's --auth-token-ttl)
+                if renewed or not _renew_token(self, exc):
+                    raise
+                renewed = True
 
     return retried
 
@@ -158,10 +165,15 @@ def connect(config: EtcdConfig) -> EtcdClient:
     endpoint = etcd3.Endpoint(
         config.host, config.port, secure=secure, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
     )
-    client = RetryingEtcdClient(
-        endpoints=[endpoint], timeout=config.timeout, user=config.user, password=config.password
+    client = _authenticated(  # with a user, the constructor authenticates: retried like a call
+        lambda: RetryingEtcdClient(
+            endpoints=[endpoint], timeout=config.timeout, user=config.user, password=config.password
+        ),
+        config.retry_s,
     )
     client.retry_s = config.retry_s
+    if config.user is not None and config.password is not None:
+        client.credentials = (config.user, config.password)
     return client
 
 
@@ -213,6 +225,13 @@ def config_from_env(endpoint: str, env: Mapping[str, str] | None = None, **overr
                               f"${ETCD_CA_ENV})") from None
 
 
+def _tls_failed(details: str) -> bool:
+    """Whether gRPC's details tell of a failed TLS handshake (not a TCP one cut short, which
+    "tcp handshaker shutdown" is: a deadline under load)."""
+    lowered = details.lower()
+    return "tls handshake failed" in lowered or "ssl handshake failed" in lowered or "ssl_error" in lowered
+
+
 def _tls_reason(details: str) -> str:
     """The SSL reason of a failed handshake (CERTIFICATE_VERIFY_FAILED, ...), else the details."""
     found = re.findall(r"OPENSSL_internal:([A-Z0-9_]+)", details)
@@ -223,7 +242,7 @@ def _access_problem(exc: grpc.RpcError, config: EtcdConfig, key: str) -> str | N
     """One line for a refusal that retrying cannot cure, None for "unreachable right now"."""
     code, details = exc.code(), (exc.details() or "").replace("\n", " ")
     where = f"etcd at {config.endpoint}"
-    if code == grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower():
+    if code == grpc.StatusCode.UNAVAILABLE and _tls_failed(details):
         hint = f"check ${ETCD_CA_ENV}, ${ETCD_CERT_ENV} and ${ETCD_KEY_ENV}"
         if config.ca_cert is None:
             hint = f"does it serve TLS? then set ${ETCD_CA_ENV}"
@@ -280,6 +299,40 @@ def check_access(config: EtcdConfig, *, key: str) -> EtcdClient:
                     raise EtcdAccessError(problem) from None
                 return connect(config)  # unreachable: the caller's own call says so its way
             time.sleep(_RETRY_PAUSE_S)
+
+
+def _authenticated(make: Callable[[], RetryingEtcdClient], retry_s: float) -> RetryingEtcdClient:
+    """`make()`, retried for `retry_s` seconds while etcd is unreachable: etcd3's constructor
+    sends the Authenticate call when a user is set (a raw gRPC call, outside the retried ones)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return make()
+        except grpc.RpcError as exc:
+            transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not transient or _tls_failed(exc.details() or "") or time.monotonic() + _RETRY_PAUSE_S > deadline:
+                raise
+            log.debug("etcd authentication failed (%s); retrying", exc.code())
+            time.sleep(_RETRY_PAUSE_S)
+
+
+def _renew_token(client: RetryingEtcdClient, exc: grpc.RpcError) -> bool:
+    """Authenticate `client` again when `exc` says etcd no longer knows its token: etcd's simple
+    tokens expire after --auth-token-ttl (300 s) unused, and a worker may not touch etcd for
+    longer than that between two failures. True when a new token is in place (retry the call)."""
+    if client.credentials is None or exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+        return False
+    if "invalid auth token" not in (exc.details() or ""):
+        return False
+    from etcd3 import etcdrpc
+    from etcd3.client import EtcdTokenCallCredentials
+
+    user, password = client.credentials
+    reply = client.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), client.timeout)
+    client.metadata = (("token", reply.token),)
+    client.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(reply.token))
+    log.info("etcd forgot the auth token of user %s; authenticated again", user)
+    return True
 
 
 def credentials_env(config: EtcdConfig) -> dict[str, str]:
