@@ -220,3 +220,72 @@ def test_preemption_grace_periods_nest() -> None:
 def test_kubeconform_accepts_the_manifests() -> None:
     subprocess.run(["kubeconform", "-strict", "-summary", *map(str, sorted(K8S.glob("*.yaml")))],
                    check=True, timeout=120)
+
+
+def _secret_keys(name: str) -> set[str]:
+    secret = _one("Secret", name)
+    return set(secret.get("stringData", secret.get("data", {})))
+
+
+def _secret_file(spec: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in `container`: a read-only mount of a Secret
+    volume holds it under its key (AssertionError naming the path otherwise)."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        directory = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(directory) and "secret" in volumes.get(mount["name"], {}):
+            assert mount.get("readOnly") is True, f"{path}: mount {mount['name']} must be read-only"
+            secret, key = volumes[mount["name"]]["secret"]["secretName"], path[len(directory):]
+            assert key in _secret_keys(secret), f"{path}: Secret {secret} has no key {key}"
+            return secret, key
+    raise AssertionError(f"{path} is not in a mounted Secret of container {container['name']}")
+
+
+def test_tls_settings_are_consistent() -> None:
+    """etcd serves client TLS from a mounted Secret; every pod that talks to it has the
+    ELASTIC_ETCD_* files in a mounted Secret at the paths its env names, the user and password
+    from a Secret (never a literal, never on a command line), and one CA for both sides."""
+    from elastic.coordinator.client import (
+        ETCD_CA_ENV,
+        ETCD_CERT_ENV,
+        ETCD_KEY_ENV,
+        ETCD_PASSWORD_ENV,
+        ETCD_USER_ENV,
+    )
+
+    sts = _one("StatefulSet", "etcd")
+    spec = sts["spec"]["template"]["spec"]
+    etcd = spec["containers"][0]
+    flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in etcd["command"][1:])
+    assert "--client-cert-auth" in flags
+    assert flags["--listen-client-urls"].startswith("https://") and flags["--advertise-client-urls"].startswith("https://")
+    server = {f: _secret_file(spec, etcd, flags[f]) for f in ("--trusted-ca-file", "--cert-file", "--key-file")}
+    for probe in ("readinessProbe", "livenessProbe"):  # a probe has no client certificate: the metrics listener
+        port = etcd[probe]["httpGet"]["port"]
+        assert flags["--listen-metrics-urls"].startswith("http://") and flags["--listen-metrics-urls"].endswith(f":{port}")
+    clients = [(o, c) for o, c in _containers() if o in ("elastic-train", "elastic-controller")]
+    assert len(clients) == 2
+    for owner, container in clients:
+        pod = next(s for name, s in _pod_specs() if name == owner)
+        env = {e["name"]: e for e in container["env"]}
+        files = {var: _secret_file(pod, container, env[var]["value"]) for var in (ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)}
+        assert files[ETCD_CA_ENV][1] == server["--trusted-ca-file"][1] == "ca.crt", (owner, files, server)
+        assert len({secret for secret, _ in files.values()}) == 1, files  # one Secret: certificate, key and CA
+        for var in (ETCD_USER_ENV, ETCD_PASSWORD_ENV):
+            ref = env[var]["valueFrom"]["secretKeyRef"]
+            assert ref["key"] in _secret_keys(ref["name"]), (owner, var)
+        assert "PASSWORD" not in _script(container), owner
+    train = next(c for o, c in clients if o == "elastic-train")
+    assert {e["name"]: e.get("value") for e in train["env"]}["ELASTIC_TLS_SERVER_NAME"], \
+        "shard servers are checked against one shared name"
+
+
+def test_sbatch_tls_settings_are_consistent() -> None:
+    """With TLS_DIR the script's etcd serves client TLS from the files the clients' env names."""
+    text = (DEPLOY / "slurm" / "elastic.sbatch").read_text()
+    exported = dict(re.findall(r"^\s*export (ELASTIC_ETCD_(?:CA|CERT|KEY))=(\S+)$", text, re.M))
+    assert exported == {"ELASTIC_ETCD_CA": '"$TLS_DIR/ca.crt"', "ELASTIC_ETCD_CERT": '"$TLS_DIR/node.crt"',
+                        "ELASTIC_ETCD_KEY": '"$TLS_DIR/node.key"'}, exported
+    assert '--trusted-ca-file "$TLS_DIR/ca.crt"' in text and "--client-cert-auth" in text
+    assert '--cert-file "$TLS_DIR/etcd-server.crt" --key-file "$TLS_DIR/etcd-server.key"' in text
+    assert "ELASTIC_ETCD_PASSWORD=" not in text.replace("${ELASTIC_ETCD_PASSWORD", ""), "a password is never set in the script"
