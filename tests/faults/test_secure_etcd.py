@@ -158,3 +158,16 @@ def test_a_user_without_the_prefix_of_the_job_is_told_so(secure: SecureEtcd) -> 
     assert out.returncode == 2, out.stderr
     assert "user 'secured-user' may not read /elastic/someone-else/" in out.stderr
     assert os.path.exists(secure.pki.ca)
+
+
+@pytest.mark.timeout(200)
+def test_a_run_on_its_own_etcd_ignores_the_credentials_meant_for_an_external_one(secure: SecureEtcd,
+                                                                                 tmp_path: Path) -> None:
+    """Without --etcd the launcher starts a plain etcd: its agents and workers must not take the
+    ELASTIC_ETCD_* settings of the environment (TLS to a plain etcd fails every call)."""
+    env = clean_env(**secure.job_env())
+    out = _cli("run", "--model", "tiny", "--nodes", "2", "--global-batch", "8", "--microbatch", "2", "--steps", "3",
+               "--device", "cpu", "--fault-tolerance", "0", "--run-dir", str(tmp_path / "run"),
+               "--summary", str(tmp_path / "summary.json"), env=env, timeout=180)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_committed"] == 3
