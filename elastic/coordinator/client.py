@@ -11,6 +11,11 @@ callers: they block, then succeed.
 One ambiguity remains: a transaction whose connection broke after etcd applied it is retried,
 and a compare-and-swap retried that way reports failure although its first attempt succeeded.
 Compare-and-swap callers already treat failure as "re-read and decide again", which covers it.
+
+Credentials (user/password, CA, client certificate) come from the environment through
+`config_from_env` (the ELASTIC_ETCD_* variables, at the end of this file), never from a command
+line; `check_access` makes a first read that turns a wrong password, CA or certificate into one
+line (EtcdAccessError). With a user set, an auth token etcd has let expire is renewed once per call.
 """
 
 from __future__ import annotations
