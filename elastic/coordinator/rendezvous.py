@@ -210,8 +210,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Build the handler from torchrun's parameters (rdzv-conf values arrive as strings)."""
     if not params.endpoint:
-        raise ValueError("--rdzv-endpoint=HOST:PORT of etcd is required for the elastic-etcd backend")
-    endpoint = params.endpoint if ":" in params.endpoint else f"{params.endpoint}:2379"
+        raise ValueError("--rdzv-endpoint=HOST:PORT[,HOST:PORT...] of etcd is required for the elastic-etcd backend")
+    # HOST:PORT or a list of cluster members; a member without a port gets etcd's 2379
+    endpoint = ",".join(m if ":" in m else f"{m}:2379" for m in params.endpoint.split(","))
     etcd = EtcdConfig(
         endpoint=endpoint,
         user=params.get("user") or os.environ.get("ELASTIC_ETCD_USER"),

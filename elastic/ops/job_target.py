@@ -64,20 +64,32 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
             or not isinstance(data.get("job"), str)
         ):
             raise ValueError(f"{path} must hold a JSON object with string fields etcd and job")
-        etcd = etcd or data["etcd"]
+        etcd = etcd or _job_file_etcd(data)
         job = job or data["job"]
     if etcd is None:
-        raise ValueError("give --etcd HOST:PORT or --run-dir DIR (elastic run prints both)")
-    EtcdConfig(endpoint=etcd)  # validates host:port
+        raise ValueError("give --etcd HOST:PORT[,HOST:PORT...] or --run-dir DIR (elastic run prints both)")
+    EtcdConfig(endpoint=etcd)  # validates the host:port list
     if job is not None:
         JobKeys(job)  # validates the id
     return JobTarget(etcd=etcd, job=job)
 
 
+def _job_file_etcd(data: dict[str, Any]) -> str:
+    """The endpoint list of a job.json: its `etcd_endpoints` list when it has one (written since
+    etcd clusters), else its `etcd` string (every job.json has it)."""
+    members = data.get("etcd_endpoints")
+    if isinstance(members, list) and members and all(isinstance(m, str) for m in members):
+        return ",".join(members)
+    return str(data["etcd"])
+
+
 def open_client(target: JobTarget) -> EtcdClient:
     """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S, without retrying:
-    an operator wants to hear at once that etcd is gone, not wait out an etcd restart."""
+    an operator wants to hear at once that etcd is gone, not wait out an etcd restart. With
+    several members the calls retry for CONNECT_TIMEOUT_S, so that one dead member is passed over."""
     no_retry: dict[str, Any] = {"retry_s": 0.0} if "retry_s" in {f.name for f in fields(EtcdConfig)} else {}
+    if no_retry and "," in target.etcd:
+        no_retry["retry_s"] = CONNECT_TIMEOUT_S
     return connect(EtcdConfig(endpoint=target.etcd, timeout=CONNECT_TIMEOUT_S, **no_retry))
 
 
