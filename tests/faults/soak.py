@@ -125,7 +125,7 @@ class FaultLog:
         return (
             f"#{self.index:02d} {f.kind:<9}{extra:<10} {target} after step "
             f"{self.fired_after_step:4d}: {self.status}{back} ({self.seconds:.1f} s)"
-        )
+        ) + (f" [{'; '.join(self.notes)}]" if self.notes else "")
 
 
 class SoakController:

@@ -167,3 +167,39 @@ def test_quorum_pause_pauses_the_job_then_it_goes_on(quorum_pause: Outcome) -> N
     assert after[0] < last, "no step was left to commit after the pause"
     gap = min((t for _, t in quorum_pause.progress_times if t > end), default=end) - start
     print(f"progress stalled {gap:.2f} s for a {end - start:.2f} s pause")
+
+
+@pytest.mark.timeout(300)
+def test_elastic_run_etcd_members_3(tmp_path: Path) -> None:
+    """`elastic run --etcd-members 3` trains on its own 3-member cluster, prints and writes the
+    endpoint list, leaves no etcd member behind, and ends where `--static` (no etcd) ends."""
+    import json
+    import subprocess
+    import sys
+
+    import psutil
+    import torch
+
+    from .runs import max_rel_diff
+
+    def run(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "2",
+               "--fault-tolerance", "1", "--steps", "6", "--run-dir", str(tmp_path / name),
+               "--final-state", str(tmp_path / f"{name}.pt"), *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+    ha = run("ha", "--etcd-members", "3")
+    assert ha.returncode == 0, ha.stdout[-3000:] + ha.stderr[-3000:]
+    job = json.loads((tmp_path / "ha" / "job.json").read_text())
+    members = job["etcd_endpoints"]
+    assert len(members) == 3 and job["etcd"] == ",".join(members), job
+    assert f"etcd {job['etcd']}," in ha.stdout, ha.stdout[-2000:]
+    assert sorted(p.name for p in (tmp_path / "ha" / "etcd").iterdir()) == ["member-0", "member-1", "member-2"]
+    etcd_dir = str(tmp_path / "ha" / "etcd")
+    left = [p.pid for p in psutil.process_iter(["cmdline"])
+            if any(etcd_dir in arg for arg in (p.info["cmdline"] or []))]
+    assert left == [], f"etcd members left running: {left}"
+    static = run("static", "--static")
+    assert static.returncode == 0, static.stdout[-3000:] + static.stderr[-3000:]
+    diff = max_rel_diff(torch.load(tmp_path / "ha.pt"), torch.load(tmp_path / "static.pt"))
+    assert diff <= 1e-5, f"the run on 3 etcd members differs from --static by {diff:.2e}"
