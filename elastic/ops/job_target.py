@@ -67,7 +67,7 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
         etcd = etcd or _job_file_etcd(data)
         job = job or data["job"]
     if etcd is None:
-        raise ValueError("give --etcd HOST:PORT[,HOST:PORT...] or --run-dir DIR (elastic run prints both)")
+        raise ValueError("give --etcd HOST:PORT or --run-dir DIR (elastic run prints both; --etcd takes HOST:PORT,HOST:PORT,... too)")
     EtcdConfig(endpoint=etcd)  # validates the host:port list
     if job is not None:
         JobKeys(job)  # validates the id
