@@ -76,7 +76,7 @@ def soak_schedule(faults: int, *, seed: int, lease_ttl: int) -> list[Fault]:
         elif kind == "slow":
             seconds, factor = round(rng.uniform(2.0, 4.0), 1), rng.choice((2.0, 3.0))
         elif kind == "etcd":
-            seconds = round(rng.uniform(1.0, 4.0), 1)
+            seconds = round(rng.uniform(2.0, 8.0), 1)  # past the 5 s retry budget at times: failover, not retries
         out.append(Fault(kind=kind, gap=rng.randint(1, 4), pick=rng.randrange(1 << 16), seconds=seconds,
                          factor=factor))
     return out

@@ -5,7 +5,7 @@ Each case is one live run (3 nodes, a 2-stage and a 1-stage pipeline, lease TTL 
 clients get the three members as `--etcd` and fail over between them:
 
 - leader kill: at step 8 the test SIGKILLs the member that leads the cluster (the one every
-  write goes through), and restarts it (it rejoins on its data dir) a few seconds later;
+  write goes through), and restarts it (it rejoins on its data dir) `KILL_S` later;
 - quorum pause: at step 8 it SIGSTOPs the two followers for `PAUSE_S`, longer
   than the lease TTL, then SIGCONTs them. No write can commit meanwhile: the job pauses (no
   progress put lands while they are stopped), then goes on.
@@ -34,6 +34,9 @@ from .runs import LiveJob, Result, check_same_training, reference_run, step_logs
 STEPS = 40
 """The 40-step failure-free result is shared with the other 40-step fault runs."""
 FAULT_AT = 8
+KILL_S = 8.0
+"""How long the killed leader member stays down: past the clients' 5 s retry budget, so a client
+that talked to it goes on only by failing over (a restart within the budget would hide that)."""
 PAUSE_S = 4.0
 """How long 2 of 3 members stay stopped: past the lease TTL (3 s), within the clients' 5 s retry
 budget, far below the agents' give-up time (ELASTIC_ETCD_GIVE_UP_S, 300 s)."""
@@ -94,7 +97,7 @@ def _run_with_fault(factory: pytest.TempPathFactory, kind: str) -> Iterator[Outc
         watcher = (leader + 1) % 3  # a member that stays up
         if kind == "leader-kill":
             cluster.kill(leader)
-            time.sleep(3.0)
+            time.sleep(KILL_S)
             end = time.monotonic()
             cluster.restart(leader)
         else:
