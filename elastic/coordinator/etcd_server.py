@@ -22,6 +22,9 @@ is gone; read the current state, then watch from the read's revision + 1 (`watch
 
     with EtcdServer() as server:
         client = connect(EtcdConfig(endpoint=server.endpoint))
+
+`EtcdCluster` runs N such members as one cluster (`elastic run --etcd-members N`, and tests that
+kill, pause and restart members under a live job); its `endpoint` is the member list.
 """
 
 from __future__ import annotations

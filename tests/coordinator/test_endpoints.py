@@ -100,3 +100,18 @@ def test_run_refuses_bad_etcd_flags_and_writes_nothing(
     assert code == 2, err
     assert len(err.splitlines()) == 1 and says in err, err
     assert not run_dir.exists(), "a refused run wrote its run dir"
+
+
+def test_torchrun_rendezvous_endpoint_takes_a_list() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from elastic.coordinator.rendezvous import BACKEND, create_handler
+
+    params = RendezvousParameters(backend=BACKEND, endpoint="10.0.0.1:2380,etcd-1", run_id="job", min_nodes=1,
+                                  max_nodes=2, node_id="n0")
+    handler = create_handler(params)  # no etcd call yet: gRPC channels connect lazily
+    try:
+        assert handler.etcd.endpoints == (("10.0.0.1", 2380), ("etcd-1", 2379))  # a member without a port: 2379
+        assert sorted(handler.client.endpoints) == ["10.0.0.1:2380", "etcd-1:2379"]  # type: ignore[attr-defined]
+    finally:
+        handler.client.close()
