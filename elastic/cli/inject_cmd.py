@@ -26,7 +26,7 @@ _DONE_STATES = ("done", "refused", "fenced")
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, wait: float) -> None:
     """--etcd/--job/--run-dir (which job), --token (may it be changed) and --wait."""
-    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="the job's etcd")
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT...]", help="the job's etcd (one endpoint or its members)")
     parser.add_argument(
         "--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)"
     )

@@ -91,7 +91,11 @@ def register(subparsers: Any) -> None:
         help="inject a fault (elastic): kill:node=2,step=8 (SIGKILL), hang:node=2,step=8 (SIGSTOP), "
         "kill:node=3,when=reconfig, rejoin:node=2,step=15; repeatable",
     )
-    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="use this etcd (default: start one)")
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                        help="use this etcd: one endpoint or the members of one cluster (default: start one)")
+    # -- etcd high availability (ha) --
+    parser.add_argument("--etcd-members", type=int, default=1, metavar="N",
+                        help="elastic: start a local etcd cluster of N members (odd, 1..7; default 1); not with --etcd")
     parser.add_argument(
         "--checkpoint-every", type=int, default=None, help="elastic: checkpoint every N committed steps (default 5)"
     )
@@ -211,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
             config = _elastic_config(args, spec, plan)
             config = _resume_config(args, config)
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
-                                     token=token, local_agents=args.agents == "local")
+                                     token=token, local_agents=args.agents == "local",
+                                     etcd_members=args.etcd_members)
         else:
             summary = launch(spec, timeout_s=args.timeout)
     except (WorkerFailed, JobFailed, TimeoutError) as exc:
@@ -230,6 +235,7 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         raise UsageError(f"--steps must be >= 0, got {args.steps}")
     if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
         raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
+    _check_etcd_flags(args)
     token = None
     if args.agents == "external":
         import os
@@ -238,6 +244,22 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         if args.static or args.etcd is None or args.job is None or token is None:
             raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
     return token
+
+
+def _check_etcd_flags(args: argparse.Namespace) -> None:
+    """`--etcd` is a valid endpoint list; `--etcd-members` is odd, in range, and not with `--etcd`
+    or `--static` (UsageError)."""
+    from elastic.coordinator.client import parse_endpoints
+    from elastic.coordinator.etcd_server import check_member_count
+
+    try:
+        if args.etcd is not None:
+            parse_endpoints(args.etcd)
+        check_member_count(args.etcd_members)
+    except ValueError as exc:
+        raise UsageError(f"--etcd/--etcd-members: {exc}") from None
+    if args.etcd_members != 1 and (args.etcd is not None or args.static):
+        raise UsageError("--etcd-members starts a local etcd cluster: it cannot go with --etcd or --static")
 
 
 def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:

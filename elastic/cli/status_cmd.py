@@ -23,7 +23,7 @@ _CLEAR = "\x1b[H\x1b[2J"
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     """--etcd, --job and --run-dir: how the operator commands find a job (elastic/ops/job_target.py)."""
-    parser.add_argument("--etcd", default=None, metavar="HOST:PORT", help="the job's etcd")
+    parser.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT...]", help="the job's etcd (one endpoint or its members)")
     parser.add_argument(
         "--job", default=None, metavar="ID", help="job id (default: the only job on that etcd)"
     )

@@ -8,6 +8,13 @@ unary calls (get, put, delete, transaction, lease grant/revoke, ...) also retry 
 for up to `EtcdConfig.retry_s` seconds, so an etcd restart shorter than that is invisible to
 callers: they block, then succeed.
 
+`endpoint` may list several members of one etcd cluster (`HOST:PORT,HOST:PORT,...`): `connect()`
+then makes one `etcd3.Endpoint` per member and fails over between them. A member whose call
+failed with a transient error is skipped for `_MEMBER_SKIP_S` seconds, so the retry goes to
+another member; the retry budget (`retry_s`) is the same, so a member that dies is invisible to
+callers when another one answers within it. The watches (`watch.py`, `store_waits.py`) open
+their own streams on `channel` and call `fail_over` when a stream breaks.
+
 One ambiguity remains: a transaction whose connection broke after etcd applied it is retried,
 and a compare-and-swap retried that way reports failure although its first attempt succeeded.
 Compare-and-swap callers already treat failure as "re-read and decide again", which covers it.
@@ -61,7 +68,8 @@ class EtcdConfig:
     """Connection settings for the job's etcd."""
 
     endpoint: str
-    """`host:port` of etcd's client URL."""
+    """`host:port` of etcd's client URL, or a comma-separated list of the client URLs of the
+    members of one cluster (`host:port,host:port,...`; see `endpoints`)."""
     user: str | None = None
     """etcd user name when etcd has authentication enabled (needs `password`)."""
     password: str | None = None
@@ -73,15 +81,14 @@ class EtcdConfig:
     cert_cert: str | None = None
     """Path of the client certificate for mutual TLS (with `cert_key`)."""
     timeout: float = 5.0
-    """Deadline of each unary etcd call, in seconds."""
+    """Deadline of each unary etcd call, in seconds (of each attempt, at most `_MEMBER_ATTEMPT_S`,
+    with several members)."""
     retry_s: float = 5.0
     """How long a unary call keeps retrying while etcd is unreachable (0: fail at once); an etcd
     restart shorter than this is invisible to callers."""
 
     def __post_init__(self) -> None:
-        host, sep, port = self.endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"etcd endpoint must look like host:port, got {self.endpoint!r}")
+        parse_endpoints(self.endpoint)
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd user and password must be given together")
         if (self.cert_key is None) != (self.cert_cert is None):
@@ -94,15 +101,54 @@ class EtcdConfig:
             raise ValueError(f"retry_s must be >= 0, got {self.retry_s}")
 
     @property
+    def endpoints(self) -> tuple[tuple[str, int], ...]:
+        """(host, port) of each member, in the order given."""
+        return parse_endpoints(self.endpoint)
+
+    @property
     def host(self) -> str:
-        return self.endpoint.rpartition(":")[0]
+        """Host of the first member."""
+        return self.endpoints[0][0]
 
     @property
     def port(self) -> int:
-        return int(self.endpoint.rpartition(":")[2])
+        """Port of the first member."""
+        return self.endpoints[0][1]
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """(host, port) of each member of `HOST:PORT[,HOST:PORT...]`; ValueError naming the first bad
+    member (empty, no port, a port outside 1..65535) or a member listed twice."""
+    members = [m.strip() for m in text.split(",")]
+    out: list[tuple[str, int]] = []
+    for member in members:
+        host, sep, port = member.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"etcd endpoint must look like host:port[,host:port...], got {member!r} in {text!r}"
+            )
+        if (host, int(port)) in out:
+            raise ValueError(f"etcd endpoint {member!r} is listed twice in {text!r}")
+        out.append((host, int(port)))
+    return tuple(out)
+
+
+def join_endpoints(endpoints: list[str] | tuple[str, ...]) -> str:
+    """`endpoints` (each `host:port`) as the one string that `--etcd` and `EtcdConfig` take."""
+    return ",".join(endpoints)
 
 
 _RETRY_PAUSE_S = 0.1
+
+_MEMBER_ATTEMPT_S = 2.0
+"""With several members: the deadline of one attempt of a unary call (at most `timeout`). A write
+that a follower forwarded to a leader that then died is never answered (etcd waits out the
+caller's deadline), so the attempt must end early enough for the retry on another member, after
+the election (about 1 s), to fit in the retry budget."""
+
+_MEMBER_SKIP_S = 1.0
+"""With several members: how long a member whose call failed is passed over for the others (with
+one, it is retried at once; when every member is passed over, calls retry until one is back)."""
 
 #: What a retried call retries: etcd3's translations of UNAVAILABLE, DEADLINE_EXCEEDED and
 #: INTERNAL. A raw grpc.RpcError (NOT_FOUND for a lease that expired, ...) is an answer.
@@ -167,12 +213,17 @@ def connect(config: EtcdConfig) -> EtcdClient:
         creds = etcd3.MultiEndpointEtcd3Client.get_secure_creds(
             config.ca_cert, config.cert_key, config.cert_cert
         )
-    endpoint = etcd3.Endpoint(
-        config.host, config.port, secure=secure, creds=creds, time_retry=0.0, opts=_GRPC_OPTIONS
-    )
+    # -- one etcd3.Endpoint per member, failing over between them (module doc) --
+    skip_s = _MEMBER_SKIP_S if len(config.endpoints) > 1 else 0.0
+    endpoints = [
+        etcd3.Endpoint(host, port, secure=secure, creds=creds, time_retry=skip_s, opts=_GRPC_OPTIONS)
+        for host, port in config.endpoints
+    ]
+    timeout = min(config.timeout, _MEMBER_ATTEMPT_S) if len(endpoints) > 1 else config.timeout
     client = _authenticated(  # with a user, the constructor authenticates: retried like a call
         lambda: RetryingEtcdClient(
-            endpoints=[endpoint], timeout=config.timeout, user=config.user, password=config.password
+            endpoints=endpoints, timeout=timeout, user=config.user, password=config.password,
+            failover=len(endpoints) > 1,
         ),
         config.retry_s,
     )
@@ -350,3 +401,13 @@ def credentials_env(config: EtcdConfig) -> dict[str, str]:
 
 ETCD_CREDENTIAL_ENVS = (ETCD_USER_ENV, ETCD_PASSWORD_ENV, ETCD_CA_ENV, ETCD_CERT_ENV, ETCD_KEY_ENV)
 """Every variable config_from_env reads."""
+
+
+def fail_over(client: EtcdClient) -> None:
+    """Pass over the member `client` is talking to (its stream broke), so that the next use of
+    `client.channel` goes to another member; nothing with a single endpoint."""
+    endpoints = getattr(client, "endpoints", None)
+    if isinstance(endpoints, dict) and len(endpoints) > 1:
+        in_use = getattr(client, "endpoint_in_use", None)
+        if in_use is not None:
+            in_use.fail()

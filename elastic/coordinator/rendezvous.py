@@ -214,8 +214,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """Build the handler from torchrun's parameters (rdzv-conf values arrive as strings)."""
     if not params.endpoint:
-        raise ValueError("--rdzv-endpoint=HOST:PORT of etcd is required for the elastic-etcd backend")
-    endpoint = params.endpoint if ":" in params.endpoint else f"{params.endpoint}:2379"
+        raise ValueError("--rdzv-endpoint=HOST:PORT[,HOST:PORT...] of etcd is required for the elastic-etcd backend")
+    # HOST:PORT or a list of cluster members; a member without a port gets etcd's 2379
+    endpoint = ",".join(m if ":" in m else f"{m}:2379" for m in params.endpoint.split(","))
     given = {field: params.get(field) for field in ("user", "password", "ca_cert", "cert_key", "cert_cert")}
     etcd = config_from_env(endpoint, **{field: value for field, value in given.items() if value})
     node_id = params.get("node_id") or f"{socket.gethostname()}-{os.getpid()}"

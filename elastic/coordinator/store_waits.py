@@ -21,6 +21,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.utils import prefix_range_end
 
+from .client import TRANSIENT_ERRORS, fail_over
 from .etcd_api import EtcdClient
 
 
@@ -141,7 +142,10 @@ class PrefixWaits:
                         if not w.missing:
                             w.done.set()
         except grpc.RpcError:
-            pass  # cancelled by `_leave`, or etcd went away: waiters retry
+            if not self._stop.is_set():  # etcd (this member) went away: waiters retry elsewhere
+                fail_over(self.client)
+        except TRANSIENT_ERRORS:
+            pass  # no member available right now (`channel` raised): waiters retry
         finally:
             with self.lock:
                 self.broken = True

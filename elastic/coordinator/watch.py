@@ -3,7 +3,8 @@
 python3-etcd3's own watcher dies silently when its stream breaks (and its error path refers to
 a module it does not import), so this module speaks etcd's Watch RPC directly: one background
 thread per watch, resuming from the revision after the last delivered event whenever the stream
-breaks. Callbacks run on that thread, in revision order.
+breaks. Callbacks run on that thread, in revision order. With several etcd members the resumed
+stream goes to another member (`client.fail_over`): every member serves the same revisions.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 from etcd3.utils import prefix_range_end
 
+from .client import TRANSIENT_ERRORS, fail_over
 from .etcd_api import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class PrefixWatch:
                 if self._stop.is_set():
                     break
                 log.debug("watch on %s broke: %s", self._prefix, exc.code() if hasattr(exc, "code") else exc)
+                fail_over(self._client)
+            except TRANSIENT_ERRORS as exc:  # no member available right now (`channel` raised)
+                log.debug("watch on %s: %s", self._prefix, type(exc).__name__)
             except Exception:  # a bug in a callback must not end the watch silently
                 log.exception("watch on %s failed", self._prefix)
             self._set_connected(False)

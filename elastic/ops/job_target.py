@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, check_access, config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
@@ -63,25 +64,36 @@ def resolve_target(*, etcd: str | None, job: str | None, run_dir: str | None) ->
             or not isinstance(data.get("job"), str)
         ):
             raise ValueError(f"{path} must hold a JSON object with string fields etcd and job")
-        etcd = etcd or data["etcd"]
+        etcd = etcd or _job_file_etcd(data)
         job = job or data["job"]
     if etcd is None:
-        raise ValueError("give --etcd HOST:PORT or --run-dir DIR (elastic run prints both)")
-    EtcdConfig(endpoint=etcd)  # validates host:port
+        raise ValueError("give --etcd HOST:PORT or --run-dir DIR (elastic run prints both; --etcd takes HOST:PORT,HOST:PORT,... too)")
+    EtcdConfig(endpoint=etcd)  # validates the host:port list
     if job is not None:
         JobKeys(job)  # validates the id
     return JobTarget(etcd=etcd, job=job)
 
 
+def _job_file_etcd(data: dict[str, Any]) -> str:
+    """The endpoint list of a job.json: its `etcd_endpoints` list when it has one (written since
+    etcd clusters), else its `etcd` string (every job.json has it)."""
+    members = data.get("etcd_endpoints")
+    if isinstance(members, list) and members and all(isinstance(m, str) for m in members):
+        return ",".join(members)
+    return str(data["etcd"])
+
+
 def open_client(target: JobTarget) -> EtcdClient:
     """A client of the target's etcd whose calls give up after CONNECT_TIMEOUT_S, without retrying:
-    an operator wants to hear at once that etcd is gone, not wait out an etcd restart.
+    an operator wants to hear at once that etcd is gone, not wait out an etcd restart. With
+    several members the calls retry for CONNECT_TIMEOUT_S, so that one dead member is passed over.
 
     Credentials come from the environment ($ELASTIC_ETCD_USER/PASSWORD/CA/CERT/KEY, see
     `config_from_env`). A credential etcd refuses, a failed TLS handshake or a user without read
     access to the job's prefix raises EtcdAccessError (a ValueError: the CLI's exit code 2);
     an etcd that does not answer, OpsError."""
-    config = config_from_env(target.etcd, timeout=CONNECT_TIMEOUT_S, retry_s=0.0)
+    retry_s = CONNECT_TIMEOUT_S if "," in target.etcd else 0.0
+    config = config_from_env(target.etcd, timeout=CONNECT_TIMEOUT_S, retry_s=retry_s)
     try:
         return check_access(config, key=JobKeys(target.job).root if target.job is not None else _ROOT)
     except TRANSIENT_ERRORS:

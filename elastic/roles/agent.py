@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--etcd",
         default=env.get("ELASTIC_ETCD_ENDPOINT"),
-        help="etcd endpoint host:port (default $ELASTIC_ETCD_ENDPOINT)",
+        help="etcd endpoint host:port, or the members host:port,... (default $ELASTIC_ETCD_ENDPOINT)",
     )
     parser.add_argument("--job", default=env.get("ELASTIC_JOB"), help="job id (default $ELASTIC_JOB)")
     parser.add_argument(

@@ -482,7 +482,7 @@ class ElasticWorker:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastic.roles.elastic_worker", description=__doc__)
-    parser.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    parser.add_argument("--etcd", required=True, help="etcd endpoint host:port, or the members host:port,host:port,...")
     parser.add_argument("--job", required=True, help="job id")
     parser.add_argument("--node", type=int, required=True, help="plan node of this worker")
     parser.add_argument("--local-rank", type=int, required=True, help="worker index inside the node")

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch.distributed as dist
 
@@ -368,10 +368,13 @@ def launch_elastic(
     placement: AgentPlacement | None = None,
     local_agents: bool = True,
     stop: threading.Event | None = None,
+    etcd_members: int = 1,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
-    Starts an etcd server unless `etcd_endpoint` is given. `job` and `token` default to fresh
+    Starts an etcd server (a local cluster of `etcd_members` members when more than 1: its
+    endpoint list is printed and written to job.json) unless `etcd_endpoint` (`HOST:PORT[,...]`)
+    is given. `job` and `token` default to fresh
     random ones. `placement(node)` gives a command prefix and extra environment for that node's
     agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
     agent is started here: agents on other hosts (`python -m elastic.roles.agent`) join the
@@ -380,6 +383,7 @@ def launch_elastic(
     way out.
     """
     from elastic.coordinator import EtcdServer
+    from elastic.coordinator.etcd_server import EtcdCluster
 
     started_at = time.time()
     spec = config.spec
@@ -390,10 +394,13 @@ def launch_elastic(
     _clear_run_dir(spec)
     spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
     _prepare_checkpoints(config)
-    server = None
-    if etcd_endpoint is None:
+    server: EtcdServer | EtcdCluster | None = None
+    if etcd_endpoint is None and etcd_members > 1:
+        server = EtcdCluster(etcd_members, data_dir=run_dir / "etcd").start()
+    elif etcd_endpoint is None:
         server = EtcdServer(data_dir=run_dir / "etcd").start()
-        etcd_endpoint = server.endpoint
+    etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
+    assert etcd_endpoint is not None
     job = job or f"run-{secrets.token_hex(4)}"
     token = token or secrets.token_hex(16)
     pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
@@ -501,8 +508,10 @@ JOB_FILE = "job.json"
 
 
 def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
-    """Write `<run_dir>/job.json` ({"etcd", "job", "token"}, mode 0600): how the operator CLI
-    (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job.
+    """Write `<run_dir>/job.json` ({"etcd", "etcd_endpoints", "job", "token"}, mode 0600): how the
+    operator CLI (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job.
+    `etcd` is the endpoint list as `--etcd` takes it (what older readers read), `etcd_endpoints`
+    the same list as a JSON list.
 
     Written to a temporary file and renamed into place, so a reader never sees it half written."""
     path = run_dir / JOB_FILE
@@ -510,7 +519,9 @@ def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump({"etcd": etcd, "job": job, "token": token}, out)
+        record: dict[str, Any] = {"etcd": etcd, "job": job, "token": token}
+        record["etcd_endpoints"] = [m.strip() for m in etcd.split(",")]  # ha: the list, for readers that want one
+        json.dump(record, out)
     os.replace(tmp, path)
     return path
 
