@@ -48,6 +48,7 @@ from elastic.coordinator.client import (
 )
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.records.injection import (
@@ -357,6 +358,13 @@ class _RunLoop:
         return False
 
 
+def _start_etcd(run_dir: Path, members: int) -> EtcdServer | EtcdCluster:
+    """The launcher's own etcd: one server, or a local cluster of `members` members."""
+    if members > 1:
+        return EtcdCluster(members, data_dir=run_dir / "etcd").start()
+    return EtcdServer(data_dir=run_dir / "etcd").start()
+
+
 def launch_elastic(
     config: ElasticConfig,
     *,
@@ -382,9 +390,6 @@ def launch_elastic(
     TimeoutError; every process it started (etcd, agents, their workers) is stopped by PID on the
     way out.
     """
-    from elastic.coordinator import EtcdServer
-    from elastic.coordinator.etcd_server import EtcdCluster
-
     started_at = time.time()
     spec = config.spec
     run_dir = Path(spec.run_dir)
@@ -394,11 +399,7 @@ def launch_elastic(
     _clear_run_dir(spec)
     spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
     _prepare_checkpoints(config)
-    server: EtcdServer | EtcdCluster | None = None
-    if etcd_endpoint is None and etcd_members > 1:
-        server = EtcdCluster(etcd_members, data_dir=run_dir / "etcd").start()
-    elif etcd_endpoint is None:
-        server = EtcdServer(data_dir=run_dir / "etcd").start()
+    server = _start_etcd(run_dir, etcd_members) if etcd_endpoint is None else None
     etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
     assert etcd_endpoint is not None
     job = job or f"run-{secrets.token_hex(4)}"
