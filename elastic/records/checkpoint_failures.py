@@ -3,8 +3,9 @@
 A worker whose background save fails (ENOSPC or any OSError) keeps training: the failed step
 leaves no marker, so it never counts as a complete checkpoint and a fallback takes the last
 complete one. The worker reports each failed save once: an event (`checkpoint-failed`, shown by
-`elastic events`) and one put of its own key `checkpoint-failures/<node>/<local_rank>`, a
-`SaveFailures` record that counts them and keeps the last one. `elastic status` sums the keys
+`elastic events`) and one put of its own key `checkpoint-failures/<node>/<local_rank>/<incarnation>`,
+a `SaveFailures` record that counts them and keeps the last one (a node's next incarnation
+starts a key of its own, so no count is lost). `elastic status` sums the keys
 (`checkpoint_failures`) and the metrics serve the count (`elastic_checkpoint_save_failures_total`).
 """
 
@@ -24,6 +25,8 @@ class SaveFailures(JsonRecord):
     """Plan node of the worker."""
     local_rank: int
     """Local rank of the worker on its node."""
+    incarnation: int
+    """Incarnation of its node."""
     count: int
     """Failed saves so far (each one counted once)."""
     last_step: int
@@ -39,6 +42,6 @@ def save_failures_prefix(keys: JobKeys) -> str:
     return keys.root + "checkpoint-failures/"
 
 
-def save_failures_key(keys: JobKeys, node: int, local_rank: int) -> str:
-    """The key of worker (node, local_rank)'s `SaveFailures`."""
-    return f"{save_failures_prefix(keys)}{node}/{local_rank}"
+def save_failures_key(keys: JobKeys, node: int, local_rank: int, incarnation: int) -> str:
+    """The key of the `SaveFailures` of worker (node, local_rank) of one node incarnation."""
+    return f"{save_failures_prefix(keys)}{node}/{local_rank}/{incarnation}"

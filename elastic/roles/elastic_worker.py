@@ -40,6 +40,7 @@ import torch.distributed as dist
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
@@ -50,6 +51,7 @@ from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
 from elastic.records.protocol import (
     COMMIT,
@@ -464,16 +466,15 @@ class ElasticWorker:
         """Report each checkpoint save that failed (a full or failing disk) once: an event and
         this worker's `checkpoint-failures/` record. Training goes on; the failed step left no
         marker, so a fallback takes the last complete checkpoint (records/checkpoint_failures.py)."""
-        from elastic.coordinator.events import record_event
-        from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
-
         for failed in self.writer.take_failures():
             self._save_failures += 1
             _log(f"checkpoint of step {failed.step} not saved, training goes on: {failed.reason}")
-            record = SaveFailures(node=self.node, local_rank=self.local_rank, count=self._save_failures,
-                                  last_step=failed.step, last_reason=failed.reason, last_at=time.time())
+            record = SaveFailures(node=self.node, local_rank=self.local_rank, incarnation=self.incarnation,
+                                  count=self._save_failures, last_step=failed.step, last_reason=failed.reason,
+                                  last_at=time.time())
+            key = save_failures_key(self.keys, self.node, self.local_rank, self.incarnation)
             try:
-                self.client.put(save_failures_key(self.keys, self.node, self.local_rank), record.to_json())
+                self.client.put(key, record.to_json())
                 record_event(self.client, self.keys, who=f"node{self.node}/{self.local_rank}",
                              kind="checkpoint-failed", node=self.node, local_rank=self.local_rank,
                              step=failed.step, reason=failed.reason)
