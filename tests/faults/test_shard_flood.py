@@ -72,8 +72,9 @@ class PeakRss:
 
 def config(run_dir: Path) -> ElasticConfig:
     """4 nodes, 2 pipelines, shards moved over gRPC; node 2 killed at step 12 (its stage is
-    fetched from node 0, the flooded one)."""
-    base = tiny_config(run_dir, nodes=4, pipelines=2, steps=20, shard_transport="grpc")
+    fetched from node 0, the flooded one). Leases of 6 s: the flooder's CPU load on a small
+    machine must not make a node look lost."""
+    base = tiny_config(run_dir, nodes=4, pipelines=2, steps=20, shard_transport="grpc", lease_ttl=6)
     return dataclasses.replace(base, injections=(parse_injection("kill:node=2,step=12"),))
 
 
