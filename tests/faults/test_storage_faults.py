@@ -7,7 +7,7 @@ checkpoint, and both end where the failure-free run ends (1e-5).
   steps 15 and 20 fail. Training goes on, each failed save is reported once (an event, `elastic
   status`, the metrics counter), no failed step has a marker, and the fallback restores step 10.
 - Corrupt shard: once the checkpoint of step 6 is complete, bytes of one of its files are
-  flipped; the fallback verifies the markers' CRC-32s, reports the corrupt step once (naming the
+  flipped and nodes 0 and 2 are killed (`elastic inject`); the fallback verifies the markers' CRC-32s, reports the corrupt step once (naming the
   file) and restores step 3.
 """
 
@@ -120,10 +120,14 @@ def operator(job: LiveJob, *argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def losing_two_holders(run_dir: Path, *, checkpoint_every: int, checkpoint_dir: Path, step: int) -> ElasticConfig:
-    """4 nodes, 2 pipelines, f = 1: nodes 0 and 2 (every holder of layers 0-2) killed at `step`."""
-    config = tiny_config(run_dir, nodes=4, pipelines=2, steps=20, checkpoint_every=checkpoint_every)
-    kills = (parse_injection(f"kill:node=0,step={step}"), parse_injection(f"kill:node=2,step={step}"))
+def losing_two_holders(
+    run_dir: Path, *, checkpoint_every: int, checkpoint_dir: Path, step: int | None
+) -> ElasticConfig:
+    """4 nodes, 2 pipelines, f = 1: nodes 0 and 2 (every holder of layers 0-2) killed at `step`
+    (None: the test kills them) by SIGKILL, seen at once; 6 s leases so that a loaded machine
+    fakes no other loss."""
+    config = tiny_config(run_dir, nodes=4, pipelines=2, steps=20, checkpoint_every=checkpoint_every, lease_ttl=6)
+    kills = () if step is None else tuple(parse_injection(f"kill:node={n},step={step}") for n in (0, 2))
     return dataclasses.replace(config, checkpoint_dir=str(checkpoint_dir), injections=kills)
 
 
@@ -190,9 +194,19 @@ def test_a_corrupt_checkpoint_is_skipped_by_the_fallback_with_one_report(
 ) -> None:
     checkpoints = tmp_path / "checkpoints"
     corrupted: list[Path] = []
-    config = losing_two_holders(tmp_path / "run", checkpoint_every=3, checkpoint_dir=checkpoints, step=8)
-    watcher = OnCheckpoint(checkpoints, 6, lambda: corrupted.append(flip_bytes(checkpoints, 6, ShardKey(1, 0))))
-    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200).start()
+    config = losing_two_holders(tmp_path / "run", checkpoint_every=3, checkpoint_dir=checkpoints, step=None)
+    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200)
+
+    def corrupt_then_kill() -> None:
+        # The kills follow the corruption (not a step number): under load the background write
+        # of step 6 may finish after step 8, and the fallback must find step 6 complete.
+        corrupted.append(flip_bytes(checkpoints, 6, ShardKey(1, 0)))
+        for node in ("0", "2"):
+            code, out = job.cli("inject", "kill", "--node", node, "--wait", "0")
+            assert code == 0, out
+
+    watcher = OnCheckpoint(checkpoints, 6, corrupt_then_kill)
+    job.start()
     try:
         summary, state = job.result()
         watcher.stop()
