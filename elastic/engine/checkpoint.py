@@ -7,6 +7,11 @@ shard is written by exactly one worker (`checkpoint_writer_shards`), each with i
 checkpoint never waits on a peer and survives any peer's failure. The training thread only pays
 for a copy of the tensors; the write, fsync and commit marker happen on a background thread.
 See `checkpoint_files` for the on-disk layout and why a partly written step never counts.
+
+A save that fails (a full or failing disk: ENOSPC, any OSError, or torch's RuntimeError for a
+short write) removes its partial data directory, writes no marker and does not stop the writer:
+`take_failures()` hands each such `FailedSave` to the training thread once, to report. Only a
+missing checkpoint directory (a configuration error) surfaces as CheckpointError on `flush`.
 """
 
 from __future__ import annotations
