@@ -7,6 +7,11 @@ shard is written by exactly one worker (`checkpoint_writer_shards`), each with i
 checkpoint never waits on a peer and survives any peer's failure. The training thread only pays
 for a copy of the tensors; the write, fsync and commit marker happen on a background thread.
 See `checkpoint_files` for the on-disk layout and why a partly written step never counts.
+
+A save that fails (a full or failing disk: ENOSPC, any OSError, or torch's RuntimeError for a
+short write) removes its partial data directory, writes no marker and does not stop the writer:
+`take_failures()` hands each such `FailedSave` to the training thread once, to report. Only a
+missing checkpoint directory (a configuration error) surfaces as CheckpointError on `flush`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from elastic.engine.checkpoint_files import (
 __all__ = [
     "CheckpointError",
     "CheckpointWriter",
+    "FailedSave",
     "SaveRecord",
     "ShardKey",
     "checkpoint_writer_shards",
@@ -78,6 +84,16 @@ class SaveRecord:
     """Seconds the background thread spent writing, syncing and committing."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class FailedSave:
+    """A save that could not be written (a full or failing disk): training goes on without it."""
+
+    step: int
+    """Step whose shards were not saved; it left no marker, so it never counts as complete."""
+    reason: str
+    """The OSError's message (e.g. `[Errno 28] No space left on device`), naming the file when known."""
+
+
 @dataclass(frozen=True)
 class _Job:
     step: int
@@ -98,6 +114,7 @@ class CheckpointWriter:
         self.keep = keep
         self.records: list[SaveRecord] = []
         """One record per finished `save_async`, in order."""
+        self._failed: list[FailedSave] = []
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -132,6 +149,13 @@ class CheckpointWriter:
         if self._thread is not None:
             self._queue.join()
         self._raise_pending()
+
+    def take_failures(self) -> list[FailedSave]:
+        """The saves that failed with an OSError since the last call (each returned once), oldest
+        first. Such a failure does not stop the writer: the next save is tried as usual."""
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
 
     def close(self) -> None:
         """Flush, then stop the background thread."""
@@ -175,9 +199,28 @@ class CheckpointWriter:
                 if job is not None and self._pruned(job.step):
                     continue  # another writer pruned the step: newer complete checkpoints exist
                 with self._lock:
-                    self._error = e
+                    if job is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)) and self.directory.is_dir():
+                        self._failed.append(FailedSave(step=job.step, reason=self._describe(e)))
+                    else:  # no checkpoint directory at all: a configuration error, not a disk fault
+                        self._error = e
             finally:
                 self._queue.task_done()
+
+    def _describe(self, exc: BaseException) -> str:
+        """One line on a failed write: the OSError behind it when there is one (torch reports a
+        full disk as a RuntimeError of its zip writer), and the free space left."""
+        disk = _os_error(exc)
+        if disk is not None:
+            text = f"[Errno {disk.errno}] {disk.strerror}" if disk.errno is not None else str(disk)
+            text += f": {disk.filename}" if disk.filename else ""
+        else:
+            failures = getattr(exc, "failures", None)
+            inner = next(iter(failures.values())) if isinstance(failures, dict) and failures else exc
+            inner = inner[0] if isinstance(inner, tuple) else inner
+            text = f"{type(inner).__name__}: {str(inner).strip().splitlines()[-1] if str(inner).strip() else ''}"
+        with contextlib.suppress(OSError):
+            text += f" ({shutil.disk_usage(self.directory).free} bytes free in {self.directory})"
+        return text
 
     def _pruned(self, step: int) -> bool:
         if step_dir(self.directory, step).exists():
@@ -191,10 +234,15 @@ class CheckpointWriter:
         for key in sorted(job.shards):
             tensors = job.shards[key]
             data = new_data_dir(self.directory, job.step, key)
-            data.parent.mkdir(parents=True, exist_ok=True)
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
-            write_marker(self.directory, job.step, key, data, list(tensors), num_layers=self.num_layers,
-                         tp_degree=self.tp_degree)
+            try:
+                data.parent.mkdir(parents=True, exist_ok=True)
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
+                write_marker(self.directory, job.step, key, data, list(tensors), num_layers=self.num_layers,
+                             tp_degree=self.tp_degree)
+            except BaseException:
+                with contextlib.suppress(OSError):  # no marker points to it: free the space
+                    shutil.rmtree(data)
+                raise
             _remove_stale_data(data)
             nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
         prune(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree, keep=self.keep)
@@ -207,6 +255,26 @@ class CheckpointWriter:
         )
         with self._lock:
             self.records.append(record)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed write, if one is: the exception itself, its cause or context,
+    or one of the per-rank failures a `torch.distributed.checkpoint` CheckpointException wraps."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():  # rank -> (exception, traceback)
+                todo.append(f[0] if isinstance(f, tuple) else f)
+    return None
 
 
 def _remove_stale_data(current: Path) -> None:

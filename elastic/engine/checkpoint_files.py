@@ -115,11 +115,16 @@ def write_marker(
     marker = ShardMarker(step=step, layer=key[0], tp_rank=key[1], data=data_dir.name, names=sorted(names),
                          num_layers=num_layers, tp_degree=tp_degree, checksums=data_checksums(data_dir))
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(marker.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(marker.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:  # a full disk: leave no temporary marker behind
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     _fsync_dir(final.parent)
 
 

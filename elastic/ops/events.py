@@ -196,6 +196,10 @@ def describe(event: HistoryEvent) -> str:
         return f"{event.who} (incarnation {d.get('incarnation')}) got SIGTERM: asked for drain {d.get('id')}"
     if event.kind == "fenced":
         return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"
+    if event.kind == "checkpoint-failed":
+        return f"node {d.get('node')} worker {d.get('local_rank')} could not save the checkpoint of step {d.get('step')}: {d.get('reason')}"
+    if event.kind == "checkpoint-skipped":
+        return f"the fallback skipped the checkpoint of step {d.get('step')}: {d.get('reason')}"
     if event.kind == "fatal":
         return f"the leader gave up: {d.get('reason')}"
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))

@@ -4,8 +4,8 @@ The agent starts one `NodeMetrics` (one call, after it joined the membership):
 
     NodeMetrics(client, keys, node=node, lease=membership.lease_id).start()
 
-It mirrors the job's `progress` and `eval` keys and five prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
-`members/`, `injected/`), each read once and then kept current by a watch from the revision after
+It mirrors the job's `progress` and `eval` keys and six prefixes (`plan/`, `recoveries/`, `workers/<node>/`,
+`members/`, `injected/`, `checkpoint-failures/`), each read once and then kept current by a watch from the revision after
 that read (never from revision 1: auto-compaction drops old history), serves them in its own `CollectorRegistry` on
 `host:port` (default `elastic.coordinator.netaddr.bind_host()`, port `$ELASTIC_METRICS_PORT` or a free
 one) and publishes `metrics/<node_id>` = {"address": "host:port"} on the node's lease, so the key
@@ -33,6 +33,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_workers | gauge | | workers this node registered (their keys live on the node's lease) |
 | elastic_workers_alive | gauge | | of those, processes that exist here and are neither stopped nor zombies |
 | elastic_nodes_alive | gauge | | members of the job with a live lease |
+| elastic_checkpoint_save_failures_total | counter | | checkpoint saves of the job that failed (a full or failing disk), each counted once |
 
 A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
@@ -65,6 +66,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.parallel.layout import assign_ranks
+from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
 from elastic.records.evals import EvalResult, eval_key
 from elastic.records.job import shape_of_spec
 from elastic.records.protocol import (
@@ -181,6 +183,8 @@ class Snapshot:
     """elastic_eval_loss (None: no evaluation yet)."""
     eval_step: int | None = None
     """elastic_eval_step."""
+    checkpoint_save_failures: int = 0
+    """elastic_checkpoint_save_failures_total."""
 
 
 def recovery_of(
@@ -212,11 +216,13 @@ def snapshot(
     workers: list[WorkerInfo],
     nodes_alive: int,
     last_eval: EvalResult | None = None,
+    save_failures: int = 0,
 ) -> Snapshot:
     """What the endpoint serves for plan node `node`, given the job's state (see the module doc).
 
     `progress` is the job's progress record (None before the first commit); `seq_len` None (the
-    job config not read yet) leaves tokens/s out; `last_eval` is the `eval` key (None: none yet)."""
+    job config not read yet) leaves tokens/s out; `last_eval` is the `eval` key (None: none yet);
+    `save_failures` the job's failed checkpoint saves (the counts of `checkpoint-failures/`)."""
     last = progress
     tokens_per_s = None
     if last is not None and seq_len and last.generation in plans:
@@ -249,6 +255,7 @@ def snapshot(
         nodes_alive=nodes_alive,
         eval_loss=None if last_eval is None else last_eval.loss,
         eval_step=None if last_eval is None else last_eval.step,
+        checkpoint_save_failures=save_failures,
     )
 
 
@@ -306,6 +313,8 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
         "elastic_workers_alive", "Registered workers of this node that are running.", snap.workers_alive
     )
     yield _gauge("elastic_nodes_alive", "Members of the job with a live lease.", snap.nodes_alive)
+    yield CounterMetricFamily("elastic_checkpoint_save_failures", "Checkpoint saves of the job that failed.",
+                              value=snap.checkpoint_save_failures)
     if snap.eval_loss is not None and snap.eval_step is not None:
         yield _gauge("elastic_eval_loss", "Latest validation loss on the held-out split.", snap.eval_loss)
         yield _gauge("elastic_eval_step", "Steps committed when the latest validation loss was computed.",
@@ -351,6 +360,7 @@ class NodeMetrics(Collector):
             "members": _Mirror(self.client, self.keys.members, lambda v: v),
             "injected": _Mirror(self.client, rk.injected(""), lambda v: float(v.decode())),
             "eval": _Mirror(self.client, eval_key(self.keys), EvalResult.from_json),
+            "save_failures": _Mirror(self.client, save_failures_prefix(self.keys), SaveFailures.from_json),
         }
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         bound_host, bound_port = self._server.server_address[:2]
@@ -410,6 +420,7 @@ class NodeMetrics(Collector):
             workers=list(m["workers"].values()),
             nodes_alive=len(m["members"]),
             last_eval=m["eval"].get(""),
+            save_failures=sum(r.count for r in m["save_failures"].values()),
         )
 
     def collect(self) -> Iterator[Metric]:

@@ -58,6 +58,10 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
     last_eval           null (no `--eval-every`, or none yet), or the latest validation loss (the
                         `eval` key, elastic/records/evals.py): step (steps committed when it ran),
                         loss, batches, generation, at, seconds
+    checkpoint_failures null (no checkpoint save failed), or the failed checkpoint saves of the job
+                        (a full or failing checkpoint disk; elastic/records/checkpoint_failures.py):
+        count             failed saves, each counted once, over every worker
+        last_step, last_reason, last_at, last_node, last_local_rank   the newest failure
 """
 
 from __future__ import annotations
@@ -224,6 +228,7 @@ class JobStatus:
     recoveries: int
     last_recovery: dict[str, Any] | None
     last_eval: dict[str, Any] | None = None
+    checkpoint_failures: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -338,7 +343,20 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         recoveries=sum(1 for n in generations if n > 1),
         last_recovery=_last_recovery(client, rk, generations),
         last_eval=_last_eval(client, keys),
+        checkpoint_failures=_checkpoint_failures(client, keys),
     )
+
+
+def _checkpoint_failures(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
+    """The job's failed checkpoint saves (one record per worker that had one), or None."""
+    from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
+
+    records = [SaveFailures.from_json(value) for value, _ in client.get_prefix(save_failures_prefix(keys))]
+    if not records:
+        return None
+    last = max(records, key=lambda r: r.last_at)
+    return {"count": sum(r.count for r in records), "last_step": last.last_step, "last_reason": last.last_reason,
+            "last_at": last.last_at, "last_node": last.node, "last_local_rank": last.local_rank}
 
 
 def _last_eval(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
@@ -505,6 +523,10 @@ def render_table(status: JobStatus) -> str:
         e = s.last_eval
         lines.append(f"validation loss {e['loss']:.4f} after step {e['step']} ({e['batches']} held-out batches, "
                      f"generation {e['generation']})")
+    if s.checkpoint_failures is not None:
+        c = s.checkpoint_failures
+        lines.append(f"checkpoint saves failed: {c['count']}; last: step {c['last_step']} on node {c['last_node']} "
+                     f"({_ago(c['last_at'], s.read_at)}): {c['last_reason']}")
     if s.throughput is not None:
         t = s.throughput
         lines.append(

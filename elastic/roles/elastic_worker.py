@@ -40,6 +40,7 @@ import torch.distributed as dist
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.monitor import die_with_parent
@@ -50,6 +51,7 @@ from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
 from elastic.records.protocol import (
     COMMIT,
@@ -148,6 +150,8 @@ class ElasticWorker:
         """The current generation's abort flag."""
         self.timeout = self.spec.collective_timeout_s
         self.writer: Any = None
+        self._save_failures = 0
+        """Checkpoint saves of this worker that failed so far (`_report_failed_saves`)."""
         if config.checkpoint_every > 0:
             from elastic.engine.checkpoint import CheckpointWriter
 
@@ -449,7 +453,10 @@ class ElasticWorker:
 
     def _maybe_checkpoint(self, layout: ParallelLayout) -> None:
         every = self.config.checkpoint_every
-        if self.writer is None or self.trainer.step % every:
+        if self.writer is None:
+            return
+        self._report_failed_saves()
+        if self.trainer.step % every:
             return
         from elastic.engine.checkpoint import checkpoint_writer_shards
 
@@ -457,10 +464,30 @@ class ElasticWorker:
         if mine:
             self.writer.save_async(self.trainer.step, {k: self.trainer.export_shard(*k) for k in mine})
 
+    def _report_failed_saves(self) -> None:
+        """Report each checkpoint save that failed (a full or failing disk) once: an event and
+        this worker's `checkpoint-failures/` record. Training goes on; the failed step left no
+        marker, so a fallback takes the last complete checkpoint (records/checkpoint_failures.py)."""
+        for failed in self.writer.take_failures():
+            self._save_failures += 1
+            _log(f"checkpoint of step {failed.step} not saved, training goes on: {failed.reason}")
+            record = SaveFailures(node=self.node, local_rank=self.local_rank, incarnation=self.incarnation,
+                                  count=self._save_failures, last_step=failed.step, last_reason=failed.reason,
+                                  last_at=time.time())
+            key = save_failures_key(self.keys, self.node, self.local_rank, self.incarnation)
+            try:
+                self.client.put(key, record.to_json())
+                record_event(self.client, self.keys, who=f"node{self.node}/{self.local_rank}",
+                             kind="checkpoint-failed", node=self.node, local_rank=self.local_rank,
+                             step=failed.step, reason=failed.reason)
+            except Exception as exc:  # etcd unreachable: the report is lost, training is not
+                _log(f"could not report the failed checkpoint of step {failed.step}: {exc}")
+
     def _finish(self, layout: ParallelLayout) -> None:
         """Pipeline 0 of the last generation writes the final parameters; then report done."""
         if self.writer is not None:
             self.writer.flush()
+            self._report_failed_saves()
         state = self.trainer.full_state()
         if layout.pipeline == 0 and layout.tp_rank == 0:
             path = self.spec.stage_state_path(layout.stage)

@@ -456,6 +456,28 @@ class Leader:
                        self.keys.store(f"gen-{g}")):
             self.client.delete_prefix(prefix)
 
+    def _verified_checkpoint(self, plan: Plan) -> tuple[int | None, list[tuple[int, str]]]:
+        """The newest complete checkpoint whose every file matches its marker's CRC-32, and the
+        newer complete ones skipped as corrupt (step, why), each reported once as a
+        `checkpoint-skipped` event naming the file. Reading every file is a fallback's cost,
+        never a step's."""
+        from elastic.engine.checkpoint_files import CheckpointError, complete_steps
+        from elastic.engine.checkpoint_resume import verify_step
+
+        directory = Path(self.config.checkpoint_path)
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(complete_steps(directory, num_layers=plan.num_layers, tp_degree=plan.gpus_per_node)):
+            try:
+                verify_step(directory, step, self.config.spec.model_config)
+            except CheckpointError as exc:
+                skipped.append((step, str(exc)))
+                log.warning("leader %s: skipping the checkpoint of step %d: %s", self.who, step, exc)
+                record_event(self.client, self.keys, who=self.who, kind="checkpoint-skipped", step=step,
+                             reason=str(exc))
+                continue
+            return step, skipped
+        return None, skipped
+
     def _plan_for(
         self, plan: Plan, live: list[int], *, lost: list[int], joined: list[int]
     ) -> tuple[Plan, int | None, str]:
@@ -475,11 +497,8 @@ class Leader:
                     continue
                 relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
                 return new, None, f"{what}: re-planned over nodes {live}{relaxed}"
-        from elastic.engine.checkpoint import latest_complete
-
         spec = self.config.spec
-        ckpt = latest_complete(Path(self.config.checkpoint_path), num_layers=plan.num_layers,
-                               tp_degree=plan.gpus_per_node)
+        ckpt, skipped = self._verified_checkpoint(plan)
         resume = self.config.resume
         if ckpt is None and resume is not None:  # a resumed run before its own first checkpoint
             ckpt = resume.step
@@ -506,6 +525,7 @@ class Leader:
                     )
                     + "; "
                     f"CHECKPOINT FALLBACK: restoring step {ckpt} of {spec.steps} on nodes {live}{relaxed}"
+                    + "".join(f"; skipped the corrupt checkpoint of step {step}" for step, _ in skipped)
                 ),
             )
         raise FallbackImpossible(f"{what}: no plan fits the live nodes {live} even with fault tolerance 0")

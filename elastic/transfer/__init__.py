@@ -21,6 +21,7 @@ from elastic.transfer.client import (
     FetchConfig,
     FetchResult,
     GenerationBehind,
+    HolderBusy,
     TransferError,
     fetch_shards,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "FetchConfig",
     "FetchResult",
     "GenerationBehind",
+    "HolderBusy",
     "ServerConfig",
     "ShardCheck",
     "ShardKey",

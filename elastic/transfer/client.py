@@ -18,7 +18,9 @@ other holder would answer differently (wrong token, stale generation, malformed 
 messages) ends the fetch at once. A holder still at an older generation answers "not yet"
 (UNAVAILABLE with its generation in the `server-generation` trailer, `GenerationBehind` here):
 its shards are asked again every `behind_retry_s`, without counting as failed tries, until
-`behind_wait_s` has passed; then it is dropped like a broken holder.
+`behind_wait_s` has passed; then it is dropped like a broken holder. A holder serving as many
+streams as it allows answers "busy" (RESOURCE_EXHAUSTED with the `server-busy` trailer, or gRPC's
+own concurrent-call limit; `HolderBusy` here) and is asked again the same way.
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ import torch
 
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer.codec import CorruptTensorError
-from elastic.transfer.server import GENERATION_BEHIND_KEY, HEADER_ALLOWANCE, MISSING_SHARDS_KEY
+from elastic.transfer.server import (
+    GENERATION_BEHIND_KEY,
+    HEADER_ALLOWANCE,
+    MISSING_SHARDS_KEY,
+    SERVER_BUSY_KEY,
+)
 from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
 from elastic.transfer.stream import ShardCheck, ShardStreamParser
 from elastic.transfer.tls import TlsConfig
@@ -75,6 +82,20 @@ class GenerationBehind(TransferError):
         """The holder that answered."""
         self.server_generation = server_generation
         """The generation it is at."""
+
+
+class HolderBusy(TransferError):
+    """A holder answered "busy": it serves as many Fetch streams as it allows (or gRPC's queue of
+    calls is full). Raised by one Fetch call; `fetch_shards` asks it again like a holder behind."""
+
+    def __init__(self, message: str, *, address: str) -> None:
+        super().__init__(message)
+        self.address = address
+        """The holder that answered."""
+
+
+_GRPC_CALL_LIMIT = "Concurrent RPC limit exceeded"
+"""Details of gRPC's own refusal beyond a server's `maximum_concurrent_rpcs`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +277,9 @@ def _call_failure(
     behind = trailers.get(GENERATION_BEHIND_KEY, "")
     if code == grpc.StatusCode.UNAVAILABLE and behind.isdigit():
         raise GenerationBehind(text, address=address, server_generation=int(behind))
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (SERVER_BUSY_KEY in trailers
+                                                       or _GRPC_CALL_LIMIT in (e.details() or "")):
+        raise HolderBusy(text, address=address)
     missing = frozenset(
         ShardKey(*map(int, item.split(":"))) for item in trailers.get(MISSING_SHARDS_KEY, "").split(",") if item
     )
@@ -325,19 +349,20 @@ class _FetchState:
         for address, call in calls.items():
             try:
                 outcome = call.result()
-            except GenerationBehind as behind:
+            except (GenerationBehind, HolderBusy) as behind:
                 waiting |= self._behind(address, assignment[address], behind)
                 continue
             self._record(address, assignment[address], outcome)
         return waiting
 
-    def _behind(self, address: str, keys: list[ShardKey], behind: GenerationBehind) -> bool:
+    def _behind(self, address: str, keys: list[ShardKey], behind: GenerationBehind | HolderBusy) -> bool:
         """Not a failure while `behind_wait_s` lasts (True: ask again); after it, the holder is
         dropped like a broken one (False)."""
         config = self.config
         if time.monotonic() - self.started <= config.behind_wait_s:
             return True
-        text = f"did not reach generation {config.generation} within {config.behind_wait_s:.0f} s: {behind}"
+        what = "stayed busy" if isinstance(behind, HolderBusy) else f"did not reach generation {config.generation}"
+        text = f"{what} within {config.behind_wait_s:.0f} s: {behind}"
         self._record(address, keys, _Outcome(error=grpc.StatusCode.UNAVAILABLE, error_text=text))
         return False
 

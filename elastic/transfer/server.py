@@ -11,6 +11,15 @@ retryable (UNAVAILABLE, with the server's generation in the `server-generation` 
 metadata): the holder has not yet resolved its in-flight step of the old generation, so what it
 would serve might be from before that step's decision. The runtime moves the server to g+1
 (`set_generation`) once that step is committed or discarded; the client retries until then.
+
+Flood limits: a client with a valid token could open many streams or ask for many shards at
+once, and every stream holds a CPU copy of the shards it serves. So at most
+`max_concurrent_streams` Fetch calls are served at once; another waits up to `busy_wait_s` for
+a free slot and is then refused as retryable (RESOURCE_EXHAUSTED with the `server-busy` trailing
+metadata: the client asks again, as for a holder still behind); gRPC itself refuses calls beyond
+`max_pending_calls` in its queue. A request naming more than `max_shards_per_request` shards, or
+larger than `max_request_bytes`, is refused outright, and replies never exceed one chunk plus
+`HEADER_ALLOWANCE`.
 """
 
 from __future__ import annotations
@@ -40,6 +49,10 @@ HEADER_ALLOWANCE = 64 << 10
 GENERATION_BEHIND_KEY = "server-generation"
 """Trailing-metadata key of an UNAVAILABLE answer to a newer requester: the server's generation."""
 
+SERVER_BUSY_KEY = "server-busy"
+"""Trailing-metadata key of a RESOURCE_EXHAUSTED answer that means "too many streams now, retry"
+(value: the server's `max_concurrent_streams`), as opposed to an oversized request."""
+
 MISSING_SHARDS_KEY = "missing-shards"
 """Trailing-metadata key of a NOT_FOUND answer: the missing shards as `layer:tp_rank,...`."""
 
@@ -56,10 +69,19 @@ class ServerConfig:
     """TCP port; 0 picks a free one (read it back from `ShardServer.port`)."""
     chunk_bytes: int = 4 << 20
     """Largest data chunk per reply message (a requester may ask for smaller ones)."""
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int = 64 << 10
     """Largest request message accepted; larger ones are refused with RESOURCE_EXHAUSTED."""
-    max_workers: int = 4
-    """Threads serving calls concurrently."""
+    max_workers: int = 8
+    """Threads serving calls (streams and the refusals of busy ones)."""
+    max_concurrent_streams: int = 4
+    """Fetch calls served at once (each holds a CPU copy of its shards); more wait, then are
+    refused as busy (retryable)."""
+    busy_wait_s: float = 0.2
+    """How long a call waits for a free stream slot before it is refused as busy."""
+    max_pending_calls: int = 64
+    """Calls gRPC accepts at once, running or queued; beyond, it refuses them (RESOURCE_EXHAUSTED)."""
+    max_shards_per_request: int = 1024
+    """Most shards one request may name (INVALID_ARGUMENT beyond)."""
     tls: TlsConfig | None = None
     """Mutual TLS (elastic/transfer/tls.py): serve only clients the CA signed; None: plain gRPC."""
 
@@ -72,6 +94,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.max_workers <= 0:
             raise ValueError(f"ServerConfig.max_workers must be positive, got {self.max_workers}")
+        for name in ("max_concurrent_streams", "max_pending_calls", "max_shards_per_request"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ServerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.busy_wait_s < 0:
+            raise ValueError(f"ServerConfig.busy_wait_s must be >= 0, got {self.busy_wait_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in [0, 65535], got {self.port}")
 
@@ -119,6 +146,26 @@ class _Servicer(pb_grpc.ShardTransferServicer):
     ) -> Iterator[FetchItem]:
         self._check(request, context)
         assert isinstance(request, pb.FetchRequest)
+        server = self._server
+        if len(request.shards) > server.config.max_shards_per_request:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request names {len(request.shards)} shards, more than the "
+                f"{server.config.max_shards_per_request} one request may name",
+            )
+        if not server.streams.acquire(timeout=server.config.busy_wait_s):
+            server.note_busy()
+            context.set_trailing_metadata(((SERVER_BUSY_KEY, str(server.config.max_concurrent_streams)),))
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"busy: {server.config.max_concurrent_streams} streams are being served; retry",
+            )
+        try:
+            yield from self._serve(request, context)
+        finally:
+            server.streams.release()
+
+    def _serve(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[FetchItem]:
         keys = [ShardKey(s.layer, s.tp_rank) for s in request.shards]
         if not keys:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request names no shards")
@@ -193,9 +240,14 @@ class ShardServer:
         self.provider = provider
         self._generation = generation
         self._lock = threading.Lock()
+        self.streams = threading.BoundedSemaphore(config.max_concurrent_streams)
+        """One slot per Fetch call being served (`ServerConfig.max_concurrent_streams`)."""
+        self.busy_refusals = 0
+        """Calls refused as busy so far."""
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="shard-server"),
             interceptors=list(interceptors),
+            maximum_concurrent_rpcs=config.max_pending_calls,
             options=[
                 ("grpc.max_receive_message_length", config.max_request_bytes),
                 ("grpc.max_send_message_length", config.max_reply_bytes),
@@ -220,6 +272,11 @@ class ShardServer:
     def generation(self) -> int:
         with self._lock:
             return self._generation
+
+    def note_busy(self) -> None:
+        """Count one call refused as busy."""
+        with self._lock:
+            self.busy_refusals += 1
 
     def set_generation(self, generation: int) -> None:
         """Move to a newer plan generation (requests for older ones are then refused)."""

@@ -150,3 +150,46 @@ def test_training_thread_pays_only_the_copy(tmp_path: Path) -> None:
     )
     assert rec.bytes == sum(t.numel() * t.element_size() for s in live.values() for t in s.values())
     assert latest_complete(tmp_path, num_layers=LAYERS, tp_degree=TP) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_fails_the_save_without_a_marker_reports_it_once_and_the_next_save_works(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        w = writer(mnt / "ckpt")
+        big = 8_000  # ~130 KiB of tensors per shard, ~0.8 MiB per step
+        w.save_async(1, make_shards(ALL, step=1, numel=big))
+        w.flush()
+        assert w.take_failures() == []
+        filler = mnt / "filler"
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, free - (64 << 10)))  # leave 64 KiB: less than one shard
+        w.save_async(2, make_shards(ALL, step=2, numel=big))
+        w.flush()  # does not raise: a failed save is not an error of the writer
+        (failed,) = w.take_failures()
+        assert failed.step == 2 and "No space left on device" in failed.reason, failed
+        assert w.take_failures() == []  # reported once
+        assert latest_complete(mnt / "ckpt", num_layers=LAYERS, tp_degree=TP) == 1
+        # no leftover of the failed shard write: no temporary marker, no data without a marker
+        leftovers = [p.name for p in step_dir(mnt / "ckpt", 2).iterdir()] if step_dir(mnt / "ckpt", 2).exists() else []
+        assert not [n for n in leftovers if n.endswith(".tmp")], leftovers
+        markers = {n.removesuffix(".done") for n in leftovers if n.endswith(".done")}
+        assert {n.rsplit(".", 1)[0] for n in leftovers if not n.endswith(".done")} <= markers, leftovers
+        filler.unlink()  # space again: the next save completes
+        w.save_async(3, make_shards(ALL, step=3, numel=big))
+        w.close()
+        assert w.take_failures() == []
+        assert latest_complete(mnt / "ckpt", num_layers=LAYERS, tp_degree=TP) == 3
+        assert_shards_equal(load_shards(mnt / "ckpt", 3, ALL), make_shards(ALL, step=3, numel=big))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
