@@ -29,11 +29,18 @@ def verify_step(directory: Path, step: int, cfg: GPTConfig) -> int:
     `cfg` (CheckpointMismatch otherwise) and whole: every file of every shard matches its CRC-32
     (CheckpointError naming the first that does not)."""
     degree = check_shapes(directory, step, cfg)
+    verify_crcs(directory, step)
+    return degree
+
+
+def verify_crcs(directory: Path, step: int) -> None:
+    """Every file of every shard of step `step`'s (complete) checkpoint matches its marker's
+    CRC-32: CheckpointError naming the first that does not. What a running job's fallback checks
+    (its own checkpoints have its model's shapes)."""
     for key in committed_keys(directory, step):
         marker = read_marker(directory, step, key)
         assert marker is not None
         verify_data(directory, marker)
-    return degree
 
 
 def find_resume_point(run_dir: Path, cfg: GPTConfig, *, checkpoint_dir: Path | None = None) -> ResumeSource:

@@ -462,13 +462,13 @@ class Leader:
         `checkpoint-skipped` event naming the file. Reading every file is a fallback's cost,
         never a step's."""
         from elastic.engine.checkpoint_files import CheckpointError, complete_steps
-        from elastic.engine.checkpoint_resume import verify_step
+        from elastic.engine.checkpoint_resume import verify_crcs
 
         directory = Path(self.config.checkpoint_path)
         skipped: list[tuple[int, str]] = []
         for step in reversed(complete_steps(directory, num_layers=plan.num_layers, tp_degree=plan.gpus_per_node)):
             try:
-                verify_step(directory, step, self.config.spec.model_config)
+                verify_crcs(directory, step)
             except CheckpointError as exc:
                 skipped.append((step, str(exc)))
                 log.warning("leader %s: skipping the checkpoint of step %d: %s", self.who, step, exc)
