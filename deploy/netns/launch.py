@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_cmd.register(_OneParser(parser))
     parser.add_argument(
-        "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D",
+        "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D[,mode=oneway]",
         help="down node N's link while step S is in flight, for D seconds; mode=oneway: drop only what "
              "node N sends to etcd (it still hears etcd and its peers); repeatable",
     )
@@ -155,7 +156,7 @@ def _flag(spec: PartitionSpec) -> str:
     return "--sick-link" if spec.mode == "sick" else "--partition"
 
 
-def _fault_setter(topo: Topology, etcd_host: str) -> Any:
+def _fault_setter(topo: Topology, etcd_host: str) -> Callable[[PartitionSpec, bool], None]:
     """The Partitioner's `set_fault`: each mode of PartitionSpec mapped onto the topology."""
 
     def set_fault(spec: PartitionSpec, on: bool) -> None:

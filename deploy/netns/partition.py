@@ -56,7 +56,7 @@ class PartitionSpec:
         if self.seconds <= 0:
             raise ValueError(f"partition seconds must be > 0, got {self.seconds}")
         if self.mode not in ("down", "oneway", "sick"):
-            raise ValueError(f"mode must be down or oneway, got {self.mode!r}")
+            raise ValueError(f"mode must be down, oneway or sick, got {self.mode!r}")
         if not 0 <= self.delay_ms <= 10_000:
             raise ValueError(f"delay must be in 0..10000 ms, got {self.delay_ms:g}")
         if not 0 <= self.loss <= 100:
