@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "deploy" / "netns" / "launch.py"
 STEPS = 8
 PARTITION = {"node": 2, "step": 3, "seconds": 6}
-LONG_STEPS = 100
-"""Steps of the sick-link and one-way runs: at >= 0.1 s a step, enough that training goes on
-well past the lease TTL after the fault."""
+LONG_STEPS = 160
+"""Steps of the sick-link and one-way runs: even at 0.05 s a step (an idle machine), training
+goes on well past the lease TTL (6 s) after the one-way cut at step 4."""
 LONG_TTL = 6
 """Lease TTL of those runs: twice the default, so that CPU starvation on a loaded 2-core machine
 (a failure-free run lost a node at TTL 3 s with the load at 30) does not pass for a network
