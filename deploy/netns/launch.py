@@ -3,7 +3,9 @@
     sudo .venv/bin/python deploy/netns/launch.py --nodes 3 --fault-tolerance 1 --steps 20 \\
         --partition node=2,step=8,seconds=6
 
-Takes the flags of `elastic run` (same parser), plus --partition and --check. It builds a
+Takes the flags of `elastic run` (same parser), plus --partition (a downed link, or with
+mode=oneway a one-way partition: nothing the node sends reaches etcd), --sick-link (delay and
+loss on a node's link, see sicklink.py) and --check. It builds a
 bridge and one namespace per node (topology.py), starts etcd on the bridge address, optionally
 checks that gloo and gRPC work between namespaces (probe.py), then runs the job with
 `launch_elastic`: each node's agent (and so its workers) runs under `ip netns exec`, with
@@ -23,10 +25,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from partition import Partitioner, PartitionSpec, parse_partition
+from partition import Partitioner, PartitionSpec, parse_partition, parse_sick_link
 from topology import NetnsUnavailable, Topology, check_available
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -52,8 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run_cmd.register(_OneParser(parser))
     parser.add_argument(
-        "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D",
-        help="down node N's link while step S is in flight, for D seconds; repeatable",
+        "--partition", action="append", default=[], metavar="node=N,step=S,seconds=D[,mode=oneway]",
+        help="down node N's link while step S is in flight, for D seconds; mode=oneway: drop only what "
+             "node N sends to etcd (it still hears etcd and its peers); repeatable",
+    )
+    parser.add_argument(
+        "--sick-link", action="append", default=[], metavar="node=N,step=S,seconds=D,delay=MS,loss=PCT",
+        help="from step S on, for D seconds, delay each frame of node N's link by MS ms and drop PCT %% "
+             "of them, in each direction; repeatable",
     )
     parser.add_argument(
         "--check", action="store_true", help="first check gloo and gRPC between the namespaces"
@@ -134,12 +143,34 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
                    data_path=args.data, optim=optim, device=args.device, shape=cfg)
     config = _elastic_config(args, spec, plan)
     partitions = [parse_partition(text) for text in args.partition]
+    partitions += [parse_sick_link(text) for text in args.sick_link]
     for p in partitions:
         if p.node not in plan.nodes:
-            raise ValueError(f"--partition node {p.node} is not a node of the plan ({sorted(plan.nodes)})")
+            raise ValueError(f"{_flag(p)} node {p.node} is not a node of the plan ({sorted(plan.nodes)})")
         if p.step > args.steps:
-            raise ValueError(f"--partition step {p.step} is past the last step ({args.steps})")
+            raise ValueError(f"{_flag(p)} step {p.step} is past the last step ({args.steps})")
     return config, partitions
+
+
+def _flag(spec: PartitionSpec) -> str:
+    return "--sick-link" if spec.mode == "sick" else "--partition"
+
+
+def _fault_setter(topo: Topology, etcd_host: str) -> Callable[[PartitionSpec, bool], None]:
+    """The Partitioner's `set_fault`: each mode of PartitionSpec mapped onto the topology."""
+
+    def set_fault(spec: PartitionSpec, on: bool) -> None:
+        if spec.mode == "sick":
+            if on:
+                topo.sicken(spec.node, delay_ms=spec.delay_ms, loss=spec.loss, seed=spec.step)
+            else:
+                topo.heal(spec.node)
+        elif spec.mode == "oneway":
+            topo.set_one_way(spec.node, etcd_host, cut=on)
+        else:
+            topo.set_link(spec.node, up=not on)
+
+    return set_fault
 
 
 def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
@@ -173,7 +204,7 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
         if partitions:
             partitioner = Partitioner(
                 partitions, etcd=etcd.endpoint, job=job,
-                set_link=lambda node, up: topo.set_link(node, up=up), say=say,
+                set_fault=_fault_setter(topo, topo.bridge_address), say=say,
             ).start()
 
         def placement(node: int) -> tuple[list[str], dict[str, str]]:

@@ -17,12 +17,15 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 NODE_IFNAME = "eth0"
 """Name of each node's interface inside its namespace (as in a Kubernetes pod)."""
 
+SICKLINK = Path(__file__).with_name("sicklink.py")
 _SUBNET_BASE = "10.213"
 _FIRST_HOST = 10
 
@@ -92,6 +95,7 @@ class Topology:
     subnet: str = ""
     members: list[NodeNet] = field(default_factory=list)
     _created: list[tuple[str, str]] = field(default_factory=list)
+    _relays: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 200:
@@ -159,8 +163,60 @@ class Topology:
         """Bring node `node`'s link up or down (down: none of its packets leave or arrive)."""
         run_ip("link", "set", self.node(node).host_veth, "up" if up else "down")
 
+    # --- sick links and one-way partitions (launch.py --sick-link, --partition ...,mode=oneway) ---
+
+    def sicken(self, node: int, *, delay_ms: float, loss: float, seed: int = 0) -> None:
+        """Splice a delay/loss relay (sicklink.py) into node `node`'s link, in both directions.
+
+        The node's host veth leaves the bridge; a new veth pair `<prefix>s<k>` / `<prefix>t<k>`
+        takes its place there, and the relay copies frames between `<prefix>h<k>` and
+        `<prefix>s<k>`. Addresses and MACs do not change: the node's connections carry on.
+        """
+        net = self.node(node)
+        if node in self._relays:
+            raise RuntimeError(f"node {node}'s link is already sick")
+        side, port = f"{self.prefix}s{node}", f"{self.prefix}t{node}"
+        run_ip("link", "add", side, "type", "veth", "peer", "name", port)
+        self._created.append(("link", side))
+        run_ip("link", "set", side, "up")
+        relay = subprocess.Popen(
+            [sys.executable, str(SICKLINK), "--node-side", net.host_veth, "--bridge-side", side,
+             "--delay-ms", str(delay_ms), "--loss", str(loss), "--seed", str(seed)],
+            stdout=subprocess.PIPE,
+        )
+        self._relays[node] = relay
+        assert relay.stdout is not None
+        if not relay.stdout.readline():  # its one line says both sockets are open and relaying
+            self.heal(node)
+            raise RuntimeError(f"the sick-link relay of node {node} failed to start (exit {relay.wait()})")
+        run_ip("link", "set", net.host_veth, "nomaster")
+        run_ip("link", "set", port, "master", self.bridge)
+        run_ip("link", "set", port, "up")
+
+    def heal(self, node: int) -> None:
+        """Undo `sicken`: the host veth back on the bridge, the relay stopped, its veth pair deleted."""
+        relay = self._relays.pop(node, None)
+        if relay is None:
+            return
+        run_ip("link", "set", self.node(node).host_veth, "master", self.bridge, check=False)
+        _stop_process(relay)
+        side = f"{self.prefix}s{node}"
+        run_ip("link", "del", side, check=False)
+        if ("link", side) in self._created:
+            self._created.remove(("link", side))
+
+    def set_one_way(self, node: int, address: str, *, cut: bool) -> None:
+        """Drop (cut) or pass again every packet node `node` sends to `address`; what `address`
+        sends to the node still arrives. A blackhole route in the node's namespace: the kernel
+        here has no tc drop action (no act_gact) and no iptables, and the route catches exactly
+        the node's own packets, TCP ACKs included."""
+        verb = "add" if cut else "del"
+        run_ip("-n", self.node(node).namespace, "route", verb, "blackhole", f"{address}/32")
+
     def destroy(self) -> None:
         """Kill what still runs in the namespaces (by PID), then delete namespaces, veths and bridge."""
+        for node in list(self._relays):
+            self.heal(node)
         namespaces = [name for kind, name in self._created if kind == "netns"]
         for ns in namespaces:
             _kill_namespace_pids(ns)
@@ -171,6 +227,17 @@ class Topology:
                 run_ip("link", "del", name, check=False)
         self._created.clear()
         self.members.clear()
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a relay we started, SIGKILL it if it lingers, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _kill_namespace_pids(namespace: str) -> None:
