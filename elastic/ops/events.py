@@ -2,7 +2,8 @@
 
 Sources, in etcd revision order (one total order, whatever the writers' clocks say):
 
-    events/        the append-only log (elastic/coordinator/events.py): join, failure, fatal, and
+    events/        the append-only log (elastic/coordinator/events.py): join, failure, fatal, spare
+                   (a node kept as a hot spare), spare-taken (a spare taken in for a lost node), and
                    whatever else the runtime records there (kind and detail passed through)
     plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
                    resume step, restored checkpoint, pipelines)
@@ -198,6 +199,11 @@ def describe(event: HistoryEvent) -> str:
         return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"
     if event.kind == "fatal":
         return f"the leader gave up: {d.get('reason')}"
+    if event.kind == "spare":
+        return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
+    if event.kind == "spare-taken":
+        return (f"hot spare node {d.get('node')} (incarnation {d.get('incarnation')}) taken in for lost node(s) "
+                f"{d.get('lost')} by generation {d.get('generation')}")
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
     return f"{event.who}: {rest}" if rest else event.who
 

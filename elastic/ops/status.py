@@ -33,6 +33,11 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         layers            [first, last) layers of that stage, or null
         failures          [{incarnation, reporter, reason, time}] from `failed/`, oldest first
         workers           [{local_rank, pid, transfer_address, incarnation}] registered now
+        role              "active" (its incarnation is in the latest generation), "spare" (alive,
+                          in no generation: a hot spare, elastic/planning/spares.py), "draining"
+                          (drained by the latest generation, serving its shards before it leaves)
+                          or "gone" (not alive)
+    spares              node numbers whose role is "spare", ascending
     pipelines           the latest plan's pipelines:
         index             pipeline number; template: its stage count (the template's node count)
         nodes             node of each stage, in pipeline order
@@ -62,6 +67,7 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,6 +159,8 @@ class NodeStatus:
     """Failure reports about it, oldest first."""
     workers: list[WorkerStatus] = field(default_factory=list)
     """Its workers registered now, by local rank."""
+    role: str = "active"
+    """"active", "spare", "draining" or "gone" (module doc: `role`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +232,7 @@ class JobStatus:
     recoveries: int
     last_recovery: dict[str, Any] | None
     last_eval: dict[str, Any] | None = None
+    spares: list[int] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -305,7 +314,7 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     g = max(generations, default=0)
     rec = generations.get(g)
     plan = rec.plan if rec is not None else None
-    nodes = _read_nodes(client, keys, generations, plan)
+    nodes = _with_roles(_read_nodes(client, keys, generations, plan), generations)
     progress = read_progress(client, rk)
     committed = 0 if progress is None else progress.step + 1
     spec = config["spec"] if config is not None else None
@@ -338,7 +347,28 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         recoveries=sum(1 for n in generations if n > 1),
         last_recovery=_last_recovery(client, rk, generations),
         last_eval=_last_eval(client, keys),
+        spares=[n.node for n in nodes if n.role == "spare"],
     )
+
+
+def _with_roles(nodes: list[NodeStatus], generations: dict[int, GenerationRecord]) -> list[NodeStatus]:
+    """`nodes` with their role (module doc: `role`) as the latest generation says."""
+    g = max(generations, default=0)
+    rec, before = generations.get(g), generations.get(g - 1)
+    if rec is None:  # before generation 1 every live node is on its way in
+        return nodes
+    out = []
+    for n in nodes:
+        if not n.alive:
+            role = "gone"
+        elif rec.incarnations.get(n.node) == n.incarnation:
+            role = "active"
+        elif n.node in rec.drained and before is not None and before.incarnations.get(n.node) == n.incarnation:
+            role = "draining"
+        else:
+            role = "spare"
+        out.append(dataclasses.replace(n, role=role))
+    return out
 
 
 def _last_eval(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
@@ -505,6 +535,9 @@ def render_table(status: JobStatus) -> str:
         e = s.last_eval
         lines.append(f"validation loss {e['loss']:.4f} after step {e['step']} ({e['batches']} held-out batches, "
                      f"generation {e['generation']})")
+    if s.spares:
+        lines.append("hot spares: " + ", ".join(
+            f"node {n.node} (incarnation {n.incarnation})" for n in s.nodes if n.role == "spare"))
     if s.throughput is not None:
         t = s.throughput
         lines.append(
