@@ -202,8 +202,9 @@ def describe(event: HistoryEvent) -> str:
     if event.kind == "spare":
         return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
     if event.kind == "spare-taken":
-        return (f"hot spare node {d.get('node')} (incarnation {d.get('incarnation')}) taken in for lost node(s) "
-                f"{d.get('lost')} by generation {d.get('generation')}")
+        why = f"drained node(s) {d['drained']}" if d.get("drained") else f"lost node(s) {d.get('lost')}"
+        return (f"hot spare node {d.get('node')} (incarnation {d.get('incarnation')}) taken in for {why} "
+                f"by generation {d.get('generation')}")
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
     return f"{event.who}: {rest}" if rest else event.who
 

@@ -16,8 +16,12 @@ ShardServer serve that generation (its committed state), then `Trainer.start` ke
 it holds, fetches the missing ones from live holders (or from the checkpoint the leader names)
 and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
 without it, naming it in `drained`) serves its committed shards to the survivors until a newer
-generation has committed a step, then reports itself done and exits 0. The job token comes in
-the ELASTIC_JOB_TOKEN environment variable.
+generation has committed a step, then reports itself done and exits 0. A worker of a hot spare
+(`elastic run --spares`, or a node back while the plan has all its nodes) waits outside every
+generation with its model skeleton built and no layers, for as long as the job runs: the
+generation that puts its node into a lost or drained node's stage is entered like any other; if
+the job finishes first it reports itself done ("spare") and exits 0. The job token comes in the
+ELASTIC_JOB_TOKEN environment variable.
 """
 
 from __future__ import annotations

@@ -26,6 +26,13 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
   leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
 
+Hot spares (`elastic run --spares K`, elastic/planning/spares.py): live nodes beyond the job's
+node count (`cluster.nodes`) whose workers have registered wait outside every generation. The
+re-plan that drops a lost node, or a drained one, puts a ready spare into its stage in the same
+generation g+1 (the same instantiation; the spare fetches the stage's shards like any node that
+gains layers); a newcomer joins only while the plan is short of the node count, else it is a
+spare. Events: "spare" (a node kept as a spare), "spare-taken".
+
 Keys of generations before g (halts, sync reports, last-step marks, group stores) are deleted
 when g+1 is published, so etcd holds O(workers) of them whatever the run's length.
 """
@@ -257,7 +264,11 @@ class Leader:
             return
         assert drain is not None
         req, plan, reason = drain
-        if self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], drained=[req.node],
+        taken = self._drain_spare(record, members, req.node)
+        if taken:  # a hot spare takes the drained node's stage: the job keeps its node count
+            plan, reason = substitute(record.plan, {req.node: taken[0]}), \
+                f"drained node {req.node}: hot spare {taken[0]} took its stage"
+        if self._resolve_and_publish(g, record, reports, members, lost=[], joined=taken, drained=[req.node],
                                      planned=(plan, reason)):
             self._answer(req, "done", reason, generation=g + 1)
         else:
@@ -384,6 +395,17 @@ class Leader:
         for node in taken:
             record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=node,
                          incarnation=members[node], lost=lost, generation=self._record[0] + 1 if self._record else None)
+        return taken
+
+    def _drain_spare(self, record: GenerationRecord, members: dict[int, int], node: int) -> list[int]:
+        """The spare (at most one) that takes drained `node`'s stage: none when none is ready."""
+        survivors = [n for n in record.plan.nodes if n != node]
+        taken = spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
+                               active=self.config.cluster.nodes)[:1]
+        for spare in taken:
+            record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=spare,
+                         incarnation=members[spare], lost=[], drained=[node],
+                         generation=self._record[0] + 1 if self._record else None)
         return taken
 
     def _joining(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:

@@ -42,16 +42,15 @@ def _slow_node0(job: LiveJob) -> None:
     submit_request(job.client, job.keys.root, req)
 
 
-def _status(job: LiveJob) -> dict[str, Any]:
-    """`elastic status --json` of the live job, run in this process."""
+def _status(job: LiveJob, *flags: str) -> str:
+    """`elastic status FLAGS` of the live job, run in this process: its output."""
     from elastic.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["status", "--json", "--etcd", job.etcd, "--job", job.job])
+        code = main(["status", *flags, "--etcd", job.etcd, "--job", job.job])
     assert code == 0, out.getvalue()
-    data: dict[str, Any] = json.loads(out.getvalue())
-    return data
+    return out.getvalue()
 
 
 def _generations(job: LiveJob) -> dict[int, GenerationRecord]:
@@ -69,17 +68,19 @@ def spare_run(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer)
         _slow_node0(job)
         first = None
         returned = None
+        text = ""
         deadline = time.monotonic() + 300.0
         while returned is None and job.error is None and time.monotonic() < deadline:
-            status = _status(job)
+            status = json.loads(_status(job, "--json"))
             if first is None and status["generation"] == 1:
                 first = status
             roles = {(n["node"], n["incarnation"]): n["role"] for n in status["nodes"]}
             if roles.get((1, 1)) == "spare":
                 returned = status
+                text = _status(job)
             time.sleep(0.2)
         summary, state = job.result()
-        return {"summary": summary, "state": state, "first": first, "returned": returned,
+        return {"summary": summary, "state": state, "first": first, "returned": returned, "text": text,
                 "generations": _generations(job), "events": read_events(job.client, job.keys)}
     finally:
         job.close()
@@ -116,6 +117,7 @@ def test_status_shows_the_spares(spare_run: dict[str, Any]) -> None:
     assert returned["spares"] == [1]
     roles = {n["node"]: (n["role"], n["incarnation"]) for n in returned["nodes"]}
     assert roles[1] == ("spare", 1) and roles[4] == ("active", 0)
+    assert "hot spares: node 1 (incarnation 1)" in spare_run["text"], spare_run["text"]
 
 
 def test_events_name_the_spares(spare_run: dict[str, Any]) -> None:
@@ -124,3 +126,31 @@ def test_events_name_the_spares(spare_run: dict[str, Any]) -> None:
     assert {(4, 0), (1, 1)} <= spares
     taken = [e for e in events if e["kind"] == "spare-taken"]
     assert [(e["node"], e["lost"], e["generation"]) for e in taken] == [(4, [1], 2)]
+
+
+@pytest.fixture(scope="module")
+def drained_run(tmp_path_factory: pytest.TempPathFactory, etcd_server: EtcdServer) -> dict[str, Any]:
+    """`elastic drain --node 1` of a run with one spare, once 3 steps are committed."""
+    config = tiny_config(tmp_path_factory.mktemp("spare-drain"), nodes=4, pipelines=2, steps=LONG)
+    job = LiveJob(dataclasses.replace(config, spares=1), etcd=etcd_server.endpoint, timeout_s=360.0).start()
+    try:
+        job.wait_committed(3)
+        code, out = job.cli("drain", "--node", "1", "--wait", "60")
+        summary, state = job.result()
+        return {"summary": summary, "state": state, "code": code, "out": out, "generations": _generations(job)}
+    finally:
+        job.close()
+
+
+def test_a_drained_node_is_replaced_by_the_spare(
+    drained_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert drained_run["code"] == 0, drained_run["out"]
+    gens: dict[int, GenerationRecord] = drained_run["generations"]
+    assert sorted(gens) == [1, 2]
+    assert gens[2].drained == [1] and gens[2].joined == [4] and gens[2].lost == []
+    before, after = gens[1].plan, gens[2].plan
+    assert [[(4 if st.node == 1 else st.node, st.layers) for st in p.stages] for p in before.pipelines] == \
+        [[(st.node, st.layers) for st in p.stages] for p in after.pipelines], "the spare took the drained node's stage"
+    summary = drained_run["summary"]
+    check_same_training(summary, drained_run["state"], reference_run(tmp_path_factory, steps=LONG), steps=LONG)
