@@ -78,3 +78,20 @@ def test_substitute_refuses_a_node_outside_the_plan_or_a_spare_inside_it() -> No
         substitute(_plan(), {1: 2})
     with pytest.raises(ValueError, match="distinct and new"):
         substitute(_plan(), {1: 4, 2: 4})
+
+
+@pytest.mark.slow  # imports torch (the run command's launcher)
+@pytest.mark.parametrize(("argv", "message"), [
+    (["run", "--spares", "-1", "--steps", "1"], "--spares must be >= 0, got -1"),
+    (["run", "--static", "--spares", "1", "--steps", "1"], "cannot take --spares"),
+    (["simulate", "--model", "tiny", "--nodes", "4", "--hours", "1", "--trace", "every=10m,min=2", "--spares", "-2"],
+     "--spares must be >= 0, got -2"),
+])
+def test_bad_spares_flags_get_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastic.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
