@@ -176,6 +176,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
             raise RuntimeError("runtime run ended before the window did")
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.json").unlink(missing_ok=True)  # a retried window must not follow the failed try's etcd
     thread = threading.Thread(target=job, name="runtime-window", daemon=True)
     thread.start()
     client = None
