@@ -13,10 +13,15 @@ model, global batch and microbatch:
   the current generation (node 2 if it does, else 3, then 1) to SIGKILL its workers; R seconds
   later it asks the launcher for a fresh incarnation of that node (a rejoin request), which the
   next reconfiguration takes in;
+- this runtime with one spare (side "runtime+spare", `elastic run --spares 1`): the same 4
+  nodes and the same trace, plus a fifth node up as a hot spare: each loss's re-plan takes the
+  spare in (the job stays at 4 nodes, its plan unchanged), and the returning node becomes the
+  next spare;
 - torchrun restart (4 DDP ranks, a checkpoint every 10 steps): at each loss time rank 2 of the
   current attempt is SIGKILLed; torchrun restarts the whole group, which reloads the latest
   checkpoint. On one host the lost "node" is back at once, with the restart: the rejoin delay
-  does not apply to this side, which favours it.
+  does not apply to this side, which favours it. Its node count stays fixed (4 ranks), as a
+  real torchrun job without elastic min/max would.
 
 The planner's derived profile gets PIPELINE_MEMORY_GIB per node (small: 0.5, tiny: 0.015): too
 little to hold the model, so every plan is made of multi-stage pipelines (4 nodes: 2 x 2; 3
@@ -142,8 +147,9 @@ PIPELINE_MEMORY_GIB = {"tiny": 0.015, "small": 0.5}
 """Per-node memory of the planner's derived profile that keeps every pipeline multi-stage."""
 
 
-def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Path) -> TraceRun:
-    """One window of this runtime (a launch_elastic run in a thread, stopped at the window's end)."""
+def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Path, *, spares: int = 0) -> TraceRun:
+    """One window of this runtime (a launch_elastic run in a thread, stopped at the window's end),
+    with `spares` hot spare nodes beside the 4."""
     from bench.recovery import run
     from elastic.ops.job_target import find_job, open_client, resolve_target
     from elastic.records.injection import InjectionRequest, request_id, submit_request
@@ -156,7 +162,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     def job() -> None:
         try:
             run(model, NODES, STEPS_CAP, (), run_dir, microbatch=MICROBATCH, microbatches=MICROBATCHES, stop=stop,
-                device_memory_gib=PIPELINE_MEMORY_GIB.get(model))
+                device_memory_gib=PIPELINE_MEMORY_GIB.get(model), spares=spares)
         except JobFailed as exc:
             if not stop.is_set():
                 failed.append(exc)
@@ -170,6 +176,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
             raise RuntimeError("runtime run ended before the window did")
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.json").unlink(missing_ok=True)  # a retried window must not follow the failed try's etcd
     thread = threading.Thread(target=job, name="runtime-window", daemon=True)
     thread.start()
     client = None
@@ -260,10 +267,15 @@ def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: P
 WINDOWS: dict[str, Callable[[str, Trace | None, float, Path], TraceRun]] = {
     "runtime": runtime_window,
     "torchrun": torchrun_window,
+    "runtime+spare": partial(runtime_window, spares=1),
 }
 
 
-def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Path) -> Section:
+def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Path,
+            sides: tuple[str, ...] = tuple(WINDOWS)) -> Section:
+    unknown = [s for s in sides if s not in WINDOWS]
+    if unknown or not sides:
+        raise ValueError(f"unknown sides {unknown}; choose from {', '.join(WINDOWS)}")
     if trace.every_s <= 0 or trace.rejoin_s <= 0 or window_s <= trace.every_s:
         raise ValueError(f"need every > 0, rejoin-after > 0 and window > every; got {trace}, window {window_s}")
     section = Section(
@@ -283,8 +295,9 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
     figures: dict[str, Figure] = {}
     for r in range(repeats):
         base = root / f"round{r}"
-        order = list(WINDOWS) if r % 2 == 0 else list(reversed(WINDOWS))
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
         kept: dict[str, float] = {}
+        steps: dict[str, int] = {}
         for side in order:
             window = WINDOWS[side]
             free = attempt(f"{side} failure-free round {r}", partial(window, model, None, window_s, base / f"{side}-free"),
@@ -294,6 +307,7 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
             if free is None or hit is None or free.progress == 0:
                 continue
             kept[side] = hit.progress / free.progress
+            steps[side] = hit.progress
             row: dict[str, Any] = {"round": r, "side": side, "progress_free": free.progress,
                                    "progress_trace": hit.progress, "kept": kept[side], "losses_s": hit.losses,
                                    "loss_delays_s": hit.delays, "rejoins_s": hit.rejoins}
@@ -304,11 +318,21 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
             series(figures, f"{model} {side}: steps in {window_s:g} s, with the trace", "steps", hit.progress)
             if hit.delays:
                 series(figures, f"{model} {side}: loss carried out late by (max)", "s", max(hit.delays))
-        if len(kept) == 2:
-            series(figures, f"{model} ratio kept, runtime / torchrun", "x", kept["runtime"] / kept["torchrun"])
+        _ratios(figures, model, kept, steps)
     section.figures = list(figures.values())
     section.wall_s = time.time() - started
     return section
+
+
+def _ratios(figures: dict[str, Figure], model: str, kept: dict[str, float], steps: dict[str, int]) -> None:
+    """One round's ratios of each runtime side to torchrun: progress kept, and steps committed
+    with the trace in the window."""
+    for side in ("runtime", "runtime+spare"):
+        if side in kept and "torchrun" in kept:
+            series(figures, f"{model} ratio kept, {side} / torchrun", "x", kept[side] / kept["torchrun"])
+            if steps["torchrun"]:
+                series(figures, f"{model} ratio steps with the trace, {side} / torchrun", "x",
+                       steps[side] / steps["torchrun"])
 
 
 def main() -> None:
@@ -322,6 +346,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--sides", default=",".join(WINDOWS),
+                        help=f"comma-separated subset of {', '.join(WINDOWS)} (default: all)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -330,7 +356,8 @@ def main() -> None:
     print(f"runs under {root}", file=sys.stderr, flush=True)
     trace = Trace(every_s=args.every, rejoin_s=args.rejoin_after)
     try:
-        section = measure(model=args.model, trace=trace, window_s=args.window, repeats=args.repeats, root=root)
+        section = measure(model=args.model, trace=trace, window_s=args.window, repeats=args.repeats, root=root,
+                          sides=tuple(s.strip() for s in args.sides.split(",") if s.strip()))
     except ValueError as exc:
         parser.error(str(exc))
     print("\n".join(section.lines()))

@@ -52,6 +52,7 @@ def run(
     stop: threading.Event | None = None,
     device_memory_gib: float | None = None,
     partial_replay: bool = True,
+    spares: int = 0,
 ) -> RunSummary:
     """One elastic run: `nodes` nodes as 2 pipelines (f = 1), the given `--inject` values, node
     leases of `lease_ttl` s. Setting `stop` ends it early (launch_elastic raises JobFailed).
@@ -59,7 +60,8 @@ def run(
     The first plan splits the layers evenly over 2 pipelines, so that a lost node's layers must
     move; with `device_memory_gib` the planner's derived profile gets that memory per node, and
     the first plan is the planner's own (as `elastic run` makes it), so that the leader's
-    re-plans stay in the same regime (a small budget keeps every pipeline multi-stage)."""
+    re-plans stay in the same regime (a small budget keeps every pipeline multi-stage). `spares`:
+    hot spare nodes beside them (`elastic run --spares`)."""
     layers = get_preset(model).num_layers
     cluster = ClusterSpec(
         model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch,
@@ -73,7 +75,7 @@ def run(
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
                    device="cpu", collective_timeout_s=300.0, partial_replay=partial_replay)
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
-                           checkpoint_every=0, lease_ttl=lease_ttl)
+                           checkpoint_every=0, lease_ttl=lease_ttl, spares=spares)
     return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
 
 

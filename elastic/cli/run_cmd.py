@@ -126,6 +126,11 @@ def register(subparsers: Any) -> None:
         "incomplete or corrupt newest checkpoint falls back to the one before. --global-batch and --data "
         "default to the earlier run's",
     )
+    # ---- --spares (elastic/planning/spares.py) ----
+    parser.add_argument("--spares", type=int, default=0, metavar="K",
+                        help="elastic: start K hot spare nodes beside the plan's (ids after them): each re-plan "
+                        "that drops a lost node takes a spare in, so the job keeps its node count; a node "
+                        "that comes back becomes a spare (default 0)")
     parser.set_defaults(func=_run)
 
 
@@ -193,6 +198,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
     token = _check_flags(args)
+    _check_spares(args)
     _resume_defaults(args)
     plan = build_plan(args, cfg.num_layers, shape=cfg)
     for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
@@ -214,6 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         if elastic:
             config = _elastic_config(args, spec, plan)
             config = _resume_config(args, config)
+            config = _spares_config(args, config)
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local",
                                      etcd_members=args.etcd_members)
@@ -449,3 +456,21 @@ def _resume_config(args: argparse.Namespace, config: Any) -> Any:
         print(f"elastic run: warning: the checkpoint of step {skipped.step} of {args.resume} cannot be used "
               f"({skipped.why}); falling back to the one before", file=sys.stderr, flush=True)
     return dataclasses.replace(config, resume=source)
+
+
+# ---- --spares ----------------------------------------------------------------------------
+
+
+def _check_spares(args: argparse.Namespace) -> None:
+    """--spares: a count >= 0, and only under the control plane (UsageError otherwise)."""
+    if args.spares < 0:
+        raise UsageError(f"--spares must be >= 0, got {args.spares}")
+    if args.spares and args.static:
+        raise UsageError("--static runs without the control plane: it cannot take --spares")
+
+
+def _spares_config(args: argparse.Namespace, config: Any) -> Any:
+    """`config` with `--spares` (ElasticConfig.spares)."""
+    import dataclasses
+
+    return dataclasses.replace(config, spares=args.spares) if args.spares else config

@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
     job.add_argument("--profile", default=None, help="measured profile JSON (default: derived from the preset)")
     job.add_argument("--device-tflops", type=float, default=DEFAULT_TFLOPS, help="derived: TFLOP/s per device")
     job.add_argument("--device-memory-gib", type=float, default=DEFAULT_MEMORY_GIB, help="derived: GiB per device")
+    job.add_argument("--spares", type=int, default=0, metavar="K",
+                     help="elastic: K hot spare nodes beside the N (a failure takes one in, at the cost of a shard "
+                     "fetch, instead of running degraded; a returning node becomes one)")
     job.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS, help="per-node NIC bandwidth, Gbit/s")
     rec = parser.add_argument_group("recovery costs")
     defaults = RecoveryCosts()
@@ -97,7 +100,9 @@ def _run(args: argparse.Namespace) -> int:
             trace = trace_from_spec(args.trace, initial_nodes=args.nodes, horizon_s=horizon)
         else:
             trace = load_trace(args.trace, initial_nodes=args.nodes)
-        report = simulate(cluster, costs, trace, horizon_s=horizon, policies=policies)
+        if args.spares < 0:
+            raise ValueError(f"--spares must be >= 0, got {args.spares}")
+        report = simulate(cluster, costs, trace, horizon_s=horizon, policies=policies, spares=args.spares)
     except ValueError as exc:  # bad flags, a bad trace or profile, or no feasible plan
         raise UsageError(str(exc)) from None
     print(json.dumps(report, indent=2) if args.json else format_table(report))

@@ -2,7 +2,8 @@
 
 Sources, in etcd revision order (one total order, whatever the writers' clocks say):
 
-    events/        the append-only log (elastic/coordinator/events.py): join, failure, fatal, and
+    events/        the append-only log (elastic/coordinator/events.py): join, failure, fatal, spare
+                   (a node kept as a hot spare), spare-taken (a spare taken in for a lost node), and
                    whatever else the runtime records there (kind and detail passed through)
     plan/<g>       kind "generation": every published generation (reason, lost and joined nodes,
                    resume step, restored checkpoint, pipelines)
@@ -202,6 +203,12 @@ def describe(event: HistoryEvent) -> str:
         return f"the fallback skipped the checkpoint of step {d.get('step')}: {d.get('reason')}"
     if event.kind == "fatal":
         return f"the leader gave up: {d.get('reason')}"
+    if event.kind == "spare":
+        return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
+    if event.kind == "spare-taken":
+        why = f"drained node(s) {d['drained']}" if d.get("drained") else f"lost node(s) {d.get('lost')}"
+        return (f"hot spare node {d.get('node')} (incarnation {d.get('incarnation')}) taken in for {why} "
+                f"by generation {d.get('generation')}")
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
     return f"{event.who}: {rest}" if rest else event.who
 

@@ -34,6 +34,8 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_workers_alive | gauge | | of those, processes that exist here and are neither stopped nor zombies |
 | elastic_nodes_alive | gauge | | members of the job with a live lease |
 | elastic_checkpoint_save_failures_total | counter | | checkpoint saves of the job that failed (a full or failing disk), each counted once |
+| elastic_spares | gauge | | of those, hot spares: live members the latest generation does not include (elastic/planning/spares.py) |
+| elastic_node_spare | gauge | | 1 while this endpoint's node is a hot spare, else 0 |
 
 A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
@@ -47,7 +49,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psutil
@@ -63,6 +65,7 @@ from prometheus_client.registry import Collector
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.membership import NodeIdentity
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.parallel.layout import assign_ranks
@@ -76,6 +79,7 @@ from elastic.records.protocol import (
     RunKeys,
     WorkerInfo,
     node_id,
+    node_of,
 )
 from elastic.records.recoveries import breakdown_of
 
@@ -102,6 +106,24 @@ def metrics_addresses(client: EtcdClient, keys: JobKeys) -> dict[str, str]:
         except (ValueError, TypeError, KeyError):
             log.warning("metrics: ignoring malformed %s", meta.key.decode())
     return found
+
+
+def spare_members(members: dict[str, Any], plans: dict[str, GenerationRecord]) -> set[int]:
+    """Nodes of the live `members` (raw member records) whose incarnation the latest of `plans`
+    does not include: the hot spares (none before generation 1)."""
+    if not plans:
+        return set()
+    latest = plans[max(plans, key=int)]
+    out = set()
+    for raw in members.values():
+        try:
+            ident = NodeIdentity.from_json(raw)
+            node = node_of(ident.node_id)
+        except (ValueError, TypeError, KeyError):
+            continue
+        if latest.incarnations.get(node) != ident.incarnation:
+            out.add(node)
+    return out
 
 
 class _Mirror:
@@ -185,6 +207,10 @@ class Snapshot:
     """elastic_eval_step."""
     checkpoint_save_failures: int = 0
     """elastic_checkpoint_save_failures_total."""
+    spares: int = 0
+    """elastic_spares."""
+    node_spare: bool = False
+    """elastic_node_spare."""
 
 
 def recovery_of(
@@ -315,6 +341,8 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
     yield _gauge("elastic_nodes_alive", "Members of the job with a live lease.", snap.nodes_alive)
     yield CounterMetricFamily("elastic_checkpoint_save_failures", "Checkpoint saves of the job that failed.",
                               value=snap.checkpoint_save_failures)
+    yield _gauge("elastic_spares", "Hot spares: live members the latest generation does not include.", snap.spares)
+    yield _gauge("elastic_node_spare", "1 while this node is a hot spare.", float(snap.node_spare))
     if snap.eval_loss is not None and snap.eval_step is not None:
         yield _gauge("elastic_eval_loss", "Latest validation loss on the held-out split.", snap.eval_loss)
         yield _gauge("elastic_eval_step", "Steps committed when the latest validation loss was computed.",
@@ -424,4 +452,7 @@ class NodeMetrics(Collector):
         )
 
     def collect(self) -> Iterator[Metric]:
-        yield from families(self.snapshot(), job=self.keys.job, node=self.node)
+        snap = self.snapshot()
+        spares = spare_members(self._mirrors["members"].items(), self._mirrors["plans"].items())
+        snap = replace(snap, spares=len(spares), node_spare=self.node in spares)
+        yield from families(snap, job=self.keys.job, node=self.node)

@@ -33,6 +33,11 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         layers            [first, last) layers of that stage, or null
         failures          [{incarnation, reporter, reason, time}] from `failed/`, oldest first
         workers           [{local_rank, pid, transfer_address, incarnation}] registered now
+        role              "active" (its incarnation is in the latest generation), "spare" (alive,
+                          in no generation: a hot spare, elastic/planning/spares.py), "draining"
+                          (drained by the latest generation, serving its shards before it leaves)
+                          or "gone" (not alive)
+    spares              node numbers whose role is "spare", ascending
     pipelines           the latest plan's pipelines:
         index             pipeline number; template: its stage count (the template's node count)
         nodes             node of each stage, in pipeline order
@@ -66,6 +71,7 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -157,6 +163,8 @@ class NodeStatus:
     """Failure reports about it, oldest first."""
     workers: list[WorkerStatus] = field(default_factory=list)
     """Its workers registered now, by local rank."""
+    role: str = "active"
+    """"active", "spare", "draining" or "gone" (module doc: `role`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +237,7 @@ class JobStatus:
     last_recovery: dict[str, Any] | None
     last_eval: dict[str, Any] | None = None
     checkpoint_failures: dict[str, Any] | None = None
+    spares: list[int] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -310,7 +319,7 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     g = max(generations, default=0)
     rec = generations.get(g)
     plan = rec.plan if rec is not None else None
-    nodes = _read_nodes(client, keys, generations, plan)
+    nodes = _with_roles(_read_nodes(client, keys, generations, plan), generations)
     progress = read_progress(client, rk)
     committed = 0 if progress is None else progress.step + 1
     spec = config["spec"] if config is not None else None
@@ -344,6 +353,7 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         last_recovery=_last_recovery(client, rk, generations),
         last_eval=_last_eval(client, keys),
         checkpoint_failures=_checkpoint_failures(client, keys),
+        spares=[n.node for n in nodes if n.role == "spare"],
     )
 
 
@@ -357,6 +367,26 @@ def _checkpoint_failures(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | 
     last = max(records, key=lambda r: r.last_at)
     return {"count": sum(r.count for r in records), "last_step": last.last_step, "last_reason": last.last_reason,
             "last_at": last.last_at, "last_node": last.node, "last_local_rank": last.local_rank}
+
+
+def _with_roles(nodes: list[NodeStatus], generations: dict[int, GenerationRecord]) -> list[NodeStatus]:
+    """`nodes` with their role (module doc: `role`) as the latest generation says."""
+    g = max(generations, default=0)
+    rec, before = generations.get(g), generations.get(g - 1)
+    if rec is None:  # before generation 1 every live node is on its way in
+        return nodes
+    out = []
+    for n in nodes:
+        if not n.alive:
+            role = "gone"
+        elif rec.incarnations.get(n.node) == n.incarnation:
+            role = "active"
+        elif n.node in rec.drained and before is not None and before.incarnations.get(n.node) == n.incarnation:
+            role = "draining"
+        else:
+            role = "spare"
+        out.append(dataclasses.replace(n, role=role))
+    return out
 
 
 def _last_eval(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
@@ -527,6 +557,9 @@ def render_table(status: JobStatus) -> str:
         c = s.checkpoint_failures
         lines.append(f"checkpoint saves failed: {c['count']}; last: step {c['last_step']} on node {c['last_node']} "
                      f"({_ago(c['last_at'], s.read_at)}): {c['last_reason']}")
+    if s.spares:
+        lines.append("hot spares: " + ", ".join(
+            f"node {n.node} (incarnation {n.incarnation})" for n in s.nodes if n.role == "spare"))
     if s.throughput is not None:
         t = s.throughput
         lines.append(

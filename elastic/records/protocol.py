@@ -221,6 +221,10 @@ class ElasticConfig(JsonRecord):
     resume: ResumeSource | None = None
     """`elastic run --resume`: the earlier run's checkpoint that generation 1 restores (None: a
     fresh run, initialised from the seed)."""
+    spares: int = 0
+    """`elastic run --spares K`: hot spare nodes started beside the plan's nodes (node ids after
+    the plan's); the leader keeps `cluster.nodes` nodes training and takes a spare in, in the
+    same re-plan, for each node lost (elastic/planning/spares.py)."""
 
     @property
     def checkpoint_path(self) -> str:

@@ -16,8 +16,12 @@ ShardServer serve that generation (its committed state), then `Trainer.start` ke
 it holds, fetches the missing ones from live holders (or from the checkpoint the leader names)
 and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
 without it, naming it in `drained`) serves its committed shards to the survivors until a newer
-generation has committed a step, then reports itself done and exits 0. The job token comes in
-the ELASTIC_JOB_TOKEN environment variable.
+generation has committed a step, then reports itself done and exits 0. A worker of a hot spare
+(`elastic run --spares`, or a node back while the plan has all its nodes) waits outside every
+generation with its model skeleton built and no layers, for as long as the job runs: the
+generation that puts its node into a lost or drained node's stage is entered like any other; if
+the job finishes first it reports itself done ("spare") and exits 0. The job token comes in the
+ELASTIC_JOB_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 _STORE_SLICE_S = 0.2
 _LOCAL_GRACE_MIN_S = 1.0
 _LOCAL_GRACE_FIRST_S = 5.0
+_SPARE_POLL_S = 1.0
+"""How often a hot spare that no generation includes looks whether the job has finished."""
 
 
 def _local_grace(step_s: float | None) -> float:
@@ -123,6 +129,10 @@ class Drained(Exception):
         self.generation = generation
 
 
+class SpareDone(Exception):
+    """This worker's node was a hot spare to the end: the job finished without needing it."""
+
+
 class ElasticWorker:
     """The worker loop of the module doc."""
 
@@ -148,6 +158,10 @@ class ElasticWorker:
         self._step_log: TextIO | None = None
         self._abort = AbortSignal()
         """The current generation's abort flag."""
+        self._joined = False
+        """Whether this worker has entered a generation (until then its node is a hot spare)."""
+        self._spare_skeleton: torch.nn.Module | None = None
+        """A hot spare's model skeleton (meta device: shapes, no memory), built while it waits."""
         self.timeout = self.spec.collective_timeout_s
         self.writer: Any = None
         self._save_failures = 0
@@ -169,6 +183,10 @@ class ElasticWorker:
             layout = self._run_generations()
         except Drained as drained:
             self._leave_drained(drained.generation)
+            return
+        except SpareDone:
+            _log("the job finished while this node was a hot spare: leaving")
+            self.client.put(self.rk.worker_done(self.node, self.local_rank), "spare")
             return
         self._finish(layout)
 
@@ -226,16 +244,40 @@ class ElasticWorker:
     def _next_generation(self, after: int) -> int:
         """The newest generation after `after` that includes this node's incarnation."""
         while True:
-            number = self.generations.wait_newer(after, self.timeout * 4)
+            try:
+                number = self.generations.wait_newer(after, _SPARE_POLL_S if after > 0 and not self._joined
+                                                     else self.timeout * 4)
+            except TimeoutError:
+                if self._joined or after == 0:
+                    raise
+                self._wait_as_spare()  # a hot spare waits for as long as the job runs
+                continue
             record, _ = self.generations.get(number)
             if record.incarnations.get(self.node) == self.incarnation:
+                self._joined = True
                 return number
             if self.node in record.drained and self.node not in record.incarnations:
                 self.server.set_generation(number)  # survivors fetch from us under this generation
                 raise Drained(number)
-            if after > 0 and self.node not in record.incarnations:
+            if self._joined and self.node not in record.incarnations:
                 raise RuntimeError(f"node {self.node} is not part of generation {number}: leaving the job")
             after = number
+            if not self._joined:
+                self._wait_as_spare()
+
+    def _wait_as_spare(self) -> None:
+        """Between two looks at the generations, as a hot spare (elastic/planning/spares.py):
+        build the model skeleton once (torch and the model code are warm when a re-plan takes
+        this node in), and leave (SpareDone) once every step of the job is committed."""
+        if self._spare_skeleton is None:
+            from elastic.model.gpt import GPTStage
+
+            with torch.device("meta"):
+                self._spare_skeleton = GPTStage(self.spec.model_config, initialise=False)
+            _log("hot spare: agent and workers up, model skeleton built, no layers held")
+        record = read_progress(self.client, self.rk)
+        if record is not None and record.step + 1 >= self.spec.steps:
+            raise SpareDone()
 
     def _settle_pending(self, record: GenerationRecord) -> None:
         """Commit or drop the step whose vote was cut short here, as the new generation says."""

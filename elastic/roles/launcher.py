@@ -422,7 +422,10 @@ def launch_elastic(
         feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
         feeds.append(feed)
         _submit_job(client, keys, config, etcd=etcd_endpoint, token=token)
-        _start_job(client, keys, spec, pool, resume=config.resume)
+        _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares)
+        if config.spares:
+            first = max(spec.plan.nodes) + 1
+            say(f"elastic run: {config.spares} hot spare(s) up: node(s) {list(range(first, first + config.spares))}")
         say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(spec.plan.nodes)} agents, generation 1 published")
         if config.resume is not None:
             say(f"elastic run: {config.resume.describe()}")
@@ -485,16 +488,20 @@ def _prepare_checkpoints(config: ElasticConfig) -> None:
 
 
 def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: _AgentPool, *,
-               resume: ResumeSource | None = None) -> None:
+               resume: ResumeSource | None = None, spares: int = 0) -> None:
     """Start the agents (the first node's alone until it leads), wait for every worker to
-    register, and publish generation 1 (which restores `resume`'s checkpoint when given)."""
+    register, and publish generation 1 (which restores `resume`'s checkpoint when given).
+    `spares` more agents (nodes after the plan's) start beside them and are up, registered, when
+    generation 1 is published without them: the job's hot spares (elastic/planning/spares.py)."""
     nodes = sorted(spec.plan.nodes)
     pool.spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
     join_s = 1.0 if pool.local else 30.0  # external agents: pods and hosts take their time to start
     _wait_for(lambda: current_leader(client, keys) is not None, 60.0 * join_s, "no leader elected", pool.agents)
     for node in nodes[1:]:
         pool.spawn(node, 0)
-    world = len(nodes) * spec.plan.gpus_per_node
+    for node in range(nodes[-1] + 1, nodes[-1] + 1 + spares):  # hot spares: up before generation 1
+        pool.spawn(node, 0)
+    world = (len(nodes) + spares) * spec.plan.gpus_per_node
     workers = RunKeys(keys).workers
     _wait_for(lambda: _count(client, workers) >= world, 120.0 * join_s, "workers did not register", pool.agents)
     first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),

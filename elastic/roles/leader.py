@@ -26,6 +26,13 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
   leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
 
+Hot spares (`elastic run --spares K`, elastic/planning/spares.py): live nodes beyond the job's
+node count (`cluster.nodes`) whose workers have registered wait outside every generation. The
+re-plan that drops a lost node, or a drained one, puts a ready spare into its stage in the same
+generation g+1 (the same instantiation; the spare fetches the stage's shards like any node that
+gains layers); a newcomer joins only while the plan is short of the node count, else it is a
+spare. Events: "spare" (a node kept as a spare), "spare-taken".
+
 Keys of generations before g (halts, sync reports, last-step marks, group stores) are deleted
 when g+1 is published, so etcd holds O(workers) of them whatever the run's length.
 """
@@ -45,6 +52,7 @@ from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
+from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -147,6 +155,8 @@ class Leader:
         self._detected: float | None = None
         self._thread: threading.Thread | None = None
         self._record: tuple[int, GenerationRecord] | None = None
+        self._spares_seen: set[tuple[int, int]] = set()
+        """(node, incarnation) of the spares whose "spare" event this leader recorded."""
         self.rounds = 0
         """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
@@ -232,14 +242,12 @@ class Leader:
                 return
             reports = self._sync_reports(g, record, members)
             if reports is not None:
-                self._resolve_and_publish(g, record, reports, members, lost=lost, joined=[])
+                taken = self._spares_for(record, members, lost)
+                self._resolve_and_publish(g, record, reports, members, lost=lost, joined=taken)
             return
         if self._decide_last_step(g, record):
             return
-        joined = self._ready_newcomers(record, members)
-        if joined:  # a drained node's incarnation is never taken back in
-            _, drained = self._drain_requests()
-            joined = [n for n in joined if (n, members[n]) not in drained]
+        joined = self._joining(record, members)
         drain = None if joined else self._acceptable_drain(g, record)
         if not joined and drain is None:
             return
@@ -256,7 +264,11 @@ class Leader:
             return
         assert drain is not None
         req, plan, reason = drain
-        if self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], drained=[req.node],
+        taken = self._drain_spare(record, members, req.node)
+        if taken:  # a hot spare takes the drained node's stage: the job keeps its node count
+            plan, reason = substitute(record.plan, {req.node: taken[0]}), \
+                f"drained node {req.node}: hot spare {taken[0]} took its stage"
+        if self._resolve_and_publish(g, record, reports, members, lost=[], joined=taken, drained=[req.node],
                                      planned=(plan, reason)):
             self._answer(req, "done", reason, generation=g + 1)
         else:
@@ -364,6 +376,50 @@ class Leader:
                 continue
             return req, plan, f"drained node {req.node}: re-planned over nodes {others}"
         return None
+
+    # ---- hot spares (elastic/planning/spares.py) ------------------------------------------
+
+    def _ready_spares(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
+        """Ready newcomers, less a drained node's incarnation (never taken back in)."""
+        ready = self._ready_newcomers(record, members)
+        if ready:
+            _, drained = self._drain_requests()
+            ready = [n for n in ready if (n, members[n]) not in drained]
+        return ready
+
+    def _spares_for(self, record: GenerationRecord, members: dict[int, int], lost: list[int]) -> list[int]:
+        """The spares the re-plan that drops `lost` takes in (none when none is ready)."""
+        survivors = [n for n in record.plan.nodes if n not in lost]
+        taken = spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
+                               active=self.config.cluster.nodes)
+        for node in taken:
+            record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=node,
+                         incarnation=members[node], lost=lost, generation=self._record[0] + 1 if self._record else None)
+        return taken
+
+    def _drain_spare(self, record: GenerationRecord, members: dict[int, int], node: int) -> list[int]:
+        """The spare (at most one) that takes drained `node`'s stage: none when none is ready."""
+        survivors = [n for n in record.plan.nodes if n != node]
+        taken = spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
+                               active=self.config.cluster.nodes)[:1]
+        for spare in taken:
+            record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=spare,
+                         incarnation=members[spare], lost=[], drained=[node],
+                         generation=self._record[0] + 1 if self._record else None)
+        return taken
+
+    def _joining(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
+        """Ready newcomers that join at the next step boundary: as many as the plan lacks to reach
+        the job's node count; the others stay spares (an event says so once per incarnation)."""
+        ready = self._ready_spares(record, members)
+        joined = newcomers_to_join(current=record.plan.nodes, ready=ready, active=self.config.cluster.nodes)
+        for node in ready:
+            if node not in joined and (node, members[node]) not in self._spares_seen:
+                self._spares_seen.add((node, members[node]))
+                record_event(self.client, self.keys, who=self.who, kind="spare", node=node,
+                             incarnation=members[node], generation=self._record[0] if self._record else None)
+                log.warning("leader %s: node %d (incarnation %d) is a hot spare", self.who, node, members[node])
+        return joined
 
     def _ready_newcomers(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
         """Nodes alive but not in the generation whose workers have all registered."""
@@ -489,6 +545,12 @@ class Leader:
         gaps = live_holdings_gaps(self.client, self.rk, plan, set(live))
         if gaps is None:
             gaps = [] if surviving_holders_cover(plan, set(live)) else [ShardKey(-1, -1)]
+        if not gaps and lost and len(joined) == len(lost) and not set(joined) & set(plan.nodes):
+            # Hot spares replace every lost node: the same instantiation, each spare in a lost
+            # node's stage (elastic/planning/spares.py); it fetches that node's shards.
+            swap = dict(zip(sorted(lost), sorted(joined), strict=True))
+            return (substitute(plan, swap), None,
+                    f"{what}: hot spare(s) took the lost nodes' stages ({', '.join(f'{n} -> {s}' for n, s in swap.items())})")
         if not gaps:
             for f_now in range(f, -1, -1):
                 try:

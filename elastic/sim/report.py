@@ -20,12 +20,16 @@ def format_table(report: dict[str, Any]) -> str:
         f"trace: {tr['description']}: {tr['failures']} failures, {tr['joins']} joins in {hours:g} h",
         f"failure-free: {refs['failure_free_samples']} samples (initial plan {refs['initial_iteration_s']:.3f} s/step); "
         f"ideal: {refs['ideal_samples']} samples",
+        *([f"hot spares (elastic policy): {report['spares']} beside the {c['nodes']} nodes"]
+          if report.get("spares") else []),
         "",
         f"{'policy':<19} {'effective':>9} {'vs ideal':>8} {'samples':>10} {'recovery s':>10} "
         f"{'ckpt s':>8} {'lost s':>8} {'reconf':>6} {'restarts':>8}  note",
     ]
     for p in report["policies"]:
         note = p["infeasible"] or (f"stalled at {p['stalled_at']:.0f} s" if p["stalled_at"] is not None else "")
+        if p.get("spares_taken"):
+            note = f"{note}; " * bool(note) + f"{p['spares_taken']} spare(s) taken in"
         lines.append(
             f"{p['policy']:<19} {p['effective']:>9.1%} {p['vs_ideal']:>8.1%} {p['samples']:>10} "
             f"{p['recovery_s']:>10.1f} {p['checkpoint_s']:>8.1f} {p['lost_s']:>8.1f} "

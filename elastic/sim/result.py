@@ -72,6 +72,8 @@ class PolicyResult:
     """Changes of plan made without restarting the job."""
     restarts: int = 0
     """Job restarts from a checkpoint."""
+    spares_taken: int = 0
+    """Failures whose re-plan took a hot spare in (the elastic policy with `--spares`)."""
     stalled_at: float | None = None
     """When the policy could no longer form any plan (it trains nothing after that)."""
     segments: list[Segment] = field(default_factory=list)
@@ -93,6 +95,7 @@ class PolicyResult:
             "joins": self.joins,
             "reconfigurations": self.reconfigurations,
             "restarts": self.restarts,
+            "spares_taken": self.spares_taken,
             "stalled_at": self.stalled_at,
             "infeasible": self.infeasible,
             "segments": [s.to_dict() for s in self.segments],

@@ -62,9 +62,10 @@ def references(book: PlanBook, trace: Trace, horizon_s: float) -> References:
     )
 
 
-def make_policy(name: str, book: PlanBook, costs: RecoveryCosts) -> Any:
+def make_policy(name: str, book: PlanBook, costs: RecoveryCosts, *, spares: int = 0) -> Any:
+    """The policy `name`; `spares`: the elastic policy's hot spares (the others have none)."""
     if name == "elastic":
-        return ElasticPolicy(book, costs)
+        return ElasticPolicy(book, costs, spares=spares)
     if name == "checkpoint-restart":
         return CheckpointRestartPolicy(book, costs)
     if name == "redundant":
@@ -72,9 +73,10 @@ def make_policy(name: str, book: PlanBook, costs: RecoveryCosts) -> Any:
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
-def run_policy(name: str, book: PlanBook, costs: RecoveryCosts, trace: Trace, horizon_s: float) -> PolicyResult:
-    """One policy over `trace` up to `horizon_s`."""
-    policy = make_policy(name, book, costs)
+def run_policy(name: str, book: PlanBook, costs: RecoveryCosts, trace: Trace, horizon_s: float, *,
+               spares: int = 0) -> PolicyResult:
+    """One policy over `trace` up to `horizon_s` (`spares`: the elastic policy's hot spares)."""
+    policy = make_policy(name, book, costs, spares=spares)
     result: PolicyResult = policy.run(trace, horizon_s)
     return result
 
@@ -86,8 +88,10 @@ def simulate(
     *,
     horizon_s: float,
     policies: tuple[str, ...] = POLICIES,
+    spares: int = 0,
 ) -> dict[str, Any]:
-    """The full report (stable JSON fields): inputs, references and one entry per policy."""
+    """The full report (stable JSON fields): inputs, references and one entry per policy.
+    `spares`: hot spares beside the trace's nodes for the elastic policy (`elastic simulate --spares`)."""
     if not horizon_s > 0:
         raise ValueError(f"the simulated time must be > 0, got {horizon_s} s")
     if trace.initial_nodes != cluster.nodes:
@@ -99,7 +103,7 @@ def simulate(
     refs = references(book, trace, horizon_s)
     out = []
     for name in policies:
-        res = run_policy(name, book, costs, trace, horizon_s)
+        res = run_policy(name, book, costs, trace, horizon_s, spares=spares)
         entry = res.to_dict()
         entry["effective"] = res.samples / refs.failure_free_samples if refs.failure_free_samples else 0.0
         entry["vs_ideal"] = res.samples / refs.ideal_samples if refs.ideal_samples else 0.0
@@ -118,5 +122,6 @@ def simulate(
         },
         "references": refs.to_dict(),
         "policies": out,
+        **({"spares": spares} if spares else {}),  # only with spares: the fields without them stay as they were
     }
 
