@@ -18,6 +18,7 @@ from elastic.coordinator.membership import NodeIdentity
 from elastic.engine.checkpoint_files import ShardMarker
 from elastic.ops.events import HistoryEvent
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.checkpoint_failures import SaveFailures
 from elastic.records.evals import EvalResult
 from elastic.records.injection import Injection, InjectionRequest, InjectionStatus, parse_injection
 from elastic.records.job import JobSpec
@@ -59,6 +60,8 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
         plan=PLAN, resume_step=7, incarnations={0: 0, 1: 0, 3: 0, 2: 1}, lost=[2], reason="lost node 2",
         detected_at=1000.5, published_at=1000.75, synced_at=1000.6, completed_vote=VOTE, replay=REPLAY),
     HaltRecord: HaltRecord(abort=True, reason="lost node 2", at=1000.55, lost=[2]),
+    SaveFailures: SaveFailures(node=1, local_rank=0, incarnation=2, count=3, last_step=15,
+                               last_reason="[Errno 28] No space left on device", last_at=1000.9),
     SyncReport: SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
     ProgressRecord: ProgressRecord(
         step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1, committed_at=1000.4,
