@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -30,7 +31,7 @@ from elastic.engine.checkpoint import latest_complete
 from elastic.engine.checkpoint_files import read_marker, step_dir
 from elastic.ops.metrics import NodeMetrics
 from elastic.records.injection import parse_injection
-from elastic.records.protocol import ElasticConfig
+from elastic.records.protocol import ElasticConfig, WorkerInfo
 from elastic.transfer.shards import ShardKey
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
@@ -199,11 +200,13 @@ def test_a_corrupt_checkpoint_is_skipped_by_the_fallback_with_one_report(
 
     def corrupt_then_kill() -> None:
         # The kills follow the corruption (not a step number): under load the background write
-        # of step 6 may finish after step 8, and the fallback must find step 6 complete.
+        # of step 6 may finish after step 8, and the fallback must find step 6 complete. The
+        # workers are SIGKILLed from here, at once: an `elastic inject` (a process start) took
+        # long enough for step 9's checkpoint to complete first.
         corrupted.append(flip_bytes(checkpoints, 6, ShardKey(1, 0)))
-        for node in ("0", "2"):
-            code, out = job.cli("inject", "kill", "--node", node, "--wait", "0")
-            assert code == 0, out
+        for node in (0, 2):
+            for value, _ in job.client.get_prefix(job.rk.node_workers(node)):
+                os.kill(WorkerInfo.from_json(value).pid, signal.SIGKILL)
 
     watcher = OnCheckpoint(checkpoints, 6, corrupt_then_kill)
     job.start()
