@@ -45,12 +45,16 @@ class ParallelGroups:
     connected: set[tuple[int, int]] = field(default_factory=set)
     """(id of a group, peer rank) pairs a point-to-point operation was posted to already."""
 
-    def p2p(self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False) -> dist.Work:
+    def p2p(
+        self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dist.Work:
         """Post `op` ("send" or "recv") of `tensor` with world rank `peer`. The first operation
         with a peer connects to it inside the call (gloo's lazy pairs), which a dead peer would
         block until the group's timeout: that one is posted abortably (`call_abortable`; with
-        `local`, as a wait inside my pipeline)."""
-        group = self.world
+        `local`, as a wait inside my pipeline). `group`: another group of mine (a bucket group;
+        `peer` is then a rank in it) instead of the world group."""
+        group = self.world if group is None else group
         if op == "send":
             post = functools.partial(dist.isend, tensor, group=group, group_dst=peer, tag=tag)
         elif op == "recv":
