@@ -34,9 +34,9 @@ the difference is small once the reduction overlaps the backward, so the exact s
 default. Float32 sums (`JobSpec.exact_grad_sum=False`) are all-reduced as float32.
 
 Buckets: a `GradBucket` of the layout (consecutive layers with the same holders) is split into
-runs of whole layers of about `BUCKET_BYTES` of float32 gradient (DDP's 25 MB), and in at least
-`MIN_BUCKETS` runs when it has that many layers, so that a small model still overlaps. The
-split depends only on the bucket's own layers, so every holder splits it alike.
+runs of whole layers of about `BUCKET_BYTES` of float32 gradient (DDP's 25 MB), or of about a
+`MIN_BUCKETS`-th of it when it is smaller, so that a small model still overlaps (tiny: 3 runs).
+The split depends only on the bucket's own layers, so every holder splits it alike.
 
 Tensor-parallel replicated parameters (LayerNorm, row-parallel biases) need no reduction of
 their own: with replicated activations their gradients are already equal on every TP rank.
@@ -83,8 +83,9 @@ BucketLayout = list[tuple[GradBucket, tuple[str, ...]]]
 BUCKET_BYTES = 25 * 2**20
 """Target size of one gradient bucket in float32 bytes (DDP's bucket_cap_mb)."""
 MIN_BUCKETS = 4
-"""A layout bucket smaller than MIN_BUCKETS x BUCKET_BYTES is split into this many runs (by whole
-layers, when it has as many), so that even a small model's reduction overlaps its backward."""
+"""A layout bucket smaller than MIN_BUCKETS x BUCKET_BYTES is cut into runs of about a
+MIN_BUCKETS-th of it (whole layers: fewer when layers are uneven), so that even a small model's
+reduction overlaps its backward."""
 
 
 def bucket_layout(
