@@ -22,16 +22,19 @@ global-batch mean. Then:
 
 Wire format (float64 sums). The float64 sums make the gradient independent of how the plan
 splits microbatches across pipelines (see grad_accum.py), and the optimizer only ever sees them
-rounded to float32. So a bucket is reduced as a float64 reduce-scatter (each worker gets the
-exact sum of its 1/P slice) followed by a float32 all-gather of the slices rounded once: 12
-bytes per element on the ring instead of a float64 all-reduce's 16 (a float32 all-reduce moves
-8), and the result is bit-identical on every plan, including one process with no reduction at
-all (every bucket is rounded the same way there). The cheaper alternative, rounding each
-pipeline's share to float32 and all-reducing float32, gives a sum that depends on the number of
-pipelines and on gloo's ring order: within 1e-5 of the reference, but the bit-identical resume,
-re-plan and partial-replay guarantees would be lost; measured on the tiny 2-process benchmark
-the difference is small once the reduction overlaps the backward, so the exact scheme is the
-default. Float32 sums (`JobSpec.exact_grad_sum=False`) are all-reduced as float32.
+rounded to float32. So a bucket is reduced as a float64 reduce-scatter (each of the P holders
+gets the exact sum of its 1/P slice) followed by a float32 all-gather of the slices, each rounded
+once: per worker 12 (P-1)/P bytes per element on the wire, against 16 (P-1)/P for the float64
+all-reduce it replaces and 8 (P-1)/P for a float32 one (gloo's own reduce-scatter is slower than
+its all-reduce, so both phases are point-to-point transfers on the bucket group,
+`BucketReducer`). The result is bit-identical on every plan, including one process with no
+reduction at all (every bucket is rounded the same way there), which the re-plan, resume and
+partial-replay tests assert. The cheaper alternative, rounding each pipeline's share to float32
+and all-reducing float32 (the bytes of DDP), makes the sum depend on the number of pipelines and
+gloo's ring order: within 1e-5, but those bit-identities would be lost for the last third of the
+bytes, a cost that the overlap with the backward mostly hides (see `bench/engine_vs_ddp.py`,
+whose float32-sums row is that scheme's speed). Float32 sums (`JobSpec.exact_grad_sum=False`)
+are all-reduced as float32.
 
 Buckets: a `GradBucket` of the layout (consecutive layers with the same holders) is split into
 runs of whole layers of about `BUCKET_BYTES` of float32 gradient (DDP's 25 MB), or of about a
