@@ -38,7 +38,7 @@ def test_big_layers_make_buckets_of_about_25_mb_small_models_about_a_quarter() -
     big = split_layers(tuple(range(10)), names, lambda n: int(n[1:]), {n: 10 * mb // 4 for n in names})
     # 10 MB per layer: runs close at >= 25 MB, filled from the last layer down.
     assert big == [(0,), (1, 2, 3), (4, 5, 6), (7, 8, 9)]
-    assert BUCKET_BYTES == 25 * mb
+    assert 25 * mb == BUCKET_BYTES
     tiny = bucket_layout(list(SIZES), ParallelLayout.for_rank(even_plan(
         num_layers=6, nodes=[0, 1], num_pipelines=2, global_microbatches=4, microbatch_size=2), 0, 0), LAYER_OF, SIZES)
     # A quarter of the model at least per run (block layers are 198k elements, head + embedding
