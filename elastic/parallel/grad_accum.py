@@ -68,6 +68,9 @@ class GradAccumulator:
         self._copies: list[torch.Tensor] | None = None
         self.listener: Callable[[str], None] | None = None
         """Called with a parameter's name after each gradient added (None: nobody listens)."""
+        self.scratch: dict[tuple[int, str, int], torch.Tensor] = {}
+        """Work buffers of the bucket reducer, kept across steps: (group, purpose, peer) -> buffer
+        (allocating megabytes anew each step costs page faults on every step)."""
         self._handles: list[RemovableHandle] = []
         if attach:
             self.attach(module)

@@ -154,6 +154,8 @@ class _Reduction:
     """My rank in the bucket group."""
     tag: int = 0
     """Tag of the first phase (the second uses tag + 1): twice the bucket's first layer."""
+    k: int = 0
+    """Index of the bucket's group in the accumulator (its scratch buffers' key)."""
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     """Peer -> its float64 sums of my slice (first phase)."""
     result: torch.Tensor | None = None
@@ -262,11 +264,12 @@ class BucketReducer:
             assert work is not None
             self._flight.append(_Reduction(flat=flat, works=[work]))
             return
-        r = _Reduction(flat=flat, works=[], group=group, me=bucket.ranks.index(self.layout.rank), tag=2 * bucket.layers[0])
+        r = _Reduction(flat=flat, works=[], group=group, me=bucket.ranks.index(self.layout.rank),
+                       tag=2 * bucket.layers[0], k=k)
         slices = flat.chunk(len(bucket.ranks))
         for j in range(len(bucket.ranks)):
             if j != r.me:
-                r.received[j] = torch.empty_like(slices[r.me])
+                r.received[j] = self._scratch(k, "recv", j, slices[r.me].shape, flat.dtype)
                 r.works.append(self.groups.p2p("recv", r.received[j], j, r.tag, group=group))
                 r.works.append(self.groups.p2p("send", slices[j], j, r.tag, group=group))
         self._flight.append(r)
@@ -292,15 +295,24 @@ class BucketReducer:
                 flat.copy_(flat.float())
         self._flight.clear()
 
+    def _scratch(self, k: int, purpose: str, peer: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A work buffer kept in the accumulator across steps."""
+        key = (k, purpose, peer)
+        buf = self.accum.scratch.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = self.accum.scratch[key] = torch.empty(shape, dtype=dtype, device=self.accum.flats[k][1].device)
+        return buf
+
     def _exchange_result(self, r: _Reduction) -> None:
         """Second phase: sum my slice over the holders in holder order, round it to float32,
         send it to every other holder and post the receives of theirs."""
         assert r.group is not None
         slices = r.flat.chunk(len(r.received) + 1)
-        total = slices[0].clone() if r.me == 0 else r.received[0].clone()
+        total = self._scratch(r.k, "sum", 0, slices[r.me].shape, r.flat.dtype)
+        total.copy_(slices[0] if r.me == 0 else r.received[0])
         for j in range(1, len(slices)):
             total.add_(slices[j] if j == r.me else r.received[j])
-        r.result = torch.empty(r.flat.shape, dtype=torch.float32, device=r.flat.device)
+        r.result = self._scratch(r.k, "result", 0, r.flat.shape, torch.float32)
         results = r.result.chunk(len(slices))
         results[r.me].copy_(total)
         r.works = []
