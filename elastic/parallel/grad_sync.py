@@ -278,15 +278,13 @@ class BucketReducer:
         """Complete every launched reduction (abortably), then round float64 sums to float32
         values in place: reduced or not, every bucket ends as the once-rounded exact sum."""
         for r in self._flight:  # launch order
-            for work in r.works:
-                self.groups.wait(work)
+            self.groups.wait_all(r.works)
             if r.group is not None:
                 self._exchange_result(r)
             else:
                 r.works = []
+        self.groups.wait_all([work for r in self._flight for work in r.works])
         for r in self._flight:
-            for work in r.works:
-                self.groups.wait(work)
             if r.result is not None:
                 r.flat.copy_(r.result)
         reduced = {id(r.flat) for r in self._flight if r.result is not None}

@@ -12,6 +12,7 @@ group; in the world group that is the layout's global rank.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import cast
@@ -81,6 +82,16 @@ class ParallelGroups:
         """Wait for one operation of a step, abortably when the groups have an abort flag."""
         assert work is not None
         wait_work(work, self.abort)
+
+    def wait_all(self, works: Sequence[dist.Work]) -> None:
+        """`wait` for several operations at once: one hop to the abort's waiter thread at most
+        (a point-to-point work reports completion only once waited for, so each `wait` of one
+        would cost a hop of its own)."""
+        if all(w.is_completed() for w in works):
+            for w in works:
+                self.wait(w)
+            return
+        call_abortable(lambda: [w.wait() for w in works], self.abort)
 
     def wait_local(self, work: dist.Work | None) -> None:
         """Wait for an operation inside my pipeline (a stage-to-stage transfer): a local abort
