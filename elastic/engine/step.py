@@ -35,7 +35,14 @@ from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import GradStats, VoteInterrupted, bucket_layout, clip_grads, finalize_grads
+from elastic.parallel.grad_sync import (
+    BucketReducer,
+    GradStats,
+    VoteInterrupted,
+    bucket_layout,
+    clip_grads,
+    finalize_grads,
+)
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import one_f_one_b
@@ -179,10 +186,14 @@ class StepTransaction:
         device: torch.device,
     ) -> GradAccumulator:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
-        per gradient bucket of `layout`, not yet attached."""
-        names = [name for name, _ in module.named_parameters()]
-        partition = [group for _, group in bucket_layout(names, layout, layer_of)]
-        return GradAccumulator(module, dtype=dtype, partition=partition, device=device, attach=False)
+        per gradient bucket (`grad_sync.bucket_layout`), padded for an even reduce-scatter over
+        the bucket's holders, not yet attached."""
+        sizes = {name: p.numel() for name, p in module.named_parameters()}
+        buckets = bucket_layout(list(sizes), layout, layer_of, sizes)
+        return GradAccumulator(
+            module, dtype=dtype, partition=[names for _, names in buckets],
+            pad=[len(bucket.ranks) for bucket, _ in buckets], device=device, attach=False,
+        )
 
     def _microbatch(self, step: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and targets of global microbatch `g` of step `step`."""
@@ -266,6 +277,7 @@ class StepTransaction:
 
     def discard(self) -> None:
         """Drop any gradients of a step, pending or not (state unchanged)."""
+        self.accum.listener = None
         self.optimizer.zero_grad()
         self.accum.zero()
         self.pending = None
@@ -286,6 +298,9 @@ class StepTransaction:
                 cache[m] = self._microbatch(step, mbs[m])
             return cache[m]
 
+        # A replayed step adds kept sums after its schedule: its buckets are launched after that.
+        reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
+                                keep=replay is None and self.keep_partial)
         losses: dict[int, float] = {}
         if mbs:
             actions = self.actions if replay is None else one_f_one_b(
@@ -306,6 +321,7 @@ class StepTransaction:
                 loss_scale=1.0 / total_mbs,
                 dropout_key=lambda m: dropout_key(step, mbs[m]),
                 autocast=lambda: compute_precision(self.device),
+                before_final_backward=reducer.arm if replay is None else None,
             )
             losses = result.losses
         counted = layout.is_last_stage and layout.tp_rank == 0
@@ -317,7 +333,8 @@ class StepTransaction:
             finite = finite and replay.finite
         elif replay is None and self.keep_partial:
             self.partial = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
-                                     grads=self.accum.snapshot(), loss_sum=loss_sum, finite=finite)
+                                     grads=self.accum.snapshot(only=reducer.not_kept()),
+                                     loss_sum=loss_sum, finite=finite)
         return finalize_grads(
             self.accum,
             layout=layout,
@@ -327,4 +344,5 @@ class StepTransaction:
             grad_clip=self.optim.grad_clip,
             ok=finite,
             halt=halt,
+            reducer=reducer,
         )

@@ -68,6 +68,7 @@ def run_schedule(
     autocast: Callable[[], object],
     post: Post | None = None,
     forward_only: bool = False,
+    before_final_backward: Callable[[], None] | None = None,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -78,6 +79,8 @@ def run_schedule(
     `post` posts each transfer (default: `dist.isend`/`dist.irecv` on `group`).
     `forward_only`: `actions` has no backward (`schedule.forward_only`, evaluation; call it under
     `torch.no_grad()`): nothing is kept for a backward, a last stage only records its losses.
+    `before_final_backward`: called right before the schedule's last backward (the gradients it
+    adds are final: a bucket reducer may launch each bucket's reduction as they arrive).
     """
     if spec.prev_rank is None and tokens is None:
         raise ValueError("a first stage needs token inputs")
@@ -86,7 +89,8 @@ def run_schedule(
     run = _StageRun(
         module=module, spec=spec, wait=wait, post=post or functools.partial(_plain_post, group), device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
-        forward_only=forward_only,
+        forward_only=forward_only, before_final_backward=before_final_backward,
+        final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None),
     )
     for a in actions:
         run.do(a)
@@ -128,6 +132,10 @@ class _StageRun:
     """Returns the context manager wrapping each forward."""
     forward_only: bool = False
     """No backward follows: inputs and outputs are dropped once forwarded and sent."""
+    before_final_backward: Callable[[], None] | None = None
+    """Called right before the backward of `final_backward`."""
+    final_backward: int | None = None
+    """The microbatch of the schedule's last backward."""
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> received activation (requires grad), until its input gradient is sent."""
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -188,6 +196,8 @@ class _StageRun:
     def backward(self, m: int) -> None:
         """Backward microbatch `m`: from its scaled loss on a last stage, else from its output gradient."""
         out = self.outputs.pop(m)
+        if m == self.final_backward and self.before_final_backward is not None:
+            self.before_final_backward()
         if self.last:
             out.backward()
         else:

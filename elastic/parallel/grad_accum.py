@@ -11,7 +11,7 @@ whose gradients nearly cancel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -23,6 +23,10 @@ class GradAccumulator:
     `partition` groups parameter names (every parameter exactly once); each group's sums are
     views into one contiguous buffer, so a gradient bucket is reduced, measured and zeroed
     with one operation each and no copies. Default: one group per parameter, in name order.
+    `pad`: per group, a multiple its flat buffer's length is rounded up to (with zeros after the
+    views; a reduce-scatter over that many workers splits it evenly). `listener`, when set, is
+    called with a parameter's name right after its gradient was added (the bucket reducer
+    launches a bucket's reduction once the last backward added all of its gradients).
     """
 
     def __init__(
@@ -31,6 +35,7 @@ class GradAccumulator:
         *,
         dtype: torch.dtype = torch.float64,
         partition: Sequence[Sequence[str]] | None = None,
+        pad: Sequence[int] | None = None,
         device: torch.device | None = None,
         attach: bool = True,
     ) -> None:
@@ -49,15 +54,23 @@ class GradAccumulator:
         """(names, flat buffer) per partition group."""
         self.buffers: dict[str, torch.Tensor] = {}
         """Canonical name -> its sum (a view into its group's flat buffer)."""
-        for names in groups:
+        multiples = [1] * len(groups) if pad is None else list(pad)
+        assert len(multiples) == len(groups), "pad needs one multiple per partition group"
+        for names, multiple in zip(groups, multiples, strict=True):
             if not names:
                 continue
             sizes = [params[n].numel() for n in names]
-            flat = torch.zeros(sum(sizes), dtype=dtype, device=device or params[names[0]].device)
-            for n, view in zip(names, flat.split(sizes), strict=True):
+            length = -(-sum(sizes) // multiple) * multiple
+            flat = torch.zeros(length, dtype=dtype, device=device or params[names[0]].device)
+            for n, view in zip(names, flat[: sum(sizes)].split(sizes), strict=True):
                 self.buffers[n] = view.view(params[n].shape)
             self.flats.append((tuple(names), flat))
         self._copies: list[torch.Tensor] | None = None
+        self.listener: Callable[[str], None] | None = None
+        """Called with a parameter's name after each gradient added (None: nobody listens)."""
+        self.scratch: dict[tuple[int, str, int], torch.Tensor] = {}
+        """Work buffers of the bucket reducer, kept across steps: (group, purpose, peer) -> buffer
+        (allocating megabytes anew each step costs page faults on every step)."""
         self._handles: list[RemovableHandle] = []
         if attach:
             self.attach(module)
@@ -79,6 +92,8 @@ class GradAccumulator:
             assert p.grad is not None
             buf.add_(p.grad)
             p.grad = None
+            if self.listener is not None:
+                self.listener(name)
 
         return move
 
@@ -94,16 +109,19 @@ class GradAccumulator:
                 return flat
         raise KeyError(f"no gradient buffer for group {key}")
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self, only: Collection[int] | None = None) -> dict[str, torch.Tensor]:
         """A copy of every sum, by canonical name, in buffers of its own (allocated on the
-        first call and reused: the copy of the previous call is overwritten)."""
+        first call and reused: the copy of the previous call is overwritten). `only`: copy just
+        these groups (indices into `flats`) now, the others were copied earlier in the step
+        (the bucket reducer copies each bucket right before its reduction starts)."""
         if self._copies is None:
             self._copies = [torch.empty_like(flat) for _, flat in self.flats]
         out: dict[str, torch.Tensor] = {}
-        for (names, flat), copy in zip(self.flats, self._copies, strict=True):
-            copy.copy_(flat)
+        for i, ((names, flat), copy) in enumerate(zip(self.flats, self._copies, strict=True)):
+            if only is None or i in only:
+                copy.copy_(flat)
             sizes = [self.buffers[n].numel() for n in names]
-            for n, view in zip(names, copy.split(sizes), strict=True):
+            for n, view in zip(names, copy[: sum(sizes)].split(sizes), strict=True):
                 out[n] = view.view(self.buffers[n].shape)
         return out
 

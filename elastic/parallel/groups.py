@@ -12,6 +12,7 @@ group; in the world group that is the layout's global rank.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import cast
@@ -45,12 +46,16 @@ class ParallelGroups:
     connected: set[tuple[int, int]] = field(default_factory=set)
     """(id of a group, peer rank) pairs a point-to-point operation was posted to already."""
 
-    def p2p(self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False) -> dist.Work:
+    def p2p(
+        self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> dist.Work:
         """Post `op` ("send" or "recv") of `tensor` with world rank `peer`. The first operation
         with a peer connects to it inside the call (gloo's lazy pairs), which a dead peer would
         block until the group's timeout: that one is posted abortably (`call_abortable`; with
-        `local`, as a wait inside my pipeline)."""
-        group = self.world
+        `local`, as a wait inside my pipeline). `group`: another group of mine (a bucket group;
+        `peer` is then a rank in it) instead of the world group."""
+        group = self.world if group is None else group
         if op == "send":
             post = functools.partial(dist.isend, tensor, group=group, group_dst=peer, tag=tag)
         elif op == "recv":
@@ -77,6 +82,16 @@ class ParallelGroups:
         """Wait for one operation of a step, abortably when the groups have an abort flag."""
         assert work is not None
         wait_work(work, self.abort)
+
+    def wait_all(self, works: Sequence[dist.Work]) -> None:
+        """`wait` for several operations at once: one hop to the abort's waiter thread at most
+        (a point-to-point work reports completion only once waited for, so each `wait` of one
+        would cost a hop of its own)."""
+        if all(w.is_completed() for w in works):
+            for w in works:
+                self.wait(w)
+            return
+        call_abortable(lambda: [w.wait() for w in works], self.abort)
 
     def wait_local(self, work: dist.Work | None) -> None:
         """Wait for an operation inside my pipeline (a stage-to-stage transfer): a local abort

@@ -1,0 +1,134 @@
+"""The bucketed gradient reduction: bucket boundaries every holder agrees on, and the overlapped
+exact reduction of float64 sums (three real gloo workers, threads of this process): buckets are
+launched inside the last backward, and every holder ends with the float32 rounding of the exact
+sum of every holder's float64 sums, bit for bit, whatever the number of holders."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.engine.step import StepTransaction
+from elastic.model.config import get_preset
+from elastic.model.gpt import GPTStage
+from elastic.model.naming import layer_of
+from elastic.parallel.grad_sync import BUCKET_BYTES, MIN_BUCKETS, BucketReducer, bucket_layout, split_layers
+from elastic.parallel.groups import build_groups
+from elastic.parallel.layout import ParallelLayout, assign_ranks
+from templates.plan import even_plan
+from tests.engine.plans import hetero
+
+pytestmark = pytest.mark.timeout(60)
+
+CFG = get_preset("tiny")
+LAYER_OF = functools.partial(layer_of, cfg=CFG)
+SIZES = {name: p.numel() for name, p in GPTStage(CFG).named_parameters()}
+
+
+def test_big_layers_make_buckets_of_about_25_mb_small_models_about_a_quarter() -> None:
+    mb = 2**20
+    names = [f"l{i}" for i in range(10)]
+    big = split_layers(tuple(range(10)), names, lambda n: int(n[1:]), {n: 10 * mb // 4 for n in names})
+    # 10 MB per layer: runs close at >= 25 MB, filled from the last layer down.
+    assert big == [(0,), (1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    assert 25 * mb == BUCKET_BYTES
+    tiny = bucket_layout(list(SIZES), ParallelLayout.for_rank(even_plan(
+        num_layers=6, nodes=[0, 1], num_pipelines=2, global_microbatches=4, microbatch_size=2), 0, 0), LAYER_OF, SIZES)
+    # A quarter of the model at least per run (block layers are 198k elements, head + embedding
+    # 74k): the head joins the last block, the embedding the first.
+    target = sum(SIZES.values()) // MIN_BUCKETS
+    assert [b.layers for b, _ in tiny] == [(0, 1), (2, 3), (4, 5)]
+    assert all(sum(SIZES[n] for n in names) >= target for _, names in tiny)
+    assert sorted(n for _, names in tiny for n in names) == sorted(SIZES)
+    assert all(b.ranks == (0, 1) for b, _ in tiny)
+
+
+def test_every_holder_of_a_layout_bucket_cuts_it_alike() -> None:
+    plan = hetero()
+    per_rank = []
+    for rank in range(len(assign_ranks(plan))):
+        layout = ParallelLayout.for_rank(plan, 0, rank)
+        first, last = layout.layers
+        mine = [n for n in SIZES if first <= LAYER_OF(n) < last]
+        per_rank.append(bucket_layout(mine, layout, LAYER_OF, SIZES))
+    seen: dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[str, ...]]]] = {}
+    for rank, buckets in enumerate(per_rank):
+        groups: dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[str, ...]]]] = {}
+        for bucket, names in buckets:
+            assert rank in bucket.ranks
+            groups.setdefault(bucket.ranks, []).append((bucket.layers, names))
+        for ranks, runs in groups.items():
+            assert seen.setdefault(ranks, runs) == runs, f"holders of {ranks} cut their buckets differently"
+    assert len(seen) == 4  # the layout buckets of test_layout: (0,3), (1,3), (1,4), (2,4)
+
+
+def _in_threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
+    out: list[Any] = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except Exception as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtype: torch.dtype) -> None:
+    plan = even_plan(num_layers=6, nodes=[0, 1, 2], num_pipelines=3, global_microbatches=6, microbatch_size=2)
+    store = dist.HashStore()
+
+    def worker(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+        layout = ParallelLayout.for_rank(plan, 1, rank)
+        groups = build_groups(layout, store, timeout=timedelta(seconds=30))
+        module = GPTStage(CFG)
+        accum = StepTransaction.buffers_for(module, layout=layout, layer_of=LAYER_OF, dtype=dtype,
+                                            device=torch.device("cpu"))
+        accum.attach(module)
+        launched_in_backward = 0
+        for step in range(2):  # the first step connects the peers; the second overlaps
+            accum.zero()
+            reducer = BucketReducer(accum=accum, layout=layout, groups=groups, layer_of=LAYER_OF, keep=True)
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            for m in range(2):
+                tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=gen)
+                loss = module.loss(module(tokens[:, :-1], dropout_key=None), tokens[:, 1:]) * (10.0 ** (rank - m))
+                if m == 1:
+                    reducer.arm()
+                loss.backward()
+            launched_in_backward = len(reducer.kept)
+            before = {n: t.clone() for n, t in accum.snapshot(only=reducer.not_kept()).items()}
+            reducer.launch_all()
+            reducer.wait()
+        return before, {n: t.clone() for n, t in accum.buffers.items()}, launched_in_backward
+
+    results = _in_threads(3, worker)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+    launched = [r[2] for r in results]
+    assert all(n >= 2 for n in launched), f"buckets launched inside the last backward: {launched}"
+    for name in SIZES:
+        if dtype == torch.float64:
+            exact = results[0][0][name] + results[1][0][name] + results[2][0][name]
+            expected = exact.float().double()
+            for r in results:
+                assert torch.equal(r[1][name], expected), name
+        else:
+            expected32 = results[0][0][name] + results[1][0][name] + results[2][0][name]
+            for r in results:
+                torch.testing.assert_close(r[1][name], expected32, rtol=1e-5, atol=1e-7)
+                assert torch.equal(r[1][name], results[0][1][name]), name
