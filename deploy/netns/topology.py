@@ -115,6 +115,12 @@ class Topology:
         assert self.subnet, "create() first"
         return f"{self.subnet}.1"
 
+    @property
+    def bridge_mac(self) -> str:
+        """The bridge's fixed, locally administered MAC, from its subnet (unique per topology)."""
+        octets = [int(x) for x in self.bridge_address.split(".")]
+        return "02:" + ":".join(f"{o:02x}" for o in octets) + ":00"
+
     def node(self, node: int) -> NodeNet:
         for m in self.members:
             if m.node == node:
@@ -127,6 +133,10 @@ class Topology:
             self.subnet = self.subnet or _free_subnet()
             run_ip("link", "add", self.bridge, "type", "bridge")
             self._created.append(("link", self.bridge))
+            # A bridge without a MAC of its own takes its lowest port's, so taking a port off
+            # (sicken, heal) could change the MAC behind etcd's address: every node's ARP entry
+            # would go stale at once and every lease could expire. A set MAC never changes.
+            run_ip("link", "set", self.bridge, "address", self.bridge_mac)
             run_ip("addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
             run_ip("link", "set", self.bridge, "up")
             for k in range(self.nodes):

@@ -12,8 +12,8 @@ units:
   instantiation with each spare in a lost node's stage (`substitute`): the same templates and
   pipelines, and only the lost nodes' shards move (to the spares, from surviving replicas);
 - on a step boundary, which ready newcomers join (`newcomers_to_join`): only as many as the
-  plan lacks to reach `active`; the others stay spares. With no spare configured and no node
-  beyond `active`, this is exactly the join of every ready newcomer the runtime always did.
+  plan lacks to reach `active`; the others stay spares. The leader asks only when spares are
+  configured (`--spares K`, K > 0); without, every ready newcomer joins, as it always did.
 
 A node that comes back (a restarted node, a drained node's new incarnation) is a newcomer like
 any other: it joins while the plan is short of `active` nodes, and is a spare otherwise.

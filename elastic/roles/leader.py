@@ -409,9 +409,12 @@ class Leader:
         return taken
 
     def _joining(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
-        """Ready newcomers that join at the next step boundary: as many as the plan lacks to reach
-        the job's node count; the others stay spares (an event says so once per incarnation)."""
+        """Ready newcomers that join at the next step boundary. With hot spares configured, as many
+        as the plan lacks to reach the job's node count; the others stay spares (an event says so
+        once per incarnation). Without, every ready newcomer, as before spares existed."""
         ready = self._ready_spares(record, members)
+        if self.config.spares == 0:  # no hot spares: every ready newcomer joins, as it always did
+            return ready
         joined = newcomers_to_join(current=record.plan.nodes, ready=ready, active=self.config.cluster.nodes)
         for node in ready:
             if node not in joined and (node, members[node]) not in self._spares_seen:
