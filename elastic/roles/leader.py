@@ -388,7 +388,10 @@ class Leader:
         return ready
 
     def _spares_for(self, record: GenerationRecord, members: dict[int, int], lost: list[int]) -> list[int]:
-        """The spares the re-plan that drops `lost` takes in (none when none is ready)."""
+        """The spares the re-plan that drops `lost` takes in (none when none is ready, and none
+        without hot spares configured: a loss is then re-planned over the survivors, as before)."""
+        if self.config.spares == 0:
+            return []
         survivors = [n for n in record.plan.nodes if n not in lost]
         taken = spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
                                active=self.config.cluster.nodes)
