@@ -157,14 +157,10 @@ def test_a_full_disk_fails_the_save_without_a_marker_reports_it_once_and_the_nex
     tmp_path: Path,
 ) -> None:
     import os
-    import subprocess
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    from tests.tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "tmpfs", size="4m") as mnt:
         w = writer(mnt / "ckpt")
         big = 8_000  # ~130 KiB of tensors per shard, ~0.8 MiB per step
         w.save_async(1, make_shards(ALL, step=1, numel=big))
@@ -191,5 +187,3 @@ def test_a_full_disk_fails_the_save_without_a_marker_reports_it_once_and_the_nex
         assert w.take_failures() == []
         assert latest_complete(mnt / "ckpt", num_layers=LAYERS, tp_degree=TP) == 3
         assert_shards_equal(load_shards(mnt / "ckpt", 3, ALL), make_shards(ALL, step=3, numel=big))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from elastic.ops.metrics import NodeMetrics
 from elastic.records.injection import parse_injection
 from elastic.records.protocol import ElasticConfig, WorkerInfo
 from elastic.transfer.shards import ShardKey
+from tests.tmpfs import mounted_tmpfs
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
@@ -50,15 +50,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Result:
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 64 MiB tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs as the checkpoint directory needs root")
-    mountpoint = tmp_path / "tmpfs"
-    mountpoint.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mountpoint)], check=True)
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", size="64m") as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
 class OnCheckpoint:
