@@ -7,7 +7,9 @@ during the last backward, as DDP's is); DDP runs the same P processes with gradi
 (no_sync on all but the last microbatch) and torch's AdamW. Rounds alternate engine / DDP so
 that load from anything else on the machine hits both alike. Prints each median and the ratio
 engine / DDP (1.00 = same speed), and the first quartile beside it: on a machine that others
-load in bursts the quartile is the steadier figure of the two.
+load in bursts the quartile is the steadier figure of the two. Then each round's own ratio (its
+engine median over the same round's DDP median) and the median of those: the "median of N"
+figure, N = --rounds.
 
     .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
 """
@@ -155,13 +157,19 @@ def main() -> None:
         "engine (fp32 grad sums)": [],
         "DDP": [],
     }
+    per_round: dict[str, list[float]] = {name: [] for name in results}
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         for r in range(args.rounds):
             base = Path(tmp) / f"round{r}"
             base.mkdir()
-            results["engine (fp64 grad sums)"] += engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:]
-            results["engine (fp32 grad sums)"] += engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:]
-            results["DDP"] += ddp_steps(args, base)[WARMUP_STEPS:]
+            this = {
+                "engine (fp64 grad sums)": engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:],
+                "engine (fp32 grad sums)": engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:],
+                "DDP": ddp_steps(args, base)[WARMUP_STEPS:],
+            }
+            for name, times in this.items():
+                results[name] += times
+                per_round[name].append(statistics.median(times) / statistics.median(this["DDP"]))
     ddp = statistics.median(results["DDP"])
     print(
         f"model {args.model}, {args.procs} processes, global batch {args.global_batch}, "
@@ -172,6 +180,10 @@ def main() -> None:
         q1, ddp_q1 = statistics.quantiles(times, n=4)[0], statistics.quantiles(results["DDP"], n=4)[0]
         print(f"  {name:26s} median step {med * 1000:8.1f} ms   ratio vs DDP {med / ddp:5.3f}"
               f"   (first quartile {q1 * 1000:6.1f} ms, ratio {q1 / ddp_q1:5.3f})")
+    print(f"ratio vs DDP per round, and the median of the {args.rounds} rounds:")
+    for name, ratios in per_round.items():
+        if name != "DDP":
+            print(f"  {name:26s} {'  '.join(f'{x:5.3f}' for x in ratios)}   median {statistics.median(ratios):5.3f}")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,17 @@ world all-reduce itself (the vote) keeps the reduced gradients as the pending st
 (VoteCutShort): a peer may have seen the vote complete and committed, and then `complete()`
 commits the same step here with the vote's outcome, bit-identically.
 
-Partial replay (elastic/records/partial.py): after its schedule, a worker copies its gradient
-sums (`partial`, a `KeptGrads`) before the cross-pipeline reduction can touch them; if the step
-is then abandoned, the copy survives into the next generation. That generation's first step
+Partial replay (elastic/records/partial.py): the cross-pipeline reduction writes its result
+beside the gradient sums, never into them, so when a step is abandoned after its schedule
+finished here, the worker copies its own sums then (`partial`, a `KeptGrads`) and the copy
+survives into the next generation; a step that commits copies nothing. That generation's first step
 may be a `StepReplay`: this pipeline computes only the listed microbatches, and a keeper adds
 its kept sums (and their loss) before the reduction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from elastic.parallel.grad_sync import (
     BucketReducer,
     GradStats,
     VoteInterrupted,
+    accum_buckets,
     bucket_layout,
     clip_grads,
     finalize_grads,
@@ -160,6 +163,8 @@ class StepTransaction:
             accum = StepTransaction.buffers_for(module, layout=layout, layer_of=layer_of, dtype=grad_dtype, device=device)
         accum.attach(module)
         self.accum = accum
+        self.buckets = accum_buckets(accum, layout, layer_of)
+        """The accumulator's gradient buckets (`grad_sync.accum_buckets`)."""
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
@@ -177,8 +182,12 @@ class StepTransaction:
         self.replay = replay
         """The generation's first step, when only part of it is computed here."""
         self.partial: KeptGrads | None = None
-        """The sums of the step being prepared, copied once its schedule finished; None once
-        it commits. A caller keeps them when the step is abandoned."""
+        """The sums of a step abandoned after its schedule finished here, copied when it was
+        abandoned (the reduction leaves the sums as they are); None once a step commits. A
+        caller keeps them for the next generation."""
+        self._finished: KeptGrads | None = None
+        """The step being prepared once its schedule finished here: what `partial` becomes if
+        it is abandoned, without the copy of the sums."""
 
     @staticmethod
     def buffers_for(
@@ -224,13 +233,15 @@ class StepTransaction:
         """
         start = time.perf_counter()
         self.discard()
-        self.partial = None
+        self.partial = self._finished = None
         try:
             stats = self._forward_backward_reduce(step, halt=halt)
         except VoteInterrupted as exc:
+            self._keep_partial()
             self.pending = step
             raise VoteCutShort(f"step {step}: the vote was cut short on rank {self.layout.rank}: {exc}") from exc
         except Exception as exc:
+            self._keep_partial()
             self.discard()
             abort = self.groups.abort
             if abort is not None and abort.is_set():
@@ -238,6 +249,7 @@ class StepTransaction:
                     raise
                 raise StepAborted(f"step {step} aborted on rank {self.layout.rank}: {abort.reason}") from exc
             raise StepDiscarded(f"step {step} discarded on rank {self.layout.rank}: {exc}") from exc
+        self._finished = None
         if not stats.ok:
             self.discard()
             raise NonFiniteStep(
@@ -245,6 +257,12 @@ class StepTransaction:
                 step=step, grad_norm=stats.grad_norm, loss=stats.loss,
             )
         return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt)
+
+    def _keep_partial(self) -> None:
+        """The step is abandoned: copy this worker's sums of it, if its schedule finished here."""
+        if self._finished is not None:
+            self.partial = dataclasses.replace(self._finished, grads=self.accum.snapshot())
+            self._finished = None
 
     def complete(self, step: int, *, grad_norm: float, loss: float) -> StepResult:
         """Commit the pending step `step` with its vote's outcome as a peer saw it complete:
@@ -300,7 +318,7 @@ class StepTransaction:
 
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
-                                keep=replay is None and self.keep_partial)
+                                known=self.buckets)
         losses: dict[int, float] = {}
         if mbs:
             actions = self.actions if replay is None else one_f_one_b(
@@ -332,9 +350,8 @@ class StepTransaction:
             loss_sum += replay.loss_sum
             finite = finite and replay.finite
         elif replay is None and self.keep_partial:
-            self.partial = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
-                                     grads=self.accum.snapshot(only=reducer.not_kept()),
-                                     loss_sum=loss_sum, finite=finite)
+            self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
+                                       grads={}, loss_sum=loss_sum, finite=finite)
         return finalize_grads(
             self.accum,
             layout=layout,

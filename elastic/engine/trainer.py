@@ -176,6 +176,15 @@ class Trainer:
         """Shards dropped at the last switch, still at that switch's committed state, so slower
         peers of the same reconfiguration can fetch them from this worker."""
 
+    def inherit_groups(self, old: Trainer) -> None:
+        """Keep `old`'s process groups (its past generations' and its current one) alive in this
+        trainer's graveyard, for a trainer that replaces `old` (a checkpoint fallback drops the
+        newer state). Destroying a gloo group that has an abandoned operation pending blocks the
+        destroying thread until the group's timeout (a pending all-reduce held `del` for the
+        whole 20 s timeout of a test group), and an abandoned step leaves such operations."""
+        with old._lock:
+            self._graveyard += old._graveyard + ([old._groups] if old._groups is not None else [])
+
     # ---- the current generation ----------------------------------------------------------
 
     def _require(self) -> StepTransaction:

@@ -11,14 +11,15 @@ whose gradients nearly cancel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 
 class GradAccumulator:
-    """Per-parameter gradient sums of one step, in `dtype`, packed in flat buffers.
+    """Per-parameter gradient sums of one step, in `dtype`, packed in flat buffers, and the
+    step's reduced gradient beside them.
 
     `partition` groups parameter names (every parameter exactly once); each group's sums are
     views into one contiguous buffer, so a gradient bucket is reduced, measured and zeroed
@@ -27,6 +28,17 @@ class GradAccumulator:
     views; a reduce-scatter over that many workers splits it evenly). `listener`, when set, is
     called with a parameter's name right after its gradient was added (the bucket reducer
     launches a bucket's reduction once the last backward added all of its gradients).
+
+    Each group also has a `reduced` flat buffer in the parameters' dtype: the cross-pipeline
+    reduction writes the step's gradient there (never into the sums, which stay this worker's
+    own until `zero()`, so a step abandoned mid-reduction still has them for partial replay), and
+    `write_grads` points each parameter's `.grad` at its view of it (no copy, no allocation).
+
+    Costs per element and step that the hot path avoids (measured on the CPU build): `zero()`
+    writes nothing (a parameter's first gradient of the step is copied in, not added to a zeroed
+    buffer, and a sum nobody wrote is zeroed only when read: `settle`), and a float32 gradient is
+    widened into a kept scratch buffer before it is added to a float64 sum: torch's mixed-dtype
+    `add_` runs element by element, about 20x slower than a copy plus a same-dtype add.
     """
 
     def __init__(
@@ -51,20 +63,38 @@ class GradAccumulator:
         listed = [n for g in groups for n in g]
         assert sorted(listed) == sorted(params), "partition must name every parameter exactly once"
         self.flats: list[tuple[tuple[str, ...], torch.Tensor]] = []
-        """(names, flat buffer) per partition group."""
-        self.buffers: dict[str, torch.Tensor] = {}
-        """Canonical name -> its sum (a view into its group's flat buffer)."""
+        """(names, flat buffer of the sums) per partition group."""
+        self.reduced: list[torch.Tensor] = []
+        """Per partition group, the flat buffer of the step's reduced gradient (the parameters'
+        dtype), written by the reduction (`elastic.parallel.grad_sync`)."""
+        self._views: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        """Canonical name -> its reduced gradient (a view into its group's `reduced` buffer)."""
+        self._group: dict[str, int] = {}
         multiples = [1] * len(groups) if pad is None else list(pad)
         assert len(multiples) == len(groups), "pad needs one multiple per partition group"
+        widest = 0
         for names, multiple in zip(groups, multiples, strict=True):
             if not names:
                 continue
             sizes = [params[n].numel() for n in names]
             length = -(-sum(sizes) // multiple) * multiple
-            flat = torch.zeros(length, dtype=dtype, device=device or params[names[0]].device)
-            for n, view in zip(names, flat[: sum(sizes)].split(sizes), strict=True):
-                self.buffers[n] = view.view(params[n].shape)
+            where = device or params[names[0]].device
+            flat = torch.zeros(length, dtype=dtype, device=where)
+            reduced = torch.zeros(length, dtype=params[names[0]].dtype, device=where)
+            for n, view, grad in zip(names, flat[: sum(sizes)].split(sizes), reduced[: sum(sizes)].split(sizes),
+                                     strict=True):
+                self._views[n] = view.view(params[n].shape)
+                self.grads[n] = grad.view(params[n].shape)
+                self._group[n] = len(self.flats)
             self.flats.append((tuple(names), flat))
+            self.reduced.append(reduced)
+            widest = max(widest, *sizes)
+        self._fresh: set[str] = set()
+        """Sums that are zero by `zero()` but not written since (their memory holds old values)."""
+        self._wide = torch.empty(widest if dtype == torch.float64 else 0, dtype=dtype,
+                                 device=device or (self.named[0][1].device if self.named else None))
+        """Scratch for widening one gradient to `dtype` before it is added (see the class doc)."""
         self._copies: list[torch.Tensor] | None = None
         self.listener: Callable[[str], None] | None = None
         """Called with a parameter's name after each gradient added (None: nobody listens)."""
@@ -75,10 +105,16 @@ class GradAccumulator:
         if attach:
             self.attach(module)
 
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> its sum (a view into its group's flat buffer)."""
+        self.settle()
+        return self._views
+
     def attach(self, module: torch.nn.Module) -> None:
         """Sum the gradients of `module`'s parameters (the names and shapes allocated for)."""
         named = sorted(module.named_parameters(), key=lambda kv: kv[0])
-        if [(n, tuple(p.shape)) for n, p in named] != [(n, tuple(self.buffers[n].shape)) for n, _ in self.named]:
+        if [(n, tuple(p.shape)) for n, p in named] != [(n, tuple(self._views[n].shape)) for n, _ in self.named]:
             raise ValueError("the module's parameters are not the ones these buffers were allocated for")
         self.remove()
         self.named = named
@@ -86,11 +122,22 @@ class GradAccumulator:
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        buf = self.buffers[name]
+        buf = self._views[name]
 
         def move(p: torch.Tensor) -> None:
-            assert p.grad is not None
-            buf.add_(p.grad)
+            g = p.grad
+            assert g is not None
+            if name in self._fresh:
+                buf.copy_(g)
+                self._fresh.discard(name)
+            elif g.dtype == buf.dtype:
+                buf.add_(g)
+            else:
+                if self._wide.numel() < g.numel():
+                    self._wide = torch.empty(g.numel(), dtype=buf.dtype, device=buf.device)
+                wide = self._wide[: g.numel()].view(g.shape)
+                wide.copy_(g)
+                buf.add_(wide)
             p.grad = None
             if self.listener is not None:
                 self.listener(name)
@@ -98,45 +145,59 @@ class GradAccumulator:
         return move
 
     def zero(self) -> None:
-        for _, flat in self.flats:
-            flat.zero_()
+        """Make every sum zero (lazily: see the class doc)."""
+        self._fresh = set(self._views)
+
+    def settle(self, group: int | None = None) -> None:
+        """Write the zeros of the sums not written since `zero()` (of one partition group, or
+        all): before anything reads the flat buffers."""
+        if not self._fresh:
+            return
+        names = self._fresh if group is None else self._fresh & set(self.flats[group][0])
+        for name in list(names):
+            self._views[name].zero_()
+            self._fresh.discard(name)
+
+    def group_of(self, name: str) -> int:
+        """Index of the partition group holding `name`."""
+        return self._group[name]
 
     def flat(self, names: Sequence[str]) -> torch.Tensor:
         """The flat buffer of the partition group `names`."""
         key = tuple(names)
-        for group, flat in self.flats:
+        for k, (group, flat) in enumerate(self.flats):
             if group == key:
+                self.settle(k)
                 return flat
         raise KeyError(f"no gradient buffer for group {key}")
 
-    def snapshot(self, only: Collection[int] | None = None) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every sum, by canonical name, in buffers of its own (allocated on the
-        first call and reused: the copy of the previous call is overwritten). `only`: copy just
-        these groups (indices into `flats`) now, the others were copied earlier in the step
-        (the bucket reducer copies each bucket right before its reduction starts)."""
+        first call and reused: the copy of the previous call is overwritten)."""
+        self.settle()
         if self._copies is None:
             self._copies = [torch.empty_like(flat) for _, flat in self.flats]
         out: dict[str, torch.Tensor] = {}
-        for i, ((names, flat), copy) in enumerate(zip(self.flats, self._copies, strict=True)):
-            if only is None or i in only:
-                copy.copy_(flat)
-            sizes = [self.buffers[n].numel() for n in names]
+        for (names, flat), copy in zip(self.flats, self._copies, strict=True):
+            copy.copy_(flat)
+            sizes = [self._views[n].numel() for n in names]
             for n, view in zip(names, copy[: sum(sizes)].split(sizes), strict=True):
-                out[n] = view.view(self.buffers[n].shape)
+                out[n] = view.view(self._views[n].shape)
         return out
 
     def add(self, sums: dict[str, torch.Tensor]) -> None:
         """Add gradient sums kept from elsewhere (same names, shapes and dtype) into the buffers."""
-        unknown = sorted(set(sums) - set(self.buffers))
+        unknown = sorted(set(sums) - set(self._views))
         if unknown:
             raise ValueError(f"kept gradient sums for parameters not in this stage: {unknown[:3]}")
+        self.settle()
         for name, t in sums.items():
-            self.buffers[name].add_(t.to(self.buffers[name].device))
+            self._views[name].add_(t.to(self._views[name].device))
 
     def write_grads(self) -> None:
-        """Round the sums into each parameter's `.grad` (the parameter's dtype) for the optimizer."""
+        """Point each parameter's `.grad` at its reduced gradient for the optimizer."""
         for name, p in self.named:
-            p.grad = self.buffers[name].to(p.dtype)
+            p.grad = self.grads[name]
 
     def remove(self) -> None:
         """Detach the hooks from the module (the accumulator is no longer used)."""

@@ -143,7 +143,7 @@ def split_layers(
 
 def accum_buckets(accum: GradAccumulator, layout: ParallelLayout, layer_of: Callable[[str], int]) -> BucketLayout:
     """The buckets `accum` was partitioned by (`StepTransaction.buffers_for`)."""
-    return bucket_layout(list(accum.buffers), layout, layer_of, {n: t.numel() for n, t in accum.buffers.items()})
+    return bucket_layout(list(accum.grads), layout, layer_of, {n: t.numel() for n, t in accum.grads.items()})
 
 
 @dataclass(kw_only=True)
@@ -166,7 +166,8 @@ class _Reduction:
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     """Peer -> its float64 sums of my slice (first phase)."""
     result: torch.Tensor | None = None
-    """The float32 result, my slice computed, the others received (second phase)."""
+    """The bucket's reduced gradient (`GradAccumulator.reduced`): my slice computed, the others
+    received (second phase)."""
 
 
 @dataclass(kw_only=True)
@@ -178,8 +179,8 @@ class BucketReducer:
     that group's buckets in the same order; launching never blocks, so no wait cycle can form).
     `launch_all()` launches the rest (parameters without a gradient in the last backward, a
     replayed step's kept sums added after the schedule, a bucket whose peers are not connected
-    yet); `wait()` completes every bucket. `keep`: copy each bucket's sums
-    (`GradAccumulator.snapshot`) just before it is launched.
+    yet); `wait()` completes every bucket. Results go to the accumulator's `reduced` buffers;
+    the sums are only read, so they stay this worker's own for partial replay.
 
     Float64 sums are reduced exactly with float32 results (see the module docstring): with P
     holders and the flat buffer cut into P equal slices, every holder sends slice j to holder j
@@ -197,14 +198,15 @@ class BucketReducer:
     """The generation's groups; every wait goes through `groups.wait`."""
     layer_of: Callable[[str], int]
     """Parameter name -> planning layer."""
-    keep: bool = False
-    """Copy each bucket's sums before its reduction (partial replay)."""
+    known: BucketLayout | None = None
+    """`accum_buckets` of the accumulator, when the caller computed them already (a step
+    transaction does once, not every step)."""
     buckets: BucketLayout = field(init=False)
     """My buckets, ascending by layer."""
     order: list[int] = field(init=False)
     """Launch order: bucket indices by descending layer."""
-    kept: set[int] = field(default_factory=set)
-    """Accumulator groups (indices into `accum.flats`) copied by `keep` so far this step."""
+    early: int = 0
+    """Buckets launched inside the backward so far."""
     _flat_of: list[int] = field(init=False)
     _missing: list[int] = field(init=False)
     _bucket_of: dict[str, int] = field(init=False)
@@ -212,16 +214,12 @@ class BucketReducer:
     _flight: list[_Reduction] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.buckets = accum_buckets(self.accum, self.layout, self.layer_of)
+        self.buckets = self.known if self.known is not None else accum_buckets(self.accum, self.layout, self.layer_of)
         self.order = sorted(range(len(self.buckets)), key=lambda i: -self.buckets[i][0].layers[0])
         self._missing = [len(names) for _, names in self.buckets]
         self._bucket_of = {n: i for i, (_, names) in enumerate(self.buckets) for n in names}
         index = {names: k for k, (names, _) in enumerate(self.accum.flats)}
         self._flat_of = [index.get(names, -1) for _, names in self.buckets]
-
-    def not_kept(self) -> set[int]:
-        """Accumulator groups not copied yet (for `GradAccumulator.snapshot(only=...)`)."""
-        return set(range(len(self.accum.flats))) - self.kept
 
     def arm(self) -> None:
         """Launch buckets as their gradients arrive from now on (call before the last backward)."""
@@ -236,6 +234,7 @@ class BucketReducer:
                 self.accum.listener = None  # finalize_grads launches the rest, abortably
                 return
             self._launch(self.order[self._next])
+            self.early += 1
 
     def _connected(self, i: int) -> bool:
         """Whether posting bucket `i`'s transfers cannot block (its peers are connected), so it
@@ -259,17 +258,17 @@ class BucketReducer:
         k = self._flat_of[i]
         if k < 0:  # no parameters of mine in this bucket
             return
-        if self.keep:
-            self.accum.snapshot(only=(k,))
-            self.kept.add(k)
         group = self.groups.bucket_group(bucket.ranks)
         if group is None:
             return
+        self.accum.settle(k)
         flat = self.accum.flats[k][1]
         if flat.dtype != torch.float64:
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            reduced = self.accum.reduced[k]
+            reduced.copy_(flat)
+            work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group, async_op=True)
             assert work is not None
-            self._flight.append(_Reduction(flat=flat, works=[work]))
+            self._flight.append(_Reduction(flat=flat, works=[work], k=k, result=reduced))
             return
         r = _Reduction(flat=flat, works=[], group=group, me=bucket.ranks.index(self.layout.rank),
                        tag=2 * bucket.layers[0], k=k)
@@ -282,8 +281,9 @@ class BucketReducer:
         self._flight.append(r)
 
     def wait(self) -> None:
-        """Complete every launched reduction (abortably), then round float64 sums to float32
-        values in place: reduced or not, every bucket ends as the once-rounded exact sum."""
+        """Complete every launched reduction (abortably); the sums of a bucket nobody else holds
+        are rounded into its `reduced` buffer as they are: reduced or not, every bucket ends as
+        the once-rounded exact sum."""
         for r in self._flight:  # launch order
             self.groups.wait_all(r.works)
             if r.group is not None:
@@ -291,13 +291,11 @@ class BucketReducer:
             else:
                 r.works = []
         self.groups.wait_all([work for r in self._flight for work in r.works])
-        for r in self._flight:
-            if r.result is not None:
-                r.flat.copy_(r.result)
-        reduced = {id(r.flat) for r in self._flight if r.result is not None}
-        for _, flat in self.accum.flats:
-            if flat.dtype == torch.float64 and id(flat) not in reduced:
-                flat.copy_(flat.float())
+        reduced = {r.k for r in self._flight}
+        for k, (_, flat) in enumerate(self.accum.flats):
+            if k not in reduced:
+                self.accum.settle(k)
+                self.accum.reduced[k].copy_(flat)
         self._flight.clear()
 
     def _scratch(self, k: int, purpose: str, peer: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -314,10 +312,11 @@ class BucketReducer:
         assert r.group is not None
         slices = r.flat.chunk(len(r.received) + 1)
         total = self._scratch(r.k, "sum", 0, slices[r.me].shape, r.flat.dtype)
-        total.copy_(slices[0] if r.me == 0 else r.received[0])
-        for j in range(1, len(slices)):
-            total.add_(slices[j] if j == r.me else r.received[j])
-        r.result = self._scratch(r.k, "result", 0, r.flat.shape, torch.float32)
+        parts = [slices[j] if j == r.me else r.received[j] for j in range(len(slices))]
+        torch.add(parts[0], parts[1], out=total)
+        for part in parts[2:]:
+            total.add_(part)
+        r.result = self.accum.reduced[r.k]
         results = r.result.chunk(len(slices))
         results[r.me].copy_(total)
         r.works = []
@@ -349,7 +348,7 @@ def finalize_grads(
     this worker's wish to stop after this step, summed into the vote. `reducer`: the step's
     BucketReducer when some buckets were launched during the backward (default: a new one).
     """
-    grads = accum.buffers
+    grads = accum.grads
     params = dict(accum.named)
 
     # 1. Cross-pipeline bucket reduction: launch what the backward did not, wait for all.
@@ -362,15 +361,18 @@ def finalize_grads(
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
     device = next(iter(grads.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    wide = accum.scratch.get((-1, "norm", 0))
+    if wide is None:
+        wide = accum.scratch[(-1, "norm", 0)] = torch.empty(_NORM_CHUNK, dtype=torch.float64, device=device)
     for bucket, names in buckets:
         if not names or not layout.counts_layer_for_norm(bucket.layers[0]):
             continue
         if layout.tp_rank == 0:
-            sq += accum.flat(names).double().pow(2).sum()
+            sq += sum_of_squares(accum.reduced[accum.group_of(names[0])], wide)
         else:  # replicated parameters are counted on TP rank 0 only
             for name in names:
                 if getattr(params[name], "tp_dim", None) is not None:
-                    sq += grads[name].double().pow(2).sum()
+                    sq += sum_of_squares(grads[name], wide)
     stats = torch.stack(
         [
             sq,
@@ -394,8 +396,24 @@ def finalize_grads(
 
 
 def clip_grads(accum: GradAccumulator, *, grad_norm: float, grad_clip: float) -> None:
-    """Scale every accumulated gradient by the clip factor of `grad_norm` (the same everywhere)."""
+    """Scale every reduced gradient by the clip factor of `grad_norm` (the same everywhere)."""
     if grad_clip > 0 and grad_norm > grad_clip:
         coef = grad_clip / (grad_norm + 1e-6)
-        for g in accum.buffers.values():
-            g.mul_(coef)
+        for reduced in accum.reduced:
+            reduced.mul_(coef)
+
+
+_NORM_CHUNK = 1 << 18
+"""Elements widened to float64 at a time for a sum of squares (a 2 MiB scratch)."""
+
+
+def sum_of_squares(t: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """The sum of `t`'s squared elements accumulated in float64, one chunk at a time through the
+    float64 scratch `wide`: no full-size temporary (whose page faults cost more than the sum),
+    and unlike a float32 dot product no float32 accumulator."""
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in t.reshape(-1).split(wide.numel()):
+        w = wide[: chunk.numel()]
+        w.copy_(chunk)
+        total += torch.dot(w, w)
+    return total

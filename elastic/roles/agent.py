@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -560,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         if value is None:
             parser.error(f"{flag} is required (or run under torchrun's elastic-etcd rendezvous)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
     try:
         agent = Agent(endpoint=args.etcd, job=args.job, node=args.node, incarnation=args.incarnation,
                       token=os.environ.get(TOKEN_ENV, ""))

@@ -27,6 +27,7 @@ ELASTIC_JOB_TOKEN environment variable.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -355,7 +356,9 @@ class ElasticWorker:
         from elastic.engine.checkpoint_reshard import load_resharded
 
         if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
-            self.trainer = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
+            fresh = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
+            fresh.inherit_groups(self.trainer)  # never destroyed: an abandoned operation may be pending
+            self.trainer = fresh
         ckpt = record.restore_checkpoint
         assert ckpt is not None
         directory = Path(record.restore_dir or self.config.checkpoint_path)
@@ -558,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--incarnation", type=int, required=True, help="incarnation of the node")
     parser.add_argument("--lease", type=int, required=True, help="the node's etcd lease id")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
     agent_pid = os.environ.get("ELASTIC_AGENT_PID")
     if agent_pid:
         # A preemption notice is the agent's to act on (a drain: agent.py); SLURM and a process

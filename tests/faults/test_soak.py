@@ -20,7 +20,9 @@ steps before the control plane's CPU cost was cut, and about 40 on average after
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -57,6 +59,21 @@ def test_thirty_faults_hold_two_member_kills_and_a_fallback(seed: int) -> None:
         GUARANTEED_AT, seed=seed + 1, lease_ttl=LEASE_TTL)
 
 
+def dump_stacks(run_dir: Path) -> None:
+    """Every agent and worker of the job writes its threads' stacks to its log (SIGUSR1); the
+    logs stay in the run directory, named here."""
+    import psutil
+
+    roles = ("elastic.roles.agent", "elastic.roles.elastic_worker")
+    procs = [p for p in psutil.Process().children(recursive=True)
+             if any(r in " ".join(p.cmdline()) for r in roles)]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    print(f"\nsoak failed: stacks of {len(procs)} agents and workers written to their logs in {run_dir / 'logs'}")
+
+
 @pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
@@ -71,7 +88,11 @@ def test_soak(tmp_path: Path) -> None:
     job = LiveJob(config, etcd=cluster.endpoint, timeout_s=3000.0).start()
     try:
         job.wait_committed(2)
-        log = SoakController(job, steps=STEPS, cluster=cluster).run(schedule)
+        try:
+            log = SoakController(job, steps=STEPS, cluster=cluster).run(schedule)
+        except BaseException:
+            dump_stacks(Path(config.spec.run_dir))
+            raise
         faults_s = time.monotonic() - started
         summary, state = job.result()
         client, keys, rk = job.client, job.keys, job.rk
