@@ -23,7 +23,7 @@ from tests.engine.runs import OPTIM
 
 pytestmark = pytest.mark.timeout(120)
 
-GROUP_TIMEOUT_S = 12.0
+GROUP_TIMEOUT_S = 6.0
 
 
 def _abandoned_pair(tmp_path: Path) -> tuple[JobSpec, Trainer, Trainer]:
@@ -88,7 +88,7 @@ def test_a_replaced_trainer_leaves_its_groups_alive(tmp_path: Path, inherit: boo
     keep: list[Trainer] = []
     thread = _replace_and_collect(spec, old, keep, inherit=inherit)
     del old
-    thread.join(GROUP_TIMEOUT_S / 3)
+    thread.join(GROUP_TIMEOUT_S / 2)
     if inherit:
         assert not thread.is_alive(), "replacing the trainer blocked on its old process groups"
     else:  # the reference: without inherit_groups the old groups' destruction waits for the timeout
