@@ -147,9 +147,11 @@ PIPELINE_MEMORY_GIB = {"tiny": 0.015, "small": 0.5}
 """Per-node memory of the planner's derived profile that keeps every pipeline multi-stage."""
 
 
-def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Path, *, spares: int = 0) -> TraceRun:
+def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Path, *, spares: int = 0,
+                   memory_gib: float | None = None) -> TraceRun:
     """One window of this runtime (a launch_elastic run in a thread, stopped at the window's end),
-    with `spares` hot spare nodes beside the 4."""
+    with `spares` hot spare nodes beside the 4; `memory_gib`: per-node memory of the planner's
+    profile (default PIPELINE_MEMORY_GIB of the model)."""
     from bench.recovery import run
     from elastic.ops.job_target import find_job, open_client, resolve_target
     from elastic.records.injection import InjectionRequest, request_id, submit_request
@@ -162,7 +164,8 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     def job() -> None:
         try:
             run(model, NODES, STEPS_CAP, (), run_dir, microbatch=MICROBATCH, microbatches=MICROBATCHES, stop=stop,
-                device_memory_gib=PIPELINE_MEMORY_GIB.get(model), spares=spares)
+                device_memory_gib=memory_gib if memory_gib is not None else PIPELINE_MEMORY_GIB.get(model),
+                spares=spares)
         except JobFailed as exc:
             if not stop.is_set():
                 failed.append(exc)
@@ -272,7 +275,10 @@ WINDOWS: dict[str, Callable[[str, Trace | None, float, Path], TraceRun]] = {
 
 
 def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Path,
-            sides: tuple[str, ...] = tuple(WINDOWS)) -> Section:
+            sides: tuple[str, ...] = tuple(WINDOWS), memory_gib: float | None = None) -> Section:
+    """`memory_gib`: per-node memory of the runtime sides' planner profile (default: the model's
+    PIPELINE_MEMORY_GIB, which keeps every pipeline multi-stage; 80, a GPU's, lets the planner
+    choose pure data parallelism for a model that fits, as torchrun's DDP side runs)."""
     unknown = [s for s in sides if s not in WINDOWS]
     if unknown or not sides:
         raise ValueError(f"unknown sides {unknown}; choose from {', '.join(WINDOWS)}")
@@ -281,11 +287,13 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
     section = Section(
         title="Effective training time under a failure trace (fraction of failure-free progress)"
     )
-    memory = PIPELINE_MEMORY_GIB.get(model)
+    memory = memory_gib if memory_gib is not None else PIPELINE_MEMORY_GIB.get(model)
     section.notes.append(
-        f"runtime plans: the planner's, with {memory:g} GiB per node (multi-stage pipelines only)" if memory
+        f"runtime plans: the planner's, with {memory:g} GiB per node" if memory
         else "runtime plans: first an even split into 2 pipelines, then the planner's (nominal 80 GiB per node)"
     )
+    windows = {side: partial(WINDOWS[side], memory_gib=memory_gib) if side != "torchrun" else WINDOWS[side]
+               for side in sides}
     section.notes.append(
         f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}; a node lost every {trace.every_s:g} s, "
         f"back {trace.rejoin_s:g} s later (torchrun: at once, with its restart); {window_s:g} s of training from the "
@@ -299,7 +307,7 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
         kept: dict[str, float] = {}
         steps: dict[str, int] = {}
         for side in order:
-            window = WINDOWS[side]
+            window = windows[side]
             free = attempt(f"{side} failure-free round {r}", partial(window, model, None, window_s, base / f"{side}-free"),
                            section)
             hit = attempt(f"{side} trace round {r}", partial(window, model, trace, window_s, base / f"{side}-trace"),
@@ -346,6 +354,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--node-memory-gib", type=float, default=None,
+                        help="per-node memory of the runtime's planner profile (default: the model's "
+                             f"{PIPELINE_MEMORY_GIB}, multi-stage pipelines only; 80: the planner may choose "
+                             "pure data parallelism, as torchrun's DDP)")
     parser.add_argument("--sides", default=",".join(WINDOWS),
                         help=f"comma-separated subset of {', '.join(WINDOWS)} (default: all)")
     args = parser.parse_args()
@@ -357,7 +369,8 @@ def main() -> None:
     trace = Trace(every_s=args.every, rejoin_s=args.rejoin_after)
     try:
         section = measure(model=args.model, trace=trace, window_s=args.window, repeats=args.repeats, root=root,
-                          sides=tuple(s.strip() for s in args.sides.split(",") if s.strip()))
+                          sides=tuple(s.strip() for s in args.sides.split(",") if s.strip()),
+                          memory_gib=args.node_memory_gib)
     except ValueError as exc:
         parser.error(str(exc))
     print("\n".join(section.lines()))
