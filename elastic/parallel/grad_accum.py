@@ -162,15 +162,6 @@ class GradAccumulator:
         """Index of the partition group holding `name`."""
         return self._group[name]
 
-    def flat(self, names: Sequence[str]) -> torch.Tensor:
-        """The flat buffer of the partition group `names`."""
-        key = tuple(names)
-        for k, (group, flat) in enumerate(self.flats):
-            if group == key:
-                self.settle(k)
-                return flat
-        raise KeyError(f"no gradient buffer for group {key}")
-
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of every sum, by canonical name, in buffers of its own (allocated on the
         first call and reused: the copy of the previous call is overwritten)."""
