@@ -159,6 +159,29 @@ _RETRIED_ERRORS: tuple[type[BaseException], ...] = (
     etcd3.exceptions.NoServerAvailableError,
 )
 
+_SERVER_TIMEOUTS = ("context deadline exceeded", "request timed out", "context canceled")
+
+
+def server_timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is etcd giving up inside the server: a member that lost its quorum holds a
+    linearizable read or a write until the caller's deadline, then answers with its Go context's
+    error as status UNKNOWN ("context deadline exceeded"), which etcd3 passes on as a raw
+    grpc.RpcError. Transient: the call succeeds once a quorum is back."""
+    if not isinstance(exc, grpc.RpcError) or not callable(getattr(exc, "code", None)):
+        return False
+    if exc.code() != grpc.StatusCode.UNKNOWN:
+        return False
+    details = (exc.details() or "").lower()
+    return any(text in details for text in _SERVER_TIMEOUTS)
+
+
+def etcd_unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says etcd could not answer right now (unreachable, no quorum, timed out):
+    what a retried call raises once its retry budget is spent. A caller that can wait longer
+    (the leader's loop) tries again later; any other error is an answer."""
+    return isinstance(exc, _RETRIED_ERRORS) or server_timed_out(exc)
+
+
 #: The client's unary calls; `get`, `get_prefix` and friends go through the `*_response` ones.
 _UNARY_CALLS = (
     "get_response", "get_prefix_response", "get_range_response", "get_all_response",
@@ -192,7 +215,14 @@ def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
                     raise
                 log.debug("etcd %s failed (%s); retrying", call.__name__, type(exc).__name__)
                 time.sleep(_RETRY_PAUSE_S)
-            except grpc.RpcError as exc:  # an auth token that expired unused (past etcd's --auth-token-ttl)
+            except grpc.RpcError as exc:
+                if server_timed_out(exc):  # no quorum behind the member: transient like UNAVAILABLE
+                    if time.monotonic() + _RETRY_PAUSE_S > deadline:
+                        raise
+                    log.debug("etcd %s timed out in the server (%s); retrying", call.__name__, exc.details())
+                    time.sleep(_RETRY_PAUSE_S)
+                    continue
+                # an auth token that expired unused (past etcd's --auth-token-ttl)
                 if renewed or not _renew_token(self, exc):
                     raise
                 renewed = True

@@ -45,6 +45,7 @@ import threading
 import time
 from pathlib import Path
 
+from elastic.coordinator.client import etcd_unreachable
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.etcd_api import Compare, EtcdClient
 from elastic.coordinator.events import record_event
@@ -194,6 +195,12 @@ class Leader:
                     self.rounds += 1
                 except (GenerationConflict, NotLeader) as exc:
                     log.warning("leader %s: %s", self.who, exc)
+                except Exception as exc:
+                    if not etcd_unreachable(exc):
+                        raise
+                    # etcd out of reach past the client's retries (no quorum, restarting): a
+                    # round reads everything afresh, so the next one simply starts over
+                    log.warning("leader %s: etcd did not answer (%s); trying again", self.who, type(exc).__name__)
                 except FallbackImpossible as exc:
                     log.error("leader %s: %s", self.who, exc)
                     record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
+from elastic.coordinator.client import etcd_unreachable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,3 +74,27 @@ def test_a_refusal_is_not_retried(etcd_server: EtcdServer) -> None:
 def test_retry_s_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="retry_s must be >= 0"):
         EtcdConfig(endpoint="127.0.0.1:2379", retry_s=-1)
+
+
+class _Answer(grpc.RpcError):
+    """A gRPC status as etcd3 passes it on (a pure unit: the classification of one answer)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_server_side_timeout_counts_as_etcd_out_of_reach() -> None:
+    # What a member without quorum answered a CI run's leader, which then died of it.
+    assert etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "context deadline exceeded"))
+    assert etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "etcdserver: request timed out"))
+    assert etcd_unreachable(etcd3.exceptions.ConnectionTimeoutError())
+    # Answers, not outages: retrying them cannot help.
+    assert not etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "etcdserver: key is not provided"))
+    assert not etcd_unreachable(_Answer(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found"))
+    assert not etcd_unreachable(ValueError("context deadline exceeded"))

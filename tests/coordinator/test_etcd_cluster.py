@@ -13,6 +13,7 @@ import etcd3.exceptions
 import pytest
 
 from elastic.coordinator import EtcdConfig, connect
+from elastic.coordinator.client import etcd_unreachable
 from elastic.coordinator.etcd_server import EtcdCluster
 from elastic.coordinator.lease import KeptLease
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
@@ -115,3 +116,42 @@ def test_pause_and_resume_a_member(cluster: EtcdCluster) -> None:
         assert client.get("/ha/p")[0] == b"1"
     finally:
         client.close()
+
+
+def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
+    """SIGSTOP of two members of three: the third has no quorum and holds every linearizable
+    call until the caller's deadline, then answers with a server-side timeout (status UNKNOWN,
+    "context deadline exceeded") or no leader. Our client retries those; once the two are
+    continued the call answers. The reference, a call that is not retried, fails the same way."""
+    leader = cluster.leader()
+    writer = connect(EtcdConfig(endpoint=cluster.endpoints[leader]))
+    patient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=2.0, retry_s=20.0))
+    impatient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=2.0, retry_s=0.0))
+    followers = [i for i in range(3) if i != leader]
+    try:
+        writer.put("/ha/q", "before")
+        for i in followers:
+            cluster.pause(i)
+        paused_at = time.monotonic()
+        with pytest.raises(Exception) as failed:
+            impatient.get("/ha/q")
+        assert etcd_unreachable(failed.value), f"not recognised as etcd out of reach: {failed.value!r}"
+        def resume() -> None:
+            for i in followers:
+                cluster.resume(i)
+
+        timer = threading.Timer(6.0, resume)
+        timer.start()
+        value, _ = patient.get("/ha/q")
+        waited = time.monotonic() - paused_at
+        timer.join()
+        assert value == b"before"
+        assert waited > 5.0, f"answered after {waited:.2f} s, before the quorum was back"
+        patient.put("/ha/q", "after")
+        assert writer.get("/ha/q")[0] == b"after"
+        print(f"reference failed with {type(failed.value).__name__}; the retried get answered after {waited:.2f} s")
+    finally:
+        for i in followers:
+            cluster.resume(i)
+        for c in (writer, patient, impatient):
+            c.close()

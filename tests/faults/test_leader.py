@@ -5,6 +5,8 @@ the workers' side of the protocol (sync reports, ready keys, registrations) is w
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +16,14 @@ import pytest
 import torch
 
 from elastic.coordinator import (
+    EtcdConfig,
     EtcdServer,
     JobKeys,
     LeaderElection,
     Membership,
     MembershipConfig,
     NodeIdentity,
+    connect,
 )
 from elastic.coordinator.generations import Generations
 from elastic.engine.checkpoint import CheckpointWriter
@@ -232,3 +236,37 @@ def test_decisions_are_fenced_by_the_leader_key(client: Any, job: str) -> None:
     current = client.transactions.value(keys.leader) == "node1"
     assert decide(client, rk, 2, 7, COMMIT, fence=current) == COMMIT
     assert decide(client, rk, 2, 7, ABORT, fence=stale) == COMMIT  # the decision that stands
+
+
+@pytest.mark.slow
+def test_the_leader_outlives_an_etcd_outage_longer_than_its_retries(
+    tmp_path: Path, job: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd SIGSTOPped for longer than the leader client's retries (one CI run lost its quorum
+    past them, and the leader's thread died of the error, leaving the job without a leader):
+    the leader's rounds fail while etcd is out of reach, and go on once it answers again."""
+    with EtcdServer(data_dir=tmp_path / "etcd") as server:
+        client = connect(EtcdConfig(endpoint=server.endpoint))
+        impatient = connect(EtcdConfig(endpoint=server.endpoint, timeout=0.3, retry_s=0.1))
+        world = World(client, job, tmp_path, nodes=4)
+        try:
+            world.leader.stop()
+            world.leader = Leader(impatient, world.keys, world.config, world.election, who="node0").start()
+            wait_for(lambda: world.leader.rounds >= 2, 10.0, "the leader's first rounds")
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                time.sleep(1.6)  # a leader round (one a second) meets it past its retries; within the 2 s leases
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            wait_for(lambda: "etcd did not answer" in caplog.text, 3.0, "a leader round that met the outage")
+            rounds = world.leader.rounds
+            wait_for(lambda: world.leader.rounds >= rounds + 2, 10.0, "leader rounds after the outage")
+            # It still leads: a loss is halted.
+            world.members[1].report_failure(reason="test: node 1 lost")
+            halt = wait_for(lambda: world.halt(1), 15.0, "the abort halt of generation 1")
+            assert halt.abort and "1" in halt.reason
+        finally:
+            world.close()
+            impatient.close()
+            client.close()
