@@ -167,6 +167,8 @@ class Trainer:
         self._prepared: PreparedStep | None = None
         self._graveyard: list[ParallelGroups] = []
         """Groups of past generations: never destroyed, an abandoned operation may be pending."""
+        self._closed = 0
+        """How many graveyard entries are closed (their connections; elastic/parallel/retire.py)."""
         self._lock = threading.Lock()
         """Guards what export_shard serves against the optimizer update and the switch."""
         self._served: _Held = {}
@@ -175,6 +177,18 @@ class Trainer:
         self._retired: _Held = {}
         """Shards dropped at the last switch, still at that switch's committed state, so slower
         peers of the same reconfiguration can fetch them from this worker."""
+
+    def _close_retired(self) -> None:
+        """Close the groups retired since the last call, on a thread of their own: a step of
+        this generation committed, so every worker of it has left the older generations
+        (elastic/parallel/retire.py). Called under the lock."""
+        retired, self._closed = self._graveyard[self._closed:], len(self._graveyard)
+
+        def close() -> None:
+            for groups in retired:
+                groups.close()
+
+        threading.Thread(target=close, name="close-retired-groups", daemon=True).start()
 
     def inherit_groups(self, old: Trainer) -> None:
         """Keep `old`'s process groups (its past generations' and its current one) alive in this
@@ -570,6 +584,8 @@ class Trainer:
         return report
 
     def _advance(self, report: StepResult) -> None:
+        if self._closed < len(self._graveyard):
+            self._close_retired()
         self._kept = None
         self.step += 1
         self._prepared = None

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.abort import AbortSignal, call_abortable, wait_work
 from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.retire import close_group
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +75,11 @@ class ParallelGroups:
     def p2p_local(self, op: str, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
         """`p2p` with a peer of my pipeline (a local abort lets it complete)."""
         return self.p2p(op, tensor, peer, tag, local=True)
+
+    def close(self) -> None:
+        """Close every connection of these groups, once retired (elastic/parallel/retire.py)."""
+        for group in {id(g): g for g in (self.world, self.tp.group, *self.buckets.values()) if g is not None}.values():
+            close_group(group)
 
     def bucket_group(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         return self.buckets[ranks]
