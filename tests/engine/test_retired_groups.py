@@ -1,0 +1,90 @@
+"""A retired generation's gloo groups are closed once the next generation commits a step: an
+operation abandoned on them ends then (with the error of the closed pairs), not at the group's
+timeout, and their connections leave gloo's loop. Before that commit they stay open (a slower
+peer may still be finishing the old generation). Real gloo groups of two trainers (threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.engine.trainer import Trainer
+from elastic.records.job import JobSpec
+from templates.plan import even_plan
+from tests.engine.runs import OPTIM
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUP_TIMEOUT_S = 30.0
+
+
+def _both(fn: object, trainers: list[Trainer]) -> None:
+    """Run `fn(trainer)` for both trainers at once (their groups rendezvous with each other)."""
+    errors: list[BaseException] = []
+
+    def run(t: Trainer) -> None:
+        try:
+            fn(t)  # type: ignore[operator]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+
+
+def test_retired_groups_close_at_the_next_generations_first_commit(tmp_path: Path) -> None:
+    plan = even_plan(num_layers=6, nodes=[0, 1], num_pipelines=2, global_microbatches=2, microbatch_size=1)
+    spec = JobSpec(model="tiny", plan=plan, steps=4, run_dir=str(tmp_path), optim=OPTIM, device="cpu",
+                   collective_timeout_s=GROUP_TIMEOUT_S)
+    store = dist.HashStore()
+    trainers = [Trainer(spec, node=n, local_rank=0) for n in range(2)]
+
+    def join(g: int, step: int) -> object:
+        return lambda t: t.start(plan=plan, generation=g, store=store, abort=None, fetch=None, step=step)
+
+    _both(join(1, 0), trainers)
+    _both(lambda t: t.train(1), trainers)
+    old_world = trainers[0].groups.world
+    # Rank 0 posts an all-reduce rank 1 never joins and abandons it, as an aborted step does.
+    work = dist.all_reduce(torch.zeros(4), group=old_world, async_op=True)
+    assert work is not None
+    ended: list[tuple[float, str]] = []
+
+    def abandoned_wait() -> None:
+        try:
+            work.wait()
+            ended.append((time.monotonic(), "completed"))
+        except RuntimeError as exc:
+            ended.append((time.monotonic(), str(exc)))
+
+    waiter = threading.Thread(target=abandoned_wait, daemon=True)
+    waiter.start()
+    _both(join(2, 1), trainers)
+    time.sleep(1.0)
+    assert waiter.is_alive(), "a retired group was closed before the next generation committed a step"
+    committed_at = time.monotonic()
+    _both(lambda t: t.train(2), trainers)  # up to 2 steps committed: step 1, generation 2's first
+    waiter.join(10.0)
+    assert not waiter.is_alive(), "the abandoned operation still waits after the next generation's commit"
+    at, error = ended[0]
+    assert at - committed_at < 10.0 < GROUP_TIMEOUT_S
+    assert "closure" in error or "closed" in error.lower(), error
+    # The retired world group is closed: an operation on it fails at once instead of waiting.
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        late = dist.all_reduce(torch.zeros(1), group=old_world, async_op=True)
+        assert late is not None
+        late.wait()
+    assert time.monotonic() - t0 < 5.0
+    # The current generation is untouched.
+    _both(lambda t: t.train(3), trainers)
+    assert [t.step for t in trainers] == [3, 3]
