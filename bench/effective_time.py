@@ -19,9 +19,13 @@ model, global batch and microbatch:
   next spare;
 - torchrun restart (4 DDP ranks, a checkpoint every 10 steps): at each loss time rank 2 of the
   current attempt is SIGKILLed; torchrun restarts the whole group, which reloads the latest
-  checkpoint. On one host the lost "node" is back at once, with the restart: the rejoin delay
-  does not apply to this side, which favours it. Its node count stays fixed (4 ranks), as a
-  real torchrun job without elastic min/max would.
+  checkpoint. Its node count stays fixed (4 ranks), as a real torchrun job without elastic
+  min/max would, so the restarted group forms only when the lost node is back, R seconds after
+  the loss as on the runtime's side: the restarted rank 2 joins the rendezvous only then (the
+  others wait for it in the rendezvous, as they would for a node that is not there yet);
+- torchrun restart, node back at once (side "torchrun-at-once"): the same, but the lost node is
+  back with the restart (the rejoin delay does not apply), which favours torchrun: a job that
+  has a replacement machine standing by.
 
 The planner's derived profile gets PIPELINE_MEMORY_GIB per node (small: 0.5, tiny: 0.015): too
 little to hold the model, so every plan is made of multi-stage pipelines (4 nodes: 2 x 2; 3
@@ -223,8 +227,11 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
         thread.join(timeout=120.0)
 
 
-def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: Path) -> TraceRun:
-    """One window of torchrun restart + DDP (stopped at the window's end)."""
+def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: Path, *,
+                    back_at_once: bool = False) -> TraceRun:
+    """One window of torchrun restart + DDP (stopped at the window's end). The killed rank's
+    node is back `trace.rejoin_s` after the loss, as on the runtime's side: the restarted group
+    (its node count fixed) forms only then. `back_at_once`: the node is back with the restart."""
     from bench.baselines.common import read_events
     from bench.baselines.ddp_restart import DdpRestartConfig, start_ddp_restart, stop_ddp_restart
 
@@ -254,7 +261,8 @@ def torchrun_window(model: str, trace: Trace | None, window_s: float, run_dir: P
             return False  # the group is (re)starting: the loss waits for a running victim
         from bench.baselines.common import append_event
 
-        append_event(events_path, event="kill", attempt=latest, rank=KILLED_RANK, step=committed() + 1)
+        back = {} if back_at_once or trace is None else {"back_at": time.time() + trace.rejoin_s}
+        append_event(events_path, event="kill", attempt=latest, rank=KILLED_RANK, step=committed() + 1, **back)
         try:
             os.kill(int(victim["pid"]), signal.SIGKILL)
         except ProcessLookupError:
@@ -271,6 +279,7 @@ WINDOWS: dict[str, Callable[[str, Trace | None, float, Path], TraceRun]] = {
     "runtime": runtime_window,
     "torchrun": torchrun_window,
     "runtime+spare": partial(runtime_window, spares=1),
+    "torchrun-at-once": partial(torchrun_window, back_at_once=True),
 }
 
 
@@ -292,7 +301,7 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
         f"runtime plans: the planner's, with {memory:g} GiB per node" if memory
         else "runtime plans: first an even split into 2 pipelines, then the planner's (nominal 80 GiB per node)"
     )
-    windows = {side: partial(WINDOWS[side], memory_gib=memory_gib) if side != "torchrun" else WINDOWS[side]
+    windows = {side: WINDOWS[side] if side.startswith("torchrun") else partial(WINDOWS[side], memory_gib=memory_gib)
                for side in sides}
     section.notes.append(
         f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}; a node lost every {trace.every_s:g} s, "

@@ -216,12 +216,20 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from bench.baselines.common import append_event, build, train_step
+    from bench.baselines.common import append_event, build, read_events, train_step
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     events = Path(args.events)
     append_event(events, event="start", attempt=attempt, rank=rank, pid=os.getpid())
+    # A killed rank's node may be away for a while (a kill event's `back_at`, set by a driver
+    # whose trace brings the node back later): with a fixed node count the restarted group
+    # cannot form before it is back, so its worker joins the rendezvous only then.
+    back_at = max((float(e.get("back_at", 0.0)) for e in read_events(events)
+                   if e["event"] == "kill" and e["rank"] == rank), default=0.0)
+    if back_at > time.time():
+        append_event(events, event="away", attempt=attempt, rank=rank, until=back_at)
+        time.sleep(back_at - time.time())
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     stage, optimizer, data = build(args.model)

@@ -136,20 +136,24 @@ def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
         with pytest.raises(Exception) as failed:
             impatient.get("/ha/q")
         assert etcd_unreachable(failed.value), f"not recognised as etcd out of reach: {failed.value!r}"
+        resumed_at: list[float] = []
+
         def resume() -> None:
             for i in followers:
                 cluster.resume(i)
+            resumed_at.append(time.monotonic())
 
-        timer = threading.Timer(6.0, resume)
+        timer = threading.Timer(4.0, resume)
         timer.start()
         value, _ = patient.get("/ha/q")
-        waited = time.monotonic() - paused_at
+        answered_at = time.monotonic()
         timer.join()
         assert value == b"before"
-        assert waited > 5.0, f"answered after {waited:.2f} s, before the quorum was back"
+        assert answered_at > resumed_at[0], "answered while the quorum was lost"
         patient.put("/ha/q", "after")
         assert writer.get("/ha/q")[0] == b"after"
-        print(f"reference failed with {type(failed.value).__name__}; the retried get answered after {waited:.2f} s")
+        print(f"reference failed with {type(failed.value).__name__}; the retried get answered "
+              f"{answered_at - paused_at:.2f} s after the pause, {answered_at - resumed_at[0]:.2f} s after the resume")
     finally:
         for i in followers:
             cluster.resume(i)
