@@ -281,10 +281,12 @@ WINDOWS: dict[str, Callable[[str, Trace | None, float, Path], TraceRun]] = {
     "runtime+spare": partial(runtime_window, spares=1),
     "torchrun-at-once": partial(torchrun_window, back_at_once=True),
 }
+DEFAULT_SIDES = ("runtime", "torchrun", "runtime+spare")
+"""The sides run unless --sides names others (torchrun-at-once on request)."""
 
 
 def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Path,
-            sides: tuple[str, ...] = tuple(WINDOWS), memory_gib: float | None = None) -> Section:
+            sides: tuple[str, ...] = DEFAULT_SIDES, memory_gib: float | None = None) -> Section:
     """`memory_gib`: per-node memory of the runtime sides' planner profile (default: the model's
     PIPELINE_MEMORY_GIB, which keeps every pipeline multi-stage; 80, a GPU's, lets the planner
     choose pure data parallelism for a model that fits, as torchrun's DDP side runs)."""
@@ -305,7 +307,8 @@ def measure(*, model: str, trace: Trace, window_s: float, repeats: int, root: Pa
                for side in sides}
     section.notes.append(
         f"{model}, {NODES} processes, global batch {MICROBATCH * MICROBATCHES}; a node lost every {trace.every_s:g} s, "
-        f"back {trace.rejoin_s:g} s later (torchrun: at once, with its restart); {window_s:g} s of training from the "
+        f"back {trace.rejoin_s:g} s later (torchrun's restarted group forms only then; torchrun-at-once: back with its "
+        f"restart); {window_s:g} s of training from the "
         f"first commit ({len(trace.loss_times(window_s))} losses); torchrun checkpoints every {CHECKPOINT_EVERY} steps"
     )
     started = time.time()
@@ -367,8 +370,8 @@ def main() -> None:
                         help="per-node memory of the runtime's planner profile (default: the model's "
                              f"{PIPELINE_MEMORY_GIB}, multi-stage pipelines only; 80: the planner may choose "
                              "pure data parallelism, as torchrun's DDP)")
-    parser.add_argument("--sides", default=",".join(WINDOWS),
-                        help=f"comma-separated subset of {', '.join(WINDOWS)} (default: all)")
+    parser.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                        help=f"comma-separated subset of {', '.join(WINDOWS)} (default: {', '.join(DEFAULT_SIDES)})")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
