@@ -195,17 +195,17 @@ class Leader:
                     self.rounds += 1
                 except (GenerationConflict, NotLeader) as exc:
                     log.warning("leader %s: %s", self.who, exc)
+                except FallbackImpossible as exc:
+                    log.error("leader %s: %s", self.who, exc)
+                    record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
+                    self.client.put(self.keys.root + "fatal", str(exc))
+                    return
                 except Exception as exc:
                     if not etcd_unreachable(exc):
                         raise
                     # etcd out of reach past the client's retries (no quorum, restarting): a
                     # round reads everything afresh, so the next one simply starts over
                     log.warning("leader %s: etcd did not answer (%s); trying again", self.who, type(exc).__name__)
-                except FallbackImpossible as exc:
-                    log.error("leader %s: %s", self.who, exc)
-                    record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
-                    self.client.put(self.keys.root + "fatal", str(exc))
-                    return
                 self._wake.wait(_IDLE_ROUND_S)
         except Exception:
             log.exception("leader %s failed", self.who)
