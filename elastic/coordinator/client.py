@@ -175,6 +175,14 @@ def server_timed_out(exc: BaseException) -> bool:
     return any(text in details for text in _SERVER_TIMEOUTS)
 
 
+def stop_retrying(client: object) -> None:
+    """Make `client`'s calls fail at once instead of retrying for `retry_s`: for a process that
+    has given etcd up (unreachable past its give-up time) and only tidies up before it exits,
+    where each retried call would wait out the whole budget in vain."""
+    if isinstance(client, RetryingEtcdClient):
+        client.retry_s = 0.0
+
+
 def etcd_unreachable(exc: BaseException) -> bool:
     """Whether `exc` says etcd could not answer right now (unreachable, no quorum, timed out):
     what a retried call raises once its retry budget is spent. A caller that can wait longer

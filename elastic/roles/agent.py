@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import config_from_env, connect
+from elastic.coordinator.client import config_from_env, connect, stop_retrying
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
@@ -302,6 +302,8 @@ class Agent:
         etcd stayed unreachable past the give-up time: stop the workers and leave."""
         reason = self.membership.lost_reason or "lease expired"
         log.warning("%s (incarnation %d): %s, the node is fenced; leaving", self.who, self.incarnation, reason)
+        if reason.startswith("etcd unreachable"):
+            stop_retrying(self.client)  # the tidying-up calls below would each wait out the retries
         with self._lock:
             if self.exit_code is not None:
                 return
