@@ -125,8 +125,8 @@ def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
     continued the call answers. The reference, a call that is not retried, fails the same way."""
     leader = cluster.leader()
     writer = connect(EtcdConfig(endpoint=cluster.endpoints[leader]))
-    patient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=2.0, retry_s=20.0))
-    impatient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=2.0, retry_s=0.0))
+    patient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=1.0, retry_s=20.0))
+    impatient = connect(EtcdConfig(endpoint=cluster.endpoints[leader], timeout=1.0, retry_s=0.0))
     followers = [i for i in range(3) if i != leader]
     try:
         writer.put("/ha/q", "before")
@@ -143,7 +143,7 @@ def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
                 cluster.resume(i)
             resumed_at.append(time.monotonic())
 
-        timer = threading.Timer(4.0, resume)
+        timer = threading.Timer(2.5, resume)
         timer.start()
         value, _ = patient.get("/ha/q")
         answered_at = time.monotonic()
