@@ -45,6 +45,7 @@ from elastic.coordinator.client import (
     check_access,
     config_from_env,
     connect,
+    etcd_unreachable,
 )
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
@@ -303,18 +304,30 @@ class _RunLoop:
         TimeoutError when the run cannot finish."""
         requests: list[InjectionRequest] = []
         next_read = 0.0
+        etcd_out = False
         while True:
-            self.poll()
-            # etcd is read here only once a second (the feed's watches deliver the rest), so a
-            # fast step loop does not pay for the launcher's polling.
-            read_now = time.monotonic() >= next_read
-            if read_now:
-                next_read = time.monotonic() + _READ_EVERY_S
-                requests = self._read_requests()
-            for req in _due_rejoins(self.client, self.keys, self.progress, requests):
-                self._rejoin(req)
-            if self._finished(read_now):
-                return
+            try:
+                self.poll()
+                # etcd is read here only once a second (the feed's watches deliver the rest), so a
+                # fast step loop does not pay for the launcher's polling.
+                read_now = time.monotonic() >= next_read
+                if read_now:
+                    next_read = time.monotonic() + _READ_EVERY_S
+                    requests = self._read_requests()
+                for req in _due_rejoins(self.client, self.keys, self.progress, requests):
+                    self._rejoin(req)
+                if self._finished(read_now):
+                    return
+                etcd_out = False
+            except Exception as exc:
+                if not etcd_unreachable(exc):
+                    raise
+                # etcd out of reach past the client's retries (a lost quorum, a restart): the
+                # job's own processes ride it out, and so does the launcher (its time limit holds)
+                if not etcd_out:
+                    self.say(f"elastic run: etcd did not answer ({type(exc).__name__}); waiting for it")
+                etcd_out = True
+                self._check_limits()
             time.sleep(_POLL_S)
 
     def poll(self) -> None:
@@ -351,11 +364,15 @@ class _RunLoop:
             if run_finished(self.client, rk, self.progress, steps):
                 return True
             raise JobFailed(self.pool.exit_report(steps))
+        self._check_limits()
+        return False
+
+    def _check_limits(self) -> None:
+        """TimeoutError past the run's time limit, JobFailed once stopped on request."""
         if self.timeout_s is not None and time.monotonic() - self.start > self.timeout_s:
             raise TimeoutError(f"job did not finish within {self.timeout_s:.0f} s; stopped everything")
         if self.stop is not None and self.stop.is_set():
             raise JobFailed("stopped on request")
-        return False
 
 
 def _start_etcd(run_dir: Path, members: int) -> EtcdServer | EtcdCluster:
