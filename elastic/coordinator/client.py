@@ -218,20 +218,15 @@ def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
         while True:
             try:
                 return call(self, *args, **kwargs)
-            except _RETRIED_ERRORS as exc:
-                if time.monotonic() + _RETRY_PAUSE_S > deadline:
-                    raise
-                log.debug("etcd %s failed (%s); retrying", call.__name__, type(exc).__name__)
-                time.sleep(_RETRY_PAUSE_S)
-            except grpc.RpcError as exc:
-                if server_timed_out(exc):  # no quorum behind the member: transient like UNAVAILABLE
+            except (*_RETRIED_ERRORS, grpc.RpcError) as exc:
+                if etcd_unreachable(exc):  # unreachable, or no quorum behind the member
                     if time.monotonic() + _RETRY_PAUSE_S > deadline:
                         raise
-                    log.debug("etcd %s timed out in the server (%s); retrying", call.__name__, exc.details())
+                    log.debug("etcd %s failed (%s); retrying", call.__name__, type(exc).__name__)
                     time.sleep(_RETRY_PAUSE_S)
                     continue
                 # an auth token that expired unused (past etcd's --auth-token-ttl)
-                if renewed or not _renew_token(self, exc):
+                if renewed or not isinstance(exc, grpc.RpcError) or not _renew_token(self, exc):
                     raise
                 renewed = True
 
