@@ -4,7 +4,7 @@ Skipped unless this process is root and `ip netns add` works (CI usually is not 
 live run (3 nodes x 1 worker, tiny, f=1, node 2 cut off during step 3) serves every assertion
 about recovery; a second, short launch is interrupted with SIGTERM to check the teardown.
 Two more live runs of LONG_STEPS steps hurt node 2's link in the other ways and are compared
-with a failure-free launch of the same job: a sick link (50 ms delay, 1 % loss each way)
+with the failure-free result of the same job (one worker, `tests.faults.runs.reference_run`): a sick link (50 ms delay, 1 % loss each way)
 causes no failure; a one-way partition (node 2's packets to etcd dropped) fences node 2.
 """
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from elastic.records.protocol import StepResult
-from tests.faults.runs import TOLERANCE, max_rel_diff, step_logs
+from tests.faults.runs import TOLERANCE, max_rel_diff, reference_run, step_logs
 from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,7 +123,11 @@ def _flag(fault: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def failure_free_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _launch(tmp_path_factory.mktemp("netns-reference"), LONG_STEPS)
+    """The failure-free result of the same job (tiny, global batch 8 in microbatches of 2, the CLI's
+    optimizer): one worker stands for any plan (DESIGN.md invariant 1), and the run is shared with
+    the fault tests of as many steps."""
+    summary, state = reference_run(tmp_path_factory, steps=LONG_STEPS)
+    return {"summary": {"losses": summary.losses}, "state": state}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +144,6 @@ def _check_against_failure_free(run: dict[str, Any], reference: dict[str, Any]) 
     """Every step committed, the same losses and final parameters as the failure-free launch (1e-5),
     no worker restarted, and nothing of the launch left behind."""
     assert run["code"] == 0, run["out"][-3000:]
-    assert reference["code"] == 0, reference["out"][-3000:]
     summary, ref = run["summary"], reference["summary"]
     assert summary["steps_committed"] == LONG_STEPS and len(summary["losses"]) == LONG_STEPS
     for step, (got, want) in enumerate(zip(summary["losses"], ref["losses"], strict=True)):

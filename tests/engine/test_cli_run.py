@@ -28,31 +28,41 @@ def elastic(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
-def run_cli(tmp: Path, name: str, *flags: str) -> tuple[dict, dict[str, torch.Tensor]]:  # type: ignore[type-arg]
-    state, summary = tmp / f"{name}.pt", tmp / f"{name}.json"
-    out = elastic(
-        *COMMON,
-        *flags,
-        "--final-state",
-        str(state),
-        "--summary",
-        str(summary),
-        "--run-dir",
-        str(tmp / name),
-    )
-    assert out.returncode == 0, out.stderr
-    assert "step 4/4" in out.stdout and "loss" in out.stdout
-    return json.loads(summary.read_text()), torch.load(state, weights_only=True)
+def run_cli(tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:  # type: ignore[type-arg]
+    """`elastic run` once per entry of `runs` (name -> its flags), all at once (most of each run is
+    process start-up); name -> (its summary, its final state)."""
+    procs = {}
+    for name, flags in runs.items():
+        cmd = [sys.executable, "-m", "elastic.cli", "run", *COMMON, *flags, "--final-state", str(tmp / f"{name}.pt"),
+               "--summary", str(tmp / f"{name}.json"), "--run-dir", str(tmp / name)]
+        with (tmp / f"{name}.out").open("w") as out, (tmp / f"{name}.err").open("w") as err:
+            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+    results = {}
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=200)
+            out, err = (tmp / f"{name}.out").read_text(), (tmp / f"{name}.err").read_text()
+            assert proc.returncode == 0, f"{name}: {err}"
+            assert "step 4/4" in out and "loss" in out
+            results[name] = (json.loads((tmp / f"{name}.json").read_text()),
+                             torch.load(tmp / f"{name}.pt", weights_only=True))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 @pytest.mark.timeout(240)
 def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -> None:
-    one, one_state = run_cli(tmp_path, "one", "--nodes", "1")
-    # Devices of 12 MiB cannot hold `tiny` alone: the planner must form 2 pipelines of 2 stages.
-    four, four_state = run_cli(
-        tmp_path, "four", "--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.012"
-    )
-    tp, tp_state = run_cli(tmp_path, "tp", "--nodes", "2", "--gpus-per-node", "2", "--fault-tolerance", "1")
+    runs = run_cli(tmp_path, {
+        "one": ("--nodes", "1"),
+        # Devices of 12 MiB cannot hold `tiny` alone: the planner must form 2 pipelines of 2 stages.
+        "four": ("--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.012"),
+        "tp": ("--nodes", "2", "--gpus-per-node", "2", "--fault-tolerance", "1"),
+    })
+    (one, one_state), (four, four_state), (tp, tp_state) = runs["one"], runs["four"], runs["tp"]
     for summary in (one, four, tp):
         assert summary["steps_committed"] == 4 and len(summary["losses"]) == 4 and summary["tokens_per_s"] > 0
     assert four["pipelines"] == 2 and four["world_size"] == 4 and tp["world_size"] == 4
