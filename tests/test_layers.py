@@ -110,13 +110,28 @@ def test_the_walk_sees_imports() -> None:
     assert "engine" in graph["roles"] and "records" in graph["engine"] and "model" in graph["parallel"]
 
 
-def test_records_and_the_operator_cli_do_not_import_torch() -> None:
-    """The records, the agent's config reading and `elastic status` / `events` stay light (importing
-    torch costs seconds): checked in a fresh interpreter."""
+def _loaded_after(modules: list[str], probe: str) -> bool:
+    """Whether importing `modules` in a fresh interpreter loads module `probe`."""
     import subprocess
     import sys
 
-    modules = ["elastic.records.protocol", "elastic.roles.progress", "elastic.ops.status", "elastic.ops.events"]
-    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint({probe!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.strip() == "False"
+    return out.stdout.strip() == "True"
+
+
+def test_records_the_control_plane_and_the_operator_cli_do_not_import_torch() -> None:
+    """The records, the agent and its leader, and `elastic status` / `events` stay light: importing
+    torch costs every agent about a second of CPU at every node start (all nodes start at once, on
+    the cores their workers need)."""
+    modules = ["elastic.records.protocol", "elastic.roles.progress", "elastic.ops.status", "elastic.ops.events",
+               "elastic.roles.agent", "elastic.roles.leader"]
+    assert not _loaded_after(modules, "torch")
+
+
+def test_a_worker_starts_without_torch_distributed_checkpoint() -> None:
+    """Importing a worker's modules does not import torch.distributed.checkpoint (DTensor, sympy:
+    ~0.5 s of CPU): the checkpoint writer's thread does, while the worker registers."""
+    assert not _loaded_after(["elastic.roles.elastic_worker", "elastic.engine.checkpoint"],
+                             "torch.distributed.checkpoint")
+    assert _loaded_after(["elastic.roles.elastic_worker"], "torch")  # the probe sees what is loaded

@@ -12,6 +12,12 @@ A save that fails (a full or failing disk: ENOSPC, any OSError, or torch's Runti
 short write) removes its partial data directory, writes no marker and does not stop the writer:
 `take_failures()` hands each such `FailedSave` to the training thread once, to report. Only a
 missing checkpoint directory (a configuration error) surfaces as CheckpointError on `flush`.
+
+`torch.distributed.checkpoint` is imported by the writer's background thread as it starts, or by
+the first load, not when this module is imported: it pulls in DTensor and sympy, about 0.5 s of
+CPU that a worker would otherwise spend before it can register, on every start and every rejoin.
+A worker starts the thread at once (`warm()`), so the import overlaps its wait for a generation
+and the first save does not pay for it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from elastic.engine.checkpoint_files import (
     CheckpointError,
@@ -181,6 +186,11 @@ class CheckpointWriter:
         if err is not None:
             raise CheckpointError(f"a background checkpoint write in {self.directory} failed: {err}") from err
 
+    def warm(self) -> None:
+        """Start the background thread now: it imports torch.distributed.checkpoint before any
+        save needs it (see the module docstring)."""
+        self._ensure_thread()
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
@@ -189,6 +199,8 @@ class CheckpointWriter:
     # ---- background thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        import torch.distributed.checkpoint  # noqa: F401  (here, not on the caller's thread)
+
         while True:
             job = self._queue.get()
             try:
@@ -229,6 +241,8 @@ class CheckpointWriter:
         return len(done) >= self.keep and done[-self.keep] > step
 
     def _write(self, job: _Job) -> None:
+        import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
+
         start = time.perf_counter()
         nbytes = 0
         for key in sorted(job.shards):
@@ -326,6 +340,8 @@ def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple
     if marker is None:
         raise CheckpointError(f"{where} is not committed")
     data = step_dir(directory, step) / marker.data
+    import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
+
     try:
         metadata = dcp.FileSystemReader(data).read_metadata().state_dict_metadata
     except Exception as e:
@@ -347,6 +363,8 @@ def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tens
     shapes = shard_metadata(directory, step, key)
     data = step_dir(directory, step) / marker.data
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
+
     try:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(data), no_dist=True)
     except Exception as e:

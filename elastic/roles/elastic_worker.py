@@ -176,6 +176,7 @@ class ElasticWorker:
                 num_layers=cfg.num_layers,
                 tp_degree=self.spec.plan.gpus_per_node,
             )
+            self.writer.warm()  # its thread imports torch.distributed.checkpoint while we register
 
     # ---- the loop ------------------------------------------------------------------------
 

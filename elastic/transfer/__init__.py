@@ -15,21 +15,53 @@ chunks without pickling (everything else, and the fallback).
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
 Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.
+
+The names below are imported on first use (PEP 562): the control plane (agents, the leader)
+imports `elastic.transfer.shards` through this package without paying for torch.
 """
 
-from elastic.transfer.client import (
-    FetchConfig,
-    FetchResult,
-    GenerationBehind,
-    HolderBusy,
-    TransferError,
-    fetch_shards,
-)
-from elastic.transfer.codec import CorruptTensorError
-from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange
-from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
-from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
-from elastic.transfer.stream import ShardCheck, ShardStreamParser
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic.transfer.client import (
+        FetchConfig,
+        FetchResult,
+        GenerationBehind,
+        HolderBusy,
+        TransferError,
+        fetch_shards,
+    )
+    from elastic.transfer.codec import CorruptTensorError
+    from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange
+    from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
+    from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
+    from elastic.transfer.stream import ShardCheck, ShardStreamParser
+
+_HOME = {
+    "FetchConfig": "client",
+    "FetchResult": "client",
+    "GenerationBehind": "client",
+    "HolderBusy": "client",
+    "TransferError": "client",
+    "fetch_shards": "client",
+    "CorruptTensorError": "codec",
+    "CollectiveResult": "collective",
+    "ShardMove": "collective",
+    "assign_moves": "collective",
+    "exchange": "collective",
+    "ServerConfig": "server",
+    "ShardProvider": "server",
+    "ShardServer": "server",
+    "FetchAssignment": "shards",
+    "ShardKey": "shards",
+    "assign_shards": "shards",
+    "ShardCheck": "stream",
+    "ShardStreamParser": "stream",
+}
+"""Exported name -> the submodule that defines it."""
 
 __all__ = [
     "CollectiveResult",
@@ -52,3 +84,12 @@ __all__ = [
     "exchange",
     "fetch_shards",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
