@@ -31,9 +31,10 @@ its all-reduce, so both phases are point-to-point transfers on the bucket group,
 reduction at all (every bucket is rounded the same way there), which the re-plan, resume and
 partial-replay tests assert. The cheaper alternative, rounding each pipeline's share to float32
 and all-reducing float32 (the bytes of DDP), makes the sum depend on the number of pipelines and
-gloo's ring order: within 1e-5, but those bit-identities would be lost for the last third of the
-bytes, which the overlap with the backward partly hides (`bench/engine_vs_ddp.py`'s float32-sums
-row is roughly that scheme's speed). Measured on loopback (2 processes, the tiny model's 867k
+gloo's ring order, and a run with failures then drifts from the failure-free run as it goes on
+(2e-4 after 160 tiny steps, measured: bench/README.md, "Engine vs DDP"); it would save the last
+third of the bytes, which the overlap with the backward partly hides
+(`bench/engine_vs_ddp.py`'s float32-sums row is roughly that scheme's speed). Measured on loopback (2 processes, the tiny model's 867k
 elements, a loaded 2-core machine): gloo float64 all-reduce 5.5-8 ms, float32 2-4 ms, this
 exchange 7-10 ms: on loopback bytes cost CPU copies, not bandwidth, and the exchange has two
 round trips, so the saving is for real networks; in the engine benchmark the two float64

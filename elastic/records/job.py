@@ -42,8 +42,10 @@ class JobSpec(JsonRecord):
     """torch intra-op threads of each worker process (CPU runs share few cores)."""
     exact_grad_sum: bool = True
     """Accumulate and all-reduce gradients in float64, so the global-batch gradient does not
-    depend on how the plan splits microbatches across pipelines (False: float32, half the
-    gradient traffic)."""
+    depend on how the plan splits microbatches across pipelines (False: float32 sums, all-reduced
+    as float32: two thirds of the gradient bytes, but a run with failures then drifts from the
+    failure-free run as it goes on, 2e-4 after 160 tiny steps; see bench/README.md, "Engine vs
+    DDP")."""
     shard_transport: str = "collective"
     """How a reconfiguration moves shards between workers of the new generation: "collective"
     (point-to-point sends on its process group, gloo or NCCL; gRPC only for shards held
