@@ -34,8 +34,8 @@ and all-reducing float32 (the bytes of DDP), makes the sum depend on the number 
 gloo's ring order, and a run with failures then drifts from the failure-free run as it goes on
 (2e-4 after 160 tiny steps, measured: bench/README.md, "Engine vs DDP"); it would save the last
 third of the bytes, which the overlap with the backward partly hides
-(`bench/engine_vs_ddp.py`'s float32-sums row is roughly that scheme's speed). Measured on loopback (2 processes, the tiny model's 867k
-elements, a loaded 2-core machine): gloo float64 all-reduce 5.5-8 ms, float32 2-4 ms, this
+(`bench/engine_vs_ddp.py`'s float32-sums row is roughly that scheme's speed). Measured on
+loopback (2 processes, the tiny model's 867k elements, a loaded 2-core machine): gloo float64 all-reduce 5.5-8 ms, float32 2-4 ms, this
 exchange 7-10 ms: on loopback bytes cost CPU copies, not bandwidth, and the exchange has two
 round trips, so the saving is for real networks; in the engine benchmark the two float64
 schemes were within noise of each other. On that 2-core machine the overlap itself measured

@@ -25,8 +25,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from elastic.transfer.client import (
+if TYPE_CHECKING:  # the names for type checkers; `_HOME` says where each one lives at run time
+    from elastic.transfer.client import (  # noqa: F401
         FetchConfig,
         FetchResult,
         GenerationBehind,
@@ -34,11 +34,11 @@ if TYPE_CHECKING:
         TransferError,
         fetch_shards,
     )
-    from elastic.transfer.codec import CorruptTensorError
-    from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange
-    from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer
-    from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards
-    from elastic.transfer.stream import ShardCheck, ShardStreamParser
+    from elastic.transfer.codec import CorruptTensorError  # noqa: F401
+    from elastic.transfer.collective import CollectiveResult, ShardMove, assign_moves, exchange  # noqa: F401
+    from elastic.transfer.server import ServerConfig, ShardProvider, ShardServer  # noqa: F401
+    from elastic.transfer.shards import FetchAssignment, ShardKey, assign_shards  # noqa: F401
+    from elastic.transfer.stream import ShardCheck, ShardStreamParser  # noqa: F401
 
 _HOME = {
     "FetchConfig": "client",
@@ -63,27 +63,7 @@ _HOME = {
 }
 """Exported name -> the submodule that defines it."""
 
-__all__ = [
-    "CollectiveResult",
-    "CorruptTensorError",
-    "FetchAssignment",
-    "FetchConfig",
-    "FetchResult",
-    "GenerationBehind",
-    "HolderBusy",
-    "ServerConfig",
-    "ShardCheck",
-    "ShardKey",
-    "ShardMove",
-    "ShardProvider",
-    "ShardServer",
-    "ShardStreamParser",
-    "TransferError",
-    "assign_moves",
-    "assign_shards",
-    "exchange",
-    "fetch_shards",
-]
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str) -> Any:

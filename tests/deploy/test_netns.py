@@ -4,8 +4,9 @@ Skipped unless this process is root and `ip netns add` works (CI usually is not 
 live run (3 nodes x 1 worker, tiny, f=1, node 2 cut off during step 3) serves every assertion
 about recovery; a second, short launch is interrupted with SIGTERM to check the teardown.
 Two more live runs of LONG_STEPS steps hurt node 2's link in the other ways and are compared
-with the failure-free result of the same job (one worker, `tests.faults.runs.reference_run`): a sick link (50 ms delay, 1 % loss each way)
-causes no failure; a one-way partition (node 2's packets to etcd dropped) fences node 2.
+with the failure-free result of the same job (one worker, `tests.faults.runs.reference_run`):
+a sick link (50 ms delay, 1 % loss each way) causes no failure; a one-way partition (node 2's
+packets to etcd dropped) fences node 2.
 """
 
 from __future__ import annotations

@@ -20,11 +20,13 @@ from tests.engine.runs import max_rel_diff
 
 pytestmark = [pytest.mark.slow]
 
+RUN = [sys.executable, "-m", "elastic.cli", "run"]
+"""`elastic run` in a child interpreter."""
 COMMON = ["--model", "tiny", "--global-batch", "16", "--microbatch", "2", "--steps", "4", "--device", "cpu"]
 
 
 def elastic(*args: str, timeout: float = 170) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "elastic.cli", "run", *args]
+    cmd = [*RUN, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -33,8 +35,8 @@ def run_cli(tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, tuple[dict
     process start-up); name -> (its summary, its final state)."""
     procs = {}
     for name, flags in runs.items():
-        cmd = [sys.executable, "-m", "elastic.cli", "run", *COMMON, *flags, "--final-state", str(tmp / f"{name}.pt"),
-               "--summary", str(tmp / f"{name}.json"), "--run-dir", str(tmp / name)]
+        cmd = [*RUN, *COMMON, *flags, "--final-state", str(tmp / f"{name}.pt"), "--summary", str(tmp / f"{name}.json"),
+               "--run-dir", str(tmp / name)]
         with (tmp / f"{name}.out").open("w") as out, (tmp / f"{name}.err").open("w") as err:
             procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
     results = {}
@@ -94,7 +96,7 @@ def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> N
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_stops_the_job_and_is_named(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "elastic.cli", "run", *COMMON[:-4], "--steps", "1000", "--device", "cpu"]
+    cmd = [*RUN, *COMMON[:-4], "--steps", "1000", "--device", "cpu"]
     cmd += ["--nodes", "2", "--fault-tolerance", "1", "--run-dir", str(tmp_path), "--static"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers: list[psutil.Process] = []
