@@ -35,6 +35,7 @@ from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
+from elastic.parallel.exchange import ExactExchange
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import (
@@ -165,6 +166,8 @@ class StepTransaction:
         self.accum = accum
         self.buckets = accum_buckets(accum, layout, layer_of)
         """The accumulator's gradient buckets (`grad_sync.accum_buckets`)."""
+        self.exchange = ExactExchange()
+        """Where the steps' float64 buckets are reduced (its thread is kept from step to step)."""
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
@@ -317,31 +320,37 @@ class StepTransaction:
             return cache[m]
 
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
+        if self.exchange.abandoned:
+            self.exchange = ExactExchange()
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
-                                known=self.buckets)
+                                known=self.buckets, exchange=self.exchange)
         losses: dict[int, float] = {}
-        if mbs:
-            actions = self.actions if replay is None else one_f_one_b(
-                num_stages=layout.num_stages, stage=layout.stage, microbatches=len(mbs)
-            )
-            result = run_schedule(
-                self.module,
-                actions,
-                spec=self.spec,
-                group=self.groups.world,
-                # A failure in another pipeline lets this one finish (and keep) its microbatches;
-                # a replayed step keeps nothing, so any abort ends it.
-                wait=self.groups.wait_local if replay is None else self.groups.wait,
-                post=self.groups.p2p_local if replay is None else self.groups.p2p,
-                device=self.device,
-                tokens=lambda m: batch(m)[0],
-                targets=lambda m: batch(m)[1],
-                loss_scale=1.0 / total_mbs,
-                dropout_key=lambda m: dropout_key(step, mbs[m]),
-                autocast=lambda: compute_precision(self.device),
-                before_final_backward=reducer.arm if replay is None else None,
-            )
-            losses = result.losses
+        try:
+            if mbs:
+                actions = self.actions if replay is None else one_f_one_b(
+                    num_stages=layout.num_stages, stage=layout.stage, microbatches=len(mbs)
+                )
+                result = run_schedule(
+                    self.module,
+                    actions,
+                    spec=self.spec,
+                    group=self.groups.world,
+                    # A failure in another pipeline lets this one finish (and keep) its microbatches;
+                    # a replayed step keeps nothing, so any abort ends it.
+                    wait=self.groups.wait_local if replay is None else self.groups.wait,
+                    post=self.groups.p2p_local if replay is None else self.groups.p2p,
+                    device=self.device,
+                    tokens=lambda m: batch(m)[0],
+                    targets=lambda m: batch(m)[1],
+                    loss_scale=1.0 / total_mbs,
+                    dropout_key=lambda m: dropout_key(step, mbs[m]),
+                    autocast=lambda: compute_precision(self.device),
+                    before_final_backward=reducer.arm if replay is None else None,
+                )
+                losses = result.losses
+        except BaseException:
+            reducer.abandon()  # buckets handed to its exchange thread must not be written any more
+            raise
         counted = layout.is_last_stage and layout.tp_rank == 0
         loss_sum = sum(losses.values()) / total_mbs if counted else 0.0
         finite = all(math.isfinite(v) for v in losses.values())

@@ -155,6 +155,17 @@ def call_abortable(fn: Callable[[], _T], abort: AbortSignal | None, *, local: bo
     return result
 
 
+def wait_event(event: threading.Event, abort: AbortSignal | None) -> None:
+    """Wait until `event` is set, by another thread of this worker that does a step's transfers
+    (`elastic.parallel.exchange`); StepAborted if `abort` is set first."""
+    if abort is None:
+        event.wait()
+        return
+    while not event.wait(_ABORT_POLL_S):
+        if abort.is_set():
+            _raise_aborted(abort)
+
+
 def _on_waiter(fn: Callable[[], Any], abort: AbortSignal, stop: Callable[[], bool]) -> Any:
     pending = abort._submit(fn)
     while not pending.done.wait(_ABORT_POLL_S):

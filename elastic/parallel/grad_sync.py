@@ -25,29 +25,24 @@ splits microbatches across pipelines (see grad_accum.py), and the optimizer only
 rounded to float32. So a bucket is reduced as a float64 reduce-scatter (each of the P holders
 gets the exact sum of its 1/P slice) followed by a float32 all-gather of the slices, each rounded
 once: per worker 12 (P-1)/P bytes per element on the wire, against 16 (P-1)/P for the float64
-all-reduce it replaces and 8 (P-1)/P for a float32 one (gloo's own reduce-scatter is slower than
-its all-reduce, so both phases are point-to-point transfers on the bucket group,
-`BucketReducer`). The result is bit-identical on every plan, including one process with no
-reduction at all (every bucket is rounded the same way there), which the re-plan, resume and
-partial-replay tests assert. The cheaper alternative, rounding each pipeline's share to float32
-and all-reducing float32 (the bytes of DDP), makes the sum depend on the number of pipelines and
-gloo's ring order, and a run with failures then drifts from the failure-free run as it goes on
-(2e-4 after 160 tiny steps, measured: bench/README.md, "Engine vs DDP"); it would save the last
-third of the bytes, which the overlap with the backward partly hides
-(`bench/engine_vs_ddp.py`'s float32-sums row is roughly that scheme's speed). Measured on
-loopback (2 processes, the tiny model's 867k elements, a loaded 2-core machine): gloo float64 all-reduce 5.5-8 ms, float32 2-4 ms, this
-exchange 7-10 ms: on loopback bytes cost CPU copies, not bandwidth, and the exchange has two
-round trips, so the saving is for real networks; in the engine benchmark the two float64
-schemes were within noise of each other. On that 2-core machine the overlap itself measured
-nothing either (on/off within noise: two single-threaded workers already fill both cores, and
-loopback transfers are CPU copies that compete with the backward): tiny, 2 processes, the engine
-took 56-60 ms a step against main's 55-56 ms and DDP's 48-52 ms. Float32 sums (`JobSpec.exact_grad_sum=False`) are
-all-reduced as float32.
+all-reduce it replaces and 8 (P-1)/P for a float32 one. Both phases are point-to-point
+transfers on the bucket group, run by the worker's `ExactExchange` on a thread of its own
+(elastic/parallel/exchange.py), so that neither gloo's inline writes nor the second phase's
+wait, sum and rounding stall the backward. The result is bit-identical on every plan, including
+one process with no reduction at all (every bucket is rounded the same way there), which the
+re-plan, resume and partial-replay tests assert. The cheaper alternative, rounding each
+pipeline's share to float32 and all-reducing float32 (the bytes of DDP), makes the sum depend
+on the number of pipelines and gloo's ring order, and a run with failures then drifts from the
+failure-free run as it goes on (2e-4 after 160 tiny steps, measured: bench/README.md, "Engine vs
+DDP"). Float32 sums (`JobSpec.exact_grad_sum=False`) are all-reduced as float32 by gloo.
 
 Buckets: a `GradBucket` of the layout (consecutive layers with the same holders) is split into
-runs of whole layers of about `BUCKET_BYTES` of float32 gradient (DDP's 25 MB), or of about a
-`MIN_BUCKETS`-th of it when it is smaller, so that a small model still overlaps (tiny: 3 runs).
-The split depends only on the bucket's own layers, so every holder splits it alike.
+runs of whole layers as DDP splits its gradients: from the last layer down, the first run
+closes at FIRST_BUCKET_BYTES of float32 gradient (1 MiB: it is launched early in the backward),
+each later one at BUCKET_BYTES (25 MiB). The split depends only on the bucket's own layers, so
+every holder splits it alike. More, smaller runs overlap more of the backward but each costs a
+round of transfers: on this project's 2-core test machine, tiny (3.3 MB of gradient) cut into
+three runs stepped 3 % slower than in DDP's two (bench/README.md, "Engine vs DDP").
 
 Tensor-parallel replicated parameters (LayerNorm, row-parallel biases) need no reduction of
 their own: with replicated activations their gradients are already equal on every TP rank.
@@ -62,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from elastic.parallel.exchange import ExactBucket, ExactExchange
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import GradBucket, ParallelLayout
@@ -93,10 +89,9 @@ BucketLayout = list[tuple[GradBucket, tuple[str, ...]]]
 
 BUCKET_BYTES = 25 * 2**20
 """Target size of one gradient bucket in float32 bytes (DDP's bucket_cap_mb)."""
-MIN_BUCKETS = 4
-"""A layout bucket smaller than MIN_BUCKETS x BUCKET_BYTES is cut into runs of about a
-MIN_BUCKETS-th of it (whole layers: fewer when layers are uneven), so that even a small model's
-reduction overlaps its backward."""
+FIRST_BUCKET_BYTES = 2**20
+"""Target size of a layout bucket's first run, the one its last layers fill (DDP's first
+bucket): launched as early in the backward as can be, it starts the overlap."""
 
 
 def bucket_layout(
@@ -122,19 +117,19 @@ def split_layers(
     layers: tuple[int, ...], names: Sequence[str], layer_of: Callable[[str], int], sizes: Mapping[str, int]
 ) -> list[tuple[int, ...]]:
     """`layers` cut into runs of consecutive layers, ascending: filled from the last layer down
-    (the backward's order), each closed once it holds min(BUCKET_BYTES, total / MIN_BUCKETS)
-    float32 bytes; a function of the layers' parameters only."""
+    (the backward's order), the first closed once it holds FIRST_BUCKET_BYTES of float32
+    gradient, each later one at BUCKET_BYTES (DDP's bucketing, in whole layers); a function of
+    the layers' parameters only."""
     per_layer = {layer: 0 for layer in layers}
     for name in names:
         per_layer[layer_of(name)] += 4 * sizes[name]
-    target = min(BUCKET_BYTES, max(1, sum(per_layer.values()) // MIN_BUCKETS))
     runs: list[tuple[int, ...]] = []
     run: list[int] = []
     held = 0
     for layer in reversed(layers):
         run.insert(0, layer)
         held += per_layer[layer]
-        if held >= target:
+        if held >= (BUCKET_BYTES if runs else FIRST_BUCKET_BYTES):
             runs.insert(0, tuple(run))
             run, held = [], 0
     if run:
@@ -148,30 +143,6 @@ def accum_buckets(accum: GradAccumulator, layout: ParallelLayout, layer_of: Call
 
 
 @dataclass(kw_only=True)
-class _Reduction:
-    """One bucket's reduction in flight: a float32 all-reduce, or the two phases of the exact
-    float64 one (`BucketReducer._launch`)."""
-
-    flat: torch.Tensor
-    """The bucket's flat sums (overwritten by the result)."""
-    works: list[dist.Work]
-    """Operations of the current phase."""
-    group: dist.ProcessGroup | None = None
-    """The bucket group (None: a float32 all-reduce)."""
-    me: int = 0
-    """My rank in the bucket group."""
-    tag: int = 0
-    """Tag of the first phase (the second uses tag + 1): twice the bucket's first layer."""
-    k: int = 0
-    """Index of the bucket's group in the accumulator (its scratch buffers' key)."""
-    received: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Peer -> its float64 sums of my slice (first phase)."""
-    result: torch.Tensor | None = None
-    """The bucket's reduced gradient (`GradAccumulator.reduced`): my slice computed, the others
-    received (second phase)."""
-
-
-@dataclass(kw_only=True)
 class BucketReducer:
     """The cross-pipeline reduction of one step's gradient buckets on one worker.
 
@@ -179,16 +150,14 @@ class BucketReducer:
     were added, in one global order (descending layer: every holder of a bucket group launches
     that group's buckets in the same order; launching never blocks, so no wait cycle can form).
     `launch_all()` launches the rest (parameters without a gradient in the last backward, a
-    replayed step's kept sums added after the schedule, a bucket whose peers are not connected
-    yet); `wait()` completes every bucket. Results go to the accumulator's `reduced` buffers;
-    the sums are only read, so they stay this worker's own for partial replay.
+    replayed step's kept sums added after the schedule); `wait()` completes every bucket, and
+    `abandon()` gives the step's reductions up (a failure before `wait`). Results go to the
+    accumulator's `reduced` buffers; the sums are only read, so they stay this worker's own for
+    partial replay.
 
-    Float64 sums are reduced exactly with float32 results (see the module docstring): with P
-    holders and the flat buffer cut into P equal slices, every holder sends slice j to holder j
-    and receives its own slice from every other (float64, point-to-point on the bucket group,
-    all posted at once), sums it in holder order, rounds it to float32 and sends that to every
-    other holder, which receive the other slices likewise. Ring bytes are those of a
-    reduce-scatter + all-gather (gloo's own reduce-scatter is slower than its all-reduce).
+    Float64 sums are reduced exactly with float32 results (see the module docstring) by the
+    step's `ExactExchange`, on a thread of its own: launching one hands it over. Float32 sums
+    are all-reduced by gloo (whose own thread does the transfers).
     """
 
     accum: GradAccumulator
@@ -196,12 +165,15 @@ class BucketReducer:
     layout: ParallelLayout
     """My place in the plan."""
     groups: ParallelGroups
-    """The generation's groups; every wait goes through `groups.wait`."""
+    """The generation's groups; every wait is abortable by `groups.abort`."""
     layer_of: Callable[[str], int]
     """Parameter name -> planning layer."""
     known: BucketLayout | None = None
     """`accum_buckets` of the accumulator, when the caller computed them already (a step
     transaction does once, not every step)."""
+    exchange: ExactExchange | None = None
+    """The exact exchange to hand float64 buckets to, kept from step to step by the caller (its
+    thread is kept with it); None: one of the reducer's own. Must not be abandoned."""
     buckets: BucketLayout = field(init=False)
     """My buckets, ascending by layer."""
     order: list[int] = field(init=False)
@@ -212,7 +184,8 @@ class BucketReducer:
     _missing: list[int] = field(init=False)
     _bucket_of: dict[str, int] = field(init=False)
     _next: int = 0
-    _flight: list[_Reduction] = field(default_factory=list)
+    _reduced: set[int] = field(default_factory=set)
+    _works: list[dist.Work] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.buckets = self.known if self.known is not None else accum_buckets(self.accum, self.layout, self.layer_of)
@@ -221,6 +194,8 @@ class BucketReducer:
         self._bucket_of = {n: i for i, (_, names) in enumerate(self.buckets) for n in names}
         index = {names: k for k, (names, _) in enumerate(self.accum.flats)}
         self._flat_of = [index.get(names, -1) for _, names in self.buckets]
+        if self.exchange is None:
+            self.exchange = ExactExchange()
 
     def arm(self) -> None:
         """Launch buckets as their gradients arrive from now on (call before the last backward)."""
@@ -231,21 +206,11 @@ class BucketReducer:
         self._missing[i] -= 1
         abort = self.groups.abort
         while self._next < len(self.order) and self._missing[self.order[self._next]] <= 0:
-            if (abort is not None and abort.is_set()) or not self._connected(self.order[self._next]):
+            if abort is not None and abort.is_set():
                 self.accum.listener = None  # finalize_grads launches the rest, abortably
                 return
             self._launch(self.order[self._next])
             self.early += 1
-
-    def _connected(self, i: int) -> bool:
-        """Whether posting bucket `i`'s transfers cannot block (its peers are connected), so it
-        may be launched inside the backward."""
-        bucket, _ = self.buckets[i]
-        group = self.groups.bucket_group(bucket.ranks)
-        if group is None or self.accum.dtype != torch.float64:
-            return True
-        me = bucket.ranks.index(self.layout.rank)
-        return all((id(group), j) in self.groups.connected for j in range(len(bucket.ranks)) if j != me)
 
     def launch_all(self) -> None:
         """Stop listening and launch every bucket not launched yet, in the global order."""
@@ -263,41 +228,49 @@ class BucketReducer:
         if group is None:
             return
         self.accum.settle(k)
+        self._reduced.add(k)
         flat = self.accum.flats[k][1]
+        reduced = self.accum.reduced[k]
         if flat.dtype != torch.float64:
-            reduced = self.accum.reduced[k]
             reduced.copy_(flat)
             work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group, async_op=True)
             assert work is not None
-            self._flight.append(_Reduction(flat=flat, works=[work], k=k, result=reduced))
+            self._works.append(work)
             return
-        r = _Reduction(flat=flat, works=[], group=group, me=bucket.ranks.index(self.layout.rank),
-                       tag=2 * bucket.layers[0], k=k)
-        slices = flat.chunk(len(bucket.ranks))
-        for j in range(len(bucket.ranks)):
-            if j != r.me:
-                r.received[j] = self._scratch(k, "recv", j, slices[r.me].shape, flat.dtype)
-                r.works.append(self.groups.p2p("recv", r.received[j], j, r.tag, group=group))
-                r.works.append(self.groups.p2p("send", slices[j], j, r.tag, group=group))
-        self._flight.append(r)
+        me = bucket.ranks.index(self.layout.rank)
+        shape = flat.chunk(len(bucket.ranks))[me].shape
+        assert self.exchange is not None
+        self.exchange.submit(ExactBucket(
+            flat=flat, result=reduced, group=group, me=me, tag=2 * bucket.layers[0],
+            received=tuple(None if j == me else self._scratch(k, "recv", j, shape, flat.dtype)
+                           for j in range(len(bucket.ranks))),
+            total=self._scratch(k, "sum", 0, shape, flat.dtype),
+        ))
 
     def wait(self) -> None:
         """Complete every launched reduction (abortably); the sums of a bucket nobody else holds
         are rounded into its `reduced` buffer as they are: reduced or not, every bucket ends as
         the once-rounded exact sum."""
-        for r in self._flight:  # launch order
-            self.groups.wait_all(r.works)
-            if r.group is not None:
-                self._exchange_result(r)
-            else:
-                r.works = []
-        self.groups.wait_all([work for r in self._flight for work in r.works])
-        reduced = {r.k for r in self._flight}
+        assert self.exchange is not None
+        try:
+            self.groups.wait_all(self._works)
+            self.exchange.finish(self.groups.abort)
+        except BaseException:
+            self.abandon()
+            raise
         for k, (_, flat) in enumerate(self.accum.flats):
-            if k not in reduced:
+            if k not in self._reduced:
                 self.accum.settle(k)
                 self.accum.reduced[k].copy_(flat)
-        self._flight.clear()
+        self._works.clear()
+        self._reduced.clear()
+
+    def abandon(self) -> None:
+        """Give up this step's reductions: nothing of them writes to the accumulator any more
+        (transfers already posted may still complete)."""
+        self.accum.listener = None
+        if self._reduced and self.exchange is not None:
+            self.exchange.abandon()
 
     def _scratch(self, k: int, purpose: str, peer: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A work buffer kept in the accumulator across steps."""
@@ -306,25 +279,6 @@ class BucketReducer:
         if buf is None or buf.shape != shape or buf.dtype != dtype:
             buf = self.accum.scratch[key] = torch.empty(shape, dtype=dtype, device=self.accum.flats[k][1].device)
         return buf
-
-    def _exchange_result(self, r: _Reduction) -> None:
-        """Second phase: sum my slice over the holders in holder order, round it to float32,
-        send it to every other holder and post the receives of theirs."""
-        assert r.group is not None
-        slices = r.flat.chunk(len(r.received) + 1)
-        total = self._scratch(r.k, "sum", 0, slices[r.me].shape, r.flat.dtype)
-        parts = [slices[j] if j == r.me else r.received[j] for j in range(len(slices))]
-        torch.add(parts[0], parts[1], out=total)
-        for part in parts[2:]:
-            total.add_(part)
-        r.result = self.accum.reduced[r.k]
-        results = r.result.chunk(len(slices))
-        results[r.me].copy_(total)
-        r.works = []
-        for j in range(len(slices)):
-            if j != r.me:
-                r.works.append(self.groups.p2p("recv", results[j], j, r.tag + 1, group=r.group))
-                r.works.append(self.groups.p2p("send", results[r.me], j, r.tag + 1, group=r.group))
 
 
 def finalize_grads(

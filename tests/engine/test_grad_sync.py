@@ -19,7 +19,13 @@ from elastic.engine.step import StepTransaction
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
-from elastic.parallel.grad_sync import BUCKET_BYTES, MIN_BUCKETS, BucketReducer, bucket_layout, split_layers
+from elastic.parallel.grad_sync import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    BucketReducer,
+    bucket_layout,
+    split_layers,
+)
 from elastic.parallel.groups import build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from templates.plan import even_plan
@@ -32,20 +38,21 @@ LAYER_OF = functools.partial(layer_of, cfg=CFG)
 SIZES = {name: p.numel() for name, p in GPTStage(CFG).named_parameters()}
 
 
-def test_big_layers_make_buckets_of_about_25_mb_small_models_about_a_quarter() -> None:
+def test_buckets_are_cut_as_ddp_cuts_them_a_first_of_1_mb_then_25_mb() -> None:
     mb = 2**20
     names = [f"l{i}" for i in range(10)]
     big = split_layers(tuple(range(10)), names, lambda n: int(n[1:]), {n: 10 * mb // 4 for n in names})
-    # 10 MB per layer: runs close at >= 25 MB, filled from the last layer down.
-    assert big == [(0,), (1, 2, 3), (4, 5, 6), (7, 8, 9)]
-    assert 25 * mb == BUCKET_BYTES
+    # 10 MB per layer, filled from the last layer down: the first run closes at >= 1 MB (the
+    # last layer alone), the others at >= 25 MB; what is left is the lowest run.
+    assert big == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9,)]
+    assert (mb, 25 * mb) == (FIRST_BUCKET_BYTES, BUCKET_BYTES)
     tiny = bucket_layout(list(SIZES), ParallelLayout.for_rank(even_plan(
         num_layers=6, nodes=[0, 1], num_pipelines=2, global_microbatches=4, microbatch_size=2), 0, 0), LAYER_OF, SIZES)
-    # A quarter of the model at least per run (block layers are 198k elements, head + embedding
-    # 74k): the head joins the last block, the embedding the first.
-    target = sum(SIZES.values()) // MIN_BUCKETS
-    assert [b.layers for b, _ in tiny] == [(0, 1), (2, 3), (4, 5)]
-    assert all(sum(SIZES[n] for n in names) >= target for _, names in tiny)
+    # Tiny's float32 gradient is 3.3 MB: the head and the last block (0.9 MB) take the block
+    # below to reach 1 MB; the rest is one run.
+    assert [b.layers for b, _ in tiny] == [(0, 1, 2), (3, 4, 5)]
+    first = sum(SIZES[n] for n in tiny[1][1]) * 4
+    assert first >= FIRST_BUCKET_BYTES > first - 4 * sum(SIZES[n] for n in SIZES if LAYER_OF(n) == 3)
     assert sorted(n for _, names in tiny for n in names) == sorted(SIZES)
     assert all(b.ranks == (0, 1) for b, _ in tiny)
 

@@ -1,0 +1,146 @@
+"""The exact exchange's thread, on real gloo groups (two ranks: threads of this process): its
+results are the once-rounded exact sums, step after step on one kept thread; an abort ends
+`finish` at once and the abandoned exchange never writes its result afterwards, even when the
+peer's data arrives; a failed transfer reaches the caller as itself; an idle thread ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.parallel import exchange as exchange_module
+from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.exchange import ExactBucket, ExactExchange
+from elastic.parallel.retire import close_group
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 10_000
+"""Elements of a bucket (a multiple of the two holders)."""
+
+
+def _both(fn: Callable[[int], Any]) -> list[Any]:
+    out: list[Any] = [None, None]
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _groups(timeout_s: float = 20) -> list[dist.ProcessGroup]:
+    store = dist.HashStore()
+    groups = _both(lambda r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=timeout_s)))
+    assert not any(isinstance(g, BaseException) for g in groups), groups
+    return groups
+
+
+def _bucket(rank: int, flat: torch.Tensor, result: torch.Tensor, group: dist.ProcessGroup) -> ExactBucket:
+    half = flat.numel() // 2
+    recv = torch.empty(half, dtype=torch.float64)
+    return ExactBucket(flat=flat, result=result, group=group, me=rank, tag=0,
+                       received=(None, recv) if rank == 0 else (recv, None),
+                       total=torch.empty(half, dtype=torch.float64))
+
+
+def _sums(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(N, generator=gen, dtype=torch.float32).double() * 10.0 ** (r - 3) for r in range(2)]
+
+
+def test_every_step_is_the_once_rounded_exact_sum_on_one_kept_thread() -> None:
+    groups = _groups()
+    exchanges = [ExactExchange(), ExactExchange()]
+    threads = []
+    for step in range(3):
+        sums = _sums(step)
+        results = [torch.full((N,), float("nan")) for _ in range(2)]
+
+        def run(r: int, sums: list[torch.Tensor] = sums, results: list[torch.Tensor] = results) -> None:
+            exchanges[r].submit(_bucket(r, sums[r], results[r], groups[r]))
+            exchanges[r].finish(None)
+
+        assert _both(run) == [None, None]
+        expected = (sums[0] + sums[1]).float()
+        assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+        threads.append(exchanges[0]._thread)  # noqa: SLF001 - the kept thread
+    assert threads[0] is not None and threads[0] is threads[1] is threads[2]
+
+
+def test_an_abort_ends_finish_and_the_abandoned_exchange_writes_nothing_after() -> None:
+    groups = _groups()
+    aborts = [AbortSignal(), AbortSignal()]
+    exchanges = [ExactExchange(), ExactExchange()]
+    sums = _sums(7)
+    results = [torch.full((N,), float("nan")) for _ in range(2)]
+
+    # Rank 1 is silent: rank 0 waits for its first phase until the abort.
+    threading.Timer(0.3, aborts[0].set, args=("peer lost",)).start()
+    exchanges[0].submit(_bucket(0, sums[0], results[0], groups[0]))
+    start = time.monotonic()
+    with pytest.raises(StepAborted, match="peer lost"):
+        exchanges[0].finish(aborts[0])
+    assert time.monotonic() - start < 5
+    assert exchanges[0].abandoned
+    with pytest.raises(RuntimeError, match="abandoned"):
+        exchanges[0].submit(_bucket(0, sums[0], results[0], groups[0]))
+
+    # Rank 1 turns up: rank 0's first phase completes now, but its thread must not sum into the
+    # result any more (and sends no second phase: rank 1 waits until its own abort).
+    threading.Timer(1.0, aborts[1].set, args=("peer gone quiet",)).start()
+    exchanges[1].submit(_bucket(1, sums[1], results[1], groups[1]))
+    with pytest.raises(StepAborted, match="peer gone quiet"):
+        exchanges[1].finish(aborts[1])
+    assert torch.isnan(results[0]).all()
+
+
+def test_a_failed_transfer_reaches_the_caller_as_itself() -> None:
+    groups = _groups(timeout_s=1)  # the silent peer's transfer times out with its group
+    exchange = ExactExchange()
+    sums = _sums(3)
+    result = torch.full((N,), float("nan"))
+    exchange.submit(_bucket(0, sums[0], result, groups[0]))
+    with pytest.raises(RuntimeError, match="[Tt]imed out") as failed:
+        exchange.finish(AbortSignal())
+    assert not isinstance(failed.value, StepAborted)
+    assert exchange.abandoned
+    with pytest.raises(RuntimeError) as again:
+        exchange.submit(_bucket(0, sums[0], result, groups[0]))
+    assert again.value is failed.value
+    assert torch.isnan(result).all()
+    close_group(groups[1])
+
+
+def test_an_idle_thread_ends_and_the_next_step_starts_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(exchange_module, "IDLE_EXIT_S", 0.2)
+    groups = _groups()
+    exchanges = [ExactExchange(), ExactExchange()]
+    for step in range(2):
+        sums = _sums(step)
+        results = [torch.empty(N) for _ in range(2)]
+
+        def run(r: int, sums: list[torch.Tensor] = sums, results: list[torch.Tensor] = results) -> None:
+            exchanges[r].submit(_bucket(r, sums[r], results[r], groups[r]))
+            exchanges[r].finish(None)
+
+        assert _both(run) == [None, None]
+        assert torch.equal(results[1], (sums[0] + sums[1]).float())
+        thread = exchanges[0]._thread  # noqa: SLF001 - the thread of this step
+        assert thread is not None
+        thread.join(5)
+        assert not thread.is_alive() and exchanges[0]._thread is None  # noqa: SLF001
