@@ -161,16 +161,19 @@ def wait_event(event: threading.Event, abort: AbortSignal | None) -> None:
     if abort is None:
         event.wait()
         return
+    _poll(event, abort, abort.is_set)
+
+
+def _poll(event: threading.Event, abort: AbortSignal, stop: Callable[[], bool]) -> None:
+    """Wait until `event` is set, checking `stop` every _ABORT_POLL_S: StepAborted once it says so."""
     while not event.wait(_ABORT_POLL_S):
-        if abort.is_set():
+        if stop():
             _raise_aborted(abort)
 
 
 def _on_waiter(fn: Callable[[], Any], abort: AbortSignal, stop: Callable[[], bool]) -> Any:
     pending = abort._submit(fn)
-    while not pending.done.wait(_ABORT_POLL_S):
-        if stop():
-            _raise_aborted(abort)
+    _poll(pending.done, abort, stop)
     if pending.error is not None:
         raise pending.error
     return pending.result

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -184,13 +185,9 @@ class ExactExchange:
 
     @staticmethod
     def _post_first(job: ExactBucket) -> list[dist.Work]:
-        works = []
+        """Each other holder's slice of my sums to it; its sums of my slice into `received`."""
         slices = job.flat.chunk(len(job.received))
-        for j, buf in enumerate(job.received):
-            if buf is not None:
-                works.append(_p2p("recv", buf, job, j, job.tag))
-                works.append(_p2p("send", slices[j], job, j, job.tag))
-        return works
+        return _post_pairs(job, job.tag, send=lambda j: slices[j], recv=lambda j: job.received[j])
 
     @staticmethod
     def _sum(job: ExactBucket) -> None:
@@ -204,13 +201,23 @@ class ExactExchange:
 
     @staticmethod
     def _post_second(job: ExactBucket) -> list[dist.Work]:
-        works = []
+        """My rounded slice to each other holder; theirs into their slices of the result."""
         results = job.result.chunk(len(job.received))
-        for j, buf in enumerate(job.received):
-            if buf is not None:
-                works.append(_p2p("recv", results[j], job, j, job.tag + 1))
-                works.append(_p2p("send", results[job.me], job, j, job.tag + 1))
-        return works
+        return _post_pairs(job, job.tag + 1, send=lambda _: results[job.me], recv=lambda j: results[j])
+
+
+def _post_pairs(
+    job: ExactBucket, tag: int, *, send: Callable[[int], torch.Tensor], recv: Callable[[int], torch.Tensor | None]
+) -> list[dist.Work]:
+    """A receive into `recv(j)` and a send of `send(j)` with every other holder j, posted at once."""
+    works = []
+    for j in range(len(job.received)):
+        if j != job.me:
+            into = recv(j)
+            assert into is not None
+            works.append(_p2p("recv", into, job, j, tag))
+            works.append(_p2p("send", send(j), job, j, tag))
+    return works
 
 
 def _p2p(op: str, tensor: torch.Tensor, job: ExactBucket, peer: int, tag: int) -> dist.Work:

@@ -44,31 +44,25 @@ class ParallelGroups:
     whose caller dropped a temporary store would fail its first collective ("pure virtual
     Store::wait"). `build_groups` fills it."""
 
-    connected: set[tuple[int, int]] = field(default_factory=set)
-    """(id of a group, peer rank) pairs a point-to-point operation was posted to already."""
+    connected: set[int] = field(default_factory=set)
+    """World ranks a point-to-point operation was posted to already."""
 
-    def p2p(
-        self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False,
-        group: dist.ProcessGroup | None = None,
-    ) -> dist.Work:
+    def p2p(self, op: str, tensor: torch.Tensor, peer: int, tag: int, *, local: bool = False) -> dist.Work:
         """Post `op` ("send" or "recv") of `tensor` with world rank `peer`. The first operation
         with a peer connects to it inside the call (gloo's lazy pairs), which a dead peer would
         block until the group's timeout: that one is posted abortably (`call_abortable`; with
-        `local`, as a wait inside my pipeline). `group`: another group of mine (a bucket group;
-        `peer` is then a rank in it) instead of the world group."""
-        group = self.world if group is None else group
+        `local`, as a wait inside my pipeline)."""
         if op == "send":
-            post = functools.partial(dist.isend, tensor, group=group, group_dst=peer, tag=tag)
+            post = functools.partial(dist.isend, tensor, group=self.world, group_dst=peer, tag=tag)
         elif op == "recv":
-            post = functools.partial(dist.irecv, tensor, group=group, group_src=peer, tag=tag)
+            post = functools.partial(dist.irecv, tensor, group=self.world, group_src=peer, tag=tag)
         else:
             raise ValueError(f"op must be 'send' or 'recv', got {op!r}")
-        key = (id(group), peer)
-        if key in self.connected:
+        if peer in self.connected:
             work = post()
         else:
             work = call_abortable(post, self.abort, local=local)
-            self.connected.add(key)
+            self.connected.add(peer)
         assert work is not None
         return work
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
@@ -19,28 +17,12 @@ from elastic.parallel import exchange as exchange_module
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.exchange import ExactBucket, ExactExchange
 from elastic.parallel.retire import close_group
+from tests.engine.test_vote import _both
 
 pytestmark = pytest.mark.timeout(60)
 
 N = 10_000
 """Elements of a bucket (a multiple of the two holders)."""
-
-
-def _both(fn: Callable[[int], Any]) -> list[Any]:
-    out: list[Any] = [None, None]
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[r] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
 
 
 def _groups(timeout_s: float = 20) -> list[dist.ProcessGroup]:
