@@ -9,7 +9,8 @@ that load from anything else on the machine hits both alike. Prints each median 
 engine / DDP (1.00 = same speed), and the first quartile beside it: on a machine that others
 load in bursts the quartile is the steadier figure of the two. Then each round's own ratio (its
 engine median over the same round's DDP median) and the median of those: the "median of N"
-figure, N = --rounds.
+figure, N = --rounds. DDP's AdamW is torch's default (on CPU, one parameter at a time);
+`--ddp-fused` gives it torch's fused kernel, the one the engine's optimizer calls.
 
     .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
 """
@@ -106,7 +107,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps,
+        lr=optim_cfg.lr, betas=optim_cfg.betas, eps=optim_cfg.eps, fused=True if args.ddp_fused else None,
     )
     data = TokenDataset(seq_len=cfg.seq_len)
     per_rank = args.global_batch // world
@@ -143,6 +144,9 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2, help="alternating engine/DDP rounds")
+    parser.add_argument("--ddp-fused", action="store_true",
+                        help="DDP's AdamW with fused=True (torch's default on CPU is one parameter at a time; the "
+                             "engine's optimizer calls the fused kernel)")
     parser.add_argument("--ddp-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-out", default=None, help=argparse.SUPPRESS)
@@ -173,7 +177,8 @@ def main() -> None:
     ddp = statistics.median(results["DDP"])
     print(
         f"model {args.model}, {args.procs} processes, global batch {args.global_batch}, "
-        f"microbatch {args.microbatch}, {args.rounds} rounds x {args.steps - WARMUP_STEPS} steady steps"
+        f"microbatch {args.microbatch}, {args.rounds} rounds x {args.steps - WARMUP_STEPS} steady steps, "
+        f"DDP's AdamW {'fused' if args.ddp_fused else 'torch default'}"
     )
     for name, times in results.items():
         med = statistics.median(times)

@@ -93,9 +93,10 @@ class GradAccumulator:
             widest = max(widest, *sizes)
         self._fresh: set[str] = set()
         """Sums that are zero by `zero()` but not written since (their memory holds old values)."""
-        self._wide = torch.empty(widest if dtype == torch.float64 else 0, dtype=dtype,
+        self._wide = torch.empty(widest if dtype != torch.float32 else 0, dtype=dtype,
                                  device=device or (self.named[0][1].device if self.named else None))
-        """Scratch for widening one gradient to `dtype` before it is added (see the class doc)."""
+        """Scratch for widening one gradient to `dtype` before it is added (see the class doc):
+        as long as the largest parameter, each parameter's hook holds its own view of it."""
         self._copies: list[torch.Tensor] | None = None
         self.listener: Callable[[str], None] | None = None
         """Called with a parameter's name after each gradient added (None: nobody listens)."""
@@ -120,23 +121,25 @@ class GradAccumulator:
         self.remove()
         self.named = named
         for name, p in self.named:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name, p.dtype)))
 
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+    def _hook(self, name: str, grad_dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
+        """The hook moving `name`'s gradient into its sum. It runs once per parameter and
+        microbatch on the backward's thread, so what does not change is looked up here, once:
+        the sum, its view of the widening scratch, the set of fresh sums."""
         buf = self._views[name]
+        fresh = self._fresh
+        wide = None if grad_dtype == buf.dtype else self._wide[: buf.numel()].view(buf.shape)
 
         def move(p: torch.Tensor) -> None:
             g = p.grad
             assert g is not None
-            if name in self._fresh:
+            if name in fresh:
                 buf.copy_(g)
-                self._fresh.discard(name)
-            elif g.dtype == buf.dtype:
+                fresh.discard(name)
+            elif wide is None:
                 buf.add_(g)
             else:
-                if self._wide.numel() < g.numel():
-                    self._wide = torch.empty(g.numel(), dtype=buf.dtype, device=buf.device)
-                wide = self._wide[: g.numel()].view(g.shape)
                 wide.copy_(g)
                 buf.add_(wide)
             p.grad = None
@@ -147,7 +150,7 @@ class GradAccumulator:
 
     def zero(self) -> None:
         """Make every sum zero (lazily: see the class doc)."""
-        self._fresh = set(self._views)
+        self._fresh.update(self._views)
 
     def settle(self, group: int | None = None) -> None:
         """Write the zeros of the sums not written since `zero()` (of one partition group, or

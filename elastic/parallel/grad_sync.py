@@ -12,8 +12,11 @@ global-batch mean. Then:
    them), so the reduction overlaps the rest of the backward as DDP's does; the waits happen
    here, each through `groups.wait` (StepAborted when the generation's abort flag is set).
 2. The vote: one world all-reduce of the global gradient norm over all stages and
-   tensor-parallel ranks (each gradient element counted once: one holder per layer, replicated
-   parameters only on tensor-parallel rank 0), the loss, a failure count and a halt count. A
+   tensor-parallel ranks (each gradient element counted once: a bucket the exact exchange
+   reduced is measured by every holder, each its own slice, as the exchange rounds it; any
+   other bucket by its lowest-rank holder; replicated parameters only on tensor-parallel rank
+   0, so on the other TP ranks it is measured per parameter after the reduction), the loss, a
+   failure count and a halt count. A
    worker that sees it complete knows that every worker finished its reductions, so it may
    commit without asking anyone (see elastic/records/protocol.py). If the vote's wait fails
    here, the reduced gradients are kept (VoteInterrupted): another worker may have seen it
@@ -57,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic.parallel.exchange import ExactBucket, ExactExchange
+from elastic.parallel.exchange import SUM_CHUNK, ExactBucket, ExactExchange
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import GradBucket, ParallelLayout
@@ -184,6 +187,10 @@ class BucketReducer:
     _missing: list[int] = field(init=False)
     _bucket_of: dict[str, int] = field(init=False)
     _next: int = 0
+    measured: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Accumulator group -> the sum of squares of my slice of its reduced gradient, measured by
+    the exact exchange (valid once `wait()` returned): tensor-parallel rank 0 only, where every
+    element of a bucket counts in the norm."""
     _reduced: set[int] = field(default_factory=set)
     _works: list[dist.Work] = field(default_factory=list)
 
@@ -239,12 +246,16 @@ class BucketReducer:
             return
         me = bucket.ranks.index(self.layout.rank)
         shape = flat.chunk(len(bucket.ranks))[me].shape
+        norm = None
+        if self.layout.tp_rank == 0:
+            norm = self.measured[k] = self._scratch(k, "norm", 0, torch.Size(), flat.dtype)
         assert self.exchange is not None
         self.exchange.submit(ExactBucket(
             flat=flat, result=reduced, group=group, me=me, tag=2 * bucket.layers[0],
             received=tuple(None if j == me else self._scratch(k, "recv", j, shape, flat.dtype)
                            for j in range(len(bucket.ranks))),
-            total=self._scratch(k, "sum", 0, shape, flat.dtype),
+            scratch=self._scratch(k, "sum", 0, torch.Size([min(shape[0], SUM_CHUNK)]), flat.dtype),
+            norm=norm,
         ))
 
     def wait(self) -> None:
@@ -320,7 +331,13 @@ def finalize_grads(
     if wide is None:
         wide = accum.scratch[(-1, "norm", 0)] = torch.empty(_NORM_CHUNK, dtype=torch.float64, device=device)
     for bucket, names in buckets:
-        if not names or not layout.counts_layer_for_norm(bucket.layers[0]):
+        if not names:
+            continue
+        measured = reducer.measured.get(accum.group_of(names[0]))
+        if measured is not None:  # my slice, measured by the exchange (every holder adds its own)
+            sq += measured
+            continue
+        if not layout.counts_layer_for_norm(bucket.layers[0]):
             continue
         if layout.tp_rank == 0:
             sq += sum_of_squares(accum.reduced[accum.group_of(names[0])], wide)

@@ -32,12 +32,13 @@ def _groups(timeout_s: float = 20) -> list[dist.ProcessGroup]:
     return groups
 
 
-def _bucket(rank: int, flat: torch.Tensor, result: torch.Tensor, group: dist.ProcessGroup) -> ExactBucket:
+def _bucket(rank: int, flat: torch.Tensor, result: torch.Tensor, group: dist.ProcessGroup,
+            norm: torch.Tensor | None = None, chunk: int | None = None) -> ExactBucket:
     half = flat.numel() // 2
     recv = torch.empty(half, dtype=torch.float64)
     return ExactBucket(flat=flat, result=result, group=group, me=rank, tag=0,
                        received=(None, recv) if rank == 0 else (recv, None),
-                       total=torch.empty(half, dtype=torch.float64))
+                       scratch=torch.empty(chunk or half, dtype=torch.float64), norm=norm)
 
 
 def _sums(seed: int) -> list[torch.Tensor]:
@@ -49,17 +50,24 @@ def test_every_step_is_the_once_rounded_exact_sum_on_one_kept_thread() -> None:
     groups = _groups()
     exchanges = [ExactExchange(), ExactExchange()]
     threads = []
+    norms = [torch.full((), float("nan"), dtype=torch.float64) for _ in range(2)]
     for step in range(3):
         sums = _sums(step)
         results = [torch.full((N,), float("nan")) for _ in range(2)]
 
         def run(r: int, sums: list[torch.Tensor] = sums, results: list[torch.Tensor] = results) -> None:
-            exchanges[r].submit(_bucket(r, sums[r], results[r], groups[r]))
+            # A scratch shorter than a slice, not dividing it: the sum runs in chunks.
+            exchanges[r].submit(_bucket(r, sums[r], results[r], groups[r], norm=norms[r], chunk=768))
             exchanges[r].finish(None)
 
         assert _both(run) == [None, None]
         expected = (sums[0] + sums[1]).float()
         assert torch.equal(results[0], expected) and torch.equal(results[1], expected)
+        # Each holder measured its own rounded slice; together, the whole gradient once.
+        for r, mine in enumerate(expected.double().chunk(2)):
+            assert norms[r].item() == pytest.approx(mine.square().sum().item(), rel=1e-12)
+        total = expected.double().square().sum().item()
+        assert norms[0].item() + norms[1].item() == pytest.approx(total, rel=1e-12)
         threads.append(exchanges[0]._thread)  # noqa: SLF001 - the kept thread
     assert threads[0] is not None and threads[0] is threads[1] is threads[2]
 
@@ -89,6 +97,16 @@ def test_an_abort_ends_finish_and_the_abandoned_exchange_writes_nothing_after() 
     with pytest.raises(StepAborted, match="peer gone quiet"):
         exchanges[1].finish(aborts[1])
     assert torch.isnan(results[0]).all()
+
+    # Closing the groups fails rank 1's transfer still waiting for rank 0's second phase: both
+    # abandoned exchanges' threads end then (not after IDLE_EXIT_S, nor at the group's timeout).
+    threads = [e._thread for e in exchanges]  # noqa: SLF001 - the threads of the abandoned exchanges
+    for group in groups:
+        close_group(group)
+    for thread in threads:
+        if thread is not None:
+            thread.join(3)
+            assert not thread.is_alive()
 
 
 def test_a_failed_transfer_reaches_the_caller_as_itself() -> None:

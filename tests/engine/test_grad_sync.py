@@ -24,6 +24,7 @@ from elastic.parallel.grad_sync import (
     FIRST_BUCKET_BYTES,
     BucketReducer,
     bucket_layout,
+    finalize_grads,
     split_layers,
 )
 from elastic.parallel.groups import build_groups
@@ -99,7 +100,7 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
     plan = even_plan(num_layers=6, nodes=[0, 1, 2], num_pipelines=3, global_microbatches=6, microbatch_size=2)
     store = dist.HashStore()
 
-    def worker(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    def worker(rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int, float]:
         layout = ParallelLayout.for_rank(plan, 1, rank)
         groups = build_groups(layout, store, timeout=timedelta(seconds=30))
         module = GPTStage(CFG)
@@ -118,11 +119,11 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
                     reducer.arm()
                 loss.backward()
             launched_in_backward = reducer.early
-            reducer.launch_all()
-            reducer.wait()
+            stats = finalize_grads(accum, layout=layout, groups=groups, layer_of=LAYER_OF, loss_sum=0.0,
+                                   grad_clip=0.0, reducer=reducer)
         # The reduction left the sums as they were; its result is beside them.
         return {n: t.clone() for n, t in accum.buffers.items()}, {n: t.clone() for n, t in accum.grads.items()}, \
-            launched_in_backward
+            launched_in_backward, stats.grad_norm
 
     results = _in_threads(3, worker)
     for r in results:
@@ -140,3 +141,8 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
             for r in results:
                 torch.testing.assert_close(r[1][name], expected32, rtol=1e-5, atol=1e-7)
                 assert torch.equal(r[1][name], results[0][1][name]), name
+    # The vote's norm counts every element of the reduced gradient once (float64 sums: each holder
+    # measured its slices in the exchange; float32: the lowest-rank holder of each layer).
+    reference = sum(results[0][1][name].double().square().sum().item() for name in SIZES) ** 0.5
+    for r in results:
+        assert r[3] == pytest.approx(reference, rel=1e-12)

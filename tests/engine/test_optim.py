@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from elastic.engine import adamw
+from elastic.engine.adamw import ParamState
 from elastic.engine.optim import OptimConfig, build_optimizer, lr_at
 from elastic.parallel.grad_accum import GradAccumulator
 
@@ -30,7 +32,10 @@ def test_bad_optimizer_settings() -> None:
         OptimConfig(warmup_steps=10, decay_steps=5)
 
 
-def test_adamw_matches_torch_adamw() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "tensor-ops"])
+def test_adamw_matches_torch_adamw(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fused:  # the form a device without torch's fused kernel runs
+        monkeypatch.setattr(adamw, "FUSED_DEVICES", ())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
     reference = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
@@ -55,6 +60,33 @@ def test_adamw_matches_torch_adamw() -> None:
         ours.step()
         theirs.step()
     for p, q in zip(model.parameters(), reference, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_parameters_at_different_step_counts_get_their_own_bias_correction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adopted state may be at another step count than the rest (a layer fetched from a peer):
+    the fused kernel is called per step count and matches the per-operation form."""
+    torch.manual_seed(2)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    grads = [[torch.randn_like(p) for p in models[0].parameters()] for _ in range(3)]
+
+    def run(model: torch.nn.Module) -> dict[str, ParamState]:
+        state = {"0.weight": ParamState(exp_avg=torch.full((16, 8), 0.1), exp_avg_sq=torch.full((16, 8), 0.02), step=7)}
+        opt = build_optimizer(model, OptimConfig(weight_decay=0.1), state=state)
+        opt.lr = 1e-2
+        for step_grads in grads:
+            for p, g in zip(model.parameters(), step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        return opt.state
+
+    fused = run(models[0])
+    monkeypatch.setattr(adamw, "FUSED_DEVICES", ())
+    ops = run(models[1])
+    assert {n: st.step for n, st in fused.items()} == {n: st.step for n, st in ops.items()} == {
+        "0.weight": 10, "0.bias": 3, "1.weight": 3, "1.bias": 3}
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
