@@ -1,5 +1,5 @@
 """`elastic run --resume RUN_DIR` on real processes: a run of 20 steps on 4 nodes (a checkpoint
-every 5) is stopped with SIGINT after step 12, and resumed at another layout (3 nodes x TP 2):
+every 5) is stopped with SIGINT after step 10, and resumed at another layout (3 nodes x TP 2):
 the resumed steps and final state equal the uninterrupted run's. A corrupt newest checkpoint is
 detected and the one before is used (and said); a checkpoint of another model shape, or a run
 dir with none, is refused with one line and exit code 2."""
@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.slow]
 
 FLAGS = ["--model", "tiny", "--global-batch", "8", "--microbatch", "2", "--steps", str(STEPS), "--device", "cpu",
          "--fault-tolerance", "1", "--checkpoint-every", "5", "--lease-ttl", "10"]  # TTL: shared 2-core machines
-STOP_AFTER = 12
+STOP_AFTER = 10
+NEXT_CHECKPOINT = 15
 
 
 def elastic_run(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
@@ -39,7 +40,7 @@ def elastic_run(*args: str, timeout: float = 150) -> subprocess.CompletedProcess
 
 @dataclass(frozen=True)
 class Interrupted:
-    """The run stopped with SIGINT after step 12, and the uninterrupted reference."""
+    """The run stopped with SIGINT after step 10, and the uninterrupted reference."""
 
     run_dir: Path
     stdout: str
@@ -51,12 +52,14 @@ class Interrupted:
 def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     reference = reference_run(tmp_path_factory, steps=STEPS)
     run_dir = tmp_path_factory.mktemp("resume") / "first"
-    # Node 3 is stopped (SIGSTOP) while step 13 is in flight, so no step after 12 commits before
-    # the Ctrl-C lands, however far the launcher's printing lags behind the workers on a loaded
-    # machine: the stop falls between the checkpoints of steps 10 and 15 (found by lease expiry
-    # only after 10 s: the Ctrl-C comes first).
-    # Devices of 12 MiB: 2 pipelines of 2 stages (slower steps than 4 one-stage pipelines, so the
-    # stop lags step 13 by less than the 3 steps to the next checkpoint).
+    # Node 3 is stopped (SIGSTOP) as soon as its agent sees step 11 in flight, so the job freezes
+    # between the checkpoints of steps 10 and 15 before the Ctrl-C lands, however far the
+    # launcher's printing lags behind the workers on a loaded machine (the hang is found by lease
+    # expiry only after 10 s: the Ctrl-C comes first). The agent learns of commits through the
+    # progress key, written at most every 0.1 s, so the stop lands a few steps late: at ~65 ms a
+    # step (tiny, 2 pipelines of 2 stages: devices of 12 MiB) steps 11-13 may still commit, and
+    # the 4 steps before the next checkpoint leave room for that. Node 3 writes no checkpoint
+    # shard (pipeline 0's workers do), so freezing it does not hold up the checkpoint of step 10.
     cmd = [sys.executable, "-m", "elastic.cli", "run", *FLAGS, "--nodes", "4", "--device-memory-gib", "0.012",
            "--run-dir", str(run_dir), "--inject", f"hang:node=3,step={STOP_AFTER + 1}"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -68,7 +71,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
             if line.startswith(f"step {STOP_AFTER}/{STEPS}"):
                 # The checkpoint of step 10 is written in the background; on a loaded machine its
                 # fsyncs may still run two steps later, and a Ctrl-C then would (rightly) fall back
-                # to step 5. The job is frozen at step 13: let the write finish first.
+                # to step 5. The job is frozen before step 15: let the write finish first.
                 _wait_complete(run_dir / "checkpoints", 10, timeout=6.0)
                 launcher.send_signal(signal.SIGINT)  # Ctrl-C
                 break
@@ -109,9 +112,9 @@ def check_continues(summary: dict, state: dict[str, torch.Tensor], reference: Re
 
 
 @pytest.mark.timeout(400)
-def test_a_run_stopped_at_step_12_resumes_on_3_nodes_at_tp_2_exactly(interrupted: Interrupted, tmp_path: Path) -> None:
+def test_a_run_stopped_after_step_10_resumes_on_3_nodes_at_tp_2_exactly(interrupted: Interrupted, tmp_path: Path) -> None:
     assert interrupted.returncode == 130, interrupted.stdout[-3000:]
-    assert f"step {STOP_AFTER + 3}/{STEPS}" not in interrupted.stdout
+    assert f"step {NEXT_CHECKPOINT}/{STEPS}" not in interrupted.stdout
     assert list_steps(interrupted.run_dir / "checkpoints") == [5, 10]
     out, summary, state = resume(interrupted.run_dir, tmp_path / "second", "--nodes", "3", "--gpus-per-node", "2")
     text = f"resumed from step 10 of {interrupted.run_dir}"
