@@ -96,11 +96,13 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self) -> None:
         b1, b2 = self.betas
+        missing = [name for name, p in self.params if p.grad is None]
+        if missing:  # before anything changes: a failed step updates nothing
+            raise RuntimeError(f"parameter {missing[0]} has no gradient at the optimizer step")
         batches: dict[tuple[float, int, torch.device], _Batch] = {}
         for name, p in self.params:
             g = p.grad
-            if g is None:
-                raise RuntimeError(f"parameter {name} has no gradient at the optimizer step")
+            assert g is not None
             st = self.state[name]
             st.step += 1
             decay = self.weight_decay if self.decays(p) else 0.0

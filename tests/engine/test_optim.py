@@ -90,6 +90,19 @@ def test_parameters_at_different_step_counts_get_their_own_bias_correction(monke
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_a_missing_gradient_fails_the_step_before_anything_changes() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    opt.lr = 1e-2
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = None if name == "1.bias" else torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"parameter 1\.bias has no gradient"):
+        opt.step()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+    assert all(st.step == 0 for st in opt.state.values())
+
+
 def test_master_weights_must_be_fp32() -> None:
     with pytest.raises(ValueError, match="float32"):
         build_optimizer(torch.nn.Linear(2, 2).to(torch.bfloat16), OptimConfig())
