@@ -92,11 +92,13 @@ class GradAccumulator:
             self.reduced.append(reduced)
             widest = max(widest, *sizes)
         self._fresh: set[str] = set()
-        """Sums that are zero by `zero()` but not written since (their memory holds old values)."""
-        self._wide = torch.empty(widest if dtype != torch.float32 else 0, dtype=dtype,
+        """Sums that are zero by `zero()` but not written since (their memory holds old values).
+        One set for the accumulator's life: the hooks hold it."""
+        self._wide = torch.empty(widest if dtype == torch.float64 else 0, dtype=dtype,
                                  device=device or (self.named[0][1].device if self.named else None))
         """Scratch for widening one gradient to `dtype` before it is added (see the class doc):
-        as long as the largest parameter, each parameter's hook holds its own view of it."""
+        as long as the largest parameter to widen, each such parameter's hook holds its own view
+        of it (`attach` grows it if a module's parameters need more)."""
         self._copies: list[torch.Tensor] | None = None
         self.listener: Callable[[str], None] | None = None
         """Called with a parameter's name after each gradient added (None: nobody listens)."""
@@ -120,6 +122,9 @@ class GradAccumulator:
             raise ValueError("the module's parameters are not the ones these buffers were allocated for")
         self.remove()
         self.named = named
+        widen = [p.numel() for _, p in named if p.dtype != self.dtype]
+        if widen and self._wide.numel() < max(widen):
+            self._wide = torch.empty(max(widen), dtype=self.dtype, device=self._wide.device)
         for name, p in self.named:
             self._handles.append(p.register_post_accumulate_grad_hook(self._hook(name, p.dtype)))
 

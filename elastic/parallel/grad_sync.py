@@ -333,14 +333,15 @@ def finalize_grads(
     for bucket, names in buckets:
         if not names:
             continue
-        measured = reducer.measured.get(accum.group_of(names[0]))
+        k = accum.group_of(names[0])
+        measured = reducer.measured.get(k)
         if measured is not None:  # my slice, measured by the exchange (every holder adds its own)
             sq += measured
             continue
         if not layout.counts_layer_for_norm(bucket.layers[0]):
             continue
         if layout.tp_rank == 0:
-            sq += sum_of_squares(accum.reduced[accum.group_of(names[0])], wide)
+            sq += sum_of_squares(accum.reduced[k], wide)
         else:  # replicated parameters are counted on TP rank 0 only
             for name in names:
                 if getattr(params[name], "tp_dim", None) is not None:

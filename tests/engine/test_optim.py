@@ -133,3 +133,20 @@ def test_float64_accumulation_is_independent_of_the_microbatch_split() -> None:
     one32 = accumulate([list(range(8))], torch.float32)
     split32 = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float32)
     assert not torch.equal(one32, split32)
+
+
+def test_gradients_narrower_than_the_sums_are_widened_before_they_are_added() -> None:
+    """bfloat16 parameters with float32 sums (a scratch the accumulator sizes at attach): the
+    sums equal the float32 sum of the two microbatches' bfloat16 gradients."""
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(64, 8).to(torch.bfloat16)
+    acc = GradAccumulator(layer, dtype=torch.float32)
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layer.named_parameters()}
+    for name, p in layer.named_parameters():  # a tensor hook sees each gradient before it is accumulated
+        p.register_hook(lambda g, name=name: seen[name].append(g.clone()))
+    acc.zero()
+    for _ in range(2):
+        layer(torch.randn(4, 64).to(torch.bfloat16)).float().square().sum().backward()
+    for name, grads in seen.items():
+        assert len(grads) == 2 and grads[0].dtype == torch.bfloat16
+        assert torch.equal(acc.buffers[name], grads[0].float() + grads[1].float()), name
