@@ -12,6 +12,13 @@ engine median over the same round's DDP median) and the median of those: the "me
 figure, N = --rounds. DDP's AdamW is torch's default (on CPU, one parameter at a time);
 `--ddp-fused` gives it torch's fused kernel, the one the engine's optimizer calls.
 
+`--interleave S`: within each round the three runs take turns every S seconds instead of running
+one after another: all three are started, and all but one are held with SIGSTOP (SIGCONT when
+their turn comes). On a machine whose speed drifts by 10-20 % over tens of seconds (a shared
+host), runs one after another see different machines; runs in turns of a few seconds see the same
+one. The step a turn interrupts counts its pause, a few steps in a hundred that the median
+ignores.
+
     .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
 """
 
@@ -20,14 +27,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -134,6 +145,79 @@ def ddp_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+class Turns:
+    """Lets one set of this process's descendants run at a time, in turn for `period_s` seconds
+    each; the others are held with SIGSTOP. A set is the processes whose command line holds its
+    marker; a set leaves the rotation once `done(name)` says so, and `stop` lets everything run."""
+
+    def __init__(self, markers: dict[str, str], period_s: float, done: Callable[[str], bool]) -> None:
+        self.markers, self.period_s, self.done = markers, period_s, done
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="turns", daemon=True)
+        self._thread.start()
+
+    def _signal_all(self, active: str | None) -> None:
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                line = " ".join(proc.cmdline())
+                owner = next((name for name, marker in self.markers.items() if marker in line), None)
+                if owner is not None:
+                    proc.send_signal(signal.SIGCONT if owner == active or active is None else signal.SIGSTOP)
+            except psutil.Error:  # ended meanwhile
+                pass
+
+    def _run(self) -> None:
+        turn, started = 0, time.monotonic()
+        while not self._stop.is_set():
+            waiting = [name for name in self.markers if not self.done(name)]
+            if not waiting:
+                break
+            if time.monotonic() - started >= self.period_s:
+                turn, started = turn + 1, time.monotonic()
+            self._signal_all(waiting[turn % len(waiting)])
+            self._stop.wait(0.1)  # processes started meanwhile are held within 0.1 s
+        self._signal_all(None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._signal_all(None)
+
+
+def round_in_turns(args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
+    """One round's three runs at once, taking turns every `args.interleave` seconds."""
+    runs: dict[str, Callable[[], list[float]]] = {
+        "engine (fp64 grad sums)": lambda: engine_steps(args, base / "e64", exact=True),
+        "engine (fp32 grad sums)": lambda: engine_steps(args, base / "e32", exact=False),
+        "DDP": lambda: ddp_steps(args, base),
+    }
+    markers = {"engine (fp64 grad sums)": str(base / "e64"), "engine (fp32 grad sums)": str(base / "e32"),
+               "DDP": str(base / "ddp.json")}
+    out: dict[str, list[float] | BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            out[name] = runs[name]()
+        except BaseException as exc:  # re-raised below, on the main thread
+            out[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,), name=name) for name in runs]
+    turns = Turns(markers, args.interleave, done=lambda name: name in out)
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        turns.stop()
+    result = {}
+    for name, value in out.items():
+        if isinstance(value, BaseException):
+            raise value
+        result[name] = value
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,6 +231,9 @@ def main() -> None:
     parser.add_argument("--ddp-fused", action="store_true",
                         help="DDP's AdamW with fused=True (torch's default on CPU is one parameter at a time; the "
                              "engine's optimizer calls the fused kernel)")
+    parser.add_argument("--interleave", type=float, default=0.0, metavar="S",
+                        help="run each round's three runs at once, taking turns every S seconds (module doc); "
+                             "0: one after another")
     parser.add_argument("--ddp-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ddp-out", default=None, help=argparse.SUPPRESS)
@@ -166,11 +253,14 @@ def main() -> None:
         for r in range(args.rounds):
             base = Path(tmp) / f"round{r}"
             base.mkdir()
-            this = {
-                "engine (fp64 grad sums)": engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:],
-                "engine (fp32 grad sums)": engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:],
-                "DDP": ddp_steps(args, base)[WARMUP_STEPS:],
-            }
+            if args.interleave > 0:
+                this = {name: times[WARMUP_STEPS:] for name, times in round_in_turns(args, base).items()}
+            else:
+                this = {
+                    "engine (fp64 grad sums)": engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:],
+                    "engine (fp32 grad sums)": engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:],
+                    "DDP": ddp_steps(args, base)[WARMUP_STEPS:],
+                }
             for name, times in this.items():
                 results[name] += times
                 per_round[name].append(statistics.median(times) / statistics.median(this["DDP"]))
@@ -179,6 +269,7 @@ def main() -> None:
         f"model {args.model}, {args.procs} processes, global batch {args.global_batch}, "
         f"microbatch {args.microbatch}, {args.rounds} rounds x {args.steps - WARMUP_STEPS} steady steps, "
         f"DDP's AdamW {'fused' if args.ddp_fused else 'torch default'}"
+        + (f", in turns of {args.interleave:g} s" if args.interleave > 0 else "")
     )
     for name, times in results.items():
         med = statistics.median(times)
