@@ -27,18 +27,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 
@@ -49,6 +45,8 @@ from elastic.model.gpt import GPTStage
 from elastic.records.job import JobSpec
 from elastic.roles.launcher import host_store, launch
 from templates.plan import even_plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 WARMUP_STEPS = 2
 """Steps excluded from the steady-state median (first-touch allocation, connection set-up)."""
@@ -145,77 +143,16 @@ def ddp_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-class Turns:
-    """Lets one set of this process's descendants run at a time, in turn for `period_s` seconds
-    each; the others are held with SIGSTOP. A set is the processes whose command line holds its
-    marker; a set leaves the rotation once `done(name)` says so, and `stop` lets everything run."""
-
-    def __init__(self, markers: dict[str, str], period_s: float, done: Callable[[str], bool]) -> None:
-        self.markers, self.period_s, self.done = markers, period_s, done
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="turns", daemon=True)
-        self._thread.start()
-
-    def _signal_all(self, active: str | None) -> None:
-        for proc in psutil.Process().children(recursive=True):
-            try:
-                line = " ".join(proc.cmdline())
-                owner = next((name for name, marker in self.markers.items() if marker in line), None)
-                if owner is not None:
-                    proc.send_signal(signal.SIGCONT if owner == active or active is None else signal.SIGSTOP)
-            except psutil.Error:  # ended meanwhile
-                pass
-
-    def _run(self) -> None:
-        turn, started = 0, time.monotonic()
-        while not self._stop.is_set():
-            waiting = [name for name in self.markers if not self.done(name)]
-            if not waiting:
-                break
-            if time.monotonic() - started >= self.period_s:
-                turn, started = turn + 1, time.monotonic()
-            self._signal_all(waiting[turn % len(waiting)])
-            self._stop.wait(0.1)  # processes started meanwhile are held within 0.1 s
-        self._signal_all(None)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._signal_all(None)
-
-
 def round_in_turns(args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
     """One round's three runs at once, taking turns every `args.interleave` seconds."""
-    runs: dict[str, Callable[[], list[float]]] = {
-        "engine (fp64 grad sums)": lambda: engine_steps(args, base / "e64", exact=True),
-        "engine (fp32 grad sums)": lambda: engine_steps(args, base / "e32", exact=False),
-        "DDP": lambda: ddp_steps(args, base),
-    }
-    markers = {"engine (fp64 grad sums)": str(base / "e64"), "engine (fp32 grad sums)": str(base / "e32"),
-               "DDP": str(base / "ddp.json")}
-    out: dict[str, list[float] | BaseException] = {}
+    sys.path.insert(0, str(REPO))
+    from bench.turns import in_turns
 
-    def run(name: str) -> None:
-        try:
-            out[name] = runs[name]()
-        except BaseException as exc:  # re-raised below, on the main thread
-            out[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,), name=name) for name in runs]
-    turns = Turns(markers, args.interleave, done=lambda name: name in out)
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        turns.stop()
-    result = {}
-    for name, value in out.items():
-        if isinstance(value, BaseException):
-            raise value
-        result[name] = value
-    return result
+    return in_turns({
+        "engine (fp64 grad sums)": (str(base / "e64"), lambda: engine_steps(args, base / "e64", exact=True)),
+        "engine (fp32 grad sums)": (str(base / "e32"), lambda: engine_steps(args, base / "e32", exact=False)),
+        "DDP": (str(base / "ddp.json"), lambda: ddp_steps(args, base)),
+    }, args.interleave)
 
 
 def main() -> None:

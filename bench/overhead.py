@@ -5,6 +5,8 @@
 Same model, same P worker processes (one thread each), same global batch and microbatch size
 on every side; each side is one fresh launch per round, and rounds run the sides in turn so
 that outside load hits them alike. Medians are over each run's steps after the first 2.
+`--interleave S`: a round's sides are started together and take turns of S seconds, the others
+held with SIGSTOP (bench/turns.py), so a machine whose speed drifts hits them alike.
 
 - data parallel: the engine with P pipelines of one stage (bench/engine_vs_ddp.py's run) vs
   `DistributedDataParallel` with gradient accumulation (engine_vs_ddp.py's DDP worker).
@@ -34,6 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.section import Section, attempt, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
+from bench.turns import in_turns  # noqa: E402
 
 WARMUP_STEPS = 2
 """Steps excluded from each run's median."""
@@ -187,12 +190,25 @@ def run_side(side: str, args: argparse.Namespace, base: Path) -> list[float]:
     return pp_run(args, base / "il.json", schedule="interleaved")
 
 
+def _import_sides() -> None:
+    """Import what the sides import lazily (run_side's functions), on this thread."""
+    import elastic.engine.optim  # noqa: F401
+    import elastic.model.config  # noqa: F401
+    import elastic.records.job  # noqa: F401
+    import elastic.roles.launcher  # noqa: F401
+    import templates.plan  # noqa: F401
+
+
 SIDES = ("engine DP", "DDP", "engine PP", "torch 1F1B", "torch interleaved 1F1B")
+MARKERS = {"engine DP": "edp", "DDP": "ddp.json", "engine PP": "epp", "torch 1F1B": "1f1b.json",
+           "torch interleaved 1F1B": "il.json"}
+"""The path under a round's directory that only one side's processes are given (run_side)."""
 
 
 def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps: int, repeats: int,
-            root: Path) -> Section:
-    """Rounds of every side; a Section with medians (ms) and per-round ratios."""
+            root: Path, interleave_s: float = 0.0) -> Section:
+    """Rounds of every side; a Section with medians (ms) and per-round ratios. `interleave_s`: a
+    round's sides take turns of that many seconds (0: one after another)."""
     if global_batch % (procs * microbatch):
         raise ValueError(
             f"global batch {global_batch} must be a multiple of procs x microbatch = {procs * microbatch}"
@@ -202,15 +218,24 @@ def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps
     )
     section = Section(title="Failure-free step time: engine vs DDP vs torch.distributed.pipelining")
     section.notes.append(f"{model}, {procs} processes x 1 thread, global batch {global_batch}, microbatch "
-                         f"{microbatch}, median of steps {WARMUP_STEPS + 1}..{steps} of each run")
+                         f"{microbatch}, median of steps {WARMUP_STEPS + 1}..{steps} of each run"
+                         + (f", the sides of a round in turns of {interleave_s:g} s" if interleave_s > 0 else ""))
     started = time.time()
     figures: dict[str, Figure] = {}
     for r in range(repeats):
         base = root / f"round{r}"
         base.mkdir(parents=True, exist_ok=True)
         med: dict[str, float] = {}
-        for side in SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]:
-            times = attempt(f"{side} round {r}", partial(run_side, side, args, base), section)
+        order = SIDES[r % len(SIDES) :] + SIDES[: r % len(SIDES)]
+        runs = {side: partial(attempt, f"{side} round {r}", partial(run_side, side, args, base), section)
+                for side in order}
+        if interleave_s > 0:
+            _import_sides()  # before the sides' threads: two threads' first imports of torch race
+            done = in_turns({side: (str(base / MARKERS[side]), fn) for side, fn in runs.items()}, interleave_s)
+        else:
+            done = {side: fn() for side, fn in runs.items()}
+        for side in order:
+            times = done[side]
             if times is None:
                 continue
             med[side] = statistics.median(times[WARMUP_STEPS:])
@@ -241,6 +266,8 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--interleave", type=float, default=0.0, metavar="S",
+                        help="a round's sides take turns of S seconds (module doc); 0: one after another")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--pp-worker", choices=["1f1b", "interleaved"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -252,7 +279,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         section = measure(model=args.model, procs=args.procs, global_batch=args.global_batch,
-                          microbatch=args.microbatch, steps=args.steps, repeats=args.repeats, root=Path(tmp))
+                          microbatch=args.microbatch, steps=args.steps, repeats=args.repeats, root=Path(tmp),
+                          interleave_s=args.interleave)
     print("\n".join(section.lines()))
     if args.json:
         args.json.write_text(json.dumps(section.to_dict(), indent=1))

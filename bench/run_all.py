@@ -32,6 +32,9 @@ from bench.section import Section, exit_on_sigterm, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
 SECTIONS = ("recovery", "overhead", "effective", "planner", "mfu")
+OVERHEAD_TURN_S = 2.0
+"""The overhead section's sides take turns of this many seconds (bench/turns.py): on a shared
+machine whose speed drifts, runs one after another measured rounds of one tree 0.8-1.3x apart."""
 
 
 def _json_script(argv: list[str], timeout_s: float) -> dict[str, Any]:
@@ -138,7 +141,7 @@ def main() -> None:
             )
         elif name == "overhead":
             s = overhead.measure(model="tiny", procs=2, global_batch=16, microbatch=4, steps=6 if args.quick else 12,
-                                 repeats=repeats, root=root / "overhead")
+                                 repeats=repeats, root=root / "overhead", interleave_s=OVERHEAD_TURN_S)
         elif name == "effective":
             # a node lost every T s, back R s later, W s of training measured (effective_time.py)
             model, trace, window = (
