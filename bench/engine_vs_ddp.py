@@ -12,12 +12,9 @@ engine median over the same round's DDP median) and the median of those: the "me
 figure, N = --rounds. DDP's AdamW is torch's default (on CPU, one parameter at a time);
 `--ddp-fused` gives it torch's fused kernel, the one the engine's optimizer calls.
 
-`--interleave S`: within each round the three runs take turns every S seconds instead of running
-one after another: all three are started, and all but one are held with SIGSTOP (SIGCONT when
-their turn comes). On a machine whose speed drifts by 10-20 % over tens of seconds (a shared
-host), runs one after another see different machines; runs in turns of a few seconds see the same
-one. The step a turn interrupts counts its pause, a few steps in a hundred that the median
-ignores.
+`--interleave S`: within each round the three runs are started together and take turns of S
+seconds instead of running one after another (bench/turns.py), so a machine whose speed drifts
+over tens of seconds hits all three alike.
 
     .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
 """
@@ -32,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -47,6 +45,9 @@ from elastic.roles.launcher import host_store, launch
 from templates.plan import even_plan
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.turns import in_turns  # noqa: E402
 
 WARMUP_STEPS = 2
 """Steps excluded from the steady-state median (first-touch allocation, connection set-up)."""
@@ -143,16 +144,19 @@ def ddp_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def round_in_turns(args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
-    """One round's three runs at once, taking turns every `args.interleave` seconds."""
-    sys.path.insert(0, str(REPO))
-    from bench.turns import in_turns
-
-    return in_turns({
+def run_round(args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
+    """One round's three runs, one after another or taking turns (`args.interleave`); each run's
+    step times by name, the warm-up steps left out."""
+    runs: dict[str, tuple[str, Callable[[], list[float]]]] = {
         "engine (fp64 grad sums)": (str(base / "e64"), lambda: engine_steps(args, base / "e64", exact=True)),
         "engine (fp32 grad sums)": (str(base / "e32"), lambda: engine_steps(args, base / "e32", exact=False)),
         "DDP": (str(base / "ddp.json"), lambda: ddp_steps(args, base)),
-    }, args.interleave)
+    }
+    if args.interleave > 0:
+        done = in_turns(runs, args.interleave)
+    else:
+        done = {name: fn() for name, (_, fn) in runs.items()}
+    return {name: done[name][WARMUP_STEPS:] for name in runs}
 
 
 def main() -> None:
@@ -190,14 +194,7 @@ def main() -> None:
         for r in range(args.rounds):
             base = Path(tmp) / f"round{r}"
             base.mkdir()
-            if args.interleave > 0:
-                this = {name: times[WARMUP_STEPS:] for name, times in round_in_turns(args, base).items()}
-            else:
-                this = {
-                    "engine (fp64 grad sums)": engine_steps(args, base / "e64", exact=True)[WARMUP_STEPS:],
-                    "engine (fp32 grad sums)": engine_steps(args, base / "e32", exact=False)[WARMUP_STEPS:],
-                    "DDP": ddp_steps(args, base)[WARMUP_STEPS:],
-                }
+            this = run_round(args, base)
             for name, times in this.items():
                 results[name] += times
                 per_round[name].append(statistics.median(times) / statistics.median(this["DDP"]))

@@ -178,16 +178,17 @@ def pp_worker(args: argparse.Namespace) -> None:
 
 def run_side(side: str, args: argparse.Namespace, base: Path) -> list[float]:
     """Rank 0's step times of one run of `side` (one of SIDES)."""
+    where = base / MARKERS[side]
     if side == "engine DP":
-        return engine_run(args, base / "edp", pipelines=args.procs)
+        return engine_run(args, where, pipelines=args.procs)
     if side == "DDP":
-        return ddp_run(args, base / "ddp.json")
+        return ddp_run(args, where)
     if side == "engine PP":
-        return engine_run(args, base / "epp", pipelines=1)
+        return engine_run(args, where, pipelines=1)
     if side == "torch 1F1B":
-        return pp_run(args, base / "1f1b.json", schedule="1f1b")
+        return pp_run(args, where, schedule="1f1b")
     assert side == "torch interleaved 1F1B", side
-    return pp_run(args, base / "il.json", schedule="interleaved")
+    return pp_run(args, where, schedule="interleaved")
 
 
 def _import_sides() -> None:
@@ -202,7 +203,8 @@ def _import_sides() -> None:
 SIDES = ("engine DP", "DDP", "engine PP", "torch 1F1B", "torch interleaved 1F1B")
 MARKERS = {"engine DP": "edp", "DDP": "ddp.json", "engine PP": "epp", "torch 1F1B": "1f1b.json",
            "torch interleaved 1F1B": "il.json"}
-"""The path under a round's directory that only one side's processes are given (run_side)."""
+"""Per side, its run's path under a round's directory: only that side's processes are given it,
+so it tells them apart (bench/turns.py)."""
 
 
 def measure(*, model: str, procs: int, global_batch: int, microbatch: int, steps: int, repeats: int,
