@@ -40,7 +40,10 @@ def survivors_kept_pids(summary: RunSummary, lost: set[int]) -> None:
             assert incarnation == 0 and len(pids) == 1, (key, pids)
 
 
+@pytest.mark.soak
 def test_sigkill_of_one_node(reference: Reference, tmp_path: Path) -> None:
+    """Off by default (soak): test_partial_replay.py::test_only_the_broken_pipelines_microbatches_are_replayed[kill]
+    runs the same job and fault (4 nodes, 2 pipelines, kill:node=2,step=8) with the same checks."""
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",))
     check_same_training(summary, state, reference)
     (rec,) = summary.recoveries
@@ -48,7 +51,10 @@ def test_sigkill_of_one_node(reference: Reference, tmp_path: Path) -> None:
     survivors_kept_pids(summary, {2})
 
 
+@pytest.mark.soak
 def test_sigstop_of_one_node(reference: Reference, tmp_path: Path) -> None:
+    """Off by default (soak): test_partial_replay.py::test_only_the_broken_pipelines_microbatches_are_replayed[hang]
+    hangs node 2 of the same job at step 8 (found by the same lease expiry) with the same checks."""
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("hang:node=3,step=8",))
     check_same_training(summary, state, reference)
     (rec,) = summary.recoveries
