@@ -2,8 +2,8 @@
 
 Same model, same number of worker processes, same global batch, same microbatch size, one
 thread per process. The engine runs P pipelines of one stage each (pure data parallelism
-through its own schedule, float64 or float32 gradient sums, and its bucketed reduction launched
-during the last backward, as DDP's is); DDP runs the same P processes with gradient accumulation
+through its own schedule, its bucketed reduction launched during the last backward, as DDP's
+is: in the step's summation tree, the default, or by gloo's all-reduce, `exact_grad_sum=False`); DDP runs the same P processes with gradient accumulation
 (no_sync on all but the last microbatch) and torch's AdamW. Rounds alternate engine / DDP so
 that load from anything else on the machine hits both alike. Prints each median and the ratio
 engine / DDP (1.00 = same speed), and the first quartile beside it: on a machine that others
@@ -148,8 +148,8 @@ def run_round(args: argparse.Namespace, base: Path) -> dict[str, list[float]]:
     """One round's three runs, one after another or taking turns (`args.interleave`); each run's
     step times by name, the warm-up steps left out."""
     runs: dict[str, tuple[str, Callable[[], list[float]]]] = {
-        "engine (fp64 grad sums)": (str(base / "e64"), lambda: engine_steps(args, base / "e64", exact=True)),
-        "engine (fp32 grad sums)": (str(base / "e32"), lambda: engine_steps(args, base / "e32", exact=False)),
+        "engine (tree sums)": (str(base / "tree"), lambda: engine_steps(args, base / "tree", exact=True)),
+        "engine (gloo all-reduce)": (str(base / "ring"), lambda: engine_steps(args, base / "ring", exact=False)),
         "DDP": (str(base / "ddp.json"), lambda: ddp_steps(args, base)),
     }
     if args.interleave > 0:
@@ -185,8 +185,8 @@ def main() -> None:
     if args.global_batch % (args.procs * args.microbatch):
         raise SystemExit("--global-batch must be a multiple of --procs x --microbatch")
     results: dict[str, list[float]] = {
-        "engine (fp64 grad sums)": [],
-        "engine (fp32 grad sums)": [],
+        "engine (tree sums)": [],
+        "engine (gloo all-reduce)": [],
         "DDP": [],
     }
     per_round: dict[str, list[float]] = {name: [] for name in results}

@@ -35,7 +35,8 @@ from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
-from elastic.parallel.exchange import ExactExchange
+from elastic.parallel.blocks import Block, decompose
+from elastic.parallel.exchange import TreeExchange
 from elastic.parallel.executor import StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import (
@@ -46,12 +47,14 @@ from elastic.parallel.grad_sync import (
     bucket_layout,
     clip_grads,
     finalize_grads,
+    plan_blocks,
 )
 from elastic.parallel.groups import ParallelGroups
-from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.parallel.schedule import one_f_one_b
-from elastic.records.partial import PartialReport
+from elastic.records.partial import PartialReport, ReplayRecord, split_microbatches
 from elastic.records.protocol import StepResult
+from templates.plan import Plan
 
 
 class StepDiscarded(RuntimeError):
@@ -84,8 +87,9 @@ class KeptGrads:
     """Planning layers [first, last) of the stage the sums belong to."""
     tp_rank: int
     """Tensor-parallel rank of the stage."""
-    grads: dict[str, torch.Tensor]
-    """Canonical parameter name -> the sum (the accumulator's dtype), before any reduction."""
+    grads: dict[Block, dict[str, torch.Tensor]]
+    """Block of the step's summation tree -> canonical parameter name -> the sum (the
+    accumulator's dtype), before any reduction: the blocks of `microbatches`."""
     loss_sum: float
     """This worker's share of the step's loss (non-zero on a last stage's TP rank 0 only)."""
     finite: bool
@@ -103,13 +107,38 @@ class StepReplay:
     """The step replayed."""
     microbatches: tuple[int, ...]
     """Global microbatch indices this pipeline computes (possibly none)."""
-    sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Kept gradient sums this worker adds before the reduction (canonical name -> sum): its
-    own for the layers it still holds, and those moved to it with a layer."""
+    blocks: dict[int, tuple[Block, ...]] = field(default_factory=dict)
+    """World rank -> the blocks it sends in this step (every worker computes the same): those of
+    the microbatches it computes, of its kept sums and of the kept sums moved to it. Empty: the
+    blocks of `microbatches` (a worker with no kept sums and no peers that keep any)."""
+    sums: dict[Block, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Kept gradient sums this worker adds before the reduction (block -> canonical name ->
+    sum): its own for the layers it still holds, and those moved to it with a layer."""
     loss_sum: float = 0.0
     """The kept share of the step's loss this worker adds (a keeper's `KeptGrads.loss_sum`)."""
     finite: bool = True
     """Whether the kept losses were all finite."""
+
+
+def replay_blocks(replay: ReplayRecord, plan: Plan) -> dict[int, tuple[Block, ...]]:
+    """World rank -> the blocks it sends in the replayed step `replay` of `plan`: those of its
+    pipeline's share of the missing microbatches, of its own kept set (a keeper) and of the
+    kept sets moved to it. A function of the record and the plan, so every worker computes
+    the same lists; a block a worker holds for some layers only is zeros for the others."""
+    if len(replay.kept_sets) != len(replay.keepers):
+        raise ValueError(f"replay record of step {replay.step} names {len(replay.keepers)} keepers but "
+                         f"{len(replay.kept_sets)} kept sets")
+    shares = split_microbatches(plan, replay.missing)
+    sets = {(k[0], k[1]): tuple(mbs) for k, mbs in zip(replay.keepers, replay.kept_sets, strict=True)}
+    received: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    for _, _, fn, fr, tn, tr in replay.moved:
+        received.setdefault((tn, tr), set()).add(sets[(fn, fr)])
+    out: dict[int, tuple[Block, ...]] = {}
+    for w in assign_ranks(plan):
+        me = (w.node, w.local_rank)
+        held = [shares[w.pipeline], sets.get(me, ()), *received.get(me, set())]
+        out[w.rank] = tuple(sorted({b for mbs in held for b in decompose(mbs)}))
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +178,7 @@ class StepTransaction:
         layer_of: Callable[[str], int],
         d_model: int,
         device: torch.device,
-        grad_dtype: torch.dtype = torch.float64,
+        tree: bool = True,
         keep_partial: bool = False,
         replay: StepReplay | None = None,
         accum: GradAccumulator | None = None,
@@ -161,13 +190,17 @@ class StepTransaction:
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
         self.device = device
         if accum is None:
-            accum = StepTransaction.buffers_for(module, layout=layout, layer_of=layer_of, dtype=grad_dtype, device=device)
+            accum = StepTransaction.buffers_for(module, layout=layout, layer_of=layer_of, device=device)
         accum.attach(module)
         self.accum = accum
         self.buckets = accum_buckets(accum, layout, layer_of)
         """The accumulator's gradient buckets (`grad_sync.accum_buckets`)."""
-        self.exchange = ExactExchange()
-        """Where the steps' float64 buckets are reduced (its thread is kept from step to step)."""
+        self.exchange = TreeExchange()
+        """Where the steps' buckets are reduced (its thread is kept from step to step)."""
+        self.tree = tree
+        """Reduce in the step's summation tree (`JobSpec.exact_grad_sum`); False: gloo's all-reduce."""
+        self.plan_blocks = plan_blocks(layout)
+        """World rank -> the blocks its pipeline computes in a step without replay."""
         plan = layout.plan
         self.actions = one_f_one_b(
             num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
@@ -194,8 +227,8 @@ class StepTransaction:
 
     @staticmethod
     def buffers_for(
-        module: torch.nn.Module, *, layout: ParallelLayout, layer_of: Callable[[str], int], dtype: torch.dtype,
-        device: torch.device,
+        module: torch.nn.Module, *, layout: ParallelLayout, layer_of: Callable[[str], int],
+        device: torch.device, dtype: torch.dtype = torch.float32,
     ) -> GradAccumulator:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
         per gradient bucket (`grad_sync.bucket_layout`), padded for an even reduce-scatter over
@@ -321,9 +354,11 @@ class StepTransaction:
 
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         if self.exchange.abandoned:
-            self.exchange = ExactExchange()
+            self.exchange = TreeExchange()
+        blocks_of = self.plan_blocks if replay is None or not replay.blocks else replay.blocks.__getitem__
+        self.accum.begin(decompose(mbs) if replay is None or not replay.blocks else replay.blocks[layout.rank])
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
-                                known=self.buckets, exchange=self.exchange)
+                                known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of)
         losses: dict[int, float] = {}
         try:
             if mbs:
@@ -346,6 +381,7 @@ class StepTransaction:
                     dropout_key=lambda m: dropout_key(step, mbs[m]),
                     autocast=lambda: compute_precision(self.device),
                     before_final_backward=reducer.arm if replay is None else None,
+                    before_backward=lambda m: self.accum.leaf(mbs[m]),
                 )
                 losses = result.losses
         except BaseException:
@@ -355,7 +391,8 @@ class StepTransaction:
         loss_sum = sum(losses.values()) / total_mbs if counted else 0.0
         finite = all(math.isfinite(v) for v in losses.values())
         if replay is not None:
-            self.accum.add(replay.sums)
+            for block, sums in replay.sums.items():
+                self.accum.add(block, sums)
             loss_sum += replay.loss_sum
             finite = finite and replay.finite
         elif replay is None and self.keep_partial:

@@ -33,11 +33,13 @@ from elastic.engine.step import (
     StepDiscarded,
     StepReplay,
     StepTransaction,
+    replay_blocks,
 )
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.state import full_state_dict
 from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.blocks import Block
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
@@ -242,11 +244,6 @@ class Trainer:
 
     # ---- joining a generation ------------------------------------------------------------
 
-    @property
-    def _grad_dtype(self) -> torch.dtype:
-        """Dtype of the gradient sums (float64 when the job asks for exact sums)."""
-        return torch.float64 if self.spec.exact_grad_sum else torch.float32
-
     def _open_generation(
         self, layout: ParallelLayout, store: torch.distributed.Store, abort: AbortSignal | None
     ) -> tuple[ParallelGroups, GPTStage, _Background]:
@@ -260,7 +257,7 @@ class Trainer:
         with torch.device("meta"):
             skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
         buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, dtype=self._grad_dtype, device=self.device))
+            skeleton, layout=layout, layer_of=self.layer_of, device=self.device))
         return groups, skeleton, buffers
 
     def _new_transaction(
@@ -280,7 +277,7 @@ class Trainer:
             layer_of=self.layer_of,
             d_model=self.cfg.d_model,
             device=self.device,
-            grad_dtype=self._grad_dtype,
+            tree=self.spec.exact_grad_sum,
             keep_partial=self.spec.partial_replay,
             replay=replay,
             accum=accum,
@@ -355,7 +352,8 @@ class Trainer:
         t3 = time.perf_counter()
         replayed = "" if step_replay is None else (
             f", step {step} replays microbatches {list(step_replay.microbatches)} here"
-            + (f" and adds {len(step_replay.sums)} kept sums" if step_replay.sums else "")
+            + (f" and adds kept sums of {sum(len(named) for named in step_replay.sums.values())} parameters in "
+               f"blocks {[tuple(b) for b in step_replay.sums]}" if step_replay.sums else "")
         )
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
@@ -450,17 +448,23 @@ class Trainer:
                     f"but it keeps {None if kept is None else (kept.step, list(kept.microbatches))}"
                 )
         first, last = layout.layers
-        sums = {} if kept is None else {n: t for n, t in kept.grads.items() if first <= self.layer_of(n) < last}
-        sums.update(self._moved_sums(layout, groups, replay, kept))
-        mine = split_microbatches(layout.plan, replay.missing)[layout.pipeline]
-        return StepReplay(step=step, microbatches=mine, sums=sums, loss_sum=0.0 if kept is None else kept.loss_sum,
+        sums: dict[Block, dict[str, torch.Tensor]] = {}
+        for block, named in ({} if kept is None else kept.grads).items():
+            held = {n: t for n, t in named.items() if first <= self.layer_of(n) < last}
+            if held:
+                sums.setdefault(block, {}).update(held)
+        for block, named in self._moved_sums(layout, groups, replay, kept).items():
+            sums.setdefault(block, {}).update(named)
+        shares = split_microbatches(layout.plan, replay.missing)
+        return StepReplay(step=step, microbatches=shares[layout.pipeline], blocks=replay_blocks(replay, layout.plan),
+                          sums=sums, loss_sum=0.0 if kept is None else kept.loss_sum,
                           finite=True if kept is None else kept.finite)
 
     def _moved_sums(
         self, layout: ParallelLayout, groups: ParallelGroups, replay: ReplayRecord, kept: KeptGrads | None
-    ) -> dict[str, torch.Tensor]:
+    ) -> dict[Block, dict[str, torch.Tensor]]:
         """Send my kept sums of layers I no longer hold to their new holders, and receive those
-        moved to me (`replay.moved`); canonical name -> sum."""
+        moved to me (`replay.moved`); block -> canonical name -> sum."""
         ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(layout.plan)}
         moves = [ShardMove(key=ShardKey(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
                  for layer, tp, fn, fr, tn, tr in replay.moved]
@@ -469,13 +473,19 @@ class Trainer:
 
         def export(key: ShardKey) -> ShardState:
             assert kept is not None, "asked to send kept sums this worker does not keep"
-            return {f"grad/{n}": t for n, t in kept.grads.items() if self.layer_of(n) == key.layer}
+            return {f"grad/{b.start}/{b.size}/{n}": t for b, named in kept.grads.items()
+                    for n, t in named.items() if self.layer_of(n) == key.layer}
 
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
                           tag=_SUMS_TAG, device=self.device, post=groups.p2p)
         if result.failed:
             raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
-        return {name.removeprefix("grad/"): t for shard in result.shards.values() for name, t in shard.items()}
+        out: dict[Block, dict[str, torch.Tensor]] = {}
+        for shard in result.shards.values():
+            for key, t in shard.items():
+                _, start, size, name = key.split("/", 3)
+                out.setdefault(Block(int(start), int(size)), {})[name] = t
+        return out
 
     def _build_stage(
         self, layout: ParallelLayout, groups: ParallelGroups, skeleton: GPTStage, needed: list[ShardKey],

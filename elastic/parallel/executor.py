@@ -69,6 +69,7 @@ def run_schedule(
     post: Post | None = None,
     forward_only: bool = False,
     before_final_backward: Callable[[], None] | None = None,
+    before_backward: Callable[[int], None] | None = None,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -81,6 +82,8 @@ def run_schedule(
     `torch.no_grad()`): nothing is kept for a backward, a last stage only records its losses.
     `before_final_backward`: called right before the schedule's last backward (the gradients it
     adds are final: a bucket reducer may launch each bucket's reduction as they arrive).
+    `before_backward`: called with the microbatch of each backward right before it (a gradient
+    accumulator learns where in the step's summation tree the gradients go).
     """
     if spec.prev_rank is None and tokens is None:
         raise ValueError("a first stage needs token inputs")
@@ -89,7 +92,7 @@ def run_schedule(
     run = _StageRun(
         module=module, spec=spec, wait=wait, post=post or functools.partial(_plain_post, group), device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
-        forward_only=forward_only, before_final_backward=before_final_backward,
+        forward_only=forward_only, before_final_backward=before_final_backward, before_backward=before_backward,
         final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None),
     )
     for a in actions:
@@ -136,6 +139,8 @@ class _StageRun:
     """Called right before the backward of `final_backward`."""
     final_backward: int | None = None
     """The microbatch of the schedule's last backward."""
+    before_backward: Callable[[int], None] | None = None
+    """Called with the microbatch of each backward right before it."""
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> received activation (requires grad), until its input gradient is sent."""
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -198,6 +203,8 @@ class _StageRun:
         out = self.outputs.pop(m)
         if m == self.final_backward and self.before_final_backward is not None:
             self.before_final_backward()
+        if self.before_backward is not None:
+            self.before_backward(m)
         if self.last:
             out.backward()
         else:

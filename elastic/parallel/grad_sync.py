@@ -12,8 +12,8 @@ global-batch mean. Then:
    them), so the reduction overlaps the rest of the backward as DDP's does; the waits happen
    here, each through `groups.wait` (StepAborted when the generation's abort flag is set).
 2. The vote: one world all-reduce of the global gradient norm over all stages and
-   tensor-parallel ranks (each gradient element counted once: a bucket the exact exchange
-   reduced is measured by every holder, each its own slice, as the exchange rounds it; any
+   tensor-parallel ranks (each gradient element counted once: a bucket the tree exchange
+   reduced is measured by every holder, each its own slice of the result; any
    other bucket by its lowest-rank holder; replicated parameters only on tensor-parallel rank
    0, so on the other TP ranks it is measured per parameter after the reduction), the loss, a
    failure count and a halt count. A
@@ -23,21 +23,23 @@ global-batch mean. Then:
    complete, and then this one must commit the same step during recovery.
 3. Clip every gradient by the same factor (`clip_grads`, also used to complete such a step).
 
-Wire format (float64 sums). The float64 sums make the gradient independent of how the plan
-splits microbatches across pipelines (see grad_accum.py), and the optimizer only ever sees them
-rounded to float32. So a bucket is reduced as a float64 reduce-scatter (each of the P holders
-gets the exact sum of its 1/P slice) followed by a float32 all-gather of the slices, each rounded
-once: per worker 12 (P-1)/P bytes per element on the wire, against 16 (P-1)/P for the float64
-all-reduce it replaces and 8 (P-1)/P for a float32 one. Both phases are point-to-point
-transfers on the bucket group, run by the worker's `ExactExchange` on a thread of its own
-(elastic/parallel/exchange.py), so that neither gloo's inline writes nor the second phase's
-wait, sum and rounding stall the backward. The result is bit-identical on every plan, including
-one process with no reduction at all (every bucket is rounded the same way there), which the
-re-plan, resume and partial-replay tests assert. The cheaper alternative, rounding each
-pipeline's share to float32 and all-reducing float32 (the bytes of DDP), makes the sum depend
-on the number of pipelines and gloo's ring order, and a run with failures then drifts from the
-failure-free run as it goes on (2e-4 after 160 tiny steps, measured: bench/README.md, "Engine vs
-DDP"). Float32 sums (`JobSpec.exact_grad_sum=False`) are all-reduced as float32 by gloo.
+Wire format (the summation tree). A step's gradient is one fixed pairwise float32 sum over
+its microbatches (elastic/parallel/blocks.py), the same bits whatever the plan. Each worker
+sums its aligned blocks of that tree as the gradients arrive (grad_accum.py); a bucket is
+reduced as a reduce-scatter of the blocks' float32 sums (each of the P holders gets every
+holder's blocks of its 1/P slice and combines them in tree order) followed by an all-gather of
+the slices: per worker 8 (P-1)/P bytes per element on the wire with one block per pipeline,
+the bytes of DDP's float32 all-reduce (a pipeline whose share is not one aligned block sends a
+slice per block). Both phases are point-to-point transfers on the bucket group, run by the
+worker's `TreeExchange` on a thread of its own (elastic/parallel/exchange.py), so that neither
+gloo's inline writes nor the second phase's wait and combine stall the backward. The result is
+bit-identical on every plan, including one process with no reduction at all (its blocks are
+combined the same way), which the re-plan, resume and partial-replay tests assert. Before it,
+float64 sums reduced exactly gave the same guarantee at 1.5x the bytes at two pipelines; a
+float32 all-reduce of each pipeline's share (`JobSpec.exact_grad_sum=False`, gloo's ring) has
+DDP's bytes but a sum that depends on the number of pipelines and the ring order, and a run with
+failures then drifts from the failure-free run as it goes on (2e-4 after 160 tiny steps,
+measured: bench/README.md, "Engine vs DDP").
 
 Buckets: a `GradBucket` of the layout (consecutive layers with the same holders) is split into
 runs of whole layers as DDP splits its gradients: from the last layer down, the first run
@@ -53,6 +55,7 @@ their own: with replicated activations their gradients are already equal on ever
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,10 +63,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic.parallel.exchange import SUM_CHUNK, ExactBucket, ExactExchange
+from elastic.parallel.blocks import Block, CombineProgram, combine, decompose
+from elastic.parallel.exchange import SUM_CHUNK, TreeBucket, TreeExchange
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
-from elastic.parallel.layout import GradBucket, ParallelLayout
+from elastic.parallel.layout import GradBucket, ParallelLayout, assign_ranks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,9 +162,10 @@ class BucketReducer:
     accumulator's `reduced` buffers; the sums are only read, so they stay this worker's own for
     partial replay.
 
-    Float64 sums are reduced exactly with float32 results (see the module docstring) by the
-    step's `ExactExchange`, on a thread of its own: launching one hands it over. Float32 sums
-    are all-reduced by gloo (whose own thread does the transfers).
+    With `tree` (the default) a bucket is reduced in the step's summation tree (see the module
+    docstring) by the step's `TreeExchange`, on a thread of its own: launching one hands it
+    over. Without, my blocks are combined and all-reduced by gloo (whose own thread does the
+    transfers): the bytes are the same, the sum depends on the plan.
     """
 
     accum: GradAccumulator
@@ -174,9 +179,14 @@ class BucketReducer:
     known: BucketLayout | None = None
     """`accum_buckets` of the accumulator, when the caller computed them already (a step
     transaction does once, not every step)."""
-    exchange: ExactExchange | None = None
-    """The exact exchange to hand float64 buckets to, kept from step to step by the caller (its
-    thread is kept with it); None: one of the reducer's own. Must not be abandoned."""
+    exchange: TreeExchange | None = None
+    """The exchange to hand buckets to, kept from step to step by the caller (its thread is kept
+    with it); None: one of the reducer's own. Must not be abandoned."""
+    tree: bool = True
+    """Reduce in the step's summation tree (plan-independent); False: gloo's all-reduce."""
+    blocks_of: Callable[[int], tuple[Block, ...]] | None = None
+    """World rank -> the blocks it sends this step (every worker computes the same lists);
+    None: those of the plan's pipelines (`plan_blocks`), a step without replay."""
     buckets: BucketLayout = field(init=False)
     """My buckets, ascending by layer."""
     order: list[int] = field(init=False)
@@ -189,7 +199,7 @@ class BucketReducer:
     _next: int = 0
     measured: dict[int, torch.Tensor] = field(default_factory=dict)
     """Accumulator group -> the sum of squares of my slice of its reduced gradient, measured by
-    the exact exchange (valid once `wait()` returned): tensor-parallel rank 0 only, where every
+    the exchange (valid once `wait()` returned): tensor-parallel rank 0 only, where every
     element of a bucket counts in the norm."""
     _reduced: set[int] = field(default_factory=set)
     _works: list[dist.Work] = field(default_factory=list)
@@ -202,7 +212,9 @@ class BucketReducer:
         index = {names: k for k, (names, _) in enumerate(self.accum.flats)}
         self._flat_of = [index.get(names, -1) for _, names in self.buckets]
         if self.exchange is None:
-            self.exchange = ExactExchange()
+            self.exchange = TreeExchange()
+        if self.blocks_of is None:
+            self.blocks_of = plan_blocks(self.layout)
 
     def arm(self) -> None:
         """Launch buckets as their gradients arrive from now on (call before the last backward)."""
@@ -234,34 +246,50 @@ class BucketReducer:
         group = self.groups.bucket_group(bucket.ranks)
         if group is None:
             return
-        self.accum.settle(k)
+        sums = self.accum.sums(k)
         self._reduced.add(k)
-        flat = self.accum.flats[k][1]
         reduced = self.accum.reduced[k]
-        if flat.dtype != torch.float64:
-            reduced.copy_(flat)
+        if not self.tree:
+            self._combine_mine(k)
             work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group, async_op=True)
             assert work is not None
             self._works.append(work)
             return
         me = bucket.ranks.index(self.layout.rank)
-        shape = flat.chunk(len(bucket.ranks))[me].shape
-        norm = None
+        assert self.blocks_of is not None
+        holders = tuple(self.blocks_of(r) for r in bucket.ranks)
+        if holders[me] != self.accum.blocks:
+            raise RuntimeError(f"rank {self.layout.rank} sums blocks {list(self.accum.blocks)} but the step's "
+                               f"block lists give it {list(holders[me])}")
+        length = reduced.numel() // len(bucket.ranks)
+        chunk = torch.Size([min(length, SUM_CHUNK)])
+        program = _program(tuple(b for theirs in holders for b in theirs))
+        norm = wide = None
         if self.layout.tp_rank == 0:
-            norm = self.measured[k] = self._scratch(k, "norm", 0, torch.Size(), flat.dtype)
+            norm = self.measured[k] = self._scratch(k, "norm", 0, torch.Size(), torch.float64)
+            wide = self._scratch(k, "wide", 0, chunk, torch.float64)
         assert self.exchange is not None
-        self.exchange.submit(ExactBucket(
-            flat=flat, result=reduced, group=group, me=me, tag=2 * bucket.layers[0],
-            received=tuple(None if j == me else self._scratch(k, "recv", j, shape, flat.dtype)
-                           for j in range(len(bucket.ranks))),
-            scratch=self._scratch(k, "sum", 0, torch.Size([min(shape[0], SUM_CHUNK)]), flat.dtype),
-            norm=norm,
+        self.exchange.submit(TreeBucket(
+            sums=tuple(sums), result=reduced, blocks=holders, group=group, me=me, tag=2 * bucket.layers[0],
+            received=tuple(None if j == me else tuple(self._scratch(k, f"recv{j}", b, torch.Size([length]), sums[0].dtype)
+                                                      for b in range(len(theirs)))
+                           for j, theirs in enumerate(holders)),
+            scratch=tuple(self._scratch(k, "tmp", t, chunk, sums[0].dtype) for t in range(program.scratch)),
+            wide=wide, norm=norm, program=program,
         ))
 
+    def _combine_mine(self, k: int) -> None:
+        """My own blocks of group `k` combined in tree order into its reduced buffer."""
+        sums = self.accum.sums(k)
+        reduced = self.accum.reduced[k]
+        program = _program(self.accum.blocks)
+        chunk = torch.Size([min(reduced.numel(), SUM_CHUNK)])
+        scratch = tuple(self._scratch(k, "tmp", t, chunk, sums[0].dtype) for t in range(program.scratch))
+        combine(self.accum.blocks, sums, reduced, scratch, program=program)
+
     def wait(self) -> None:
-        """Complete every launched reduction (abortably); the sums of a bucket nobody else holds
-        are rounded into its `reduced` buffer as they are: reduced or not, every bucket ends as
-        the once-rounded exact sum."""
+        """Complete every launched reduction (abortably); a bucket nobody else holds gets my own
+        blocks combined: reduced or not, every bucket ends as the step's tree-order sum."""
         assert self.exchange is not None
         try:
             self.groups.wait_all(self._works)
@@ -269,10 +297,9 @@ class BucketReducer:
         except BaseException:
             self.abandon()
             raise
-        for k, (_, flat) in enumerate(self.accum.flats):
+        for k in range(len(self.accum.flats)):
             if k not in self._reduced:
-                self.accum.settle(k)
-                self.accum.reduced[k].copy_(flat)
+                self._combine_mine(k)
         self._works.clear()
         self._reduced.clear()
 
@@ -283,13 +310,28 @@ class BucketReducer:
         if self._reduced and self.exchange is not None:
             self.exchange.abandon()
 
-    def _scratch(self, k: int, purpose: str, peer: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def _scratch(self, k: int, purpose: str, index: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A work buffer kept in the accumulator across steps."""
-        key = (k, purpose, peer)
+        key = (k, purpose, index)
         buf = self.accum.scratch.get(key)
         if buf is None or buf.shape != shape or buf.dtype != dtype:
-            buf = self.accum.scratch[key] = torch.empty(shape, dtype=dtype, device=self.accum.flats[k][1].device)
+            buf = self.accum.scratch[key] = torch.empty(shape, dtype=dtype, device=self.accum.reduced[k].device)
         return buf
+
+
+@functools.lru_cache(maxsize=256)
+def _program(blocks: tuple[Block, ...]) -> CombineProgram:
+    """The combine of `blocks` (a plan's few block lists recur every step)."""
+    return CombineProgram(blocks)
+
+
+def plan_blocks(layout: ParallelLayout) -> Callable[[int], tuple[Block, ...]]:
+    """World rank -> the blocks its pipeline computes in a step of `layout`'s plan (no replay)."""
+    plan = layout.plan
+    by_pipeline = [decompose(range(plan.microbatch_offset(p), plan.microbatch_offset(p) + pipe.microbatches))
+                   for p, pipe in enumerate(plan.pipelines)]
+    pipeline_of = {w.rank: w.pipeline for w in assign_ranks(plan)}
+    return lambda rank: by_pipeline[pipeline_of[rank]]
 
 
 def finalize_grads(

@@ -41,11 +41,12 @@ class JobSpec(JsonRecord):
     threads_per_worker: int = 1
     """torch intra-op threads of each worker process (CPU runs share few cores)."""
     exact_grad_sum: bool = True
-    """Accumulate and all-reduce gradients in float64, so the global-batch gradient does not
-    depend on how the plan splits microbatches across pipelines (False: float32 sums, all-reduced
-    as float32: two thirds of the gradient bytes, but a run with failures then drifts from the
-    failure-free run as it goes on, 2e-4 after 160 tiny steps; see bench/README.md, "Engine vs
-    DDP")."""
+    """Sum gradients in the step's one summation tree (a fixed pairwise float32 sum over the
+    global batch's microbatches, elastic/parallel/blocks.py), so the global-batch gradient does
+    not depend on how the plan splits microbatches across pipelines, at the bytes of DDP's
+    float32 all-reduce (False: each pipeline's share all-reduced by gloo's ring, whose sum
+    depends on the plan: a run with failures then drifts from the failure-free run as it goes
+    on, 2e-4 after 160 tiny steps; see bench/README.md, "Engine vs DDP")."""
     shard_transport: str = "collective"
     """How a reconfiguration moves shards between workers of the new generation: "collective"
     (point-to-point sends on its process group, gloo or NCCL; gRPC only for shards held

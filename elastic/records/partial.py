@@ -1,7 +1,9 @@
 """Partial replay: keep the microbatches an interrupted step finished, recompute only the rest.
 
-A step's gradient is a sum over the global batch's microbatches, accumulated in float64, so it
-does not depend on where or in which order the microbatches were summed. When a node fails
+A step's gradient is one fixed pairwise sum over the global batch's microbatches (the step's
+summation tree, elastic/parallel/blocks.py), so it does not depend on where the microbatches
+were summed: kept sums are the sums of whole subtrees (blocks), and each worker's blocks of a
+replayed step follow from this record (`kept_sets`) and the plan. When a node fails
 mid-step, a pipeline that lost no node finishes its microbatches (its waits ignore a failure
 outside it: `AbortSignal.set(local=True)`), and each of its workers keeps its gradient sums for
 the layers it holds. Its sync report names them (`PartialReport`). The leader, re-planning,
@@ -66,6 +68,9 @@ class ReplayRecord(JsonRecord):
     """Global microbatches whose gradients survivors kept (not recomputed)."""
     keepers: list[list[int]] = field(default_factory=list)
     """[node, local_rank] of every worker that adds its kept sums to the step."""
+    kept_sets: list[list[int]] = field(default_factory=list)
+    """Per keeper (same order), the microbatches its sums hold: the blocks of the step's
+    summation tree it sends follow from them."""
     recomputed: list[str] = field(default_factory=list)
     """Finished microbatches recomputed anyway, and why (e.g. a keeper left the plan)."""
     moved: list[list[int]] = field(default_factory=list)
@@ -134,7 +139,7 @@ def resolve_replay(
         if report is not None and report.step == step:
             by_set.setdefault(report.microbatches, []).append((node, local_rank, report))
     kept: list[int] = []
-    keepers: list[list[int]] = []
+    keepers: list[tuple[list[int], list[int]]] = []
     recomputed: list[str] = []
     moved_sums: list[list[int]] = []
     for mbs, group in sorted(by_set.items()):
@@ -154,6 +159,8 @@ def resolve_replay(
             moved_sums.extend([layer, r.tp_rank, node, local_rank, _first_holder(new_plan, layer), r.tp_rank]
                               for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)
         kept.extend(mbs)
-        keepers.extend([node, local_rank] for node, local_rank, _ in group)
-    return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept), keepers=sorted(keepers),
+        keepers.extend(([node, local_rank], list(mbs)) for node, local_rank, _ in group)
+    keepers.sort()
+    return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept),
+                        keepers=[k for k, _ in keepers], kept_sets=[s for _, s in keepers],
                         recomputed=recomputed, moved=sorted(moved_sums))

@@ -1,7 +1,7 @@
 """The bucketed gradient reduction: bucket boundaries every holder agrees on, and the overlapped
-exact reduction of float64 sums (three real gloo workers, threads of this process): buckets are
-launched inside the last backward, and every holder ends with the float32 rounding of the exact
-sum of every holder's float64 sums, bit for bit, whatever the number of holders."""
+reduction in the step's summation tree (three real gloo workers, threads of this process):
+buckets are launched inside the last backward, and every holder ends with the tree-order sum of
+every holder's block sums, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from elastic.engine.step import StepTransaction
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
+from elastic.parallel.blocks import Block
 from elastic.parallel.grad_sync import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
@@ -95,8 +96,8 @@ def _in_threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("tree", [True, False])
+def test_overlapped_reduction_is_the_tree_sum_on_every_holder(tree: bool) -> None:
     plan = even_plan(num_layers=6, nodes=[0, 1, 2], num_pipelines=3, global_microbatches=6, microbatch_size=2)
     store = dist.HashStore()
 
@@ -104,25 +105,26 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
         layout = ParallelLayout.for_rank(plan, 1, rank)
         groups = build_groups(layout, store, timeout=timedelta(seconds=30))
         module = GPTStage(CFG)
-        accum = StepTransaction.buffers_for(module, layout=layout, layer_of=LAYER_OF, dtype=dtype,
-                                            device=torch.device("cpu"))
+        accum = StepTransaction.buffers_for(module, layout=layout, layer_of=LAYER_OF, device=torch.device("cpu"))
         accum.attach(module)
         launched_in_backward = 0
         for step in range(2):  # the first step connects the peers; the second overlaps
-            accum.zero()
-            reducer = BucketReducer(accum=accum, layout=layout, groups=groups, layer_of=LAYER_OF)
+            accum.begin([Block(2 * rank, 2)])  # pipeline p computes microbatches 2p and 2p + 1
+            reducer = BucketReducer(accum=accum, layout=layout, groups=groups, layer_of=LAYER_OF, tree=tree)
             gen = torch.Generator().manual_seed(100 * rank + step)
             for m in range(2):
                 tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=gen)
                 loss = module.loss(module(tokens[:, :-1], dropout_key=None), tokens[:, 1:]) * (10.0 ** (rank - m))
                 if m == 1:
                     reducer.arm()
+                accum.leaf(2 * rank + m)
                 loss.backward()
             launched_in_backward = reducer.early
             stats = finalize_grads(accum, layout=layout, groups=groups, layer_of=LAYER_OF, loss_sum=0.0,
                                    grad_clip=0.0, reducer=reducer)
         # The reduction left the sums as they were; its result is beside them.
-        return {n: t.clone() for n, t in accum.buffers.items()}, {n: t.clone() for n, t in accum.grads.items()}, \
+        sums = accum.block_sums()[Block(2 * rank, 2)]
+        return {n: t.clone() for n, t in sums.items()}, {n: t.clone() for n, t in accum.grads.items()}, \
             launched_in_backward, stats.grad_norm
 
     results = _in_threads(3, worker)
@@ -131,9 +133,8 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
     launched = [r[2] for r in results]
     assert all(n >= 2 for n in launched), f"buckets launched inside the last backward: {launched}"
     for name in SIZES:
-        if dtype == torch.float64:
-            exact = results[0][0][name] + results[1][0][name] + results[2][0][name]
-            expected = exact.float()
+        if tree:  # leaves 0-5 of a tree of 8: ((0, 1) + (2, 3)) + (4, 5)
+            expected = (results[0][0][name] + results[1][0][name]) + results[2][0][name]
             for r in results:
                 assert torch.equal(r[1][name], expected), name
         else:
@@ -141,8 +142,8 @@ def test_overlapped_reduction_is_the_once_rounded_exact_sum_on_every_holder(dtyp
             for r in results:
                 torch.testing.assert_close(r[1][name], expected32, rtol=1e-5, atol=1e-7)
                 assert torch.equal(r[1][name], results[0][1][name]), name
-    # The vote's norm counts every element of the reduced gradient once (float64 sums: each holder
-    # measured its slices in the exchange; float32: the lowest-rank holder of each layer).
+    # The vote's norm counts every element of the reduced gradient once (the tree: each holder
+    # measured its slices in the exchange; gloo's all-reduce: the lowest-rank holder of each layer).
     reference = sum(results[0][1][name].double().square().sum().item() for name in SIZES) ** 0.5
     for r in results:
         assert r[3] == pytest.approx(reference, rel=1e-12)

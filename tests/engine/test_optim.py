@@ -10,7 +10,6 @@ import torch
 from elastic.engine import adamw
 from elastic.engine.adamw import ParamState
 from elastic.engine.optim import OptimConfig, build_optimizer, lr_at
-from elastic.parallel.grad_accum import GradAccumulator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,47 +105,3 @@ def test_a_missing_gradient_fails_the_step_before_anything_changes() -> None:
 def test_master_weights_must_be_fp32() -> None:
     with pytest.raises(ValueError, match="float32"):
         build_optimizer(torch.nn.Linear(2, 2).to(torch.bfloat16), OptimConfig())
-
-
-def test_float64_accumulation_is_independent_of_the_microbatch_split() -> None:
-    """Sums of the same microbatch gradients in different groupings agree bit for bit in
-    float64 (after rounding to fp32), which float32 accumulation does not guarantee."""
-    torch.manual_seed(1)
-    grads = [torch.randn(4096) * 10 ** torch.randint(-6, 1, (4096,)).float() for _ in range(8)]
-
-    def accumulate(groups: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        layer = torch.nn.Linear(4096, 1, bias=False)
-        partials = []
-        for members in groups:
-            acc = GradAccumulator(layer, dtype=dtype)
-            for i in members:
-                # Autograd writes each microbatch's gradient; the hook moves it into the buffer.
-                x = grads[i].view(1, -1)
-                (layer(x).sum()).backward()
-            partials.append(acc.buffers["weight"].clone())
-            acc.remove()
-        return sum(partials[1:], partials[0]).to(torch.float32)
-
-    one = accumulate([list(range(8))], torch.float64)
-    split = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float64)
-    assert torch.equal(one, split)
-    one32 = accumulate([list(range(8))], torch.float32)
-    split32 = accumulate([[0, 1, 2, 3, 4], [5, 6, 7]], torch.float32)
-    assert not torch.equal(one32, split32)
-
-
-def test_gradients_narrower_than_the_sums_are_widened_before_they_are_added() -> None:
-    """bfloat16 parameters with float32 sums (a scratch the accumulator sizes at attach): the
-    sums equal the float32 sum of the two microbatches' bfloat16 gradients."""
-    torch.manual_seed(3)
-    layer = torch.nn.Linear(64, 8).to(torch.bfloat16)
-    acc = GradAccumulator(layer, dtype=torch.float32)
-    seen: dict[str, list[torch.Tensor]] = {n: [] for n, _ in layer.named_parameters()}
-    for name, p in layer.named_parameters():  # a tensor hook sees each gradient before it is accumulated
-        p.register_hook(lambda g, name=name: seen[name].append(g.clone()))
-    acc.zero()
-    for _ in range(2):
-        layer(torch.randn(4, 64).to(torch.bfloat16)).float().square().sum().backward()
-    for name, grads in seen.items():
-        assert len(grads) == 2 and grads[0].dtype == torch.bfloat16
-        assert torch.equal(acc.buffers[name], grads[0].float() + grads[1].float()), name

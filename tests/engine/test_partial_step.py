@@ -15,8 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic.engine.step import replay_blocks
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
-from elastic.records.partial import ReplayRecord, resolve_replay
+from elastic.parallel.blocks import Block
+from elastic.parallel.layout import assign_ranks
+from elastic.records.partial import PartialReport, ReplayRecord, resolve_replay
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
 from tests.engine.test_transaction import assert_same, snapshot
 from tests.engine.test_vote import _both, _pair
@@ -42,7 +45,7 @@ def test_kept_sums_plus_the_missing_microbatches_commit_the_failure_free_step(tm
 
     # Generation 2: node 0 alone; it keeps microbatches 0-1 and computes 2-3.
     alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
-    replay = ReplayRecord(step=2, total=4, kept=[0, 1], keepers=[[0, 0]])
+    replay = ReplayRecord(step=2, total=4, kept=[0, 1], keepers=[[0, 0]], kept_sets=[[0, 1]])
     survivor.start(plan=alone, generation=2, store=dist.HashStore(), abort=AbortSignal(), fetch=None, step=2,
                    replay=replay)
     assert survivor._require().microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
@@ -57,7 +60,7 @@ def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
     trainers = _pair(tmp_path, [AbortSignal(), AbortSignal()])
     _both(lambda r: trainers[r].train(1))
     alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
-    replay = ReplayRecord(step=1, total=4, kept=[0, 1], keepers=[[0, 0]])
+    replay = ReplayRecord(step=1, total=4, kept=[0, 1], keepers=[[0, 0]], kept_sets=[[0, 1]])
     with pytest.raises(ValueError, match="counts on this worker's kept sums"):
         trainers[0].start(plan=alone, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=1,
                           replay=replay)
@@ -121,10 +124,43 @@ def test_kept_sums_of_a_layer_that_moves_travel_with_it(tmp_path: Path) -> None:
     _both(lambda r: trainers[r].start(plan=split, generation=2, store=store, abort=AbortSignal(), fetch=None, step=2,
                                       replay=replay))
     adopted = trainers[1]._require().replay  # noqa: SLF001 - node 1 adopted node 0's sums of [0, 3)
-    assert adopted is not None and {trainers[1].layer_of(n) for n in adopted.sums} == {0, 1, 2}
+    assert adopted is not None and {trainers[1].layer_of(n) for named in adopted.sums.values() for n in named} == {0, 1, 2}
     _both(lambda r: trainers[r].train(3))
     want = dict(reference[0].module.named_parameters())
     got = {**dict(trainers[1].module.named_parameters()), **dict(trainers[0].module.named_parameters())}
     assert got.keys() == want.keys()
     for name, p in want.items():
         assert torch.equal(got[name], p), name
+
+
+def test_every_worker_of_a_replayed_step_computes_every_peers_blocks() -> None:
+    """Old pipelines A (microbatches 0-2: nodes 0, 1), B (3-5: nodes 2, 3, lost) and C (6-7:
+    nodes 4, 5); the new plan's two pipelines recompute B's microbatches (3-4 and 5). Node 1
+    adopts layer 2 of A's sums (node 0 no longer holds it) and layer 3 of C's (from node 5), so
+    it sends A's and C's blocks besides its share; for every layer the holders' blocks partition
+    the step's 8 microbatches."""
+    new = Plan(num_layers=6, microbatch_size=2, gpus_per_node=1, fault_tolerance=1, pipelines=(
+        PipelinePlan(stages=(StagePlan(node=0, layers=(0, 2)), StagePlan(node=1, layers=(2, 6))), microbatches=4),
+        PipelinePlan(stages=(StagePlan(node=4, layers=(0, 4)), StagePlan(node=5, layers=(4, 6))), microbatches=4),
+    ))
+    reports = [(0, 0, PartialReport(step=5, microbatches=(0, 1, 2), layers=(0, 3), tp_rank=0)),
+               (1, 0, PartialReport(step=5, microbatches=(0, 1, 2), layers=(3, 6), tp_rank=0)),
+               (4, 0, PartialReport(step=5, microbatches=(6, 7), layers=(0, 3), tp_rank=0)),
+               (5, 0, PartialReport(step=5, microbatches=(6, 7), layers=(3, 6), tp_rank=0))]
+    replay = resolve_replay(new, reports, step=5)
+    assert replay.missing == [3, 4, 5] and replay.moved == [[2, 0, 0, 0, 1, 0], [3, 0, 5, 0, 1, 0]]
+    blocks = replay_blocks(replay, new)
+    by_node = {w.node: blocks[w.rank] for w in assign_ranks(new)}
+    a, c = [Block(0, 2), Block(2, 1)], [Block(6, 2)]
+    assert by_node == {
+        0: tuple(sorted([*a, Block(3, 1), Block(4, 1)])),
+        1: tuple(sorted([*a, Block(3, 1), Block(4, 1), *c])),
+        4: tuple(sorted([Block(5, 1), *c])),
+        5: tuple(sorted([Block(5, 1), *c])),
+    }
+    for layer in range(6):
+        holders = [st.node for pipe in new.pipelines for st in pipe.stages if st.first <= layer < st.last]
+        distinct = sorted({b for node in holders for b in by_node[node]})
+        assert [m for b in distinct for m in range(b.start, b.end)] == list(range(8)), layer
+    with pytest.raises(ValueError, match="kept sets"):
+        replay_blocks(ReplayRecord(step=5, total=8, kept=[0, 1, 2], keepers=[[0, 0]]), new)

@@ -32,7 +32,7 @@ def test_only_the_broken_pipelines_microbatches_are_replayed(fault: str, referen
     inject = {"kill": "kill:node=2,step=8", "kill-mid-step": "kill:node=2,step=8,at=0.5", "hang": "hang:node=2,step=8"}
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=(inject[fault],))
     check_same_training(summary, state, reference)
-    assert max_rel_diff(state, reference[1]) == 0.0  # float64 sums: the order of microbatches is irrelevant
+    assert max_rel_diff(state, reference[1]) == 0.0  # one summation tree: where the microbatches were summed is irrelevant
     (rec,) = summary.recoveries
     assert rec["lost_nodes"] == [2] and rec["restore_checkpoint"] is None
     # Pipeline 0 keeps microbatches 0-1 when the fault lands in step 8's schedule. The injection
