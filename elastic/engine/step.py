@@ -107,10 +107,10 @@ class StepReplay:
     """The step replayed."""
     microbatches: tuple[int, ...]
     """Global microbatch indices this pipeline computes (possibly none)."""
-    blocks: dict[int, tuple[Block, ...]] = field(default_factory=dict)
-    """World rank -> the blocks it sends in this step (every worker computes the same): those of
-    the microbatches it computes, of its kept sums and of the kept sums moved to it. Empty: the
-    blocks of `microbatches` (a worker with no kept sums and no peers that keep any)."""
+    blocks: dict[int, tuple[Block, ...]]
+    """World rank -> the blocks it sends in this step (every worker computes the same,
+    `replay_blocks`): those of the microbatches it computes, of its kept sums and of the kept
+    sums moved to it."""
     sums: dict[Block, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Kept gradient sums this worker adds before the reduction (block -> canonical name ->
     sum): its own for the layers it still holds, and those moved to it with a layer."""
@@ -355,8 +355,8 @@ class StepTransaction:
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         if self.exchange.abandoned:
             self.exchange = TreeExchange()
-        blocks_of = self.plan_blocks if replay is None or not replay.blocks else replay.blocks.__getitem__
-        self.accum.begin(decompose(mbs) if replay is None or not replay.blocks else replay.blocks[layout.rank])
+        blocks_of = self.plan_blocks if replay is None else replay.blocks.__getitem__
+        self.accum.begin(blocks_of(layout.rank))
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
                                 known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of)
         losses: dict[int, float] = {}

@@ -37,6 +37,11 @@ class Block(NamedTuple):
     def end(self) -> int:
         return self.start + self.size
 
+    @property
+    def aligned(self) -> bool:
+        """A power-of-two size at a multiple of it: a subtree of the summation tree."""
+        return self.size >= 1 and self.size & (self.size - 1) == 0 and self.start % self.size == 0
+
 
 def decompose(microbatches: Iterable[int]) -> tuple[Block, ...]:
     """The fewest aligned blocks covering exactly `microbatches` (distinct indices), ascending."""
@@ -73,7 +78,7 @@ class CombineProgram:
             raise ValueError("nothing to combine")
         by_block: dict[Block, list[int]] = {}
         for i, b in enumerate(blocks):
-            if b.size < 1 or b.size & (b.size - 1) or b.start % b.size:
+            if not b.aligned:
                 raise ValueError(f"{b} is not an aligned block")
             by_block.setdefault(b, []).append(i)
         self.ops: list[tuple[int, Ref, Ref]] = []

@@ -148,7 +148,7 @@ class GradAccumulator:
             if a.end > b.start:
                 raise ValueError(f"blocks {a} and {b} overlap")
         for b in ordered:
-            if b.size < 1 or b.size & (b.size - 1) or b.start % b.size:
+            if not b.aligned:
                 raise ValueError(f"{b} is not an aligned block (a power-of-two size at a multiple of it)")
         self._grow(len(ordered))
         self.blocks = ordered
@@ -165,7 +165,7 @@ class GradAccumulator:
     def _hook(self, name: str, grad_dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
         """The hook moving `name`'s gradient into its sums. It runs once per parameter and
         microbatch on the backward's thread, so what does not change is looked up here, once."""
-        bufs, state = self._views[name], self._next[name]
+        state = self._next[name]
         numel = self._shapes[name].numel()
         narrow = grad_dtype != self.dtype
 
@@ -182,13 +182,7 @@ class GradAccumulator:
                 wide = self._wide[:numel].view(g.shape)
                 wide.copy_(g)
                 g = wide
-            if k == 0:
-                bufs[slot].copy_(g)
-            elif k == 1:
-                bufs[slot].add_(g)
-            else:
-                self._climb(name, slot, k, g)
-            state[slot] = k + 1
+            self._feed(name, slot, k, g)
             p.grad = None
             if self.listener is not None:
                 self.listener(name)
@@ -196,6 +190,8 @@ class GradAccumulator:
         return move
 
     def _feed(self, name: str, slot: int, k: int, g: torch.Tensor) -> None:
+        """Add `g` as leaf `k` of the block in slot `slot`: the block's first two leaves are a
+        copy and an add into its sum, later ones climb the tree (`_climb`)."""
         if k == 0:
             self._views[name][slot].copy_(g)
         elif k == 1:
@@ -233,7 +229,8 @@ class GradAccumulator:
         return stack[level]
 
     def _skip(self, name: str, slot: int, k: int) -> None:
-        """`name` had no gradient in the block's leaves before `k`: they count as zeros."""
+        """`name` had no gradient in the block's leaves from the next expected one up to, not
+        including, `k`: they count as zeros."""
         done = self._next[name][slot]
         if done > k:
             raise RuntimeError(f"{name}: a second gradient for leaf {k} of block {self.blocks[slot]}")
@@ -259,8 +256,7 @@ class GradAccumulator:
                     self._views[name][slot].zero_()
                     state[slot] = block.size
                 elif state[slot] < block.size:
-                    self._skip(name, slot, block.size - 1)
-                    self._feed(name, slot, block.size - 1, torch.zeros_like(self._views[name][slot]))
+                    self._skip(name, slot, block.size)
 
     def sums(self, group: int) -> list[torch.Tensor]:
         """The flat buffers of group `group`'s sums, one per block of the step (settled)."""

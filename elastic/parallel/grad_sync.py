@@ -250,7 +250,7 @@ class BucketReducer:
         self._reduced.add(k)
         reduced = self.accum.reduced[k]
         if not self.tree:
-            self._combine_mine(k)
+            self._combine_mine(k, sums)
             work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group, async_op=True)
             assert work is not None
             self._works.append(work)
@@ -278,9 +278,8 @@ class BucketReducer:
             wide=wide, norm=norm, program=program,
         ))
 
-    def _combine_mine(self, k: int) -> None:
-        """My own blocks of group `k` combined in tree order into its reduced buffer."""
-        sums = self.accum.sums(k)
+    def _combine_mine(self, k: int, sums: list[torch.Tensor]) -> None:
+        """My own blocks of group `k` (`sums`) combined in tree order into its reduced buffer."""
         reduced = self.accum.reduced[k]
         program = _program(self.accum.blocks)
         chunk = torch.Size([min(reduced.numel(), SUM_CHUNK)])
@@ -299,7 +298,7 @@ class BucketReducer:
             raise
         for k in range(len(self.accum.flats)):
             if k not in self._reduced:
-                self._combine_mine(k)
+                self._combine_mine(k, self.accum.sums(k))
         self._works.clear()
         self._reduced.clear()
 
