@@ -12,5 +12,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 mkdir -p runs
 exec .venv/bin/elastic run --model tiny --nodes 5 --fault-tolerance 1 --global-batch 16 --microbatch 2 \
-    --device-memory-gib 0.012 --steps 20 --inject kill:node=2,step=8 \
+    --device-memory-gib 0.023 --steps 20 --inject kill:node=2,step=8 \
     --run-dir runs/demo --summary runs/demo/summary.json --final-state runs/demo/final_state.pt "$@"

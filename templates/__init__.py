@@ -7,7 +7,7 @@ from templates.cost import StageCosts, pipeline_time
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
 from templates.instantiation import build_plan, choose_sizes, instantiate, split_microbatches
 from templates.plan import PipelinePlan, Plan, PlanError, StagePlan, even_plan
-from templates.profile import DeviceProfile, LayerProfile, Profile, ProfileError
+from templates.profile import DeviceProfile, LayerProfile, MemoryModel, Profile, ProfileError
 from templates.replanning import Replan, replan
 from templates.search import PipelineTemplate, search_templates
 from templates.template_set import PlanningError, TemplateSet, build_templates
@@ -17,6 +17,7 @@ __all__ = [
     "DeviceSpeed",
     "LayerCounts",
     "LayerProfile",
+    "MemoryModel",
     "PipelinePlan",
     "PipelineTemplate",
     "Plan",

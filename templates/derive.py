@@ -4,8 +4,13 @@ Used for models too large to run here and for `elastic plan`'s instant default. 
 described by plain counts (the planner knows nothing of the model code); its times are its
 FLOPs divided by a device speed. Backward is counted as 2x the forward FLOPs (gradients with
 respect to inputs and to weights), which is a FLOP count, not a measurement: a measured
-profile times backward on its own. Sizes assume fp32 weights, gradients and activations and
-AdamW (two fp32 moments per parameter).
+profile times backward on its own. Sizes assume fp32 master weights and AdamW (two fp32
+moments per parameter); activations and stage outputs (what travels between stages and in a
+TP all-reduce) are counted in the compute dtype (`compute_bytes` per element: 4 for fp32, 2
+under bf16 autocast, which then also keeps a bf16 copy of the matmul weights per microbatch),
+beside the bytes that stay fp32 whatever it is. What the engine keeps
+for gradients and their exchange is the profile's `memory` (a default here; the caller that
+knows the cluster replaces it).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 from templates.profile import DeviceProfile, LayerProfile, Profile
 
 BYTES_PER_ELEMENT = 4
-"""fp32 everywhere."""
+"""fp32: weights and moments, and activations and stage outputs unless told otherwise."""
 ADAMW_STATE_PER_PARAM = 2
 """exp_avg and exp_avg_sq, one fp32 each."""
 
@@ -32,11 +37,19 @@ class LayerCounts:
     flops_per_token: float
     """Forward FLOPs per token (2 per multiply-add)."""
     saved_elements_per_token: float
-    """Elements kept from forward to backward per token."""
+    """Elements kept from forward to backward per token, in the compute dtype."""
     output_elements_per_token: int
     """Elements of the layer's output per token (what is sent to the next stage)."""
     tp_allreduces: int = 0
     """All-reduces of the output per microbatch (forward + backward) under tensor parallelism."""
+    saved_bytes_per_token: float = 0.0
+    """Bytes kept from forward to backward per token whatever the compute dtype (fp32 residual
+    stream and statistics, token ids, masks)."""
+    cast_params: int = 0
+    """Weight elements copied to the compute dtype per microbatch and kept for the backward
+    (autocast's copies: none when the compute dtype is fp32)."""
+    workspace_bytes_per_token: float = 0.0
+    """Transient bytes per token at the layer's peak beyond what it keeps (the head's loss)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +68,8 @@ class DeviceSpeed:
     """Seconds per ring step of an intra-node all-reduce."""
     allreduce_bandwidth: float = 150e9
     """Intra-node bytes per second per ring link."""
+    reserve_bytes: int = 0
+    """Bytes of `memory_bytes` that hold no training tensor (CUDA context, communicators)."""
     description: str = ""
     """Where these numbers come from."""
 
@@ -66,6 +81,7 @@ class DeviceSpeed:
             p2p_bandwidth=self.p2p_bandwidth,
             allreduce_latency=self.allreduce_latency,
             allreduce_bandwidth=self.allreduce_bandwidth,
+            reserve_bytes=self.reserve_bytes,
         )
 
 
@@ -76,32 +92,39 @@ def derive_profile(
     seq_len: int,
     microbatch_size: int,
     device: DeviceSpeed,
+    compute_bytes: int = BYTES_PER_ELEMENT,
 ) -> Profile:
-    """The profile of `layers` at `microbatch_size` samples of `seq_len` tokens on `device`."""
+    """The profile of `layers` at `microbatch_size` samples of `seq_len` tokens on `device`, with
+    activations of `compute_bytes` per element."""
     if seq_len < 1 or microbatch_size < 1:
         raise ValueError(f"seq_len and microbatch_size must be >= 1, got {seq_len} and {microbatch_size}")
     if not device.flops_per_second > 0:
         raise ValueError(f"flops_per_second must be > 0, got {device.flops_per_second}")
+    if compute_bytes < 1:
+        raise ValueError(f"compute_bytes must be >= 1, got {compute_bytes}")
     tokens = seq_len * microbatch_size
     out = []
     for layer in layers:
         forward = layer.flops_per_token * tokens / device.flops_per_second
+        cast = layer.cast_params * compute_bytes if compute_bytes < BYTES_PER_ELEMENT else 0
+        saved = tokens * (layer.saved_elements_per_token * compute_bytes + layer.saved_bytes_per_token)
         out.append(
             LayerProfile(
                 forward=forward,
                 backward=2.0 * forward,
                 param_bytes=layer.params * BYTES_PER_ELEMENT,
                 optimizer_bytes=layer.params * BYTES_PER_ELEMENT * ADAMW_STATE_PER_PARAM,
-                activation_bytes=int(layer.saved_elements_per_token * tokens * BYTES_PER_ELEMENT),
-                output_bytes=layer.output_elements_per_token * tokens * BYTES_PER_ELEMENT,
+                activation_bytes=int(saved) + cast,
+                output_bytes=layer.output_elements_per_token * tokens * compute_bytes,
                 tp_allreduces=layer.tp_allreduces,
+                workspace_bytes=int(layer.workspace_bytes_per_token * tokens),
             )
         )
     kinds = ", ".join(f"{kind} x{sum(1 for ly in layers if ly.kind == kind)}" for kind in _kinds(layers))
     notes = (
         f"derived from FLOP/byte counts at {device.flops_per_second:.3g} FLOP/s per device"
         f"{' (' + device.description + ')' if device.description else ''}; backward = 2x forward FLOPs; "
-        f"fp32 weights/grads/activations, AdamW moments; layers: {kinds}"
+        f"fp32 weights and AdamW moments, {compute_bytes}-byte activations; layers: {kinds}"
     )
     return Profile(
         model=model,

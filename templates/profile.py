@@ -1,11 +1,18 @@
 """The profile: what the planner knows about each layer and about the devices.
 
 A profile is versioned JSON. Times are seconds for ONE microbatch on ONE device (no tensor
-parallelism); bytes are full (unsharded) sizes. Memory accounting assumes fp32 training with
-AdamW: a layer's static memory is its weights plus their gradients (2 x `param_bytes`) plus
-`optimizer_bytes` (the two AdamW moments, 8 bytes per parameter; weights are already fp32, so
-there is no separate master copy). `source` says whether the numbers were measured on a device
-or derived from FLOP/byte counts.
+parallelism); bytes are full (unsharded) sizes. Memory accounting assumes fp32 master weights
+(4 bytes per parameter, so a layer has `param_bytes` / 4 parameters) with AdamW: a layer's
+static memory is its weights (`param_bytes`), the two AdamW moments (`optimizer_bytes`) and the
+engine's gradient and exchange buffers (`memory.grad_bytes_per_param` per parameter); each
+worker also keeps `memory.worker_bytes` of fixed work buffers, and `device.reserve_bytes` of
+each device hold no training tensor (the CUDA context, the communicators). The planner imports
+nothing of the engine: these figures come as numbers, from `elastic/planning/footprint.py`.
+Activation bytes are in the compute dtype the profile was taken or derived for. `source` says
+whether the numbers were measured on a device or derived from FLOP/byte counts.
+
+Files written before the memory figures existed read with the old model: one fp32 gradient per
+parameter (`grad_bytes_per_param` 4), no reserve, no fixed buffers, no workspace.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Any
 
 PROFILE_VERSION = 1
 SOURCES = ("measured", "derived")
+WEIGHT_BYTES = 4
+"""Bytes of one parameter's master weight (fp32): `param_bytes` / WEIGHT_BYTES parameters."""
 
 
 class ProfileError(ValueError):
@@ -42,6 +51,9 @@ class LayerProfile:
     """Bytes of the layer's output for one microbatch: what a p2p send or a TP all-reduce moves."""
     tp_allreduces: int = 0
     """All-reduces of `output_bytes` per microbatch (forward + backward) when tensor-parallel."""
+    workspace_bytes: int = 0
+    """Transient bytes at the layer's peak beyond what it keeps, for one microbatch, counted once
+    per stage whatever its microbatches in flight (the head: its fp32 loss over the logits)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +64,7 @@ class LayerProfile:
             "activation_bytes": self.activation_bytes,
             "output_bytes": self.output_bytes,
             "tp_allreduces": self.tp_allreduces,
+            "workspace_bytes": self.workspace_bytes,
         }
 
 
@@ -60,7 +73,7 @@ class DeviceProfile:
     """Memory and link costs of one device and the links between devices and nodes."""
 
     memory_bytes: int
-    """Memory budget of one device for weights, gradients, optimizer state and activations."""
+    """Memory of one device."""
     p2p_latency: float
     """Seconds of fixed cost of one point-to-point transfer between nodes."""
     p2p_bandwidth: float
@@ -69,6 +82,14 @@ class DeviceProfile:
     """Seconds of fixed cost per ring step of an all-reduce among the devices of a node."""
     allreduce_bandwidth: float
     """Bytes per second of one ring link inside a node."""
+    reserve_bytes: int = 0
+    """Bytes of `memory_bytes` that hold no training tensor: the CUDA context and the
+    communicators' buffers (0 on the CPU)."""
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of one device for weights, optimizer state, gradients, buffers and activations."""
+        return self.memory_bytes - self.reserve_bytes
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send `nbytes` from one node to the next."""
@@ -88,7 +109,33 @@ class DeviceProfile:
             "p2p_bandwidth": self.p2p_bandwidth,
             "allreduce_latency": self.allreduce_latency,
             "allreduce_bandwidth": self.allreduce_bandwidth,
+            "reserve_bytes": self.reserve_bytes,
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryModel:
+    """The engine's memory beyond the layers' weights, moments and activations, as numbers (the
+    planner imports nothing of the engine: `elastic/planning/footprint.py` computes them for the
+    cluster being planned)."""
+
+    grad_bytes_per_param: float = 4.0
+    """Bytes per parameter of gradient buffers (sums, reduced gradient, snapshot, tree scratch)
+    and exchange buffers; 4.0 (the default): one fp32 gradient."""
+    worker_bytes: int = 0
+    """Bytes per worker that do not grow with its stage (work buffers)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"grad_bytes_per_param": self.grad_bytes_per_param, "worker_bytes": self.worker_bytes}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MemoryModel:
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile memory must be a JSON object, got {type(data).__name__}")
+        return cls(
+            grad_bytes_per_param=_num(data.get("grad_bytes_per_param", 4.0), "grad_bytes_per_param"),
+            worker_bytes=_int(data.get("worker_bytes", 0), "worker_bytes"),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +154,8 @@ class Profile:
     """'measured' (timed on a device) or 'derived' (FLOP/byte counts scaled by a device speed)."""
     notes: str = ""
     """Free text: assumptions, the device, how it was measured."""
+    memory: MemoryModel = MemoryModel()
+    """The engine's gradient, exchange and work buffers, for the cluster being planned."""
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -129,6 +178,7 @@ class Profile:
             "source": self.source,
             "notes": self.notes,
             "device": self.device.to_dict(),
+            "memory": self.memory.to_dict(),
             "layers": [layer.to_dict() for layer in self.layers],
         }
 
@@ -154,6 +204,7 @@ class Profile:
                 p2p_bandwidth=_num(dev["p2p_bandwidth"], "p2p_bandwidth"),
                 allreduce_latency=_num(dev["allreduce_latency"], "allreduce_latency"),
                 allreduce_bandwidth=_num(dev["allreduce_bandwidth"], "allreduce_bandwidth"),
+                reserve_bytes=_int(dev.get("reserve_bytes", 0), "reserve_bytes"),
             )
             layers = tuple(
                 LayerProfile(
@@ -164,6 +215,7 @@ class Profile:
                     activation_bytes=_int(layer["activation_bytes"], "activation_bytes"),
                     output_bytes=_int(layer["output_bytes"], "output_bytes"),
                     tp_allreduces=_int(layer.get("tp_allreduces", 0), "tp_allreduces"),
+                    workspace_bytes=_int(layer.get("workspace_bytes", 0), "workspace_bytes"),
                 )
                 for layer in data["layers"]
             )
@@ -174,6 +226,7 @@ class Profile:
                 device=device,
                 source=str(data.get("source", "derived")),
                 notes=str(data.get("notes", "")),
+                memory=MemoryModel.from_dict(data.get("memory", {})),
             )
         except KeyError as exc:
             raise ProfileError(f"profile is missing field {exc.args[0]!r}") from None
@@ -219,6 +272,11 @@ def _validate(profile: Profile) -> None:
     dev = profile.device
     if dev.memory_bytes <= 0:
         raise ProfileError(f"device memory_bytes must be > 0, got {dev.memory_bytes}")
+    if not 0 <= dev.reserve_bytes < dev.memory_bytes:
+        raise ProfileError(f"device reserve_bytes must be >= 0 and below memory_bytes, got {dev.reserve_bytes}")
+    mem = profile.memory
+    if not (math.isfinite(mem.grad_bytes_per_param) and mem.grad_bytes_per_param >= 0) or mem.worker_bytes < 0:
+        raise ProfileError(f"memory figures must be >= 0, got {mem}")
     for name in ("p2p_bandwidth", "allreduce_bandwidth"):
         value = getattr(dev, name)
         if not (math.isfinite(value) and value > 0):
@@ -232,6 +290,7 @@ def _validate(profile: Profile) -> None:
             value = getattr(layer, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ProfileError(f"layer {i} {name} time must be a number >= 0, got {value}")
-        for name in ("param_bytes", "optimizer_bytes", "activation_bytes", "output_bytes", "tp_allreduces"):
+        for name in ("param_bytes", "optimizer_bytes", "activation_bytes", "output_bytes", "tp_allreduces",
+                     "workspace_bytes"):
             if getattr(layer, name) < 0:
                 raise ProfileError(f"layer {i} {name} must be >= 0, got {getattr(layer, name)}")

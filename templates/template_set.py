@@ -80,8 +80,10 @@ def build_templates(
     costs = StageCosts(profile, gpus_per_node)
     feasible = feasible_stage_counts(costs, profile.num_layers)
     if not feasible:
+        budget = profile.device.budget_bytes - profile.memory.worker_bytes
         raise PlanningError(
             f"the model does not fit in nodes of {gpus_per_node} x {profile.device.memory_bytes / 2**30:.2f} GiB "
+            f"({budget / 2**30:.3f} GiB per device for the stage after the reserve and fixed buffers) "
             f"even with one layer per node"
         )
     n0 = feasible[0]

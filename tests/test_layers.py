@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS: dict[str, int] = {
     "templates": 0,  # the planner: pure, imports nothing of the project
+    "comm": 0,  # communicators, the recording group and the NCCL model: torch only
     "model": 1,
     "data": 1,
     "coordinator": 1,

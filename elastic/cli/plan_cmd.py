@@ -1,7 +1,9 @@
 """`elastic plan`: pipeline templates and the plan for a cluster, from a preset and a profile.
 
 Without `--profile` the profile is derived from the preset's FLOP and byte counts on a nominal
-device (`--device-tflops`, `--device-memory-gib`), so the command answers instantly.
+device (`--device-tflops`, `--device-memory-gib`), so the command answers instantly. `--device
+cuda` plans for CUDA workers: bf16 activations (autocast), a reserve for the context and the
+communicators, and by default the memory of this machine's GPU when it has one.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from elastic.planning.cluster import (
     ClusterSpec,
     cluster_templates,
     initial_plan,
+    memory_gib,
 )
+from elastic.planning.footprint import DEVICE_TYPES
 from templates.plan import Plan
 from templates.template_set import TemplateSet
 
@@ -44,9 +48,17 @@ def register(subparsers: Any) -> None:
         "--device-tflops", type=float, default=DEFAULT_TFLOPS, help="derived profile: achieved TFLOP/s per device"
     )
     parser.add_argument(
-        "--device-memory-gib", type=float, default=DEFAULT_MEMORY_GIB, help="derived profile: GiB per device"
+        "--device-memory-gib", type=float, default=None,
+        help=f"derived profile: GiB per device (default {DEFAULT_MEMORY_GIB:g}; with --device cuda, this machine's GPU's)",
     )
+    parser.add_argument("--device", choices=DEVICE_TYPES, default="cpu",
+                        help="device type the workers compute on (cuda: bf16 activations, a reserve per device)")
     parser.set_defaults(func=_run)
+
+
+def _memory_gib(args: argparse.Namespace) -> float:
+    """--device-memory-gib, or the device's (`planning.cluster.memory_gib`)."""
+    return memory_gib(args.device_memory_gib, args.device, profile=args.profile)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -61,8 +73,9 @@ def _run(args: argparse.Namespace) -> int:
             microbatch=args.microbatch,
             profile_path=args.profile,
             device_tflops=args.device_tflops,
-            device_memory_gib=args.device_memory_gib,
+            device_memory_gib=_memory_gib(args),
             shape=cfg,
+            device_type=args.device,
         )
         tset = cluster_templates(spec)
         plan = initial_plan(spec, tset)

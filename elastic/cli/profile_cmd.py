@@ -1,7 +1,10 @@
 """`elastic profile`: measure a model's per-layer profile on this machine and write it as JSON.
 
+Layers run as the engine runs them on this device (bf16 autocast on CUDA, fp32 on the CPU).
 Models too large to run here (or `--mode derive`) get a profile derived from FLOP/byte counts
-scaled by this device's measured matmul speed; the file's `source` and `notes` say which.
+scaled by this device's measured matmul speed; the file's `source` and `notes` say which. The
+memory written is the device's (its reserve for the CUDA context and communicators apart), or
+`--memory-gib`.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per layer (median kept)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: all)")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="memory per device (default: the device's; on CUDA a reserve comes off it)")
     parser.set_defaults(func=_run)
 
 
@@ -53,6 +57,7 @@ def _run(args: argparse.Namespace) -> int:
 
     # torch is imported here, not at module level, so that `elastic plan` stays light.
     from elastic.engine.device import select_device
+    from elastic.planning.memory import compute_dtype
     from elastic.planning.profiler import (
         ProfilerConfig,
         default_memory_bytes,
@@ -68,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     memory = default_memory_bytes(device) if args.memory_gib is None else int(args.memory_gib * 2**30)
     conf = ProfilerConfig(microbatch=args.microbatch, device=device, memory_bytes=memory, repeats=args.repeats)
-    counts = gpt_layer_counts(cfg)
+    counts = gpt_layer_counts(cfg, compute_bytes=compute_dtype(device).itemsize)
     flops = matmul_flops_per_second(device)
     measure = args.mode == "measure" or (args.mode == "auto" and should_measure(cfg, counts, conf, flops))
     if measure:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from elastic.planning.cluster import (
     ClusterSpec,
     cluster_templates,
     initial_plan,
+    memory_gib,
 )
 from templates.plan import Plan, PlanError
 
@@ -57,8 +59,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--device-memory-gib",
         type=float,
-        default=DEFAULT_MEMORY_GIB,
-        help="derived profile: GiB per device (a small value forces multi-stage pipelines)",
+        default=None,
+        help=f"derived profile: GiB per device (a small value forces multi-stage pipelines; default "
+             f"{DEFAULT_MEMORY_GIB:g} on CPU, the GPU's own memory on CUDA)",
     )
     parser.add_argument("--final-state", type=Path, default=None, help="write the full fp32 parameters here")
     parser.add_argument("--summary", type=Path, default=None, help="write the run summary JSON here")
@@ -169,12 +172,30 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
             microbatch=2 if args.microbatch is None else args.microbatch,
             profile_path=args.profile,
             device_tflops=args.device_tflops,
-            device_memory_gib=args.device_memory_gib,
+            device_memory_gib=_memory_gib(args),
+            device_type=_device_type(args),
             shape=shape,
         )
         return initial_plan(spec, cluster_templates(spec))
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
+
+
+def _device_type(args: argparse.Namespace) -> str:
+    """The device type the workers will compute on (what the planner counts activations in):
+    --device, or for "auto" whether this machine has a GPU (torch loads only where one may be)."""
+    if args.device != "auto":
+        return str(args.device)
+    if not (shutil.which("nvidia-smi") or Path("/dev/nvidiactl").exists()):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _memory_gib(args: argparse.Namespace) -> float:
+    """--device-memory-gib, or the device's (`planning.cluster.memory_gib`)."""
+    return memory_gib(args.device_memory_gib, _device_type(args), profile=args.profile)
 
 
 def _unwind_on_sigterm() -> None:
@@ -355,7 +376,7 @@ def _write_report(run_dir: Path) -> None:
 
     try:
         print(f"elastic run: report {write_report(run_dir)}", flush=True)
-    except (ReportError, OSError, ValueError) as exc:
+    except (ReportError, OSError, ValueError, ImportError) as exc:  # ImportError: no matplotlib here
         print(f"elastic run: warning: no report: {exc}", file=sys.stderr)
 
 
@@ -381,7 +402,8 @@ def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             microbatch=plan.microbatch_size,
             profile_path=args.profile,
             device_tflops=args.device_tflops,
-            device_memory_gib=args.device_memory_gib,
+            device_memory_gib=_memory_gib(args),
+            device_type=_device_type(args),
             shape=spec.model_config,
         )
         return ElasticConfig(

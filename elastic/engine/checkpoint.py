@@ -30,10 +30,11 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from elastic.comm.device import host_copy, mark, settle
 from elastic.engine.checkpoint_files import (
     CheckpointError,
     ShardKey,
@@ -104,6 +105,9 @@ class _Job:
     step: int
     shards: Shards
     copy_s: float
+    ready: Any = None
+    """CUDA: the event after the copies into pinned host memory, waited for by the writer
+    thread (None on CPU: the copies are done)."""
 
 
 class CheckpointWriter:
@@ -129,7 +133,9 @@ class CheckpointWriter:
 
     def save_async(self, step: int, shards: Shards) -> None:
         """Copy `shards` (the caller may change its tensors as soon as this returns), then
-        write them as part of `step` on the background thread."""
+        write them as part of `step` on the background thread. On CUDA the copies go to pinned
+        host memory behind the current stream, and the writer thread waits for them: the training
+        thread does not block."""
         self._raise_pending()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -143,9 +149,11 @@ class CheckpointWriter:
             for name, t in tensors.items():
                 if not isinstance(t, torch.Tensor):
                     raise ValueError(f"shard {key} entry {name!r} is a {type(t).__name__}, not a tensor")
-                copy[name] = t.detach().to(device="cpu", copy=True)
+                copy[name] = host_copy(t)
             copied[key] = copy
-        job = _Job(step=step, shards=copied, copy_s=time.perf_counter() - start)
+        devices = {t.device for tensors in shards.values() for t in tensors.values()}
+        ready = mark(devices.pop()) if len(devices) == 1 else None
+        job = _Job(step=step, shards=copied, copy_s=time.perf_counter() - start, ready=ready)
         self._ensure_thread()
         self._queue.put(job)
 
@@ -206,6 +214,7 @@ class CheckpointWriter:
             try:
                 if job is None:
                     return
+                settle(job.ready)
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread by flush()
                 if job is not None and self._pruned(job.step):

@@ -18,11 +18,10 @@ next generation evaluates again).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from elastic.data.dataset import TokenDataset
-from elastic.engine.device import compute_precision
-from elastic.parallel.executor import StageSpec, run_schedule
+from elastic.engine.device import compute_precision, wire_dtype
+from elastic.parallel.executor import MicrobatchResult, StageSpec, run_schedule
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import forward_only
@@ -59,25 +58,25 @@ def evaluate(
     if batches < 1:
         raise ValueError(f"an evaluation needs at least one batch, got {batches}")
     mine = pipeline_share(layout.pipeline, len(layout.plan.pipelines), batches)
-    losses: dict[int, float] = {}
+    losses = MicrobatchResult()
     if len(mine):
         losses = _run_share(module, mine, layout=layout, groups=groups, dataset=dataset,
                             batch_size=batch_size, d_model=d_model, device=device)
     counted = layout.is_last_stage and layout.tp_rank == 0
-    share = sum(losses[m] for m in sorted(losses)) / batches if counted else 0.0
-    total = torch.tensor([share], dtype=torch.float64, device=device)
-    groups.wait(dist.all_reduce(total, op=dist.ReduceOp.SUM, group=groups.world, async_op=True))
-    return float(total.item())  # a non-finite loss is reported as it is: every worker sees the same
+    total = (losses.loss_sum(device) / batches if counted else torch.zeros((), dtype=torch.float64, device=device))
+    total = total.reshape(1)
+    groups.wait(groups.world.all_reduce(total))
+    return float(groups.fetch(total)[0])  # a non-finite loss is reported as it is: every worker sees the same
 
 
 def _run_share(
     module: torch.nn.Module, mine: range, *, layout: ParallelLayout, groups: ParallelGroups, dataset: TokenDataset,
     batch_size: int, d_model: int, device: torch.device,
-) -> dict[int, float]:
+) -> MicrobatchResult:
     """Forward this pipeline's held-out microbatches through my stage; local index -> loss (on a
     last stage)."""
     spec = StageSpec(rank=layout.rank, prev_rank=layout.prev_rank, next_rank=layout.next_rank,
-                     act_shape=(batch_size, dataset.seq_len, d_model))
+                     act_shape=(batch_size, dataset.seq_len, d_model), act_dtype=wire_dtype(device))
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,4 +97,4 @@ def _run_share(
             )
     finally:
         module.train(was_training)
-    return result.losses
+    return result

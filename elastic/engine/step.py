@@ -32,12 +32,12 @@ import torch
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
-from elastic.engine.device import compute_precision
+from elastic.engine.device import compute_precision, wire_dtype
 from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.blocks import Block, decompose
 from elastic.parallel.exchange import TreeExchange
-from elastic.parallel.executor import StageSpec, run_schedule
+from elastic.parallel.executor import MicrobatchResult, StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import (
     BucketReducer,
@@ -195,7 +195,7 @@ class StepTransaction:
         self.accum = accum
         self.buckets = accum_buckets(accum, layout, layer_of)
         """The accumulator's gradient buckets (`grad_sync.accum_buckets`)."""
-        self.exchange = TreeExchange()
+        self.exchange = TreeExchange(device=device, recorder=groups.recorder)
         """Where the steps' buckets are reduced (its thread is kept from step to step)."""
         self.tree = tree
         """Reduce in the step's summation tree (`JobSpec.exact_grad_sum`); False: gloo's all-reduce."""
@@ -210,6 +210,7 @@ class StepTransaction:
             prev_rank=layout.prev_rank,
             next_rank=layout.next_rank,
             act_shape=(plan.microbatch_size, dataset.seq_len, d_model),
+            act_dtype=wire_dtype(device),
         )
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
@@ -223,7 +224,9 @@ class StepTransaction:
         caller keeps them for the next generation."""
         self._finished: KeptGrads | None = None
         """The step being prepared once its schedule finished here: what `partial` becomes if
-        it is abandoned, without the copy of the sums."""
+        it is abandoned, without the copy of the sums (nor its loss, read then: `_loss`)."""
+        self._loss: torch.Tensor | None = None
+        """That step's loss share on the device (float64), read only if it is abandoned."""
 
     @staticmethod
     def buffers_for(
@@ -297,8 +300,10 @@ class StepTransaction:
     def _keep_partial(self) -> None:
         """The step is abandoned: copy this worker's sums of it, if its schedule finished here."""
         if self._finished is not None:
-            self.partial = dataclasses.replace(self._finished, grads=self.accum.snapshot())
-            self._finished = None
+            loss = 0.0 if self._loss is None else float(self._loss)
+            self.partial = dataclasses.replace(self._finished, grads=self.accum.snapshot(), loss_sum=loss,
+                                               finite=math.isfinite(loss))
+            self._finished = self._loss = None
 
     def complete(self, step: int, *, grad_norm: float, loss: float) -> StepResult:
         """Commit the pending step `step` with its vote's outcome as a peer saw it complete:
@@ -354,12 +359,12 @@ class StepTransaction:
 
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         if self.exchange.abandoned:
-            self.exchange = TreeExchange()
+            self.exchange = TreeExchange(device=self.device, recorder=self.groups.recorder)
         blocks_of = self.plan_blocks if replay is None else replay.blocks.__getitem__
         self.accum.begin(blocks_of(layout.rank))
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
                                 known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of)
-        losses: dict[int, float] = {}
+        losses = MicrobatchResult()
         try:
             if mbs:
                 actions = self.actions if replay is None else one_f_one_b(
@@ -383,21 +388,24 @@ class StepTransaction:
                     before_final_backward=reducer.arm if replay is None else None,
                     before_backward=lambda m: self.accum.leaf(mbs[m]),
                 )
-                losses = result.losses
+                losses = result
         except BaseException:
             reducer.abandon()  # buckets handed to its exchange thread must not be written any more
             raise
         counted = layout.is_last_stage and layout.tp_rank == 0
-        loss_sum = sum(losses.values()) / total_mbs if counted else 0.0
-        finite = all(math.isfinite(v) for v in losses.values())
+        # The losses stay on the device: their sum is read with the vote (a non-finite one fails it).
+        loss_sum = losses.loss_sum(self.device) / total_mbs if counted else torch.zeros(
+            (), dtype=torch.float64, device=self.device)
+        ok = True
         if replay is not None:
             for block, sums in replay.sums.items():
                 self.accum.add(block, sums)
             loss_sum += replay.loss_sum
-            finite = finite and replay.finite
+            ok = replay.finite
         elif replay is None and self.keep_partial:
             self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
-                                       grads={}, loss_sum=loss_sum, finite=finite)
+                                       grads={}, loss_sum=0.0, finite=True)
+            self._loss = loss_sum
         return finalize_grads(
             self.accum,
             layout=layout,
@@ -405,7 +413,7 @@ class StepTransaction:
             layer_of=self.layer_of,
             loss_sum=loss_sum,
             grad_clip=self.optim.grad_clip,
-            ok=finite,
+            ok=ok,
             halt=halt,
             reducer=reducer,
         )

@@ -22,9 +22,11 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from elastic.comm import Recorder
+from elastic.comm.device import host_copy, mark, settle, synchronize
 from elastic.data.dataset import TokenDataset
 from elastic.engine.adamw import MasterAdamW, ParamState
-from elastic.engine.device import backend_for, select_device
+from elastic.engine.device import backend_for, bind, select_device
 from elastic.engine.eval import eval_due, evaluate
 from elastic.engine.optim import build_optimizer
 from elastic.engine.step import (
@@ -76,14 +78,15 @@ def _log(message: str) -> None:
 class _Background:
     """A function run on a thread of its own; `result()` joins it (and re-raises its error)."""
 
-    def __init__(self, fn: Callable[[], GradAccumulator]) -> None:
+    def __init__(self, fn: Callable[[], GradAccumulator], device: torch.device) -> None:
         self._out: list[GradAccumulator] = []
         self._error: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="trainer-background", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fn, device), name="trainer-background", daemon=True)
         self._thread.start()
 
-    def _run(self, fn: Callable[[], GradAccumulator]) -> None:
+    def _run(self, fn: Callable[[], GradAccumulator], device: torch.device) -> None:
         try:
+            bind(device)
             self._out.append(fn())
         except BaseException as exc:  # handed to the caller of result()
             self._error.append(exc)
@@ -124,18 +127,34 @@ def _adopt(
 
 
 def _export(key: ShardKey, entries: dict[str, tuple[nn.Parameter, ParamState]], *, copy: bool) -> ShardState:
-    """One shard's tensors by name: CPU copies (`copy`), or the held tensors themselves (with the
-    step count on their device)."""
+    """One shard's tensors by name: host copies (`copy`: on CUDA through pinned memory, waited
+    for here), or the held tensors themselves (with the step count on their device)."""
     out: ShardState = {}
     steps = set()
     for name, (param, state) in entries.items():
         for kind, t in (("param", param.detach()), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
-            out[f"{kind}/{name}"] = t.to("cpu", copy=True) if copy else t
+            out[f"{kind}/{name}"] = host_copy(t) if copy else t
         steps.add(state.step)
     assert len(steps) == 1, f"shard {key}: parameters disagree on the AdamW step count {steps}"
-    device = torch.device("cpu") if copy else next(iter(out.values())).device
-    out["step"] = torch.tensor(steps.pop(), dtype=torch.int64, device=device)
+    held = next(iter(entries.values()))[0].device
+    if copy:
+        settle(mark(held))
+    out["step"] = torch.tensor(steps.pop(), dtype=torch.int64, device=torch.device("cpu") if copy else held)
     return out
+
+
+def _rounds(moves: list[ShardMove]) -> list[list[ShardMove]]:
+    """`moves` split into rounds in which no (shard, receiver) pair repeats: the n-th move of
+    each pair, by sender, in round n (every worker computes the same rounds)."""
+    rounds: list[list[ShardMove]] = []
+    seen: dict[tuple[ShardKey, int], int] = {}
+    for m in sorted(moves, key=lambda m: (m.src, m.dst, m.key)):
+        n = seen.get((m.key, m.dst), 0)
+        seen[(m.key, m.dst)] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(m)
+    return rounds
 
 
 def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -147,10 +166,14 @@ def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
 class Trainer:
     """One worker of a job: its stage, optimizer and step counter, across generations."""
 
-    def __init__(self, spec: JobSpec, *, node: int, local_rank: int) -> None:
+    def __init__(self, spec: JobSpec, *, node: int, local_rank: int, recorder: Recorder | None = None) -> None:
+        """`recorder`: log every communicator operation of every generation there (the
+        recording group, elastic/comm/record.py: for tests and for diagnosing a hang)."""
         self.spec, self.node, self.local_rank = spec, node, local_rank
+        self.recorder = recorder
         self.cfg = spec.model_config
         self.device = select_device(local_rank, want=spec.device)
+        bind(self.device)
         self.dataset = TokenDataset(seq_len=self.cfg.seq_len, seed=spec.data_seed, path=spec.data_path,
                                     held_out=spec.eval_every > 0)
         self.dataset.check_vocab(self.cfg.vocab_size)
@@ -170,7 +193,7 @@ class Trainer:
         self._graveyard: list[ParallelGroups] = []
         """Groups of past generations: never destroyed, an abandoned operation may be pending."""
         self._closed = 0
-        """How many graveyard entries are closed (their connections; elastic/parallel/retire.py)."""
+        """How many graveyard entries are closed (their connections: elastic/parallel/groups.py, `close`)."""
         self._lock = threading.Lock()
         """Guards what export_shard serves against the optimizer update and the switch."""
         self._served: _Held = {}
@@ -183,10 +206,11 @@ class Trainer:
     def _close_retired(self) -> None:
         """Close the groups retired since the last call, on a thread of their own: a step of
         this generation committed, so every worker of it has left the older generations
-        (elastic/parallel/retire.py). Called under the lock."""
+        (elastic/parallel/groups.py). Called under the lock."""
         retired, self._closed = self._graveyard[self._closed:], len(self._graveyard)
 
         def close() -> None:
+            bind(self.device)
             for groups in retired:
                 groups.close()
 
@@ -199,6 +223,8 @@ class Trainer:
         destroying thread until the group's timeout (a pending all-reduce held `del` for the
         whole 20 s timeout of a test group), and an abandoned step leaves such operations."""
         with old._lock:
+            if old._groups is not None:
+                old._groups.retire()
             self._graveyard += old._graveyard + ([old._groups] if old._groups is not None else [])
 
     # ---- the current generation ----------------------------------------------------------
@@ -252,12 +278,13 @@ class Trainer:
         gradient buffers being allocated on a thread of their own: their pages are faulted in
         while shards arrive (a GB for gpt2-124m)."""
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
-        groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), abort=abort)
+        groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), device=self.device,
+                              abort=abort, recorder=self.recorder)
         first, last = layout.layers
         with torch.device("meta"):
             skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
         buffers = _Background(lambda: StepTransaction.buffers_for(
-            skeleton, layout=layout, layer_of=self.layer_of, device=self.device))
+            skeleton, layout=layout, layer_of=self.layer_of, device=self.device), self.device)
         return groups, skeleton, buffers
 
     def _new_transaction(
@@ -334,6 +361,7 @@ class Trainer:
         missing = [k for k in needed if k not in held]
 
         t0 = time.perf_counter()
+        self._retire_current()
         groups, skeleton, buffers = self._open_generation(layout, store, abort)
         t1 = time.perf_counter()
         try:
@@ -405,7 +433,7 @@ class Trainer:
         if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
             return {}
         result = exchange(groups.world, rank=layout.rank, moves=moves, export=self._live_shard, wait=groups.wait,
-                          device=self.device, post=groups.p2p)
+                          device=self.device, post=groups.p2p, fetch=groups.fetch)
         for key, why in sorted(result.failed.items()):
             _log(f"generation {layout.generation}: shard {tuple(key)} did not arrive intact ({why}): "
                  "fetching it over gRPC")
@@ -416,6 +444,15 @@ class Trainer:
     def _live_shard(self, key: ShardKey) -> ShardState:
         """A held shard's own tensors (no copy: nothing updates them while a generation starts)."""
         return self._held_shard(key, copy=False)
+
+    def _retire_current(self) -> None:
+        """This worker has left its generation: retire its communicators before the next ones are
+        made (aborted if its step was abandoned, NCCL's shut down: elastic/parallel/groups.py),
+        and let the device finish what the aborted ones held up (nothing on CPU)."""
+        current = self._groups
+        if current is not None:
+            current.retire()
+            synchronize(self.device)
 
     def _check_join(self, plan: Plan, generation: int, step: int) -> ParallelLayout:
         """My layout in `plan`, after checking that joining generation `generation` at `step` is valid."""
@@ -468,23 +505,24 @@ class Trainer:
         ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(layout.plan)}
         moves = [ShardMove(key=ShardKey(layer, tp), src=ranks[(fn, fr)], dst=ranks[(tn, tr)])
                  for layer, tp, fn, fr, tn, tr in replay.moved]
-        if not any(layout.rank in (m.src, m.dst) for m in moves):
-            return {}
 
         def export(key: ShardKey) -> ShardState:
             assert kept is not None, "asked to send kept sums this worker does not keep"
             return {f"grad/{b.start}/{b.size}/{n}": t for b, named in kept.grads.items()
                     for n, t in named.items() if self.layer_of(n) == key.layer}
 
-        result = exchange(groups.world, rank=layout.rank, moves=moves, export=export, wait=groups.wait,
-                          tag=_SUMS_TAG, device=self.device, post=groups.p2p)
-        if result.failed:
-            raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
         out: dict[Block, dict[str, torch.Tensor]] = {}
-        for shard in result.shards.values():
-            for key, t in shard.items():
-                _, start, size, name = key.split("/", 3)
-                out.setdefault(Block(int(start), int(size)), {})[name] = t
+        for batch in _rounds(moves):  # a holder may get one layer's sums from two keepers: one each round
+            if not any(layout.rank in (m.src, m.dst) for m in batch):
+                continue
+            result = exchange(groups.world, rank=layout.rank, moves=batch, export=export, wait=groups.wait,
+                              tag=_SUMS_TAG, device=self.device, post=groups.p2p, fetch=groups.fetch)
+            if result.failed:
+                raise ValueError(f"kept gradient sums did not arrive intact: {dict(result.failed)}")
+            for shard in result.shards.values():
+                for key, t in shard.items():
+                    _, start, size, name = key.split("/", 3)
+                    out.setdefault(Block(int(start), int(size)), {})[name] = t
         return out
 
     def _build_stage(
@@ -526,6 +564,7 @@ class Trainer:
         generation's state until the switch; shards dropped at the last switch stay
         available, at that switch's state, until the next one.
         """
+        bind(self.device)  # gRPC's threads call this: no CUDA call of theirs may land on device 0
         return self._held_shard(ShardKey(layer, tp_rank), copy=True)
 
     def _held_shard(self, key: ShardKey, *, copy: bool) -> ShardState:
@@ -663,10 +702,19 @@ class Trainer:
             }
             self.spec.result_path.write_text(json.dumps(result, indent=1))
 
+    def shutdown(self) -> None:
+        """Close the communicators of every generation this trainer joined (the job is over for
+        it, or it is dropped): their connections end, and any operation still pending fails."""
+        with self._lock:
+            every = [*self._graveyard, *([self._groups] if self._groups is not None else [])]
+        for groups in every:
+            groups.close()
+
     def close(self) -> None:
         """Wait until every worker of the generation is done with collectives (world barrier)."""
         done = torch.zeros((), device=self.device)
-        self.groups.wait(torch.distributed.all_reduce(done, group=self.groups.world, async_op=True))
+        self.groups.wait(self.groups.world.all_reduce(done))
+        self.groups.fetch(done)
 
 
 def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: torch.distributed.Store) -> None:

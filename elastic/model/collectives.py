@@ -13,20 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from elastic.model.tensor_parallel import TensorParallel
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     x = x.contiguous().clone()
-    tp.complete(dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group, async_op=True))
+    tp.all_reduce(x)
     return x
 
 
 def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
-    tp.complete(dist.all_gather(parts, x.contiguous(), group=tp.group, async_op=True))
+    tp.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from elastic.model.init import shard_tensor
@@ -15,7 +14,7 @@ def gather_full(shard: torch.Tensor, tp_dim: int | None, tp: TensorParallel) -> 
     if tp_dim is None or tp.size == 1:
         return shard.detach().clone()
     parts = [torch.empty_like(shard) for _ in range(tp.size)]
-    dist.all_gather(parts, shard.detach().contiguous(), group=tp.group)
+    tp.all_gather(parts, shard.detach().contiguous())
     return torch.cat(parts, dim=tp_dim)
 
 

@@ -1,26 +1,29 @@
-"""The tensor-parallel context a model is built with: one explicit group, no globals."""
+"""The tensor-parallel context a model is built with: one explicit communicator, no globals."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+from elastic.comm import Communicator, Handle
 
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallel:
-    """Which tensor-parallel shard this process holds, and the group that joins the shards."""
+    """Which tensor-parallel shard this process holds, and the communicator that joins the shards."""
 
-    group: dist.ProcessGroup | None = None
-    """Process group of the tensor-parallel peers; None only when size == 1."""
+    group: Communicator | None = None
+    """Communicator of the tensor-parallel peers; None only when size == 1."""
     rank: int = 0
     """This process's rank inside the tensor-parallel group."""
     size: int = 1
     """Tensor-parallel degree (number of shards)."""
-    wait: Callable[[dist.Work], None] | None = None
-    """How the collectives wait for their (async) operations; None means `work.wait()`. The
-    runtime passes an abortable wait here, so the model itself stays failure-agnostic."""
+    wait: Callable[[Handle], None] | None = None
+    """How the collectives wait for their operations; None means `handle.wait()`. The runtime
+    passes an abortable wait here, so the model itself stays failure-agnostic."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -34,13 +37,25 @@ class TensorParallel:
         return cls()
 
     @classmethod
-    def from_group(cls, group: dist.ProcessGroup) -> TensorParallel:
-        """The context of the calling process inside `group`."""
-        return cls(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group))
+    def from_group(cls, group: dist.ProcessGroup, *, device: torch.device | None = None) -> TensorParallel:
+        """The context of the calling process inside the process group `group`."""
+        size = group.size()
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        comm = Communicator(group, name="tp", members=range(size), backend=backend,
+                            device=device or torch.device("cpu"))
+        return cls(group=comm, rank=group.rank(), size=size)
 
-    def complete(self, work: dist.Work | None) -> None:
-        """Wait for a collective launched with `async_op=True` on this group."""
-        assert work is not None
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """All-reduce `x` in place over the tensor-parallel group, and wait for it."""
+        assert self.group is not None
+        self._complete(self.group.all_reduce(x, op=op))
+
+    def all_gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Gather every rank's `x` into `parts`, and wait for it."""
+        assert self.group is not None
+        self._complete(self.group.all_gather(parts, x))
+
+    def _complete(self, work: Handle) -> None:
         if self.wait is None:
             work.wait()
         else:

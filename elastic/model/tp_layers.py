@@ -88,11 +88,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        # logits: (tokens, vocab_shard) fp32; targets: (tokens,)
-        logits = logits.float()
+        # logits: (tokens, vocab_shard); targets: (tokens,). The loss is computed in float32 at
+        # least (bf16 logits under autocast are widened), in float64 when the logits are.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         local_max = logits.max(dim=-1).values
         if tp.size > 1:
-            tp.complete(dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group, async_op=True))
+            tp.all_reduce(local_max, op=dist.ReduceOp.MAX)
         shifted = logits - local_max.unsqueeze(-1)
         vocab_shard = logits.shape[-1]
         start = tp.rank * vocab_shard
@@ -104,7 +105,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if tp.size > 1:
             both = torch.stack([target_logit, sum_exp])
-            tp.complete(dist.all_reduce(both, op=dist.ReduceOp.SUM, group=tp.group, async_op=True))
+            tp.all_reduce(both)
             target_logit, sum_exp = both[0], both[1]
         softmax = exp / sum_exp.unsqueeze(-1)
         ctx.save_for_backward(softmax, local_target, outside)

@@ -1,14 +1,23 @@
-"""Abandoning a step on the control plane's word: an abort flag and an abortable wait.
+"""Abandoning a step on the control plane's word: an abort flag, abortable waits, and the
+communicators' abort.
 
-gloo cannot cancel a pending operation, and `work.wait(timeout)` closes the connection pair
-when it times out, so it cannot be used to poll. Worse, a gloo send or receive never reports
+gloo (CPU) cannot cancel a pending operation, and `work.wait(timeout)` closes the connection
+pair when it times out, so it cannot be used to poll. Worse, a gloo send or receive never reports
 `is_completed()` until someone calls `wait()` on it (measured with torch 2.13: a receive whose
-data has arrived still reports False). So a blocking `work.wait()` runs on a waiter thread
-owned by the AbortSignal, and the caller waits for that thread's completion event while
-checking the abort flag every couple of milliseconds. When the flag is set the caller raises
-StepAborted and leaves the waiter thread blocked on the abandoned operation; it ends when the
-operation fails (peer gone, group timeout). Each generation has its own AbortSignal, hence its
-own waiter thread, so an abandoned wait never delays the next generation.
+data has arrived still reports False). So on gloo a blocking wait runs on a waiter thread owned
+by the AbortSignal, and the caller waits for that thread's completion event while checking the
+abort flag every couple of milliseconds. When the flag is set the caller raises StepAborted and
+leaves the waiter thread blocked on the abandoned operation; it ends when the operation fails
+(peer gone, the group closed). Each generation has its own AbortSignal, hence its own waiter
+thread, so an abandoned wait never delays the next generation.
+
+NCCL (CUDA) is the other way round: `wait()` returns at once (the current stream waits), so a
+step's waits are made inline, and the host blocks only where it reads a value back
+(`fetch`: the vote, a loss, an evaluation), which polls a CUDA event abortably. A dead peer
+leaves kernels spinning on the GPU that no flag can stop: a hard abort therefore runs the
+generation's abort callbacks (`on_hard`), which abort its communicators (non-blocking, so the
+abort itself cannot hang; elastic/comm/communicator.py); the kernels then end and the streams
+drain.
 
 An abort is hard (every wait raises) or local (`set(reason, local=True)`): a failure outside
 this worker's pipeline. A local abort lets the waits of the step's own pipeline (point-to-point
@@ -28,7 +37,10 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch.distributed as dist
+import torch
+
+from elastic.comm import Handle, current_lane, lane_as
+from elastic.comm.device import to_host
 
 _T = TypeVar("_T")
 
@@ -43,10 +55,12 @@ class StepAborted(RuntimeError):
 class _Pending:
     """One blocking call handed to the waiter thread (a work's wait, or a post that connects)."""
 
-    __slots__ = ("fn", "done", "error", "result")
+    __slots__ = ("fn", "lane", "done", "error", "result")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], lane: str) -> None:
         self.fn = fn
+        self.lane = lane
+        """The caller's lane: a recording group logs the call there (elastic/comm/record.py)."""
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.result: Any = None
@@ -65,6 +79,8 @@ class AbortSignal:
         self._reason: str | None = None
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Pending] | None = None
+        self._on_hard: list[Callable[[], None]] = []
+        self._hard_done = False
 
     def set(self, reason: str, *, local: bool = False) -> None:
         """Abort the current step (idempotent: the first reason is kept). `local`: the failure
@@ -77,6 +93,27 @@ class AbortSignal:
         elif self._local_since is None:
             self._local_since = time.monotonic()
         self._event.set()
+        if not local:
+            self._run_hard_callbacks()
+
+    def on_hard(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once when the abort becomes hard (at once if it is already): the
+        generation's communicators abort there. Runs on the thread that makes it hard."""
+        with self._lock:
+            now = self._hard_done
+            if not now:
+                self._on_hard.append(callback)
+        if now:
+            callback()
+
+    def _run_hard_callbacks(self) -> None:
+        with self._lock:
+            if self._hard_done:
+                return
+            self._hard_done = True
+            callbacks, self._on_hard = self._on_hard, []
+        for callback in callbacks:
+            callback()
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -103,7 +140,7 @@ class AbortSignal:
                 threading.Thread(
                     target=self._serve, args=(self._queue,), name="abortable-wait", daemon=True
                 ).start()
-            pending = _Pending(fn)
+            pending = _Pending(fn, current_lane())
             self._queue.put(pending)
         return pending
 
@@ -112,7 +149,8 @@ class AbortSignal:
         while True:
             job = jobs.get()
             try:
-                job.result = job.fn()
+                with lane_as(job.lane):
+                    job.result = job.fn()
             except BaseException as exc:  # handed to the caller, which re-raises it
                 job.error = exc
             job.done.set()
@@ -122,23 +160,49 @@ def _raise_aborted(abort: AbortSignal) -> None:
     raise StepAborted(f"step aborted: {abort.reason}")
 
 
-def wait_work(work: dist.Work, abort: AbortSignal | None, *, local: bool = False) -> None:
+def wait_work(work: Handle, abort: AbortSignal | None, *, local: bool = False) -> None:
     """Wait for `work`; raise StepAborted if `abort` is set before it completes (with `local`,
     an operation inside this worker's pipeline: only if the abort is hard).
 
-    With `abort=None` this is `work.wait()`. An error of the operation itself (a peer reset
-    the connection, the group timed out) propagates as raised by `work.wait()`.
+    With `abort=None`, or on NCCL (whose wait does not block the host: module doc), this is
+    `work.wait()`. An error of the operation itself (a peer reset the connection, the group
+    timed out) propagates as raised by the wait.
     """
-    if abort is None:
+    if abort is None or not work.host_blocking:
+        if abort is not None and (abort.is_hard() if local else abort.is_set()):
+            work.note_waited(abandoned=True)
+            _raise_aborted(abort)
         work.wait()
         return
     stop = abort.is_hard if local else abort.is_set
     if stop():
+        work.note_waited(abandoned=True)
         _raise_aborted(abort)
     if work.is_completed():  # collectives report completion asynchronously: no thread hop
         work.wait()
         return
-    _on_waiter(work.wait, abort, stop)
+    try:
+        _on_waiter(work.complete, abort, stop)
+    except StepAborted:
+        work.note_waited(abandoned=True)
+        raise
+    work.note_waited()
+
+
+def fetch(tensor: torch.Tensor, abort: AbortSignal | None) -> torch.Tensor:
+    """`tensor` on the host, for reading its values: on CUDA the copy waits for the kernels
+    (and communication) before it, polled abortably (StepAborted when `abort` is set first);
+    on CPU the tensor itself."""
+    host, ready = to_host(tensor)
+    if abort is None:
+        while not ready():
+            time.sleep(_ABORT_POLL_S / 4)
+        return host
+    while not ready():
+        if abort.is_set():
+            _raise_aborted(abort)
+        time.sleep(_ABORT_POLL_S / 4)
+    return host
 
 
 def call_abortable(fn: Callable[[], _T], abort: AbortSignal | None, *, local: bool = False) -> _T:

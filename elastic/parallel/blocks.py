@@ -120,12 +120,12 @@ def combine(
     """Write the tree-order sum of `parts` (part i holds the sums of `blocks[i]`; all as long as
     `out`) into `out`, chunk by chunk: each scratch buffer (at least `program.scratch` of them,
     of the parts' dtype) is one chunk long. `norm` (0-dim float64), when given, gets the sum of
-    squares of `out`'s values, measured through the float64 chunk buffer `wide`."""
+    squares of `out`'s values, measured through the float64 chunk buffer `wide` (None: by a
+    float64 norm kernel, the accelerator's way)."""
     program = program or CombineProgram(blocks)
     if len(scratch) < program.scratch:
         raise ValueError(f"combining {list(blocks)} needs {program.scratch} scratch buffers, got {len(scratch)}")
     if norm is not None:
-        assert wide is not None, "measuring needs a float64 chunk buffer"
         norm.zero_()
     n = out.numel()
     step = scratch[0].numel() if scratch else n
@@ -145,7 +145,9 @@ def combine(
             torch.add(view(a), view(b), out=into)
         if not program.ops or chunk.dtype != parts[0].dtype:
             chunk.copy_(view(program.root))
-        if norm is not None:
+        if norm is not None and wide is None:
+            norm.add_(torch.linalg.vector_norm(chunk, dtype=torch.float64).square())
+        elif norm is not None:
             assert wide is not None
             w = wide[: end - begin]
             w.copy_(chunk)

@@ -1,41 +1,58 @@
 """The tree-order bucket exchange of a worker's steps, run on a thread of its own.
 
 A bucket's block sums (elastic/parallel/blocks.py) are reduced with the step's one summation
-tree in two phases of point-to-point transfers on its bucket group: every holder sends slice j
-of each of its blocks' sums to holder j and receives its own slice of every other holder's
-blocks; then it combines its slice of all the holders' blocks in tree order and sends the
-result to every other holder, receiving theirs likewise (an all-gather). With one block per
+tree in two phases of point-to-point transfers on its bucket communicator: every holder sends
+slice j of each of its blocks' sums to holder j and receives its own slice of every other
+holder's blocks; then it combines its slice of all the holders' blocks in tree order and sends
+the result to every other holder, receiving theirs likewise (an all-gather). With one block per
 holder that is the bytes of a float32 reduce-scatter and all-gather: DDP's all-reduce. While
 the slice is in cache the holder also measures it (the sum of squares of the result): each
 holder measures its own slice of every bucket, so the gradient norm costs each of them 1/P of
 a pass, off the training thread.
 
+NCCL's rules (elastic/comm/communicator.py) shape the posting. Each phase of a bucket is one
+group holding all of its sends and receives, so two holders that send to each other both
+progress (a receive posted alone before its send would wait forever on NCCL). And the thread
+takes the buckets strictly one after another, in the order it was handed them (one global
+order: descending layer): phase 1, its wait, the combine, phase 2, then the next bucket. So
+every holder posts the same sequence of groups on a communicator whatever the timing: a thread
+that posted the next bucket's first phase as soon as it arrived would, on another holder,
+meet that bucket's second phase instead (NCCL ignores tags), and move the wrong bytes.
+
 Run on the training thread, every part of this stalls the backward it should overlap: gloo
 writes a posted send inline (megabytes of copying), the second phase waits for the peers'
 first, and the combine is a pass over the slice. So the training thread only hands each bucket
 over as its sums are final (`submit`, never blocks), and the exchange's thread posts, waits,
-combines and posts again, in the order it was handed the buckets (every holder hands them over
-in one global order, so no two holders wait for each other in opposite orders). DDP's
-all-reduce likewise runs on gloo's own thread. The thread is kept from step to step and ends
-when it has been idle for a while (IDLE_EXIT_S).
+combines and posts again. DDP's all-reduce likewise runs on gloo's own thread. On CUDA the
+thread works on a stream of its own, which waits for the training stream's gradients of each
+bucket (an event recorded at `submit`) and which the training stream waits for at `finish`:
+its waits never hold up the training thread's kernels. The thread is kept from step to step and
+ends when it has been idle for a while (IDLE_EXIT_S).
 
 `finish` waits for the thread abortably (StepAborted as soon as the generation's abort flag it
 is given is set, like `groups.wait`) and re-raises its error on the training thread. An
 abandoned exchange (an abort, a failed transfer, or the step failed elsewhere) never writes to
 its buffers again: the thread checks that under a lock before every pass over them, and the
 training thread takes the lock to abandon it. A thread left blocked on a dead peer's transfer
-ends when that transfer fails.
+ends when that transfer fails (its communicator aborted or closed).
+
+With a recording group (elastic/comm/record.py) the thread records in a lane of its own, and
+the hand-overs are logged as signals: a bucket's posts come after its `submit`, and `finish`
+goes on after the thread's round.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from elastic.comm import P2P, Communicator, Handle, Recorder, lane_as
+from elastic.comm.device import bind_thread, mark, on_stream, side_stream, wait_mark
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_event
 from elastic.parallel.blocks import Block, CombineProgram, combine
 
@@ -63,8 +80,8 @@ class TreeBucket:
     the bucket's share of the global gradient norm."""
     program: CombineProgram | None = None
     """The combine of all the holders' blocks, when the caller keeps one (else made here)."""
-    group: dist.ProcessGroup
-    """The bucket group; holders are addressed by their rank in it."""
+    group: Communicator
+    """The bucket's communicator; holders are addressed by their rank in it."""
     me: int
     """My rank in the bucket group."""
     tag: int
@@ -78,10 +95,22 @@ class TreeBucket:
 class _Round:
     """The end of one step's buckets: set once they are all complete on this worker."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "number", "event")
 
-    def __init__(self) -> None:
+    def __init__(self, number: int) -> None:
         self.done = threading.Event()
+        self.number = number
+        self.event: Any = None
+        """CUDA: recorded on the thread's stream once the round is complete (None on CPU)."""
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A bucket handed over, with the training stream's event of its sums (None on CPU)."""
+
+    bucket: TreeBucket
+    number: int
+    ready: Any
 
 
 SUM_CHUNK = 1 << 16
@@ -95,6 +124,9 @@ IDLE_EXIT_S = 5.0
 one): a generation's thread does not outlive its steps by more than that."""
 
 
+_LANES = itertools.count()
+
+
 class TreeExchange:
     """The tree-order exchanges of one worker, step after step, on one thread (module doc).
 
@@ -104,13 +136,21 @@ class TreeExchange:
     transfer) an exchange takes no more work: the owner makes a new one (`abandoned`).
     """
 
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[TreeBucket | _Round] = queue.SimpleQueue()
+    def __init__(self, *, device: torch.device | None = None, recorder: Recorder | None = None) -> None:
+        """`device`: where the buckets live (CUDA: the thread gets a stream of its own);
+        `recorder`: the worker's recording group, if any (module doc)."""
+        self._jobs: queue.SimpleQueue[_Job | _Round] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._abandoned = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._submitted = False
+        self._submitted = 0
+        self._rounds = 0
+        self._device = device or torch.device("cpu")
+        self._stream = side_stream(self._device)
+        self._recorder = recorder
+        self.lane = f"exchange-{next(_LANES)}"
+        """The lane the thread records in."""
 
     @property
     def abandoned(self) -> bool:
@@ -123,17 +163,22 @@ class TreeExchange:
             if self._error is not None:
                 raise self._error  # a transfer failed: say what, not just that
             raise RuntimeError("this exchange was abandoned; make a new one")
-        self._put(bucket)
-        self._submitted = True
+        self._submitted += 1
+        number = self._submitted
+        if self._recorder is not None:
+            self._recorder.signal(f"{self.lane}/submit/{number}")
+        self._put(_Job(bucket, number, mark(self._device)))
 
     def finish(self, abort: AbortSignal | None) -> None:
-        """Wait until every bucket submitted since the last `finish` is complete on this worker.
-        StepAborted when `abort` (the generation's flag) is set first, the thread's error when a
-        transfer failed; either way the exchange is abandoned."""
+        """Wait until every bucket submitted since the last `finish` is complete on this worker
+        (on CUDA: the calling thread's stream waits for them). StepAborted when `abort` (the
+        generation's flag) is set first, the thread's error when a transfer failed; either way
+        the exchange is abandoned."""
         if not self._submitted:
             return
-        self._submitted = False
-        end = _Round()
+        self._submitted = 0
+        self._rounds += 1
+        end = _Round(self._rounds)
         self._put(end)
         try:
             wait_event(end.done, abort)
@@ -142,59 +187,66 @@ class TreeExchange:
             raise
         if self._error is not None:
             raise self._error
+        if self._recorder is not None:
+            self._recorder.await_(f"{self.lane}/round/{end.number}")
+        wait_mark(end.event)
 
     def abandon(self) -> None:
         """Stop: the thread touches no buffer from now on and ends as soon as it can."""
         with self._lock:
             self._abandoned = True
 
-    def _put(self, item: TreeBucket | _Round) -> None:
+    def _put(self, item: _Job | _Round) -> None:
         with self._lock:  # the thread ends only under the lock, with nothing queued
             self._jobs.put(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tree-exchange", daemon=True)
                 self._thread.start()
 
-    def _next(self, *, block: bool) -> TreeBucket | _Round | None:
-        """The next item handed over; None when there is none (not `block`), or when the thread
-        waited IDLE_EXIT_S for one and ends (`self._thread` cleared under the lock)."""
+    def _next(self) -> _Job | _Round | None:
+        """The next item handed over; None when the thread waited IDLE_EXIT_S for one and ends
+        (`self._thread` cleared under the lock)."""
         while True:
             try:
-                return self._jobs.get(block=block, timeout=IDLE_EXIT_S if block else None)
+                return self._jobs.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
-                if not block:
-                    return None
                 with self._lock:
                     if self._jobs.empty():
                         self._thread = None
                         return None
 
     def _run(self) -> None:
-        first: list[tuple[TreeBucket, list[dist.Work]]] = []
-        second: list[dist.Work] = []
+        bind_thread(self._device)
+        with lane_as(self.lane), on_stream(self._stream):
+            self._serve()
+
+    def _serve(self) -> None:
+        second: list[Handle] = []
         while True:
-            item = self._next(block=not first)
+            item = self._next()
+            if item is None:
+                return  # idle: ended
             try:
                 if isinstance(item, _Round):
-                    while first and not self._abandoned:
-                        self._complete_first(*first.pop(0), second)
                     if not self._abandoned:
-                        for work in second:
-                            work.wait()
-                elif item is not None:
-                    if not self._abandoned:
-                        first.append((item, self._post_first(item)))
-                elif first:
-                    self._complete_first(*first.pop(0), second)
-                else:
-                    return  # idle: ended
+                        for handle in second:
+                            handle.wait()
+                        if self._recorder is not None:
+                            self._recorder.signal(f"{self.lane}/round/{item.number}")
+                        item.event = mark(self._device)
+                elif not self._abandoned:
+                    if self._recorder is not None:
+                        self._recorder.await_(f"{self.lane}/submit/{item.number}")
+                    wait_mark(item.ready)
+                    posted = self._exchange(item.bucket)
+                    if posted is not None:
+                        second.append(posted)
             except BaseException as exc:  # handed to `finish`; the exchange is done for
                 with self._lock:
                     if self._error is None:
                         self._error = exc
                     self._abandoned = True
             if isinstance(item, _Round) or self._abandoned:
-                first.clear()
                 second.clear()
             if isinstance(item, _Round):
                 item.done.set()
@@ -204,29 +256,29 @@ class TreeExchange:
                         self._thread = None
                         return
 
-    def _complete_first(self, job: TreeBucket, works: list[dist.Work], second: list[dist.Work]) -> None:
-        """Wait for `job`'s first phase, sum and round my slice, post the second phase."""
-        for work in works:
-            work.wait()
+    def _exchange(self, job: TreeBucket) -> Handle | None:
+        """Phase 1 of `job` (one group), its wait, my slice combined, phase 2 posted (one group);
+        phase 2's handle, or None once abandoned."""
+        self._post_first(job).wait()
         with self._lock:
             if self._abandoned:
-                return
+                return None
             self._sum(job)
-        second.extend(self._post_second(job))
+        return self._post_second(job)
 
     @staticmethod
-    def _post_first(job: TreeBucket) -> list[dist.Work]:
-        """Each other holder's slice of each of my blocks to it; its blocks of my slice into
-        `received` (one message per block, in block order, on one tag: a FIFO channel)."""
+    def _post_first(job: TreeBucket) -> Handle:
+        """One group: each other holder's slice of each of my blocks to it, its blocks of my slice
+        into `received` (one message per block, in block order: a FIFO channel per pair)."""
         slices = [flat.chunk(job.holders) for flat in job.sums]
-        works: list[dist.Work] = []
+        ops: list[P2P] = []
         for j in range(job.holders):
             if j != job.me:
                 into = job.received[j]
                 assert into is not None and len(into) == len(job.blocks[j])
-                works.extend(_p2p("recv", buf, job, j, job.tag) for buf in into)
-                works.extend(_p2p("send", parts[j], job, j, job.tag) for parts in slices)
-        return works
+                ops.extend(P2P("recv", buf, j, job.tag) for buf in into)
+                ops.extend(P2P("send", parts[j], j, job.tag) for parts in slices)
+        return job.group.post(ops)
 
     @staticmethod
     def _sum(job: TreeBucket) -> None:
@@ -243,23 +295,12 @@ class TreeExchange:
         combine(blocks, parts, result, job.scratch, program=job.program, norm=job.norm, wide=job.wide)
 
     @staticmethod
-    def _post_second(job: TreeBucket) -> list[dist.Work]:
-        """My slice of the result to each other holder; theirs into their slices of it."""
+    def _post_second(job: TreeBucket) -> Handle:
+        """One group: my slice of the result to each other holder; theirs into their slices of it."""
         results = job.result.chunk(job.holders)
-        works = []
+        ops: list[P2P] = []
         for j in range(job.holders):
             if j != job.me:
-                works.append(_p2p("recv", results[j], job, j, job.tag + 1))
-                works.append(_p2p("send", results[job.me], job, j, job.tag + 1))
-        return works
-
-
-def _p2p(op: str, tensor: torch.Tensor, job: TreeBucket, peer: int, tag: int) -> dist.Work:
-    """Post a send or receive of `tensor` with holder `peer` (the first one with a peer connects
-    to it first, inside the call: this thread may block there, the training thread does not)."""
-    if op == "send":
-        work = dist.isend(tensor, group=job.group, group_dst=peer, tag=tag)
-    else:
-        work = dist.irecv(tensor, group=job.group, group_src=peer, tag=tag)
-    assert work is not None
-    return work
+                ops.append(P2P("recv", results[j], j, job.tag + 1))
+                ops.append(P2P("send", results[job.me], j, job.tag + 1))
+        return job.group.post(ops)

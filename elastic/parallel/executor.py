@@ -1,22 +1,26 @@
 """Run one stage's schedule: forward and backward passes, and the point-to-point transfers.
 
-Sends are posted asynchronously and only waited for at the end of the step (a send never
-blocks the schedule, matching `schedule.simulate`); receives block. Activations travel on tag
-0 and gradients on tag 1, so each direction of each link is one FIFO channel. Every wait goes
-through the `wait` callable the caller gives (an abortable wait in the runtime), and peers are
-addressed by their rank inside `group` (the generation's world group: the layout's ranks).
+The transfers are posted in groups (`schedule.coalesce`): each run of consecutive transfer
+actions is one group of operations on the generation's world communicator, posted at once and
+waited for before the next computation. Activations travel on tag 0 and gradients on tag 1
+(gloo matches by tag; NCCL ignores tags, and each direction of a link carries one kind only, so
+the order alone pairs them). Every wait goes through the `wait` callable the caller gives (an
+abortable wait in the runtime), and peers are addressed by their rank inside the world group
+(the layout's ranks).
+
+Losses stay on the device: a last stage adds them up in float64 as it goes, and the caller
+reads the sum once, in the step's vote (no host sync per microbatch).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from elastic.parallel.schedule import Action, Op
+from elastic.comm import P2P, Communicator, Handle
+from elastic.parallel.schedule import TRANSFERS, Action, Op, coalesce
 
 _ACT_TAG = 0
 _GRAD_TAG = 1
@@ -42,12 +46,19 @@ class StageSpec:
 class MicrobatchResult:
     """Losses of the microbatches this stage finished (filled on a last stage only)."""
 
-    losses: dict[int, float] = field(default_factory=dict)
-    """Local microbatch index -> unscaled mean loss."""
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Local microbatch index -> unscaled mean loss (a 0-dim tensor on the device, detached)."""
+
+    def loss_sum(self, device: torch.device) -> torch.Tensor:
+        """The losses added in float64 in microbatch order, on the device (0 without any)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for m in sorted(self.losses):
+            total += self.losses[m].to(torch.float64)
+        return total
 
 
-Post = Callable[[str, torch.Tensor, int, int], dist.Work]
-"""Posts a point-to-point operation: ("send" | "recv", tensor, peer rank, tag) -> its work."""
+Post = Callable[[Sequence[P2P]], Handle]
+"""Posts a group of point-to-point operations (peers are world ranks) -> its handle."""
 
 Inputs = Callable[[int], torch.Tensor]
 """Local microbatch index -> tensor (token ids on a first stage, targets on a last stage)."""
@@ -58,8 +69,8 @@ def run_schedule(
     actions: Sequence[Action],
     *,
     spec: StageSpec,
-    group: dist.ProcessGroup,
-    wait: Callable[[dist.Work | None], None],
+    group: Communicator,
+    wait: Callable[[Handle], None],
     device: torch.device,
     tokens: Inputs | None,
     targets: Inputs | None,
@@ -75,9 +86,9 @@ def run_schedule(
 
     `loss_scale` multiplies every microbatch loss before its backward (1 / global microbatch
     count, so accumulated gradients are this pipeline's share of the global-batch mean).
-    `wait` blocks until one posted transfer completed (it may raise to abandon the step).
+    `wait` blocks until one posted group of transfers completed (it may raise to abandon the step).
     `autocast` returns a context manager wrapping each forward (bf16 on CUDA, no-op on CPU).
-    `post` posts each transfer (default: `dist.isend`/`dist.irecv` on `group`).
+    `post` posts each group of transfers (default: `group.post`).
     `forward_only`: `actions` has no backward (`schedule.forward_only`, evaluation; call it under
     `torch.no_grad()`): nothing is kept for a backward, a last stage only records its losses.
     `before_final_backward`: called right before the schedule's last backward (the gradients it
@@ -90,22 +101,17 @@ def run_schedule(
     if spec.next_rank is None and targets is None:
         raise ValueError("a last stage needs targets")
     run = _StageRun(
-        module=module, spec=spec, wait=wait, post=post or functools.partial(_plain_post, group), device=device,
+        module=module, spec=spec, wait=wait, post=post or group.post, device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
         forward_only=forward_only, before_final_backward=before_final_backward, before_backward=before_backward,
         final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None),
     )
-    for a in actions:
-        run.do(a)
+    for step in coalesce(actions):
+        if step[0].op in TRANSFERS:
+            run.transfer(step)
+        else:
+            run.do(step[0])
     return run.finish()
-
-
-def _plain_post(group: dist.ProcessGroup, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-    """Post one transfer with `dist.isend`/`dist.irecv` on `group` (peers are group ranks)."""
-    work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
-            else dist.irecv(t, group=group, group_src=peer, tag=tag))
-    assert work is not None
-    return work
 
 
 @dataclass(kw_only=True)
@@ -117,10 +123,10 @@ class _StageRun:
     """The stage module; gradients accumulate into its parameters."""
     spec: StageSpec
     """The stage's place in its pipeline."""
-    wait: Callable[[dist.Work | None], None]
-    """Blocks until one posted transfer completed (may raise to abandon the step)."""
+    wait: Callable[[Handle], None]
+    """Blocks until one posted group of transfers completed (may raise to abandon the step)."""
     post: Post
-    """Posts one transfer."""
+    """Posts one group of transfers."""
     device: torch.device
     """Where inputs, activations and receive buffers live."""
     tokens: Inputs | None
@@ -147,8 +153,6 @@ class _StageRun:
     """Microbatch -> its output (a last stage: its scaled loss), until its backward."""
     out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> received gradient of its output, until its backward."""
-    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
-    """Posted sends and their tensors (kept alive until waited for at the end of the step)."""
     result: MicrobatchResult = field(default_factory=MicrobatchResult)
     """Losses of the microbatches finished so far."""
 
@@ -161,13 +165,39 @@ class _StageRun:
         return self.spec.next_rank is None
 
     def do(self, action: Action) -> None:
-        """Run one action of the schedule."""
+        """Run one computation of the schedule."""
         _HANDLERS[action.op](self, action.mb)
 
-    def recv_act(self, m: int) -> None:
-        """Receive microbatch `m`'s activation from the previous stage (blocks)."""
-        assert self.spec.prev_rank is not None
-        self.inputs[m] = self._recv(self.spec.prev_rank, _ACT_TAG).requires_grad_(not self.forward_only)
+    def transfer(self, actions: Sequence[Action]) -> None:
+        """Post `actions` (consecutive transfers) as one group, wait for it, and keep what arrived."""
+        ops: list[P2P] = []
+        arrivals: list[tuple[Action, torch.Tensor]] = []
+        for a in actions:
+            if a.op is Op.RECV_ACT:
+                assert self.spec.prev_rank is not None
+                buf = self._buffer()
+                ops.append(P2P("recv", buf, self.spec.prev_rank, _ACT_TAG))
+                arrivals.append((a, buf))
+            elif a.op is Op.RECV_GRAD:
+                assert self.spec.next_rank is not None
+                buf = self._buffer()
+                ops.append(P2P("recv", buf, self.spec.next_rank, _GRAD_TAG))
+                arrivals.append((a, buf))
+            elif a.op is Op.SEND_ACT:
+                assert self.spec.next_rank is not None
+                out = self.outputs.pop(a.mb) if self.forward_only else self.outputs[a.mb]
+                ops.append(P2P("send", out.detach().contiguous(), self.spec.next_rank, _ACT_TAG))
+            else:
+                assert a.op is Op.SEND_GRAD and self.spec.prev_rank is not None
+                x = self.inputs.pop(a.mb)
+                assert x.grad is not None, f"rank {self.spec.rank}: no input gradient for microbatch {a.mb}"
+                ops.append(P2P("send", x.grad.contiguous(), self.spec.prev_rank, _GRAD_TAG))
+        self.wait(self.post(ops))
+        for a, buf in arrivals:
+            if a.op is Op.RECV_ACT:
+                self.inputs[a.mb] = buf.requires_grad_(not self.forward_only)
+            else:
+                self.out_grads[a.mb] = buf
 
     def forward(self, m: int) -> None:
         """Forward microbatch `m`; on a last stage, its loss (recorded, then scaled for the backward)."""
@@ -181,22 +211,11 @@ class _StageRun:
                 assert self.targets is not None
                 loss = self.module.loss(out, self.targets(m).to(self.device))  # type: ignore[operator]
         if self.last:
-            self.result.losses[m] = float(loss.detach())
+            self.result.losses[m] = loss.detach()
             if not self.forward_only:
-                self.outputs[m] = loss.float() * self.loss_scale
+                self.outputs[m] = loss.to(torch.promote_types(loss.dtype, torch.float32)) * self.loss_scale
         else:
             self.outputs[m] = out.to(self.spec.act_dtype)
-
-    def send_act(self, m: int) -> None:
-        """Post microbatch `m`'s activation to the next stage."""
-        assert self.spec.next_rank is not None
-        out = self.outputs.pop(m) if self.forward_only else self.outputs[m]
-        self._send(out.detach(), self.spec.next_rank, _ACT_TAG)
-
-    def recv_grad(self, m: int) -> None:
-        """Receive the gradient of microbatch `m`'s output from the next stage (blocks)."""
-        assert self.spec.next_rank is not None
-        self.out_grads[m] = self._recv(self.spec.next_rank, _GRAD_TAG)
 
     def backward(self, m: int) -> None:
         """Backward microbatch `m`: from its scaled loss on a last stage, else from its output gradient."""
@@ -210,38 +229,19 @@ class _StageRun:
         else:
             torch.autograd.backward(out, grad_tensors=self.out_grads.pop(m))
 
-    def send_grad(self, m: int) -> None:
-        """Post the gradient of microbatch `m`'s input to the previous stage."""
-        assert self.spec.prev_rank is not None
-        x = self.inputs.pop(m)
-        assert x.grad is not None, f"rank {self.spec.rank}: no input gradient for microbatch {m}"
-        self._send(x.grad, self.spec.prev_rank, _GRAD_TAG)
-
     def finish(self) -> MicrobatchResult:
-        """Wait for every posted send; the step's losses."""
-        for work, _ in self.sends:
-            self.wait(work)
+        """The step's losses (every transfer was waited for in its group)."""
         assert not self.outputs and not self.out_grads, (
             f"rank {self.spec.rank}: schedule left unfinished microbatches"
         )
         return self.result
 
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(self.spec.act_shape, dtype=self.spec.act_dtype, device=self.device)
-        self.wait(self.post("recv", buf, src, tag))
-        return buf
-
-    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        t = t.contiguous()
-        self.sends.append((self.post("send", t, dst, tag), t))
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.spec.act_shape, dtype=self.spec.act_dtype, device=self.device)
 
 
 _HANDLERS: dict[Op, Callable[[_StageRun, int], None]] = {
-    Op.RECV_ACT: _StageRun.recv_act,
     Op.FORWARD: _StageRun.forward,
-    Op.SEND_ACT: _StageRun.send_act,
-    Op.RECV_GRAD: _StageRun.recv_grad,
     Op.BACKWARD: _StageRun.backward,
-    Op.SEND_GRAD: _StageRun.send_grad,
 }
-"""The method of `_StageRun` that runs each kind of action."""
+"""The method of `_StageRun` that runs each computation."""

@@ -61,8 +61,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from elastic.comm import Handle
 from elastic.parallel.blocks import Block, CombineProgram, combine, decompose
 from elastic.parallel.exchange import SUM_CHUNK, TreeBucket, TreeExchange
 from elastic.parallel.grad_accum import GradAccumulator
@@ -202,7 +202,7 @@ class BucketReducer:
     the exchange (valid once `wait()` returned): tensor-parallel rank 0 only, where every
     element of a bucket counts in the norm."""
     _reduced: set[int] = field(default_factory=set)
-    _works: list[dist.Work] = field(default_factory=list)
+    _works: list[Handle] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.buckets = self.known if self.known is not None else accum_buckets(self.accum, self.layout, self.layer_of)
@@ -251,9 +251,7 @@ class BucketReducer:
         reduced = self.accum.reduced[k]
         if not self.tree:
             self._combine_mine(k, sums)
-            work = dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            assert work is not None
-            self._works.append(work)
+            self._works.append(group.all_reduce(reduced))
             return
         me = bucket.ranks.index(self.layout.rank)
         assert self.blocks_of is not None
@@ -262,19 +260,20 @@ class BucketReducer:
             raise RuntimeError(f"rank {self.layout.rank} sums blocks {list(self.accum.blocks)} but the step's "
                                f"block lists give it {list(holders[me])}")
         length = reduced.numel() // len(bucket.ranks)
-        chunk = torch.Size([min(length, SUM_CHUNK)])
+        chunk = torch.Size([_chunk(length, reduced.device)])
         program = _program(tuple(b for theirs in holders for b in theirs))
         norm = wide = None
         if self.layout.tp_rank == 0:
             norm = self.measured[k] = self._scratch(k, "norm", 0, torch.Size(), torch.float64)
-            wide = self._scratch(k, "wide", 0, chunk, torch.float64)
+            if reduced.device.type == "cpu":  # elsewhere the norm is one kernel, no buffer
+                wide = self._scratch(k, "wide", 0, chunk, torch.float64)
         assert self.exchange is not None
         self.exchange.submit(TreeBucket(
             sums=tuple(sums), result=reduced, blocks=holders, group=group, me=me, tag=2 * bucket.layers[0],
-            received=tuple(None if j == me else tuple(self._scratch(k, f"recv{j}", b, torch.Size([length]), sums[0].dtype)
+            received=tuple(None if j == me else tuple(self._scratch(k, f"recv{j}", b, torch.Size([length]), self.accum.dtype)
                                                       for b in range(len(theirs)))
                            for j, theirs in enumerate(holders)),
-            scratch=tuple(self._scratch(k, "tmp", t, chunk, sums[0].dtype) for t in range(program.scratch)),
+            scratch=tuple(self._scratch(k, "tmp", t, chunk, self.accum.dtype) for t in range(program.scratch)),
             wide=wide, norm=norm, program=program,
         ))
 
@@ -282,8 +281,8 @@ class BucketReducer:
         """My own blocks of group `k` (`sums`) combined in tree order into its reduced buffer."""
         reduced = self.accum.reduced[k]
         program = _program(self.accum.blocks)
-        chunk = torch.Size([min(reduced.numel(), SUM_CHUNK)])
-        scratch = tuple(self._scratch(k, "tmp", t, chunk, sums[0].dtype) for t in range(program.scratch))
+        chunk = torch.Size([_chunk(reduced.numel(), reduced.device)])
+        scratch = tuple(self._scratch(k, "tmp", t, chunk, self.accum.dtype) for t in range(program.scratch))
         combine(self.accum.blocks, sums, reduced, scratch, program=program)
 
     def wait(self) -> None:
@@ -291,7 +290,8 @@ class BucketReducer:
         blocks combined: reduced or not, every bucket ends as the step's tree-order sum."""
         assert self.exchange is not None
         try:
-            self.groups.wait_all(self._works)
+            for work in self._works:
+                self.groups.wait(work)
             self.exchange.finish(self.groups.abort)
         except BaseException:
             self.abandon()
@@ -318,6 +318,12 @@ class BucketReducer:
         return buf
 
 
+def _chunk(length: int, device: torch.device) -> int:
+    """Elements combined and measured at a time: SUM_CHUNK on CPU (cache-sized), the whole slice
+    on an accelerator (each chunk costs a kernel launch per tree node)."""
+    return min(length, SUM_CHUNK) if device.type == "cpu" else max(length, 1)
+
+
 @functools.lru_cache(maxsize=256)
 def _program(blocks: tuple[Block, ...]) -> CombineProgram:
     """The combine of `blocks` (a plan's few block lists recur every step)."""
@@ -339,7 +345,7 @@ def finalize_grads(
     layout: ParallelLayout,
     groups: ParallelGroups,
     layer_of: Callable[[str], int],
-    loss_sum: float,
+    loss_sum: torch.Tensor | float,
     grad_clip: float,
     ok: bool = True,
     halt: bool = False,
@@ -348,7 +354,9 @@ def finalize_grads(
     """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
     `loss_sum` is this worker's contribution to the global loss (the sum of its microbatch
-    losses divided by the global microbatch count; 0 except on a last stage's TP rank 0).
+    losses divided by the global microbatch count; 0 except on a last stage's TP rank 0), a
+    float64 value that may stay on the device (read back with the vote); a non-finite one counts
+    as a failure, like `ok=False`.
     Collective over every bucket group of mine and then the world group; every wait goes
     through `groups.wait` (StepAborted when the generation's abort flag is set); a failure of
     the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
@@ -369,7 +377,7 @@ def finalize_grads(
     device = next(iter(grads.values())).device
     sq = torch.zeros((), dtype=torch.float64, device=device)
     wide = accum.scratch.get((-1, "norm", 0))
-    if wide is None:
+    if wide is None and device.type == "cpu":
         wide = accum.scratch[(-1, "norm", 0)] = torch.empty(_NORM_CHUNK, dtype=torch.float64, device=device)
     for bucket, names in buckets:
         if not names:
@@ -387,19 +395,14 @@ def finalize_grads(
             for name in names:
                 if getattr(params[name], "tp_dim", None) is not None:
                     sq += sum_of_squares(grads[name], wide)
-    stats = torch.stack(
-        [
-            sq,
-            torch.tensor(loss_sum, dtype=torch.float64, device=device),
-            torch.tensor(0.0 if ok else 1.0, dtype=torch.float64, device=device),
-            torch.tensor(1.0 if halt else 0.0, dtype=torch.float64, device=device),
-        ]
-    )
+    loss_t = torch.as_tensor(loss_sum, dtype=torch.float64, device=device)
+    failed = (~torch.isfinite(loss_t)).to(torch.float64) if ok else torch.ones((), dtype=torch.float64, device=device)
+    stats = torch.stack([sq, loss_t, failed, torch.tensor(1.0 if halt else 0.0, dtype=torch.float64, device=device)])
     try:
-        groups.wait(dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=groups.world, async_op=True))
+        groups.wait(groups.world.all_reduce(stats))
+        total_sq, loss, failures, halts = groups.fetch(stats).tolist()
     except Exception as exc:
         raise VoteInterrupted(f"the vote's wait failed: {type(exc).__name__}: {exc}") from exc
-    total_sq, loss, failures, halts = stats.tolist()
     norm = math.sqrt(total_sq)
     usable = failures == 0 and math.isfinite(norm)
 
@@ -421,10 +424,13 @@ _NORM_CHUNK = 1 << 18
 """Elements widened to float64 at a time for a sum of squares (a 2 MiB scratch)."""
 
 
-def sum_of_squares(t: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+def sum_of_squares(t: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:
     """The sum of `t`'s squared elements accumulated in float64, one chunk at a time through the
     float64 scratch `wide`: no full-size temporary (whose page faults cost more than the sum),
-    and unlike a float32 dot product no float32 accumulator."""
+    and unlike a float32 dot product no float32 accumulator. Without `wide` (an accelerator):
+    one float64 norm over the whole tensor, one kernel."""
+    if wide is None:
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     for chunk in t.reshape(-1).split(wide.numel()):
         w = wide[: chunk.numel()]

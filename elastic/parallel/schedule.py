@@ -6,8 +6,16 @@ so at most S-s microbatches hold activations at once. Transfers are explicit act
 forward on a non-first stage is preceded by receiving its activation, a backward on a non-last
 stage by receiving its output gradient.
 
-`simulate` plays the schedules of all stages against each other (sends buffered, receives
-blocking, as the executor runs them) and reports a deadlock or a mismatched transfer.
+The executor posts the transfers as groups (`coalesce`): every run of consecutive transfer
+actions between two computations is one group of point-to-point operations, which NCCL runs
+together, as Megatron pairs "send forward, receive backward" and "send backward, receive
+forward". Both neighbours post their halves of a link in matching groups, so no transfer waits
+for a message that is only posted behind it (tests/engine/test_schedule.py checks every shape
+under elastic/comm/nccl_model.py's rules).
+
+`simulate` plays the schedules of all stages against each other at the level of data (which
+microbatch each transfer carries, sends buffered, receives blocking) and reports a deadlock or a
+mismatched transfer.
 """
 
 from __future__ import annotations
@@ -25,6 +33,10 @@ class Op(enum.Enum):
     RECV_GRAD = "recv_grad"
     BACKWARD = "backward"
     SEND_GRAD = "send_grad"
+
+
+TRANSFERS = frozenset({Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD})
+"""The actions that move data between stages."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,24 @@ def forward_only(*, num_stages: int, stage: int, microbatches: int) -> list[Acti
 def pipeline_schedule(*, num_stages: int, microbatches: int) -> list[list[Action]]:
     """The 1F1B schedules of every stage of one pipeline."""
     return [one_f_one_b(num_stages=num_stages, stage=s, microbatches=microbatches) for s in range(num_stages)]
+
+
+def coalesce(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
+    """`actions` as the executor runs them: each computation alone, each run of consecutive
+    transfers as one group posted together (module doc)."""
+    out: list[tuple[Action, ...]] = []
+    run: list[Action] = []
+    for a in actions:
+        if a.op in TRANSFERS:
+            run.append(a)
+            continue
+        if run:
+            out.append(tuple(run))
+            run = []
+        out.append((a,))
+    if run:
+        out.append(tuple(run))
+    return out
 
 
 class ScheduleError(RuntimeError):

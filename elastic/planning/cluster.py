@@ -2,31 +2,60 @@
 planner, shared by `elastic plan`, `elastic run`, the leader's re-planning and `elastic simulate`.
 
 Without a measured profile, the profile is derived from the preset's FLOP and byte counts on a
-nominal device (`device_tflops`, `device_memory_gib`, `network_gbps`). A small memory budget is
-how a run on this machine emulates devices too small to hold the model, which forces multi-stage
-pipelines.
+nominal device (`device_tflops`, `device_memory_gib`, `network_gbps`) of `device_type`: on CUDA
+activations are counted in bf16 (the engine's autocast) and the device keeps a reserve for its
+context and communicators. A small memory budget is how a run on this machine emulates devices
+too small to hold the model, which forces multi-stage pipelines. Measured or derived, the
+profile's memory figures (gradient and exchange buffers per parameter, fixed buffers per worker)
+are the engine's for this cluster (`footprint.planner_figures`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from elastic.model.config import GPTConfig, describe_model, get_preset
+from elastic.planning.footprint import (
+    DEVICE_TYPES,
+    compute_bytes,
+    layer_saved,
+    loss_bytes_per_element,
+    planner_figures,
+    reserve_bytes,
+)
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
 from templates.instantiation import instantiate
 from templates.plan import Plan
-from templates.profile import Profile
+from templates.profile import MemoryModel, Profile
 from templates.template_set import TemplateSet, build_templates
 
 DEFAULT_TFLOPS = 100.0
 """Nominal achieved TFLOP/s of one device for derived profiles."""
 DEFAULT_MEMORY_GIB = 80.0
-"""Nominal memory of one device for derived profiles."""
+"""Nominal memory of one device for derived profiles (on CUDA, `device_type` "cuda", the
+device's reserve comes off it: `footprint.RESERVE_BYTES`)."""
+PARTIAL_REPLAY = True
+"""Whether the engine keeps its gradient sums for partial replay (`JobSpec.partial_replay`'s
+default): with more than one pipeline, a copy of the sums more per parameter."""
 DEFAULT_NETWORK_GBPS = 100.0
 """Nominal inter-node bandwidth of one node's NIC in Gbit/s for derived profiles."""
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
+
+
+def memory_gib(given: float | None, device_type: str, *, profile: str | None = None) -> float:
+    """The device memory to plan for: `given` (--device-memory-gib), else the nominal
+    DEFAULT_MEMORY_GIB on CPU (or with a measured profile, which has its own), else this
+    machine's GPU's memory (torch loads only here, to ask it)."""
+    if given is not None:
+        return float(given)
+    if device_type == "cpu" or profile is not None:
+        return DEFAULT_MEMORY_GIB
+    from elastic.planning.memory import default_memory_gib
+
+    return default_memory_gib(device_type)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,9 +88,14 @@ class ClusterSpec:
     shape: GPTConfig | None = None
     """The model's shape when it is not the preset's (`--model-config`, `--n-layer`, ...);
     None: the preset `model`."""
+    device_type: str = "cpu"
+    """The device type the workers compute on: "cuda" plans activations in bf16 (autocast) and
+    reserves the context and communicators' memory; "cpu" plans them in fp32, with no reserve."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"device type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
         for flag, value in (
             ("nodes", self.nodes),
             ("gpus-per-node", self.gpus_per_node),
@@ -115,13 +149,16 @@ class ClusterSpec:
         return self.network_gbps * GBIT
 
 
-def gpt_layer_counts(cfg: GPTConfig) -> list[LayerCounts]:
-    """The planner's plain description of each planning layer of `cfg`.
+def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCounts]:
+    """The planner's plain description of each planning layer of `cfg`, its activations for a
+    forward in `compute_bytes`-byte elements (4: fp32, 2: bf16 autocast).
 
-    Saved activations per token (no recomputation, dropout masks not counted): a block keeps
-    16 * d_model elements (LayerNorm, QKV, q, k, v, projection, MLP inputs, the 4x-wide GELU
-    input and output) plus 2 * n_head * seq_len (attention scores and softmax output); the head
-    keeps its two d_model-wide inputs and the logits; the embedding keeps only token ids.
+    Saved activations per token (no recomputation; `footprint.layer_saved`): a block keeps
+    14 * d_model elements in the compute dtype (LayerNorm outputs, q, k, v, attention output,
+    the 4x-wide GELU input and output) and its input and mid-block residual in fp32, plus the
+    attention probabilities with dropout; under autocast each microbatch also keeps a bf16 copy
+    of the matmul weights. The head keeps its input and LayerNorm output, and its loss holds the
+    logits in fp32 at its peak (`workspace_bytes_per_token`); the embedding keeps the token ids.
     Tensor-parallel all-reduces per microbatch: 4 per block (2 forward, 2 backward), 1 for the
     vocabulary-parallel embedding, 1 for the head's input gradient.
     """
@@ -129,44 +166,64 @@ def gpt_layer_counts(cfg: GPTConfig) -> list[LayerCounts]:
     out = []
     for i in range(cfg.num_layers):
         kind = cfg.layer_kind(i)
-        if kind == "embedding":
-            saved, allreduces = 0.0, 1
-        elif kind == "head":
-            saved, allreduces = 2.0 * d + cfg.vocab_size, 1
-        else:
-            saved, allreduces = 16.0 * d + 2.0 * cfg.n_head * cfg.seq_len, 4
+        saved = layer_saved(cfg, i)
         out.append(
             LayerCounts(
                 kind=kind,
                 params=cfg.layer_param_count(i),
                 flops_per_token=cfg.layer_flops_per_token(i),
-                saved_elements_per_token=saved,
+                saved_elements_per_token=saved.elements_per_token,
                 output_elements_per_token=d,
-                tp_allreduces=allreduces,
+                tp_allreduces=4 if kind == "block" else 1,
+                saved_bytes_per_token=saved.bytes_per_token,
+                cast_params=saved.cast_params,
+                workspace_bytes_per_token=saved.workspace_per_token * loss_bytes_per_element(compute_bytes),
             )
         )
     return out
 
 
-def derived_profile(name: str, cfg: GPTConfig, microbatch: int, device: DeviceSpeed) -> Profile:
+def derived_profile(
+    name: str, cfg: GPTConfig, microbatch: int, device: DeviceSpeed, *, compute_bytes: int = 4
+) -> Profile:
     return derive_profile(
-        model=name, layers=gpt_layer_counts(cfg), seq_len=cfg.seq_len, microbatch_size=microbatch, device=device
+        model=name, layers=gpt_layer_counts(cfg, compute_bytes=compute_bytes), seq_len=cfg.seq_len,
+        microbatch_size=microbatch, device=device, compute_bytes=compute_bytes,
     )
+
+
+def memory_model(spec: ClusterSpec) -> MemoryModel:
+    """The engine's gradient, exchange and work buffers for `spec`'s plans (1 to min(N, M)
+    pipelines of at least f+1, the batch split evenly, partial replay as the engine's default)."""
+    figures = planner_figures(
+        global_microbatches=spec.global_microbatches, min_pipelines=spec.fault_tolerance + 1,
+        max_pipelines=spec.nodes, partial_replay=PARTIAL_REPLAY, device_type=spec.device_type,
+    )
+    return MemoryModel(grad_bytes_per_param=figures.grad_bytes_per_param, worker_bytes=figures.worker_bytes)
 
 
 def cluster_profile(spec: ClusterSpec) -> Profile:
     """The measured profile at `spec.profile_path`, or one derived from the preset with the
-    cluster's device speed, memory and network bandwidth."""
+    cluster's device type, speed, memory and network bandwidth; with the engine's memory figures
+    for the cluster (`memory_model`)."""
     cfg = spec.config
     if spec.profile_path is None:
+        reserve = reserve_bytes(spec.device_type)
+        memory = int(spec.device_memory_gib * 2**30)
+        if memory <= reserve:
+            raise ValueError(f"--device-memory-gib {spec.device_memory_gib:g} leaves nothing beside the "
+                             f"{reserve / 2**30:g} GiB reserve of a {spec.device_type} device")
         device = DeviceSpeed(
             flops_per_second=spec.device_tflops * 1e12,
-            memory_bytes=int(spec.device_memory_gib * 2**30),
+            memory_bytes=memory,
             p2p_bandwidth=spec.network_bytes_per_s,
-            description=f"nominal device: {spec.device_tflops:g} TFLOP/s, {spec.device_memory_gib:g} GiB, "
-            f"{spec.network_gbps:g} Gbit/s network",
+            reserve_bytes=reserve,
+            description=f"nominal {spec.device_type} device: {spec.device_tflops:g} TFLOP/s, "
+            f"{spec.device_memory_gib:g} GiB, {spec.network_gbps:g} Gbit/s network",
         )
-        return derived_profile(spec.label, cfg, spec.microbatch, device)
+        derived = derived_profile(spec.label, cfg, spec.microbatch, device,
+                                  compute_bytes=compute_bytes(spec.device_type))
+        return dataclasses.replace(derived, memory=memory_model(spec))
     profile = Profile.load(spec.profile_path)  # ProfileError (a ValueError) when malformed
     if profile.num_layers != cfg.num_layers:
         raise ValueError(f"profile {spec.profile_path} has {profile.num_layers} layers but {spec.label} has {cfg.num_layers}")
@@ -174,7 +231,7 @@ def cluster_profile(spec: ClusterSpec) -> Profile:
         raise ValueError(
             f"profile {spec.profile_path} was taken at microbatch {profile.microbatch_size}, not {spec.microbatch}"
         )
-    return profile
+    return dataclasses.replace(profile, memory=memory_model(spec))
 
 
 def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> TemplateSet:

@@ -3,17 +3,23 @@
 Each layer is built alone as a `GPTStage(cfg, first=i, last=i+1)` and, per microbatch, timed
 for forward and, separately, for backward (the gradient of a random upstream gradient, so the
 backward is measured, never assumed to be a multiple of forward); the median of the repeats
-is kept. Activation bytes are the tensors autograd saves for backward (counted through the
-public saved-tensor hooks, each storage once). Parameter bytes are the module's; optimizer
-bytes assume AdamW's two fp32 moments per parameter. Link costs are not measured here: they
-keep `templates.derive.DeviceSpeed`'s defaults, which the profile notes say.
+is kept. The forward runs in the engine's compute dtype (`memory.compute_dtype`: under bf16
+autocast on CUDA, as the engine's forward does; fp32 on the CPU). Activation bytes are the
+tensors autograd saves for backward (counted through the public saved-tensor hooks, each
+storage once: under autocast the bf16 copies of the weights included). Parameter bytes are the
+module's; optimizer bytes assume AdamW's two fp32 moments per parameter; the head's loss
+workspace, the device's reserve and the engine's buffers come from the memory model
+(`footprint.py`). Link costs are not measured here: they keep `templates.derive.DeviceSpeed`'s
+defaults, which the profile notes say.
 
 Models too large to run here get a profile derived from FLOP/byte counts, scaled by the
-measured matmul speed of this device.
+measured matmul speed of this device in the compute dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import statistics
 import time
@@ -21,13 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import psutil
 import torch
 
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
+from elastic.planning.footprint import (
+    GradShare,
+    head_bytes,
+    planner_figures,
+    reserve_bytes,
+    state_bytes_per_param,
+)
+from elastic.planning.memory import compute_dtype, device_memory_bytes
 from templates.derive import ADAMW_STATE_PER_PARAM, DeviceSpeed, LayerCounts, derive_profile
-from templates.profile import LayerProfile, Profile
+from templates.profile import LayerProfile, MemoryModel, Profile
 
 _T = TypeVar("_T")
 
@@ -46,7 +59,7 @@ class ProfilerConfig:
     device: torch.device
     """Where to run the layers."""
     memory_bytes: int
-    """Memory budget of one device to write into the profile."""
+    """Memory of one device to write into the profile (its reserve comes off it)."""
     warmup: int = 1
     """Untimed runs per layer before timing."""
     repeats: int = 3
@@ -54,16 +67,15 @@ class ProfilerConfig:
 
 
 def default_memory_bytes(device: torch.device) -> int:
-    """Total memory of `device` (host RAM for the CPU)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(psutil.virtual_memory().total)
+    """Total memory of `device` (host RAM for the CPU); the profile's reserve comes off it."""
+    return device_memory_bytes(device)
 
 
 def matmul_flops_per_second(device: torch.device, size: int = 512, repeats: int = 5) -> float:
-    """Achieved fp32 FLOP/s of a square matmul on `device` (best of `repeats`)."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+    """Achieved FLOP/s of a square matmul in the compute dtype on `device` (best of `repeats`)."""
+    dtype = compute_dtype(device)
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(repeats + 1):
         _sync(device)
@@ -75,7 +87,7 @@ def matmul_flops_per_second(device: torch.device, size: int = 512, repeats: int 
 
 def should_measure(cfg: GPTConfig, counts: list[LayerCounts], conf: ProfilerConfig, flops: float) -> bool:
     """Whether the model is small enough to run layer by layer on this device."""
-    state = sum(c.params for c in counts) * 4 * (2 + ADAMW_STATE_PER_PARAM)
+    state = sum(c.params for c in counts) * state_bytes_per_param(GradShare.of_split([1]))
     seconds = 3 * sum(c.flops_per_token for c in counts) * cfg.seq_len * conf.microbatch / flops
     return state <= _MEASURE_MEMORY_SHARE * conf.memory_bytes and seconds <= _MEASURE_MAX_SECONDS
 
@@ -86,11 +98,14 @@ def measure_profile(name: str, cfg: GPTConfig, counts: list[LayerCounts], conf: 
         raise ValueError(f"{len(counts)} layer descriptions for {cfg.num_layers} planning layers")
     torch.manual_seed(0)
     layers = [_measure_layer(cfg, i, counts[i].tp_allreduces, conf) for i in range(cfg.num_layers)]
-    speed = DeviceSpeed(flops_per_second=1.0, memory_bytes=conf.memory_bytes)
+    element = compute_dtype(conf.device).itemsize
+    loss = head_bytes(cfg, tokens=conf.microbatch * cfg.seq_len, element_bytes=element)
+    layers[-1] = dataclasses.replace(layers[-1], workspace_bytes=loss)
+    speed = DeviceSpeed(flops_per_second=1.0, memory_bytes=conf.memory_bytes, reserve_bytes=reserve_bytes(conf.device.type))
     notes = (
-        f"measured on {conf.device} ({torch.get_num_threads()} threads), fp32, median of {conf.repeats}; "
-        f"backward timed separately; optimizer = AdamW fp32 moments (8 B/param); activations = tensors "
-        f"saved for backward; link costs are defaults, not measured"
+        f"measured on {conf.device} ({torch.get_num_threads()} threads), {_precision(conf.device)}, median of "
+        f"{conf.repeats}; backward timed separately; optimizer = AdamW fp32 moments (8 B/param); activations = "
+        f"tensors saved for backward; link costs are defaults, not measured"
     )
     return Profile(
         model=name,
@@ -99,7 +114,27 @@ def measure_profile(name: str, cfg: GPTConfig, counts: list[LayerCounts], conf: 
         device=speed.device_profile(),
         source="measured",
         notes=notes,
+        memory=_one_pipeline(),
     )
+
+
+def _one_pipeline() -> MemoryModel:
+    """The engine's buffers for one pipeline of one block: a cluster replaces them with its own."""
+    figures = planner_figures(global_microbatches=1)
+    return MemoryModel(grad_bytes_per_param=figures.grad_bytes_per_param, worker_bytes=figures.worker_bytes)
+
+
+def _precision(device: torch.device) -> str:
+    dtype = compute_dtype(device)
+    return "fp32" if dtype == torch.float32 else f"{str(dtype).removeprefix('torch.')} autocast"
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The engine's forward precision on `device` (`engine/device.py` compute_precision)."""
+    dtype = compute_dtype(device)
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def derived_from_speed(
@@ -109,11 +144,16 @@ def derived_from_speed(
     device = DeviceSpeed(
         flops_per_second=flops,
         memory_bytes=conf.memory_bytes,
-        description=f"measured fp32 matmul speed of {conf.device}; model too large to run here",
+        reserve_bytes=reserve_bytes(conf.device.type),
+        description=f"measured {_precision(conf.device).split()[0]} matmul speed of {conf.device}; model too "
+        f"large to run here",
     )
-    return derive_profile(
-        model=name, layers=counts, seq_len=cfg.seq_len, microbatch_size=conf.microbatch, device=device
+    element = compute_dtype(conf.device).itemsize
+    profile = derive_profile(
+        model=name, layers=counts, seq_len=cfg.seq_len, microbatch_size=conf.microbatch, device=device,
+        compute_bytes=element,
     )
+    return dataclasses.replace(profile, memory=_one_pipeline())
 
 
 def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: ProfilerConfig) -> LayerProfile:
@@ -125,7 +165,8 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
         x = torch.randn(*shape, cfg.d_model, device=conf.device, requires_grad=True)  # (batch, seq, d_model)
 
     def forward() -> torch.Tensor:
-        return stage(x, dropout_key=index)
+        with _autocast(conf.device):
+            return stage(x, dropout_key=index)
 
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     fwd: list[float] = []
@@ -146,7 +187,7 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
         param_bytes=param_bytes,
         optimizer_bytes=param_bytes * ADAMW_STATE_PER_PARAM,
         activation_bytes=saved,
-        output_bytes=conf.microbatch * cfg.seq_len * cfg.d_model * 4,
+        output_bytes=conf.microbatch * cfg.seq_len * cfg.d_model * compute_dtype(conf.device).itemsize,
         tp_allreduces=tp_allreduces,
     )
 

@@ -15,6 +15,11 @@ from elastic.model.config import GPTConfig, get_preset
 from elastic.records.optim_config import OptimConfig
 from templates.plan import Plan
 
+DEVICE_BASE_ENV = "ELASTIC_DEVICE_BASE"
+"""Environment variable: the first accelerator index of a node's workers on its host (their
+device is base + local rank). The launcher sets it for each simulated node it starts on one
+host (node * workers per node), so no two nodes share a GPU; unset (0) for one node per host."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(JsonRecord):

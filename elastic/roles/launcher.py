@@ -60,7 +60,7 @@ from elastic.records.injection import (
     submit_request,
     write_status,
 )
-from elastic.records.job import JobSpec
+from elastic.records.job import DEVICE_BASE_ENV, JobSpec
 from elastic.records.protocol import (
     ElasticConfig,
     GenerationRecord,
@@ -83,6 +83,12 @@ _POLL_S = 0.05
 _READ_EVERY_S = 1.0
 """How often the elastic launcher's loop reads etcd itself (fatal key, rejoin requests, the end)."""
 _STOP_GRACE_S = 5.0
+
+
+def device_env(node: int, gpus_per_node: int) -> dict[str, str]:
+    """The environment that gives `node`'s workers accelerators of their own on a host that runs
+    several simulated nodes: node * gpus_per_node onwards (elastic/engine/device.py)."""
+    return {DEVICE_BASE_ENV: str(node * gpus_per_node)}
 
 
 class WorkerFailed(RuntimeError):
@@ -161,7 +167,7 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
                     cmd,
                     stdout=None if (is_rank0 and not quiet) else log,
                     stderr=log,
-                    env=env,
+                    env={**env, **device_env(node, spec.plan.gpus_per_node)},
                 )
                 workers.append(_Worker(node, local_rank, proc, log, log_path))
         _watch(workers, start=start, timeout_s=timeout_s)
@@ -224,6 +230,8 @@ class _AgentPool:
     """The job's access token, handed to each agent in its environment."""
     threads_per_worker: int
     """OMP_NUM_THREADS of each agent (and so of its workers)."""
+    gpus_per_node: int
+    """Workers per node: node N's workers get accelerators from N * gpus_per_node on (DEVICE_BASE_ENV)."""
     placement: AgentPlacement | None
     """node -> command prefix and extra environment of its agent (None: plain local processes)."""
     local: bool
@@ -242,7 +250,8 @@ class _AgentPool:
             return
         prefix, extra_env = self.placement(node) if self.placement is not None else ([], {})
         env = dict(
-            os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker), **extra_env
+            os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker),
+            **device_env(node, self.gpus_per_node), **extra_env,
         )
         for var in ETCD_CREDENTIAL_ENVS if self.plain_etcd else ():
             env.pop(var, None)
@@ -422,7 +431,8 @@ def launch_elastic(
     job = job or f"run-{secrets.token_hex(4)}"
     token = token or secrets.token_hex(16)
     pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
-                      threads_per_worker=spec.threads_per_worker, placement=placement, local=local_agents,
+                      threads_per_worker=spec.threads_per_worker, gpus_per_node=spec.plan.gpus_per_node,
+                      placement=placement, local=local_agents,
                       plain_etcd=server is not None)
     progress = Progress()
     client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))

@@ -9,9 +9,9 @@ chunks without pickling (everything else, and the fallback).
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
 - `client`: `fetch_shards` (spread, verify, re-fetch) from a holder map the caller gives.
-- `collective`: `assign_moves` (which rank sends which shard to which) and `exchange`: batched
-  point-to-point sends on a process group (gloo or NCCL), each tensor verified by a vectorised
-  checksum.
+- `collective`: `assign_moves` (which rank sends which shard to which) and `exchange`: grouped
+  point-to-point operations on a generation's communicator (gloo or NCCL, NCCL's rules kept),
+  each tensor verified by a vectorised checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
 
 Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the GPT or the plan.

@@ -1,9 +1,10 @@
-"""Collective shard transfer: move layer shards over a generation's process group with p2p sends.
+"""Collective shard transfer: move layer shards over a generation's communicator, in groups.
 
 The alternative to fetching shards over gRPC (`client.fetch_shards`): every worker of the new
-generation calls `exchange` with the same move list (`assign_moves` makes one), and each move
-`(key, src, dst)` travels as point-to-point `isend`/`irecv` on the group (gloo on CPU, NCCL on
-CUDA; tensors stay on whatever device the caller's tensors and `device` name).
+generation that sends or receives a shard calls `exchange` with the same move list
+(`assign_moves` makes one), and each move `(key, src, dst)` travels as point-to-point operations
+on the communicator (gloo on CPU, NCCL on CUDA; tensors stay on whatever device the caller's
+tensors and `device` name).
 
 Protocol, per (src, dst) pair that has at least one move (other pairs exchange nothing):
 
@@ -17,37 +18,33 @@ Protocol, per (src, dst) pair that has at least one move (other pairs exchange n
 3. dst allocates each buffer from the header's byte count on its `device`, receives, then
    rebuilds each tensor (dtype, shape) and verifies it against the header.
 
-Every rank first posts all its sends (headers, then data), then all its header receives, then
-waits for the headers one source at a time and posts the data receives; only then does it
-wait for data (verifying each tensor while the next ones arrive), and for its own sends last.
-Nothing blocks before everything it could depend on is posted, so two ranks that send to each
-other both make progress. The messages of one pair match in posting order (gloo matches by
-peer and tag, first posted first; NCCL ignores tags and keeps per-peer order). Every wait goes
-through the caller's `wait` (an abortable wait in the runtime); errors of the group itself (a
+Every rank posts its part of each phase as one group (elastic/comm/communicator.py): all its
+first frames, sent and received, in one group; then the remainders of long headers, if any;
+then every data send and receive in one group, whose receives it could size only once the
+headers were in. Inside a group sends and receives progress together, so two ranks that move
+shards to each other, or a rotation A -> B -> C -> A, make progress under NCCL's rules (posted
+as single operations, each would wait for a peer that waits for another: a deadlock, and NCCL
+would create a communicator per pair lazily, a blocking rendezvous inside the first send). Each
+phase runs on the one communicator, so no pair communicator is ever created. The messages of one
+pair match in posting order (gloo matches by peer and tag, first posted first; NCCL ignores tags
+and keeps per-peer order). Every wait goes through the caller's `wait` (an abortable wait in the
+runtime) and every read of a received header through its `fetch`; errors of the group itself (a
 peer died, the wait aborted) propagate unchanged.
 
 Verification: each tensor carries a vectorised checksum in the header
 (`elastic/transfer/shard_header.py`, which says why not CRC-32).
-
-Why plain `isend`/`irecv`: `batch_isend_irecv` cannot take the backend process group objects
-this project uses as groups (`P2POp` resolves peers through the group registry and raises
-"not registered"), and for such groups it would only loop over `isend`/`irecv` anyway.
-Caveat for NCCL (not measured: no multi-GPU machine here): without a coalesced group,
-NCCL runs one pair's sends and receives in posting order on one stream, so two ranks that
-send each other large tensors could stall; gloo, used here, has no such limit.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from elastic.comm import P2P, Communicator, Handle
 from elastic.transfer.shard_header import (
     ProtocolError,
     ShardHeader,
@@ -63,9 +60,9 @@ from elastic.transfer.shard_header import (
 )
 from elastic.transfer.shards import ShardKey
 
-Post = Callable[[str, torch.Tensor, int, int], dist.Work]
-"""Posts a point-to-point operation: ("send" | "recv", tensor, peer rank, tag) -> its work (the
-runtime's posts connect to a new peer abortably: elastic.parallel.groups.ParallelGroups.p2p)."""
+Post = Callable[[Sequence[P2P]], Handle]
+"""Posts a group of point-to-point operations -> its handle (the runtime's posts connect to a
+new peer abortably: elastic.parallel.groups.ParallelGroups.p2p)."""
 
 HEADER_FRAME_BYTES = 64 << 10
 """Size of the fixed first header message of a pair (8-byte length + JSON, zero-padded)."""
@@ -147,33 +144,37 @@ def _header_frames(raw: bytes, device: torch.device) -> list[torch.Tensor]:
     return frames
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def _host_bytes(t: torch.Tensor) -> bytes:
     return t.cpu().numpy().tobytes()
 
 
 # ---- the exchange -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class _Incoming:
-    """The receive side of one pair: what to expect, the header, and the posted data receives."""
+    """The receive side of one pair: what to expect, its first frame, then its header and buffers."""
 
     src: int
     expected: list[ShardKey]
-    shards: list[ShardHeader]
-    posted: list[tuple[dist.Work, torch.Tensor]]
+    frame: torch.Tensor
+    head: bytes = b""
+    rest: torch.Tensor | None = None
+    shards: list[ShardHeader] | None = None
+    buffers: list[torch.Tensor] | None = None
 
 
 def exchange(
-    group: dist.ProcessGroup,
+    group: Communicator,
     *,
     rank: int,
     moves: Sequence[ShardMove],
     export: Callable[[ShardKey], ShardState],
-    wait: Callable[[dist.Work], None],
+    wait: Callable[[Handle], None],
     tag: int = 7,
     device: torch.device = _CPU,
     post: Post | None = None,
+    fetch: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> CollectiveResult:
     """Run this rank's part of `moves` over `group` (every member with moves calls it, same list).
 
@@ -182,14 +183,16 @@ def exchange(
     or returns something else than named tensors is reported to its receivers, who list the
     shard in `failed`. For each move with `dst == rank` the shard is received into fresh
     tensors on `device` (also where the header frames live: CPU for gloo, this rank's GPU for
-    NCCL) and verified. `post` posts each send and receive (default: `dist.isend`/`dist.irecv`
-    on `group`). `wait` blocks until one posted operation completed; it may raise
-    (abort), and that error, like any error of the group, propagates unchanged. Moves must
-    not repeat a (shard, receiver) pair nor send to their own sender (ValueError).
+    NCCL) and verified. `post` posts each group of operations (default: `group.post`). `wait`
+    blocks until one posted group completed, `fetch` reads a received header back to the host
+    (default: a plain copy); either may raise (abort), and that error, like any error of the
+    group, propagates unchanged. Moves must not repeat a (shard, receiver) pair nor send to
+    their own sender (ValueError).
     """
     start = time.perf_counter()
     _check_moves(group, rank, moves)
-    posting = post or functools.partial(_plain_post, group)
+    posting = post or group.post
+    to_host = fetch or (lambda t: t.cpu())
     outgoing: dict[int, list[ShardKey]] = {}
     incoming: dict[int, list[ShardKey]] = {}
     for m in moves:
@@ -198,17 +201,34 @@ def exchange(
         elif m.dst == rank:
             incoming.setdefault(m.src, []).append(ShardKey(*m.key))
 
-    sends, bytes_sent = _post_sends(outgoing, export, posting, tag, device)  # 1. nothing here blocks
-    pairs = _post_receives(incoming, posting, tag, wait, device)  # 2. headers, then each source's data
+    headers, data, bytes_sent = _outgoing(outgoing, export, device)
+    pairs = [_Incoming(src=src, expected=sorted(incoming[src]), frame=_frame_buffer(device)) for src in sorted(incoming)]
 
-    # 3. Data, each tensor verified as soon as it is in (while the next ones arrive).
+    # 1. Every first frame, sent and received, in one group.
+    wait(posting([P2P("send", frames[0], dst, tag) for dst, frames in sorted(headers.items())]
+                 + [P2P("recv", pair.frame, pair.src, tag) for pair in pairs]))
+    # 2. The rest of the headers that did not fit their frame, if any (both sides know which).
+    for pair in pairs:
+        pair.head = _host_bytes(to_host(pair.frame))
+        pair.rest = _rest_buffer(pair.head, pair.src, device)
+    rests = ([P2P("send", frames[1], dst, tag) for dst, frames in sorted(headers.items()) if len(frames) > 1]
+             + [P2P("recv", pair.rest, pair.src, tag) for pair in pairs if pair.rest is not None])
+    if rests:
+        wait(posting(rests))
+    # 3. Every data send and receive in one group, once each header sized its buffers.
+    receives: list[P2P] = []
+    for pair in pairs:
+        pair.shards = decode_header(_read_header(pair, to_host))
+        pair.buffers = [_receive_buffer(m.nbytes, device) for s in pair.shards for m in s.tensors if m.nbytes > 0]
+        receives += [P2P("recv", buf, pair.src, tag) for buf in pair.buffers]
+    sends = [P2P("send", t, dst, tag) for dst, tensors in sorted(data.items()) for t in tensors]
+    wait(posting(sends + receives))
+
     received: dict[ShardKey, ShardState] = {}
     failed: dict[ShardKey, str] = {}
     bytes_received = 0
     for pair in pairs:
-        bytes_received += _receive_pair(pair, received, failed, wait, device)
-    for work, _ in sends:
-        wait(work)
+        bytes_received += _verify_pair(pair, received, failed, device)
     return CollectiveResult(
         shards=received,
         failed=failed,
@@ -218,74 +238,58 @@ def exchange(
     )
 
 
-def _post_sends(
-    outgoing: Mapping[int, list[ShardKey]],
-    export: Callable[[ShardKey], ShardState],
-    posting: Post,
-    tag: int,
-    device: torch.device,
-) -> tuple[list[tuple[dist.Work, torch.Tensor]], int]:
-    """Post every send, each destination's header first; the posted sends and the tensor data
-    bytes they carry. Each shard is exported once, however many receivers it has."""
+def _outgoing(
+    outgoing: Mapping[int, list[ShardKey]], export: Callable[[ShardKey], ShardState], device: torch.device,
+) -> tuple[dict[int, list[torch.Tensor]], dict[int, list[torch.Tensor]], int]:
+    """Per destination, its header frames and its data tensors (byte views), and the tensor
+    data bytes sent in all. Each shard is exported once, however many receivers it has."""
     exported: dict[ShardKey, tuple[ShardHeader, list[torch.Tensor]]] = {}
-    sends: list[tuple[dist.Work, torch.Tensor]] = []
+    headers: dict[int, list[torch.Tensor]] = {}
+    data: dict[int, list[torch.Tensor]] = {}
     bytes_sent = 0
     for dst in sorted(outgoing):
         keys = sorted(outgoing[dst])
         for key in keys:
             if key not in exported:
                 exported[key] = _export(key, export)
-        messages = _header_frames(encode_header([exported[k][0] for k in keys]), device)
-        for key in keys:
-            messages += exported[key][1]
-            bytes_sent += sum(t.numel() for t in exported[key][1])
-        for t in messages:
-            sends.append((posting("send", t, dst, tag), t))
-    return sends, bytes_sent
+        headers[dst] = _header_frames(encode_header([exported[k][0] for k in keys]), device)
+        data[dst] = [t for k in keys for t in exported[k][1]]
+        bytes_sent += sum(t.numel() for t in data[dst])
+    return headers, data, bytes_sent
 
 
-def _post_receives(
-    incoming: Mapping[int, list[ShardKey]],
-    posting: Post,
-    tag: int,
-    wait: Callable[[dist.Work], None],
-    device: torch.device,
-) -> list[_Incoming]:
-    """Post every source's header receive, then, one source at a time as its header is in, the
-    receives of its data."""
-    first_frames = {
-        src: _recv(posting, src, tag, torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device))
-        for src in sorted(incoming)
-    }
-    pairs: list[_Incoming] = []
-    for src in sorted(incoming):
-        work, frame = first_frames[src]
-        wait(work)
-        raw = _read_header(posting, src, tag, frame, wait, device)
-        shards = decode_header(raw)
-        posted = [
-            _recv(posting, src, tag, _receive_buffer(m.nbytes, device))
-            for s in shards
-            for m in s.tensors
-            if m.nbytes > 0
-        ]
-        pairs.append(_Incoming(src=src, expected=sorted(incoming[src]), shards=shards, posted=posted))
-    return pairs
+def _frame_buffer(device: torch.device) -> torch.Tensor:
+    return torch.empty(HEADER_FRAME_BYTES, dtype=torch.uint8, device=device)
 
 
-def _receive_pair(
-    pair: _Incoming,
-    received: dict[ShardKey, ShardState],
-    failed: dict[ShardKey, str],
-    wait: Callable[[dist.Work], None],
-    device: torch.device,
+def _rest_buffer(head: bytes, src: int, device: torch.device) -> torch.Tensor | None:
+    """A buffer for the part of `src`'s header that did not fit its first frame (None: it fit)."""
+    length = int.from_bytes(head[:_LENGTH_BYTES], "little")
+    room = HEADER_FRAME_BYTES - _LENGTH_BYTES
+    if length <= room:
+        return None
+    if length > 1 << 30:
+        raise ProtocolError(f"header of {length} bytes from rank {src}")
+    return torch.empty(length - room, dtype=torch.uint8, device=device)
+
+
+def _read_header(pair: _Incoming, to_host: Callable[[torch.Tensor], torch.Tensor]) -> bytes:
+    """The JSON of a pair's header: its first frame, and its remainder if it had one."""
+    head = pair.head
+    length = int.from_bytes(head[:_LENGTH_BYTES], "little")
+    if pair.rest is None:
+        return head[_LENGTH_BYTES : _LENGTH_BYTES + length]
+    return head[_LENGTH_BYTES:] + _host_bytes(to_host(pair.rest))
+
+
+def _verify_pair(
+    pair: _Incoming, received: dict[ShardKey, ShardState], failed: dict[ShardKey, str], device: torch.device,
 ) -> int:
-    """Wait for one source's data in header order, filling `received` and `failed`; bytes received.
-
-    Every posted buffer is waited for, also those of shards that are dropped (not expected from
-    this source, sent twice, or already failed), so the pair's stream is always fully drained.
-    """
-    buffers = iter(pair.posted)
+    """Rebuild and verify one source's shards in header order, filling `received` and `failed`;
+    bytes received. Shards not expected from this source, sent twice or already failed are
+    dropped (their bytes were received all the same: the pair's stream is always drained)."""
+    assert pair.shards is not None and pair.buffers is not None
+    buffers = iter(pair.buffers)
     nbytes = 0
     for s in pair.shards:
         take = s.key in pair.expected and s.key not in received and s.key not in failed
@@ -294,8 +298,7 @@ def _receive_pair(
         for meta in s.tensors:
             buf = None
             if meta.nbytes > 0:
-                work, buf = next(buffers)
-                wait(work)
+                buf = next(buffers)
                 nbytes += meta.nbytes
             if take and s.error is None and reason is None:
                 tensor = _rebuild(meta, buf, device)
@@ -316,10 +319,10 @@ def _receive_pair(
     return nbytes
 
 
-def _check_moves(group: dist.ProcessGroup, rank: int, moves: Sequence[ShardMove]) -> None:
-    size = group.size()
-    if group.rank() != rank:
-        raise ValueError(f"rank {rank} is not my rank in the group ({group.rank()})")
+def _check_moves(group: Communicator, rank: int, moves: Sequence[ShardMove]) -> None:
+    size = group.size
+    if group.rank != rank:
+        raise ValueError(f"rank {rank} is not my rank in the group ({group.rank})")
     seen: set[tuple[ShardKey, int]] = set()
     for m in moves:
         if not (0 <= m.src < size and 0 <= m.dst < size):
@@ -345,11 +348,6 @@ def _export(key: ShardKey, export: Callable[[ShardKey], ShardState]) -> tuple[Sh
     return header, [byte_view(state[m.name]) for m in header.tensors if m.nbytes > 0]
 
 
-def _posted(work: dist.Work | None) -> dist.Work:
-    assert work is not None, "this rank is not a member of the group"
-    return work
-
-
 def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """A fresh receive buffer, its pages touched on CPU before the receive is posted: the
     kernel's first-touch faults (zeroing every page) then run here while gloo's I/O thread
@@ -360,37 +358,6 @@ def _receive_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         buf.numpy()[::4096] = 0  # one write per page: faults it in without a full memset
     return buf
-
-
-def _plain_post(group: dist.ProcessGroup, op: str, t: torch.Tensor, peer: int, tag: int) -> dist.Work:
-    work = (dist.isend(t, group=group, group_dst=peer, tag=tag) if op == "send"
-            else dist.irecv(t, group=group, group_src=peer, tag=tag))
-    return _posted(work)
-
-
-def _recv(posting: Post, src: int, tag: int, buf: torch.Tensor) -> tuple[dist.Work, torch.Tensor]:
-    return posting("recv", buf, src, tag), buf
-
-
-def _read_header(
-    posting: Post,
-    src: int,
-    tag: int,
-    frame: torch.Tensor,
-    wait: Callable[[dist.Work], None],
-    device: torch.device,
-) -> bytes:
-    """The JSON of a received first frame, receiving its remainder if it did not fit."""
-    head = _tensor_bytes(frame)
-    length = int.from_bytes(head[:_LENGTH_BYTES], "little")
-    room = HEADER_FRAME_BYTES - _LENGTH_BYTES
-    if length <= room:
-        return head[_LENGTH_BYTES : _LENGTH_BYTES + length]
-    if length > 1 << 30:
-        raise ProtocolError(f"header of {length} bytes from rank {src}")
-    work, rest = _recv(posting, src, tag, torch.empty(length - room, dtype=torch.uint8, device=device))
-    wait(work)
-    return head[_LENGTH_BYTES:] + _tensor_bytes(rest)
 
 
 def _rebuild(meta: TensorMeta, buf: torch.Tensor | None, device: torch.device) -> torch.Tensor | str:

@@ -40,10 +40,10 @@ def rank_main(rank: int) -> None:
     gc.collect()
     try:
         x = torch.tensor([float(rank + 1)])
-        groups.wait(groups.world.allreduce([x]))
+        groups.wait(groups.world.all_reduce(x))
         (ranks,) = [r for r, g in groups.buckets.items() if g is not None]
         y = torch.tensor([float(rank + 1)])
-        groups.wait(groups.buckets[ranks].allreduce([y]))
+        groups.wait(groups.buckets[ranks].all_reduce(y))
         out[rank] = f"world={x.item()} bucket{ranks}={y.item()}"
     except RuntimeError as exc:
         out[rank] = f"error: {exc}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic.parallel import grad_sync
 from elastic.parallel.blocks import Block, CombineProgram, combine, decompose
 from elastic.parallel.grad_accum import GradAccumulator
 
@@ -152,3 +153,28 @@ def test_bad_blocks_and_leaves_are_refused() -> None:
         acc.leaf(2)
     with pytest.raises(ValueError, match="not a block of this step"):
         acc.add(Block(2, 2), {})
+
+
+def test_the_accelerator_way_combines_in_one_pass_to_the_same_bits() -> None:
+    """On an accelerator the combine runs over the whole slice at once and measures it with one
+    float64 norm kernel (`wide=None`); on CPU in cache-sized chunks through a float64 buffer. Same
+    sums, bit for bit; the same sum of squares to rounding."""
+    gen = torch.Generator().manual_seed(5)
+    blocks = [Block(0, 2), Block(2, 1), Block(3, 1)]
+    parts = [torch.randn(10_001, generator=gen) * 10.0 ** torch.randint(-4, 3, (10_001,), generator=gen).float()
+             for _ in blocks]
+    program = CombineProgram(blocks)
+    chunked, whole = torch.empty(10_001), torch.empty(10_001)
+    norms = [torch.zeros((), dtype=torch.float64) for _ in range(2)]
+    combine(blocks, parts, chunked, [torch.empty(777) for _ in range(program.scratch)], program=program,
+            norm=norms[0], wide=torch.empty(777, dtype=torch.float64))
+    combine(blocks, parts, whole, [torch.empty(10_001) for _ in range(program.scratch)], program=program,
+            norm=norms[1], wide=None)
+    assert torch.equal(chunked, whole)
+    assert norms[1].item() == pytest.approx(norms[0].item(), rel=1e-12)
+    assert norms[0].item() == pytest.approx(whole.double().square().sum().item(), rel=1e-12)
+    assert grad_sync._chunk(1 << 20, torch.device("cpu")) == grad_sync.SUM_CHUNK
+    assert grad_sync._chunk(1 << 20, torch.device("cuda", 0)) == 1 << 20
+    t = parts[0]
+    assert grad_sync.sum_of_squares(t, None).item() == pytest.approx(
+        grad_sync.sum_of_squares(t, torch.empty(1000, dtype=torch.float64)).item(), rel=1e-12)

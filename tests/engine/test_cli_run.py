@@ -61,7 +61,7 @@ def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -
     runs = run_cli(tmp_path, {
         "one": ("--nodes", "1"),
         # Devices of 12 MiB cannot hold `tiny` alone: the planner must form 2 pipelines of 2 stages.
-        "four": ("--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.012"),
+        "four": ("--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.023"),
         "tp": ("--nodes", "2", "--gpus-per-node", "2", "--fault-tolerance", "1"),
     })
     (one, one_state), (four, four_state), (tp, tp_state) = runs["one"], runs["four"], runs["tp"]

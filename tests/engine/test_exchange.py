@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from elastic.comm import Communicator
 from elastic.parallel import exchange as exchange_module
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.blocks import Block, CombineProgram
 from elastic.parallel.exchange import TreeBucket, TreeExchange
-from elastic.parallel.retire import close_group
+from tests.comm.support import gloo_comms
 from tests.engine.test_vote import _both
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,11 +25,8 @@ N = 10_000
 """Elements of a bucket (a multiple of the two holders)."""
 
 
-def _groups(timeout_s: float = 20) -> list[dist.ProcessGroup]:
-    store = dist.HashStore()
-    groups = _both(lambda r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=timeout_s)))
-    assert not any(isinstance(g, BaseException) for g in groups), groups
-    return groups
+def _groups(timeout_s: float = 20) -> list[Communicator]:
+    return gloo_comms(2, name="g1/0-1", timeout_s=timeout_s)
 
 
 BLOCKS = ((Block(0, 1),), (Block(1, 1),))
@@ -38,7 +34,7 @@ BLOCKS = ((Block(0, 1),), (Block(1, 1),))
 
 
 def _bucket(rank: int, flat: torch.Tensor | tuple[torch.Tensor, ...], result: torch.Tensor,
-            group: dist.ProcessGroup, norm: torch.Tensor | None = None, chunk: int | None = None,
+            group: Communicator, norm: torch.Tensor | None = None, chunk: int | None = None,
             blocks: tuple[tuple[Block, ...], ...] = BLOCKS) -> TreeBucket:
     sums = flat if isinstance(flat, tuple) else (flat,)
     half = sums[0].numel() // 2
@@ -133,7 +129,7 @@ def test_an_abort_ends_finish_and_the_abandoned_exchange_writes_nothing_after() 
     # abandoned exchanges' threads end then (not after IDLE_EXIT_S, nor at the group's timeout).
     threads = [e._thread for e in exchanges]  # noqa: SLF001 - the threads of the abandoned exchanges
     for group in groups:
-        close_group(group)
+        group.shutdown()
     for thread in threads:
         if thread is not None:
             thread.join(3)
@@ -154,7 +150,7 @@ def test_a_failed_transfer_reaches_the_caller_as_itself() -> None:
         exchange.submit(_bucket(0, sums[0], result, groups[0]))
     assert again.value is failed.value
     assert torch.isnan(result).all()
-    close_group(groups[1])
+    groups[1].shutdown()
 
 
 def test_an_idle_thread_ends_and_the_next_step_starts_another(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,10 +6,7 @@ every holder's block sums, bit for bit."""
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
@@ -31,6 +28,7 @@ from elastic.parallel.grad_sync import (
 from elastic.parallel.groups import build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from templates.plan import even_plan
+from tests.comm.support import on_threads
 from tests.engine.plans import hetero
 
 pytestmark = pytest.mark.timeout(60)
@@ -78,23 +76,6 @@ def test_every_holder_of_a_layout_bucket_cuts_it_alike() -> None:
     assert len(seen) == 4  # the layout buckets of test_layout: (0,3), (1,3), (1,4), (2,4)
 
 
-def _in_threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    out: list[Any] = [None] * n
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except Exception as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [True, False])
 def test_overlapped_reduction_is_the_tree_sum_on_every_holder(tree: bool) -> None:
@@ -127,7 +108,7 @@ def test_overlapped_reduction_is_the_tree_sum_on_every_holder(tree: bool) -> Non
         return {n: t.clone() for n, t in sums.items()}, {n: t.clone() for n, t in accum.grads.items()}, \
             launched_in_backward, stats.grad_norm
 
-    results = _in_threads(3, worker)
+    results = on_threads(3, worker)
     for r in results:
         assert not isinstance(r, BaseException), r
     launched = [r[2] for r in results]

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from elastic.comm import P2P
 from elastic.engine.step import replay_blocks
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from elastic.parallel.blocks import Block
 from elastic.parallel.layout import assign_ranks
 from elastic.records.partial import PartialReport, ReplayRecord, resolve_replay
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
+from tests.comm.support import gloo_comms
 from tests.engine.test_transaction import assert_same, snapshot
 from tests.engine.test_vote import _both, _pair
 
@@ -67,22 +68,19 @@ def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
 
 
 def test_local_abort_lets_pipeline_waits_finish_until_hard_or_out_of_grace() -> None:
-    store = dist.HashStore()
-    a, b = _both(lambda r: dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30)))
+    a, b = gloo_comms(2, timeout_s=30)
     abort = AbortSignal()
     abort.set("lost node(s) [5]", local=True)
     buf = torch.zeros(4)
     # A transfer inside the pipeline completes despite the local abort (the peer sends 0.1 s later).
-    work = dist.irecv(buf, group=a, group_src=1)
-    assert work is not None
-    sender = threading.Timer(0.1, lambda: dist.send(torch.ones(4), group=b, group_dst=0))
+    work = a.post([P2P("recv", buf, 1)])
+    sender = threading.Timer(0.1, lambda: b.post([P2P("send", torch.ones(4), 0)]).wait())
     sender.start()
     wait_work(work, abort, local=True)
     sender.join()
     assert torch.equal(buf, torch.ones(4))
     # A wait outside the pipeline ends at once.
-    other = dist.irecv(torch.zeros(4), group=a, group_src=1, tag=3)
-    assert other is not None
+    other = a.post([P2P("recv", torch.zeros(4), 1, tag=3)])
     with pytest.raises(StepAborted):
         wait_work(other, abort)
     # With a grace, a local wait whose peer never sends ends when the grace runs out.
@@ -90,14 +88,14 @@ def test_local_abort_lets_pipeline_waits_finish_until_hard_or_out_of_grace() -> 
     graced.set("lost node(s) [5]", local=True)
     start = time.monotonic()
     with pytest.raises(StepAborted, match="did not finish its microbatches"):
-        wait_work(dist.irecv(torch.zeros(4), group=a, group_src=1, tag=4), graced, local=True)  # type: ignore[arg-type]
+        wait_work(a.post([P2P("recv", torch.zeros(4), 1, tag=4)]), graced, local=True)
     assert time.monotonic() - start < 5.0
     # A hard abort ends a local wait too.
     hard = AbortSignal()
     hard.set("lost node(s) [5]", local=True)
     threading.Timer(0.1, lambda: hard.set("lost node(s) [0]")).start()
     with pytest.raises(StepAborted, match=r"\[0\]"):
-        wait_work(dist.irecv(torch.zeros(4), group=a, group_src=1, tag=5), hard, local=True)  # type: ignore[arg-type]
+        wait_work(a.post([P2P("recv", torch.zeros(4), 1, tag=5)]), hard, local=True)
 
 
 def test_kept_sums_of_a_layer_that_moves_travel_with_it(tmp_path: Path) -> None:

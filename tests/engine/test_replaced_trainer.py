@@ -52,8 +52,7 @@ def _abandoned_pair(tmp_path: Path) -> tuple[JobSpec, Trainer, Trainer]:
         t.join(60)
     first = trainers[0]
     assert isinstance(first, Trainer) and isinstance(trainers[1], Trainer), trainers
-    work = dist.all_reduce(torch.zeros(4), group=first.groups.world, async_op=True)
-    assert work is not None
+    work = first.groups.world.all_reduce(torch.zeros(4))
     threading.Thread(target=lambda: _swallow(work.wait), daemon=True).start()  # the abandoned wait
     return spec, first, trainers[1]
 

@@ -18,6 +18,7 @@ from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.records.job import JobSpec
 from templates.plan import even_plan
+from tests.comm.support import on_threads
 from tests.engine.runs import OPTIM
 from tests.engine.test_transaction import assert_same, snapshot
 
@@ -37,20 +38,7 @@ def _pair(tmp_path: Path, aborts: list[AbortSignal | None]) -> list[Trainer]:
 
 def _both(fn: Callable[[int], Any]) -> list[Any]:
     """fn(0) and fn(1) in threads named rank0 and rank1; their results (or raised exceptions)."""
-    out: list[Any] = [None, None]
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except Exception as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+    return on_threads(2, fn)
 
 
 def test_a_vote_cut_short_completes_to_the_state_of_the_uninterrupted_run(
@@ -88,9 +76,11 @@ def test_a_vote_cut_short_completes_to_the_state_of_the_uninterrupted_run(
     assert trainers[1].pending is None and trainers[1].step == 1
     assert_same(snapshot(trainers[0]), snapshot(trainers[1]))
 
-    # The next step runs over the same world group as if nothing had happened. The abort flag
-    # stays set (a real worker moves to a new generation with a new one): lift it here.
-    object.__setattr__(trainers[1].groups, "abort", None)
+    # The hard abort ended generation 1 (its communicators are aborted): as a real worker does,
+    # both move to a generation 2 of the same plan, and its next step is the uninterrupted run's.
+    assert trainers[1].groups.world.aborted
+    plan, store = trainers[0].layout.plan, dist.HashStore()
+    _both(lambda r: trainers[r].start(plan=plan, generation=2, store=store, abort=None, fetch=None, step=1))
     _both(lambda r: trainers[r].train(2))
     assert_same(snapshot(trainers[0]), expected)
     assert_same(snapshot(trainers[1]), expected)

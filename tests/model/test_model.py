@@ -57,6 +57,24 @@ def test_loss_equals_torch_cross_entropy_on_full_logits() -> None:
     assert_close(g_ours, g_ref, 1e-6, "d loss / d logits")
 
 
+def test_a_float64_model_computes_its_loss_in_float64() -> None:
+    """Row 10 of issue 31: the loss used to be computed in float32 whatever the model's dtype, so a
+    float64 run carried float32 error. Reference: torch's cross-entropy on the same float64 logits."""
+    model = GPTStage(CFG).double()
+    inputs, targets = _batch()
+    logits = model(inputs)
+    assert logits.dtype == torch.float64
+    ours = model.loss(logits, targets)
+    assert ours.dtype == torch.float64
+    ref = F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
+    assert abs(ours.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    narrow = F.cross_entropy(logits.float().reshape(-1, CFG.vocab_size), targets.reshape(-1))
+    assert abs(narrow.item() - ref.item()) > 1e-10 * abs(ref.item()), "float32 would be caught: the test can fail"
+    (g_ours,) = torch.autograd.grad(ours, logits, retain_graph=True)
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    assert g_ours.dtype == torch.float64 and torch.allclose(g_ours, g_ref, rtol=0, atol=1e-15)
+
+
 def test_collectives_are_identity_on_a_single_rank() -> None:
     x = torch.randn(2, 3, requires_grad=True)
     single = TensorParallel.single()

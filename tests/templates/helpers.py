@@ -7,7 +7,7 @@ import itertools
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from templates.profile import DeviceProfile, LayerProfile, Profile
+from templates.profile import WEIGHT_BYTES, DeviceProfile, LayerProfile, MemoryModel, Profile
 
 SLOW_OR_FILTERED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 """Health checks to waive: a loaded 2-core machine is slow, and assume() rejects unfit clusters."""
@@ -23,23 +23,43 @@ def layer_profiles(draw: st.DrawFn) -> LayerProfile:
         activation_bytes=draw(st.integers(0, 60)),
         output_bytes=draw(st.integers(0, 50)),
         tp_allreduces=draw(st.integers(0, 4)),
+        workspace_bytes=draw(st.sampled_from([0, 0, 0, 7, 30])),
     )
+
+
+GRAD_BYTES_PER_PARAM = [4.0, 4.0, 5.0, 6.5, 16.0, 18.25]
+"""Memory figures to draw: multiples of 1/4, so the cost model's sums are exact in floating point."""
 
 
 @st.composite
 def profiles(draw: st.DrawFn, min_layers: int = 1, max_layers: int = 10, tight: bool = True) -> Profile:
     """Random profiles; `tight` memory makes some layouts (and some node counts) infeasible."""
     layers = tuple(draw(st.lists(layer_profiles(), min_size=min_layers, max_size=max_layers)))
-    need = max(2 * ly.param_bytes + ly.optimizer_bytes + ly.activation_bytes for ly in layers)
-    memory = draw(st.integers(need, need * 4 + 1)) if tight else 10**9
+    model = MemoryModel(grad_bytes_per_param=draw(st.sampled_from(GRAD_BYTES_PER_PARAM)),
+                        worker_bytes=draw(st.sampled_from([0, 0, 5, 20])))
+    reserve = draw(st.sampled_from([0, 0, 3, 40]))
+    need = max(layer_state(ly, model) + ly.workspace_bytes + ly.activation_bytes for ly in layers)
+    fixed = reserve + model.worker_bytes
+    memory = fixed + (draw(st.integers(int(need) + 1, int(need) * 4 + 2)) if tight else 10**9)
     device = DeviceProfile(
         memory_bytes=max(memory, 1),
         p2p_latency=draw(st.floats(0.0, 0.3)),
         p2p_bandwidth=draw(st.floats(10.0, 100.0)),
         allreduce_latency=draw(st.floats(0.0, 0.05)),
         allreduce_bandwidth=draw(st.floats(10.0, 100.0)),
+        reserve_bytes=reserve,
     )
-    return Profile(model="random", microbatch_size=1, layers=layers, device=device)
+    return Profile(model="random", microbatch_size=1, layers=layers, device=device, memory=model)
+
+
+def layer_state(layer: LayerProfile, model: MemoryModel) -> float:
+    """A layer's weights, optimizer state and the engine's gradient and exchange buffers."""
+    return layer.param_bytes + layer.optimizer_bytes + layer.param_bytes / WEIGHT_BYTES * model.grad_bytes_per_param
+
+
+def capacity(profile: Profile, gpus: int) -> float:
+    """Bytes a stage's layers may take on a node of `gpus` devices."""
+    return gpus * (profile.device.memory_bytes - profile.device.reserve_bytes - profile.memory.worker_bytes)
 
 
 def stage_cost(profile: Profile, gpus: int, first: int, last: int, k: int) -> tuple[float, float]:
@@ -50,21 +70,23 @@ def stage_cost(profile: Profile, gpus: int, first: int, last: int, k: int) -> tu
     time += sum(ly.tp_allreduces * dev.allreduce_time(ly.output_bytes, gpus) for ly in layers)
     if k > 1:
         time += 2 * dev.p2p_time(layers[-1].output_bytes)
-    memory = sum(2 * ly.param_bytes + ly.optimizer_bytes + k * ly.activation_bytes for ly in layers)
+    memory = sum(layer_state(ly, profile.memory) + ly.workspace_bytes + k * ly.activation_bytes for ly in layers)
+    if k > 1:  # a non-last stage keeps its output per microbatch in flight
+        memory += k * layers[-1].output_bytes
     return time, memory
 
 
 def exhaustive_best(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
     """Least 1F1B iteration time over every split into `stages` stages that fits memory."""
     num_layers = profile.num_layers
-    capacity = gpus * profile.device.memory_bytes
+    room = capacity(profile, gpus)
     best = None
     for cuts in itertools.combinations(range(1, num_layers), stages - 1):
         bounds = (0, *cuts, num_layers)
         times = []
         for s in range(stages):
             time, memory = stage_cost(profile, gpus, bounds[s], bounds[s + 1], stages - s)
-            if memory > capacity:
+            if memory > room:
                 break
             times.append(time)
         else:

@@ -75,9 +75,11 @@ def test_table_and_measured_profile_file(tmp_path: Path, capsys: pytest.CaptureF
         ([*BASE, "--microbatch", "32", "--fault-tolerance", "2"], "2 microbatches (64/32) cannot feed the 3 pipelines"),
         ([*BASE, "--microbatch", "2", "--device-tflops", "nan"], "--device-tflops must be a positive number"),
         ([*BASE, "--microbatch", "2", "--profile", "/nonexistent.json"], "cannot read profile"),
+        ([*BASE, "--microbatch", "2", "--device", "cuda", "--device-memory-gib", "0.5"],
+         "leaves nothing beside the 1 GiB reserve of a cuda device"),
         (
             ["plan", "--model", "gpt3-6.7b", "--nodes", "4", "--gpus-per-node", "8", "--fault-tolerance", "3",
-             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "40"],
+             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "20"],
             "fault tolerance 3 needs 4 pipelines of at least 3 nodes = 12 nodes, but the cluster has 4",
         ),
     ],
@@ -87,3 +89,19 @@ def test_bad_arguments_one_line_exit_2(argv: list[str], message: str, capsys: py
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_for_cuda_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda: bf16 activations and a reserve per device, whether or not this machine has a
+    GPU (without one, and without --device-memory-gib, the nominal device's memory)."""
+    code, out, err = run([*BASE, "--microbatch", "2", "--device", "cuda", "--device-memory-gib", "16", "--json"], capsys)
+    assert code == 0, err
+    cuda = json.loads(out)
+    code, out, err = run([*BASE, "--microbatch", "2", "--device-memory-gib", "16", "--json"], capsys)
+    assert code == 0, err
+    cpu = json.loads(out)
+    assert "nominal cuda device" in cuda["profile"]["notes"] and "nominal cpu device" in cpu["profile"]["notes"]
+    assert "2-byte activations" in cuda["profile"]["notes"] and "4-byte activations" in cpu["profile"]["notes"]
+    code, out, err = run([*BASE, "--microbatch", "2", "--device", "cuda", "--json"], capsys)
+    assert code == 0, err

@@ -10,8 +10,9 @@ import pytest
 from elastic.cli.main import main
 from elastic.model.config import get_preset
 from elastic.planning.cluster import gpt_layer_counts
+from templates.cost import StageCosts
 from templates.derive import DeviceSpeed, derive_profile
-from templates.profile import Profile, ProfileError
+from templates.profile import MemoryModel, Profile, ProfileError
 
 
 def tiny_derived() -> Profile:
@@ -43,6 +44,28 @@ def test_round_trip_and_validation() -> None:
         Profile.from_dict(data)
     with pytest.raises(ProfileError, match="not valid JSON"):
         Profile.from_json("{")
+    data = json.loads(profile.to_json())
+    data["device"]["reserve_bytes"] = data["device"]["memory_bytes"]
+    with pytest.raises(ProfileError, match="reserve_bytes must be >= 0 and below memory_bytes"):
+        Profile.from_dict(data)
+
+
+@pytest.mark.timeout(30)
+def test_a_profile_without_memory_figures_reads_with_the_old_model() -> None:
+    """A file from before the memory model: one fp32 gradient per parameter, no reserve, no
+    workspace, no fixed buffers; the stage memory is what it always was."""
+    profile = tiny_derived()
+    data = json.loads(profile.to_json())
+    del data["memory"], data["device"]["reserve_bytes"]
+    for layer in data["layers"]:
+        del layer["workspace_bytes"]
+    old = Profile.from_dict(data)
+    assert old.memory == MemoryModel() and old.device.reserve_bytes == 0
+    costs = StageCosts(old, 1)
+    first, last = 0, old.num_layers
+    layers = old.layers[first:last]
+    expected = sum(2 * ly.param_bytes + ly.optimizer_bytes + ly.activation_bytes for ly in layers)
+    assert costs.stage_memory(first, last, 1) == expected and costs.capacity == old.device.memory_bytes
 
 
 @pytest.mark.timeout(30)
@@ -70,6 +93,9 @@ def test_measured_profile_of_tiny_feeds_the_planner(tmp_path: Path, capsys: pyte
         # Sizes are measured from the real modules: they must match the config's counts.
         assert layer.param_bytes == 4 * cfg.layer_param_count(i)
         assert layer.forward > 0 and layer.backward > 0
+    # The head's loss workspace (fp32 on CPU: 16 B per logit); no reserve on CPU.
+    assert profile.layers[-1].workspace_bytes == cfg.seq_len * cfg.vocab_size * 16
+    assert profile.device.reserve_bytes == 0 and "fp32" in profile.notes
     blocks = profile.layers[1:-1]
     # A block saves far more than its output for backward (attention scores, MLP inputs).
     assert all(b.activation_bytes > 4 * b.output_bytes for b in blocks)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from templates.cost import StageCosts
 from templates.profile import DeviceProfile, LayerProfile, Profile
 from templates.search import search_templates
-from tests.templates.helpers import SLOW_OR_FILTERED, exhaustive_best, profiles, stage_cost
+from tests.templates.helpers import SLOW_OR_FILTERED, capacity, exhaustive_best, profiles, stage_cost
 
 
 @pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ def test_templates_equal_exhaustive_search(profile: Profile, gpus: int, microbat
         assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
         for s, (a, b) in enumerate(bounds):
             time, memory = stage_cost(profile, gpus, a, b, n - s)
-            assert memory <= gpus * profile.device.memory_bytes
+            assert memory <= capacity(profile, gpus)
             assert template.stage_times[s] == pytest.approx(time, rel=1e-9, abs=1e-12)
 
 def _one_best_subplan(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
@@ -49,7 +49,7 @@ def _one_best_subplan(profile: Profile, gpus: int, stages: int, microbatches: in
             ends = [n] if k == 1 else range(i + 1, n)
             for j in ends:
                 time, memory = stage_cost(profile, gpus, i, j, k)
-                if memory > gpus * profile.device.memory_bytes:
+                if memory > capacity(profile, gpus):
                     continue
                 if k == 1:
                     options.append((time, time))

@@ -13,12 +13,13 @@ import time
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from elastic.comm import Communicator, Handle, open_communicator
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from elastic.transfer import shard_header
 from elastic.transfer.collective import HEADER_FRAME_BYTES, ShardMove, assign_moves, exchange
@@ -86,13 +87,14 @@ def shuffled(d: dict[Any, list[Any]], seed: int) -> dict[Any, list[Any]]:
     return dict(items)
 
 
-def make_group(store_port: int, rank: int, size: int) -> dist.ProcessGroup:
-    """A gloo group used directly as the group, as the runtime does (`parallel.groups.new_group`)."""
+def make_group(store_port: int, rank: int, size: int) -> Communicator:
+    """A gloo communicator, as the runtime makes one (`elastic.comm.open_communicator`)."""
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=TIMEOUT)
-    return cast(dist.ProcessGroup, dist.ProcessGroupGloo(store, rank, size, TIMEOUT))
+    return open_communicator(store, name="g1/world", members=list(range(size)), rank=rank, backend="gloo",
+                             device=torch.device("cpu"), timeout=TIMEOUT)
 
 
-def plain_wait(work: dist.Work) -> None:
+def plain_wait(work: Handle) -> None:
     work.wait()
 
 
@@ -113,7 +115,7 @@ def exchange_worker(rank: int, store_port: int, out: str) -> None:
 
     result = exchange(group, rank=rank, moves=moves, export=export, wait=plain_wait)
     torch.save({"moves": moves, "result": result, "exported": exported}, f"{out}.{rank}")
-    group.allreduce([torch.zeros(1)]).wait()  # nobody leaves while a peer may still read from it
+    group.all_reduce(torch.zeros(1)).wait()  # nobody leaves while a peer may still read from it
 
 
 @pytest.mark.slow
@@ -167,7 +169,7 @@ def corrupt_worker(rank: int, store_port: int, out: str) -> None:
     states = {key: make_state(key) for key in (intact, changed)}
     hits: list[int] = []
 
-    def wait(work: dist.Work) -> None:
+    def wait(work: Handle) -> None:
         if rank == 0 and not hits:  # the header (with the checksums) is posted; the data is not sent
             states[changed]["exp_avg_sq/weight"][5, 5] += 1.0  # until rank 1 asks for it, after 0.5 s
         if rank == 1 and not hits:
@@ -177,7 +179,7 @@ def corrupt_worker(rank: int, store_port: int, out: str) -> None:
 
     result = exchange(group, rank=rank, moves=moves, export=states.__getitem__, wait=wait)
     torch.save(result, f"{out}.{rank}")
-    group.allreduce([torch.zeros(1)]).wait()
+    group.all_reduce(torch.zeros(1)).wait()
 
 
 @pytest.mark.slow
@@ -341,7 +343,8 @@ def test_header_round_trip_and_garbage() -> None:
 
 
 def test_exchange_validates_moves() -> None:
-    group = cast(dist.ProcessGroup, dist.ProcessGroupGloo(dist.HashStore(), 0, 1, TIMEOUT))
+    group = open_communicator(dist.HashStore(), name="g1/world", members=[0], rank=0, backend="gloo",
+                              device=torch.device("cpu"), timeout=TIMEOUT)
     wait = plain_wait
     key = ShardKey(0, 0)
     empty = exchange(group, rank=0, moves=[], export=make_state, wait=wait)

@@ -1,0 +1,126 @@
+"""The memory one worker needs, in bytes, by the model the planner plans with (`footprint.py`):
+the estimate to hold a measured peak against, and the memory budget of a device.
+
+`worker_memory` is the planner's count for one worker holding layers [first, last) of a plan:
+parameters and everything kept with them step to step (equal, byte for byte, to the tensors the
+engine allocates: tests/engine/test_memory_model.py), the activations the 1F1B schedule keeps
+alive at its peak (what the layers save for backward, and a non-last stage's output), the head's
+loss temporaries, and the device's reserve (CUDA context and communicators). Transient buffers
+below those (one layer's backward, a parameter's gradient on its way into the sums, a received
+gradient) are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from elastic.model.config import GPTConfig
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB
+from elastic.planning.footprint import (
+    AUTOCAST_DEVICE_TYPES,
+    GradShare,
+    StateBytes,
+    head_bytes,
+    layer_elements,
+    layer_saved,
+    reserve_bytes,
+    saved_bytes,
+    state_bytes,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """One worker's memory at its peak, by kind, in bytes."""
+
+    params_and_state: int
+    """Parameters, optimizer state, gradient buffers, exchange buffers (and their work buffers)."""
+    activations: int
+    """The activations the 1F1B schedule keeps alive at its peak (in-flight microbatches)."""
+    head: int
+    """The head's fp32 logits / softmax / loss temporaries (0 for a stage without the head)."""
+    reserve: int
+    """CUDA context + communicators (0 on CPU)."""
+    state: StateBytes | None = None
+    """`params_and_state` by kind."""
+
+    @property
+    def total(self) -> int:
+        return self.params_and_state + self.activations + self.head + self.reserve
+
+
+def worker_memory(
+    cfg: GPTConfig,
+    *,
+    layers: tuple[int, int],
+    microbatch_size: int,
+    in_flight: int,
+    tp: int = 1,
+    holders: int = 1,
+    compute_dtype: torch.dtype = torch.float32,
+    partial_replay: bool = False,
+    device_type: str = "cpu",
+    microbatches: int | Sequence[int] = 1,
+    pipeline: int = 0,
+    tp_rank: int = 0,
+) -> MemoryEstimate:
+    """The memory of one worker holding planning layers [first, last) of `cfg`.
+
+    `in_flight`: microbatches whose activations the schedule holds at once (1F1B: the stage's
+    distance from its pipeline's end, at most the microbatches it runs). `holders`: pipelines
+    holding these layers (every pipeline of a plan holds every layer). `microbatches`: what each
+    holder's pipeline computes per step, in plan order (one count for all, or one per holder);
+    with `pipeline`, my index among them, they fix the blocks of the step's summation tree each
+    holder sums (a step without replay). `partial_replay`: the engine keeps a copy of its sums
+    when a step is abandoned (only with more than one pipeline). `compute_dtype`: the forward's
+    dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere). `tp_rank`: rank 0 also
+    measures its slices of the gradient norm in the exchange.
+    """
+    first, last = layers
+    if not 0 <= first < last <= cfg.num_layers:
+        raise ValueError(f"layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
+    if microbatch_size < 1 or in_flight < 1 or holders < 1:
+        raise ValueError(f"microbatch_size {microbatch_size}, in_flight {in_flight}, holders {holders}: each must be >= 1")
+    split = [microbatches] * holders if isinstance(microbatches, int) else list(microbatches)
+    if len(split) != holders:
+        raise ValueError(f"{len(split)} microbatch counts for {holders} holders")
+    share = GradShare.of_split(split, me=pipeline, partial_replay=partial_replay, tp_rank=tp_rank)
+    state = state_bytes([layer_elements(cfg, i, tp) for i in range(first, last)], share, device_type)
+    tokens = microbatch_size * cfg.seq_len
+    element = compute_dtype.itemsize
+    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp), tokens=tokens, element_bytes=element)
+                         for i in range(first, last))
+    if last < cfg.num_layers:  # a non-last stage keeps its output (in the wire's dtype) until its backward
+        per_microbatch += tokens * cfg.d_model * element
+    head = head_bytes(cfg, tokens=tokens, tp=tp, element_bytes=element) if last == cfg.num_layers else 0
+    return MemoryEstimate(params_and_state=state.total, activations=in_flight * per_microbatch, head=head,
+                          reserve=reserve_bytes(device_type), state=state)
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the engine's forward computes in on `device` (`engine/device.py`
+    compute_precision: bf16 autocast on CUDA, fp32 elsewhere)."""
+    return torch.bfloat16 if device.type in AUTOCAST_DEVICE_TYPES else torch.float32
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Memory of `device`: an accelerator's total memory (of which `reserve_bytes` hold the
+    context and communicators), the host's RAM for the CPU."""
+    if device.type == "cpu":
+        return int(psutil.virtual_memory().total)
+    return int(torch.get_device_module(device.type).get_device_properties(device).total_memory)
+
+
+def default_memory_gib(device_type: str) -> float:
+    """The memory of a device to plan for when none is given: this machine's first `device_type`
+    accelerator's (its reserve comes off it in the profile), else the nominal DEFAULT_MEMORY_GIB
+    (always on the CPU, whose host memory is no device budget)."""
+    if device_type != "cpu":
+        module = torch.get_device_module(device_type)
+        if module.is_available():
+            return device_memory_bytes(torch.device(device_type, 0)) / 2**30
+    return DEFAULT_MEMORY_GIB

@@ -1,0 +1,67 @@
+"""`python -m tests.comm.batch --first N --count K --out FILE`: run the generated jobs of seeds
+[N, N+K) (tests/comm/cluster.py), check each under the model of NCCL and against the one-process
+run, and write one JSON line per job. In a process of its own: each job leaves gloo threads
+behind (groups live as long as their trainers' reference cycles), which must not slow the rest
+of the test suite."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from elastic.comm.nccl_model import check
+from elastic.transfer.shards import ShardKey
+from tests.comm.cluster import Case, Outcome, random_case, reference_shards, run_case
+from tests.comm.patterns import features
+
+
+@functools.cache
+def _reference(tp: int, microbatches: int, root: Path) -> dict[ShardKey, dict[str, torch.Tensor]]:
+    return reference_shards(tp, microbatches, root / f"ref-tp{tp}-m{microbatches}")
+
+
+def differences(case: Case, outcome: Outcome, root: Path) -> list[str]:
+    """Where the shards every worker holds after the job differ from the one-process run's."""
+    want = _reference(case.plan1.gpus_per_node, case.plan1.global_microbatches, root)
+    held = {key for mine in outcome.shards.values() for key in mine}
+    if held != set(want):
+        return [f"shards held {sorted(held)}, want {sorted(want)}"]
+    out = []
+    for worker, mine in outcome.shards.items():
+        for key, state in mine.items():
+            bad = sorted(n for n, t in want[key].items() if n not in state or not torch.equal(state[n], t))
+            if bad:
+                out.append(f"worker {worker} shard {tuple(key)}: {bad}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--first", type=int, required=True)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp, args.out.open("w") as out:
+        root = Path(tmp)
+        for seed in range(args.first, args.first + args.count):
+            case = random_case(seed)
+            outcome = run_case(case, root / case.name, timeout_s=60)
+            report = check(outcome.logs)
+            line = {
+                "case": str(case), "errors": outcome.errors, "steps": sorted(set(outcome.steps.values())),
+                "nccl": [] if report.ok else [report.describe()], "events": report.events,
+                "differences": [] if outcome.errors else differences(case, outcome, root),
+                "features": sorted(features(case, outcome.logs)),
+            }
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Which communication patterns a generated job exercised (tests/comm/cluster.py), read from its
+plans and its workers' logs: the coverage that issue 31's list of cases asks for."""
+
+from __future__ import annotations
+
+from elastic.comm import Event
+from tests.comm.cluster import Case
+
+FRAME = 64 << 10
+"""A shard exchange's first header frame (elastic/transfer/collective.py HEADER_FRAME_BYTES)."""
+SUMS_TAG = 8
+"""The tag of the kept sums' exchange (elastic/engine/trainer.py)."""
+
+WANTED = frozenset({
+    "group of 2", "group of 3", "group of 4",  # data parallelism: 2-4 holders per bucket
+    *(f"stages={d}" for d in (1, 2, 3, 4)),
+    *(f"microbatches={m}" for m in range(1, 9)),  # of a pipeline of 2+ stages
+    "heterogeneous plan", "tp=2", "vote", "evaluation", "full-state gather", "partial replay",
+    "kept sums moved", "two-way shard moves", "shard rotation", "spare takes a stage",
+})
+
+
+def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
+    """The patterns of WANTED (and others) that one job exercised."""
+    out: set[str] = set()
+    pipelines = (*case.plan1.pipelines, *case.plan2.pipelines)
+    out |= {f"stages={len(p.stages)}" for p in pipelines}
+    out |= {f"microbatches={p.microbatches}" for p in pipelines if len(p.stages) > 1}
+    if len({len(p.stages) for p in case.plan1.pipelines}) > 1:
+        out.add("heterogeneous plan")
+    if case.plan1.gpus_per_node > 1:
+        out.add("tp=2")
+    if case.evaluate:
+        out.add("evaluation")
+    if case.partial:
+        out.add("partial replay")
+    if set(case.plan2.nodes) - set(case.plan1.nodes):
+        out.add("spare takes a stage")
+    sends: set[tuple[int, int]] = set()
+    for worker, log in logs.items():
+        for e in log:
+            if e.kind == "create" and e.comm is not None and not e.comm.endswith("/world"):
+                out.add(f"group of {len(e.members)}")
+            for op in e.ops:
+                if op.kind == "all_gather":
+                    out.add("full-state gather")
+                if op.kind == "all_reduce" and op.nbytes == 32:
+                    out.add("vote")
+                if e.comm == "g2/world" and op.kind == "send" and op.nbytes == FRAME:
+                    sends.add((worker[0], _node_of(logs, op.peer, e.comm)))
+                    if op.tag == SUMS_TAG:
+                        out.add("kept sums moved")
+    if any((b, a) in sends for a, b in sends):
+        out.add("two-way shard moves")
+    if any((b, c) in sends and (c, a) in sends and len({a, b, c}) == 3 for a, b in sends for _, c in sends):
+        out.add("shard rotation")
+    return out
+
+
+def _node_of(logs: dict[tuple[int, int], list[Event]], rank: int | None, comm: str) -> int:
+    for worker, log in logs.items():
+        if any(e.kind == "create" and e.comm == comm and e.rank == rank for e in log):
+            return worker[0]
+    raise AssertionError(f"no worker is rank {rank} of {comm}")
