@@ -27,7 +27,7 @@ model, global batch and microbatch:
   back with the restart (the rejoin delay does not apply), which favours torchrun: a job that
   has a replacement machine standing by.
 
-The planner's derived profile gets PIPELINE_MEMORY_GIB per node (small: 0.5, tiny: 0.015): too
+The planner's derived profile gets PIPELINE_MEMORY_GIB per node (small: 0.5, tiny: 0.023): too
 little to hold the model, so every plan is made of multi-stage pipelines (4 nodes: 2 x 2; 3
 nodes: one 3-stage pipeline, f relaxed to 0), the regime pipeline templates are for. With the
 nominal 80 GiB the planner turns 4 nodes into 4 one-stage pipelines (pure data parallelism) at
@@ -147,7 +147,7 @@ def _play(
     return out
 
 
-PIPELINE_MEMORY_GIB = {"tiny": 0.015, "small": 0.5}
+PIPELINE_MEMORY_GIB = {"tiny": 0.023, "small": 0.5}
 """Per-node memory of the planner's derived profile that keeps every pipeline multi-stage."""
 
 

@@ -12,11 +12,16 @@ engine median over the same round's DDP median) and the median of those: the "me
 figure, N = --rounds. DDP's AdamW is torch's default (on CPU, one parameter at a time);
 `--ddp-fused` gives it torch's fused kernel, the one the engine's optimizer calls.
 
+`--device cuda`: every process on its own GPU (rank r on device r mod the GPU count), DDP over
+NCCL, forward and loss under bf16 autocast (`elastic.engine.device.compute_precision`), as the
+engine's workers run; `--device cpu` (the default): gloo and fp32.
+
 `--interleave S`: within each round the three runs are started together and take turns of S
 seconds instead of running one after another (bench/turns.py), so a machine whose speed drifts
 over tens of seconds hits all three alike.
 
     .venv/bin/python bench/engine_vs_ddp.py --model tiny --procs 2 --global-batch 16 --microbatch 4
+    .venv/bin/python bench/engine_vs_ddp.py --device cuda --model gpt2-124m --procs 2 --global-batch 32 --microbatch 8
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.engine.device import backend_for, compute_precision, select_device
 from elastic.engine.optim import OptimConfig, lr_at
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
@@ -67,7 +73,7 @@ def engine_steps(args: argparse.Namespace, run_dir: Path, *, exact: bool) -> lis
         plan=plan,
         steps=args.steps,
         run_dir=str(run_dir),
-        device="cpu",
+        device=args.device,
         exact_grad_sum=exact,
         optim=OptimConfig(),
     )
@@ -108,10 +114,17 @@ def ddp_steps(args: argparse.Namespace, run_dir: Path) -> list[float]:
 def ddp_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     rank, world = args.ddp_rank, args.procs
+    device = select_device(rank, want=args.device)
+    on_cpu = device.type == "cpu"
+    if not on_cpu:
+        torch.accelerator.set_device_index(device.index)
     store = dist.TCPStore("127.0.0.1", args.ddp_port, is_master=False, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=rank, world_size=world)
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore("ddp", store), rank=rank, world_size=world,
+                            device_id=None if on_cpu else device)
     cfg = get_preset(args.model)
-    model = torch.nn.parallel.DistributedDataParallel(GPTStage(cfg))
+    model = torch.nn.parallel.DistributedDataParallel(
+        GPTStage(cfg, device=device), device_ids=None if on_cpu else [device]
+    )
     optim_cfg = OptimConfig()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -129,14 +142,18 @@ def ddp_worker(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         for m in range(local_mbs):
             x, y = data.batch(samples[m * args.microbatch : (m + 1) * args.microbatch])
+            x, y = x.to(device), y.to(device)
             sync = m == local_mbs - 1
             with contextlib.nullcontext() if sync else model.no_sync():
-                loss = model.module.loss(model(x, dropout_key=m), y) / local_mbs
+                with compute_precision(device):
+                    loss = model.module.loss(model(x, dropout_key=m), y) / local_mbs
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, optim_cfg)
         optimizer.step()
+        if not on_cpu:  # the step's kernels are queued, not done: wait for them before reading the clock
+            torch.accelerator.synchronize(device)
         times.append(time.perf_counter() - start)
     dist.barrier()
     if rank == 0:
@@ -164,6 +181,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one GPU per process, DDP on NCCL, bf16 autocast; cpu: gloo, fp32 (default)")
     parser.add_argument("--procs", type=int, default=2, help="worker processes (= pipelines / DDP ranks)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--microbatch", type=int, default=4)
@@ -203,6 +222,7 @@ def main() -> None:
         f"model {args.model}, {args.procs} processes, global batch {args.global_batch}, "
         f"microbatch {args.microbatch}, {args.rounds} rounds x {args.steps - WARMUP_STEPS} steady steps, "
         f"DDP's AdamW {'fused' if args.ddp_fused else 'torch default'}"
+        + ("" if args.device == "cpu" else f", device {args.device} (DDP on NCCL, bf16 autocast)")
         + (f", in turns of {args.interleave:g} s" if args.interleave > 0 else "")
     )
     for name, times in results.items():

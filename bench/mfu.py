@@ -4,8 +4,12 @@ Baseline in the same run: a large bf16 (fp32 on CPU) matmul on the same device, 
 achieved FLOP/s is the practical ceiling; the report gives model FLOP/s as a ratio of it and,
 for known GPUs, of the datasheet peak.
 
-    .venv/bin/python bench/mfu.py --model gpt2-124m --microbatch 8 --steps 20   # on a GPU
-    .venv/bin/python bench/mfu.py --model tiny --steps 5                        # CPU smoke run
+    .venv/bin/python bench/mfu.py --model gpt2-124m --microbatch 8 --steps 20 --device cuda   # on a GPU
+    .venv/bin/python bench/mfu.py --model tiny --steps 5 --device cpu                          # CPU smoke run
+
+`--device auto` (the default) takes the GPU when there is one, else the CPU; `cuda` insists on
+a GPU (bf16 autocast, fused AdamW), `cpu` stays on the CPU (fp32). bench/gpu_check.py measures
+the same loop beside the engine.
 """
 
 from __future__ import annotations
@@ -19,15 +23,29 @@ import torch
 from elastic.data import TokenDataset
 from elastic.engine.device import compute_precision, select_device
 from elastic.model import GPTStage, get_preset
+from elastic.model.config import GPTConfig
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s).
-DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+# Dense bf16 tensor-core peaks from the vendors' datasheets (FLOP/s); the longest key found in
+# the device's name wins ("H100 PCIe" before "H100", which is the SXM part).
+DATASHEET_PEAK = {
+    "H100": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
+}
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the card called `device_name`; None for an unknown one."""
+    known = [k for k in DATASHEET_PEAK if k in device_name]
+    return DATASHEET_PEAK[max(known, key=len)] if known else None
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Forward + backward FLOPs per token: 3x the forward count of every layer."""
+    return 3.0 * sum(cfg.layer_flops_per_token(i) for i in range(cfg.num_layers))
 
 
 def model_flops_per_token(name: str) -> float:
-    """Forward + backward FLOPs per token: 3x the forward count of every layer."""
-    cfg = get_preset(name)
-    return 3.0 * sum(cfg.layer_flops_per_token(i) for i in range(cfg.num_layers))
+    """`flops_per_token` of the preset called `name`."""
+    return flops_per_token(get_preset(name))
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
@@ -54,10 +72,12 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: the GPU when there is one (default); cuda: bf16 autocast; cpu: fp32")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
 
-    device = select_device(0)
+    device = select_device(0, want=args.device)
     on_cpu = device.type == "cpu"
     cfg = get_preset(args.model)
     model = GPTStage(cfg, device=device)
@@ -86,7 +106,7 @@ def main() -> None:
     model_flops = tokens_per_s * model_flops_per_token(args.model)
     matmul = matmul_flops(device, torch.float32 if on_cpu else torch.bfloat16, 1024 if on_cpu else 8192, 5 if on_cpu else 50)
     device_name = "cpu" if on_cpu else torch.cuda.get_device_name(device)
-    peak = next((v for k, v in DATASHEET_PEAK.items() if k in device_name), None)
+    peak = datasheet_peak(device_name)
     result = {
         "model": args.model,
         "device": device_name,

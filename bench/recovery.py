@@ -3,6 +3,7 @@
     .venv/bin/python bench/recovery.py --models tiny small [--nodes 4] [--steps 12] [--kill-step 6]
     .venv/bin/python bench/recovery.py --models gpt2-124m --steps 4 --kill-step 3 --microbatch 1 --microbatches 4 \
         --kill-at 0 0.5 --whole-step
+    .venv/bin/python bench/recovery.py --device cuda --models gpt2-124m --steps 8 --kill-step 4 --kill-at 0.5
 
 For each model: a failure-free elastic run (4 nodes, 2 pipelines x 2 stages, so a lost node's
 layers must move), then the same run with `kill:node=2,step=K,at=F` for each `--kill-at` F (the
@@ -14,6 +15,9 @@ steps), its cold start (launcher start -> first commit: what restarting the whol
 before any checkpoint restore) and, with `--whole-step`, the same kill with partial replay off
 (the whole interrupted step is replayed: the runtime before issue 14). Every run must end with
 the failure-free losses (checked).
+
+`--device cuda`: the workers run on GPUs (NCCL, bf16 autocast: `elastic.engine.device`), one
+device per worker as the engine assigns them; `--device cpu` (the default): gloo, fp32.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def run(
     device_memory_gib: float | None = None,
     partial_replay: bool = True,
     spares: int = 0,
+    device: str = "cpu",
 ) -> RunSummary:
     """One elastic run: `nodes` nodes as 2 pipelines (f = 1), the given `--inject` values, node
     leases of `lease_ttl` s. Setting `stop` ends it early (launch_elastic raises JobFailed).
@@ -61,7 +66,8 @@ def run(
     move; with `device_memory_gib` the planner's derived profile gets that memory per node, and
     the first plan is the planner's own (as `elastic run` makes it), so that the leader's
     re-plans stay in the same regime (a small budget keeps every pipeline multi-stage). `spares`:
-    hot spare nodes beside them (`elastic run --spares`)."""
+    hot spare nodes beside them (`elastic run --spares`). `device`: the workers' device ("cpu",
+"cuda" or "auto", as `elastic run --device`)."""
     layers = get_preset(model).num_layers
     cluster = ClusterSpec(
         model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch,
@@ -73,7 +79,7 @@ def run(
     else:
         plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
-                   device="cpu", collective_timeout_s=300.0, partial_replay=partial_replay)
+                   device=device, collective_timeout_s=300.0, partial_replay=partial_replay)
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
                            checkpoint_every=0, lease_ttl=lease_ttl, spares=spares)
     return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
@@ -94,6 +100,8 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=2, help="samples per microbatch")
     parser.add_argument("--microbatches", type=int, default=4, help="microbatches per step (global batch / microbatch)")
     parser.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL in seconds (failure detection bound)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="workers' device: cuda (NCCL, bf16 autocast) or cpu (gloo, fp32; default)")
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
@@ -102,7 +110,8 @@ def main() -> None:
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     print(f"runs under {root}", file=sys.stderr)
     for model in args.models:
-        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl}
+        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl,
+                 "device": args.device}
         base = run(model, args.nodes, args.steps, (), root / f"{model}-base", **batch)
         for at in args.kill_at:
             for partial in (True, False) if args.whole_step else (True,):
