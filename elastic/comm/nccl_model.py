@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic.comm.record import Event, Op
 
@@ -110,7 +111,7 @@ class Report:
 
 
 class _Model:
-    def __init__(self, logs: Mapping[Worker, Sequence[Event]]) -> None:
+    def __init__(self, logs: Mapping[Any, Sequence[Event]]) -> None:
         self.lanes: dict[tuple[Worker, str], list[Event]] = {}
         self.seq: dict[tuple[Worker, int], int] = {}
         """(worker, id(event)) -> its place in the worker's log."""
@@ -333,11 +334,16 @@ class _Model:
     def _stuck(self, lane: tuple[Worker, str]) -> Stuck:
         worker, name = lane
         e = self.lanes[lane][self.pc[lane]]
-        if e.kind == "create" or (e.kind == "post" and not e.grouped):
+        if e.kind == "create":
             assert e.comm is not None
-            missing = [w for w in self.members.get(e.comm, {}).values()
-                       if not any(w in v for (c, _), v in self.arrived.items() if c == e.comm)]
-            why = f"a creation rendezvous; members not there: {missing or 'the peer of this pair'}"
+            arrived = self.arrived.get((e.comm, None), set())
+            missing = [w for w in self.members.get(e.comm, {}).values() if w not in arrived]
+            why = f"creating {e.comm}, a rendezvous of its members; not there: {missing}"
+        elif e.kind == "post" and not e.grouped:
+            assert e.comm is not None and e.ops[0].peer is not None
+            peer = self.members[e.comm][e.ops[0].peer]
+            why = (f"its first ungrouped operation with worker {peer} creates their pair communicator of {e.comm}, "
+                   f"a rendezvous worker {peer} never joins (it is stuck elsewhere)")
         elif e.kind == "wait":
             why = "; ".join(self._why_pending(worker, i) for i in e.ids if not self._done(worker, i))
         elif e.kind == "await":
@@ -368,13 +374,14 @@ class _Model:
             return "the members' heads: " + "; ".join(heads)
         assert op.peer is not None
         peer = self.members[q.comm][op.peer]
-        return f"worker {peer}, whose head on {q.comm} is {self._describe(self._head(_Queue(peer, q.comm, q.pair)))}"
+        return f"worker {peer}, whose head on {_Queue(peer, q.comm, q.pair)} is " \
+            f"{self._describe(self._head(_Queue(peer, q.comm, q.pair)))}"
 
     @staticmethod
     def _describe(unit: _Unit | None) -> str:
         return "empty" if unit is None else "[" + ", ".join(str(o) for o in unit.active()) + "]"
 
 
-def check(logs: Mapping[Worker, Sequence[Event]]) -> Report:
+def check(logs: Mapping[Any, Sequence[Event]]) -> Report:
     """Replay every worker's log under NCCL's rules (module doc)."""
     return _Model(logs).run()

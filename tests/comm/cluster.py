@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from elastic.model.config import GPTConfig
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.layout import assign_ranks
 from elastic.records.job import JobSpec
-from elastic.records.partial import resolve_replay
+from elastic.records.partial import ReplayRecord, resolve_replay
 from elastic.transfer.shards import ShardKey
 from templates.plan import PipelinePlan, Plan, StagePlan
 
@@ -112,95 +112,112 @@ def random_case(seed: int) -> Case:
                 evaluate=rng.random() < 0.3)
 
 
+Worker = tuple[int, int]
+"""(node, local rank)."""
+
+
 def run_case(case: Case, run_dir: Path, *, timeout_s: float = 60) -> Outcome:
-    """Run `case` (module doc) on threads, one per worker; every worker's log."""
-    tp = case.plan1.gpus_per_node
-    spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
-                   device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3)
-    workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
-    recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in workers}
-    trainers: dict[tuple[int, int], Trainer] = {}
-    aborts1 = {w: AbortSignal() for w in workers}
-    out = Outcome()
-    live1 = [w for w in workers if w[0] in case.plan1.nodes]
-    survivors = [w for w in live1 if w[0] not in case.failed]
-    live2 = [w for w in workers if w[0] in case.plan2.nodes]
-    barrier1 = threading.Barrier(len(live1), timeout=timeout_s)
-    barrier_s = threading.Barrier(len(survivors), timeout=timeout_s) if survivors else None
-    lock = threading.Lock()
-    stores = [dist.HashStore(), dist.HashStore()]
-    replay_box: list[object] = []
-    gen2_ready = threading.Event()
+    """Run `case` (module doc) on threads, one per worker; every worker's log, the errors, and
+    what each worker of generation 2 holds at the end."""
+    return _Job(case, run_dir, timeout_s).run()
 
-    def trainer(w: tuple[int, int]) -> Trainer:
-        with lock:
-            if w not in trainers:
-                trainers[w] = Trainer(spec, node=w[0], local_rank=w[1], recorder=recorders[w])
-            return trainers[w]
 
-    def generation1(w: tuple[int, int]) -> None:
-        t = trainer(w)
-        t.start(plan=case.plan1, generation=1, store=stores[0], abort=aborts1[w], fetch=None, step=0)
+class _Job:
+    """One case's workers, trainers and logs."""
+
+    def __init__(self, case: Case, run_dir: Path, timeout_s: float) -> None:
+        self.case, self.timeout_s = case, timeout_s
+        tp = case.plan1.gpus_per_node
+        self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
+                            device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3)
+        self.workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
+        self.recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in self.workers}
+        self.trainers: dict[Worker, Trainer] = {}
+        self.aborts = {w: AbortSignal() for w in self.workers}
+        self.live1 = [w for w in self.workers if w[0] in case.plan1.nodes]
+        self.survivors = [w for w in self.live1 if w[0] not in case.failed]
+        self.live2 = [w for w in self.workers if w[0] in case.plan2.nodes]
+        self.stores = [dist.HashStore(), dist.HashStore()]
+        self.after_step0 = threading.Barrier(len(self.live1), timeout=timeout_s)
+        self.failing = threading.Barrier(max(1, len(self.survivors)), timeout=timeout_s)
+        self.replay: ReplayRecord | None = None
+        self.holdings: dict[int, list[ShardKey]] = {}
+        self.lock = threading.Lock()
+        self.out = Outcome()
+
+    def run(self) -> Outcome:
+        self._on_threads(self.generation1, self.live1)
+        if not self.out.errors:
+            self.between()
+            self._on_threads(self.generation2, self.live2)
+        self.out.logs = {w: self.recorders[w].snapshot() for w in self.workers}
+        for t in self.trainers.values():  # abandoned operations would keep gloo's loops busy
+            t.shutdown()
+        return self.out
+
+    def trainer(self, w: Worker) -> Trainer:
+        with self.lock:
+            if w not in self.trainers:
+                self.trainers[w] = Trainer(self.spec, node=w[0], local_rank=w[1], recorder=self.recorders[w])
+            return self.trainers[w]
+
+    def generation1(self, w: Worker) -> None:
+        """Step 0, an evaluation, a full-state gather; then, with `partial`, step 1 abandoned."""
+        case, t = self.case, self.trainer(w)
+        t.start(plan=case.plan1, generation=1, store=self.stores[0], abort=self.aborts[w], fetch=None, step=0)
         t.commit(t.prepare_step())
         if case.evaluate:
             t.evaluate()
         t.full_state()
-        barrier1.wait()
+        self.after_step0.wait()
         if w[0] in case.failed or not case.partial:
-            return
-        assert barrier_s is not None
-        if barrier_s.wait() == 0:  # one survivor sets every survivor's flag, as the control plane does
-            for s in survivors:
-                pipeline = {st.node for p in case.plan1.pipelines for st in p.stages if s[0] in {x.node for x in p.stages}}
-                aborts1[s].set(f"lost node(s) {sorted(case.failed)}", local=not (pipeline & case.failed))
+            return  # a failed node posts nothing more; without `partial` the failure comes here
+        if self.failing.wait() == 0:  # one survivor sets every survivor's flag, as the control plane does
+            for s in self.survivors:
+                pipeline = next({st.node for st in p.stages} for p in case.plan1.pipelines
+                                if s[0] in {st.node for st in p.stages})
+                self.aborts[s].set(f"lost node(s) {sorted(case.failed)}", local=not pipeline & case.failed)
         try:
             t.prepare_step()
         except StepAborted:
             return
         raise AssertionError(f"worker {w}: step 1 was not abandoned")
 
-    def generation2(w: tuple[int, int]) -> None:
-        gen2_ready.wait(timeout_s)
-        t = trainer(w)
-        replay = replay_box[0] if replay_box else None
+    def between(self) -> None:
+        """What the leader decides: which microbatches are kept, who holds what."""
+        case = self.case
+        if case.partial:
+            kept = {w: t.kept for w, t in self.trainers.items()}
+            reports = [(w[0], w[1], k.report() if (k := kept.get(w)) is not None else None) for w in self.live2]
+            self.replay = resolve_replay(case.plan2, reports, step=1)
+        held = {k for w, t in self.trainers.items() if w[0] not in case.failed for k in t.holdings()}
+        want = {ShardKey(layer, r) for layer in range(LAYERS) for r in range(case.plan1.gpus_per_node)}
+        assert held == want, f"{case.name}: shards {sorted(want - held)} have no surviving holder"
         ranks = {(c.node, c.local_rank): c.rank for c in assign_ranks(case.plan2)}
-        holdings = {ranks[v]: trainers[v].holdings() if v in trainers else [] for v in live2}
-        t.start(plan=case.plan2, generation=2, store=stores[1], abort=AbortSignal(), fetch=None, step=1,
-                replay=replay, holdings=lambda: holdings)  # type: ignore[arg-type]
+        self.holdings = {ranks[w]: self.trainers[w].holdings() if w in self.trainers else [] for w in self.live2}
+
+    def generation2(self, w: Worker) -> None:
+        """Shards moved, step 1 (replayed, with `partial`) and step 2, an evaluation."""
+        t = self.trainer(w)
+        t.start(plan=self.case.plan2, generation=2, store=self.stores[1], abort=AbortSignal(), fetch=None, step=1,
+                replay=self.replay, holdings=lambda: self.holdings)
         t.commit(t.prepare_step())
         t.commit(t.prepare_step())
-        if case.evaluate:
+        if self.case.evaluate:
             t.evaluate()
-        with lock:
-            out.steps[w] = t.step
-            out.shards[w] = {k: t.export_shard(*k) for k in t.holdings()}
+        with self.lock:
+            self.out.steps[w] = t.step
+            self.out.shards[w] = {k: t.export_shard(*k) for k in t.holdings()}
 
-    def run(fn: object, w: tuple[int, int]) -> None:
-        try:
-            fn(w)  # type: ignore[operator]
-        except BaseException as exc:  # reported by the test
-            with lock:
-                out.errors.append(f"worker {w}: {type(exc).__name__}: {exc}")
+    def _on_threads(self, fn: Callable[[Worker], None], workers: list[Worker]) -> None:
+        def run(w: Worker) -> None:
+            try:
+                fn(w)
+            except BaseException as exc:  # reported by the test
+                with self.lock:
+                    self.out.errors.append(f"worker {w}: {type(exc).__name__}: {exc}")
 
-    _on_threads([(generation1, w) for w in live1], run, timeout_s)
-    if out.errors:
-        out.logs = {w: recorders[w].snapshot() for w in workers}
-        for t in trainers.values():
-            t.shutdown()
-        return out
-    if case.partial:
-        reports = [(w[0], w[1], trainers[w].kept.report() if w in trainers and trainers[w].kept else None)
-                   for w in live2]
-        replay_box.append(resolve_replay(case.plan2, reports, step=1))
-    else:  # the failure came between steps: generation 1 committed step 0 only, every survivor holds it
-        pass
-    _hold_every_shard(case, trainers)
-    gen2_ready.set()
-    _on_threads([(generation2, w) for w in live2], run, timeout_s)
-    out.logs = {w: recorders[w].snapshot() for w in workers}
-    for t in trainers.values():  # abandoned operations would keep gloo's loops busy for the next cases
-        t.shutdown()
-    return out
+        _on_threads([(run, w) for w in workers], self.timeout_s)
 
 
 def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 3) -> dict[ShardKey, dict[str, torch.Tensor]]:
@@ -214,7 +231,7 @@ def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 
     out: dict[ShardKey, dict[str, torch.Tensor]] = {}
     lock = threading.Lock()
 
-    def run(w: tuple[int, int]) -> None:
+    def run(w: Worker) -> None:
         t = Trainer(spec, node=0, local_rank=w[1])
         t.start(plan=plan, generation=1, store=store, abort=None, fetch=None, step=0)
         t.train(steps)
@@ -222,21 +239,12 @@ def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 
             out.update({k: t.export_shard(*k) for k in t.holdings()})
         t.shutdown()
 
-    _on_threads([(run, (0, r)) for r in range(tp)], lambda fn, w: fn(w), 60)
+    _on_threads([(run, (0, r)) for r in range(tp)], 60)
     return out
 
 
-def _hold_every_shard(case: Case, trainers: dict[tuple[int, int], Trainer]) -> None:
-    """Every shard of the model is held by a survivor (a case whose failure lost a layer's every
-    holder would fall back to a checkpoint, which moves nothing over the communicators)."""
-    held = {k for w, t in trainers.items() if w[0] not in case.failed for k in t.holdings()}
-    want = {ShardKey(layer, r) for layer in range(LAYERS) for r in range(case.plan1.gpus_per_node)}
-    assert held == want, f"{case.name}: shards {sorted(want - held)} have no surviving holder"
-
-
-def _on_threads(jobs: list[tuple[object, tuple[int, int]]], run: object, timeout_s: float) -> None:
-    threads = [threading.Thread(target=run, args=job, name=f"worker{job[1][0]}.{job[1][1]}", daemon=True)
-               for job in jobs]
+def _on_threads(jobs: list[tuple[Callable[[Worker], None], Worker]], timeout_s: float) -> None:
+    threads = [threading.Thread(target=fn, args=(w,), name=f"worker{w[0]}.{w[1]}", daemon=True) for fn, w in jobs]
     for t in threads:
         t.start()
     for t in threads:

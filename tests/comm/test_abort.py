@@ -81,7 +81,11 @@ def _wait_for_shutdowns(recorders: list[Recorder], survivors: list[int]) -> None
 def test_a_hard_abort_aborts_every_communicator_of_the_generation(tmp_path: Path) -> None:
     trainers, recorders, aborts = _trainers(tmp_path)
     survivors = [0, 1, 2]  # node 3 is lost: it posts nothing more
-    threading.Timer(0.3, lambda: [aborts[n].set("lost node(s) [3]") for n in survivors]).start()
+    def lose_node_3() -> None:
+        for n in survivors:
+            aborts[n].set("lost node(s) [3]")
+
+    threading.Timer(0.3, lose_node_3).start()
     outcomes = on_threads(3, lambda i: trainers[survivors[i]].prepare_step())
     assert all(isinstance(o, StepAborted) for o in outcomes), outcomes
     for n in survivors:

@@ -117,7 +117,7 @@ def test_the_old_shard_exchange_deadlocks(pairs: list[tuple[int, int]]) -> None:
     report = check(_run(max(max(p) for p in pairs) + 1, old_shard_exchange(pairs)))
     assert report.deadlock, report.describe()
     if pairs == ROTATION:  # each rank blocks creating its pair with the next, who creates with the next
-        assert {s.worker for s in report.stuck if "creation rendezvous" in s.why} == {0, 1, 2}, report.describe()
+        assert {s.worker for s in report.stuck if "pair communicator" in s.why} == {0, 1, 2}, report.describe()
 
 
 def shard(key: ShardKey) -> dict[str, torch.Tensor]:
