@@ -76,7 +76,8 @@ def test_retired_groups_close_at_the_next_generations_first_commit(tmp_path: Pat
     assert not waiter.is_alive(), "the abandoned operation still waits after the next generation's commit"
     at, error = ended[0]
     assert at - committed_at < 10.0 < GROUP_TIMEOUT_S
-    assert "closure" in error or "closed" in error.lower(), error
+    # Closed here ("closure"/"closed"), or by the peer first, whose close resets the pair.
+    assert "closure" in error or "closed" in error.lower() or "reset by peer" in error.lower(), error
     # The retired world group is closed: an operation on it fails at once instead of waiting.
     t0 = time.monotonic()
     with pytest.raises(RuntimeError):
