@@ -114,9 +114,14 @@ def _env(*, hook: Path | None) -> dict[str, str]:
     paths = [*([str(HOOKS)] if hook is not None else []), str(REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.pop(PEAK_ENV, None)
+    env.pop("ELASTIC_ZYGOTE", None)  # a warm parent of the caller's (a test session's) has no hook
     if hook is not None:
         hook.mkdir(parents=True, exist_ok=True)
         env[PEAK_ENV] = str(hook)
+        # The hook starts in a process that *begins* as a worker; a worker forked from a warm
+        # parent (elastic/roles/zygote.py) began as the zygote. Fresh interpreters, then: the
+        # memory figures are the same either way.
+        env["ELASTIC_WARM"] = "0"
     return env
 
 

@@ -2,6 +2,10 @@
 oldest first, with times relative to the first event; `--json` prints one JSON object per line
 with absolute times (fields: elastic/ops/events.py). `--follow` keeps printing new events, woken
 by etcd watches on the history's sources, until Ctrl-C (exit 0). Exit codes as `elastic status`.
+
+With `--run-dir` (and no `--etcd`), a run that has ended is read from its run directory (as
+`elastic status` does, elastic/ops/run_history.py): the same events, as they were read from its
+etcd, then one `ended` event saying how the run ended; `--follow` then stops there.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import threading
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.status_cmd import add_target_arguments
+from elastic.cli.status_cmd import add_target_arguments, ended_run
 from elastic.coordinator.client import TRANSIENT_ERRORS
 from elastic.coordinator.watch import PrefixWatch
 from elastic.ops.events import History, HistoryEvent, first_time, render_line
 from elastic.ops.job_target import CONNECT_TIMEOUT_S, OpsError, find_job, open_client, resolve_target
+from elastic.ops.run_history import end_event
 
 _FOLLOW_POLL_S = 2.0
 """Re-read at least this often while following, even if the watch stays silent."""
@@ -48,10 +53,22 @@ def _kinds(values: list[str] | None) -> set[str] | None:
     return kinds
 
 
+def _print_all(events: list[HistoryEvent], kinds: set[str] | None, *, as_json: bool) -> None:
+    """Print `events` (of `kinds`), times relative to the first of them."""
+    origin = first_time(events)
+    for e in events:
+        if kinds is None or e.kind in kinds:
+            print(e.to_json() if as_json else render_line(e, origin), flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     kinds = _kinds(args.kind)
     try:
         target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+        ended = ended_run(args, target)
+        if ended is not None:  # printed once, even with --follow: nothing more will come
+            _print_all([*ended.events, end_event(ended)], kinds, as_json=args.json)
+            return 0
         client = open_client(target)  # EtcdAccessError (a ValueError) for credentials etcd refuses
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: `elastic run` prints its --resume command
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
@@ -49,4 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m elastic.cli.main`: run the imported module's `main`, whose UsageError is the one
+    # the subcommands raise (this file, run as __main__, defines a class of the same name).
+    from elastic.cli.main import main as _main
+
+    sys.exit(_main())

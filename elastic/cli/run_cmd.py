@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -34,7 +35,10 @@ def register(subparsers: Any) -> None:
         "run",
         help="train on N simulated nodes x G workers on this machine",
         description="Train a GPT with pipeline replicas (one stage per node) and tensor parallelism "
-        "(G workers per node), on local worker processes.",
+        "(G workers per node), on local worker processes. Under the control plane, the first Ctrl-C or SIGTERM "
+        "finishes the step in flight, writes a checkpoint at that step boundary and exits 130 / 143 naming the "
+        "step and the --resume command (`elastic drain --all` from another terminal: exit 3); a second Ctrl-C "
+        "stops every process at once.",
     )
     parser.add_argument("--model", default="tiny", help=f"model preset ({', '.join(PRESETS)})")
     add_shape_flags(parser)  # --model-config FILE, --n-layer, --d-model, --n-head, --seq-len, --vocab-size
@@ -211,11 +215,36 @@ def _unwind_on_sigterm() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    zygote = _start_warm_parent(args)
+    try:
+        return _run_job(args)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _start_warm_parent(args: argparse.Namespace) -> Any:
+    """The warm parent of the job's local agents and workers (elastic/roles/zygote.py), started
+    before anything else: its `import torch` runs while this process plans and starts etcd (this
+    process never imports torch before the job ends). The launcher finds it in $ELASTIC_ZYGOTE."""
+    from elastic.roles.zygote import ZYGOTE_ENV, Zygote, warm_enabled
+
+    if args.static or args.agents != "local" or not warm_enabled() or os.environ.get(ZYGOTE_ENV):
+        return None
+    zygote = Zygote()
+    os.environ[ZYGOTE_ENV] = zygote.path
+    return zygote
+
+
+def _run_job(args: argparse.Namespace) -> int:
     _unwind_on_sigterm()
     # torch and the runtime load here, not at import, so that `elastic --help` and the planner
     # commands start without torch.
-    from elastic.coordinator.client import EtcdAccessError
-    from elastic.roles.launcher import JobFailed, WorkerFailed, launch, launch_elastic
+    from elastic.cli.run_guard import guard_run
+    from elastic.cli.run_stop import report_stop_timed_out, report_stopped, stop_on_signals
+    from elastic.coordinator.client import EtcdAccessError, EtcdUnreachableError
+    from elastic.roles.job_stop import JobStopped, StopTimedOut
+    from elastic.roles.launcher import JobFailed, StartupError, WorkerFailed, launch, launch_elastic
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
     token = _check_flags(args)
@@ -230,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
     spec = _job_spec(args, plan, run_dir, shape=cfg)
     _check_held_out(spec)
+    guard = guard_run(run_dir, embedded_etcd=args.etcd is None and not args.static,  # run dir in use: exit 2
+                      local_agents=not args.static and args.agents == "local")
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
     print(
         f"elastic run: {describe_model(args.model, cfg)}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
@@ -237,20 +268,26 @@ def _run(args: argparse.Namespace) -> int:
         flush=True,
     )
     elastic = not args.static
+    job_stop = None
     try:
         if elastic:
             config = _elastic_config(args, spec, plan)
             config = _resume_config(args, config)
             config = _spares_config(args, config)
+            job_stop = stop_on_signals(config)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
-                                     token=token, local_agents=args.agents == "local",
-                                     etcd_members=args.etcd_members)
+                                     token=token, local_agents=args.agents == "local", job_stop=job_stop,
+                                     etcd_members=args.etcd_members, before_etcd_stops=guard.record_history)
         else:
             summary = launch(spec, timeout_s=args.timeout)
+    except JobStopped as stopped:  # on request (a signal, `elastic drain --all`), with a checkpoint
+        return report_stopped(args, stopped, run_dir)
+    except StopTimedOut as exc:
+        return report_stop_timed_out(args, exc, job_stop, run_dir)
     except (WorkerFailed, JobFailed, TimeoutError) as exc:
         print(f"elastic run: error: {exc}", file=sys.stderr)
         return 1
-    except EtcdAccessError as exc:  # --etcd refuses our credentials (or has none of ours): nothing was written
+    except (EtcdAccessError, EtcdUnreachableError, StartupError) as exc:  # no start (credentials, no answer): one line
         raise UsageError(str(exc)) from None
     _write_outputs(args, spec, summary, run_dir, elastic=elastic)
     return 0
@@ -293,8 +330,8 @@ def _check_etcd_flags(args: argparse.Namespace) -> None:
 def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:
     """The JobSpec of the run (model shape, optimizer, data and device from the flags); UsageError
     if invalid."""
-    from elastic.engine.optim import OptimConfig
     from elastic.records.job import JobSpec
+    from elastic.records.optim_config import OptimConfig
 
     try:
         optim = OptimConfig(

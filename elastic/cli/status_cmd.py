@@ -3,6 +3,11 @@ of a running (or finished) elastic job, read from its etcd (fields: elastic/ops/
 
 Exit codes: 0 printed; 1 etcd unreachable within 5 s, or the job is not there (the message lists
 the jobs it has); 2 bad flags. `--watch` redraws until Ctrl-C, which ends it with code 0.
+
+With `--run-dir` (and no `--etcd`), a run that has ended is read from its run directory instead
+(elastic/ops/run_history.py): the last status its launcher wrote at the end, or, where it was
+killed before writing one, the status read back from a copy of its etcd's data; the first line
+(`ended` in --json) says how it ended. `--watch` then prints it once.
 """
 
 from __future__ import annotations
@@ -11,11 +16,20 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
 from elastic.coordinator.client import TRANSIENT_ERRORS
-from elastic.ops.job_target import CONNECT_TIMEOUT_S, OpsError, find_job, open_client, resolve_target
+from elastic.ops.job_target import (
+    CONNECT_TIMEOUT_S,
+    JobTarget,
+    OpsError,
+    find_job,
+    open_client,
+    resolve_target,
+)
+from elastic.ops.run_history import EndedRun, find_ended_run
 from elastic.ops.status import DEFAULT_WINDOW, read_status, render_table
 
 _CLEAR = "\x1b[H\x1b[2J"
@@ -31,6 +45,27 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "--run-dir", default=None, metavar="DIR",
         help="run dir of `elastic run`: read etcd and job from DIR/job.json",
     )
+
+
+def ended_run(args: argparse.Namespace, target: JobTarget) -> EndedRun | None:
+    """The run of `--run-dir` if it has ended (module doc), else None: read its etcd. Never with
+    `--etcd`: an etcd named on the command line is read as asked. OpsError if its history cannot
+    be read."""
+    if args.run_dir is None or args.etcd is not None or target.job is None:
+        return None
+    return find_ended_run(Path(args.run_dir), job=target.job, etcd=target.etcd,
+                          etcd_answers=lambda: _answers(target))
+
+
+def _answers(target: JobTarget) -> bool:
+    """Whether the target's etcd answers (refusing our credentials counts: the live path says so)."""
+    try:
+        open_client(target).close()
+    except OpsError:
+        return False
+    except ValueError:  # EtcdAccessError
+        pass
+    return True
 
 
 def register(subparsers: Any) -> None:
@@ -62,6 +97,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--window must be >= 2, got {args.window}")
     try:
         target = resolve_target(etcd=args.etcd, job=args.job, run_dir=args.run_dir)
+        ended = ended_run(args, target)
+        if ended is not None:  # printed once, even with --watch: it will not change
+            json_indent = None if args.watch is not None else 1
+            print(ended.status.to_json(indent=json_indent) if args.json else render_table(ended.status), flush=True)
+            return 0
         client = open_client(target)  # EtcdAccessError (a ValueError) for credentials etcd refuses
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -291,6 +291,11 @@ class EtcdAccessError(ValueError):
     problem; retrying cannot help."""
 
 
+class EtcdUnreachableError(ConnectionError):
+    """etcd did not answer within the retry time (`check_access(..., require=True)`): one line
+    naming the endpoint and gRPC's reason, e.g. a refused connection."""
+
+
 def config_from_env(endpoint: str, env: Mapping[str, str] | None = None, **overrides: Any) -> EtcdConfig:
     """The EtcdConfig of `endpoint` with the credentials of the environment (`env`, default
     os.environ; the ELASTIC_ETCD_* variables above); `overrides` set other fields (timeout,
@@ -358,11 +363,22 @@ def _unreachable_problem(exc: grpc.RpcError, config: EtcdConfig) -> str | None:
     return None
 
 
-def check_access(config: EtcdConfig, *, key: str) -> EtcdClient:
+def _unreachable_line(exc: grpc.RpcError, config: EtcdConfig) -> str:
+    """One line for an etcd that did not answer: the endpoint, gRPC's reason (its last clause,
+    e.g. "Connection refused") and what to check."""
+    details = (exc.details() or str(exc.code())).replace("\n", " ")
+    reason = details.rsplit(": ", 1)[-1].strip()[:120]
+    return (f"etcd at {config.endpoint} did not answer within {config.retry_s:g} s ({reason}): is etcd running "
+            "there, and is the endpoint right?")
+
+
+def check_access(config: EtcdConfig, *, key: str, require: bool = False) -> EtcdClient:
     """A client of `config` after one read of `key` (e.g. the job's prefix) succeeded, so that a
     wrong password, a wrong CA, a missing client certificate or a role without that prefix is
     reported (EtcdAccessError, one line) before anything is written. An etcd that does not answer
-    is retried for `config.retry_s` and then left to the caller's first call to report."""
+    is retried for `config.retry_s` and then left to the caller's first call to report, or, with
+    `require`, reported as EtcdUnreachableError (one line); either after at most `retry_s` plus
+    one call's `timeout` (a refused connection fails each attempt at once)."""
     from etcd3 import etcdrpc, utils
 
     deadline = time.monotonic() + config.retry_s
@@ -386,6 +402,8 @@ def check_access(config: EtcdConfig, *, key: str) -> EtcdClient:
                 problem = _unreachable_problem(exc, config)
                 if problem is not None:
                     raise EtcdAccessError(problem) from None
+                if require:
+                    raise EtcdUnreachableError(_unreachable_line(exc, config)) from None
                 return connect(config)  # unreachable: the caller's own call says so its way
             time.sleep(_RETRY_PAUSE_S)
 

@@ -112,10 +112,13 @@ class EtcdServer:
         startup_timeout: float = 20.0,
         auto_compaction: tuple[str, str] | None = AUTO_COMPACTION,
         name: str = "elastic",
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         """`auto_compaction`: (mode, retention) as etcd's --auto-compaction-mode and
         --auto-compaction-retention take them, e.g. ("periodic", "10s"); None: off (history kept forever).
-        `name`: the member name (`EtcdCluster` names its members and sets `initial_cluster`)."""
+        `name`: the member name (`EtcdCluster` names its members and sets `initial_cluster`).
+        `extra_args`: more etcd flags, e.g. `--force-new-cluster` to open a copy of a member's data
+        directory as a cluster of its own (elastic/ops/run_history.py)."""
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="etcd-"))
         self.binary = binary or find_etcd_binary()
@@ -128,6 +131,7 @@ class EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.data_dir / "etcd.log"
         self.name = name
+        self.extra_args = extra_args
         self.initial_cluster: str | None = None
         """`--initial-cluster` of a member of a larger cluster (None: this member alone)."""
         atexit.register(self.close)
@@ -170,9 +174,12 @@ class EtcdServer:
         if self.auto_compaction is not None:
             mode, retention = self.auto_compaction
             args += ["--auto-compaction-mode", mode, "--auto-compaction-retention", retention]
+        args += list(self.extra_args)
         with open(self._log_path, "ab") as log:
+            # a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops its job first
             self._proc = subprocess.Popen(
-                _dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                _dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         if wait:
             self.wait_healthy()

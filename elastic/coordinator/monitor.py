@@ -122,24 +122,40 @@ _PARENT_POLL_S = 0.2
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process as soon as `parent_pid` (its parent) dies; at once if it already has.
+    """SIGKILL this process as soon as `parent_pid` (the agent that started it) dies; at once if
+    it already has.
 
-    Linux: PR_SET_PDEATHSIG, delivered by the kernel when the parent *thread* that forked us
-    exits, so the parent must spawn from a thread that lives as long as it does (the agent's
-    main thread). Elsewhere: a daemon thread that polls the parent PID every 0.2 s.
+    When the agent is our parent (a fresh interpreter it started), Linux's PR_SET_PDEATHSIG: the
+    kernel delivers it when the parent *thread* that forked us exits, so the parent must spawn
+    from a thread that lives as long as it does (the agent's main thread). When a warm parent
+    forked us for the agent (elastic/roles/zygote.py), the agent is not our parent: a daemon
+    thread waits on a pidfd of the agent, which the kernel makes readable the moment it exits.
+    Where neither works, the thread polls the agent's PID every 0.2 s.
     """
-    if sys.platform.startswith("linux"):
+    if os.getppid() == parent_pid and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    else:
+        if os.getppid() == parent_pid:
+            return
+    elif psutil.pid_exists(parent_pid):
+        threading.Thread(target=_wait_for_exit, args=(parent_pid,), name="parent-watch", daemon=True).start()
+        return
+    log.warning("parent %d is gone; exiting", parent_pid)  # it died before the watch took effect
+    os.kill(os.getpid(), signal.SIGKILL)
 
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(_PARENT_POLL_S)
-            os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the request took effect
-        log.warning("parent %d is gone; exiting", parent_pid)
+def _wait_for_exit(pid: int) -> None:
+    """SIGKILL this process once `pid` exits."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGKILL)
+        return
+    except (AttributeError, OSError):
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)

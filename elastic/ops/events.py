@@ -31,6 +31,7 @@ from elastic.coordinator.jsonrecord import to_data
 from elastic.coordinator.keys import JobKeys
 from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
 from elastic.records.recoveries import recovery_breakdown
+from elastic.records.run_end import ENDINGS, RunEnd
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +39,8 @@ class HistoryEvent:
     """One thing that happened to the job."""
 
     kind: str
-    """join, failure, fatal, generation, injection, recovered, or a kind another writer logs."""
+    """join, failure, fatal, generation, injection, recovered, or a kind another writer logs; "ended"
+    is the last line of a run that has ended (elastic/ops/run_history.py `end_event`), from no key."""
     time: float | None
     """Wall time (Unix seconds) the writer recorded, or None where it recorded none."""
     who: str
@@ -203,12 +205,24 @@ def describe(event: HistoryEvent) -> str:
         return f"the fallback skipped the checkpoint of step {d.get('step')}: {d.get('reason')}"
     if event.kind == "fatal":
         return f"the leader gave up: {d.get('reason')}"
+    if event.kind == "stopped":  # a whole-job stop that saves (elastic/records/stop.py)
+        return (f"the job stops after step {d.get('step')} (generation {d.get('generation')}, asked by "
+                f"{d.get('by')}): every worker writes its checkpoint of that step and leaves")
     if event.kind == "spare":
         return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
     if event.kind == "spare-taken":
         why = f"drained node(s) {d['drained']}" if d.get("drained") else f"lost node(s) {d.get('lost')}"
         return (f"hot spare node {d.get('node')} (incarnation {d.get('incarnation')}) taken in for {why} "
                 f"by generation {d.get('generation')}")
+    if event.kind == "started":
+        return (
+            f"{event.who} (incarnation {d.get('incarnation')}) started {'warm' if d.get('warm') else 'cold'}: "
+            f"workers registered {d.get('total_s')} s after the agent's start (agent {d.get('agent_s')} s, "
+            f"then per worker: process {d.get('process_s')} s, imports {d.get('imports_s')} s, "
+            f"setup {d.get('setup_s')} s)"
+        )
+    if event.kind == "ended" and d.get("how") in ENDINGS:  # an ended run's last line (elastic/ops/run_history.py)
+        return RunEnd.from_dict(d).describe()
     rest = ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
     return f"{event.who}: {rest}" if rest else event.who
 

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig, check_access, config_from_env
+from elastic.coordinator.client import (
+    TRANSIENT_ERRORS,
+    EtcdConfig,
+    EtcdUnreachableError,
+    check_access,
+    config_from_env,
+)
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 
@@ -32,6 +38,7 @@ JOB_FILE = "job.json"
 """Name of the file `elastic run` writes into its run directory (see launcher.write_job_file)."""
 
 _ROOT = "/elastic/"
+_UNREACHABLE: tuple[type[BaseException], ...] = (EtcdUnreachableError, *TRANSIENT_ERRORS)
 
 
 class OpsError(RuntimeError):
@@ -95,8 +102,8 @@ def open_client(target: JobTarget) -> EtcdClient:
     retry_s = CONNECT_TIMEOUT_S if "," in target.etcd else 0.0
     config = config_from_env(target.etcd, timeout=CONNECT_TIMEOUT_S, retry_s=retry_s)
     try:
-        return check_access(config, key=JobKeys(target.job).root if target.job is not None else _ROOT)
-    except TRANSIENT_ERRORS:
+        return check_access(config, key=JobKeys(target.job).root if target.job is not None else _ROOT, require=True)
+    except _UNREACHABLE:
         raise OpsError(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
 
 

@@ -67,6 +67,12 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
                         (a full or failing checkpoint disk; elastic/records/checkpoint_failures.py):
         count             failed saves, each counted once, over every worker
         last_step, last_reason, last_at, last_node, last_local_rank   the newest failure
+    ended               null while the run is live (or read with --etcd); once the run in --run-dir has
+                        ended, how (elastic/records/run_end.py; the other fields are the job's last status,
+                        as its launcher read it at the end, or read back from a copy of its etcd's data):
+        how               finished | stopped | failed | timed out | interrupted | terminated | exited |
+                          crashed | launcher gone (no end was written: the launcher was killed?)
+        detail, at, launcher_pid, source ("launcher" or "etcd copy")
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ from elastic.records.protocol import (
     read_progress,
 )
 from elastic.records.recoveries import change_words, generation_fields, recovery_breakdown
+from elastic.records.run_end import RunEnd
 from templates.plan import Plan
 
 SCHEMA_VERSION = 1
@@ -238,6 +245,7 @@ class JobStatus:
     last_eval: dict[str, Any] | None = None
     checkpoint_failures: dict[str, Any] | None = None
     spares: list[int] = field(default_factory=list)
+    ended: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -537,6 +545,13 @@ def _recovery_line(r: dict[str, Any]) -> str:
     return line
 
 
+def _ended_line(ended: dict[str, Any]) -> str:
+    """The first line of an ended run's table: how it ended, and that what follows is its last status."""
+    end = RunEnd.from_dict(ended)
+    when = "" if end.at is None else time.strftime(" at %Y-%m-%d %H:%M:%S", time.localtime(end.at))
+    return f"{end.describe()}{when}; its last status:"
+
+
 def render_table(status: JobStatus) -> str:
     """The snapshot as a few lines and two tables, for people."""
     s = status
@@ -549,6 +564,8 @@ def render_table(status: JobStatus) -> str:
         + f"; committed {s.committed_steps}/{total} steps"
         + (f", last loss {s.last_loss:.4f}" if s.last_loss is not None else ""),
     ]
+    if s.ended is not None:
+        lines.insert(0, _ended_line(s.ended))
     if s.last_eval is not None:
         e = s.last_eval
         lines.append(f"validation loss {e['loss']:.4f} after step {e['step']} ({e['batches']} held-out batches, "

@@ -9,12 +9,15 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
     halt/<g>                        HaltRecord: the leader asks generation g to stop (abort now, or at
-                                    the next step boundary); written once per generation change
+                                    the next step boundary); written once per generation change, and
+                                    once more with `stop_step` when the whole job stops (records/stop.py)
+    stop                            StopRequest: stop the whole job at a step boundary with a checkpoint
     sync/<g>/<node>/<local_rank>    SyncReport of a worker of g once it halted (what it committed)
     ready/<g>/<s>/<rank>            the job's last step s only: a worker's vote succeeded
     decisions/<g>/<s>               the job's last step s only: "commit" | "abort", created once by the leader
     recoveries/<g>/<rank>           RecoveryTimings: a worker's reconfiguration into g (one flat object)
-    done/<node>/<local_rank>        a worker finished every step and saved its outputs
+    done/<node>/<local_rank>        a worker finished every step and saved its outputs ("stopped": its
+                                    checkpoint shards of a whole-job stop are on disk)
     injected/<name>                 when an injection (request id <name>) was carried out (wall time)
     injections/<id>                 InjectionRequest JSON (see injection.py), from the CLI or the launcher
     injection-status/<id>           InjectionStatus JSON: running, done, refused or fenced
@@ -305,6 +308,10 @@ class HaltRecord(JsonRecord):
     lost: list[int] = field(default_factory=list)
     """With `abort`: the lost nodes. A pipeline with none of them finishes its microbatches and
     keeps their gradients (partial replay); empty: every pipeline stops at once."""
+    stop_step: int | None = None
+    """A whole-job stop (elastic/records/stop.py): written over a boundary halt once every live
+    worker of g reported S committed steps. No generation follows: each worker writes its
+    checkpoint of step S, waits until it is on disk, reports itself done and exits 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -377,6 +384,9 @@ class WorkerInfo(JsonRecord):
     """host:port of its ShardServer."""
     incarnation: int
     """Incarnation of its node."""
+    started: dict[str, float] = field(default_factory=dict)
+    """Wall times of its start: spawned (its agent decided), forked (from a warm parent; absent
+    for a fresh interpreter), process, main (imports done), registered (elastic/roles/start_phases.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

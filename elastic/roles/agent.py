@@ -21,7 +21,8 @@ discarded: its workers hand their shards over and the agent exits 0. When the le
 (the other nodes could not form the job's f+1 pipelines) or it is not done within
 $ELASTIC_PREEMPT_GRACE_S (default 20 s, below Kubernetes' default grace of 30 s), the node leaves
 as a failure, exit 3. SIGINT (Ctrl-C, or the local launcher stopping its job) stops the node at
-once, exit 3.
+once, exit 3 (the local launcher starts agents in sessions of their own: a terminal's Ctrl-C
+reaches the launcher, which stops the whole job with a checkpoint first, elastic/records/stop.py).
 
 Exit codes: 0 when its workers finished the job (or were drained), 3 when the node failed, 4 when the job token was refused. The
 job token comes in the ELASTIC_JOB_TOKEN environment variable.
@@ -45,7 +46,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import psutil
 
@@ -72,7 +73,17 @@ from elastic.records.injection import (
     submit_request,
     write_status,
 )
-from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, node_id, node_of
+from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, WorkerInfo, node_id, node_of
+from elastic.roles.start_phases import start_phases
+from elastic.roles.zygote import (
+    SPAWNED_AT_ENV,
+    ZYGOTE_ENV,
+    WarmProcess,
+    Zygote,
+    ZygoteClient,
+    ZygoteError,
+    warm_enabled,
+)
 
 if TYPE_CHECKING:
     from elastic.ops.metrics import NodeMetrics
@@ -98,6 +109,7 @@ _PREEMPT_POLL_S = 0.1
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
+_START_RECORD_S = 120.0
 
 log = logging.getLogger("elastic.agent")
 
@@ -179,6 +191,13 @@ class Agent:
 
     def __init__(self, *, endpoint: str, job: str, node: int, incarnation: int, token: str) -> None:
         self.endpoint, self.node, self.incarnation, self.token = endpoint, node, incarnation, token
+        self.started_at = psutil.Process().create_time()  # a fresh interpreter's imports count too
+        # The warm parent of this node's workers: the local launcher's (its socket in
+        # $ELASTIC_ZYGOTE), else one of our own, whose imports run while we join the job.
+        self.zygote: ZygoteClient | None = None
+        if warm_enabled():
+            shared = os.environ.get(ZYGOTE_ENV)
+            self.zygote = ZygoteClient(shared) if shared else Zygote()
         self.client = connect(config_from_env(endpoint))
         self.keys = JobKeys(job)
         self.rk = RunKeys(self.keys)
@@ -206,7 +225,7 @@ class Agent:
                                      config=MembershipConfig(ttl=ttl, give_up_s=give_up),
                                      on_self_lost=self._on_lease_lost)
         self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, subprocess.Popen[bytes] | WarmProcess] = {}
         self.exit_code: int | None = None
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -252,20 +271,54 @@ class Agent:
         env["OMP_NUM_THREADS"] = str(self.threads)
         env[TOKEN_ENV] = self.token
         env[AGENT_PID_ENV] = str(os.getpid())  # the worker dies with this agent (die_with_parent)
+        env[SPAWNED_AT_ENV] = repr(time.time())
         lease = self.membership.lease_id
         assert lease is not None
         for local_rank in range(self.gpus):
             path = worker_log_path(self.run_dir, self.node, local_rank, self.incarnation)
             path.parent.mkdir(parents=True, exist_ok=True)
+            args = ["--etcd", self.endpoint, "--job", self.keys.job, "--node", str(self.node),
+                    "--local-rank", str(local_rank), "--incarnation", str(self.incarnation), "--lease", str(lease)]
             with open(path, "wb") as out:
-                cmd = [
-                    sys.executable, "-m", "elastic.roles.elastic_worker", "--etcd", self.endpoint,
-                    "--job", self.keys.job, "--node", str(self.node), "--local-rank", str(local_rank),
-                    "--incarnation", str(self.incarnation), "--lease", str(lease),
-                ]
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+                proc = self._start_worker(args, env, out)
             self.procs[proc.pid] = proc
-        log.warning("%s (incarnation %d): workers %s", self.who, self.incarnation, sorted(self.procs))
+        log.warning("%s (incarnation %d): workers %s (%s)", self.who, self.incarnation, sorted(self.procs),
+                    "warm" if self.zygote is not None else "cold")
+        threading.Thread(target=self._record_start, name="start-phases", daemon=True).start()
+
+    def _start_worker(self, args: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen[bytes] | WarmProcess:
+        """One worker, forked from the warm parent; a fresh interpreter if there is none or it failed."""
+        if self.zygote is not None:
+            try:
+                return self.zygote.spawn("elastic.roles.elastic_worker", args, env=env, stdout=out)
+            except ZygoteError as exc:
+                log.warning("%s: %s; starting the worker cold", self.who, exc)
+        cmd = [sys.executable, "-m", "elastic.roles.elastic_worker", *args]
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def _record_start(self) -> None:
+        """Once every worker registered: one `started` event with the phases of this node's start
+        (the slowest worker's), from the agent's own start to the last registration."""
+        deadline = time.monotonic() + _START_RECORD_S
+        infos: list[WorkerInfo] = []
+        while not self.done.is_set() and time.monotonic() < deadline:
+            try:
+                values = self.client.get_prefix(self.rk.node_workers(self.node))
+                infos = [WorkerInfo.from_json(v) for v, _ in values]
+            except Exception as exc:  # a transient etcd error: try again
+                log.debug("reading the worker registrations: %s", exc)
+            infos = [i for i in infos if i.incarnation == self.incarnation and i.pid in self.procs]
+            if len(infos) == len(self.procs):
+                break
+            time.sleep(0.05)
+        else:
+            return
+        phases = start_phases(self.started_at, [i.started for i in infos])
+        try:
+            record_event(self.client, self.keys, who=self.who, kind="started", incarnation=self.incarnation,
+                         warm=all(i.started.get("forked") is not None for i in infos), **phases)
+        except Exception as exc:
+            log.warning("%s: could not record its start: %s", self.who, exc)
 
     def _on_death(self, pid: int) -> None:
         code = self.procs[pid].wait()
@@ -358,6 +411,8 @@ class Agent:
         self._kill_workers()
         for proc in self.procs.values():
             proc.wait()
+        if isinstance(self.zygote, Zygote):
+            self.zygote.close()
         for thread in self._injecting:  # a partition cut short writes its status on the way out
             thread.join(timeout=2.0)
         for step in (self.election.resign, self.membership.leave):
@@ -530,7 +585,7 @@ class Agent:
             self._finish(EXIT_FAILED)
 
 
-def _local_rank(procs: dict[int, subprocess.Popen[bytes]], pid: int) -> int:
+def _local_rank(procs: dict[int, subprocess.Popen[bytes] | WarmProcess], pid: int) -> int:
     return list(procs).index(pid)
 
 

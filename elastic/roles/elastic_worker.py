@@ -20,8 +20,12 @@ generation has committed a step, then reports itself done and exits 0. A worker 
 (`elastic run --spares`, or a node back while the plan has all its nodes) waits outside every
 generation with its model skeleton built and no layers, for as long as the job runs: the
 generation that puts its node into a lost or drained node's stage is entered like any other; if
-the job finishes first it reports itself done ("spare") and exits 0. The job token comes in the
-ELASTIC_JOB_TOKEN environment variable.
+the job finishes first it reports itself done ("spare") and exits 0. A whole-job stop
+(elastic/records/stop.py: `elastic run`'s first Ctrl-C or SIGTERM, `elastic drain --all`) is a
+boundary halt that the leader, once every worker reported, marks with the step S they all
+committed: each worker writes its checkpoint shards of step S (as `--checkpoint-every` would),
+waits until they are on disk, reports itself done ("stopped") and exits 0. The job token comes
+in the ELASTIC_JOB_TOKEN environment variable.
 """
 
 from __future__ import annotations
@@ -71,8 +75,10 @@ from elastic.records.protocol import (
     read_progress,
     step_log_path,
 )
+from elastic.records.stop import STOPPED
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.holders import HolderMap, holder_map_reader
+from elastic.roles.start_phases import worker_stamps
 from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
 from elastic.transfer.shards import ShardKey
@@ -85,6 +91,9 @@ _LOCAL_GRACE_MIN_S = 1.0
 _LOCAL_GRACE_FIRST_S = 5.0
 _SPARE_POLL_S = 1.0
 """How often a hot spare that no generation includes looks whether the job has finished."""
+_STOP_LOOK_S = 0.05
+"""How often a worker halted at a step boundary looks whether the leader stopped the job there
+(a newer generation ends the wait at once)."""
 
 
 def _local_grace(step_s: float | None) -> float:
@@ -134,11 +143,19 @@ class SpareDone(Exception):
     """This worker's node was a hot spare to the end: the job finished without needing it."""
 
 
+class Stopped(Exception):
+    """The whole job stops after `step` committed steps (elastic/records/stop.py)."""
+
+    def __init__(self, step: int, layout: ParallelLayout) -> None:
+        super().__init__(f"the job stops after step {step}")
+        self.step, self.layout = step, layout
+
+
 class ElasticWorker:
     """The worker loop of the module doc."""
 
     def __init__(self, *, client: EtcdClient, keys: JobKeys, config: ElasticConfig, token: str,
-                 node: int, local_rank: int, incarnation: int, lease: int) -> None:
+                 node: int, local_rank: int, incarnation: int, lease: int, main_at: float) -> None:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.spec, self.token = config, config.spec, token
         self.node, self.local_rank, self.incarnation = node, local_rank, incarnation
@@ -149,7 +166,8 @@ class ElasticWorker:
             ServerConfig(token=token, host=bind_host(), tls=self.tls),
             provider=lambda layer, tp: self.trainer.export_shard(layer, tp),
         ).start()
-        info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation)
+        info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation,
+                          started=worker_stamps(main_at))
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
         self.generations = GenerationFeed(Generations(client, keys))
@@ -187,8 +205,11 @@ class ElasticWorker:
             self._leave_drained(drained.generation)
             return
         except SpareDone:
-            _log("the job finished while this node was a hot spare: leaving")
+            _log("the job finished or stopped while this node was a hot spare: leaving")
             self.client.put(self.rk.worker_done(self.node, self.local_rank), "spare")
+            return
+        except Stopped as stopped:
+            self._leave_stopped(stopped.step, stopped.layout)
             return
         self._finish(layout)
 
@@ -206,6 +227,7 @@ class ElasticWorker:
             if self._train(generation, layout):
                 return layout
             self._report_halted(generation)
+            self._await_stop(generation, layout)
             generation = self._next_generation(generation)
 
     def _report_halted(self, generation: int) -> None:
@@ -221,6 +243,38 @@ class ElasticWorker:
         write_sync(self.client, self.rk, generation, report)
         _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
+
+    def _await_stop(self, generation: int, layout: ParallelLayout) -> None:
+        """After a boundary halt of `generation`: wait for the next generation, or for the leader
+        to mark the halt as the job's stop (Stopped)."""
+        deadline = time.monotonic() + self.timeout * 4
+        while True:
+            halt = self.halts.requested(generation)
+            if halt is not None and halt.stop_step is not None:
+                raise Stopped(halt.stop_step, layout)
+            if halt is None or halt.abort or time.monotonic() > deadline:
+                return
+            try:
+                self.generations.wait_newer(generation, _STOP_LOOK_S)
+                return
+            except TimeoutError:
+                continue
+
+    def _leave_stopped(self, step: int, layout: ParallelLayout) -> None:
+        """The job stops after `step`: write this worker's checkpoint shards of that step (unless
+        `--checkpoint-every` already did), wait until they are on disk, then report done."""
+        assert self.trainer.step == step and self.trainer.pending is None, (
+            f"the job stops after step {step}; this worker committed {self.trainer.step} "
+            f"(pending {self.trainer.pending}): the leader checks every report agrees"
+        )
+        if self.writer is not None:
+            if step % self.config.checkpoint_every:
+                self._save_checkpoint(layout)
+            self.writer.flush()
+            self._report_failed_saves()
+        _log(f"the job stops after step {step}: this worker's checkpoint shards of step {step} are on disk; leaving")
+        self.progress.close()  # world rank 0: step `step` is in the progress key before the launcher sees us done
+        self.client.put(self.rk.worker_done(self.node, self.local_rank), STOPPED)
 
     def _leave_drained(self, generation: int) -> None:
         """Serve this worker's committed shards until the survivors have them, then report done."""
@@ -279,6 +333,9 @@ class ElasticWorker:
             _log("hot spare: agent and workers up, model skeleton built, no layers held")
         record = read_progress(self.client, self.rk)
         if record is not None and record.step + 1 >= self.spec.steps:
+            raise SpareDone()
+        halt = self.halts.requested(self.generations.latest())
+        if halt is not None and halt.stop_step is not None:  # the whole job stops: nothing to wait for
             raise SpareDone()
 
     def _settle_pending(self, record: GenerationRecord) -> None:
@@ -504,6 +561,10 @@ class ElasticWorker:
         self._report_failed_saves()
         if self.trainer.step % every:
             return
+        self._save_checkpoint(layout)
+
+    def _save_checkpoint(self, layout: ParallelLayout) -> None:
+        """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
         from elastic.engine.checkpoint import checkpoint_writer_shards
 
         mine = checkpoint_writer_shards(layout)
@@ -554,6 +615,7 @@ class ElasticWorker:
 
 
 def main(argv: list[str] | None = None) -> int:
+    main_at = time.time()
     parser = argparse.ArgumentParser(prog="elastic.roles.elastic_worker", description=__doc__)
     parser.add_argument("--etcd", required=True, help="etcd endpoint host:port, or the members host:port,host:port,...")
     parser.add_argument("--job", required=True, help="job id")
@@ -589,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"job {args.job} has no config in etcd at {args.etcd}")
     worker = ElasticWorker(
         client=client, keys=keys, config=ElasticConfig.from_json(value), token=token, node=args.node,
-        local_rank=args.local_rank, incarnation=args.incarnation, lease=args.lease,
+        local_rank=args.local_rank, incarnation=args.incarnation, lease=args.lease, main_at=main_at,
     )
     try:
         worker.run()

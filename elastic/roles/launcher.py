@@ -10,7 +10,11 @@ the PIDs the workers register. It carries out rejoin requests itself: once the n
 gone (and the request's step is in flight), any process left of the node's older incarnations
 is killed and an agent for the next incarnation is started. It writes the checkpoint manifest
 (elastic/records/resume.py) beside the job's checkpoints; a resumed run (`config.resume`,
-`elastic run --resume`) publishes generation 1 as a restore of the earlier run's checkpoint.
+`elastic run --resume`) publishes generation 1 as a restore of the earlier run's checkpoint. A
+stop that saves (`job_stop`, asked by `elastic run`'s first Ctrl-C or SIGTERM, or a stop request
+that `elastic drain --all` wrote) ends the run at a step boundary with a checkpoint there
+(elastic/roles/job_stop.py): JobStopped. Local agents and etcd run in sessions of their own, so a
+terminal's Ctrl-C reaches the launcher alone.
 
 The launcher hosts the rendezvous store (a TCPStore on 127.0.0.1; the store is a parameter so
 an etcd-backed one can take its place), writes the job spec, starts one worker subprocess per
@@ -34,9 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
-
-import torch.distributed as dist
+from typing import IO, TYPE_CHECKING, Any
 
 from elastic.coordinator.access import admit
 from elastic.coordinator.client import (
@@ -70,6 +72,7 @@ from elastic.records.protocol import (
 )
 from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary, collect_summary
+from elastic.roles.job_stop import JobStop, JobStopped, StopOutcome, StopTracker
 from elastic.roles.progress import (
     JobFeed,
     Progress,
@@ -78,6 +81,10 @@ from elastic.roles.progress import (
     poll_progress,
     run_finished,
 )
+from elastic.roles.zygote import ZYGOTE_ENV, WarmProcess, Zygote, ZygoteClient, ZygoteError, warm_enabled
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 _POLL_S = 0.05
 _READ_EVERY_S = 1.0
@@ -106,6 +113,8 @@ class _Worker:
 
 def host_store(*, timeout_s: float) -> tuple[dist.TCPStore, int]:
     """A TCPStore server on 127.0.0.1 at a free port, and that port."""
+    import torch.distributed as dist  # here: the elastic launcher starts without torch (zygote.py)
+
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
     )
@@ -206,11 +215,22 @@ class JobFailed(RuntimeError):
     """An elastic job could not finish (no progress possible, or the leader gave up)."""
 
 
+class StartupError(RuntimeError):
+    """The job could not start: one line naming what failed and what to check (`elastic run`
+    exits 2)."""
+
+
+EtcdStopHook = Callable[[EtcdClient, JobKeys, str], None]
+"""(the launcher's client, the job's keys, the etcd endpoint): what `launch_elastic` runs once
+the job's processes are stopped, however the run ended, before the etcd it started stops (e.g.
+the CLI's record of the job's history, elastic/cli/run_guard.py). It must not raise."""
+
+
 @dataclass
 class _Agent:
     node: int
     incarnation: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | WarmProcess
     log: IO[bytes]
     log_path: Path
 
@@ -241,6 +261,8 @@ class _AgentPool:
     plain_etcd: bool = False
     """The launcher started the job's etcd itself (plain, no auth): the agents do not get the
     ELASTIC_ETCD_* credentials of the environment, which are for an external etcd."""
+    zygote: ZygoteClient | None = None
+    """The warm parent that agents and their workers are forked from (None: fresh interpreters)."""
 
     def spawn(self, node: int, incarnation: int) -> None:
         """Start the agent of `node`'s `incarnation` (only its log file when agents are not local)."""
@@ -255,9 +277,20 @@ class _AgentPool:
         )
         for var in ETCD_CREDENTIAL_ENVS if self.plain_etcd else ():
             env.pop(var, None)
-        cmd = [*prefix, sys.executable, "-m", "elastic.roles.agent", "--etcd", self.etcd_endpoint,
-               "--job", self.job, "--node", str(node), "--incarnation", str(incarnation)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+        args = ["--etcd", self.etcd_endpoint, "--job", self.job, "--node", str(node), "--incarnation", str(incarnation)]
+        proc: subprocess.Popen[bytes] | WarmProcess | None = None
+        if self.zygote is not None and not prefix:  # a prefix (a network namespace) needs a process of its own
+            try:
+                proc = self.zygote.spawn("elastic.roles.agent", args, env={**env, ZYGOTE_ENV: self.zygote.path},
+                                         stdout=log)
+            except ZygoteError as exc:
+                print(f"elastic run: {exc}; starting agents cold", file=sys.stderr, flush=True)
+                self.zygote = None
+        if proc is None:
+            env.pop(ZYGOTE_ENV, None)  # its own warm parent, in its own place (a network namespace)
+            # a session of its own: a terminal's Ctrl-C reaches the launcher alone, which stops the job
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", "elastic.roles.agent", *args],
+                                    stdout=log, stderr=log, env=env, start_new_session=True)
         self.agents.append(_Agent(node, incarnation, proc, log, log_path))
 
     def next_incarnation(self, node: int) -> int:
@@ -307,10 +340,35 @@ class _RunLoop:
     """Run time after which the run ends with TimeoutError (None: no limit)."""
     stop: threading.Event | None
     """Set from another thread to end the run with JobFailed."""
+    job_stop: JobStop | None = None
+    """Set by `elastic run`'s signal handlers: stop the job at a step boundary with a checkpoint
+    (elastic/roles/job_stop.py); armed here while the job runs."""
+    started_at: float = 0.0
+    """Wall time of the launch (the origin of a stopped run's summary)."""
+    _stopping: StopTracker = field(init=False)
+    _stopped: StopOutcome | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._stopping = StopTracker(client=self.client, keys=self.keys, config=self.config, say=self.say,
+                                     job_stop=self.job_stop)
 
     def follow(self) -> None:
         """Poll until every step is committed and every worker is done; raises JobFailed or
-        TimeoutError when the run cannot finish."""
+        TimeoutError when the run cannot finish, JobStopped once it stopped on request with a
+        checkpoint (elastic/records/stop.py), StopTimedOut if that stop took too long. `job_stop`
+        is armed meanwhile."""
+        if self.job_stop is not None:
+            self.job_stop.armed = True
+        try:
+            self._follow()
+        finally:
+            if self.job_stop is not None:
+                self.job_stop.armed = False
+        if self._stopping.request is not None:
+            self.say(f"elastic run: the job finished its last step before the stop ({self._stopping.request.words()}) "
+                     "took effect")
+
+    def _follow(self) -> None:
         requests: list[InjectionRequest] = []
         next_read = 0.0
         etcd_out = False
@@ -326,7 +384,7 @@ class _RunLoop:
                 for req in _due_rejoins(self.client, self.keys, self.progress, requests):
                     self._rejoin(req)
                 if self._finished(read_now):
-                    return
+                    break
                 etcd_out = False
             except Exception as exc:
                 if not etcd_unreachable(exc):
@@ -338,6 +396,9 @@ class _RunLoop:
                 etcd_out = True
                 self._check_limits()
             time.sleep(_POLL_S)
+        if self._stopped is not None:
+            final_poll(self.client, self.keys, self.config, self.progress, self.say, self.feed)
+            raise JobStopped(self._stopped, elastic_summary(self.config, self.progress, started_at=self.started_at))
 
     def poll(self) -> None:
         """Take in what the feed delivered (prints step, failure and recovery lines)."""
@@ -368,9 +429,15 @@ class _RunLoop:
         rk = RunKeys(self.keys)
         if (read_now or self.progress.committed >= steps) and run_finished(self.client, rk, self.progress, steps):
             return True
+        self._stopped = self._stopping.poll(read_now=read_now)
+        if self._stopped is not None:
+            return True
         if self.pool.all_exited():
             self.poll()
             if run_finished(self.client, rk, self.progress, steps):
+                return True
+            self._stopped = self._stopping.poll(read_now=True, final=True)
+            if self._stopped is not None:
                 return True
             raise JobFailed(self.pool.exit_report(steps))
         self._check_limits()
@@ -384,11 +451,23 @@ class _RunLoop:
             raise JobFailed("stopped on request")
 
 
+def _warm_parent(run_dir: Path) -> ZygoteClient:
+    """The warm parent of the local agents and their workers: the one this process was given
+    ($ELASTIC_ZYGOTE: shared by several jobs, e.g. a test session's), else one of its own, whose
+    imports run while etcd starts."""
+    shared = os.environ.get(ZYGOTE_ENV)
+    return ZygoteClient(shared) if shared else Zygote(log=run_dir / "logs" / "zygote.log")
+
+
 def _start_etcd(run_dir: Path, members: int) -> EtcdServer | EtcdCluster:
-    """The launcher's own etcd: one server, or a local cluster of `members` members."""
-    if members > 1:
-        return EtcdCluster(members, data_dir=run_dir / "etcd").start()
-    return EtcdServer(data_dir=run_dir / "etcd").start()
+    """The launcher's own etcd: one server, or a local cluster of `members` members; StartupError
+    (one line) if it does not start."""
+    try:
+        if members > 1:
+            return EtcdCluster(members, data_dir=run_dir / "etcd").start()
+        return EtcdServer(data_dir=run_dir / "etcd").start()
+    except (OSError, RuntimeError, TimeoutError) as exc:  # no binary, it exited, or never healthy
+        raise StartupError(f"the job's own etcd did not start: {exc}") from None
 
 
 def launch_elastic(
@@ -402,7 +481,9 @@ def launch_elastic(
     placement: AgentPlacement | None = None,
     local_agents: bool = True,
     stop: threading.Event | None = None,
+    job_stop: JobStop | None = None,
     etcd_members: int = 1,
+    before_etcd_stops: EtcdStopHook | None = None,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
@@ -412,20 +493,17 @@ def launch_elastic(
     random ones. `placement(node)` gives a command prefix and extra environment for that node's
     agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
     agent is started here: agents on other hosts (`python -m elastic.roles.agent`) join the
-    job. Setting `stop` (from another thread) ends the run with JobFailed. Raises JobFailed or
-    TimeoutError; every process it started (etcd, agents, their workers) is stopped by PID on the
-    way out.
-    """
-    started_at = time.time()
-    spec = config.spec
-    run_dir = Path(spec.run_dir)
+    job. `stop` (set from another thread) ends the run with JobFailed, `job_stop` (asked by a signal
+    handler) with JobStopped at a step boundary, its checkpoint complete (StopTimedOut past its
+    grace). Raises JobFailed or TimeoutError; every process it started (etcd, agents, their
+    workers) is stopped by PID on the way out, then `before_etcd_stops` runs (EtcdStopHook).
+    StartupError, EtcdUnreachableError: no start."""
+    started_at, spec, run_dir = time.time(), config.spec, Path(config.spec.run_dir)
     if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
         job = job or f"run-{secrets.token_hex(4)}"
-        check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root).close()
-    _clear_run_dir(spec)
-    spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
-    _prepare_checkpoints(config)
-    server = _start_etcd(run_dir, etcd_members) if etcd_endpoint is None else None
+        check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
+    zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
+                                     warm=local_agents and placement is None and warm_enabled())
     etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
     assert etcd_endpoint is not None
     job = job or f"run-{secrets.token_hex(4)}"
@@ -433,7 +511,7 @@ def launch_elastic(
     pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
                       threads_per_worker=spec.threads_per_worker, gpus_per_node=spec.plan.gpus_per_node,
                       placement=placement, local=local_agents,
-                      plain_etcd=server is not None)
+                      plain_etcd=server is not None, zygote=zygote)
     progress = Progress()
     client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
@@ -457,18 +535,47 @@ def launch_elastic(
         if config.resume is not None:
             say(f"elastic run: {config.resume.describe()}")
         loop = _RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
-                        start=start, timeout_s=timeout_s, stop=stop)
+                        start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, started_at=started_at)
         loop.follow()
         final_poll(client, keys, config, progress, say, feed)
         return elastic_summary(config, progress, started_at=started_at)
     finally:
         _stop_agents(pool.agents)
         _kill_workers(progress)
+        if isinstance(zygote, Zygote):
+            zygote.close()
         for f in feeds:
             f.close()
-        client.close()
+        _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
         if server is not None:
             server.stop()
+
+
+def _start_services(
+    config: ElasticConfig, *, etcd_endpoint: str | None, etcd_members: int, warm: bool
+) -> tuple[ZygoteClient | None, EtcdServer | EtcdCluster | None]:
+    """The run directory's files, the warm parent of the local agents and workers (`warm`; its
+    imports run while etcd starts) and the job's own etcd (None: `etcd_endpoint`'s)."""
+    spec = config.spec
+    run_dir = Path(spec.run_dir)
+    _clear_run_dir(spec)
+    zygote = _warm_parent(run_dir) if warm else None
+    try:
+        spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
+        _prepare_checkpoints(config)
+        server = _start_etcd(run_dir, etcd_members) if etcd_endpoint is None else None
+    except BaseException:
+        if isinstance(zygote, Zygote):
+            zygote.close()
+        raise
+    return zygote, server
+
+
+def _close_client(client: EtcdClient, keys: JobKeys, endpoint: str, hook: EtcdStopHook | None) -> None:
+    """Run `hook` (the job's processes are stopped, its etcd still up), then close the launcher's client."""
+    if hook is not None:
+        hook(client, keys, endpoint)
+    client.close()
 
 
 def _clear_run_dir(spec: JobSpec) -> None:

@@ -24,7 +24,12 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   join or a drain never throws away a step's work. A drain is refused (with its reason in the
   request's status and an event) unless the other nodes can still form the job's f+1
   pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
-  leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation).
+  leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation);
+- the job's stop was asked (`stop`, elastic/records/stop.py: `elastic run`'s first Ctrl-C or
+  SIGTERM, `elastic drain --all`): `halt/<g>` is written without abort, and once every live
+  worker reported the same committed steps S it is rewritten with `stop_step` S (a "stopped"
+  event): each worker checkpoints step S and leaves, and no generation follows. Nodes leaving a
+  stopped generation are no loss, for this leader or one elected after it.
 
 Hot spares (`elastic run --spares K`, elastic/planning/spares.py): live nodes beyond the job's
 node count (`cluster.nodes`) whose workers have registered wait outside every generation. The
@@ -75,6 +80,7 @@ from elastic.records.protocol import (
     live_nodes,
     read_progress,
 )
+from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.roles.holders import read_holdings
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
@@ -158,6 +164,8 @@ class Leader:
         self._record: tuple[int, GenerationRecord] | None = None
         self._spares_seen: set[tuple[int, int]] = set()
         """(node, incarnation) of the spares whose "spare" event this leader recorded."""
+        self._stop_request: StopRequest | None = None
+        """The job's stop request, once seen (elastic/records/stop.py)."""
         self.rounds = 0
         """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
@@ -178,7 +186,8 @@ class Leader:
 
     def _run(self) -> None:
         # Watched only while leading: standby agents must not receive every sync report.
-        prefixes = (self.keys.members, self.rk.workers, self.rk.syncs, self.rk.readies, self.keys.injections)
+        prefixes = (self.keys.members, self.rk.workers, self.rk.syncs, self.rk.readies, self.keys.injections,
+                    stop_key(self.keys))
         watches: list[PrefixWatch] = []
         try:
             while not self._stop.is_set() and not self.finished.is_set():
@@ -235,8 +244,8 @@ class Leader:
         last = self.config.spec.steps - 1
         lost = sorted(n for n, inc in record.incarnations.items() if members.get(n) != inc)
         if lost:
-            if self._last_step_committed(g, last):
-                self.finished.set()  # nodes leave once the job is done: not a loss
+            if self._last_step_committed(g, last) or self._stopped_for_good(g):
+                self.finished.set()  # nodes leave once the job is done (or stopped): not a loss
                 return
             if self._detected is None:
                 self._detected = time.time()
@@ -253,6 +262,9 @@ class Leader:
                 self._resolve_and_publish(g, record, reports, members, lost=lost, joined=taken)
             return
         if self._decide_last_step(g, record):
+            return
+        if self._stop_requested():
+            self._stop_job(g, record, members)
             return
         joined = self._joining(record, members)
         drain = None if joined else self._acceptable_drain(g, record)
@@ -280,6 +292,50 @@ class Leader:
             self._answer(req, "done", reason, generation=g + 1)
         else:
             self._answer(req, "refused", "the job finished before a step boundary came")
+
+    # ---- a whole-job stop (elastic/records/stop.py) ----------------------------------------
+
+    def _stop_requested(self) -> bool:
+        """Whether the job's stop was asked (one key read until it is)."""
+        if self._stop_request is None:
+            self._stop_request = read_stop(self.client, self.keys)
+        return self._stop_request is not None
+
+    def _stop_job(self, g: int, record: GenerationRecord, members: dict[int, int]) -> None:
+        """Halt g at the next step boundary; once every live worker reported the same committed
+        steps S, write `stop_step` S into the halt: each worker checkpoints step S and leaves. A
+        worker whose vote was cut short (a failure meanwhile) is settled in a generation of its
+        own first, and the stop is met at that generation's first boundary."""
+        assert self._stop_request is not None
+        if self._detected is None:
+            self._detected = time.time()
+        self._halt(g, abort=False, reason=f"stop of the whole job ({self._stop_request.words()}) at the next step boundary")
+        reports = self._sync_reports(g, record, members)
+        if reports is None:
+            return
+        committed = {r.committed for r in reports}
+        if len(committed) != 1 or None in committed or any(r.pending is not None for r in reports):
+            self._resolve_and_publish(g, record, reports, members, lost=[], joined=[])
+            return
+        step = committed.pop()
+        assert step is not None
+        key = self.rk.halt(g)
+        value, _ = self.client.get(key)
+        assert value is not None  # halted above
+        halt = dataclasses.replace(HaltRecord.from_json(value), stop_step=step)
+        ok, _ = self.client.transaction(compare=[self.election.leader_compare()],
+                                        success=[self.client.transactions.put(key, halt.to_json())], failure=[])
+        if not ok:
+            raise NotLeader(f"stop of {key} not written: this agent is no longer the leader")
+        log.warning("leader %s: the job stops after step %d (generation %d): %s", self.who, step, g, self._stop_request.words())
+        record_event(self.client, self.keys, who=self.who, kind="stopped", generation=g, step=step,
+                     by=self._stop_request.by)
+        self.finished.set()
+
+    def _stopped_for_good(self, g: int) -> bool:
+        """Whether generation g's halt carries the job's stop (one key read)."""
+        value, _ = self.client.get(self.rk.halt(g))
+        return value is not None and HaltRecord.from_json(value).stop_step is not None
 
     def _worth_finishing(self) -> bool:
         """Whether the in-flight step is far enough along for the pipelines that lost no node to

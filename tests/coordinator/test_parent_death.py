@@ -59,3 +59,20 @@ def test_child_whose_parent_is_already_gone_exits() -> None:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(os.getpid() + 10**6)], capture_output=True,
                           text=True, timeout=30)
     assert proc.returncode == -signal.SIGKILL and "ready" not in proc.stdout
+
+
+def test_child_dies_with_its_agent_when_the_agent_is_not_its_parent() -> None:
+    # A warm parent forks the workers of an agent (elastic/roles/zygote.py): the kernel's parent
+    # death signal is the zygote's, so the worker waits on a pidfd of its agent instead.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(agent.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.poll() is None
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        assert child.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        for proc in (agent, child):
+            proc.kill()
+            proc.wait()

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
@@ -248,3 +249,13 @@ def step_logs(run_dir: Path) -> dict[str, list[StepResult]]:
                 continue
         out[path.name] = results
     return out
+
+
+def agent_pid(job: str, node: int) -> int:
+    """PID of the agent process of `node` in `job`, found by its command line."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if ("elastic.roles.agent" in cmd and cmd[cmd.index("--job") + 1] == job
+                and cmd[cmd.index("--node") + 1] == str(node)):
+            return int(proc.pid)
+    raise AssertionError(f"no agent process for node {node} of job {job}")

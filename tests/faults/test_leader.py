@@ -41,6 +41,7 @@ from elastic.records.protocol import (
     WorkerInfo,
     node_id,
 )
+from elastic.records.stop import submit_stop
 from elastic.roles.leader import Leader, NotLeader, decide, surviving_holders_cover
 from templates.plan import even_plan
 from tests.polling import wait_for
@@ -176,6 +177,41 @@ def test_a_join_is_taken_in_at_a_step_boundary(world: World) -> None:
     world.sync(1, 3, 3, vote_of=2)  # every worker stopped after the step the halt was voted into
     new = wait_for(lambda: world.record(2), 15.0, "generation 2")
     assert new.joined == [4] and 4 in new.plan.nodes and new.resume_step == 3
+
+
+def test_a_stop_request_halts_at_a_boundary_then_names_the_step_every_worker_committed(world: World) -> None:
+    """`elastic run`'s first Ctrl-C, `elastic drain --all` (elastic/records/stop.py)."""
+    submit_stop(world.client, world.keys, "sigint")
+    halt = wait_for(lambda: world.halt(1), 15.0, "the boundary halt of generation 1")
+    assert not halt.abort and halt.stop_step is None and "stop of the whole job" in halt.reason
+    for node in range(3):
+        world.sync(1, node, 7, vote_of=6)
+    time.sleep(0.5)
+    assert world.halt(1) == halt, "the stop step waits for every live worker's sync report"
+    world.sync(1, 3, 7, vote_of=6)
+    stopped = wait_for(lambda: (h := world.halt(1)) is not None and h.stop_step is not None and h, 15.0, "the stop")
+    assert stopped.stop_step == 7 and not stopped.abort
+    wait_for(world.leader.finished.is_set, 5.0, "the leader to finish")
+    # The workers leave, and so do their agents: a leader elected now sees no loss to recover from.
+    world.members[3].leave()
+    world.leader = Leader(world.client, world.keys, world.config, world.election, who="node0").start()
+    wait_for(world.leader.finished.is_set, 15.0, "the new leader to see the job stopped")
+    assert world.halt(1) == stopped and world.record(2) is None
+
+
+def test_a_stop_settles_a_cut_short_vote_in_a_generation_first(world: World) -> None:
+    submit_stop(world.client, world.keys, "cli")
+    wait_for(lambda: world.halt(1), 15.0, "the boundary halt of generation 1")
+    for node in (0, 1, 3):
+        world.sync(1, node, 7, vote_of=6)
+    world.sync(1, 2, 6, pending=6, vote_of=5)  # a failure elsewhere cut its wait on the vote of step 6 short
+    new = wait_for(lambda: world.record(2), 15.0, "generation 2")
+    assert new.resume_step == 7 and new.completed_vote is not None and new.completed_vote.step == 6
+    halt = wait_for(lambda: world.halt(2), 15.0, "the boundary halt of generation 2")
+    assert not halt.abort and "stop of the whole job" in halt.reason
+    for node in range(4):
+        world.sync(2, node, 8, vote_of=7)
+    wait_for(lambda: (h := world.halt(2)) is not None and h.stop_step == 8, 15.0, "the stop at step 8")
 
 
 def test_the_last_step_commits_only_when_every_rank_is_ready(world: World) -> None:

@@ -22,7 +22,7 @@ import pytest
 from elastic.coordinator import EtcdServer
 from elastic.records.protocol import WorkerInfo
 
-from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
+from .runs import LiveJob, Result, agent_pid, check_same_training, reference_run, tiny_config
 
 STEPS = 20
 KILL_AT = 8
@@ -37,16 +37,6 @@ class Outcome:
     result: Result
     victim_pids: list[int]
     failure_reported: bool
-
-
-def agent_pid(job: str, node: int) -> int:
-    """PID of the agent process of `node` in `job`, found by its command line."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if ("elastic.roles.agent" in cmd and cmd[cmd.index("--job") + 1] == job
-                and cmd[cmd.index("--node") + 1] == str(node)):
-            return int(proc.pid)
-    raise AssertionError(f"no agent process for node {node} of job {job}")
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.records.injection import InjectionRequest, InjectionStatus, read_requests, read_statuses
-from elastic.records.protocol import GenerationRecord, WorkerInfo
+from elastic.records.protocol import GenerationRecord
 from elastic.records.summary import RunSummary
 
-from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_config
+from .runs import LiveJob, agent_pid, check_same_training, reference_run, step_logs, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -59,10 +59,7 @@ class Outcome:
 def _sigterm_agent(job: LiveJob, node: int) -> None:
     """SIGTERM the agent of `node` (its worker's parent) once PREEMPT_AT steps are committed."""
     job.wait_committed(PREEMPT_AT)
-    value, _ = job.client.get(job.rk.worker(node, 0))
-    agent = psutil.Process(WorkerInfo.from_json(value).pid).parent()
-    assert agent is not None and "elastic.roles.agent" in " ".join(agent.cmdline())
-    agent.send_signal(signal.SIGTERM)
+    psutil.Process(agent_pid(job.job, node)).send_signal(signal.SIGTERM)
 
 
 def _preempted_run(run_dir: Path, etcd: str, *, nodes: int, pipelines: int, node: int) -> Outcome:

@@ -1,5 +1,7 @@
 """`elastic run --resume RUN_DIR` on real processes: a run of 20 steps on 4 nodes (a checkpoint
-every 5) is stopped with SIGINT after step 10, and resumed at another layout (3 nodes x TP 2):
+every 5) is stopped at once after step 10 (Ctrl-C twice: the first asks for a stop that saves,
+which a hung node holds up; the second stops every process at once, exit 130, nothing saved),
+and resumed at another layout (3 nodes x TP 2):
 the resumed steps and final state equal the uninterrupted run's. A corrupt newest checkpoint is
 detected and the one before is used (and said); a checkpoint of another model shape, or a run
 dir with none, is refused with one line and exit code 2."""
@@ -40,12 +42,14 @@ def elastic_run(*args: str, timeout: float = 150) -> subprocess.CompletedProcess
 
 @dataclass(frozen=True)
 class Interrupted:
-    """The run stopped with SIGINT after step 10, and the uninterrupted reference."""
+    """The run stopped at once (Ctrl-C twice) after step 10, and the uninterrupted reference."""
 
     run_dir: Path
     stdout: str
     returncode: int
     reference: Result
+    second_ctrl_c_s: float
+    """Seconds from the second Ctrl-C to the launcher's exit."""
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +77,22 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
                 # fsyncs may still run two steps later, and a Ctrl-C then would (rightly) fall back
                 # to step 5. The job is frozen before step 15: let the write finish first.
                 _wait_complete(run_dir / "checkpoints", 10, timeout=6.0)
-                launcher.send_signal(signal.SIGINT)  # Ctrl-C
+                launcher.send_signal(signal.SIGINT)  # Ctrl-C: a stop that saves, held up by the hung node
                 break
+        for line in launcher.stdout:
+            lines.append(line)
+            if "finishing the step in flight" in line:
+                break
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C again: everything stops at once
+        second = time.monotonic()
         rest, _ = launcher.communicate(timeout=60)
+        second_ctrl_c_s = time.monotonic() - second
     finally:
         with contextlib.suppress(ProcessLookupError):
             launcher.kill()
         launcher.wait(10)
     return Interrupted(run_dir=run_dir, stdout="".join(lines) + rest, returncode=launcher.returncode,
-                       reference=reference)
+                       reference=reference, second_ctrl_c_s=second_ctrl_c_s)
 
 
 def _wait_complete(directory: Path, step: int, *, timeout: float) -> None:
@@ -114,6 +125,9 @@ def check_continues(summary: dict, state: dict[str, torch.Tensor], reference: Re
 @pytest.mark.timeout(400)
 def test_a_run_stopped_after_step_10_resumes_on_3_nodes_at_tp_2_exactly(interrupted: Interrupted, tmp_path: Path) -> None:
     assert interrupted.returncode == 130, interrupted.stdout[-3000:]
+    print(f"second Ctrl-C -> exit {interrupted.second_ctrl_c_s:.2f} s")
+    assert interrupted.second_ctrl_c_s < 20, "the second Ctrl-C stops every process at once"
+    assert "stopped at step" not in interrupted.stdout
     assert f"step {NEXT_CHECKPOINT}/{STEPS}" not in interrupted.stdout
     assert list_steps(interrupted.run_dir / "checkpoints") == [5, 10]
     out, summary, state = resume(interrupted.run_dir, tmp_path / "second", "--nodes", "3", "--gpus-per-node", "2")

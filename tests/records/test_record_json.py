@@ -17,6 +17,7 @@ from elastic.coordinator.jsonrecord import VERSION_KEY, JsonRecord, RecordError
 from elastic.coordinator.membership import NodeIdentity
 from elastic.engine.checkpoint_files import ShardMarker
 from elastic.ops.events import HistoryEvent
+from elastic.ops.run_lock import LauncherRecord
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.checkpoint_failures import SaveFailures
 from elastic.records.evals import EvalResult
@@ -38,6 +39,8 @@ from elastic.records.protocol import (
     WorkerInfo,
 )
 from elastic.records.resume import CheckpointManifest
+from elastic.records.run_end import RunEnd
+from elastic.records.stop import StopRequest
 from elastic.records.summary import RunSummary
 from templates.plan import even_plan
 
@@ -91,6 +94,10 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
                              checksums={".metadata": 305419896, "__0_0.distcp": 2882400001}),
     CheckpointManifest: CheckpointManifest(model="tiny", model_config=SPEC.model_config, global_batch=8,
                                            data_seed=3, data_path=None, optim=SPEC.optim),
+    RunEnd: RunEnd(how="failed", detail="the leader gave up: no plan; 7/12 steps committed", at=1002.5,
+                   launcher_pid=4242),
+    LauncherRecord: LauncherRecord(pid=4242, started_at=990.0, embedded_etcd=True),
+    StopRequest: StopRequest(by="sigint", requested_at=1000.95),
 }
 """A realistic instance of every JsonRecord type of the project."""
 
