@@ -106,7 +106,7 @@ class WorkerFailed(RuntimeError):
 class _Worker:
     node: int
     local_rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | WarmProcess
     log: IO[bytes]
     log_path: Path
 
@@ -156,6 +156,7 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
     spec.save(spec_path)
     for stale in [spec.result_path, *(spec.stage_state_path(s) for s in range(spec.plan.num_layers))]:
         stale.unlink(missing_ok=True)
+    zygote = _warm_parent(run_dir) if warm_enabled() else None  # the workers' warm parent (zygote.py)
     store, port = host_store(timeout_s=spec.collective_timeout_s)
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(spec.threads_per_worker)
@@ -167,23 +168,31 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
                 log_path = spec.log_path(node, local_rank)
                 log = open(log_path, "wb")  # noqa: SIM115 - closed in _stop
                 is_rank0 = spec.plan.locate(node) == (0, 0) and local_rank == 0
-                cmd = [
-                    sys.executable, "-m", "elastic.roles.worker",
-                    "--spec", str(spec_path), "--node", str(node), "--local-rank", str(local_rank),
-                    "--store-port", str(port),
-                ]
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=None if (is_rank0 and not quiet) else log,
-                    stderr=log,
-                    env={**env, **device_env(node, spec.plan.gpus_per_node)},
-                )
+                args = ["--spec", str(spec_path), "--node", str(node), "--local-rank", str(local_rank),
+                        "--store-port", str(port)]
+                proc = _start_static_worker(zygote, args, env={**env, **device_env(node, spec.plan.gpus_per_node)},
+                                            stdout=None if (is_rank0 and not quiet) else log, log=log)
                 workers.append(_Worker(node, local_rank, proc, log, log_path))
         _watch(workers, start=start, timeout_s=timeout_s)
     finally:
         _stop(workers)
         del store
+        if isinstance(zygote, Zygote):
+            zygote.close()
     return collect_summary(spec)
+
+
+def _start_static_worker(zygote: ZygoteClient | None, args: list[str], *, env: dict[str, str],
+                         stdout: IO[bytes] | None, log: IO[bytes]) -> subprocess.Popen[bytes] | WarmProcess:
+    """A static worker (elastic.roles.worker): forked from `zygote`, else (or if it fails) a fresh
+    interpreter. `stdout` None: this process's own."""
+    if zygote is not None:
+        try:
+            return zygote.spawn("elastic.roles.worker", args, env=env,
+                                stdout=sys.stdout.fileno() if stdout is None else stdout, stderr=log)
+        except ZygoteError as exc:
+            print(f"elastic run: {exc}; starting the worker cold", file=sys.stderr, flush=True)
+    return subprocess.Popen([sys.executable, "-m", "elastic.roles.worker", *args], stdout=stdout, stderr=log, env=env)
 
 
 def _watch(workers: list[_Worker], *, start: float, timeout_s: float | None) -> None:

@@ -65,7 +65,7 @@ def dump_stacks(run_dir: Path) -> None:
     import psutil
 
     roles = ("elastic.roles.agent", "elastic.roles.elastic_worker")
-    procs = [p for p in psutil.Process().children(recursive=True)
+    procs = [p for p in psutil.process_iter()  # forked from a warm parent: not all of them our descendants
              if any(r in " ".join(p.cmdline()) for r in roles)]
     for p in procs:
         with contextlib.suppress(psutil.Error):

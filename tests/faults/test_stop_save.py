@@ -63,6 +63,9 @@ class Launcher:
                  f"{steps} steps committed")
         assert self.proc.poll() is None, self.proc.communicate()[0][-3000:]
         self.pids |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        # agents and workers forked from a warm parent are not the launcher's children: by their --job
+        job = json.loads((run_dir / "job.json").read_text())["job"]
+        self.pids |= {p.pid for p in psutil.process_iter(["cmdline"]) if job in (p.info["cmdline"] or [])}
 
     def signal(self, sig: signal.Signals, *, group: bool = False) -> float:
         """Send `sig` to the launcher's pid, or with `group` to its whole process group (Ctrl-C)."""
