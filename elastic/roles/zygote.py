@@ -49,7 +49,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 ZYGOTE_ENV = "ELASTIC_ZYGOTE"
 """The socket of a warm parent this process's children should be forked from."""
@@ -359,10 +359,10 @@ class ZygoteClient:
                 answer = conn.recv(4096)
             except OSError as exc:
                 conn.close()
-                raise ZygoteError(f"the warm parent at {self.path} did not answer: {exc}") from None
+                self._gone(f"did not answer ({exc})")
         if not answer:
             conn.close()
-            raise ZygoteError(f"the warm parent at {self.path} exited (see its log)")
+            self._gone("closed the connection")
         reply = json.loads(answer)
         if "pid" not in reply:
             conn.close()
@@ -383,8 +383,14 @@ class ZygoteClient:
                     raise ZygoteError(f"no warm parent at {self.path}: {exc}") from None
                 time.sleep(0.01)
 
-    def _check_alive(self) -> None:
-        """ZygoteError if the warm parent is known to be gone (a client cannot know)."""
+    def _check_alive(self, *, wait_s: float = 0.0) -> None:
+        """ZygoteError if the warm parent is known to be gone (a client cannot know), waiting up
+        to `wait_s` for a parent that is going."""
+
+    def _gone(self, what: str) -> NoReturn:
+        """A request broke off: ZygoteError, saying that the parent exited when it did."""
+        self._check_alive(wait_s=1.0)
+        raise ZygoteError(f"the warm parent at {self.path} {what} (see its log)")
 
 
 class Zygote(ZygoteClient):
@@ -406,7 +412,9 @@ class Zygote(ZygoteClient):
             start_new_session=True,
         )
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, *, wait_s: float = 0.0) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(wait_s)
         if self.proc.poll() is not None:
             raise ZygoteError(f"the warm parent exited with code {self.proc.returncode} (see its log)")
 
