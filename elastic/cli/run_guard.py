@@ -34,9 +34,7 @@ from elastic.ops.run_history import save_history, snapshot
 from elastic.ops.run_lock import RunDirInUse, RunDirLock
 from elastic.ops.status import JobStatus
 from elastic.records.run_end import RunEnd
-
-_STOPPED_BY = {"sigint": "Ctrl-C", "sigterm": "SIGTERM", "cli": "elastic drain --all"}
-"""Who asked for a whole-job stop (elastic/records/stop.py `By`), in words."""
+from elastic.records.stop import BY_WORDS
 
 _held: list[RunDirLock] = []
 """The run directory this process holds: one `elastic run` at a time per process, so a lock left
@@ -146,7 +144,7 @@ def _classify(exc: BaseException | None, status: JobStatus) -> tuple[str, str]:
         return ("finished", "") if done else ("stopped", "the launcher returned before the last step")
     first = str(exc).strip().splitlines()[0].rstrip(":") if str(exc).strip() else ""
     if isinstance(exc, JobStopped):  # a whole-job stop that saved (elastic/cli/run_stop.py)
-        by = _STOPPED_BY.get(exc.outcome.by, exc.outcome.by)
+        by = BY_WORDS.get(exc.outcome.by, exc.outcome.by)
         return "stopped", f"on request ({by}) at step {exc.outcome.step}, with its checkpoint"
     if isinstance(exc, StopTimedOut):
         return "interrupted", first

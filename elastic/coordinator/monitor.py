@@ -20,7 +20,6 @@ import select
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 
 import psutil
@@ -118,7 +117,6 @@ def watch_workers(membership: Membership, pids: Iterable[int]) -> WorkerMonitor:
 
 
 _PR_SET_PDEATHSIG = 1
-_PARENT_POLL_S = 0.2
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -128,9 +126,9 @@ def die_with_parent(parent_pid: int) -> None:
     When the agent is our parent (a fresh interpreter it started), Linux's PR_SET_PDEATHSIG: the
     kernel delivers it when the parent *thread* that forked us exits, so the parent must spawn
     from a thread that lives as long as it does (the agent's main thread). When a warm parent
-    forked us for the agent (elastic/roles/zygote.py), the agent is not our parent: a daemon
-    thread waits on a pidfd of the agent, which the kernel makes readable the moment it exits.
-    Where neither works, the thread polls the agent's PID every 0.2 s.
+    forked us for the agent (elastic/roles/zygote.py), the agent is not our parent: a
+    `WorkerMonitor` of the agent (a pidfd the kernel makes readable the moment it exits; psutil
+    polling where there are no pidfds) kills us.
     """
     if os.getppid() == parent_pid and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -139,23 +137,8 @@ def die_with_parent(parent_pid: int) -> None:
         if os.getppid() == parent_pid:
             return
     elif psutil.pid_exists(parent_pid):
-        threading.Thread(target=_wait_for_exit, args=(parent_pid,), name="parent-watch", daemon=True).start()
+        WorkerMonitor([parent_pid], lambda pid: os.kill(os.getpid(), signal.SIGKILL))
         return
     log.warning("parent %d is gone; exiting", parent_pid)  # it died before the watch took effect
     os.kill(os.getpid(), signal.SIGKILL)
 
-
-def _wait_for_exit(pid: int) -> None:
-    """SIGKILL this process once `pid` exits."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os.kill(os.getpid(), signal.SIGKILL)
-        return
-    except (AttributeError, OSError):
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-            time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return
-    select.select([fd], [], [])
-    os.kill(os.getpid(), signal.SIGKILL)

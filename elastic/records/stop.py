@@ -24,6 +24,8 @@ from elastic.records.protocol import GenerationRecord, HaltRecord, RunKeys
 from templates.plan import Plan
 
 By = Literal["sigint", "sigterm", "cli"]
+BY_WORDS: dict[str, str] = {"sigint": "Ctrl-C (SIGINT)", "sigterm": "SIGTERM", "cli": "elastic drain --all"}
+"""Who asked for a stop (`By`), in words."""
 STOPPED = "stopped"
 """The value of a worker's `done/<node>/<local_rank>` key once its checkpoint of the stop is on disk."""
 
@@ -45,7 +47,7 @@ class StopRequest(JsonRecord):
 
     def words(self) -> str:
         """Who asked, in words: `Ctrl-C (SIGINT)`, `SIGTERM`, `elastic drain --all`."""
-        return {"sigint": "Ctrl-C (SIGINT)", "sigterm": "SIGTERM", "cli": "elastic drain --all"}[self.by]
+        return BY_WORDS[self.by]
 
 
 def submit_stop(client: EtcdClient, keys: JobKeys, by: By) -> tuple[StopRequest, bool]:

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -75,15 +75,7 @@ from elastic.records.injection import (
 )
 from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, WorkerInfo, node_id, node_of
 from elastic.roles.start_phases import start_phases
-from elastic.roles.zygote import (
-    SPAWNED_AT_ENV,
-    ZYGOTE_ENV,
-    WarmProcess,
-    Zygote,
-    ZygoteClient,
-    ZygoteError,
-    warm_enabled,
-)
+from elastic.roles.zygote import SPAWNED_AT_ENV, WarmProcess, start_process, warm_parent
 
 if TYPE_CHECKING:
     from elastic.ops.metrics import NodeMetrics
@@ -194,10 +186,7 @@ class Agent:
         self.started_at = psutil.Process().create_time()  # a fresh interpreter's imports count too
         # The warm parent of this node's workers: the local launcher's (its socket in
         # $ELASTIC_ZYGOTE), else one of our own, whose imports run while we join the job.
-        self.zygote: ZygoteClient | None = None
-        if warm_enabled():
-            shared = os.environ.get(ZYGOTE_ENV)
-            self.zygote = ZygoteClient(shared) if shared else Zygote()
+        self.zygote = warm_parent()
         self.client = connect(config_from_env(endpoint))
         self.keys = JobKeys(job)
         self.rk = RunKeys(self.keys)
@@ -280,21 +269,12 @@ class Agent:
             args = ["--etcd", self.endpoint, "--job", self.keys.job, "--node", str(self.node),
                     "--local-rank", str(local_rank), "--incarnation", str(self.incarnation), "--lease", str(lease)]
             with open(path, "wb") as out:
-                proc = self._start_worker(args, env, out)
+                proc = start_process("elastic.roles.elastic_worker", args, zygote=self.zygote, env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, warn=lambda what: log.warning("%s: %s", self.who, what))
             self.procs[proc.pid] = proc
         log.warning("%s (incarnation %d): workers %s (%s)", self.who, self.incarnation, sorted(self.procs),
                     "warm" if self.zygote is not None else "cold")
         threading.Thread(target=self._record_start, name="start-phases", daemon=True).start()
-
-    def _start_worker(self, args: list[str], env: dict[str, str], out: IO[bytes]) -> subprocess.Popen[bytes] | WarmProcess:
-        """One worker, forked from the warm parent; a fresh interpreter if there is none or it failed."""
-        if self.zygote is not None:
-            try:
-                return self.zygote.spawn("elastic.roles.elastic_worker", args, env=env, stdout=out)
-            except ZygoteError as exc:
-                log.warning("%s: %s; starting the worker cold", self.who, exc)
-        cmd = [sys.executable, "-m", "elastic.roles.elastic_worker", *args]
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def _record_start(self) -> None:
         """Once every worker registered: one `started` event with the phases of this node's start
@@ -411,7 +391,7 @@ class Agent:
         self._kill_workers()
         for proc in self.procs.values():
             proc.wait()
-        if isinstance(self.zygote, Zygote):
+        if self.zygote is not None:
             self.zygote.close()
         for thread in self._injecting:  # a partition cut short writes its status on the way out
             thread.join(timeout=2.0)

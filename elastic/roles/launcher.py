@@ -81,7 +81,14 @@ from elastic.roles.progress import (
     poll_progress,
     run_finished,
 )
-from elastic.roles.zygote import ZYGOTE_ENV, WarmProcess, Zygote, ZygoteClient, ZygoteError, warm_enabled
+from elastic.roles.zygote import (
+    ZYGOTE_ENV,
+    WarmProcess,
+    ZygoteClient,
+    ZygoteError,
+    start_process,
+    warm_parent,
+)
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -156,7 +163,7 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
     spec.save(spec_path)
     for stale in [spec.result_path, *(spec.stage_state_path(s) for s in range(spec.plan.num_layers))]:
         stale.unlink(missing_ok=True)
-    zygote = _warm_parent(run_dir) if warm_enabled() else None  # the workers' warm parent (zygote.py)
+    zygote = warm_parent(log=run_dir / "logs" / "zygote.log")  # the workers' warm parent (zygote.py)
     store, port = host_store(timeout_s=spec.collective_timeout_s)
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(spec.threads_per_worker)
@@ -170,29 +177,21 @@ def launch(spec: JobSpec, *, quiet: bool = False, timeout_s: float | None = None
                 is_rank0 = spec.plan.locate(node) == (0, 0) and local_rank == 0
                 args = ["--spec", str(spec_path), "--node", str(node), "--local-rank", str(local_rank),
                         "--store-port", str(port)]
-                proc = _start_static_worker(zygote, args, env={**env, **device_env(node, spec.plan.gpus_per_node)},
-                                            stdout=None if (is_rank0 and not quiet) else log, log=log)
+                proc = start_process("elastic.roles.worker", args, zygote=zygote,
+                                     env={**env, **device_env(node, spec.plan.gpus_per_node)},
+                                     stdout=None if (is_rank0 and not quiet) else log, stderr=log, warn=_warn)
                 workers.append(_Worker(node, local_rank, proc, log, log_path))
         _watch(workers, start=start, timeout_s=timeout_s)
     finally:
         _stop(workers)
         del store
-        if isinstance(zygote, Zygote):
+        if zygote is not None:
             zygote.close()
     return collect_summary(spec)
 
 
-def _start_static_worker(zygote: ZygoteClient | None, args: list[str], *, env: dict[str, str],
-                         stdout: IO[bytes] | None, log: IO[bytes]) -> subprocess.Popen[bytes] | WarmProcess:
-    """A static worker (elastic.roles.worker): forked from `zygote`, else (or if it fails) a fresh
-    interpreter. `stdout` None: this process's own."""
-    if zygote is not None:
-        try:
-            return zygote.spawn("elastic.roles.worker", args, env=env,
-                                stdout=sys.stdout.fileno() if stdout is None else stdout, stderr=log)
-        except ZygoteError as exc:
-            print(f"elastic run: {exc}; starting the worker cold", file=sys.stderr, flush=True)
-    return subprocess.Popen([sys.executable, "-m", "elastic.roles.worker", *args], stdout=stdout, stderr=log, env=env)
+def _warn(what: str) -> None:
+    print(f"elastic run: {what}", file=sys.stderr, flush=True)
 
 
 def _watch(workers: list[_Worker], *, start: float, timeout_s: float | None) -> None:
@@ -460,14 +459,6 @@ class _RunLoop:
             raise JobFailed("stopped on request")
 
 
-def _warm_parent(run_dir: Path) -> ZygoteClient:
-    """The warm parent of the local agents and their workers: the one this process was given
-    ($ELASTIC_ZYGOTE: shared by several jobs, e.g. a test session's), else one of its own, whose
-    imports run while etcd starts."""
-    shared = os.environ.get(ZYGOTE_ENV)
-    return ZygoteClient(shared) if shared else Zygote(log=run_dir / "logs" / "zygote.log")
-
-
 def _start_etcd(run_dir: Path, members: int) -> EtcdServer | EtcdCluster:
     """The launcher's own etcd: one server, or a local cluster of `members` members; StartupError
     (one line) if it does not start."""
@@ -512,7 +503,7 @@ def launch_elastic(
         job = job or f"run-{secrets.token_hex(4)}"
         check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
     zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
-                                     warm=local_agents and placement is None and warm_enabled())
+                                     warm=local_agents and placement is None)
     etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
     assert etcd_endpoint is not None
     job = job or f"run-{secrets.token_hex(4)}"
@@ -551,7 +542,7 @@ def launch_elastic(
     finally:
         _stop_agents(pool.agents)
         _kill_workers(progress)
-        if isinstance(zygote, Zygote):
+        if zygote is not None:
             zygote.close()
         for f in feeds:
             f.close()
@@ -568,13 +559,13 @@ def _start_services(
     spec = config.spec
     run_dir = Path(spec.run_dir)
     _clear_run_dir(spec)
-    zygote = _warm_parent(run_dir) if warm else None
+    zygote = warm_parent(log=run_dir / "logs" / "zygote.log") if warm else None
     try:
         spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
         _prepare_checkpoints(config)
         server = _start_etcd(run_dir, etcd_members) if etcd_endpoint is None else None
     except BaseException:
-        if isinstance(zygote, Zygote):
+        if zygote is not None:
             zygote.close()
         raise
     return zygote, server

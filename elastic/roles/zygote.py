@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -344,6 +345,9 @@ class ZygoteClient:
     def __init__(self, path: str) -> None:
         self.path = path
 
+    def close(self) -> None:
+        """Nothing to stop: the zygote is someone else's (`Zygote.close` stops one of our own)."""
+
     def spawn(self, module: str, argv: list[str], *, env: dict[str, str], stdout: IO[Any] | int,
               stderr: IO[Any] | int | None = None, cwd: str | None = None) -> WarmProcess:
         """Fork `python -m module argv...` from the warm parent; ZygoteError if it cannot."""
@@ -431,6 +435,33 @@ class Zygote(ZygoteClient):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+
+def warm_parent(*, log: Path | None = None) -> ZygoteClient | None:
+    """The warm parent this process should fork from: None when warm starts are off
+    ($ELASTIC_WARM=0), a client of the one given in $ELASTIC_ZYGOTE (shared, e.g. the local
+    launcher's or a test session's), else one of its own (logging to `log`, else to our stderr)
+    whose imports run while the caller goes on. `close()` it when done."""
+    if not warm_enabled():
+        return None
+    shared = os.environ.get(ZYGOTE_ENV)
+    return ZygoteClient(shared) if shared else Zygote(log=log)
+
+
+def start_process(module: str, args: list[str], *, zygote: ZygoteClient | None, env: dict[str, str],
+                  stdout: IO[Any] | None, stderr: IO[Any] | int, warn: Callable[[str], None]
+                  ) -> subprocess.Popen[bytes] | WarmProcess:
+    """`python -m module args...`, forked from `zygote`; a fresh interpreter when there is none or
+    it fails (said through `warn`). `stdout` None: this process's own; `stderr` may be
+    `subprocess.STDOUT`."""
+    if zygote is not None:
+        try:
+            return zygote.spawn(module, args, env=env, stdout=sys.stdout.fileno() if stdout is None else stdout,
+                                stderr=stderr)
+        except ZygoteError as exc:
+            warn(f"{exc}; starting {module} cold")
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=stdout, stderr=stderr, env=env)
 
 
 if __name__ == "__main__":
