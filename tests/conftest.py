@@ -47,3 +47,27 @@ def client(etcd_server: EtcdServer) -> Iterator[Any]:
     c = connect(EtcdConfig(endpoint=etcd_server.endpoint))
     yield c
     c.close()
+
+
+PARALLEL_SAFE = frozenset({
+    "tests/comm/test_real_paths.py", "tests/engine/test_equivalence.py", "tests/engine/test_memory_model.py",
+    "tests/model/test_model.py", "tests/model/test_tensor_parallel.py", "tests/transfer/test_collective.py",
+})
+"""Slow modules that start no job, etcd or timed fault: compute and gloo on threads or processes
+of their own, with no deadline nearer than their timeouts."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (opt-in: `bash scripts/test.sh -n 2`), one worker runs every live test in
+    file order: a job, an etcd, a lease or a timed fault (marked slow, or on the session's etcd)
+    shares the machine with at most one other test, and never with another live one, so a TTL or
+    a timing check sees the load a serial run gives it. Every other module is a group of its own
+    (its module fixtures are built once), spread over both workers."""
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        live = path not in PARALLEL_SAFE and (
+            item.get_closest_marker("slow") is not None or "etcd_server" in getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("live" if live else path))

@@ -6,7 +6,7 @@ Every job's logs replay under NCCL's rules without a deadlock or any other probl
 ends with the state of a one-process run bit for bit (the step's summation tree makes every plan,
 failure and replay the same step), and the generated set covers every pattern issue 31 lists
 (checked, so a change of the generator cannot silently drop one). The jobs run in subprocesses
-(tests/comm/batch.py), whose gloo threads end with them."""
+(tests/comm/batch.py), whose gloo threads end with them, two at a time."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,16 +32,38 @@ BATCHES = 4
 SEEN: Counter[str] = Counter()
 
 
-@pytest.mark.parametrize("batch", range(BATCHES))
-def test_generated_jobs_never_deadlock_under_nccls_rules(batch: int, tmp_path: Path) -> None:
-    out = tmp_path / "jobs.jsonl"
+CONCURRENT = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+"""Batches run at once: each is one process whose threads share one interpreter (about one core),
+so two use this machine's two cores; the jobs have no deadline tighter than their 60 s timeouts.
+Under pytest-xdist one, as the other core runs the live tests (tests/conftest.py)."""
+
+
+def _run_batch(batch: int, out: Path) -> subprocess.CompletedProcess[str]:
     count = CASES // BATCHES
     cmd = [sys.executable, "-m", "tests.comm.batch", "--first", str(batch * count), "--count", str(count),
            "--out", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=540)
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tuple[Future[Any], Path]]]:
+    """Every batch, started at the module's first test, CONCURRENT at a time; each test waits for its own."""
+    root = tmp_path_factory.mktemp("real-paths")
+    with ThreadPoolExecutor(max_workers=CONCURRENT) as pool:
+        started = {b: (pool.submit(_run_batch, b, root / f"jobs{b}.jsonl"), root / f"jobs{b}.jsonl")
+                   for b in range(BATCHES)}
+        yield started
+
+
+@pytest.mark.parametrize("batch", range(BATCHES))
+def test_generated_jobs_never_deadlock_under_nccls_rules(
+    batch: int, batches: dict[int, tuple[Future[Any], Path]]
+) -> None:
+    future, out = batches[batch]
+    done = future.result()
     jobs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    assert done.returncode == 0 and len(jobs) == count, f"{done.stderr[-3000:]}"
+    assert done.returncode == 0 and len(jobs) == CASES // BATCHES, f"{done.stderr[-3000:]}"
     for job in jobs:
         assert not job["errors"], f"{job['case']}: {job['errors']}"
         assert job["steps"] == [3], f"{job['case']}: steps committed {job['steps']}"
