@@ -43,6 +43,9 @@ exponentials and the softmax it keeps for backward live together.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -125,11 +128,42 @@ def tree_levels(blocks: Sequence[Block]) -> int:
 
 def combine_scratch(blocks: Sequence[Block]) -> int:
     """Scratch buffers the tree-order combine of `blocks` needs (`CombineProgram.scratch`): one
-    per addition of two inputs; an addition with a scratch operand writes into it."""
+    per addition of two inputs; an addition with a scratch operand writes into it. Remembered
+    per multiset of blocks: every holder of a plan's layers combines the same blocks, and the
+    planner asks once per holder (`planner_figures`)."""
+    return _combine_scratch(tuple(sorted(blocks)))
+
+
+@functools.lru_cache(maxsize=64)  # the planner asks for one plan's blocks in a row
+def _combine_scratch(blocks: tuple[Block, ...]) -> int:
+    if all(a[0] + a[1] <= b[0] for a, b in zip(blocks, blocks[1:], strict=False)):
+        return disjoint_scratch(blocks)
+    return tree_scratch(blocks)
+
+
+def disjoint_scratch(blocks: tuple[Block, ...]) -> int:
+    """`combine_scratch` of disjoint aligned blocks in order (every plan's step), in one pass. The
+    combine adds two inputs only at a node whose halves each hold one block and nothing else: the
+    smallest aligned range over two neighbours, when it holds no third block (the blocks a node
+    holds are consecutive)."""
+    made = 0
+    for i in range(len(blocks) - 1):
+        (s1, _), (s2, z2) = blocks[i], blocks[i + 1]
+        k = (s1 ^ (s2 + z2 - 1)).bit_length()
+        lo, hi = (s1 >> k) << k, ((s1 >> k) + 1) << k
+        left_alone = i == 0 or blocks[i - 1][0] < lo
+        right_alone = i + 2 >= len(blocks) or blocks[i + 2][0] + blocks[i + 2][1] > hi
+        made += left_alone and right_alone
+    return made
+
+
+def tree_scratch(blocks: tuple[Block, ...]) -> int:
+    """`combine_scratch` by walking the tree (any blocks, repeated or nested)."""
     count = Counter(blocks)
     unique = sorted(count)
+    end = max(start + size for start, size in unique)
     top = 1
-    while top < max(start + size for start, size in unique):
+    while top < end:
         top *= 2
     made = 0
 
@@ -174,7 +208,7 @@ class GradShare:
         microbatches each, in plan order (a step without replay)."""
         if not microbatches or min(microbatches) < 1 or not 0 <= me < len(microbatches):
             raise ValueError(f"pipeline {me} of microbatch split {list(microbatches)}")
-        starts = [sum(microbatches[:p]) for p in range(len(microbatches))]
+        starts = list(itertools.accumulate(microbatches, initial=0))[:-1]
         holders = tuple(tree_blocks(s, m) for s, m in zip(starts, microbatches, strict=True))
         return cls(holders=holders, me=me, snapshot=partial_replay and len(microbatches) > 1, measures=tp_rank == 0)
 
@@ -396,15 +430,29 @@ def planner_figures(
     grad, worker = 0.0, 0
     for p in range(min_pipelines, max(min_pipelines, min(max_pipelines, global_microbatches)) + 1):
         split = [global_microbatches // p + (1 if i < global_microbatches % p else 0) for i in range(p)]
-        for me in range(p):
-            share = GradShare.of_split(split, me=me, partial_replay=partial_replay)
-            padding = (p - 1) * (GRAD_BYTES * share.copies + GRAD_BYTES * share.peer_blocks / p)
-            fixed, per_param = _bucket_work_bound(share, device_type)
-            bucket = fixed + padding
-            grad = max(grad, grad_bytes_per_param(share) + per_param + bucket * GRAD_BYTES / BUCKET_BYTES)
-            loss = LOSS_BYTES if share.snapshot else 0
-            worker = max(worker, worker_work_bytes(device_type) + loss + 2 * math.ceil(bucket))
+        base = GradShare.of_split(split, partial_replay=partial_replay)
+        # A holder's figures depend on its own blocks only through their number and tree levels
+        # (the peers' count is the rest, the combine is of every holder's blocks): one holder of
+        # each kind stands for all, so a plan of P pipelines costs a few shares, not P.
+        kinds = {(len(own), tree_levels(own)): me for me, own in reversed(list(enumerate(base.holders)))}
+        for me in sorted(kinds.values()):
+            figures = holder_figures(dataclasses.replace(base, me=me), device_type)
+            grad = max(grad, figures.grad_bytes_per_param)
+            worker = max(worker, figures.worker_bytes)
     return PlannerFigures(grad_bytes_per_param=grad, worker_bytes=worker)
+
+
+def holder_figures(share: GradShare, device_type: str = "cpu") -> PlannerFigures:
+    """`planner_figures` of one holder in the tree `share`."""
+    p = share.pipelines
+    padding = (p - 1) * (GRAD_BYTES * share.copies + GRAD_BYTES * share.peer_blocks / p)
+    fixed, per_param = _bucket_work_bound(share, device_type)
+    bucket = fixed + padding
+    loss = LOSS_BYTES if share.snapshot else 0
+    return PlannerFigures(
+        grad_bytes_per_param=grad_bytes_per_param(share) + per_param + bucket * GRAD_BYTES / BUCKET_BYTES,
+        worker_bytes=worker_work_bytes(device_type) + loss + 2 * math.ceil(bucket),
+    )
 
 
 def _bucket_work_bound(share: GradShare, device_type: str) -> tuple[float, float]:

@@ -30,7 +30,9 @@ from elastic.planning.footprint import (
     GradShare,
     bucket_runs,
     combine_scratch,
+    disjoint_scratch,
     grad_bytes_per_param,
+    holder_figures,
     layer_elements,
     layer_saved,
     planner_figures,
@@ -38,6 +40,7 @@ from elastic.planning.footprint import (
     state_bytes,
     state_bytes_per_param,
     tree_blocks,
+    tree_scratch,
 )
 from elastic.planning.memory import worker_memory
 from templates.cost import StageCosts
@@ -52,6 +55,22 @@ def test_the_summation_tree_mirrors_the_engines(cuts: list[int], total: int) -> 
     blocks = [b for a, z in zip(bounds, bounds[1:], strict=False) for b in tree_blocks(a, z - a)]
     for a, z in zip(bounds, bounds[1:], strict=False):
         assert [tuple(b) for b in decompose(range(a, z))] == list(tree_blocks(a, z - a))
+    assert combine_scratch(blocks) == CombineProgram([Block(*b) for b in blocks]).scratch
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5), min_size=1, max_size=40), gaps=st.lists(st.integers(0, 3), max_size=40))
+def test_the_one_pass_count_of_disjoint_blocks_is_the_tree_walks(sizes: list[int], gaps: list[int]) -> None:
+    """Disjoint aligned blocks in order, with gaps between some (a holder's own blocks): the
+    one-pass count the planner uses equals the walk of the tree, and the engine's program."""
+    blocks: list[tuple[int, int]] = []
+    start = 0
+    for i, exp in enumerate(sizes):
+        size = 1 << exp
+        start = -(-(start + (gaps[i] if i < len(gaps) else 0)) // size) * size  # aligned
+        blocks.append((start, size))
+        start += size
+    assert disjoint_scratch(tuple(blocks)) == tree_scratch(tuple(blocks))
     assert combine_scratch(blocks) == CombineProgram([Block(*b) for b in blocks]).scratch
 
 
@@ -130,6 +149,31 @@ def test_the_planner_figures_bound_the_exact_count(
         share = GradShare.of_split([microbatches])
         assert planned == state_bytes(layers, share).total
         assert figures.grad_bytes_per_param == grad_bytes_per_param(share)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    microbatches=st.integers(1, 300),
+    low=st.integers(1, 40),
+    span=st.integers(0, 80),
+    partial_replay=st.booleans(),
+    device_type=st.sampled_from(["cpu", "cuda"]),
+)
+def test_the_planner_figures_are_the_largest_over_every_holder(
+    microbatches: int, low: int, span: int, partial_replay: bool, device_type: str
+) -> None:
+    """planner_figures asks one holder of each kind per plan (a plan of P pipelines costs a few
+    shares, not P): the same figures, exactly, as asking every holder of every even split."""
+    low = min(low, microbatches)  # at most one pipeline per microbatch
+    figures = planner_figures(global_microbatches=microbatches, min_pipelines=low, max_pipelines=low + span,
+                              partial_replay=partial_replay, device_type=device_type)
+    grad, worker = 0.0, 0
+    for p in range(low, max(low, min(low + span, microbatches)) + 1):
+        split = [microbatches // p + (1 if i < microbatches % p else 0) for i in range(p)]
+        for me in range(p):
+            one = holder_figures(GradShare.of_split(split, me=me, partial_replay=partial_replay), device_type)
+            grad, worker = max(grad, one.grad_bytes_per_param), max(worker, one.worker_bytes)
+    assert (figures.grad_bytes_per_param, figures.worker_bytes) == (grad, worker)
 
 
 CFG = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=4, d_model=128)
