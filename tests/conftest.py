@@ -57,13 +57,22 @@ PARALLEL_SAFE = frozenset({
 of their own, with no deadline nearer than their timeouts."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """`-n` (pytest-xdist) only with `--dist loadgroup`: the groups below are what keeps the live
+    tests on one worker."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist != "loadgroup":
+        raise pytest.UsageError(f"-n without --dist loadgroup (got --dist {config.option.dist}): "
+                                "the live tests must run on one worker, see tests/conftest.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (opt-in: `bash scripts/test.sh -n 2`), one worker runs every live test in
-    file order: a job, an etcd, a lease or a timed fault (marked slow, or on the session's etcd)
-    shares the machine with at most one other test, and never with another live one, so a TTL or
-    a timing check sees the load a serial run gives it. Every other module is a group of its own
-    (its module fixtures are built once), spread over both workers."""
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+    """Under pytest-xdist (opt-in: `bash scripts/test.sh -n 2 --dist loadgroup`), one worker runs
+    every live test in file order: a job, an etcd, a lease or a timed fault (marked slow, or on the
+    session's etcd) shares the machine with at most one other test, and never with another live
+    one, so a TTL or a timing check sees about the load of a serial run. Every other module is a
+    group of its own (its module fixtures are built once), spread over both workers. The workers
+    collect (they carry `workerinput`); the controller only schedules."""
+    if not hasattr(config, "workerinput"):
         return
     root = config.rootpath
     for item in items:
