@@ -434,8 +434,10 @@ def planner_figures(
         # A holder's figures depend on its own blocks only through their number and tree levels
         # (the peers' count is the rest, the combine is of every holder's blocks): one holder of
         # each kind stands for all, so a plan of P pipelines costs a few shares, not P.
-        kinds = {(len(own), tree_levels(own)): me for me, own in reversed(list(enumerate(base.holders)))}
-        for me in sorted(kinds.values()):
+        kinds: dict[tuple[int, int], int] = {}
+        for me, own in enumerate(base.holders):
+            kinds.setdefault((len(own), tree_levels(own)), me)
+        for me in kinds.values():
             figures = holder_figures(dataclasses.replace(base, me=me), device_type)
             grad = max(grad, figures.grad_bytes_per_param)
             worker = max(worker, figures.worker_bytes)

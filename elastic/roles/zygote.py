@@ -437,7 +437,6 @@ class Zygote(ZygoteClient):
         self.close()
 
 
-
 def warm_parent(*, log: Path | None = None) -> ZygoteClient | None:
     """The warm parent this process should fork from: None when warm starts are off
     ($ELASTIC_WARM=0), a client of the one given in $ELASTIC_ZYGOTE (shared, e.g. the local
