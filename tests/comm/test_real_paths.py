@@ -63,7 +63,8 @@ def test_generated_jobs_never_deadlock_under_nccls_rules(
     future, out = batches[batch]
     done = future.result()
     jobs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    assert done.returncode == 0 and len(jobs) == CASES // BATCHES, f"{done.stderr[-3000:]}"
+    assert done.returncode == 0 and len(jobs) == CASES // BATCHES, (
+        f"batch exited {done.returncode} after {len(jobs)} of {CASES // BATCHES} jobs:\n{done.stderr[-3000:]}")
     for job in jobs:
         assert not job["errors"], f"{job['case']}: {job['errors']}"
         assert job["steps"] == [3], f"{job['case']}: steps committed {job['steps']}"
