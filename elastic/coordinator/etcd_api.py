@@ -121,6 +121,7 @@ class ClusterStatus(Protocol):
 TxnResponse: TypeAlias = Any
 
 SortOrder: TypeAlias = Literal["ascend", "descend"]
+SortTarget: TypeAlias = Literal["key", "version", "create", "mod", "value"]
 
 # -- transactions --------------------------------------------------------------------------
 
@@ -228,9 +229,11 @@ class EtcdClient(Protocol):
 
     def get_range_response(
         self, range_start: str, range_end: str, *, keys_only: bool = False, count_only: bool = False,
-        sort_order: SortOrder | None = None, revision: int | None = None,
+        sort_order: SortOrder | None = None, revision: int | None = None, sort_target: SortTarget = "key",
+        limit: int | None = None,
     ) -> RangeResponse:
-        """The keys in [range_start, range_end)."""
+        """The keys in [range_start, range_end); with `limit`, only the first ones in the order of
+        `sort_target` (the key, or the revision that created it: "create")."""
         ...
 
     def put(self, key: str, value: str | bytes, lease: int | None = None) -> PutResponse:

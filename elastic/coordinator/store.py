@@ -27,10 +27,22 @@ A gloo group costs O(1) requests per rank and connected peer (measured on torch 
 connects to, i.e. every rank of the group for an eager full mesh, or only the peers it talks to
 with `TORCH_GLOO_LAZY_INIT=1`.
 
+- a queue `k` (`queue_push`, `queue_pop`, `queue_len`) is one etcd key per item,
+  `<prefix>k\\0\\2<unique id>`, popped in the order etcd created them: a push is one put, a pop
+  one sorted read of the oldest item plus one guarded delete (another popper that took it first
+  costs a retry, so every item is popped exactly once), a length one count. `check` and `wait`
+  see a queue with items as an existing key; a blocking pop waits like `get`.
+
 C++ callers reach a Python store through torch's trampoline, which calls Python methods by their
-C++ names for some of them (`getNumKeys`, `deleteKey`): both spellings are provided. Whoever
-builds groups on a store must keep the Python object alive as long as the groups live
-(pytorch#115977: the trampoline does not own it); `build_groups` does so.
+C++ names for some of them (`getNumKeys`, `deleteKey`): both spellings are provided. torch 2.13's
+trampoline forwards no queue call, so a wrapper (`PrefixStore`) answers those with c10d's "not
+implemented"; the queue is for Python callers.
+
+The trampoline does not own the Python half of a store (pytorch#115977): a C++ holder that
+outlives every Python reference (a `PrefixStore`, NCCL's lazily created communicators) would then
+reach the base Store and fail ("Not implemented"). So an EtcdStore and its clones stay alive until
+`release()`, whoever holds them (`_HELD`); the runtime releases a generation's store when it
+closes that generation's groups (`ParallelGroups.close`). A store is a few hundred bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +69,13 @@ _FOLD_MAX = 60
 """Most deltas one fold removes (each costs a compare and a delete; etcd allows 128 txn ops)."""
 _MULTI_SET_CHUNK = 60
 """Keys a `multi_set` writes per transaction (two operations each)."""
+_QUEUE = "\x00\x02"
+"""Separates a queue key from the unique id of one of its items (inside `[k, k\\1)`, apart from
+the `add` deltas, whose ids are hexadecimal)."""
+_QUEUE_END = "\x00\x03"
+
+_HELD: dict[int, EtcdStore] = {}
+"""Every EtcdStore of this process not yet released, by id (module doc: why)."""
 
 
 _KeySet = set[bytes]  # `set` means the Store method inside the class body
@@ -115,7 +134,9 @@ class EtcdStore(dist.Store):
         self.client = client
         self.prefix = prefix
         self._timeout = timeout
-        self._clones: list[EtcdStore] = []
+        self._family: list[EtcdStore] = [self]
+        """This store and its clones: they live and are released together."""
+        _HELD[id(self)] = self
 
     # -- torch.distributed.Store API -------------------------------------------------------
 
@@ -212,11 +233,44 @@ class EtcdStore(dist.Store):
         keeps its type and state, an `AbortableStore` its abort flag."""
         twin = type(self).__new__(type(self))
         dist.Store.__init__(twin)
-        twin.__dict__.update(self.__dict__)
+        twin.__dict__.update(self.__dict__)  # `_family` is shared, not copied
         # A clone asked for from C++ (PrefixStore.clone) is held there without its Python half
-        # (pytorch#115977); the family of handles keeps every member alive.
-        self._clones.append(twin)
+        # (pytorch#115977): it is held here until the family is released.
+        self._family.append(twin)
+        _HELD[id(twin)] = twin
         return twin
+
+    def release(self) -> None:
+        """Stop keeping this store and its clones alive for C++ holders (module doc): call it
+        once no group or wrapper built on them is used again. Python references still work."""
+        for member in self._family:
+            _HELD.pop(id(member), None)
+
+    # -- the queue API (module doc) --------------------------------------------------------
+
+    def queue_push(self, key: str, value: Any) -> None:
+        self.client.put(f"{self._key(key)}{_QUEUE}{uuid.uuid4().hex}", _as_bytes(value))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        full, txn = self._key(key), self.client.transactions
+        while True:
+            oldest = self.client.get_range_response(
+                full + _QUEUE, full + _QUEUE_END, sort_order="ascend", sort_target="create", limit=1
+            ).kvs
+            if oldest:
+                item = oldest[0]
+                ok, _ = self._txn(compare=[txn.version(item.key.decode()) > 0], success=[txn.delete(item.key.decode())])
+                if ok:
+                    return bytes(item.value)
+                continue  # another popper took it first
+            if not block:
+                raise dist.QueueEmptyError(f"queue {key!r} under {self.prefix} is empty")
+            self.wait([key], timedelta(seconds=max(0.0, deadline - time.monotonic())))
+
+    def queue_len(self, key: str) -> int:
+        full = self._key(key)
+        return int(self.client.get_range_response(full + _QUEUE, full + _QUEUE_END, count_only=True).count)
 
     def getNumKeys(self) -> int:  # noqa: N802  (the name torch's C++ trampoline calls)
         return self.num_keys()

@@ -24,6 +24,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,14 @@ from elastic.parallel.abort import AbortSignal, call_abortable, fetch, wait_work
 from elastic.parallel.layout import ParallelLayout
 
 PostFn = Callable[[Sequence[P2P]], Handle]
+
+
+@runtime_checkable
+class Releasable(Protocol):
+    """A store that keeps itself alive until released (elastic/coordinator/store.py)."""
+
+    def release(self) -> None: ...
+
 """Posts a group of point-to-point operations on the world communicator."""
 
 
@@ -115,9 +124,12 @@ class ParallelGroups:
                 comm.shutdown()
 
     def close(self) -> None:
-        """Close every connection of these retired groups."""
+        """Close every connection of these retired groups, then release their store (a store
+        that keeps itself alive for C++ holders, as EtcdStore does, has a `release`)."""
         for comm in self.created:
             comm.shutdown()
+        if isinstance(self.store, Releasable):
+            self.store.release()
 
 
 def group_prefix(generation: int, ranks: tuple[int, ...] | None) -> str:

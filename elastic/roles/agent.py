@@ -101,6 +101,8 @@ _PREEMPT_POLL_S = 0.1
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
+_SIGNAL_SLICE_S = 0.1
+"""Longest the main thread sleeps before it runs a pending signal's handler (`run`)."""
 _START_RECORD_S = 120.0
 
 log = logging.getLogger("elastic.agent")
@@ -248,7 +250,11 @@ class Agent:
         self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
         requests = watch_from_now(self.client, self.keys.injections, self._on_requests)
-        self.done.wait()
+        # In slices: Python runs a signal's handler in the main thread, but the kernel may deliver
+        # the signal to any thread (gRPC's, the monitor's); an untimed wait would then sleep
+        # through a SIGTERM until the job ends, and the preemption notice would never be acted on.
+        while not self.done.wait(_SIGNAL_SLICE_S):
+            pass
         requests.cancel()
         trigger.close()
         self._shutdown()

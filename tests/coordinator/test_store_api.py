@@ -4,7 +4,11 @@ of etcd transactions an `add` costs under contention (counted on etcd's /metrics
 
 from __future__ import annotations
 
+import gc
+import os
 import re
+import subprocess
+import sys
 import threading
 import urllib.request
 from datetime import timedelta
@@ -15,6 +19,8 @@ import torch.distributed as dist
 
 from elastic.coordinator import EtcdServer, EtcdStore, JobKeys
 from elastic.coordinator.store import FOLD_EVERY
+
+from .support import REPO
 
 _STARTED = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\d+)', re.M)
 
@@ -111,3 +117,43 @@ def test_contended_adds_cost_one_transaction_each(etcd_server: EtcdServer, clien
     for adders, cost in per_add.items():
         assert cost <= 1 + 1 / FOLD_EVERY + 1e-9, (adders, cost)
     assert per_add[64] <= per_add[1] + 1e-9
+
+
+ORPHAN = r"""
+import gc, sys
+import torch.distributed as dist
+from elastic.coordinator import EtcdConfig, EtcdStore, connect
+client = connect(EtcdConfig(endpoint=sys.argv[1]))
+store = EtcdStore(client, sys.argv[2])
+wrapper = dist.PrefixStore("w", store)
+store.release()
+del store
+gc.collect()
+try:
+    wrapper.set("x", "1")
+    print("set worked")
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_wrapper_outlives_its_python_store(etcd_server: EtcdServer, client: Any, job: str) -> None:
+    """A C++ holder (here a PrefixStore, and a clone made in C++) keeps working after every Python
+    reference to its EtcdStore is gone, until the store is released: the reference run, released
+    and dropped, fails inside c10d as torch's trampoline alone would (pytorch#115977)."""
+    prefix = JobKeys(job).store("gen-1")
+    wrapper = dist.PrefixStore("w", EtcdStore(client, prefix, timeout=timedelta(seconds=5)))
+    twin = dist.PrefixStore("t", wrapper.clone())  # type: ignore[attr-defined]  # clone: not in stubs
+    gc.collect()
+    wrapper.set("x", "1")
+    assert wrapper.add("n", 2) == 2 and wrapper.get("x") == b"1" and wrapper.check(["x"])
+    twin.set("y", "2")
+    assert EtcdStore(client, prefix).check(["w/t/y"])  # the inner prefix is outermost in the key
+    with pytest.raises(dist.DistStoreError, match="(?i)timeout"):
+        wrapper.wait(["never"], timedelta(seconds=0.2))
+    released = subprocess.run([sys.executable, "-c", ORPHAN, etcd_server.endpoint, JobKeys(job).store("gen-2")],
+                              capture_output=True, text=True, timeout=50, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert released.returncode == 0, released.stderr[-2000:]
+    assert "not implemented" in released.stdout.lower(), released.stdout

@@ -1,8 +1,9 @@
 """Real gloo groups on EtcdStore through `build_groups`: 4 ranks (threads of one process, each
 with its own store), eager and lazy (TORCH_GLOO_LAZY_INIT=1) connection, each rank handing
 `build_groups` a temporary store. The lazy groups reach the store at their first collective,
-after the caller dropped it: pytorch#115977 ("pure virtual Store::wait") unless the groups hold
-it. A control run drops the reference the groups hold and must hit that very error."""
+after the caller dropped it: pytorch#115977 ("pure virtual Store::wait") unless something holds
+it (an EtcdStore holds itself until released, and the groups hold theirs). A control run
+releases the store and drops the groups' reference, and must hit that very error."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def rank_main(rank: int) -> None:
     layout = ParallelLayout.for_rank(plan, 1, rank)
     store = EtcdStore(client, JobKeys(job).store("gen-1"), timeout=timedelta(seconds=20))
     groups = build_groups(layout, store, timeout=timedelta(seconds=20))
-    del store
-    if drop:
+    if drop:  # the control: neither the store itself nor the groups keep it
+        store.release()
         groups = dataclasses.replace(groups, store=None)
+    del store
     gc.collect()
     try:
         x = torch.tensor([float(rank + 1)])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 import threading
 import time
 from pathlib import Path
@@ -249,6 +251,18 @@ def step_logs(run_dir: Path) -> dict[str, list[StepResult]]:
                 continue
         out[path.name] = results
     return out
+
+
+def signal_other_thread(pid: int, sig: int) -> int:
+    """Send `sig` to a thread of process `pid` other than its main thread (tgkill): the case of a
+    process-directed signal that the kernel hands to a helper thread (gRPC's, a monitor's), whose
+    Python handler must still run soon. The thread id it went to."""
+    others = [t.id for t in psutil.Process(pid).threads() if t.id != pid]
+    assert others, f"process {pid} has no thread besides its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.tgkill(pid, others[0], sig) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return others[0]
 
 
 def agent_pid(job: str, node: int) -> int:

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
@@ -28,7 +27,15 @@ from elastic.records.injection import InjectionRequest, InjectionStatus, read_re
 from elastic.records.protocol import GenerationRecord
 from elastic.records.summary import RunSummary
 
-from .runs import LiveJob, agent_pid, check_same_training, reference_run, step_logs, tiny_config
+from .runs import (
+    LiveJob,
+    agent_pid,
+    check_same_training,
+    reference_run,
+    signal_other_thread,
+    step_logs,
+    tiny_config,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -57,9 +64,12 @@ class Outcome:
 
 
 def _sigterm_agent(job: LiveJob, node: int) -> None:
-    """SIGTERM the agent of `node` (its worker's parent) once PREEMPT_AT steps are committed."""
+    """SIGTERM the agent of `node` (its worker's parent) once PREEMPT_AT steps are committed, to
+    one of its helper threads: the kernel may deliver a process's signal to any thread, and the
+    agent must act on it at once all the same (an agent whose main thread slept in an untimed
+    wait did so only when the job ended)."""
     job.wait_committed(PREEMPT_AT)
-    psutil.Process(agent_pid(job.job, node)).send_signal(signal.SIGTERM)
+    signal_other_thread(agent_pid(job.job, node), signal.SIGTERM)
 
 
 def _preempted_run(run_dir: Path, etcd: str, *, nodes: int, pipelines: int, node: int) -> Outcome:
