@@ -384,10 +384,6 @@ def _write_outputs(
 ) -> None:
     """Print the run's result lines, then write what the flags ask for (final state, summary)
     and the run directory's summary and report."""
-    import torch
-
-    from elastic.records.summary import load_final_state
-
     print(
         f"elastic run: {summary.steps_committed} steps committed, final loss "
         f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {summary.tokens_per_s:.0f} tokens/s",
@@ -398,7 +394,11 @@ def _write_outputs(
             f"elastic run: {len(summary.recoveries)} recoveries, worker restarts {summary.worker_restarts}",
             flush=True,
         )
-    if args.final_state is not None:
+    if args.final_state is not None:  # torch only here: its import alone costs a second at exit
+        import torch
+
+        from elastic.records.summary import load_final_state
+
         torch.save(load_final_state(spec), args.final_state)
     summary_json = json.dumps(summary.to_dict(), indent=1)
     (run_dir / "summary.json").write_text(summary_json)

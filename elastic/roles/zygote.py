@@ -62,7 +62,7 @@ SPAWNED_AT_ENV = "ELASTIC_SPAWNED_AT"
 """Wall time at which the parent decided to start this process (phases of a start, `StartPhases`)."""
 FORKED_AT_ENV = "ELASTIC_FORKED_AT"
 """Wall time at which this process was forked from a warm parent (unset for a cold start)."""
-WORKER_PRELOAD = ("elastic.roles.elastic_worker", "elastic.roles.agent", "elastic.roles.worker")
+WORKER_PRELOAD = ("elastic.roles.elastic_worker", "elastic.roles.agent", "elastic.roles.worker", "torch.distributed.checkpoint")
 """What a zygote imports for the runtime's processes (torch comes with the worker)."""
 TITLE_ROOM = 2048
 """Bytes of room in a zygote's command line for its children's (`_retitle`)."""
