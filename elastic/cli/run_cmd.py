@@ -23,6 +23,7 @@ from elastic.planning.cluster import (
     initial_plan,
     memory_gib,
 )
+from elastic.planning.stragglers import POLICIES, StragglerConfig
 from templates.plan import Plan, PlanError
 
 if TYPE_CHECKING:
@@ -107,6 +108,14 @@ def register(subparsers: Any) -> None:
         "--checkpoint-every", type=int, default=None, help="elastic: checkpoint every N committed steps (default 5)"
     )
     parser.add_argument("--lease-ttl", type=int, default=3, help="elastic: seconds before a silent node is lost")
+    # -- stragglers (elastic/planning/stragglers.py) --
+    parser.add_argument("--straggler-policy", choices=POLICIES, default="report",
+                        help="elastic: report marks nodes slower than their peers in status and events; "
+                        "off keeps no speed factors (default report)")
+    parser.add_argument("--straggler-threshold", type=float, default=1.25, metavar="X",
+                        help="elastic: a node this many times slower than its peers is slow (default 1.25)")
+    parser.add_argument("--straggler-steps", type=int, default=10, metavar="K",
+                        help="elastic: consecutive slow steps that mark a straggler, fast ones that clear it (default 10)")
     parser.add_argument(
         "--agents",
         choices=("local", "external"),
@@ -443,9 +452,11 @@ def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             device_type=_device_type(args),
             shape=spec.model_config,
         )
+        stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
+                                     steps=args.straggler_steps)
         return ElasticConfig(
             spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,
-            lease_ttl=args.lease_ttl,
+            lease_ttl=args.lease_ttl, stragglers=stragglers,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic.comm import Handle
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision, wire_dtype
@@ -155,6 +156,23 @@ class PreparedStep:
     """`time.perf_counter()` when the step began on this worker."""
     halt: bool = False
     """Whether the vote asked the generation to halt after this step (all workers agree)."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Each node's busy seconds of the step, from the vote (GradStats.busy)."""
+
+
+class _TimedWait:
+    """A schedule's wait on peers that counts the seconds it blocked: time spent waiting is not
+    this node's compute (its busy time, elastic/planning/stragglers.py)."""
+
+    def __init__(self, wait: Callable[[Handle], None]) -> None:
+        self.wait, self.seconds = wait, 0.0
+
+    def __call__(self, work: Handle) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.wait(work)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def dropout_key(step: int, global_microbatch: int) -> int:
@@ -295,7 +313,8 @@ class StepTransaction:
                 f"step {step} discarded: a worker failed or the gradient norm is {stats.grad_norm}",
                 step=step, grad_norm=stats.grad_norm, loss=stats.loss,
             )
-        return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt)
+        return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt,
+                            busy=stats.busy)
 
     def _keep_partial(self) -> None:
         """The step is abandoned: copy this worker's sums of it, if its schedule finished here."""
@@ -365,6 +384,10 @@ class StepTransaction:
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
                                 known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of)
         losses = MicrobatchResult()
+        # A failure in another pipeline lets this one finish (and keep) its microbatches; a
+        # replayed step keeps nothing, so any abort ends it.
+        wait = _TimedWait(self.groups.wait_local if replay is None else self.groups.wait)
+        schedule_started = time.perf_counter()
         try:
             if mbs:
                 actions = self.actions if replay is None else one_f_one_b(
@@ -375,9 +398,7 @@ class StepTransaction:
                     actions,
                     spec=self.spec,
                     group=self.groups.world,
-                    # A failure in another pipeline lets this one finish (and keep) its microbatches;
-                    # a replayed step keeps nothing, so any abort ends it.
-                    wait=self.groups.wait_local if replay is None else self.groups.wait,
+                    wait=wait,
                     post=self.groups.p2p_local if replay is None else self.groups.p2p,
                     device=self.device,
                     tokens=lambda m: batch(m)[0],
@@ -392,6 +413,8 @@ class StepTransaction:
         except BaseException:
             reducer.abandon()  # buckets handed to its exchange thread must not be written any more
             raise
+        # A replayed step is no measure of this node's speed (it redoes part of a step): 0, unmeasured.
+        busy = 0.0 if replay is not None else max(0.0, time.perf_counter() - schedule_started - wait.seconds)
         counted = layout.is_last_stage and layout.tp_rank == 0
         # The losses stay on the device: their sum is read with the vote (a non-finite one fails it).
         loss_sum = losses.loss_sum(self.device) / total_mbs if counted else torch.zeros(
@@ -416,4 +439,5 @@ class StepTransaction:
             ok=ok,
             halt=halt,
             reducer=reducer,
+            busy_s=busy,
         )

@@ -208,6 +208,10 @@ def describe(event: HistoryEvent) -> str:
     if event.kind == "stopped":  # a whole-job stop that saves (elastic/records/stop.py)
         return (f"the job stops after step {d.get('step')} (generation {d.get('generation')}, asked by "
                 f"{d.get('by')}): every worker writes its checkpoint of that step and leaves")
+    if event.kind == "straggler":  # elastic/roles/straggler_reporter.py
+        return f"node {d.get('node')} is a straggler after step {d.get('step', 0) + 1}: {d.get('reason')}"
+    if event.kind == "straggler-cleared":
+        return f"node {d.get('node')} is no longer a straggler after step {d.get('step', 0) + 1}: {d.get('reason')}"
     if event.kind == "spare":
         return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
     if event.kind == "spare-taken":

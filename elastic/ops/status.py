@@ -33,6 +33,9 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         layers            [first, last) layers of that stage, or null
         failures          [{incarnation, reporter, reason, time}] from `failed/`, oldest first
         workers           [{local_rank, pid, transfer_address, incarnation}] registered now
+        speed_factor      its busy time per unit of work over its peers' median (smoothed; null
+                          when not measured: elastic/planning/stragglers.py)
+        straggler         null, or its straggler mark: since_step, since (wall time), factor
         role              "active" (its incarnation is in the latest generation), "spare" (alive,
                           in no generation: a hot spare, elastic/planning/spares.py), "draining"
                           (drained by the latest generation, serving its shards before it leaves)
@@ -67,6 +70,8 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
                         (a full or failing checkpoint disk; elastic/records/checkpoint_failures.py):
         count             failed saves, each counted once, over every worker
         last_step, last_reason, last_at, last_node, last_local_rank   the newest failure
+    stragglers          null before the first record (or under --straggler-policy off), else the
+                        `stragglers` record's policy, threshold, step and marked (node numbers)
     ended               null while the run is live (or read with --etcd); once the run in --run-dir has
                         ended, how (elastic/records/run_end.py; the other fields are the job's last status,
                         as its launcher read it at the end, or read back from a copy of its etcd's data):
@@ -100,6 +105,7 @@ from elastic.records.protocol import (
 )
 from elastic.records.recoveries import change_words, generation_fields, recovery_breakdown
 from elastic.records.run_end import RunEnd
+from elastic.records.stragglers import StragglerRecord, read_stragglers
 from templates.plan import Plan
 
 SCHEMA_VERSION = 1
@@ -172,6 +178,10 @@ class NodeStatus:
     """Its workers registered now, by local rank."""
     role: str = "active"
     """"active", "spare", "draining" or "gone" (module doc: `role`)."""
+    speed_factor: float | None = None
+    """Its smoothed speed factor against its peers (module doc)."""
+    straggler: dict[str, Any] | None = None
+    """Its straggler mark, or None."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +255,7 @@ class JobStatus:
     last_eval: dict[str, Any] | None = None
     checkpoint_failures: dict[str, Any] | None = None
     spares: list[int] = field(default_factory=list)
+    stragglers: dict[str, Any] | None = None
     ended: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
@@ -327,7 +338,8 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     g = max(generations, default=0)
     rec = generations.get(g)
     plan = rec.plan if rec is not None else None
-    nodes = _with_roles(_read_nodes(client, keys, generations, plan), generations)
+    speeds = read_stragglers(client, keys)
+    nodes = _with_speeds(_with_roles(_read_nodes(client, keys, generations, plan), generations), speeds)
     progress = read_progress(client, rk)
     committed = 0 if progress is None else progress.step + 1
     spec = config["spec"] if config is not None else None
@@ -362,7 +374,18 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         last_eval=_last_eval(client, keys),
         checkpoint_failures=_checkpoint_failures(client, keys),
         spares=[n.node for n in nodes if n.role == "spare"],
+        stragglers=None if speeds is None else {
+            "policy": speeds.policy, "threshold": speeds.threshold, "step": speeds.step, "marked": sorted(speeds.marked)},
     )
+
+
+def _with_speeds(nodes: list[NodeStatus], speeds: StragglerRecord | None) -> list[NodeStatus]:
+    """`nodes` with their speed factors and straggler marks (the `stragglers` record)."""
+    if speeds is None:
+        return nodes
+    return [dataclasses.replace(n, speed_factor=speeds.factors.get(n.node), straggler=None
+                                if n.node not in speeds.marked else dataclasses.asdict(speeds.marked[n.node]))
+            for n in nodes]
 
 
 def _checkpoint_failures(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
@@ -577,6 +600,11 @@ def render_table(status: JobStatus) -> str:
     if s.spares:
         lines.append("hot spares: " + ", ".join(
             f"node {n.node} (incarnation {n.incarnation})" for n in s.nodes if n.role == "spare"))
+    marked = [n for n in s.nodes if n.straggler is not None]
+    if marked:
+        lines.append("stragglers: " + ", ".join(
+            f"node {n.node} ({n.straggler['factor']:.2f}x its peers, since step {n.straggler['since_step'] + 1})"
+            for n in marked if n.straggler is not None))
     if s.throughput is not None:
         t = s.throughput
         lines.append(
@@ -584,7 +612,7 @@ def render_table(status: JobStatus) -> str:
             f"(mean step {t.mean_step_s:.3f} s, last {t.last_step_s:.3f} s, {t.tokens_per_step} tokens/step)"
         )
     lines += ["", f"{'node':>4}  {'alive':<5}  {'inc':>3}  {'lease':>5}  {'address':<21}  {'pipe/stage':<10}  "
-                  f"{'layers':<7}  {'workers (rank:pid@transfer)':<30}  failures"]
+                  f"{'layers':<7}  {'speed':<6}  {'workers (rank:pid@transfer)':<30}  failures"]
     for n in s.nodes:
         lease = "-" if n.lease_remaining_s is None else f"{n.lease_remaining_s}/{n.lease_granted_s}s"
         place = "-" if n.pipeline is None else f"{n.pipeline}/{n.stage}"
@@ -592,9 +620,10 @@ def render_table(status: JobStatus) -> str:
         fails = "; ".join(f"inc {f.incarnation} by {f.reporter}: {f.reason} ({_ago(f.time, s.read_at)})"
                           for f in n.failures) or "-"
         inc = "-" if n.incarnation is None else str(n.incarnation)
+        speed = "-" if n.speed_factor is None else f"{n.speed_factor:.2f}" + ("!" if n.straggler else "")
         lines.append(
             f"{n.node:>4}  {'yes' if n.alive else 'NO':<5}  {inc:>3}  {lease:>5}  {n.address or '-':<21}  "
-            f"{place:<10}  {_layers(n.layers):<7}  {workers:<30}  {fails}"
+            f"{place:<10}  {_layers(n.layers):<7}  {speed:<6}  {workers:<30}  {fails}"
         )
     if s.pipelines:
         lines += ["", f"{'pipe':>4}  {'template':>8}  {'mbs':>4}  stages (node:[layers))"]

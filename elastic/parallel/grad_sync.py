@@ -82,6 +82,9 @@ class GradStats:
     """Whether every worker reported a usable step (finite gradients, no local error)."""
     halt: bool = False
     """Whether some worker asked the generation to halt after this step (all agree)."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Each plan node's busy seconds of the step (its tensor-parallel rank 0's schedule, less its
+    waits on peers; elastic/planning/stragglers.py), carried by the vote; 0 where unmeasured."""
 
 
 class VoteInterrupted(RuntimeError):
@@ -350,6 +353,7 @@ def finalize_grads(
     ok: bool = True,
     halt: bool = False,
     reducer: BucketReducer | None = None,
+    busy_s: float = 0.0,
 ) -> GradStats:
     """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
@@ -362,6 +366,8 @@ def finalize_grads(
     the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
     this worker's wish to stop after this step, summed into the vote. `reducer`: the step's
     BucketReducer when some buckets were launched during the backward (default: a new one).
+    `busy_s`: this worker's busy seconds of the step; the vote carries one slot per plan node
+    (tensor-parallel rank 0 fills its node's), 8 bytes a node, and every worker learns them all.
     """
     grads = accum.grads
     params = dict(accum.named)
@@ -397,10 +403,15 @@ def finalize_grads(
                     sq += sum_of_squares(grads[name], wide)
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64, device=device)
     failed = (~torch.isfinite(loss_t)).to(torch.float64) if ok else torch.ones((), dtype=torch.float64, device=device)
-    stats = torch.stack([sq, loss_t, failed, torch.tensor(1.0 if halt else 0.0, dtype=torch.float64, device=device)])
+    nodes = layout.plan.nodes
+    busy = torch.zeros(len(nodes), dtype=torch.float64)
+    if layout.tp_rank == 0:
+        busy[nodes.index(layout.node)] = busy_s
+    flags = torch.tensor([1.0 if halt else 0.0], dtype=torch.float64)
+    stats = torch.cat([torch.stack([sq, loss_t, failed]), torch.cat([flags, busy]).to(device)])
     try:
         groups.wait(groups.world.all_reduce(stats))
-        total_sq, loss, failures, halts = groups.fetch(stats).tolist()
+        total_sq, loss, failures, halts, *busy_all = groups.fetch(stats).tolist()
     except Exception as exc:
         raise VoteInterrupted(f"the vote's wait failed: {type(exc).__name__}: {exc}") from exc
     norm = math.sqrt(total_sq)
@@ -409,7 +420,7 @@ def finalize_grads(
     # 3. Clip by one factor everywhere.
     if usable:
         clip_grads(accum, grad_norm=norm, grad_clip=grad_clip)
-    return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0)
+    return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0, busy=dict(zip(nodes, busy_all, strict=True)))
 
 
 def clip_grads(accum: GradAccumulator, *, grad_norm: float, grad_clip: float) -> None:

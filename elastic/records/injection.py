@@ -252,12 +252,14 @@ def write_status(client: EtcdClient, root: str, request_id: str, status: Injecti
 
 class Throttle:
     """Slow processes down with real signals: each `period` they run `period / factor` seconds
-    and stay stopped the rest, for `seconds` (or until `stop` is set). `lock` is held while
+    and stay stopped the rest, for `seconds` (or until `stop` is set). The period is short (50 ms)
+    so that a step of tens of milliseconds is slowed about `factor` times, not sometimes a lot
+    and sometimes not at all. `lock` is held while
     signals are sent and `active` changes, so a hang detector that checks under the same lock
     and skips while `active` never takes the throttling for a hang."""
 
     def __init__(self, pids: Iterable[int], *, factor: float, seconds: float, lock: threading.Lock,
-                 period: float = 0.2) -> None:
+                 period: float = 0.05) -> None:
         if factor <= 1.0:
             raise ValueError(f"factor must be > 1, got {factor}")
         self.pids = list(pids)

@@ -8,6 +8,8 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     holdings/<node>/<local_rank>    [[layer, tp_rank], ...] the worker holds now, on the node's lease
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
+    stragglers                      StragglerRecord: speed factors and straggler marks (world rank 0, on a
+                                    change and at most every 5 s otherwise; records/stragglers.py)
     halt/<g>                        HaltRecord: the leader asks generation g to stop (abort now, or at
                                     the next step boundary); written once per generation change, and
                                     once more with `stop_step` when the whole job stops (records/stop.py)
@@ -46,6 +48,7 @@ from elastic.coordinator.jsonrecord import INLINE, JsonRecord, RecordError
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.planning.cluster import ClusterSpec
+from elastic.planning.stragglers import StragglerConfig
 from elastic.records.injection import Injection
 from elastic.records.job import JobSpec
 from elastic.records.partial import PartialReport, ReplayRecord
@@ -228,6 +231,9 @@ class ElasticConfig(JsonRecord):
     """`elastic run --spares K`: hot spare nodes started beside the plan's nodes (node ids after
     the plan's); the leader keeps `cluster.nodes` nodes training and takes a spare in, in the
     same re-plan, for each node lost (elastic/planning/spares.py)."""
+    stragglers: StragglerConfig = StragglerConfig()
+    """`elastic run --straggler-policy/--straggler-threshold/--straggler-steps`: when a node counts
+    as a straggler, and what is done about it (elastic/planning/stragglers.py)."""
 
     @property
     def checkpoint_path(self) -> str:

@@ -79,6 +79,7 @@ from elastic.records.stop import STOPPED
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.holders import HolderMap, holder_map_reader
 from elastic.roles.start_phases import worker_stamps
+from elastic.roles.straggler_reporter import StragglerReporter
 from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
 from elastic.transfer.shards import ShardKey
@@ -174,6 +175,8 @@ class ElasticWorker:
         self.halts = HaltFeed(client, self.rk)
         self.decisions = DecisionFeed(client, self.rk)
         self.progress = ProgressWriter(client, self.rk)
+        self.stragglers: StragglerReporter | None = None
+        """Speed factors and straggler marks, while this worker is world rank 0 (policy not off)."""
         self._step_log: TextIO | None = None
         self._abort = AbortSignal()
         """The current generation's abort flag."""
@@ -274,6 +277,8 @@ class ElasticWorker:
             self._report_failed_saves()
         _log(f"the job stops after step {step}: this worker's checkpoint shards of step {step} are on disk; leaving")
         self.progress.close()  # world rank 0: step `step` is in the progress key before the launcher sees us done
+        if self.stragglers is not None:
+            self.stragglers.close()
         self.client.put(self.rk.worker_done(self.node, self.local_rank), STOPPED)
 
     def _leave_drained(self, generation: int) -> None:
@@ -487,7 +492,8 @@ class ElasticWorker:
             else:
                 assert prepared is not None
                 report = self.trainer.commit(prepared)
-            now = self._record_step(layout, report, started_at=started_at)
+            now = self._record_step(layout, report, started_at=started_at,
+                                    busy=prepared.busy if prepared is not None else None)
             self._abort.local_grace_s = _local_grace(report.seconds)
             if first_commit:
                 first_commit = False
@@ -537,12 +543,19 @@ class ElasticWorker:
             _log(f"step {step} of generation {generation}: aborted by the leader")
         return decision == COMMIT
 
-    def _record_step(self, layout: ParallelLayout, result: StepResult, *, started_at: float) -> float:
-        """Hand a committed step to the progress writer (world rank 0) and the local step log
-        (each pipeline's first worker); the commit's wall time."""
+    def _record_step(self, layout: ParallelLayout, result: StepResult, *, started_at: float,
+                     busy: dict[int, float] | None = None) -> float:
+        """Hand a committed step to the progress writer and the straggler reporter (world rank
+        0) and the local step log (each pipeline's first worker); the commit's wall time. `busy`:
+        each node's busy seconds of the step (the vote's), None for a step with no measure."""
         now = result.committed_at
         if layout.rank == 0:
             self.progress.publish(result)
+            if busy and self.config.stragglers.policy != "off":
+                if self.stragglers is None:
+                    self.stragglers = StragglerReporter(self.client, self.keys, self.config.stragglers,
+                                                        who=f"node{self.node}/{self.local_rank}")
+                self.stragglers.observe(step=result.step, generation=result.generation, busy=busy, plan=layout.plan)
         if layout.stage == 0 and layout.tp_rank == 0:
             if self._step_log is None:
                 path = step_log_path(self.spec.run_dir, self.node, self.local_rank)
@@ -606,6 +619,8 @@ class ElasticWorker:
 
     def close(self) -> None:
         self.progress.close()
+        if self.stragglers is not None:
+            self.stragglers.close()
         self.generations.close()
         self.halts.close()
         self.decisions.close()

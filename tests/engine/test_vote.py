@@ -24,6 +24,9 @@ from tests.engine.test_transaction import assert_same, snapshot
 
 pytestmark = pytest.mark.timeout(120)
 
+VOTE = 4 + 2
+"""Float64s of a step's vote: norm, loss, failures, halts, and one busy time per node of the two."""
+
 
 def _pair(tmp_path: Path, aborts: list[AbortSignal | None]) -> list[Trainer]:
     """Two workers: 2 pipelines x 1 stage of `tiny` (each holds every layer; buckets are reduced
@@ -54,10 +57,10 @@ def test_a_vote_cut_short_completes_to_the_state_of_the_uninterrupted_run(
     armed = {"on": True}
 
     def cut_rank1_vote(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        # Rank 1 sends its vote (the world all-reduce of 4 float64s), then is told to abort
+        # Rank 1 sends its vote (the world all-reduce of VOTE float64s), then is told to abort
         # before it sees the result: exactly a survivor whose wait a halt cut short.
         work = real_all_reduce(tensor, *args, **kwargs)
-        vote = tensor.dtype == torch.float64 and tensor.numel() == 4
+        vote = tensor.dtype == torch.float64 and tensor.numel() == VOTE
         if vote and armed["on"] and threading.current_thread().name == "rank1":
             armed["on"] = False
             abort.set("test: halted during the vote")
@@ -94,7 +97,7 @@ def test_dropping_a_pending_step_leaves_the_state_unchanged(tmp_path: Path, monk
 
     def cut(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         work = real_all_reduce(tensor, *args, **kwargs)
-        if tensor.dtype == torch.float64 and tensor.numel() == 4 and threading.current_thread().name == "rank1":
+        if tensor.dtype == torch.float64 and tensor.numel() == VOTE and threading.current_thread().name == "rank1":
             abort.set("test")
         return work
 

@@ -86,15 +86,17 @@ def check_same_training(
 def tiny_config(
     run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3,
     checkpoint_every: int = 5, partial_replay: bool = True, shard_transport: str = "collective",
+    global_microbatches: int = 4,
 ) -> ElasticConfig:
-    """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2)."""
-    plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines, global_microbatches=4,
-                     microbatch_size=2, fault_tolerance=fault_tolerance)
+    """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2,
+    unless `global_microbatches` says otherwise: `static_reference` has 4)."""
+    plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines,
+                     global_microbatches=global_microbatches, microbatch_size=2, fault_tolerance=fault_tolerance)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    collective_timeout_s=60.0, partial_replay=partial_replay,
                    shard_transport=shard_transport)
     cluster = ClusterSpec(
-        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=8, microbatch=2
+        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=2 * global_microbatches, microbatch=2
     )
     return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=checkpoint_every, lease_ttl=lease_ttl)
 

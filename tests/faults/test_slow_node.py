@@ -12,6 +12,7 @@ no failure is recorded, and the final state equals the failure-free run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import threading
@@ -24,8 +25,10 @@ import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
+from elastic.planning.stragglers import StragglerConfig
 from elastic.records.injection import read_requests, read_statuses
 from elastic.records.protocol import GenerationRecord, WorkerInfo
+from elastic.records.stragglers import read_stragglers
 from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config
@@ -56,6 +59,7 @@ class Outcome:
             for v, m in client.get_prefix(keys.plans)
         }
         self.done = {m.key.decode(): v.decode() for v, m in client.get_prefix(job.rk.done)}
+        self.stragglers = read_stragglers(client, keys)
 
     def status_of(self, kind: str) -> Any:
         (rid,) = [i for i, r in self.requests.items() if r.kind == kind]
@@ -64,7 +68,9 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
-    config = tiny_config(tmp_path_factory.mktemp("slow-drain"), nodes=4, pipelines=2, steps=STEPS)
+    # --straggler-policy off: nothing is measured or marked (tests/faults/test_stragglers.py has `report`).
+    config = dataclasses.replace(tiny_config(tmp_path_factory.mktemp("slow-drain"), nodes=4, pipelines=2,
+                                             steps=STEPS), stragglers=StragglerConfig(policy="off"))
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(3)
@@ -104,6 +110,8 @@ def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference
     # No false failure: nobody reported one, and the only reconfiguration is the drain.
     assert outcome.failed == [] and not [e for e in outcome.events if e["kind"] == "failure"]
     assert sorted(outcome.records) == [1, 2] and outcome.records[2].lost == []
+    # Policy off: no speed record, no straggler event.
+    assert outcome.stragglers is None and not [e for e in outcome.events if e["kind"].startswith("straggler")]
     # The worker was really throttled: stopped for a good part of the window (the duty cycle
     # stops it 1 - 1/FACTOR of the time), and running again afterwards.
     stopped = sum(1 for st in outcome.samples if st == psutil.STATUS_STOPPED) / max(1, len(outcome.samples))

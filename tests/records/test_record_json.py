@@ -41,6 +41,7 @@ from elastic.records.protocol import (
 from elastic.records.resume import CheckpointManifest
 from elastic.records.run_end import RunEnd
 from elastic.records.stop import StopRequest
+from elastic.records.stragglers import Mark, StragglerRecord
 from elastic.records.summary import RunSummary
 from templates.plan import even_plan
 
@@ -98,6 +99,9 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
                    launcher_pid=4242),
     LauncherRecord: LauncherRecord(pid=4242, started_at=990.0, embedded_etcd=True),
     StopRequest: StopRequest(by="sigint", requested_at=1000.95),
+    StragglerRecord: StragglerRecord(step=62, generation=1, at=1004.5, policy="report", threshold=1.25,
+                                     factors={0: 0.98, 1: 0.57, 2: 1.02, 3: 1.76},
+                                     marked={3: Mark(since_step=62, since=1004.4, factor=1.76)}),
 }
 """A realistic instance of every JsonRecord type of the project."""
 

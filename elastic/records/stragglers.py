@@ -1,0 +1,58 @@
+"""The `stragglers` key: each node's speed factor against its peers and the nodes marked as
+stragglers (elastic/planning/stragglers.py), written by world rank 0, which learns every node's
+busy time from each step's vote (roles/straggler_reporter.py). `elastic status` shows it; the
+`events` log has each mark and its end.
+
+Size: about 20 bytes a node (its factor), plus one entry per marked node. It is written when a
+mark changes and otherwise at most every `PUT_EVERY_S` seconds, and no process watches it: at 2,048
+nodes that is about 40 KB every 5 s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.jsonrecord import JsonRecord
+from elastic.coordinator.keys import JobKeys
+
+PUT_EVERY_S = 5.0
+"""Longest a changed factor waits to be written when no mark changed."""
+
+
+def stragglers_key(keys: JobKeys) -> str:
+    return keys.root + "stragglers"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mark:
+    """A node marked as a straggler."""
+
+    since_step: int
+    """The step at which it was marked."""
+    since: float
+    """Wall time of the mark."""
+    factor: float
+    """Its smoothed speed factor at the mark."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerRecord(JsonRecord):
+    """What `stragglers` holds (module doc)."""
+
+    step: int
+    """The last step taken in."""
+    generation: int
+    at: float
+    """Wall time of the write."""
+    policy: str
+    threshold: float
+    factors: dict[int, float] = field(default_factory=dict)
+    """Node -> its smoothed speed factor (its cost per unit of work over its peers' median)."""
+    marked: dict[int, Mark] = field(default_factory=dict)
+    """Node -> its mark, for every node marked now."""
+
+
+def read_stragglers(client: EtcdClient, keys: JobKeys) -> StragglerRecord | None:
+    value, _ = client.get(stragglers_key(keys))
+    return None if value is None else StragglerRecord.from_json(value)

@@ -1,0 +1,144 @@
+"""World rank 0's straggler reporter (issue 33: measure, detect, show): it takes each committed
+step's busy seconds per node (the vote carries them, elastic/parallel/grad_sync.py), keeps the
+speed factors and marks (elastic/planning/stragglers.py) on a thread of its own, off the step's
+path, and writes the `stragglers` key and a `straggler` / `straggler-cleared` event per change.
+
+The first `SETTLE_STEPS` steps of each generation are left out (they connect gloo's pairs and
+warm caches). A new rank 0 (after a re-plan) starts from the marks the key holds, so a mark
+outlives the writer that set it; its history of factors starts again.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.events import record_event
+from elastic.coordinator.keys import JobKeys
+from elastic.planning.stragglers import Change, NodeWork, SpeedTracker, StragglerConfig, node_work
+from elastic.records.stragglers import PUT_EVERY_S, Mark, StragglerRecord, read_stragglers, stragglers_key
+from templates.plan import Plan
+
+TRACE_ENV = "ELASTIC_BUSY_TRACE"
+"""A file to which world rank 0 appends each committed step's busy seconds per node, one JSON
+line a step (`{"step", "generation", "busy": {node: seconds}}`): the series the detector's tests
+replay (tests/planning/data/)."""
+SETTLE_STEPS = 2
+"""Steps of a generation that are not taken in (module doc)."""
+_QUEUE = 256
+"""Steps waiting for the thread at most (it keeps up; older ones are dropped if it does not)."""
+
+
+@dataclass(frozen=True)
+class _Observed:
+    step: int
+    generation: int
+    busy: dict[int, float]
+    work: dict[int, NodeWork]
+
+
+class StragglerReporter:
+    """The reporter of one worker while it is world rank 0 (module doc)."""
+
+    def __init__(self, client: EtcdClient, keys: JobKeys, config: StragglerConfig, *, who: str) -> None:
+        self.client, self.keys, self.config, self.who = client, keys, config, who
+        self.tracker = SpeedTracker(config)
+        self._marks: dict[int, Mark] = {}
+        self._queue: collections.deque[_Observed] = collections.deque(maxlen=_QUEUE)
+        self._cond = threading.Condition()
+        self._closing = False
+        self._works: tuple[int, Plan, dict[int, NodeWork]] | None = None
+        self._first_step: dict[int, int] = {}
+        self.puts = 0
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
+        self._thread = threading.Thread(target=self._run, name="straggler-reporter", daemon=True)
+        self._thread.start()
+
+    def observe(self, *, step: int, generation: int, busy: dict[int, float], plan: Plan) -> None:
+        """Queue one committed step (never blocks on etcd)."""
+        if self._trace is not None:
+            rounded = {n: round(b, 5) for n, b in busy.items()}
+            self._trace.write(json.dumps({"step": step, "generation": generation, "busy": rounded}) + "\n")
+        first = self._first_step.setdefault(generation, step)
+        if step - first < SETTLE_STEPS or not busy:
+            return
+        if self._works is None or self._works[0] != generation:
+            self._works = (generation, plan, node_work(plan))
+        with self._cond:
+            self._queue.append(_Observed(step, generation, busy, self._works[2]))
+            self._cond.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Take in what is queued, write the record, stop the thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._trace is not None:
+            self._trace.close()
+
+    # -- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            record = read_stragglers(self.client, self.keys)
+        except Exception:  # noqa: BLE001 - an unreadable or unreachable record: start without marks
+            record = None
+        if record is not None:
+            self._marks = dict(record.marked)
+            self.tracker.marked.update({n: m.since_step for n, m in record.marked.items()})
+        next_put = 0.0
+        last: _Observed | None = None
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._queue) or self._closing, timeout=1.0)
+                batch, closing = list(self._queue), self._closing
+                self._queue.clear()
+            changes: list[Change] = []
+            for seen in batch:
+                changes += self.tracker.observe(seen.step, seen.busy, seen.work)
+                last = seen
+            for change in changes:
+                self._announce(change)
+            due = time.monotonic() >= next_put
+            if last is not None and (changes or (batch and due) or closing):
+                self._put(last)
+                next_put = time.monotonic() + PUT_EVERY_S
+            if closing:
+                return
+
+    def _announce(self, change: Change) -> None:
+        if change.marked:
+            self._marks[change.node] = Mark(since_step=change.step, since=time.time(), factor=round(change.factor, 3))
+            detail = (f"{change.factor:.2f}x its peers' time for {self.config.steps} steps "
+                      f"(threshold {self.config.threshold:g})")
+        else:
+            mark = self._marks.pop(change.node, None)
+            since = f" since step {mark.since_step + 1}" if mark is not None else ""
+            detail = (f"left the plan{since}" if math.isnan(change.factor) else
+                      f"back to {change.factor:.2f}x its peers for {self.config.steps} steps{since}")
+        factor = None if math.isnan(change.factor) else round(change.factor, 3)
+        with contextlib.suppress(Exception):  # etcd away: the record (`_put`) still carries the mark
+            record_event(self.client, self.keys, who=self.who, node=change.node, step=change.step, factor=factor,
+                         kind="straggler" if change.marked else "straggler-cleared", reason=detail)
+
+    def _put(self, last: _Observed) -> None:
+        record = StragglerRecord(
+            step=last.step, generation=last.generation, at=time.time(), policy=self.config.policy,
+            threshold=self.config.threshold,
+            factors={n: round(f, 3) for n, f in sorted(self.tracker.smoothed().items())},
+            marked=dict(sorted(self._marks.items())),
+        )
+        try:
+            self.client.put(stragglers_key(self.keys), record.to_json())
+            self.puts += 1
+        except Exception:  # noqa: BLE001 - etcd away: the next write carries the state on
+            pass

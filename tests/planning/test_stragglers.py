@@ -1,0 +1,171 @@
+"""The straggler detector (elastic/planning/stragglers.py) on step-time series: noise, a short
+spike, a sustained slowdown and its recovery; its speed factors against a direct computation of
+"cost over the median of the peers' costs"."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic.planning.stragglers import (
+    Change,
+    NodeWork,
+    SpeedTracker,
+    StragglerConfig,
+    node_work,
+    speed_factors,
+)
+from templates.plan import PipelinePlan, Plan, StagePlan
+
+TWO_BY_TWO = Plan(num_layers=6, microbatch_size=1, gpus_per_node=1, fault_tolerance=1, pipelines=(
+    PipelinePlan(stages=(StagePlan(node=0, layers=(0, 3)), StagePlan(node=1, layers=(3, 6))), microbatches=8),
+    PipelinePlan(stages=(StagePlan(node=2, layers=(0, 3)), StagePlan(node=3, layers=(3, 6))), microbatches=8),
+))
+WORK = node_work(TWO_BY_TWO)
+BASE = {0: 0.040, 1: 0.055, 2: 0.040, 3: 0.055}
+"""Busy seconds of a step per node: first stages (embedding) and last stages (head) differ."""
+
+
+def series(steps: int, *, noise: float, slow: dict[int, tuple[int, int, float]] | None = None,
+           seed: int = 0) -> list[dict[int, float]]:
+    """Busy seconds per step and node, with multiplicative noise (+-`noise`) and slow windows
+    node -> (first step, end step, factor)."""
+    rng = random.Random(seed)
+    out = []
+    for step in range(steps):
+        busy = {}
+        for n, base in BASE.items():
+            factor = 1.0
+            if slow and n in slow and slow[n][0] <= step < slow[n][1]:
+                factor = slow[n][2]
+            busy[n] = base * factor * (1.0 + rng.uniform(-noise, noise))
+        out.append(busy)
+    return out
+
+
+def run(tracker: SpeedTracker, steps: list[dict[int, float]]) -> list[Change]:
+    return [c for step, busy in enumerate(steps) for c in tracker.observe(step, busy, WORK)]
+
+
+def test_noise_marks_nobody() -> None:
+    for seed in range(5):
+        assert run(SpeedTracker(StragglerConfig()), series(2000, noise=0.2, seed=seed)) == []
+
+
+def test_a_short_spike_marks_nobody() -> None:
+    # 9 steps at 4x: the 5-step median is slow for 9 steps, and a mark needs 10 in a row (the
+    # default window and steps).
+    changes = run(SpeedTracker(StragglerConfig()), series(200, noise=0.1, slow={1: (50, 59, 4.0)}))
+    assert changes == []
+
+
+def test_a_sustained_slowdown_is_marked_then_cleared_after_the_release() -> None:
+    config = StragglerConfig()
+    changes = run(SpeedTracker(config), series(400, noise=0.1, slow={3: (100, 250, 2.0)}))
+    assert [(c.node, c.marked) for c in changes] == [(3, True), (3, False)]
+    marked, cleared = changes
+    # The median moves once most of the window is slow; then `steps` in a row.
+    lag = config.window // 2 + config.steps - 1
+    assert marked.step == 100 + lag and 1.8 <= marked.factor <= 2.2
+    assert cleared.step == 250 + lag and cleared.factor < config.recovered_below
+
+
+def test_hysteresis_keeps_a_mark_between_the_thresholds() -> None:
+    # 2x, then 1.2x (below the 1.25 threshold, above the 1.125 recovery): the mark stays.
+    steps = series(100, noise=0.02, slow={0: (20, 100, 2.0)}) + series(
+        200, noise=0.02, slow={0: (0, 200, 1.2)}, seed=1)
+    changes = run(SpeedTracker(StragglerConfig()), steps)
+    assert [(c.node, c.marked) for c in changes] == [(0, True)]
+
+
+def test_a_node_that_leaves_the_plan_loses_its_mark() -> None:
+    tracker = SpeedTracker(StragglerConfig(steps=3, window=1))
+    run(tracker, series(10, noise=0.0, slow={2: (0, 10, 3.0)}))
+    assert tracker.marked == {2: 2}
+    without = {n: w for n, w in WORK.items() if n != 2}
+    (change,) = tracker.observe(10, {n: BASE[n] for n in without}, without)
+    assert (change.node, change.marked) == (2, False) and tracker.marked == {}
+
+
+def test_the_work_of_each_node_follows_the_plan() -> None:
+    assert {0: NodeWork(work=24.0, position="first"), 1: NodeWork(work=24.0, position="last"),
+                    2: NodeWork(work=24.0, position="first"), 3: NodeWork(work=24.0, position="last")} == WORK
+
+
+def _direct(busy: dict[int, float], work: dict[int, NodeWork]) -> dict[int, float]:
+    """The factors as the module doc defines them, one node at a time."""
+    cost = {n: busy[n] / work[n].work for n in busy}
+    out = {}
+    for n in cost:
+        peers = [cost[m] for m in cost if m != n and work[m].position == work[n].position]
+        peers = peers or [cost[m] for m in cost if m != n]
+        out[n] = cost[n] / statistics.median(peers) if peers else 1.0
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(
+    st.integers(0, 40),
+    st.tuples(st.floats(0.001, 10.0), st.integers(1, 64), st.sampled_from(["whole", "first", "middle", "last"])),
+    min_size=1, max_size=24,
+))
+def test_speed_factors_are_the_direct_definition(nodes: dict[int, tuple[float, int, str]]) -> None:
+    busy = {n: b for n, (b, _, _) in nodes.items()}
+    work = {n: NodeWork(work=float(w), position=p) for n, (_, w, p) in nodes.items()}  # type: ignore[arg-type]
+    got, want = speed_factors(busy, work), _direct(busy, work)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert got[n] == pytest.approx(want[n], rel=1e-12), n
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"policy": "fast"}, "straggler policy must be one of off, report"),
+    ({"threshold": 1.0}, "threshold must be above 1.0"),
+    ({"steps": 0}, "steps must be at least 1"),
+    ({"window": 0}, "window must be at least 1"),
+    ({"clear_below": 1.5}, "clear_below must be in"),
+])
+def test_bad_settings_are_refused_with_one_line(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StragglerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+# ---- recorded series: tiny on 4 nodes as 2 two-stage pipelines, global batch 32 (16 microbatches),
+# on this 2-core machine, with $ELASTIC_BUSY_TRACE (elastic/roles/straggler_reporter.py) -----------
+
+DATA = Path(__file__).parent / "data"
+RECORDED = Plan(num_layers=6, microbatch_size=2, gpus_per_node=1, fault_tolerance=1, pipelines=(
+    PipelinePlan(stages=(StagePlan(node=0, layers=(0, 3)), StagePlan(node=1, layers=(3, 6))), microbatches=8),
+    PipelinePlan(stages=(StagePlan(node=2, layers=(0, 3)), StagePlan(node=3, layers=(3, 6))), microbatches=8),
+))
+
+
+def replay(name: str) -> list[Change]:
+    """The default detector over a recorded run, its first 2 steps left out as the reporter does."""
+    tracker, work = SpeedTracker(StragglerConfig()), node_work(RECORDED)
+    changes = []
+    for line in (DATA / name).read_text().splitlines()[2:]:
+        row = json.loads(line)
+        changes += tracker.observe(row["step"], {int(n): b for n, b in row["busy"].items()}, work)
+    return changes
+
+
+def test_a_recorded_failure_free_run_marks_nobody() -> None:
+    """400 steps, `elastic run --nodes 4 --fault-tolerance 1 --device-memory-gib 0.03 --global-batch 32`."""
+    assert replay("busy-failure-free-tiny-2x2.jsonl") == []
+
+
+def test_a_recorded_slow_node_is_marked_in_its_window_and_cleared_after() -> None:
+    """300 steps of the same job; `elastic inject slow --node 3 --factor 2 --seconds 12 --at-step 50`
+    slowed node 3 from step 50 to step 92 (the injection's status)."""
+    changes = replay("busy-slow-node3-x2-from-step50-tiny-2x2.jsonl")
+    assert [(c.node, c.marked) for c in changes] == [(3, True), (3, False)]
+    marked, cleared = changes
+    assert 50 < marked.step <= 50 + 15 and marked.factor >= 1.5
+    assert 92 < cleared.step <= 92 + 20 and cleared.factor < 1.125
