@@ -36,6 +36,9 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_checkpoint_save_failures_total | counter | | checkpoint saves of the job that failed (a full or failing disk), each counted once |
 | elastic_spares | gauge | | of those, hot spares: live members the latest generation does not include (elastic/planning/spares.py) |
 | elastic_node_spare | gauge | | 1 while this endpoint's node is a hot spare, else 0 |
+| elastic_node_busy_seconds | gauge | | this node's compute seconds a step, less its waits on peers (median of the last 5; the `stragglers` key, read at scrape time) |
+| elastic_node_speed_factor | gauge | | those seconds per unit of work over its peers' median (elastic/planning/stragglers.py) |
+| elastic_node_straggler | gauge | | 1 while this node is marked as a straggler, else 0 |
 
 A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
@@ -82,6 +85,7 @@ from elastic.records.protocol import (
     node_of,
 )
 from elastic.records.recoveries import breakdown_of
+from elastic.records.stragglers import read_stragglers
 
 log = logging.getLogger(__name__)
 
@@ -456,3 +460,22 @@ class NodeMetrics(Collector):
         spares = spare_members(self._mirrors["members"].items(), self._mirrors["plans"].items())
         snap = replace(snap, spares=len(spares), node_spare=self.node in spares)
         yield from families(snap, job=self.keys.job, node=self.node)
+        yield from self._speed()
+
+    def _speed(self) -> Iterator[Metric]:
+        """This node's busy seconds, speed factor and straggler mark: one read of the `stragglers`
+        key a scrape (no watch: it changes every few seconds and only scrapes need it)."""
+        try:
+            record = read_stragglers(self.client, self.keys)
+        except Exception as exc:  # etcd unreachable or an unreadable record: leave these out
+            log.warning("metrics: cannot read the stragglers record: %s", exc)
+            return
+        if record is None or self.node not in record.factors:
+            return
+        if self.node in record.busy:
+            yield _gauge("elastic_node_busy_seconds", "This node's compute seconds a step, less waits on peers.",
+                         record.busy[self.node])
+        yield _gauge("elastic_node_speed_factor", "This node's seconds per unit of work over its peers' median.",
+                     record.factors[self.node])
+        yield _gauge("elastic_node_straggler", "1 while this node is marked as a straggler.",
+                     float(self.node in record.marked))

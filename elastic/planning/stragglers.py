@@ -124,6 +124,7 @@ def speed_factors(busy: Mapping[int, float], work: Mapping[int, NodeWork]) -> di
 @dataclass
 class _NodeState:
     factors: deque[float]
+    busy: deque[float]
     slow_run: int = 0
     fast_run: int = 0
 
@@ -158,8 +159,10 @@ class SpeedTracker:
                 if self.marked.pop(node, None) is not None:
                     changes.append(Change(node=node, marked=False, step=step, factor=float("nan")))
         for node, factor in factors.items():
-            state = self._nodes.setdefault(node, _NodeState(factors=deque(maxlen=self.config.window)))
+            window = self.config.window
+            state = self._nodes.setdefault(node, _NodeState(factors=deque(maxlen=window), busy=deque(maxlen=window)))
             state.factors.append(factor)
+            state.busy.append(busy[node])
             smooth = statistics.median(state.factors)
             state.slow_run = state.slow_run + 1 if smooth >= self.config.threshold else 0
             state.fast_run = state.fast_run + 1 if smooth < self.config.recovered_below else 0
@@ -174,3 +177,7 @@ class SpeedTracker:
     def smoothed(self) -> dict[int, float]:
         """Every node's current smoothed factor."""
         return {n: statistics.median(s.factors) for n, s in self._nodes.items() if s.factors}
+
+    def busy_seconds(self) -> dict[int, float]:
+        """Every node's busy seconds a step, the median of the same window."""
+        return {n: statistics.median(s.busy) for n, s in self._nodes.items() if s.busy}

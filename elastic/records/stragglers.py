@@ -3,9 +3,9 @@ stragglers (elastic/planning/stragglers.py), written by world rank 0, which lear
 busy time from each step's vote (roles/straggler_reporter.py). `elastic status` shows it; the
 `events` log has each mark and its end.
 
-Size: about 20 bytes a node (its factor), plus one entry per marked node. It is written when a
+Size: about 40 bytes a node (its factor and busy seconds), plus one entry per marked node. It is written when a
 mark changes and otherwise at most every `PUT_EVERY_S` seconds, and no process watches it: at 2,048
-nodes that is about 40 KB every 5 s.
+nodes that is about 80 KB every 5 s.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class StragglerRecord(JsonRecord):
     threshold: float
     factors: dict[int, float] = field(default_factory=dict)
     """Node -> its smoothed speed factor (its cost per unit of work over its peers' median)."""
+    busy: dict[int, float] = field(default_factory=dict)
+    """Node -> its busy seconds a step (median of the same window), as Prometheus exports them."""
     marked: dict[int, Mark] = field(default_factory=dict)
     """Node -> its mark, for every node marked now."""
 

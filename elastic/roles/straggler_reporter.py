@@ -135,6 +135,7 @@ class StragglerReporter:
             step=last.step, generation=last.generation, at=time.time(), policy=self.config.policy,
             threshold=self.config.threshold,
             factors={n: round(f, 3) for n, f in sorted(self.tracker.smoothed().items())},
+            busy={n: round(b, 5) for n, b in sorted(self.tracker.busy_seconds().items())},
             marked=dict(sorted(self._marks.items())),
         )
         try:

@@ -36,6 +36,7 @@ from elastic.records.protocol import (
     node_id,
     read_progress,
 )
+from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.summary import RunSummary
 from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
@@ -77,6 +78,7 @@ class Live:
     plans: dict[int, GenerationRecord]
     timings: dict[int, dict[int, RecoveryTimings]]
     progress: ProgressRecord | None
+    stragglers: StragglerRecord | None = None
 
 
 def elastic_config(run_dir: Path) -> ElasticConfig:
@@ -140,7 +142,7 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
             timings.setdefault(int(g), {})[int(rank)] = RecoveryTimings.from_json(value)
         yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
                    published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
-                   timings=timings, progress=read_progress(client, rk))
+                   timings=timings, progress=read_progress(client, rk), stragglers=read_stragglers(client, keys))
     finally:
         if metrics is not None:
             metrics.stop()
@@ -168,6 +170,16 @@ def test_values_during_the_run(live: Live) -> None:
     assert s["elastic_loss"] == live.summary.losses[step - 1]
     assert s["elastic_workers"] == 1 and s["elastic_workers_alive"] == 1
     assert 2 <= s["elastic_nodes_alive"] <= 3
+
+
+def test_speed_of_the_node_is_the_stragglers_record(live: Live) -> None:
+    """elastic_node_busy_seconds, _speed_factor and _straggler: node 1's entries of the record
+    world rank 0 wrote (elastic/records/stragglers.py), read at scrape time."""
+    record = live.stragglers
+    assert record is not None and NODE in record.factors and NODE in record.busy, record
+    assert live.after["elastic_node_speed_factor"] == record.factors[NODE]
+    assert live.after["elastic_node_busy_seconds"] == record.busy[NODE] > 0
+    assert live.after["elastic_node_straggler"] == float(NODE in record.marked)
 
 
 def test_values_after_the_run(live: Live) -> None:
