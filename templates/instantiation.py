@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from templates.plan import PipelinePlan, Plan, StagePlan
-from templates.search import PipelineTemplate
 from templates.template_set import PlanningError, TemplateSet
 
 _EPS = 1e-9
@@ -95,7 +95,13 @@ def choose_sizes(
     return sorted(sizes, reverse=True)
 
 
-def split_microbatches(templates: Sequence[PipelineTemplate], total: int) -> list[int]:
+class Timed(Protocol):
+    """A pipeline's time for a number of microbatches (a template, or one at other speeds)."""
+
+    def time_for(self, microbatches: int) -> float: ...
+
+
+def split_microbatches(templates: Sequence[Timed], total: int) -> list[int]:
     """Integer microbatches per pipeline, >= 1 each, summing to `total`, minimising the slowest."""
     if total < len(templates):
         raise PlanningError(f"{total} microbatches cannot feed {len(templates)} pipelines")

@@ -24,21 +24,27 @@ and does O(nodes log nodes) work per step.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from templates.cost import pipeline_time
+from templates.instantiation import split_microbatches
 from templates.plan import Plan
+from templates.template_set import TemplateSet
 
 Position = Literal["whole", "first", "middle", "last"]
 """Where a stage sits in its pipeline (peers share it)."""
 
-POLICIES = ("off", "report")
+POLICIES = ("off", "report", "rebalance")
 """What the runtime does about stragglers: `off` keeps no factors and marks none; `report` marks
-them in `status` and `events` and leaves the plan as it is. (Acting on them, `rebalance` and
-`auto`, is issue 33's next part.)"""
+them in `status` and `events` and leaves the plan as it is; `rebalance` also re-splits the global
+batch at the next step boundary, fewer microbatches for a straggler's pipeline (`rebalanced`),
+and back when the mark clears. (`auto`, which would also weigh a spare or dropping the node, is
+not built.)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,3 +187,67 @@ class SpeedTracker:
     def busy_seconds(self) -> dict[int, float]:
         """Every node's busy seconds a step, the median of the same window."""
         return {n: statistics.median(s.busy) for n, s in self._nodes.items() if s.busy}
+
+
+# ---- acting: rebalance -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rebalance:
+    """A re-split of the global batch for the stages' times, and its estimates."""
+
+    plan: Plan
+    """The same pipelines and stages with the new microbatch counts."""
+    step_s: float
+    """Estimated step time of `plan` (1F1B over the stage times, the planner's cost model)."""
+    unchanged_s: float
+    """Estimated step time of the current split with the same stage times (doing nothing)."""
+
+
+def measured_stage_times(plan: Plan, busy: Mapping[int, float]) -> dict[int, float]:
+    """Each node's seconds a microbatch, from its busy seconds a step under `plan` (a straggler's
+    slowness included); nodes without a measure are left out."""
+    return {s.node: busy[s.node] / pipe.microbatches for pipe in plan.pipelines for s in pipe.stages
+            if busy.get(s.node, 0.0) > 0 and pipe.microbatches > 0}
+
+
+def template_stage_times(tset: TemplateSet, plan: Plan) -> dict[int, float]:
+    """Each node's seconds a microbatch in the planner's cost model (its pipeline's template; 1.0
+    for every stage of a pipeline whose layers are not its template's)."""
+    out: dict[int, float] = {}
+    for pipe in plan.pipelines:
+        try:
+            template = tset.template(len(pipe.stages))
+            times = list(template.stage_times) if tuple(s.layers for s in pipe.stages) == template.stages else []
+        except Exception:  # noqa: BLE001 - no template of that size
+            times = []
+        out.update({s.node: times[i] if times else 1.0 for i, s in enumerate(pipe.stages)})
+    return out
+
+
+def rebalanced(plan: Plan, stage_times: Mapping[int, float]) -> Rebalance:
+    """`plan` with its global microbatches re-split for `stage_times` (node -> seconds a
+    microbatch; the median of the others where one is missing): the split minimises the slowest
+    pipeline's 1F1B time, as the planner's own split does (templates/instantiation.py), so the
+    planner's stage times give the planner's split back. Nothing but the microbatch counts
+    changes: the nodes, stages and layers stay, and so do the global batch and what a step
+    computes (every split sums the same microbatches in the same tree)."""
+    known = [t for t in stage_times.values() if t > 0]
+    default = statistics.median(known) if known else 1.0
+    times = [[stage_times.get(s.node, default) for s in pipe.stages] for pipe in plan.pipelines]
+    counts = split_microbatches([_Timed(t) for t in times], plan.global_microbatches)
+    pipelines = tuple(dataclasses.replace(pipe, microbatches=count, iteration_time=pipeline_time(t, count))
+                      for pipe, t, count in zip(plan.pipelines, times, counts, strict=True))
+    new = dataclasses.replace(plan, pipelines=pipelines, iteration_time=max(p.iteration_time for p in pipelines))
+    unchanged = max(pipeline_time(t, pipe.microbatches) for pipe, t in zip(plan.pipelines, times, strict=True))
+    return Rebalance(plan=new, step_s=new.iteration_time, unchanged_s=unchanged)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """A pipeline's 1F1B time for m microbatches, as `split_microbatches` asks it."""
+
+    stage_times: list[float]
+
+    def time_for(self, microbatches: int) -> float:
+        return pipeline_time(self.stage_times, microbatches)

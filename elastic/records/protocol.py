@@ -278,6 +278,9 @@ class GenerationRecord(JsonRecord):
     replay: ReplayRecord | None = None
     """Step `resume_step` was interrupted: which of its microbatches survivors kept, so this
     generation computes only the others (None: the whole step is run)."""
+    balanced_for: list[int] = field(default_factory=list)
+    """The straggler nodes this plan's microbatch split allows for (`--straggler-policy
+    rebalance`, elastic/planning/stragglers.py); empty: the planner's own split."""
 
     @property
     def replayed_fraction(self) -> float | None:

@@ -25,6 +25,12 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   request's status and an event) unless the other nodes can still form the job's f+1
   pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
   leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation);
+- `--straggler-policy rebalance` and the marked stragglers (the `stragglers` key,
+  elastic/planning/stragglers.py) are not the ones the current split allows for
+  (`balanced_for`): `halt/<g>` is written without abort and g+1 has the same nodes, stages and
+  layers with the global microbatches re-split for the measured stage times (fewer for a
+  straggler's pipeline), or the planner's split again once no mark is left; its reason has the
+  estimated step time of doing it and of doing nothing;
 - the job's stop was asked (`stop`, elastic/records/stop.py: `elastic run`'s first Ctrl-C or
   SIGTERM, `elastic drain --all`): `halt/<g>` is written without abort, and once every live
   worker reported the same committed steps S it is rewritten with `stop_step` S (a "stopped"
@@ -59,6 +65,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
+from elastic.planning.stragglers import measured_stage_times, rebalanced, template_stage_times
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -81,6 +88,7 @@ from elastic.records.protocol import (
     read_progress,
 )
 from elastic.records.stop import StopRequest, read_stop, stop_key
+from elastic.records.stragglers import read_stragglers
 from elastic.roles.holders import read_holdings
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
@@ -268,18 +276,25 @@ class Leader:
             return
         joined = self._joining(record, members)
         drain = None if joined else self._acceptable_drain(g, record)
-        if not joined and drain is None:
+        balance = None if joined or drain else self._rebalance(record)
+        if not joined and drain is None and balance is None:
             return
         # A step boundary: the workers finish the in-flight step and stop after it.
         if self._detected is None:
             self._detected = time.time()
-        what = f"node(s) {joined} joining" if joined else f"drain of node {drain[0].node}" if drain else ""
+        what = (f"node(s) {joined} joining" if joined else f"drain of node {drain[0].node}" if drain
+                else "a rebalance for stragglers")
         self._halt(g, abort=False, reason=what)
         reports = self._sync_reports(g, record, members)
         if reports is None:
             return
         if joined:
             self._resolve_and_publish(g, record, reports, members, lost=[], joined=joined)
+            return
+        if balance is not None:
+            plan, reason, marked = balance
+            self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], planned=(plan, reason),
+                                      balanced_for=marked)
             return
         assert drain is not None
         req, plan, reason = drain
@@ -397,6 +412,37 @@ class Leader:
         if not expected <= reports.keys():
             return None
         return [reports[k] for k in sorted(expected)]
+
+    # ---- stragglers (elastic/planning/stragglers.py) ---------------------------------------
+
+    def _rebalance(self, record: GenerationRecord) -> tuple[Plan, str, list[int]] | None:
+        """Under `--straggler-policy rebalance`, when the marked stragglers are not the ones the
+        current split allows for: the re-split plan, its reason (with the estimates of doing it
+        and of doing nothing) and the marked nodes. One key read a round."""
+        if self.config.stragglers.policy != "rebalance":
+            return None
+        try:
+            speeds = read_stragglers(self.client, self.keys)
+        except Exception as exc:  # noqa: BLE001 - unreadable or unreachable: no rebalance this round
+            log.warning("leader %s: cannot read the stragglers record: %s", self.who, exc)
+            return None
+        marked = sorted(n for n in (speeds.marked if speeds is not None else {}) if n in record.plan.nodes)
+        if speeds is None or marked == sorted(record.balanced_for):
+            return None
+        if marked:
+            times = measured_stage_times(record.plan, speeds.busy)
+            if set(times) != set(record.plan.nodes):
+                return None  # a node without a measure yet
+            why = "rebalance for straggler(s) " + ", ".join(f"node {n} at {speeds.marked[n].factor:.2f}x" for n in marked)
+        else:
+            times, why = template_stage_times(self.tset, record.plan), "rebalance: no straggler left"
+        result = rebalanced(record.plan, times)
+        before, after = ([p.microbatches for p in plan.pipelines] for plan in (record.plan, result.plan))
+        if before == after:
+            return None  # the split is already the best for these speeds
+        estimate = (f"estimated step {result.unchanged_s:.3f} s (doing nothing) -> {result.step_s:.3f} s" if marked
+                    else "the planner's split")
+        return result.plan, f"{why}: microbatches {before} -> {after}, {estimate}", marked
 
     # ---- drains --------------------------------------------------------------------------
 
@@ -522,7 +568,7 @@ class Leader:
     def _resolve_and_publish(self, g: int, record: GenerationRecord, reports: list[SyncReport],
                              members: dict[int, int], *, lost: list[int], joined: list[int],
                              drained: list[int] | None = None,
-                             planned: tuple[Plan, str] | None = None) -> bool:
+                             planned: tuple[Plan, str] | None = None, balanced_for: list[int] | None = None) -> bool:
         """Publish g+1 (False: the job's last step was committed first). `planned`: its plan and reason."""
         synced = time.time()
         resume, vote = self._resume(record, reports)
@@ -552,6 +598,7 @@ class Leader:
             published_at=time.time(),
             completed_vote=vote if restore is None else None,
             replay=replay,
+            balanced_for=balanced_for or [],
         )
         self.generations.publish(new.to_json(), expected=g, fence=self.election.leader_compare())
         self._detected = None

@@ -101,27 +101,29 @@ def tiny_config(
     return ElasticConfig(spec=spec, cluster=cluster, checkpoint_every=checkpoint_every, lease_ttl=lease_ttl)
 
 
-def static_reference(run_dir: Path, *, steps: int) -> Result:
+def static_reference(run_dir: Path, *, steps: int, global_microbatches: int = 4) -> Result:
     """The failure-free result on a single worker: the parameters and losses after K steps do not
     depend on the plan (DESIGN.md invariant 1), so one process stands for any elastic plan."""
     from elastic.roles.launcher import launch
 
-    plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2,
-                     fault_tolerance=0)
+    plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=global_microbatches,
+                     microbatch_size=2, fault_tolerance=0)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu")
     summary = launch(spec, quiet=True, timeout_s=300)
     return summary, load_final_state(spec)
 
 
-_REFERENCES: dict[int, Result] = {}
+_REFERENCES: dict[tuple[int, int], Result] = {}
 
 
-def reference_run(factory: pytest.TempPathFactory, *, steps: int) -> Result:
-    """`static_reference`, computed once per pytest session and number of steps and shared by
-    the modules that compare against it."""
-    if steps not in _REFERENCES:
-        _REFERENCES[steps] = static_reference(factory.mktemp("reference"), steps=steps)
-    return _REFERENCES[steps]
+def reference_run(factory: pytest.TempPathFactory, *, steps: int, global_microbatches: int = 4) -> Result:
+    """`static_reference`, computed once per pytest session, number of steps and global batch,
+    and shared by the modules that compare against it."""
+    key = (steps, global_microbatches)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = static_reference(factory.mktemp("reference"), steps=steps,
+                                            global_microbatches=global_microbatches)
+    return _REFERENCES[key]
 
 
 class LiveJob:

@@ -1,77 +1,99 @@
-"""Stragglers found on a live run (real etcd, agents, workers; issue 33, policy `report`): node 3
-of 4 (2 two-stage pipelines, 4 microbatches each) is throttled at half speed with real
-SIGSTOP/SIGCONT (`elastic inject slow --factor 2`) for 10 s mid-run. The reporter marks node 3,
-and only node 3, while it is slow; `status` shows the mark while it lasts; the mark clears after
-the release; `events` has both; and the plan is untouched (one generation). The detector's
-thresholds on recorded series of this machine, noise and slowdowns: tests/planning/test_stragglers.py."""
+"""Stragglers on a live run (real etcd, agents, workers; issue 33, `--straggler-policy rebalance`):
+node 1 of 2 (2 one-stage pipelines, 4 microbatches each: one node a core of this 2-core
+machine, as on a cluster each node has its own devices) is throttled at half speed with real
+SIGSTOP/SIGCONT (`elastic inject slow --factor 2`) for a few seconds mid-run.
+
+- The reporter marks node 1, and only node 1, while it is slow, and clears the mark after the
+  release; `events` has both, `status` shows the mark while it lasts.
+- The leader re-splits the global batch at a step boundary, fewer microbatches for node 1's
+  pipeline (generation 2, its reason names the estimates), and back to the planner's split once
+  the mark clears (generation 3). Nothing is lost or recomputed: no node lost, no replay, and
+  the final state and every loss equal the failure-free run's (1e-5).
+
+Why one core a node: with more simulated nodes than cores, a node's speed depends on what runs
+beside it. A pipeline given fewer microbatches computes only while every other node does, and
+reads up to 1.5x slow per microbatch; it is then marked (and re-split for) although nothing is
+wrong with it. bench/README.md has that run.
+
+`--straggler-policy off` is tests/faults/test_slow_node.py's run; the detector on recorded series
+of this machine (noise, spikes, slowdowns) and the split against every split:
+tests/planning/test_stragglers.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.ops.status import read_status, render_table
-from elastic.records.stragglers import read_stragglers
+from elastic.planning.stragglers import StragglerConfig
+from elastic.records.protocol import GenerationRecord
+from elastic.records.stragglers import StragglerRecord, read_stragglers
+from elastic.records.summary import RunSummary
 
-from .runs import LiveJob, tiny_config
+from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 2000
-"""An upper bound: the test stops the job once the mark has come and gone."""
-SLOW_NODE = 3
+STEPS = 90
+MICROBATCHES = 8
+"""4 a pipeline: a node's busy time of a step (about 100 ms here) well above this machine's noise."""
+SLOW_NODE = 1
 SLOW_AT = 10
 """Committed steps before the throttle starts."""
-SLOW_S = 10.0
-"""At least 20 slowed steps even where a step takes 0.25 s (0.1 s on an idle 2-core machine)."""
-
-
-def _marks(job: LiveJob) -> list[dict[str, Any]]:
-    return [e for e in read_events(job.client, job.keys) if e["kind"] in ("straggler", "straggler-cleared")]
-
-
-def _wait_for(what: str, check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"{what} within {timeout} s")
+SLOW_S = 6.0
+"""20 slowed steps or more even where a step takes 0.2 s (0.1 s on an idle 2-core machine)."""
 
 
 class Outcome:
     def __init__(self, job: LiveJob, code: int, output: str, shown: str, slow_at: float) -> None:
+        self.summary, self.state = job.result()
         self.code, self.output, self.shown, self.slow_at = code, output, shown, slow_at
-        self.marks = _marks(job)
-        self.record = read_stragglers(job.client, job.keys)
-        self.generations = sorted(int(m.key.decode().rsplit("/", 1)[1])
-                                  for _, m in job.client.get_prefix(job.keys.plans, keys_only=True))
+        self.events = read_events(job.client, job.keys)
+        self.marks = [e for e in self.events if e["kind"] in ("straggler", "straggler-cleared")]
+        self.record: StragglerRecord | None = read_stragglers(job.client, job.keys)
+        self.generations = {int(m.key.decode().rsplit("/", 1)[1]): GenerationRecord.from_json(v)
+                            for v, m in job.client.get_prefix(job.keys.plans)}
+
+
+def _status_with_a_mark(job: LiveJob, timeout: float) -> str:
+    """`elastic status` as a table, the first time it shows a straggler."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = read_status(job.client, job.keys, etcd=job.etcd)
+        if any(n.straggler is not None for n in status.nodes):
+            return render_table(status)
+        time.sleep(0.1)
+    raise AssertionError(f"status showed no straggler within {timeout} s")
 
 
 @pytest.fixture(scope="module")
 def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
-    config = tiny_config(tmp_path_factory.mktemp("stragglers"), nodes=4, pipelines=2, steps=STEPS,
-                         global_microbatches=8)
+    config = dataclasses.replace(
+        tiny_config(tmp_path_factory.mktemp("stragglers"), nodes=2, pipelines=2, steps=STEPS,
+                    global_microbatches=MICROBATCHES),
+        stragglers=StragglerConfig(policy="rebalance"))
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(SLOW_AT)
         slow_at = time.time()
         code, output = job.cli("inject", "slow", "--node", str(SLOW_NODE), "--factor", "2",
                                "--seconds", str(SLOW_S), "--wait", "0")
-        # `status` while the node is slow: the mark, once the reporter has set it.
-        shown = _wait_for("status showing a straggler", lambda: next(
-            (render_table(st) for st in [read_status(job.client, job.keys, etcd=job.etcd)]
-             if any(n.straggler is not None for n in st.nodes)), None), SLOW_S + 30)
-        _wait_for("the mark cleared", lambda: any(e["kind"] == "straggler-cleared" for e in _marks(job)), 60)
+        shown = _status_with_a_mark(job, SLOW_S + 30)
         yield Outcome(job, code, output, shown, slow_at)
     finally:
         job.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[RunSummary, dict[str, torch.Tensor]]:
+    return reference_run(tmp_path_factory, steps=STEPS, global_microbatches=MICROBATCHES)
 
 
 def test_the_slow_node_is_marked_while_slow_and_cleared_after(outcome: Outcome) -> None:
@@ -82,14 +104,33 @@ def test_the_slow_node_is_marked_while_slow_and_cleared_after(outcome: Outcome) 
                                                                ("straggler-cleared", SLOW_NODE)]
     marked, cleared = outcome.marks
     assert outcome.slow_at < marked["time"] < outcome.slow_at + SLOW_S + 1.0, "marked while the node was slow"
-    assert marked["factor"] >= 1.25 and cleared["time"] > outcome.slow_at + SLOW_S
-    assert cleared["factor"] < 1.125
-    # `status` showed the mark and every node's factor while it lasted.
+    assert marked["factor"] >= 1.25 and cleared["time"] > outcome.slow_at + SLOW_S and cleared["factor"] < 1.125
     print(outcome.shown)
     assert f"stragglers: node {SLOW_NODE} (" in outcome.shown, outcome.shown
     header = [line for line in outcome.shown.splitlines() if line.lstrip().startswith("node  alive")]
     assert header and "speed" in header[0], outcome.shown
     record = outcome.record
-    assert record is not None and record.policy == "report" and sorted(record.factors) == [0, 1, 2, 3], record
-    # Report only: the plan is untouched.
-    assert outcome.generations == [1]
+    assert record is not None and record.policy == "rebalance" and record.marked == {}, record
+    assert sorted(record.factors) == sorted(record.busy) == [0, 1], record
+
+
+def test_the_batch_is_resplit_while_it_is_slow_and_back_after_with_nothing_lost(
+    outcome: Outcome, reference: Any
+) -> None:
+    gens = outcome.generations
+    for g, rec in sorted(gens.items()):
+        print(g, [p.microbatches for p in rec.plan.pipelines], rec.reason)
+    assert sorted(gens) == [1, 2, 3], [r.reason for r in gens.values()]
+    first, slowed, back = gens[1], gens[2], gens[3]
+    assert [p.microbatches for p in first.plan.pipelines] == [4, 4]
+    counts = [p.microbatches for p in slowed.plan.pipelines]
+    assert sum(counts) == MICROBATCHES and counts[1] < counts[0], counts  # node 1 is pipeline 1
+    assert slowed.reason.startswith(f"rebalance for straggler(s) node {SLOW_NODE} at ") and "doing nothing" in slowed.reason
+    assert slowed.balanced_for == [SLOW_NODE] and back.balanced_for == []
+    assert back.reason.startswith("rebalance: no straggler left") and "the planner's split" in back.reason
+    assert [p.microbatches for p in back.plan.pipelines] == [4, 4]
+    for rec in (slowed, back):  # step boundaries: nobody lost, nothing replayed or restored
+        assert rec.lost == [] and rec.joined == [] and rec.replay is None and rec.restore_checkpoint is None
+        assert [[(s.node, s.layers) for s in p.stages] for p in rec.plan.pipelines] == \
+            [[(s.node, s.layers) for s in p.stages] for p in first.plan.pipelines]
+    check_same_training(outcome.summary, outcome.state, reference, steps=STEPS)

@@ -4,6 +4,7 @@ spike, a sustained slowdown and its recovery; its speed factors against a direct
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import statistics
@@ -13,14 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.cluster import ClusterSpec, cluster_templates
 from elastic.planning.stragglers import (
     Change,
     NodeWork,
     SpeedTracker,
     StragglerConfig,
+    measured_stage_times,
     node_work,
+    rebalanced,
     speed_factors,
+    template_stage_times,
 )
+from templates.instantiation import instantiate
 from templates.plan import PipelinePlan, Plan, StagePlan
 
 TWO_BY_TWO = Plan(num_layers=6, microbatch_size=1, gpus_per_node=1, fault_tolerance=1, pipelines=(
@@ -169,3 +175,47 @@ def test_a_recorded_slow_node_is_marked_in_its_window_and_cleared_after() -> Non
     marked, cleared = changes
     assert 50 < marked.step <= 50 + 15 and marked.factor >= 1.5
     assert 92 < cleared.step <= 92 + 20 and cleared.factor < 1.125
+
+
+# ---- acting: rebalance ---------------------------------------------------------------------
+
+SPEC = ClusterSpec(model="tiny", nodes=4, fault_tolerance=1, global_batch=32, microbatch=2, device_memory_gib=0.03)
+TSET = cluster_templates(dataclasses.replace(SPEC, fault_tolerance=0))  # as the leader builds it
+PLAN = instantiate(TSET, [0, 1, 2, 3], global_microbatches=16, fault_tolerance=1)
+
+
+def _slowest(plan: Plan, times: dict[int, float], counts: tuple[int, ...]) -> float:
+    """The step estimate of `counts` microbatches a pipeline (the 1F1B cost, written out)."""
+    out = 0.0
+    for pipe, m in zip(plan.pipelines, counts, strict=True):
+        t = [times[s.node] for s in pipe.stages]
+        out = max(out, sum(t) + (m - 1) * max(t))
+    return out
+
+
+def test_the_must_show_job_rebalances_away_from_its_half_speed_node() -> None:
+    assert [p.nodes for p in PLAN.pipelines] == [(0, 1), (2, 3)] and [p.microbatches for p in PLAN.pipelines] == [8, 8]
+    assert rebalanced(PLAN, template_stage_times(TSET, PLAN)).plan == PLAN  # the planner's own split
+    # Measured: every stage 0.1 s a step (8 microbatches), node 3 at half speed.
+    measured = measured_stage_times(PLAN, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.2})
+    slow = rebalanced(PLAN, measured)
+    assert [p.microbatches for p in slow.plan.pipelines] == [11, 5]
+    assert [[(s.node, s.layers) for s in p.stages] for p in slow.plan.pipelines] == \
+        [[(s.node, s.layers) for s in p.stages] for p in PLAN.pipelines]  # only the counts move
+    # The ceiling here is 0.75x the failure-free rate (pipeline speeds 1 and 0.5); doing nothing 0.5x.
+    free = rebalanced(PLAN, measured_stage_times(PLAN, {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.1})).step_s
+    assert free / slow.step_s == pytest.approx(0.75) and free / slow.unchanged_s == pytest.approx(9 / 17)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 40), st.lists(st.floats(0.01, 5.0), min_size=4, max_size=4))
+def test_the_split_is_the_best_of_every_split(total: int, seconds: list[float]) -> None:
+    plan = dataclasses.replace(PLAN, pipelines=tuple(dataclasses.replace(p, microbatches=m) for p, m in
+                                                     zip(PLAN.pipelines, (total - total // 2, total // 2), strict=True)))
+    times = dict(enumerate(seconds))
+    got = rebalanced(plan, times)
+    counts = tuple(p.microbatches for p in got.plan.pipelines)
+    assert sum(counts) == total and min(counts) >= 1
+    best = min(_slowest(plan, times, (m, total - m)) for m in range(1, total))
+    assert got.step_s == pytest.approx(best, rel=1e-12) == pytest.approx(_slowest(plan, times, counts), rel=1e-12)
+    assert got.unchanged_s == pytest.approx(_slowest(plan, times, (total - total // 2, total // 2)), rel=1e-12)
