@@ -50,12 +50,16 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
     try:
         if side != "free":
             deadline = time.monotonic() + 60
-            while not (run_dir / "job.json").exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(1.0)  # the job's etcd and config are up
-            subprocess.run([*ELASTIC, "inject", "slow", "--node", str(args.nodes - 1), "--factor", str(args.factor),
-                            "--seconds", str(args.slow_s), "--at-step", str(args.slow_at), "--run-dir", str(run_dir),
-                            "--wait", "0"], cwd=REPO, check=True, capture_output=True, timeout=60)
+            while True:  # until the job's etcd is up and the node has joined
+                asked = subprocess.run(
+                    [*ELASTIC, "inject", "slow", "--node", str(args.nodes - 1), "--factor", str(args.factor),
+                     "--seconds", str(args.slow_s), "--at-step", str(args.slow_at), "--run-dir", str(run_dir),
+                     "--wait", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+                if asked.returncode == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{side}: inject slow failed: {asked.stdout}{asked.stderr}")
+                time.sleep(0.5)
         out, _ = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
