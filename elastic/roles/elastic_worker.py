@@ -549,6 +549,9 @@ class ElasticWorker:
         0) and the local step log (each pipeline's first worker); the commit's wall time. `busy`:
         each node's busy seconds of the step (the vote's), None for a step with no measure."""
         now = result.committed_at
+        if layout.rank != 0 and self.stragglers is not None:  # another worker is rank 0 now: it reports
+            self.stragglers.close()
+            self.stragglers = None
         if layout.rank == 0:
             self.progress.publish(result)
             if busy and self.config.stragglers.policy != "off":

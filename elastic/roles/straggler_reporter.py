@@ -97,6 +97,7 @@ class StragglerReporter:
             self.tracker.marked.update({n: m.since_step for n, m in record.marked.items()})
         next_put = 0.0
         last: _Observed | None = None
+        unwritten = False
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closing, timeout=1.0)
@@ -106,12 +107,12 @@ class StragglerReporter:
             for seen in batch:
                 changes += self.tracker.observe(seen.step, seen.busy, seen.work)
                 last = seen
+            unwritten = unwritten or bool(batch)
             for change in changes:
                 self._announce(change)
-            due = time.monotonic() >= next_put
-            if last is not None and (changes or (batch and due) or closing):
+            if last is not None and unwritten and (changes or closing or time.monotonic() >= next_put):
                 self._put(last)
-                next_put = time.monotonic() + PUT_EVERY_S
+                unwritten, next_put = False, time.monotonic() + PUT_EVERY_S
             if closing:
                 return
 

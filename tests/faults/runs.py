@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -200,13 +201,20 @@ class LiveJob:
 
     def job_keys(self, *, moving: bool = True) -> dict[str, bytes]:
         """Every key under the job's prefix, with its value; without the ones that move on with
-        the run itself (the progress record, and the last step's marks and the done keys that
-        its end writes) when `moving` is False."""
+        the run itself (the progress record, the speed factors and their straggler events, and
+        the last step's marks and the done keys that its end writes) when `moving` is False."""
+        from elastic.records.stragglers import stragglers_key
+
         keys = {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
         ending = (self.rk.readies, self.rk.decisions, self.rk.done)
-        moved = (self.rk.progress, self.keys.leader)  # the election moves when the first agent leaves
+        # The election moves when the first agent leaves.
+        moved = (self.rk.progress, self.keys.leader, stragglers_key(self.keys))
+
+        def speed_event(key: str, value: bytes) -> bool:
+            return key.startswith(self.keys.events) and json.loads(value).get("kind", "").startswith("straggler")
+
         return keys if moving else {k: v for k, v in keys.items()
-                                    if k not in moved and not k.startswith(ending)}
+                                    if k not in moved and not k.startswith(ending) and not speed_event(k, v)}
 
     def leased_prefixes(self) -> list[str]:
         """Prefixes of the keys that live on an agent's lease (gone when the agent leaves)."""
