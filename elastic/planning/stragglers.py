@@ -185,8 +185,14 @@ class SpeedTracker:
         return {n: statistics.median(s.factors) for n, s in self._nodes.items() if s.factors}
 
     def busy_seconds(self) -> dict[int, float]:
-        """Every node's busy seconds a step, the median of the same window."""
-        return {n: statistics.median(s.busy) for n, s in self._nodes.items() if s.busy}
+        """Every node's busy seconds a step, the median of a full window since `new_plan`."""
+        return {n: statistics.median(s.busy) for n, s in self._nodes.items() if len(s.busy) == self.config.window}
+
+    def new_plan(self) -> None:
+        """A new generation: its busy seconds are not comparable with the last plan's (another
+        split), so they start again; the factors, normalised by each step's work, go on."""
+        for state in self._nodes.values():
+            state.busy.clear()
 
 
 # ---- acting: rebalance -------------------------------------------------------------------

@@ -50,7 +50,8 @@ class StragglerRecord(JsonRecord):
     factors: dict[int, float] = field(default_factory=dict)
     """Node -> its smoothed speed factor (its cost per unit of work over its peers' median)."""
     busy: dict[int, float] = field(default_factory=dict)
-    """Node -> its busy seconds a step (median of the same window), as Prometheus exports them."""
+    """Node -> its busy seconds a step under generation `generation` (median of a full window of
+    its steps; nodes without one yet are left out), as Prometheus exports them."""
     marked: dict[int, Mark] = field(default_factory=dict)
     """Node -> its mark, for every node marked now."""
 

@@ -25,12 +25,12 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   request's status and an event) unless the other nodes can still form the job's f+1
   pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
   leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation);
-- `--straggler-policy rebalance` and the marked stragglers (the `stragglers` key,
-  elastic/planning/stragglers.py) are not the ones the current split allows for
-  (`balanced_for`): `halt/<g>` is written without abort and g+1 has the same nodes, stages and
-  layers with the global microbatches re-split for the measured stage times (fewer for a
-  straggler's pipeline), or the planner's split again once no mark is left; its reason has the
-  estimated step time of doing it and of doing nothing;
+- `--straggler-policy rebalance`, a node is marked as a straggler (the `stragglers` key,
+  elastic/planning/stragglers.py) and a re-split of the global microbatches for the measured
+  stage times is estimated at least 10 % faster (`_rebalance`), or no mark is left and the split
+  is not the planner's: `halt/<g>` is written without abort and g+1 has the same nodes, stages
+  and layers with the new split (`balanced_for`: the marked nodes); its reason has the estimated
+  step time of doing it and of doing nothing;
 - the job's stop was asked (`stop`, elastic/records/stop.py: `elastic run`'s first Ctrl-C or
   SIGTERM, `elastic drain --all`): `halt/<g>` is written without abort, and once every live
   worker reported the same committed steps S it is rewritten with `stop_step` S (a "stopped"
@@ -155,6 +155,10 @@ def live_holdings_gaps(
     ]
 
 
+REBALANCE_GAIN = 0.1
+"""Least estimated step-time gain (a fraction) for which `--straggler-policy rebalance` re-splits."""
+
+
 class Leader:
     """Runs the leader's rounds while `election` says this agent leads (see the module doc)."""
 
@@ -276,7 +280,7 @@ class Leader:
             return
         joined = self._joining(record, members)
         drain = None if joined else self._acceptable_drain(g, record)
-        balance = None if joined or drain else self._rebalance(record)
+        balance = None if joined or drain else self._rebalance(g, record)
         if not joined and drain is None and balance is None:
             return
         # A step boundary: the workers finish the in-flight step and stop after it.
@@ -415,10 +419,15 @@ class Leader:
 
     # ---- stragglers (elastic/planning/stragglers.py) ---------------------------------------
 
-    def _rebalance(self, record: GenerationRecord) -> tuple[Plan, str, list[int]] | None:
-        """Under `--straggler-policy rebalance`, when the marked stragglers are not the ones the
-        current split allows for: the re-split plan, its reason (with the estimates of doing it
-        and of doing nothing) and the marked nodes. One key read a round."""
+    def _rebalance(self, g: int, record: GenerationRecord) -> tuple[Plan, str, list[int]] | None:
+        """Under `--straggler-policy rebalance`: the re-split plan, its reason (with the estimates
+        of doing it and of doing nothing) and the marked nodes, or None. One key read a round.
+
+        While a node is marked, the split follows the measured stage times, but only for an
+        estimated gain of at least REBALANCE_GAIN (noise moves no microbatch): away from a slow
+        node, and back once its pipeline is as fast again, even before the mark clears (a
+        pipeline left with few microbatches reads slower per microbatch, its fixed costs shared
+        by fewer). Once no mark is left, the planner's split comes back."""
         if self.config.stragglers.policy != "rebalance":
             return None
         try:
@@ -426,22 +435,26 @@ class Leader:
         except Exception as exc:  # noqa: BLE001 - unreadable or unreachable: no rebalance this round
             log.warning("leader %s: cannot read the stragglers record: %s", self.who, exc)
             return None
-        marked = sorted(n for n in (speeds.marked if speeds is not None else {}) if n in record.plan.nodes)
-        if speeds is None or marked == sorted(record.balanced_for):
+        if speeds is None:
             return None
+        marked = sorted(n for n in speeds.marked if n in record.plan.nodes)
         if marked:
             times = measured_stage_times(record.plan, speeds.busy)
-            if set(times) != set(record.plan.nodes):
-                return None  # a node without a measure yet
+            if speeds.generation != g or set(times) != set(record.plan.nodes):
+                return None  # no full window of measures under this plan yet
+            result = rebalanced(record.plan, times)
+            if result.step_s > (1.0 - REBALANCE_GAIN) * result.unchanged_s:
+                return None
             why = "rebalance for straggler(s) " + ", ".join(f"node {n} at {speeds.marked[n].factor:.2f}x" for n in marked)
+            estimate = f"estimated step {result.unchanged_s:.3f} s (doing nothing) -> {result.step_s:.3f} s"
+        elif record.balanced_for:
+            result = rebalanced(record.plan, template_stage_times(self.tset, record.plan))
+            why, estimate = "rebalance: no straggler left", "the planner's split"
         else:
-            times, why = template_stage_times(self.tset, record.plan), "rebalance: no straggler left"
-        result = rebalanced(record.plan, times)
+            return None
         before, after = ([p.microbatches for p in plan.pipelines] for plan in (record.plan, result.plan))
         if before == after:
-            return None  # the split is already the best for these speeds
-        estimate = (f"estimated step {result.unchanged_s:.3f} s (doing nothing) -> {result.step_s:.3f} s" if marked
-                    else "the planner's split")
+            return None
         return result.plan, f"{why}: microbatches {before} -> {after}, {estimate}", marked
 
     # ---- drains --------------------------------------------------------------------------

@@ -105,6 +105,8 @@ class StragglerReporter:
                 self._queue.clear()
             changes: list[Change] = []
             for seen in batch:
+                if last is not None and seen.generation != last.generation:
+                    self.tracker.new_plan()
                 changes += self.tracker.observe(seen.step, seen.busy, seen.work)
                 last = seen
             unwritten = unwritten or bool(batch)

@@ -7,8 +7,8 @@ SIGSTOP/SIGCONT (`elastic inject slow --factor 2`) for a few seconds mid-run.
   release; `events` has both, `status` shows the mark while it lasts.
 - The leader re-splits the global batch at a step boundary, fewer microbatches for node 1's
   pipeline (generation 2, its reason names the estimates), and back to the planner's split once
-  the mark clears (generation 3). Nothing is lost or recomputed: no node lost, no replay, and
-  the final state and every loss equal the failure-free run's (1e-5).
+  node 1 is as fast again (the last generation). Nothing is lost or recomputed: no node lost, no
+  replay, and the final state and every loss equal the failure-free run's (1e-5).
 
 Why one core a node: with more simulated nodes than cores, a node's speed depends on what runs
 beside it. A pipeline given fewer microbatches computes only while every other node does, and
@@ -41,7 +41,7 @@ from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 90
+STEPS = 120
 MICROBATCHES = 8
 """4 a pipeline: a node's busy time of a step (about 100 ms here) well above this machine's noise."""
 SLOW_NODE = 1
@@ -120,16 +120,16 @@ def test_the_batch_is_resplit_while_it_is_slow_and_back_after_with_nothing_lost(
     gens = outcome.generations
     for g, rec in sorted(gens.items()):
         print(g, [p.microbatches for p in rec.plan.pipelines], rec.reason)
-    assert sorted(gens) == [1, 2, 3], [r.reason for r in gens.values()]
-    first, slowed, back = gens[1], gens[2], gens[3]
+    assert sorted(gens) == list(range(1, len(gens) + 1)) and len(gens) >= 3, [r.reason for r in gens.values()]
+    first, slowed, back = gens[1], gens[2], gens[len(gens)]
     assert [p.microbatches for p in first.plan.pipelines] == [4, 4]
     counts = [p.microbatches for p in slowed.plan.pipelines]
     assert sum(counts) == MICROBATCHES and counts[1] < counts[0], counts  # node 1 is pipeline 1
     assert slowed.reason.startswith(f"rebalance for straggler(s) node {SLOW_NODE} at ") and "doing nothing" in slowed.reason
-    assert slowed.balanced_for == [SLOW_NODE] and back.balanced_for == []
-    assert back.reason.startswith("rebalance: no straggler left") and "the planner's split" in back.reason
-    assert [p.microbatches for p in back.plan.pipelines] == [4, 4]
-    for rec in (slowed, back):  # step boundaries: nobody lost, nothing replayed or restored
+    assert slowed.balanced_for == [SLOW_NODE]
+    assert [p.microbatches for p in back.plan.pipelines] == [4, 4], back.reason  # the way back: the planner's split
+    for rec in list(gens.values())[1:]:  # step boundaries: nobody lost, nothing replayed or restored
+        assert rec.reason.startswith("rebalance"), rec.reason
         assert rec.lost == [] and rec.joined == [] and rec.replay is None and rec.restore_checkpoint is None
         assert [[(s.node, s.layers) for s in p.stages] for p in rec.plan.pipelines] == \
             [[(s.node, s.layers) for s in p.stages] for p in first.plan.pipelines]
