@@ -9,7 +9,7 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
     stragglers                      StragglerRecord: speed factors and straggler marks (world rank 0, on a
-                                    change and at most every 5 s otherwise; records/stragglers.py)
+                                    change and at most every second otherwise; records/stragglers.py)
     halt/<g>                        HaltRecord: the leader asks generation g to stop (abort now, or at
                                     the next step boundary); written once per generation change, and
                                     once more with `stop_step` when the whole job stops (records/stop.py)

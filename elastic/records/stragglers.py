@@ -4,8 +4,8 @@ busy time from each step's vote (roles/straggler_reporter.py). `elastic status` 
 `events` log has each mark and its end.
 
 Size: about 40 bytes a node (its factor and busy seconds), plus one entry per marked node. It is written when a
-mark changes and otherwise at most every `PUT_EVERY_S` seconds, and no process watches it: at 2,048
-nodes that is about 80 KB every 5 s.
+mark changes and otherwise at most every `PUT_EVERY_S` seconds (the leader re-splits on fresh
+busy times), and no process watches it: at 2,048 nodes that is about 80 KB a second.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.jsonrecord import JsonRecord
 from elastic.coordinator.keys import JobKeys
 
-PUT_EVERY_S = 5.0
+PUT_EVERY_S = 1.0
 """Longest a changed factor waits to be written when no mark changed."""
 
 
