@@ -464,7 +464,7 @@ class NodeMetrics(Collector):
 
     def _speed(self) -> Iterator[Metric]:
         """This node's busy seconds, speed factor and straggler mark: one read of the `stragglers`
-        key a scrape (no watch: it changes every few seconds and only scrapes need it)."""
+        key a scrape (no watch: it is rewritten up to once a second and only scrapes need it)."""
         try:
             record = read_stragglers(self.client, self.keys)
         except Exception as exc:  # etcd unreachable or an unreadable record: leave these out

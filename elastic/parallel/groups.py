@@ -36,6 +36,7 @@ from elastic.parallel.abort import AbortSignal, call_abortable, fetch, wait_work
 from elastic.parallel.layout import ParallelLayout
 
 PostFn = Callable[[Sequence[P2P]], Handle]
+"""Posts a group of point-to-point operations on the world communicator."""
 
 
 @runtime_checkable
@@ -43,8 +44,6 @@ class Releasable(Protocol):
     """A store that keeps itself alive until released (elastic/coordinator/store.py)."""
 
     def release(self) -> None: ...
-
-"""Posts a group of point-to-point operations on the world communicator."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ from typing import Literal
 from templates.cost import pipeline_time
 from templates.instantiation import split_microbatches
 from templates.plan import Plan
-from templates.template_set import TemplateSet
+from templates.template_set import PlanningError, TemplateSet
 
 Position = Literal["whole", "first", "middle", "last"]
 """Where a stage sits in its pipeline (peers share it)."""
@@ -225,7 +225,7 @@ def template_stage_times(tset: TemplateSet, plan: Plan) -> dict[int, float]:
         try:
             template = tset.template(len(pipe.stages))
             times = list(template.stage_times) if tuple(s.layers for s in pipe.stages) == template.stages else []
-        except Exception:  # noqa: BLE001 - no template of that size
+        except PlanningError:  # no template of that size
             times = []
         out.update({s.node: times[i] if times else 1.0 for i, s in enumerate(pipe.stages)})
     return out

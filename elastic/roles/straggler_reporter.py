@@ -54,8 +54,8 @@ class StragglerReporter:
         self._queue: collections.deque[_Observed] = collections.deque(maxlen=_QUEUE)
         self._cond = threading.Condition()
         self._closing = False
-        self._works: tuple[int, Plan, dict[int, NodeWork]] | None = None
-        self._first_step: dict[int, int] = {}
+        self._plan: tuple[int, int, dict[int, NodeWork]] | None = None
+        """(generation, its first step seen here, each node's work in it)."""
         self.puts = 0
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
@@ -67,13 +67,13 @@ class StragglerReporter:
         if self._trace is not None:
             rounded = {n: round(b, 5) for n, b in busy.items()}
             self._trace.write(json.dumps({"step": step, "generation": generation, "busy": rounded}) + "\n")
-        first = self._first_step.setdefault(generation, step)
+        if self._plan is None or self._plan[0] != generation:
+            self._plan = (generation, step, node_work(plan))
+        _, first, work = self._plan
         if step - first < SETTLE_STEPS or not busy:
             return
-        if self._works is None or self._works[0] != generation:
-            self._works = (generation, plan, node_work(plan))
         with self._cond:
-            self._queue.append(_Observed(step, generation, busy, self._works[2]))
+            self._queue.append(_Observed(step, generation, busy, work))
             self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
