@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # Subcommand modules, in the order `elastic --help` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
-    "run", "plan", "profile", "status", "events", "inject", "drain", "report", "simulate",
+    "run", "plan", "profile", "status", "events", "inject", "drain", "stragglers", "report", "simulate",
     "export", "sample",
     "prepare_data",  # elastic prepare-data (elastic/cli/prepare_data_cmd.py)
 )

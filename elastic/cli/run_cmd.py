@@ -112,7 +112,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--straggler-policy", choices=POLICIES, default="report",
                         help="elastic: report marks nodes slower than their peers in status and events; "
                         "rebalance also gives a straggler's pipeline fewer microbatches at the next step "
-                        "boundary (and back once it recovers); off keeps no speed factors (default report)")
+                        "boundary (and back once it recovers); auto also weighs a hot spare in its stage and "
+                        "dropping it, and takes the cheapest estimate; off keeps no speed factors (default report; "
+                        "`elastic stragglers --policy` changes it while the job runs)")
     parser.add_argument("--straggler-threshold", type=float, default=1.25, metavar="X",
                         help="elastic: a node this many times slower than its peers is slow (default 1.25)")
     parser.add_argument("--straggler-steps", type=int, default=10, metavar="K",

@@ -1,4 +1,5 @@
-"""`elastic simulate`: effective training time of this runtime and two baselines under a failure trace.
+"""`elastic simulate`: effective training time of this runtime and two baselines under a failure
+(and straggler) trace.
 
 A discrete-event replay on a cluster described by flags (no processes are started): the real
 planner gives every plan and its iteration time; recovery costs are the stated `RecoveryCosts`.
@@ -18,6 +19,7 @@ from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_NETWORK_GBPS, D
 from elastic.sim.config import RecoveryCosts
 from elastic.sim.report import format_table
 from elastic.sim.simulate import POLICIES, simulate
+from elastic.sim.slowness import STRAGGLER_POLICIES
 from elastic.sim.trace import load_trace, parse_duration, trace_from_spec
 
 
@@ -34,8 +36,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--nodes", type=int, required=True, help="N: nodes at time 0")
     parser.add_argument(
         "--trace", required=True,
-        help="every=T,min=N[,rejoin=R][,seed=S][,start=T0] (one node lost every T down to N), or a JSON file "
-        "of [{time_s, event: fail|join, node}]",
+        help="every=T,min=N[,rejoin=R][,seed=S][,start=T0] (one node lost every T down to N) and/or "
+        "slow_every=D[,slow_for=30m][,slow_factor=2] (one node slowed every D), or a JSON file of "
+        "[{time_s, event: fail|join|recover, node}, {time_s, event: slow, node, factor}]",
     )
     parser.add_argument("--hours", type=float, required=True, help="simulated time")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {POLICIES}")
@@ -51,6 +54,10 @@ def register(subparsers: Any) -> None:
     job.add_argument("--spares", type=int, default=0, metavar="K",
                      help="elastic: K hot spare nodes beside the N (a failure takes one in, at the cost of a shard "
                      "fetch, instead of running degraded; a returning node becomes one)")
+    job.add_argument("--straggler-policy", choices=STRAGGLER_POLICIES, default="rebalance",
+                     help="elastic: what to do about a slow node: off (nothing), rebalance (re-split the microbatches, "
+                     "as `elastic run --straggler-policy rebalance`), auto (also swap it for a free spare); with slow "
+                     "nodes in the trace the table also shows 'elastic (stragglers off)'")
     job.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS, help="per-node NIC bandwidth, Gbit/s")
     rec = parser.add_argument_group("recovery costs")
     defaults = RecoveryCosts()
@@ -60,6 +67,8 @@ def register(subparsers: Any) -> None:
     rec.add_argument("--process-start-s", type=float, default=defaults.process_start_s, help="restart: relaunch")
     rec.add_argument("--storage-gbps", type=float, default=defaults.storage_gbps, help="checkpoint storage Gbit/s")
     rec.add_argument("--checkpoint-interval", default=None, help="seconds (or 10m) between checkpoints (default: Young)")
+    rec.add_argument("--straggler-detect-steps", type=int, default=defaults.straggler_detect_steps,
+                     help="steps from a slowdown (or recovery) to the runtime's mark (or its clearing)")
     rec.add_argument(
         "--redundant-forward", type=float, default=defaults.redundant_forward,
         help="share of the redundant forward not hidden in bubbles (0..1)",
@@ -95,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
             storage_gbps=args.storage_gbps,
             checkpoint_interval_s=None if args.checkpoint_interval is None else parse_duration(args.checkpoint_interval),
             redundant_forward=args.redundant_forward,
+            straggler_detect_steps=args.straggler_detect_steps,
         )
         if "=" in args.trace:
             trace = trace_from_spec(args.trace, initial_nodes=args.nodes, horizon_s=horizon)
@@ -102,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
             trace = load_trace(args.trace, initial_nodes=args.nodes)
         if args.spares < 0:
             raise ValueError(f"--spares must be >= 0, got {args.spares}")
-        report = simulate(cluster, costs, trace, horizon_s=horizon, policies=policies, spares=args.spares)
+        report = simulate(cluster, costs, trace, horizon_s=horizon, policies=policies, spares=args.spares,
+                          stragglers=args.straggler_policy)
     except ValueError as exc:  # bad flags, a bad trace or profile, or no feasible plan
         raise UsageError(str(exc)) from None
     print(json.dumps(report, indent=2) if args.json else format_table(report))

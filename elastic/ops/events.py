@@ -212,6 +212,10 @@ def describe(event: HistoryEvent) -> str:
         return f"node {d.get('node')} is a straggler after step {d.get('step', 0) + 1}: {d.get('reason')}"
     if event.kind == "straggler-cleared":
         return f"node {d.get('node')} is no longer a straggler after step {d.get('step', 0) + 1}: {d.get('reason')}"
+    if event.kind == "straggler-action":  # the leader under --straggler-policy auto
+        return f"straggler node {d.get('node')} at {d.get('factor')}x: {d.get('reason')}"
+    if event.kind == "straggler-policy":  # elastic stragglers --policy ...
+        return f"straggler settings changed by {event.who}: {d.get('reason')}"
     if event.kind == "spare":
         return f"node {d.get('node')} (incarnation {d.get('incarnation')}) is a hot spare"
     if event.kind == "spare-taken":

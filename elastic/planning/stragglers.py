@@ -39,12 +39,14 @@ from templates.template_set import PlanningError, TemplateSet
 Position = Literal["whole", "first", "middle", "last"]
 """Where a stage sits in its pipeline (peers share it)."""
 
-POLICIES = ("off", "report", "rebalance")
+POLICIES = ("off", "report", "rebalance", "auto")
 """What the runtime does about stragglers: `off` keeps no factors and marks none; `report` marks
 them in `status` and `events` and leaves the plan as it is; `rebalance` also re-splits the global
 batch at the next step boundary, fewer microbatches for a straggler's pipeline (`rebalanced`),
-and back when the mark clears. (`auto`, which would also weigh a spare or dropping the node, is
-not built.)"""
+and back when the mark clears; `auto` weighs that against a hot spare in the straggler's stage
+and against dropping it, and takes the cheapest estimate (straggler_options.py)."""
+ACTING = ("rebalance", "auto")
+"""The policies under which the leader changes the plan for stragglers."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,9 @@ members, leader, generation, plan/, committed, injections/, events/, token, stor
     progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
     stragglers                      StragglerRecord: speed factors and straggler marks (world rank 0, on a
                                     change and at most every second otherwise; records/stragglers.py)
+    straggler-policy                PolicyOverride: the operator's change of the straggler settings
+                                    (`elastic stragglers`); read about once a second by world rank 0
+                                    and the leader
     halt/<g>                        HaltRecord: the leader asks generation g to stop (abort now, or at
                                     the next step boundary); written once per generation change, and
                                     once more with `stop_step` when the whole job stops (records/stop.py)

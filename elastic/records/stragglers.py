@@ -10,11 +10,13 @@ busy times), and no process watches it: at 2,048 nodes that is about 80 KB a sec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.jsonrecord import JsonRecord
 from elastic.coordinator.keys import JobKeys
+from elastic.planning.stragglers import StragglerConfig
 
 PUT_EVERY_S = 1.0
 """Longest a changed factor waits to be written when no mark changed."""
@@ -22,6 +24,11 @@ PUT_EVERY_S = 1.0
 
 def stragglers_key(keys: JobKeys) -> str:
     return keys.root + "stragglers"
+
+
+def policy_key(keys: JobKeys) -> str:
+    """`elastic stragglers --policy ...`'s settings for a running job (`PolicyOverride`)."""
+    return keys.root + "straggler-policy"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,3 +66,29 @@ class StragglerRecord(JsonRecord):
 def read_stragglers(client: EtcdClient, keys: JobKeys) -> StragglerRecord | None:
     value, _ = client.get(stragglers_key(keys))
     return None if value is None else StragglerRecord.from_json(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyOverride(JsonRecord):
+    """The straggler settings an operator changed on a running job (`elastic stragglers`); the
+    ones left None stay the run's (`elastic run --straggler-*`). World rank 0's reporter and the
+    leader read it about once a second, so a change needs no restart. Under 100 bytes."""
+
+    policy: str | None = None
+    threshold: float | None = None
+    steps: int | None = None
+    at: float
+    """Wall time of the change."""
+
+    def apply(self, base: StragglerConfig) -> StragglerConfig:
+        """`base` with the changed settings (ValueError, one line, if they are not valid)."""
+        changed = {k: v for k, v in (("policy", self.policy), ("threshold", self.threshold),
+                                     ("steps", self.steps)) if v is not None}
+        return dataclasses.replace(base, **changed)  # type: ignore[arg-type]
+
+
+def read_policy(client: EtcdClient, keys: JobKeys, base: StragglerConfig) -> StragglerConfig:
+    """The job's straggler settings now: `base` (the run's) with the operator's changes, if any
+    (ValueError, a RecordError included, for a malformed or invalid change)."""
+    value, _ = client.get(policy_key(keys))
+    return base if value is None else PolicyOverride.from_json(value).apply(base)

@@ -176,7 +176,7 @@ class ElasticWorker:
         self.decisions = DecisionFeed(client, self.rk)
         self.progress = ProgressWriter(client, self.rk)
         self.stragglers: StragglerReporter | None = None
-        """Speed factors and straggler marks, while this worker is world rank 0 (policy not off)."""
+        """Speed factors and straggler marks, while this worker is world rank 0."""
         self._step_log: TextIO | None = None
         self._abort = AbortSignal()
         """The current generation's abort flag."""
@@ -554,7 +554,7 @@ class ElasticWorker:
             self.stragglers = None
         if layout.rank == 0:
             self.progress.publish(result)
-            if busy and self.config.stragglers.policy != "off":
+            if busy:  # also under `off`: the reporter reads the operator's changes of policy
                 if self.stragglers is None:
                     self.stragglers = StragglerReporter(self.client, self.keys, self.config.stragglers,
                                                         who=f"node{self.node}/{self.local_rank}")

@@ -23,14 +23,18 @@ sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a p
   step, and g+1 takes the node in (or leaves the drained node out) from the step after it: a
   join or a drain never throws away a step's work. A drain is refused (with its reason in the
   request's status and an event) unless the other nodes can still form the job's f+1
-  pipelines; a drained node's workers serve their shards until g+1 has committed a step, then
-  leave. A drained node's incarnation is never taken back in (a rejoin brings a new incarnation);
-- `--straggler-policy rebalance`, a node is marked as a straggler (the `stragglers` key,
-  elastic/planning/stragglers.py) and a re-split of the global microbatches for the measured
-  stage times is estimated at least 10 % faster (`_rebalance`), or no mark is left and the split
-  is not the planner's: `halt/<g>` is written without abort and g+1 has the same nodes, stages
-  and layers with the new split (`balanced_for`: the marked nodes); its reason has the estimated
-  step time of doing it and of doing nothing;
+  pipelines, or a ready hot spare takes its stage; a drained node's workers serve their shards
+  until g+1 has committed a step, then leave. A drained node's incarnation is never taken back in
+  (a rejoin brings a new incarnation);
+- under `--straggler-policy rebalance` or `auto` (or the operator's change, `elastic stragglers`),
+  a node is marked as a straggler (the `stragglers` key, elastic/planning/stragglers.py) and a
+  re-split of the global microbatches for the measured stage times is estimated at least 10 %
+  faster, or no mark is left and the split is not the planner's (roles/straggler_decisions.py):
+  `halt/<g>` is written without abort and g+1 has the same nodes, stages and layers with the new
+  split (`balanced_for`: the marked nodes); its reason has the estimated step times. Under `auto`,
+  when a spare in the straggler's stage or dropping it is estimated cheaper still, the leader asks
+  for the straggler's drain (a request `by` "stragglers", once per incarnation, and a
+  "straggler-action" event with every estimate) and the drain is carried out as above;
 - the job's stop was asked (`stop`, elastic/records/stop.py: `elastic run`'s first Ctrl-C or
   SIGTERM, `elastic drain --all`): `halt/<g>` is written without abort, and once every live
   worker reported the same committed steps S it is rewritten with `stop_step` S (a "stopped"
@@ -65,12 +69,14 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
-from elastic.planning.stragglers import measured_stage_times, rebalanced, template_stage_times
+from elastic.planning.stragglers import ACTING, rebalanced, template_stage_times
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
     read_requests,
     read_statuses,
+    request_id,
+    submit_request,
     write_status,
 )
 from elastic.records.partial import resolve_replay, worth_finishing
@@ -88,8 +94,9 @@ from elastic.records.protocol import (
     read_progress,
 )
 from elastic.records.stop import StopRequest, read_stop, stop_key
-from elastic.records.stragglers import read_stragglers
+from elastic.records.stragglers import read_policy, read_stragglers
 from elastic.roles.holders import read_holdings
+from elastic.roles.straggler_decisions import DrainStraggler, Resplit, straggler_decision
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -156,7 +163,8 @@ def live_holdings_gaps(
 
 
 REBALANCE_GAIN = 0.1
-"""Least estimated step-time gain (a fraction) for which `--straggler-policy rebalance` re-splits."""
+"""Least estimated step-time gain (a fraction) for which the leader acts on stragglers
+(`--straggler-policy rebalance` or `auto`)."""
 
 
 class Leader:
@@ -178,6 +186,10 @@ class Leader:
         """(node, incarnation) of the spares whose "spare" event this leader recorded."""
         self._stop_request: StopRequest | None = None
         """The job's stop request, once seen (elastic/records/stop.py)."""
+        self._straggler_config = config.stragglers
+        """The straggler settings in force (the run's, or the operator's change)."""
+        self._straggler_drains: set[tuple[int, int]] = set()
+        """(node, incarnation) of the stragglers this leader asked to drain (once each)."""
         self.rounds = 0
         """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
@@ -279,8 +291,8 @@ class Leader:
             self._stop_job(g, record, members)
             return
         joined = self._joining(record, members)
-        drain = None if joined else self._acceptable_drain(g, record)
-        balance = None if joined or drain else self._rebalance(g, record)
+        drain = None if joined else self._acceptable_drain(g, record, members)
+        balance = None if joined or drain else self._stragglers(g, record, members)
         if not joined and drain is None and balance is None:
             return
         # A step boundary: the workers finish the in-flight step and stop after it.
@@ -296,16 +308,14 @@ class Leader:
             self._resolve_and_publish(g, record, reports, members, lost=[], joined=joined)
             return
         if balance is not None:
-            plan, reason, marked = balance
-            self._resolve_and_publish(g, record, reports, members, lost=[], joined=[], planned=(plan, reason),
-                                      balanced_for=marked)
+            self._resolve_and_publish(g, record, reports, members, lost=[], joined=[],
+                                      planned=(balance.plan, balance.reason), balanced_for=balance.balanced_for)
             return
         assert drain is not None
-        req, plan, reason = drain
-        taken = self._drain_spare(record, members, req.node)
-        if taken:  # a hot spare takes the drained node's stage: the job keeps its node count
-            plan, reason = substitute(record.plan, {req.node: taken[0]}), \
-                f"drained node {req.node}: hot spare {taken[0]} took its stage"
+        req, plan, reason, taken = drain
+        for spare in taken:
+            record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=spare,
+                         incarnation=members[spare], lost=[], drained=[req.node], generation=g + 1)
         if self._resolve_and_publish(g, record, reports, members, lost=[], joined=taken, drained=[req.node],
                                      planned=(plan, reason)):
             self._answer(req, "done", reason, generation=g + 1)
@@ -419,43 +429,43 @@ class Leader:
 
     # ---- stragglers (elastic/planning/stragglers.py) ---------------------------------------
 
-    def _rebalance(self, g: int, record: GenerationRecord) -> tuple[Plan, str, list[int]] | None:
-        """Under `--straggler-policy rebalance`: the re-split plan, its reason (with the estimates
-        of doing it and of doing nothing) and the marked nodes, or None. One key read a round.
-
-        While a node is marked, the split follows the measured stage times, but only for an
-        estimated gain of at least REBALANCE_GAIN (noise moves no microbatch): away from a slow
-        node, and back once its pipeline is as fast again, even before the mark clears (a
-        pipeline left with few microbatches reads slower per microbatch, its fixed costs shared
-        by fewer). Once no mark is left, the planner's split comes back."""
-        if self.config.stragglers.policy != "rebalance":
+    def _stragglers(self, g: int, record: GenerationRecord, members: dict[int, int]) -> Resplit | None:
+        """A re-split for stragglers to publish, or None (roles/straggler_decisions.py). Under
+        `auto`, a spare or a drop is a drain request of the straggler, carried out by the drain
+        path from the next round (once per incarnation). One or two key reads a round."""
+        policy = self._straggler_policy()
+        if policy not in ACTING and not record.balanced_for:
             return None
         try:
             speeds = read_stragglers(self.client, self.keys)
-        except Exception as exc:  # noqa: BLE001 - unreadable or unreachable: no rebalance this round
+        except Exception as exc:  # noqa: BLE001 - unreadable or unreachable: no change this round
             log.warning("leader %s: cannot read the stragglers record: %s", self.who, exc)
             return None
-        if speeds is None:
-            return None
-        marked = sorted(n for n in speeds.marked if n in record.plan.nodes)
-        if marked:
-            times = measured_stage_times(record.plan, speeds.busy)
-            if speeds.generation != g or set(times) != set(record.plan.nodes):
-                return None  # no full window of measures under this plan yet
-            result = rebalanced(record.plan, times)
-            if result.step_s > (1.0 - REBALANCE_GAIN) * result.unchanged_s:
-                return None
-            why = "rebalance for straggler(s) " + ", ".join(f"node {n} at {speeds.marked[n].factor:.2f}x" for n in marked)
-            estimate = f"estimated step {result.unchanged_s:.3f} s (doing nothing) -> {result.step_s:.3f} s"
-        elif record.balanced_for:
-            result = rebalanced(record.plan, template_stage_times(self.tset, record.plan))
-            why, estimate = "rebalance: no straggler left", "the planner's split"
-        else:
-            return None
-        before, after = ([p.microbatches for p in plan.pipelines] for plan in (record.plan, result.plan))
-        if before == after:
-            return None
-        return result.plan, f"{why}: microbatches {before} -> {after}, {estimate}", marked
+        decision = straggler_decision(
+            policy=policy, g=g, record=record, speeds=speeds, tset=self.tset, gain=REBALANCE_GAIN,
+            spare_for=lambda node: next(iter(self._spares_for_drain(record, members, node)), None))
+        if not isinstance(decision, DrainStraggler):
+            return decision
+        incarnation = record.incarnations[decision.node]
+        if (decision.node, incarnation) not in self._straggler_drains:
+            self._straggler_drains.add((decision.node, incarnation))
+            req = InjectionRequest(id=request_id("drain", decision.node, None), kind="drain", node=decision.node,
+                                   incarnation=incarnation, requested_at=time.time(), by="stragglers")
+            submit_request(self.client, self.keys.root, req)
+            record_event(self.client, self.keys, who=self.who, kind="straggler-action", node=decision.node,
+                         choice=decision.choice, factor=round(decision.factor, 3), id=req.id,
+                         reason=f"drain node {decision.node} ({decision.choice}): estimated step {decision.estimates}")
+            log.warning("leader %s: straggler node %d at %.2fx: %s (estimated step %s)", self.who, decision.node,
+                        decision.factor, decision.choice, decision.estimates)
+        return None
+
+    def _straggler_policy(self) -> str:
+        """The straggler policy in force: the run's, or the operator's change (one key read)."""
+        try:
+            self._straggler_config = read_policy(self.client, self.keys, self.config.stragglers)
+        except ValueError as exc:  # malformed (the CLI checks what it writes): keep the last good one
+            log.warning("leader %s: ignoring the straggler settings in etcd: %s", self.who, exc)
+        return self._straggler_config.policy
 
     # ---- drains --------------------------------------------------------------------------
 
@@ -478,15 +488,23 @@ class Leader:
                      node=req.node, id=req.id, reason=detail, generation=generation)
         log.warning("leader %s: drain %s %s: %s", self.who, req.id, state, detail)
 
-    def _acceptable_drain(self, g: int, record: GenerationRecord) -> tuple[InjectionRequest, Plan, str] | None:
-        """The first pending drain request that can be met, with its plan and reason; requests
-        that cannot be met are refused on the way."""
+    def _acceptable_drain(self, g: int, record: GenerationRecord, members: dict[int, int]
+                          ) -> tuple[InjectionRequest, Plan, str, list[int]] | None:
+        """The first pending drain request that can be met, with its plan, reason and the spare
+        taken in (if one is ready, it takes the node's stage at the planner's split: the job keeps
+        its node count); requests that cannot be met are refused on the way."""
         requests, _ = self._drain_requests()
         for req in requests:
             if req.node not in record.plan.nodes or record.incarnations.get(req.node) != req.incarnation:
                 self._answer(req, "refused", f"node {req.node} (incarnation {req.incarnation}) is not in "
                              f"generation {g} (nodes {sorted(record.plan.nodes)})")
                 continue
+            taken = self._spares_for_drain(record, members, req.node)
+            if taken:
+                split = rebalanced(record.plan, template_stage_times(self.tset, record.plan)).plan \
+                    if record.balanced_for else record.plan
+                return (req, substitute(split, {req.node: taken[0]}),
+                        f"drained node {req.node}: hot spare {taken[0]} took its stage", taken)
             others = sorted(n for n in record.plan.nodes if n != req.node)
             f = record.plan.fault_tolerance
             try:
@@ -496,7 +514,7 @@ class Leader:
                 self._answer(req, "refused", f"draining node {req.node} would leave nodes {others}, which cannot "
                              f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")
                 continue
-            return req, plan, f"drained node {req.node}: re-planned over nodes {others}"
+            return req, plan, f"drained node {req.node}: re-planned over nodes {others}", []
         return None
 
     # ---- hot spares (elastic/planning/spares.py) ------------------------------------------
@@ -522,16 +540,11 @@ class Leader:
                          incarnation=members[node], lost=lost, generation=self._record[0] + 1 if self._record else None)
         return taken
 
-    def _drain_spare(self, record: GenerationRecord, members: dict[int, int], node: int) -> list[int]:
-        """The spare (at most one) that takes drained `node`'s stage: none when none is ready."""
+    def _spares_for_drain(self, record: GenerationRecord, members: dict[int, int], node: int) -> list[int]:
+        """The spare (at most one) that would take drained `node`'s stage: none when none is ready."""
         survivors = [n for n in record.plan.nodes if n != node]
-        taken = spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
-                               active=self.config.cluster.nodes)[:1]
-        for spare in taken:
-            record_event(self.client, self.keys, who=self.who, kind="spare-taken", node=spare,
-                         incarnation=members[spare], lost=[], drained=[node],
-                         generation=self._record[0] + 1 if self._record else None)
-        return taken
+        return spares_to_take(survivors=survivors, ready=self._ready_spares(record, members),
+                              active=self.config.cluster.nodes)[:1]
 
     def _joining(self, record: GenerationRecord, members: dict[int, int]) -> list[int]:
         """Ready newcomers that join at the next step boundary. With hot spares configured, as many

@@ -6,6 +6,10 @@ path, and writes the `stragglers` key and a `straggler` / `straggler-cleared` ev
 The first `SETTLE_STEPS` steps of each generation are left out (they connect gloo's pairs and
 warm caches). A new rank 0 (after a re-plan) starts from the marks the key holds, so a mark
 outlives the writer that set it; its history of factors starts again.
+
+The settings are the run's with the operator's changes (`elastic stragglers --policy ...`, the
+`straggler-policy` key), read once a second: a change takes effect within about a second, with
+no restart. Under `off` the steps are not taken in and every mark is cleared (an event each).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import math
 import os
 import threading
@@ -23,7 +28,14 @@ from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys
 from elastic.planning.stragglers import Change, NodeWork, SpeedTracker, StragglerConfig, node_work
-from elastic.records.stragglers import PUT_EVERY_S, Mark, StragglerRecord, read_stragglers, stragglers_key
+from elastic.records.stragglers import (
+    PUT_EVERY_S,
+    Mark,
+    StragglerRecord,
+    read_policy,
+    read_stragglers,
+    stragglers_key,
+)
 from templates.plan import Plan
 
 TRACE_ENV = "ELASTIC_BUSY_TRACE"
@@ -32,6 +44,7 @@ line a step (`{"step", "generation", "busy": {node: seconds}}`): the series the 
 replay (tests/planning/data/)."""
 SETTLE_STEPS = 2
 """Steps of a generation that are not taken in (module doc)."""
+log = logging.getLogger(__name__)
 _QUEUE = 256
 """Steps waiting for the thread at most (it keeps up; older ones are dropped if it does not)."""
 
@@ -48,8 +61,12 @@ class StragglerReporter:
     """The reporter of one worker while it is world rank 0 (module doc)."""
 
     def __init__(self, client: EtcdClient, keys: JobKeys, config: StragglerConfig, *, who: str) -> None:
-        self.client, self.keys, self.config, self.who = client, keys, config, who
+        self.client, self.keys, self.base, self.who = client, keys, config, who
+        self.config = config
+        """The settings in force: the run's (`base`) with the operator's changes."""
         self.tracker = SpeedTracker(config)
+        self._latest = (-1, 0)
+        """(step, generation) of the last committed step handed over."""
         self._marks: dict[int, Mark] = {}
         self._queue: collections.deque[_Observed] = collections.deque(maxlen=_QUEUE)
         self._cond = threading.Condition()
@@ -67,10 +84,11 @@ class StragglerReporter:
         if self._trace is not None:
             rounded = {n: round(b, 5) for n, b in busy.items()}
             self._trace.write(json.dumps({"step": step, "generation": generation, "busy": rounded}) + "\n")
+        self._latest = (step, generation)
         if self._plan is None or self._plan[0] != generation:
             self._plan = (generation, step, node_work(plan))
         _, first, work = self._plan
-        if step - first < SETTLE_STEPS or not busy:
+        if step - first < SETTLE_STEPS or not busy or self.config.policy == "off":
             return
         with self._cond:
             self._queue.append(_Observed(step, generation, busy, work))
@@ -92,10 +110,10 @@ class StragglerReporter:
             record = read_stragglers(self.client, self.keys)
         except Exception:  # noqa: BLE001 - an unreadable or unreachable record: start without marks
             record = None
-        if record is not None:
+        if record is not None and self.config.policy != "off":
             self._marks = dict(record.marked)
             self.tracker.marked.update({n: m.since_step for n, m in record.marked.items()})
-        next_put = 0.0
+        next_put = next_read = 0.0
         last: _Observed | None = None
         unwritten = False
         while True:
@@ -103,6 +121,12 @@ class StragglerReporter:
                 self._cond.wait_for(lambda: bool(self._queue) or self._closing, timeout=1.0)
                 batch, closing = list(self._queue), self._closing
                 self._queue.clear()
+            if time.monotonic() >= next_read:
+                next_read = time.monotonic() + PUT_EVERY_S
+                if self._refresh_settings():
+                    unwritten, next_put = True, 0.0
+                    if self.config.policy == "off":
+                        batch, last = [], None
             changes: list[Change] = []
             for seen in batch:
                 if last is not None and seen.generation != last.generation:
@@ -112,13 +136,35 @@ class StragglerReporter:
             unwritten = unwritten or bool(batch)
             for change in changes:
                 self._announce(change)
-            if last is not None and unwritten and (changes or closing or time.monotonic() >= next_put):
-                self._put(last)
+            if unwritten and (changes or closing or time.monotonic() >= next_put):
+                self._put()
                 unwritten, next_put = False, time.monotonic() + PUT_EVERY_S
             if closing:
                 return
 
-    def _announce(self, change: Change) -> None:
+    def _refresh_settings(self) -> bool:
+        """Take in the operator's changes (module doc); whether the settings changed."""
+        try:
+            config = read_policy(self.client, self.keys, self.base)
+        except ValueError as exc:  # a malformed change (the CLI checks what it writes): keep these
+            log.warning("%s: ignoring the straggler settings in etcd: %s", self.who, exc)
+            return False
+        except Exception:  # noqa: BLE001 - etcd away: the settings in force stay
+            return False
+        if config == self.config:
+            return False
+        log.warning("%s: straggler settings changed: %s -> %s", self.who, self.config, config)
+        self.config = config
+        self.tracker.config = config
+        if config.policy == "off":
+            step = self._latest[0]
+            for node in sorted(self.tracker.marked):
+                self._announce(Change(node=node, marked=False, step=step, factor=float("nan")),
+                               why="the straggler policy is now off")
+            self.tracker = SpeedTracker(config)
+        return True
+
+    def _announce(self, change: Change, *, why: str | None = None) -> None:
         if change.marked:
             self._marks[change.node] = Mark(since_step=change.step, since=time.time(), factor=round(change.factor, 3))
             detail = (f"{change.factor:.2f}x its peers' time for {self.config.steps} steps "
@@ -126,16 +172,17 @@ class StragglerReporter:
         else:
             mark = self._marks.pop(change.node, None)
             since = f" since step {mark.since_step + 1}" if mark is not None else ""
-            detail = (f"left the plan{since}" if math.isnan(change.factor) else
+            detail = (f"{why or 'left the plan'}{since}" if math.isnan(change.factor) else
                       f"back to {change.factor:.2f}x its peers for {self.config.steps} steps{since}")
         factor = None if math.isnan(change.factor) else round(change.factor, 3)
         with contextlib.suppress(Exception):  # etcd away: the record (`_put`) still carries the mark
             record_event(self.client, self.keys, who=self.who, node=change.node, step=change.step, factor=factor,
                          kind="straggler" if change.marked else "straggler-cleared", reason=detail)
 
-    def _put(self, last: _Observed) -> None:
+    def _put(self) -> None:
+        step, generation = self._latest
         record = StragglerRecord(
-            step=last.step, generation=last.generation, at=time.time(), policy=self.config.policy,
+            step=step, generation=generation, at=time.time(), policy=self.config.policy,
             threshold=self.config.threshold,
             factors={n: round(f, 3) for n, f in sorted(self.tracker.smoothed().items())},
             busy={n: round(b, 5) for n, b in sorted(self.tracker.busy_seconds().items())},

@@ -3,49 +3,22 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from elastic.sim.checkpoint_clock import CheckpointClock, Progress
 from elastic.sim.config import RecoveryCosts
 from elastic.sim.planbook import PlanBook
-from elastic.sim.result import PolicyResult, segment_of, whole_steps
-from elastic.sim.trace import Trace
+from elastic.sim.result import PolicyResult, add_segment, segment_of, whole_steps
+from elastic.sim.slowness import note_speed, slow_step_s
+from elastic.sim.trace import MEMBERSHIP, Trace, TraceEvent
 from templates.plan import Plan
+
+__all__ = ["CheckpointRestartPolicy", "Progress", "young_interval"]
 
 
 def young_interval(write_s: float, mtbf_s: float) -> float:
     """Young's optimal checkpoint interval sqrt(2 x write time x mean time between failures)."""
     return math.sqrt(2.0 * write_s * mtbf_s)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Progress:
-    """Where a run stands `elapsed` seconds after it (re)started, under periodic checkpoints.
-
-    The run alternates K steps of training and one blocking checkpoint write of `write_s`.
-    """
-
-    steps_run: int
-    """Steps completed."""
-    steps_saved: int
-    """Steps covered by the last completed checkpoint."""
-    training_s: float
-    """Seconds spent computing."""
-    writing_s: float
-    """Seconds spent writing checkpoints (a write cut short included)."""
-
-    @classmethod
-    def after(cls, elapsed: float, *, iteration_s: float, every_steps: int, write_s: float) -> Progress:
-        train_block = every_steps * iteration_s
-        cycle = train_block + write_s
-        full = int(math.floor(elapsed / cycle + 1e-12)) if elapsed > 0 else 0
-        rem = max(0.0, elapsed - full * cycle)
-        running = min(rem, train_block)
-        return cls(
-            steps_run=full * every_steps + min(every_steps, whole_steps(running, iteration_s)),
-            steps_saved=full * every_steps,
-            training_s=full * train_block + running,
-            writing_s=full * write_s + max(0.0, rem - train_block),
-        )
 
 
 class CheckpointRestartPolicy:
@@ -65,6 +38,10 @@ class CheckpointRestartPolicy:
     - Join: if the new node count allows a faster plan, checkpoint at once (the partial step is
       lost), then restart as above; otherwise the node is a spare.
     - The work done when the horizon ends counts (as if a final checkpoint were written).
+    - Slow nodes: nothing is done about them (Varuna restarts only on a failure): a slow node's
+      stage takes factor x its cost-model time, every step waits for the slowest pipeline
+      (elastic/sim/slowness.py), K stays as set at the restart, and plans are chosen as if every
+      node were at full speed (elastic/sim/checkpoint_clock.py).
     """
 
     name = "checkpoint-restart"
@@ -102,65 +79,115 @@ class CheckpointRestartPolicy:
             "spare failures cost nothing; a join restarts (after a checkpoint) only if it allows a faster plan",
         ]
 
+    def straggler_assumptions(self) -> list[str]:
+        return ["slow nodes: nothing is done about them; a slow stage takes factor x its cost-model time, every "
+                "step waits for the slowest pipeline, checkpoints stay every K steps; plans are chosen as if every "
+                "node were at full speed"]
+
+    def every_steps(self, interval: float, plan: Plan, horizon_s: float) -> int:
+        """K: steps between checkpoints for `plan` (its full-speed iteration time)."""
+        it = plan.iteration_time
+        return max(1, round(interval / it)) if math.isfinite(interval) else whole_steps(horizon_s, it) + 1
+
     def run(self, trace: Trace, horizon_s: float) -> PolicyResult:
-        book = self.book
-        res = PolicyResult(policy=self.name, assumptions=self.assumptions(trace, horizon_s))
+        slow = trace.until(horizon_s).slowdowns > 0
+        res = PolicyResult(policy=self.name, assumptions=self.assumptions(trace, horizon_s)
+                           + (self.straggler_assumptions() if slow else []))
         interval = self.interval_s(trace, horizon_s)
         live = set(range(trace.initial_nodes))
-        plan = book.shape_plan("flat", sorted(live))
+        plan = self.book.shape_plan("flat", sorted(live))
         if plan is None:
             res.infeasible = "no homogeneous plan fits the initial cluster"
             res.recovery_s = horizon_s
             return res
-        resume = 0.0
+        state = _State(res=res, live=live, plan=plan, interval=interval, horizon_s=horizon_s, resume=0.0,
+                       clock=self._clock(0.0, plan, {}, interval, horizon_s))
         res.segments.append(segment_of(0.0, len(live), plan))
-
-        def progress(until: float, current: Plan) -> Progress:
-            it = current.iteration_time
-            every = max(1, round(interval / it)) if math.isfinite(interval) else whole_steps(horizon_s, it) + 1
-            return Progress.after(until - resume, iteration_s=it, every_steps=every, write_s=self.write_s)
-
         for ev in trace.until(horizon_s).events:
-            t = ev.time_s
-            if ev.event == "fail":
-                res.failures += 1
-                live.discard(ev.node)
-                if plan is None or ev.node not in plan.nodes:
-                    continue  # stalled, or a spare
-                if t > resume:
-                    p = progress(t, plan)
-                    res.steps += p.steps_saved
-                    res.training_s += p.training_s
-                    res.checkpoint_s += p.writing_s
-                    res.lost_s += p.training_s - p.steps_saved * plan.iteration_time
+            if ev.event in MEMBERSHIP:
+                self._membership(state, ev)
             else:
-                res.joins += 1
-                live.add(ev.node)
-                if plan is None:
-                    continue
-                faster = book.shape("flat", len(live))
-                if faster is None or faster.iteration_time >= plan.iteration_time:
-                    continue  # a spare
-                if t > resume:
-                    p = progress(t, plan)
-                    res.steps += p.steps_run
-                    res.training_s += p.training_s
-                    write = min(self.write_s, horizon_s - t)  # the checkpoint taken for the restart
-                    res.checkpoint_s += p.writing_s + write
-                    res.lost_s += p.training_s - p.steps_run * plan.iteration_time
-                    t += write
-            plan = book.shape_plan("flat", sorted(live))
-            if plan is None:
-                res.stalled_at = t
-                continue
-            resume = t + self.restart_s(len(live))
-            res.restarts += 1
-            res.segments.append(segment_of(resume, len(live), plan))
-        if plan is not None and horizon_s > resume:
-            p = progress(horizon_s, plan)
-            res.steps += p.steps_run
-            res.training_s += p.training_s
-            res.checkpoint_s += p.writing_s
-        res.samples = res.steps * book.cluster.global_batch
+                self._speed(state, ev)
+        if state.plan is not None and horizon_s > state.resume:
+            tally = state.clock.tally(horizon_s)
+            res.steps += tally.steps_run
+            res.training_s += tally.training_s
+            res.checkpoint_s += tally.writing_s
+        res.samples = res.steps * self.book.cluster.global_batch
         res.recovery_s = horizon_s - res.training_s - res.checkpoint_s
         return res
+
+    def _clock(self, resume: float, plan: Plan, factors: dict[int, float], interval: float,
+               horizon_s: float) -> CheckpointClock:
+        return CheckpointClock(start_s=resume, iteration_s=slow_step_s(self.book.flat, plan, factors),
+                               every_steps=self.every_steps(interval, plan, horizon_s), write_s=self.write_s)
+
+    def _speed(self, state: _State, ev: TraceEvent) -> None:
+        """A node slows down or recovers: the pace changes, nothing else."""
+        note_speed(state.factors, ev.node, ev.factor)
+        if state.plan is None or ev.node not in state.plan.nodes:
+            return
+        step = slow_step_s(self.book.flat, state.plan, state.factors)
+        state.clock, tally = state.clock.repace(ev.time_s, step)
+        state.res.training_s += tally.training_s
+        state.res.checkpoint_s += tally.writing_s
+        add_segment(state.res, segment_of(state.clock.start_s, len(state.live), state.plan, step))
+
+    def _membership(self, state: _State, ev: TraceEvent) -> None:
+        book, res, t, plan = self.book, state.res, ev.time_s, state.plan
+        if ev.event == "fail":
+            res.failures += 1
+            state.live.discard(ev.node)
+            state.factors.pop(ev.node, None)
+            if plan is None or ev.node not in plan.nodes:
+                return  # stalled, or a spare
+            if t > state.resume:
+                tally = state.clock.tally(t)
+                res.steps += tally.steps_saved
+                res.training_s += tally.training_s
+                res.checkpoint_s += tally.writing_s
+                res.lost_s += tally.unsaved_s
+        else:
+            res.joins += 1
+            state.live.add(ev.node)
+            if plan is None:
+                return
+            faster = book.shape("flat", len(state.live))
+            if faster is None or faster.iteration_time >= plan.iteration_time:
+                return  # a spare
+            if t > state.resume:
+                tally = state.clock.tally(t)
+                res.steps += tally.steps_run
+                res.training_s += tally.training_s
+                write = min(self.write_s, state.horizon_s - t)  # the checkpoint taken for the restart
+                res.checkpoint_s += tally.writing_s + write
+                res.lost_s += tally.partial_s
+                t += write
+        self._restart(state, t)
+
+    def _restart(self, state: _State, t: float) -> None:
+        state.plan = self.book.shape_plan("flat", sorted(state.live))
+        if state.plan is None:
+            state.res.stalled_at = t
+            return
+        state.resume = t + self.restart_s(len(state.live))
+        state.clock = self._clock(state.resume, state.plan, state.factors, state.interval, state.horizon_s)
+        state.res.restarts += 1
+        state.res.segments.append(segment_of(state.resume, len(state.live), state.plan, state.clock.iteration_s))
+
+
+@dataclass
+class _State:
+    """The checkpoint-restart policy's run between events."""
+
+    res: PolicyResult
+    live: set[int]
+    plan: Plan | None
+    """The plan that runs; None once stalled."""
+    interval: float
+    horizon_s: float
+    resume: float
+    """When training (re)starts after the last restart."""
+    clock: CheckpointClock
+    factors: dict[int, float] = field(default_factory=dict)
+    """Slow nodes -> factor."""

@@ -1,5 +1,6 @@
 """What the simulator is told besides the job and cluster (`elastic.planning.cluster.ClusterSpec`,
-the same type a run plans with): the costs of recovering from failures.
+the same type a run plans with): the costs of recovering from failures, and of reacting to a
+slow node (the runtime's straggler policy, elastic/planning/stragglers.py).
 
 Every number here is an assumption of the simulation and is printed with its results.
 """
@@ -11,6 +12,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic.planning.cluster import GBIT
+from elastic.planning.stragglers import StragglerConfig
+
+_RUNTIME = StragglerConfig()
+"""The runtime's straggler defaults (`elastic run --straggler-*`), which the straggler fields follow."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +40,24 @@ class RecoveryCosts:
     redundant_forward: float = 1.0
     """Redundant policy: fraction of the successor's forward compute NOT hidden in pipeline
     bubbles (1.0 = none hidden, the upper bound; 0.0 = all hidden, Bamboo's best case)."""
+    straggler_detect_steps: int = _RUNTIME.steps + _RUNTIME.window // 2
+    """Elastic, straggler policy rebalance or auto: steps at the current pace from a node's
+    slowdown (or recovery) to its mark (or its mark's clearing). The runtime's StragglerConfig
+    marks a node after `steps` = 10 consecutive steps whose median factor over a `window` = 5
+    step window is >= the threshold; that median first reads slow at the 3rd slow step, so the
+    mark comes at step 2 + 10 = 12. The re-split then waits for the next step boundary."""
+    straggler_window_steps: int = _RUNTIME.window
+    """Elastic: steps after a re-plan before a node still marked is re-split for again (the
+    runtime's busy seconds restart with each generation and the leader waits for a full window)."""
+    straggler_threshold: float = _RUNTIME.threshold
+    """Elastic: a slowdown by a smaller factor is never marked (the runtime's StragglerConfig.threshold)."""
+    straggler_min_gain: float = 0.1
+    """Elastic: the leader re-splits for marked nodes only for an estimated step-time gain of at
+    least this fraction (elastic/roles/leader.py REBALANCE_GAIN)."""
+    spare_payback_s: float = 600.0
+    """Elastic, straggler policy auto: a free spare replaces a marked node when, over this many
+    seconds, it is estimated to train more steps than rebalancing, its shard fetch included (an
+    assumption: the runtime cannot know how long a node stays slow)."""
 
     def __post_init__(self) -> None:
         for name in ("detect_s", "rebuild_s", "process_start_s"):
@@ -50,6 +73,18 @@ class RecoveryCosts:
             raise ValueError(f"--checkpoint-interval must be a positive number, got {interval}")
         if not 0.0 <= self.redundant_forward <= 1.0:
             raise ValueError(f"--redundant-forward must be in [0, 1], got {self.redundant_forward}")
+        self._check_stragglers()
+
+    def _check_stragglers(self) -> None:
+        for name in ("straggler_detect_steps", "straggler_window_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.straggler_threshold) and self.straggler_threshold > 1.0):
+            raise ValueError(f"straggler_threshold must be a number > 1, got {self.straggler_threshold}")
+        if not 0.0 <= self.straggler_min_gain < 1.0:
+            raise ValueError(f"straggler_min_gain must be in [0, 1), got {self.straggler_min_gain}")
+        if not (math.isfinite(self.spare_payback_s) and self.spare_payback_s > 0):
+            raise ValueError(f"spare_payback_s must be a positive number, got {self.spare_payback_s}")
 
     @property
     def storage_bytes_per_s(self) -> float:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 from elastic.planning.spares import substitute
 from elastic.sim.config import RecoveryCosts
+from elastic.sim.elastic_run import ElasticRun
 from elastic.sim.planbook import PlanBook
-from elastic.sim.result import PolicyResult, segment_of, train_interrupted, whole_steps
+from elastic.sim.result import PolicyResult
+from elastic.sim.slowness import STRAGGLER_POLICIES
 from elastic.sim.trace import Trace
 from templates.plan import Plan
 from templates.replanning import Replan, replan
-from templates.template_set import PlanningError
+from templates.template_set import PlanningError, TemplateSet
 
 
 class ElasticPolicy:
@@ -40,16 +41,39 @@ class ElasticPolicy:
       pays the shard fetch of the node it replaces, instead of the job running degraded); a
       node that comes back while N nodes train becomes a spare at no cost; a spare's own
       failure costs nothing. With no spare left, a failure is handled as without spares.
+    - Slow nodes (trace events `slow` and `recover`; elastic/sim/slowness.py): a slow node's
+      stage takes factor x its cost-model time, its pipeline's 1F1B time grows and a step takes
+      the slowest pipeline's time. Straggler policy `off` does nothing about it. `rebalance`
+      (the runtime's `--straggler-policy rebalance`): once the node is marked
+      (elastic/sim/straggler_marks.py), at the next step boundary, the leader re-splits the
+      global batch (`elastic.planning.stragglers.rebalanced`, the planner's 1F1B cost over the
+      slowed stage times) if that is estimated at least `straggler_min_gain` faster, paying a
+      group rebuild (`rebuild_s`) and nothing else: no transfer, no work lost; once no node is
+      marked the planner's split comes back the same way. `auto`, as modelled here (spare or
+      rebalance; the runtime's own `auto`, if any, may weigh more options and decide otherwise):
+      first, a free spare (not slow itself) replaces the marked node (`substitute`) if, over
+      `spare_payback_s`, that is estimated to train more steps than rebalancing; it fetches
+      the node's stage as on a failure, and the slow node becomes a spare, taken last. A
+      failure or join re-plans as without slow nodes; the survivors' slowness carries over.
     """
 
-    name = "elastic"
-
-    def __init__(self, book: PlanBook, costs: RecoveryCosts, *, spares: int = 0) -> None:
+    def __init__(self, book: PlanBook, costs: RecoveryCosts, *, spares: int = 0, stragglers: str = "rebalance",
+                 name: str = "elastic") -> None:
         if spares < 0:
             raise ValueError(f"--spares must be >= 0, got {spares}")
+        if stragglers not in STRAGGLER_POLICIES:
+            raise ValueError(f"--straggler-policy must be one of {', '.join(STRAGGLER_POLICIES)}, got {stragglers!r}")
         self.book = book
         self.costs = costs
         self.spares = spares
+        self.stragglers = stragglers
+        """What the leader does about slow nodes (elastic/sim/slowness.py STRAGGLER_POLICIES)."""
+        self.name = name
+
+    @property
+    def tset(self) -> TemplateSet:
+        """The runtime's templates, whose stage times the slow nodes' factors multiply."""
+        return self.book.elastic
 
     def assumptions(self) -> list[str]:
         c, cl = self.costs, self.book.cluster
@@ -67,60 +91,40 @@ class ElasticPolicy:
               if self.spares else []),
         ]
 
-    def run(self, trace: Trace, horizon_s: float) -> PolicyResult:
-        book, costs = self.book, self.costs
-        res = PolicyResult(policy=self.name, assumptions=self.assumptions())
-        first = book.initial_plan()
-        plan: Plan | None = first
-        live = set(range(trace.initial_nodes))
-        pool = list(range(trace.initial_nodes, trace.initial_nodes + self.spares))
-        """The spares: up, in no plan (elastic/planning/spares.py)."""
-        resume = 0.0
-        res.segments.append(segment_of(0.0, len(live), first))
-        for ev in trace.until(horizon_s).events:
-            t = ev.time_s
-            if self._spare_event(ev.event, ev.node, live, pool, res):
-                continue  # a spare lost, or a node back as a spare: the plan is untouched
-            if ev.event == "join" and plan is not None and t > resume:
-                it = plan.iteration_time
-                t = min(horizon_s, resume + math.ceil((t - resume) / it - 1e-9) * it)  # the step boundary
-            if plan is not None and t > resume:
-                train_interrupted(res, t - resume, plan.iteration_time)
-            swap: dict[int, int] = {}
-            if ev.event == "fail":
-                live.discard(ev.node)
-                res.failures += 1
-                if pool and plan is not None and ev.node in plan.nodes:  # the re-plan takes a spare in
-                    swap[ev.node] = pool.pop(0)
-                    live.add(swap[ev.node])
-                    res.spares_taken += 1
-            else:
-                live.add(ev.node)
-                res.joins += 1
-            if plan is None:
-                continue
-            new, planning_s = self._spare_swap(plan, swap) if swap else self._replan(plan, sorted(live))
-            if new is None:
-                res.stalled_at = t
-                plan = None
-                continue
-            fetch = max(new.fetch_bytes.values(), default=0)
-            cost = planning_s + fetch / book.cluster.network_bytes_per_s + costs.rebuild_s
-            if ev.event == "fail":
-                cost += costs.detect_s
-            resume = t + cost
-            plan = new.plan
-            res.reconfigurations += 1
-            res.segments.append(segment_of(resume, len(live), plan))
-        if plan is not None and horizon_s > resume:
-            ran = horizon_s - resume
-            res.steps += whole_steps(ran, plan.iteration_time)
-            res.training_s += ran
-        res.samples = res.steps * book.cluster.global_batch
-        res.recovery_s = horizon_s - res.training_s - res.checkpoint_s
-        return res
+    def straggler_assumptions(self) -> list[str]:
+        c = self.costs
+        if self.stragglers == "off":
+            return ["stragglers off: a slow node's stage takes factor x its cost-model time and every step waits "
+                    "for the slowest pipeline; nothing is done about it"]
+        lines = [
+            f"stragglers {self.stragglers}: a node is marked {c.straggler_detect_steps} steps (at the pace of its "
+            f"slowdown) after it slows by >= {c.straggler_threshold:g}x, its mark clears as long after it recovers "
+            "(the runtime's StragglerConfig: 10 steps of a 5-step median); a re-plan restarts the count, and a "
+            f"node still marked in the new plan is re-split for after {c.straggler_window_steps} steps",
+            f"at the next step boundary the global batch is re-split for the slowed stage times (rebalanced, the "
+            f"planner's 1F1B cost) if estimated >= {c.straggler_min_gain:.0%} faster; a re-split costs the rebuild "
+            f"{c.rebuild_s:g} s (rebuild_s), no transfer, no work lost; with no mark left the planner's split "
+            "comes back the same way",
+        ]
+        if self.stragglers == "auto":
+            lines.append(
+                "auto (this model's rule: spare or rebalance, nothing else): a free spare that is not slow replaces a marked node (substitute) "
+                f"if over {c.spare_payback_s:g} s it trains more steps than rebalancing; it fetches the node's stage "
+                "as on a failure, plus rebuild; the slow node becomes a spare, taken last"
+            )
+        return lines
 
-    def _spare_event(self, event: str, node: int, live: set[int], pool: list[int], res: PolicyResult) -> bool:
+    def run(self, trace: Trace, horizon_s: float) -> PolicyResult:
+        slow = trace.until(horizon_s).slowdowns > 0
+        assumptions = self.assumptions() + (self.straggler_assumptions() if slow else [])
+        run = ElasticRun(self, initial_nodes=trace.initial_nodes, assumptions=assumptions)
+        for ev in trace.until(horizon_s).events:
+            run.act_until(ev.time_s)
+            run.on_event(ev, horizon_s)
+        run.act_until(horizon_s)
+        return run.finish(horizon_s)
+
+    def spare_event(self, event: str, node: int, live: set[int], pool: list[int], res: PolicyResult) -> bool:
         """Handle an event that touches only the spares (True): a spare's failure, or a node that
         comes back while the plan has all its nodes (it becomes a spare)."""
         if event == "fail" and node in pool:
@@ -134,7 +138,7 @@ class ElasticPolicy:
             return True
         return False
 
-    def _spare_swap(self, plan: Plan, swap: dict[int, int]) -> tuple[Replan, float]:
+    def spare_swap(self, plan: Plan, swap: dict[int, int]) -> tuple[Replan, float]:
         """The leader's re-plan when spares replace every lost node (elastic/planning/spares.py):
         the same instantiation, each spare fetching the whole stage of the node it replaces."""
         start = time.perf_counter()
@@ -146,7 +150,7 @@ class ElasticPolicy:
         found = Replan(plan=new, fetch_bytes=fetch, strategy="spare", gpus_per_node=plan.gpus_per_node)
         return found, measured if self.costs.replan_s is None else self.costs.replan_s
 
-    def _replan(self, plan: Plan, live: list[int]) -> tuple[Replan | None, float]:
+    def replan_over(self, plan: Plan, live: list[int]) -> tuple[Replan | None, float]:
         start = time.perf_counter()
         found: Replan | None = None
         for f in range(self.book.f, -1, -1):

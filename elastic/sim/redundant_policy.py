@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from elastic.sim.config import RecoveryCosts
+from elastic.sim.pace import Stretch
 from elastic.sim.planbook import PlanBook
-from elastic.sim.result import PolicyResult, segment_of, train_interrupted, whole_steps
-from elastic.sim.trace import Trace
+from elastic.sim.result import PolicyResult, add_segment, segment_of
+from elastic.sim.slowness import note_speed, slow_step_s
+from elastic.sim.trace import MEMBERSHIP, Trace, TraceEvent
 from templates.plan import Plan
 
 
@@ -29,6 +33,10 @@ class RedundantPolicy:
       layer's every copy: Bamboo would restart from a checkpoint; not modelled: the run stalls.
     - Spare failures cost nothing; a join re-plans (as a failure, without detection) only if it
       allows a faster plan.
+    - Slow nodes: nothing is done about them (Bamboo has no straggler policy): a slow node's
+      stage takes factor x its cost-model time on the redundant profile, and every step waits for
+      the slowest pipeline (elastic/sim/slowness.py); plans are chosen as if every node were at
+      full speed. A failing node loses its slowness.
     """
 
     name = "redundant"
@@ -50,75 +58,117 @@ class RedundantPolicy:
             "adjacent stages lost before re-protection: checkpoint restart not modelled, the run stalls",
         ]
 
+    def straggler_assumptions(self) -> list[str]:
+        return ["slow nodes: nothing is done about them; a slow stage takes factor x its cost-model time and every "
+                "step waits for the slowest pipeline; plans are chosen as if every node were at full speed"]
+
     def run(self, trace: Trace, horizon_s: float) -> PolicyResult:
-        book, costs = self.book, self.costs
-        res = PolicyResult(policy=self.name, assumptions=self.assumptions())
-        live = set(range(trace.initial_nodes))
+        book = self.book
+        slow = trace.until(horizon_s).slowdowns > 0
+        res = PolicyResult(policy=self.name,
+                           assumptions=self.assumptions() + (self.straggler_assumptions() if slow else []))
         if book.redundant is None:
             res.infeasible = f"the redundant copy does not fit: {book.redundant_error}"
             res.recovery_s = horizon_s
             return res
-        plan = book.shape_plan("redundant", sorted(live))
+        plan = book.shape_plan("redundant", list(range(trace.initial_nodes)))
         if plan is None:
             res.infeasible = "no homogeneous redundant plan fits the initial cluster"
             res.recovery_s = horizon_s
             return res
-        protected = plan  # the plan whose redundancy is complete
-        lost_in_window: set[int] = set()
-        resume = 0.0
-        current: Plan | None = plan
-        res.segments.append(segment_of(0.0, len(live), plan))
+        state = _State(res=res, live=set(range(trace.initial_nodes)), current=plan, protected=plan,
+                       stretch=Stretch(start_s=0.0, iteration_s=plan.iteration_time))
+        res.segments.append(segment_of(0.0, len(state.live), plan))
         for ev in trace.until(horizon_s).events:
-            t = ev.time_s
-            if ev.event == "fail":
-                res.failures += 1
-                live.discard(ev.node)
-                if current is None or ev.node not in current.nodes:
-                    continue
-                if t > resume:
-                    train_interrupted(res, t - resume, current.iteration_time)
-                    protected, lost_in_window = current, set()
-                if lost_in_window & _neighbours(protected, ev.node):
-                    res.stalled_at = t
-                    current = None
-                    continue
-                lost_in_window.add(ev.node)
-                fetch = 2 * _stage_bytes(book, protected, ev.node)
-                cost = costs.detect_s
+            if ev.event in MEMBERSHIP:
+                self._membership(state, ev)
             else:
-                res.joins += 1
-                live.add(ev.node)
-                if current is None:
-                    continue
-                better = book.shape("redundant", len(live))
-                if better is None or better.iteration_time >= current.iteration_time:
-                    continue
-                if t > resume:
-                    train_interrupted(res, t - resume, current.iteration_time)
-                    protected, lost_in_window = current, set()
-                cost = 0.0
-                fetch = -1  # set below from the new plan
-            new = book.shape_plan("redundant", sorted(live))
-            if new is None:
-                res.stalled_at = t
-                current = None
-                continue
-            shape = book.shape("redundant", len(live))
-            assert shape is not None
-            if fetch < 0:
-                fetch = 2 * _stage_bytes(book, new, ev.node) if ev.node in new.nodes else 0
-            planning = shape.planning_s if costs.replan_s is None else costs.replan_s
-            resume = t + cost + planning + fetch / book.cluster.network_bytes_per_s + costs.rebuild_s
-            current = new
-            res.reconfigurations += 1
-            res.segments.append(segment_of(resume, len(live), new))
-        if current is not None and horizon_s > resume:
-            ran = horizon_s - resume
-            res.steps += whole_steps(ran, current.iteration_time)
-            res.training_s += ran
+                self._speed(state, ev)
+        if state.current is not None:
+            state.stretch.finish(res, horizon_s)
         res.samples = res.steps * book.cluster.global_batch
         res.recovery_s = horizon_s - res.training_s - res.checkpoint_s
         return res
+
+    def _speed(self, state: _State, ev: TraceEvent) -> None:
+        """A node slows down or recovers: the pace changes, nothing else."""
+        note_speed(state.factors, ev.node, ev.factor)
+        if state.current is None or ev.node not in state.current.nodes:
+            return
+        assert self.book.redundant is not None
+        step = slow_step_s(self.book.redundant, state.current, state.factors)
+        state.stretch = state.stretch.repace(state.res, ev.time_s, step)
+        add_segment(state.res, segment_of(state.stretch.start_s, len(state.live), state.current, step))
+
+    def _membership(self, state: _State, ev: TraceEvent) -> None:
+        book, costs, res, t = self.book, self.costs, state.res, ev.time_s
+        if ev.event == "fail":
+            res.failures += 1
+            state.live.discard(ev.node)
+            state.factors.pop(ev.node, None)
+            if state.current is None or ev.node not in state.current.nodes:
+                return
+            self._interrupt(state, t)
+            if state.lost_in_window & _neighbours(state.protected, ev.node):
+                res.stalled_at = t
+                state.current = None
+                return
+            state.lost_in_window.add(ev.node)
+            fetch = 2 * _stage_bytes(book, state.protected, ev.node)
+            cost = costs.detect_s
+        else:
+            res.joins += 1
+            state.live.add(ev.node)
+            if state.current is None:
+                return
+            better = book.shape("redundant", len(state.live))
+            if better is None or better.iteration_time >= state.current.iteration_time:
+                return
+            self._interrupt(state, t)
+            cost = 0.0
+            fetch = -1  # set below from the new plan
+        self._replan(state, ev, t, cost=cost, fetch=fetch)
+
+    def _interrupt(self, state: _State, t: float) -> None:
+        if t > state.stretch.start_s:
+            state.stretch.interrupt(state.res, t)
+            state.protected, state.lost_in_window = state.current or state.protected, set()
+
+    def _replan(self, state: _State, ev: TraceEvent, t: float, *, cost: float, fetch: int) -> None:
+        book, costs, res = self.book, self.costs, state.res
+        new = book.shape_plan("redundant", sorted(state.live))
+        if new is None:
+            res.stalled_at = t
+            state.current = None
+            return
+        shape = book.shape("redundant", len(state.live))
+        assert shape is not None and book.redundant is not None
+        if fetch < 0:
+            fetch = 2 * _stage_bytes(book, new, ev.node) if ev.node in new.nodes else 0
+        planning = shape.planning_s if costs.replan_s is None else costs.replan_s
+        resume = t + cost + planning + fetch / book.cluster.network_bytes_per_s + costs.rebuild_s
+        state.current = new
+        step = slow_step_s(book.redundant, new, state.factors)
+        state.stretch = Stretch(start_s=resume, iteration_s=step)
+        res.reconfigurations += 1
+        res.segments.append(segment_of(resume, len(state.live), new, step))
+
+
+@dataclass
+class _State:
+    """The redundant policy's run between events."""
+
+    res: PolicyResult
+    live: set[int]
+    current: Plan | None
+    """The plan that runs; None once stalled."""
+    protected: Plan
+    """The plan whose redundancy is complete."""
+    stretch: Stretch
+    lost_in_window: set[int] = field(default_factory=set)
+    """Nodes lost since `protected` was complete."""
+    factors: dict[int, float] = field(default_factory=dict)
+    """Slow nodes -> factor."""
 
 
 def _neighbours(plan: Plan, node: int) -> set[int]:

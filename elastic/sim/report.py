@@ -9,6 +9,7 @@ from elastic.model.config import GPTConfig, describe_model
 
 def format_table(report: dict[str, Any]) -> str:
     c, refs = report["cluster"], report["references"]
+    width = max(19, *(len(p["policy"]) for p in report["policies"]))
     hours = report["horizon_s"] / 3600
     tr = report["trace"]
     model = c["model"] if not c.get("shape") else describe_model(c["model"], GPTConfig(**c["shape"]))
@@ -17,23 +18,22 @@ def format_table(report: dict[str, Any]) -> str:
         f"({c['device_tflops']:g} TFLOP/s, {c['device_memory_gib']:g} GiB, {c['network_gbps']:g} Gbit/s), "
         f"f = {c['fault_tolerance']}, global batch {c['global_batch']} (microbatch {c['microbatch']})",
         f"profile: {report['profile']['source']}; checkpoint/replica state {report['profile']['model_bytes'] / 1e9:.2f} GB",
-        f"trace: {tr['description']}: {tr['failures']} failures, {tr['joins']} joins in {hours:g} h",
+        f"trace: {tr['description']}: {tr['failures']} failures, {tr['joins']} joins"
+        + (f", {tr['slowdowns']} slowdowns" if tr.get("slowdowns") else "") + f" in {hours:g} h",
         f"failure-free: {refs['failure_free_samples']} samples (initial plan {refs['initial_iteration_s']:.3f} s/step); "
         f"ideal: {refs['ideal_samples']} samples",
         *([f"hot spares (elastic policy): {report['spares']} beside the {c['nodes']} nodes"]
           if report.get("spares") else []),
+        *[f"slow nodes: {note}" for note in report.get("stragglers", {}).get("notes", [])],
         "",
-        f"{'policy':<19} {'effective':>9} {'vs ideal':>8} {'samples':>10} {'recovery s':>10} "
+        f"{'policy':<{width}} {'effective':>9} {'vs ideal':>8} {'samples':>10} {'recovery s':>10} "
         f"{'ckpt s':>8} {'lost s':>8} {'reconf':>6} {'restarts':>8}  note",
     ]
     for p in report["policies"]:
-        note = p["infeasible"] or (f"stalled at {p['stalled_at']:.0f} s" if p["stalled_at"] is not None else "")
-        if p.get("spares_taken"):
-            note = f"{note}; " * bool(note) + f"{p['spares_taken']} spare(s) taken in"
         lines.append(
-            f"{p['policy']:<19} {p['effective']:>9.1%} {p['vs_ideal']:>8.1%} {p['samples']:>10} "
+            f"{p['policy']:<{width}} {p['effective']:>9.1%} {p['vs_ideal']:>8.1%} {p['samples']:>10} "
             f"{p['recovery_s']:>10.1f} {p['checkpoint_s']:>8.1f} {p['lost_s']:>8.1f} "
-            f"{p['reconfigurations']:>6} {p['restarts']:>8}  {note}"
+            f"{p['reconfigurations']:>6} {p['restarts']:>8}  {_note(p)}"
         )
     lines += [
         "",
@@ -46,3 +46,15 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  {p['policy']}:")
         lines += [f"    - {a}" for a in p["assumptions"]]
     return "\n".join(lines)
+
+
+def _note(p: dict[str, Any]) -> str:
+    """A policy row's note: why it could not run or stalled, the spares it took, its straggler actions."""
+    notes = [p["infeasible"] or (f"stalled at {p['stalled_at']:.0f} s" if p["stalled_at"] is not None else "")]
+    if p.get("spares_taken"):
+        notes.append(f"{p['spares_taken']} spare(s) taken in")
+    if p.get("resplits"):
+        notes.append(f"{p['resplits']} re-split(s)")
+    if p.get("slow_swaps"):
+        notes.append(f"{p['slow_swaps']} slow node(s) swapped for a spare")
+    return "; ".join(n for n in notes if n)

@@ -74,6 +74,12 @@ class PolicyResult:
     """Job restarts from a checkpoint."""
     spares_taken: int = 0
     """Failures whose re-plan took a hot spare in (the elastic policy with `--spares`)."""
+    resplits: int = 0
+    """Re-splits of the global batch's microbatches for slow nodes, and back (elastic policy,
+    straggler policy rebalance or auto); they are not counted in `reconfigurations`."""
+    slow_swaps: int = 0
+    """Slow nodes replaced by a hot spare (elastic policy, straggler policy auto); they are
+    counted in `reconfigurations` too."""
     stalled_at: float | None = None
     """When the policy could no longer form any plan (it trains nothing after that)."""
     segments: list[Segment] = field(default_factory=list)
@@ -96,6 +102,8 @@ class PolicyResult:
             "reconfigurations": self.reconfigurations,
             "restarts": self.restarts,
             "spares_taken": self.spares_taken,
+            "resplits": self.resplits,
+            "slow_swaps": self.slow_swaps,
             "stalled_at": self.stalled_at,
             "infeasible": self.infeasible,
             "segments": [s.to_dict() for s in self.segments],
@@ -110,8 +118,16 @@ def train_interrupted(res: PolicyResult, ran_s: float, iteration_s: float) -> No
     res.lost_s += ran_s - done * iteration_s
 
 
-def segment_of(start_s: float, live: int, plan: Plan) -> Segment:
-    """The segment that runs `plan` from `start_s` with `live` nodes."""
-    return Segment(
-        start_s=start_s, live=live, used=len(plan.nodes), pipelines=len(plan.pipelines), iteration_s=plan.iteration_time
-    )
+def segment_of(start_s: float, live: int, plan: Plan, iteration_s: float | None = None) -> Segment:
+    """The segment that runs `plan` from `start_s` with `live` nodes (at `iteration_s` a step,
+    default the plan's own estimate)."""
+    it = plan.iteration_time if iteration_s is None else iteration_s
+    return Segment(start_s=start_s, live=live, used=len(plan.nodes), pipelines=len(plan.pipelines), iteration_s=it)
+
+
+def add_segment(res: PolicyResult, segment: Segment) -> None:
+    """Append `segment`, replacing the last one if it starts at the same time (a change of pace
+    during a recovery: the configuration resumes at the new pace)."""
+    if res.segments and res.segments[-1].start_s == segment.start_s:
+        res.segments.pop()
+    res.segments.append(segment)

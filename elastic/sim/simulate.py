@@ -7,6 +7,12 @@
   plan for n nodes trains in that stretch, switching plans for free at each change (only the
   partial step at a change is lost); `vs_ideal` = a policy's samples / these. It isolates the
   cost of recovering from the unavoidable loss of capacity.
+
+Both references have every node at full speed: against them, a trace's slow nodes cost what no
+policy wins back. When the trace slows nodes down, the elastic policy runs under the chosen
+straggler policy (`stragglers`, elastic/sim/slowness.py) and once more with stragglers `off`,
+a row of its own (`elastic (stragglers off)`), so that the runtime's reaction to slow nodes
+appears beside doing nothing; the other policies do nothing about slow nodes.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from elastic.sim.elastic_policy import ElasticPolicy
 from elastic.sim.planbook import PlanBook
 from elastic.sim.redundant_policy import RedundantPolicy
 from elastic.sim.result import PolicyResult, whole_steps
+from elastic.sim.slowness import STRAGGLER_POLICIES
 from elastic.sim.trace import Trace
 
 POLICIES = ("elastic", "checkpoint-restart", "redundant")
 REPORT_VERSION = 1
+STRAGGLERS_OFF = "elastic (stragglers off)"
+"""The extra row of a trace with slow nodes: the elastic policy doing nothing about them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +71,14 @@ def references(book: PlanBook, trace: Trace, horizon_s: float) -> References:
     )
 
 
-def make_policy(name: str, book: PlanBook, costs: RecoveryCosts, *, spares: int = 0) -> Any:
-    """The policy `name`; `spares`: the elastic policy's hot spares (the others have none)."""
+def make_policy(name: str, book: PlanBook, costs: RecoveryCosts, *, spares: int = 0,
+                stragglers: str = "rebalance") -> Any:
+    """The policy `name` (or STRAGGLERS_OFF); `spares`: the elastic policy's hot spares (the
+    others have none); `stragglers`: the elastic policy's straggler policy."""
     if name == "elastic":
-        return ElasticPolicy(book, costs, spares=spares)
+        return ElasticPolicy(book, costs, spares=spares, stragglers=stragglers)
+    if name == STRAGGLERS_OFF:
+        return ElasticPolicy(book, costs, spares=spares, stragglers="off", name=STRAGGLERS_OFF)
     if name == "checkpoint-restart":
         return CheckpointRestartPolicy(book, costs)
     if name == "redundant":
@@ -74,9 +87,10 @@ def make_policy(name: str, book: PlanBook, costs: RecoveryCosts, *, spares: int 
 
 
 def run_policy(name: str, book: PlanBook, costs: RecoveryCosts, trace: Trace, horizon_s: float, *,
-               spares: int = 0) -> PolicyResult:
-    """One policy over `trace` up to `horizon_s` (`spares`: the elastic policy's hot spares)."""
-    policy = make_policy(name, book, costs, spares=spares)
+               spares: int = 0, stragglers: str = "rebalance") -> PolicyResult:
+    """One policy over `trace` up to `horizon_s` (`spares`: the elastic policy's hot spares;
+    `stragglers`: its straggler policy)."""
+    policy = make_policy(name, book, costs, spares=spares, stragglers=stragglers)
     result: PolicyResult = policy.run(trace, horizon_s)
     return result
 
@@ -89,9 +103,12 @@ def simulate(
     horizon_s: float,
     policies: tuple[str, ...] = POLICIES,
     spares: int = 0,
+    stragglers: str = "rebalance",
 ) -> dict[str, Any]:
     """The full report (stable JSON fields): inputs, references and one entry per policy.
-    `spares`: hot spares beside the trace's nodes for the elastic policy (`elastic simulate --spares`)."""
+    `spares`: hot spares beside the trace's nodes for the elastic policy (`elastic simulate --spares`);
+    `stragglers`: the elastic policy's straggler policy (`--straggler-policy`), which matters only
+    when the trace slows nodes down (then the report has the STRAGGLERS_OFF row too)."""
     if not horizon_s > 0:
         raise ValueError(f"the simulated time must be > 0, got {horizon_s} s")
     if trace.initial_nodes != cluster.nodes:
@@ -99,11 +116,19 @@ def simulate(
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if stragglers not in STRAGGLER_POLICIES:
+        raise ValueError(f"--straggler-policy must be one of {', '.join(STRAGGLER_POLICIES)}, got {stragglers!r}")
     book = PlanBook(cluster, cluster_profile(cluster), redundant_forward=costs.redundant_forward)
     refs = references(book, trace, horizon_s)
-    out = []
+    seen = trace.until(horizon_s)
+    rows: list[str] = []
     for name in policies:
-        res = run_policy(name, book, costs, trace, horizon_s, spares=spares)
+        rows.append(name)
+        if name == "elastic" and seen.slowdowns and stragglers != "off":
+            rows.append(STRAGGLERS_OFF)  # the runtime's straggler policy beside doing nothing
+    out = []
+    for name in rows:
+        res = run_policy(name, book, costs, trace, horizon_s, spares=spares, stragglers=stragglers)
         entry = res.to_dict()
         entry["effective"] = res.samples / refs.failure_free_samples if refs.failure_free_samples else 0.0
         entry["vs_ideal"] = res.samples / refs.ideal_samples if refs.ideal_samples else 0.0
@@ -116,12 +141,26 @@ def simulate(
         "profile": {"source": book.profile.source, "notes": book.profile.notes, "model_bytes": book.model_bytes},
         "trace": {
             "description": trace.description,
-            "failures": trace.until(horizon_s).failures,
-            "joins": trace.until(horizon_s).joins,
-            "events": trace.until(horizon_s).to_list(),
+            "failures": seen.failures,
+            "joins": seen.joins,
+            **({"slowdowns": seen.slowdowns} if seen.slowdowns else {}),
+            "events": seen.to_list(),
         },
         "references": refs.to_dict(),
         "policies": out,
         **({"spares": spares} if spares else {}),  # only with spares: the fields without them stay as they were
+        **({"stragglers": straggler_notes(stragglers)} if seen.slowdowns else {}),  # only with slow nodes, likewise
     }
 
+
+def straggler_notes(stragglers: str) -> dict[str, Any]:
+    """The report's account of slow nodes (a trace with slowdowns only)."""
+    rows = "" if stragglers == "off" else f"; the row {STRAGGLERS_OFF!r} is the same policy doing nothing about them"
+    return {
+        "policy": stragglers,
+        "notes": [
+            f"elastic runs straggler policy {stragglers}{rows}",
+            "checkpoint-restart and redundant do nothing about slow nodes (each step waits for the slowest pipeline)",
+            "the references (failure-free, ideal) have every node at full speed",
+        ],
+    }

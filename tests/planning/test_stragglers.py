@@ -219,3 +219,15 @@ def test_the_split_is_the_best_of_every_split(total: int, seconds: list[float]) 
     best = min(_slowest(plan, times, (m, total - m)) for m in range(1, total))
     assert got.step_s == pytest.approx(best, rel=1e-12) == pytest.approx(_slowest(plan, times, counts), rel=1e-12)
     assert got.unchanged_s == pytest.approx(_slowest(plan, times, (total - total // 2, total // 2)), rel=1e-12)
+
+
+def test_an_operator_change_keeps_the_settings_it_does_not_name_and_is_checked() -> None:
+    from elastic.records.stragglers import PolicyOverride
+
+    base = StragglerConfig(policy="report", threshold=1.5, steps=7)
+    assert PolicyOverride(policy="auto", at=0.0).apply(base) == StragglerConfig(policy="auto", threshold=1.5, steps=7)
+    assert PolicyOverride(steps=3, at=0.0).apply(base) == dataclasses.replace(base, steps=3)
+    with pytest.raises(ValueError, match="straggler policy must be one of off, report, rebalance, auto"):
+        PolicyOverride(policy="sometimes", at=0.0).apply(base)
+    with pytest.raises(ValueError, match="threshold must be above 1.0"):
+        PolicyOverride(threshold=0.9, at=0.0).apply(base)

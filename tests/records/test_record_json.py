@@ -41,7 +41,7 @@ from elastic.records.protocol import (
 from elastic.records.resume import CheckpointManifest
 from elastic.records.run_end import RunEnd
 from elastic.records.stop import StopRequest
-from elastic.records.stragglers import Mark, StragglerRecord
+from elastic.records.stragglers import Mark, PolicyOverride, StragglerRecord
 from elastic.records.summary import RunSummary
 from templates.plan import even_plan
 
@@ -102,6 +102,7 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     StragglerRecord: StragglerRecord(step=62, generation=1, at=1004.5, policy="report", threshold=1.25,
                                      factors={0: 0.98, 1: 0.57, 2: 1.02, 3: 1.76},
                                      marked={3: Mark(since_step=62, since=1004.4, factor=1.76)}),
+    PolicyOverride: PolicyOverride(policy="auto", threshold=None, steps=20, at=1010.0),
 }
 """A realistic instance of every JsonRecord type of the project."""
 
