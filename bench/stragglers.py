@@ -6,7 +6,8 @@ failure-free rate of the same job (issue 33).
 
 Each run is `elastic run` (its own etcd, f = 1) for `--steps` steps. In every side but `free`,
 `elastic inject slow --factor F --seconds S --at-step A` throttles the last node with real
-SIGSTOP/SIGCONT. Figures, from the run's summary (each step's commit time) and events:
+SIGSTOP/SIGCONT; side `auto` runs `--straggler-policy auto` with one hot spare (`--spares 1`), so
+the leader can put the spare in the slow node's stage. Figures, from the run's summary (each step's commit time) and events:
 
 - `window`: steps/s from the throttle's start to its end, over the failure-free rate (the `free`
   run's steps/s over the same steps);
@@ -38,12 +39,13 @@ def _rate(times: list[float], start: float, end: float) -> float | None:
 
 
 def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, object]:
-    """One run of `side` (free, off, report, rebalance); its commit times, throttle and loss."""
+    """One run of `side` (free, off, report, rebalance, auto: with one hot spare); its commit times,
+    throttle and loss."""
     shutil.rmtree(run_dir, ignore_errors=True)
     policy = "report" if side == "free" else side
     cmd = [*ELASTIC, "run", "--nodes", str(args.nodes), "--fault-tolerance", "1", "--global-batch",
            str(args.global_batch), "--steps", str(args.steps), "--run-dir", str(run_dir), "--straggler-policy", policy,
-           "--checkpoint-every", "0"]
+           "--checkpoint-every", "0", *(["--spares", "1"] if side == "auto" else [])]
     if args.device_memory_gib is not None:
         cmd += ["--device-memory-gib", str(args.device_memory_gib)]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -74,7 +76,8 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
     slow = [e for e in events if e.get("kind") == "injection"]
     return {"side": side, "times": summary["step_committed_at"], "loss": summary["losses"][-1],
             "slow_at": slow[0]["time"] if slow else None,
-            "generations": [line for line in out.splitlines() if "generation" in line and "rebalance" in line]}
+            "generations": [line for line in out.splitlines() if "generation" in line
+                            and ("rebalance" in line or "spare" in line or "drained" in line)]}
 
 
 def figures(run: dict[str, object], free: dict[str, object], slow_s: float) -> tuple[float, float] | None:

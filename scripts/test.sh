@@ -1,8 +1,43 @@
 #!/usr/bin/env bash
 # The README's test command: install (idempotent) into ./.venv, lint, type-check, run the suite.
+#
+# With no arguments the suite runs as two pytest sessions at once (tests/conftest.py, LANE_ENV):
+# the live lane (jobs, etcd, leases, timed faults) in the foreground at normal priority, and the
+# background lane (compute-only modules and pure units, no deadline near their timeouts) under
+# `nice`, beside mypy: they use the core that the live tests leave idle (the live lane alone keeps
+# about one of two cores busy) and yield it whenever a live test wants it. Their output follows the
+# live lane's. With arguments (or ELASTIC_TEST_SERIAL=1), mypy and then one pytest session with
+# those arguments, as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/ruff check elastic templates tests bench
-.venv/bin/mypy
-exec .venv/bin/python -m pytest "$@"
+if [ "$#" -gt 0 ] || [ "${ELASTIC_TEST_SERIAL:-0}" = 1 ]; then
+    .venv/bin/mypy
+    exec .venv/bin/python -m pytest "$@"
+fi
+logs=$(mktemp -d)
+nice -n 19 .venv/bin/mypy >"$logs/mypy" 2>&1 &
+mypy_pid=$!
+ELASTIC_TEST_LANE=background nice -n 10 .venv/bin/python -m pytest -p no:cacheprovider >"$logs/background" 2>&1 &
+background_pid=$!
+stop_lanes() { kill -INT "$background_pid" 2>/dev/null || true; kill "$mypy_pid" 2>/dev/null || true; }
+trap 'stop_lanes; exit 130' INT
+trap 'stop_lanes; exit 143' TERM
+set +e
+ELASTIC_TEST_LANE=live .venv/bin/python -m pytest
+live_rc=$?
+wait "$background_pid"
+background_rc=$?
+wait "$mypy_pid"
+mypy_rc=$?
+set -e
+echo "---- background lane (ELASTIC_TEST_LANE=background, nice 10): exit $background_rc ----"
+cat "$logs/background"
+echo "---- mypy (nice 19): exit $mypy_rc ----"
+cat "$logs/mypy"
+rm -rf "$logs"
+echo "test.sh: live lane exit $live_rc, background lane exit $background_rc, mypy exit $mypy_rc"
+if [ "$live_rc" -ne 0 ] || [ "$background_rc" -ne 0 ] || [ "$mypy_rc" -ne 0 ]; then
+    exit 1
+fi

@@ -57,6 +57,21 @@ PARALLEL_SAFE = frozenset({
 of their own, with no deadline nearer than their timeouts."""
 
 
+PURE_UNITS = ("tests/templates/", "tests/planning/", "tests/sim/", "tests/records/",
+              "tests/comm/test_nccl_model.py", "tests/engine/test_schedule.py")
+"""Modules (and folders) of pure units: no process, etcd, socket or deadline of their own."""
+
+LANE_ENV = "ELASTIC_TEST_LANE"
+"""`scripts/test.sh` runs the suite as two pytest sessions at once: `background` (the modules of
+PARALLEL_SAFE and PURE_UNITS, under `nice`) and `live` (every other test). Each session collects
+everything and deselects the other lane's tests. Unset: one session runs every test."""
+
+
+def background_lane(path: str) -> bool:
+    """Whether the test module at `path` (relative to the repository) runs in the background lane."""
+    return path in PARALLEL_SAFE or path.startswith(PURE_UNITS)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """`-n` (pytest-xdist) only with `--dist loadgroup`: the groups below are what keeps the live
     tests on one worker."""
@@ -71,10 +86,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     session's etcd) shares the machine with at most one other test, and never with another live
     one, so a TTL or a timing check sees about the load of a serial run. Every other module is a
     group of its own (its module fixtures are built once), spread over both workers. The workers
-    collect (they carry `workerinput`); the controller only schedules."""
+    collect (they carry `workerinput`); the controller only schedules. Under `$ELASTIC_TEST_LANE`
+    the other lane's tests are deselected first."""
+    root = config.rootpath
+    lane = os.environ.get(LANE_ENV)
+    if lane is not None:
+        if lane not in ("background", "live"):
+            raise pytest.UsageError(f"${LANE_ENV} must be background or live, got {lane!r}")
+        keep, drop = [], []
+        for item in items:
+            mine = background_lane(item.path.relative_to(root).as_posix()) == (lane == "background")
+            (keep if mine else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     if not hasattr(config, "workerinput"):
         return
-    root = config.rootpath
     for item in items:
         path = item.path.relative_to(root).as_posix()
         live = path not in PARALLEL_SAFE and (
