@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -57,9 +58,20 @@ PARALLEL_SAFE = frozenset({
 of their own, with no deadline nearer than their timeouts."""
 
 
-PURE_UNITS = ("tests/templates/", "tests/planning/", "tests/sim/", "tests/records/",
-              "tests/comm/test_nccl_model.py", "tests/engine/test_schedule.py")
-"""Modules (and folders) of pure units: no process, etcd, socket or deadline of their own."""
+PURE_UNITS = (
+    "tests/templates/", "tests/planning/", "tests/sim/", "tests/records/", "tests/comm/test_nccl_model.py",
+    "tests/engine/test_schedule.py", "tests/engine/test_blocks.py", "tests/engine/test_optim.py",
+    "tests/engine/test_layout.py", "tests/engine/test_partial_plan.py", "tests/engine/test_eval_unit.py",
+    "tests/engine/test_transaction.py", "tests/engine/test_grad_sync.py", "tests/engine/test_vote.py",
+    "tests/engine/test_device.py", "tests/engine/test_rebuild.py", "tests/coordinator/test_jsonrecord.py",
+    "tests/data/test_dataset.py", "tests/data/test_held_out.py", "tests/data/test_prepare_data.py",
+    "tests/transfer/test_codec.py", "tests/transfer/test_shards.py", "tests/transfer/test_wire.py",
+    "tests/transfer/test_stubs_fresh.py", "tests/ops/test_report.py", "tests/roles/test_straggler_decisions.py",
+    "tests/test_function_length.py", "tests/test_layers.py", "tests/model/test_shape_flags.py",
+    "tests/checkpoint/test_policy.py", "tests/checkpoint/test_reshard.py",
+)
+"""Modules (and folders) of units and small computations: no etcd, lease, job or timed fault of
+their own, and no deadline nearer than their timeouts (a static `launch` at most)."""
 
 LANE_ENV = "ELASTIC_TEST_LANE"
 """`scripts/test.sh` runs the suite as two pytest sessions at once: `background` (the modules of
@@ -74,7 +86,11 @@ def background_lane(path: str) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """`-n` (pytest-xdist) only with `--dist loadgroup`: the groups below are what keeps the live
-    tests on one worker."""
+    tests on one worker. The background lane runs at the kernel's idle priority (SCHED_IDLE, with
+    every process it starts): it takes a core only when no live test wants it."""
+    if os.environ.get(LANE_ENV) == "background" and hasattr(os, "sched_setscheduler"):
+        with contextlib.suppress(OSError):  # not permitted here: `nice` (scripts/test.sh) is what remains
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     if getattr(config.option, "numprocesses", None) and config.option.dist != "loadgroup":
         raise pytest.UsageError(f"-n without --dist loadgroup (got --dist {config.option.dist}): "
                                 "the live tests must run on one worker, see tests/conftest.py")

@@ -37,7 +37,8 @@ from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 80
+STEPS = 120
+"""As tests/faults/test_stragglers.py: the two share the failure-free run."""
 MICROBATCHES = 8
 SLOW_NODE, SPARE = 1, 2
 SLOW_AT = 10

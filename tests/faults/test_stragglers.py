@@ -119,7 +119,7 @@ def test_the_batch_is_resplit_while_it_is_slow_and_back_after_with_nothing_lost(
 ) -> None:
     gens = outcome.generations
     for g, rec in sorted(gens.items()):
-        print(g, [p.microbatches for p in rec.plan.pipelines], rec.reason)
+        print(g, rec.resume_step, [p.microbatches for p in rec.plan.pipelines], rec.reason)
     assert sorted(gens) == list(range(1, len(gens) + 1)) and len(gens) >= 3, [r.reason for r in gens.values()]
     first, slowed, back = gens[1], gens[2], gens[len(gens)]
     assert [p.microbatches for p in first.plan.pipelines] == [4, 4]
