@@ -397,13 +397,41 @@ class ZygoteClient:
         raise ZygoteError(f"the warm parent at {self.path} {what} (see its log)")
 
 
+DIR_PREFIX = "elastic-zyg-"
+OWNER_FILE = "owner"
+"""In a zygote's directory: the pid of the process that started it (and removes it on close)."""
+
+
+def sweep_stale(root: str) -> list[str]:
+    """Remove this user's zygote directories under `root` whose owner is gone: an owner that was
+    SIGKILLed (a failure test's agent, a killed launcher) cannot remove its own, and its zygote
+    dies with it. The directories removed."""
+    removed = []
+    for path in Path(root).glob(f"{DIR_PREFIX}*"):
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_uid != os.getuid():
+                continue
+            pid = int((path / OWNER_FILE).read_text())
+            try:
+                os.kill(pid, 0)
+                continue  # alive (a reused pid keeps a stale directory: the safe side)
+            except ProcessLookupError:
+                pass
+            shutil.rmtree(path)
+            removed.append(str(path))
+    return removed
+
+
 class Zygote(ZygoteClient):
     """A zygote started by this process (from the calling thread: it dies when that thread's
-    process ends); `close` stops it. Its imports run while the caller goes on."""
+    process ends); `close` stops it. Its imports run while the caller goes on. Its directory
+    names its owner (`OWNER_FILE`), so that a later zygote removes it if the owner was killed."""
 
     def __init__(self, *, preload: tuple[str, ...] = WORKER_PRELOAD, log: Path | None = None,
                  env: dict[str, str] | None = None) -> None:
-        self._dir = tempfile.mkdtemp(prefix="elastic-zyg-")  # 0700: only this user may ask for forks
+        sweep_stale(tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)  # 0700: only this user may ask for forks
+        Path(self._dir, OWNER_FILE).write_text(str(os.getpid()))
         super().__init__(os.path.join(self._dir, "s"))
         child_env = dict(os.environ if env is None else env)
         child_env["OMP_NUM_THREADS"] = "1"  # no OpenMP worker thread in the parent (module doc)

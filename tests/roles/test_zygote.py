@@ -116,3 +116,23 @@ def test_the_zygote_dies_with_its_parent_and_its_child_with_its_agent() -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_new_zygote_removes_the_directories_of_killed_owners(tmp_path: Path) -> None:
+    from elastic.roles.zygote import DIR_PREFIX, OWNER_FILE, sweep_stale
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale, live, foreign = tmp_path / f"{DIR_PREFIX}a", tmp_path / f"{DIR_PREFIX}b", tmp_path / "elastic-other"
+    for d, owner in ((stale, gone.pid), (live, os.getpid()), (foreign, gone.pid)):
+        d.mkdir()
+        (d / OWNER_FILE).write_text(str(owner))
+        (d / "s").write_text("")
+    unreadable = tmp_path / f"{DIR_PREFIX}c"  # no owner file (an older version's): left alone
+    unreadable.mkdir()
+    assert sweep_stale(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and foreign.exists() and unreadable.exists()
+    with Zygote(preload=(), env=_env()) as z:  # a zygote writes its owner, and removes its directory on close
+        directory = Path(z.path).parent
+        assert (directory / OWNER_FILE).read_text() == str(os.getpid())
+    assert not directory.exists()
