@@ -6,7 +6,9 @@ started: the loss of each committed step, and each step's throughput (tokens of 
 over the step's seconds); a run with `--eval-every` adds its validation losses to the loss panel
 (squares at the commit of the step each followed). On both panels a red line marks each injected fault or lost node
 ("node 2 lost"), a shaded span covers each recovery (fault to the first commit after it), a
-dotted line marks each new generation, and a green line each node that joined.
+dotted line marks each new generation, and a green line each node that joined. An orange span
+covers each time a node was marked as a straggler (`straggler` to `straggler-cleared`, or the
+run's end), from the history `elastic run` saved in `<run_dir>/history/events.json`.
 
 An elastic run's summary carries wall times (`started_at`, `step_committed_at`, per recovery
 `fault_at` ... `first_commit_at`); a static run's does not, so its steps are laid end to end by
@@ -55,6 +57,8 @@ class Timeline:
     """The summary's median step time."""
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     """(steps committed, validation loss) of each evaluation (`--eval-every`), by step."""
+    slow_spans: list[tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, node) in seconds since the start: each time a node was marked as a straggler."""
 
 
 def _number_list(data: dict[str, Any], key: str) -> list[float]:
@@ -118,7 +122,36 @@ def load_timeline(run_dir: Path) -> Timeline:
         origin=origin,
         tokens_per_s=_number(data, "tokens_per_s", 0.0),
         steady_step_s=_number(data, "steady_step_s", 0.0),
+        slow_spans=straggler_spans(_history_events(run_dir), origin, times[-1] if times and origin else 0.0),
     )
+
+
+def _history_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The events of `<run_dir>/history/events.json` (elastic/ops/run_history.py); none when it
+    is missing or unreadable (the report draws without them)."""
+    try:
+        events = json.loads((run_dir / "history" / "events.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    return [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+
+
+def straggler_spans(events: list[dict[str, Any]], origin: float, end: float) -> list[tuple[float, float, int]]:
+    """(start, end, node) of each straggler mark in `events`, in seconds since `origin`: from a
+    `straggler` event to the node's next `straggler-cleared`, or `end`. Marks outside [0, end]
+    (another run's history) are left out."""
+    spans: list[tuple[float, float, int]] = []
+    open_at: dict[int, float] = {}
+    marks = sorted([(float(e["time"]) - origin, e["detail"]["node"], e.get("kind")) for e in events
+                    if isinstance(e.get("time"), int | float) and isinstance(e.get("detail"), dict)
+                    and isinstance(e["detail"].get("node"), int)], key=lambda m: (m[0], m[1]))
+    for at, node, kind in marks:
+        if kind == "straggler" and node not in open_at:
+            open_at[node] = at
+        elif kind == "straggler-cleared" and node in open_at:
+            spans.append((open_at.pop(node), at, node))
+    spans += [(at, end, node) for node, at in open_at.items()]
+    return sorted((max(a, 0.0), min(b, end), n) for a, b, n in spans if end > 0 and b > 0 and a < end and b > a)
 
 
 def _eval_losses(data: dict[str, Any], steps: int, path: Path) -> list[tuple[int, float]]:
@@ -204,6 +237,7 @@ def write_report(run_dir: Path) -> Path:
         ax_tput.set_ylabel("tokens/s (per step)")
         ax_tput.set_xlabel("seconds since start" if t.origin else "seconds of training (static run)")
         _mark_recoveries(t, (ax_loss, ax_tput))
+        _mark_stragglers(t, (ax_loss, ax_tput))
         title = f"{len(t.losses)} steps, final loss {t.losses[-1]:.4f}" if t.losses else "no step committed"
         if t.origin and t.times:
             title += f" (first commit {t.times[0]:.1f} s after the start)"
@@ -249,3 +283,12 @@ def _mark_recoveries(t: Timeline, axes: tuple[Any, ...]) -> None:
                 ax.axvline(published, color="tab:gray", linestyle=":", linewidth=1.2,
                            label=f"generation {rec['generation']}" + (" (superseded)" if rec.get("interrupted") else "")
                            if first else None)
+
+
+def _mark_stragglers(t: Timeline, axes: tuple[Any, ...]) -> None:
+    labelled: set[int] = set()
+    for start, end, node in t.slow_spans:
+        for i, ax in enumerate(axes):
+            first = i == 0 and node not in labelled
+            ax.axvspan(start, end, color="tab:orange", alpha=0.15, label=f"node {node} marked slow" if first else None)
+        labelled.add(node)

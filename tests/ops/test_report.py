@@ -144,3 +144,31 @@ def test_summary_of_a_recovery_entry(static_run: tuple[Path, RunSummary], tmp_pa
     assert "generation 3 (node 2 joined, node 3 drained): 0.50 s, 200 bytes moved, restored the checkpoint of step 0" in text
     assert load_timeline(tmp_path).times == [1.0, 2.0, 3.0, 4.0]
     assert write_report(tmp_path).exists()
+
+
+def test_straggler_marks_are_shaded_from_the_saved_history(static_run: tuple[Path, RunSummary], tmp_path: Path) -> None:
+    """The marks of `history/events.json` as spans since the start: a cleared one, one open at the
+    end, and nothing from another run's history or from malformed entries."""
+    _, summary = static_run
+    data = json.loads(summary.to_json())
+    t0 = 1000.0
+    data["started_at"] = t0
+    data["step_committed_at"] = [t0 + 1 + i for i in range(STEPS)]
+    data["step_generations"] = [1] * STEPS
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    (tmp_path / "history").mkdir()
+    events = [
+        {"kind": "straggler", "time": t0 - 100.0, "detail": {"node": 2}},  # an earlier run's
+        {"kind": "straggler-cleared", "time": t0 - 90.0, "detail": {"node": 2}},
+        {"kind": "straggler", "time": t0 + 1.5, "detail": {"node": 1, "factor": 1.8}},
+        {"kind": "straggler", "time": t0 + 2.5, "detail": {"node": 3}},
+        {"kind": "straggler-cleared", "time": t0 + 3.5, "detail": {"node": 1}},
+        {"kind": "straggler", "time": "soon", "detail": {"node": 4}},
+        {"kind": "straggler", "time": t0 + 2.0, "detail": "node 5"},
+        {"kind": "join", "time": t0 + 0.5, "detail": {"incarnation": 0}},
+    ]
+    (tmp_path / "history" / "events.json").write_text(json.dumps(events))
+    assert load_timeline(tmp_path).slow_spans == [(1.5, 3.5, 1), (2.5, 4.0, 3)]  # to the last commit, 4 s
+    assert write_report(tmp_path).exists()
+    (tmp_path / "history" / "events.json").write_text("{not json")
+    assert load_timeline(tmp_path).slow_spans == []  # the report draws without the history
