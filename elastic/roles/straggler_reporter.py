@@ -137,7 +137,7 @@ class StragglerReporter:
             for change in changes:
                 self._announce(change)
             if unwritten and (changes or closing or time.monotonic() >= next_put):
-                self._put()
+                self._put(last)
                 unwritten, next_put = False, time.monotonic() + PUT_EVERY_S
             if closing:
                 return
@@ -179,8 +179,11 @@ class StragglerReporter:
             record_event(self.client, self.keys, who=self.who, node=change.node, step=change.step, factor=factor,
                          kind="straggler" if change.marked else "straggler-cleared", reason=detail)
 
-    def _put(self) -> None:
-        step, generation = self._latest
+    def _put(self, last: _Observed | None) -> None:
+        """Write the record: of the last step taken in, whose generation the busy seconds are of
+        (the leader re-splits on them only for its current generation); of the last step handed
+        over when none was taken in (a change to `off`)."""
+        step, generation = (last.step, last.generation) if last is not None else self._latest
         record = StragglerRecord(
             step=step, generation=generation, at=time.time(), policy=self.config.policy,
             threshold=self.config.threshold,
