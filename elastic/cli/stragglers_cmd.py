@@ -75,12 +75,11 @@ def _change(job: OperatorJob, args: argparse.Namespace) -> int:
         print("stragglers: " + (", ".join(f"node {n} ({m.factor:.2f}x since step {m.since_step + 1})"
                                           for n, m in marked) or "none"))
         return 0
-    change = PolicyOverride(
-        policy=args.policy if args.policy is not None else (current.policy if current.policy != base.policy else None),
-        threshold=args.threshold if args.threshold is not None else
-        (current.threshold if current.threshold != base.threshold else None),
-        steps=args.steps if args.steps is not None else (current.steps if current.steps != base.steps else None),
-        at=time.time())
+    # The settings given, and the earlier changes of the others (those that differ from the run's).
+    fields = {name: getattr(args, name) if getattr(args, name) is not None else
+              (getattr(current, name) if getattr(current, name) != getattr(base, name) else None)
+              for name in ("policy", "threshold", "steps")}
+    change = PolicyOverride(**fields, at=time.time())
     try:
         new = change.apply(base)
     except ValueError as exc:

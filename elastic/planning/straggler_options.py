@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.planning.spares import substitute
-from elastic.planning.stragglers import rebalanced, template_stage_times
+from elastic.planning.stragglers import planner_split, rebalanced
 from templates.cost import pipeline_time
 from templates.plan import Plan
 from templates.replanning import replan
@@ -78,8 +78,7 @@ def straggler_options(tset: TemplateSet, plan: Plan, stage_times: Mapping[int, f
     balance = rebalanced(plan, stage_times)
     out = [Option(kind="rebalance", node=node, plan=balance.plan, step_s=balance.step_s)]
     if spare is not None:
-        planner_split = rebalanced(plan, template_stage_times(tset, plan)).plan
-        swapped = substitute(planner_split, {node: spare})
+        swapped = substitute(planner_split(tset, plan), {node: spare})
         times = {spare if n == node else n: t for n, t in stage_times.items()}
         times[spare] = stage_times[node] / max(factor, 1.0)
         out.append(Option(kind="spare", node=node, plan=swapped, step_s=step_time(swapped, times), spare=spare))

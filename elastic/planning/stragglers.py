@@ -233,6 +233,11 @@ def template_stage_times(tset: TemplateSet, plan: Plan) -> dict[int, float]:
     return out
 
 
+def planner_split(tset: TemplateSet, plan: Plan) -> Plan:
+    """`plan` with the planner's own microbatch split (its templates' stage times)."""
+    return rebalanced(plan, template_stage_times(tset, plan)).plan
+
+
 def rebalanced(plan: Plan, stage_times: Mapping[int, float]) -> Rebalance:
     """`plan` with its global microbatches re-split for `stage_times` (node -> seconds a
     microbatch; the median of the others where one is missing): the split minimises the slowest

@@ -69,7 +69,7 @@ from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
-from elastic.planning.stragglers import ACTING, rebalanced, template_stage_times
+from elastic.planning.stragglers import ACTING, planner_split
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -501,8 +501,7 @@ class Leader:
                 continue
             taken = self._spares_for_drain(record, members, req.node)
             if taken:
-                split = rebalanced(record.plan, template_stage_times(self.tset, record.plan)).plan \
-                    if record.balanced_for else record.plan
+                split = planner_split(self.tset, record.plan) if record.balanced_for else record.plan
                 return (req, substitute(split, {req.node: taken[0]}),
                         f"drained node {req.node}: hot spare {taken[0]} took its stage", taken)
             others = sorted(n for n in record.plan.nodes if n != req.node)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic.planning.straggler_options import choose, straggler_options
-from elastic.planning.stragglers import ACTING, measured_stage_times, rebalanced, template_stage_times
+from elastic.planning.stragglers import ACTING, measured_stage_times, planner_split, rebalanced
 from elastic.records.protocol import GenerationRecord
 from elastic.records.stragglers import StragglerRecord
 from templates.plan import Plan
@@ -64,7 +64,7 @@ def straggler_decision(*, policy: str, g: int, record: GenerationRecord, speeds:
     if policy not in ACTING or not marked:
         if not record.balanced_for:
             return None
-        back = rebalanced(plan, template_stage_times(tset, plan)).plan
+        back = planner_split(tset, plan)
         why = "no straggler left" if policy in ACTING else f"the straggler policy is now {policy}"
         return _resplit(plan, back, f"rebalance: {why}", "the planner's split", [])
     assert speeds is not None

@@ -62,8 +62,6 @@ class StragglerReporter:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, config: StragglerConfig, *, who: str) -> None:
         self.client, self.keys, self.base, self.who = client, keys, config, who
-        self.config = config
-        """The settings in force: the run's (`base`) with the operator's changes."""
         self.tracker = SpeedTracker(config)
         self._latest = (-1, 0)
         """(step, generation) of the last committed step handed over."""
@@ -78,6 +76,11 @@ class StragglerReporter:
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
         self._thread = threading.Thread(target=self._run, name="straggler-reporter", daemon=True)
         self._thread.start()
+
+    @property
+    def config(self) -> StragglerConfig:
+        """The settings in force: the run's (`base`) with the operator's changes (the tracker's)."""
+        return self.tracker.config
 
     def observe(self, *, step: int, generation: int, busy: dict[int, float], plan: Plan) -> None:
         """Queue one committed step (never blocks on etcd)."""
@@ -154,7 +157,6 @@ class StragglerReporter:
         if config == self.config:
             return False
         log.warning("%s: straggler settings changed: %s -> %s", self.who, self.config, config)
-        self.config = config
         self.tracker.config = config
         if config.policy == "off":
             step = self._latest[0]
