@@ -207,6 +207,9 @@ def failing_worker(rank: int, store_port: int, scenario: str, out: str) -> None:
     """Rank 0 sends one shard to rank 1; `scenario` breaks the exchange; rank 1 reports what it raised."""
     torch.set_num_threads(1)
     group = make_group(store_port, rank, 2)
+    # Both ranks finish connecting before anything breaks: without this, rank 0 could die while rank 1
+    # (on a busy core) is still in gloo's connectFullMesh, which is the group's creation failing, not the exchange.
+    group.all_reduce(torch.zeros(1)).wait()
     key = ShardKey(0, 0)
     moves = [ShardMove(key=key, src=0, dst=1)]
     abort = AbortSignal()
