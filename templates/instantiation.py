@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from templates.flat_knapsack import FlatKnapsack
 from templates.plan import PipelinePlan, Plan, StagePlan
 from templates.template_set import PlanningError, TemplateSet
 
@@ -105,14 +106,54 @@ def split_microbatches(templates: Sequence[Timed], total: int) -> list[int]:
     """Integer microbatches per pipeline, >= 1 each, summing to `total`, minimising the slowest."""
     if total < len(templates):
         raise PlanningError(f"{total} microbatches cannot feed {len(templates)} pipelines")
-    counts = [1] * len(templates)
-    heap = [(t.time_for(2), p) for p, t in enumerate(templates)]
+    # The greedy below hands out the (time_for(m), p), m >= 2, in sorted order. Every pair below a
+    # threshold comes before every other pair, so a threshold that no more than the extra
+    # microbatches stay under gives those counts at once; the heap then hands out the rest, as it
+    # would have. Identical pipelines (the same object) are counted once.
+    counts = _below(templates, total - len(templates))
+    heap = [(t.time_for(c + 1), p) for p, (t, c) in enumerate(zip(templates, counts, strict=True))]
     heapq.heapify(heap)
-    for _ in range(total - len(templates)):
+    for _ in range(total - sum(counts)):
         _, p = heapq.heappop(heap)
         counts[p] += 1
         heapq.heappush(heap, (templates[p].time_for(counts[p] + 1), p))
     return counts
+
+
+def _below(templates: Sequence[Timed], extra: int) -> list[int]:
+    """1 + the m >= 2 with time_for(m) < theta, per pipeline, for a theta under which at most
+    `extra` such m lie in all (found by bisection; times must increase with m)."""
+    distinct = {id(t): t for t in templates}
+    if extra <= len(templates) or not distinct:
+        return [1] * len(templates)
+    copies: dict[int, int] = {}
+    for t in templates:
+        copies[id(t)] = copies.get(id(t), 0) + 1
+    cap = extra + 1
+
+    def under(t: Timed, theta: float) -> int:  # the m in [2, cap] with time_for(m) < theta, minus 1
+        lo, hi = 1, cap  # time_for(lo) < theta or lo == 1; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if t.time_for(mid) < theta:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo - 1
+
+    def total_under(theta: float) -> int:
+        return sum(under(t, theta) * copies[key] for key, t in distinct.items())
+
+    low = min(t.time_for(2) for t in distinct.values())  # nothing is under it
+    high = max(t.time_for(cap) for t in distinct.values())
+    for _ in range(40):
+        mid = (low + high) / 2
+        if total_under(mid) <= extra:
+            low = mid
+        else:
+            high = mid
+    found = {key: 1 + under(t, low) for key, t in distinct.items()}
+    return [found[id(t)] for t in templates]
 
 
 def build_plan(
@@ -151,6 +192,8 @@ class _SizeSearch:
         # pipeline-count state at need. Otherwise count pipelines exactly, up to `microbatches`.
         self.capped = microbatches >= most_pipelines
         self.pdim = need + 1 if self.capped else microbatches + 1
+        # Every cover of N nodes then has at least `need` pipelines and at most M: no count to track.
+        self.flat = self.capped and num_nodes >= need * int(self.sizes.max())
 
     def lower_bound(self) -> float:
         """No plan beats this: each node takes at most (T - a_n) / (n b_n) microbatches."""
@@ -163,11 +206,19 @@ class _SizeSearch:
 
     def feasible(self, targets: np.ndarray) -> np.ndarray:
         """Whether each target iteration time is reachable (one DP for all targets)."""
-        best, _, _ = self._knapsack(np.asarray(targets, dtype=np.float64))
+        targets = np.asarray(targets, dtype=np.float64)
+        if self.flat:
+            return FlatKnapsack(self.sizes, self._caps(targets), self.num_nodes, self.need).values() >= self.microbatches
+        best, _, _ = self._knapsack(targets)
         return (best[self.num_nodes][:, self.finals] >= self.microbatches).any(axis=1)
 
     def sizes_for(self, target: float) -> list[int]:
         """Pipeline sizes reaching `target`, with the fewest pipelines among equals."""
+        if self.flat:
+            flat = FlatKnapsack(self.sizes, self._caps(np.array([target])), self.num_nodes, self.need)
+            if flat.values()[0] >= self.microbatches:
+                return flat.sizes_for(0)
+            raise AssertionError(f"target {target} is not reachable")
         best, choice, came_from = self._knapsack(np.array([target]))
         for p in self.finals:
             if best[self.num_nodes, 0, p] >= self.microbatches:
@@ -179,11 +230,15 @@ class _SizeSearch:
         """Pipeline-count states that satisfy f + 1 <= P <= M."""
         return [self.pdim - 1] if self.capped else list(range(self.need, self.pdim))
 
+    def _caps(self, targets: np.ndarray) -> np.ndarray:
+        """caps[t, q]: the most microbatches template t takes within targets[q] (0 to M)."""
+        caps = np.floor((targets[:, None] * (1 + _EPS) - self.rest[None, :]) / self.bottleneck[None, :] + _EPS)
+        return np.clip(caps, 0, self.microbatches).astype(np.int64).T  # (templates, Q)
+
     def _knapsack(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """best[v, q, p]: most microbatches P pipelines on exactly v nodes can take in targets[q]."""
         q_count, n_total, pdim = len(targets), self.num_nodes, self.pdim
-        caps = np.floor((targets[:, None] * (1 + _EPS) - self.rest[None, :]) / self.bottleneck[None, :] + _EPS)
-        caps = np.clip(caps, 0, self.microbatches).astype(np.int64).T  # (templates, Q)
+        caps = self._caps(targets)
         best = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)  # -1: impossible
         choice = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)
         came_from = np.full((n_total + 1, q_count, pdim), -1, dtype=np.int64)

@@ -76,7 +76,8 @@ def replan(
     _check_survivors(current, set(live), lost)
 
     fastest_sizes = choose_sizes(tset, len(live), global_microbatches=mbs, fault_tolerance=f)
-    survivors = [[st.node for st in pipe.stages if st.node in set(live)] for pipe in current.pipelines]
+    alive = set(live)
+    survivors = [[st.node for st in pipe.stages if st.node in alive] for pipe in current.pipelines]
     survivors = [g for g in survivors if g]
     gained = sorted(set(live) - set(held))
 
@@ -101,7 +102,15 @@ def replan(
 
 
 def _check_survivors(current: Plan, live: set[int], lost: list[int]) -> None:
-    for layer in range(current.num_layers):
+    held = np.zeros(current.num_layers + 1, dtype=np.int64)  # live holders per layer, as differences
+    for pipe in current.pipelines:
+        for st in pipe.stages:
+            if st.node in live:
+                held[st.first] += 1
+                held[st.last] -= 1
+    if np.cumsum(held)[:-1].min() > 0:
+        return
+    for layer in range(current.num_layers):  # the first layer without one, named with its holders
         holders = [st.node for pipe in current.pipelines for st in pipe.stages if st.first <= layer < st.last]
         if not any(node in live for node in holders):
             raise PlanningError(
@@ -216,6 +225,8 @@ class _Builder:
         stages = self.tset.template(len(group)).stages
         old = sorted((n for n in group if n in self.held), key=lambda n: (self.held[n][0], n))
         new = sorted(n for n in group if n not in self.held)
+        if not new:  # the only option
+            return old
         options = [old[:i] + new + old[i:] for i in range(len(old) + 1)]
         return min(options, key=lambda o: sum(self.fetch(n, r) for n, r in zip(o, stages, strict=True)))
 
