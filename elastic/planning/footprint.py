@@ -43,15 +43,16 @@ exponentials and the softmax it keeps for backward live together.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from elastic.model.config import GPTConfig
+from elastic.planning.split_blocks import even_split_blocks
 
 WEIGHT_BYTES = 4
 """Bytes of one master weight (fp32, `engine/adamw.py`)."""
@@ -187,6 +188,46 @@ def tree_scratch(blocks: tuple[Block, ...]) -> int:
     return made
 
 
+class ShareLike(Protocol):
+    """What the memory formulas read of a worker's part in the tree (GradShare, ShareCounts)."""
+
+    @property
+    def pipelines(self) -> int: ...
+    @property
+    def levels(self) -> int: ...
+    @property
+    def peer_blocks(self) -> int: ...
+    @property
+    def copies(self) -> int: ...
+    @property
+    def snapshot(self) -> bool: ...
+    @property
+    def measures(self) -> bool: ...
+    def combine_scratch(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShareCounts:
+    """A GradShare reduced to the counts the formulas read (`planner_figures` builds these from
+    a whole split at once, `split_blocks.py`, not from P holders' block tuples)."""
+
+    pipelines: int
+    own_blocks: int
+    levels: int
+    peer_blocks: int
+    scratch: int
+    """`combine_scratch()`: of every holder's blocks (of mine alone with one pipeline)."""
+    snapshot: bool
+    measures: bool = True
+
+    @property
+    def copies(self) -> int:
+        return 1 + self.own_blocks * (2 if self.snapshot else 1)
+
+    def combine_scratch(self) -> int:
+        return self.scratch
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradShare:
     """A worker's part in its step's summation tree: what its gradient buffers depend on."""
@@ -247,7 +288,7 @@ def state_bytes_per_param(share: GradShare) -> float:
     return WEIGHT_BYTES + MOMENT_BYTES + grad_bytes_per_param(share)
 
 
-def grad_bytes_per_param(share: GradShare) -> float:
+def grad_bytes_per_param(share: ShareLike) -> float:
     """The gradient side of `state_bytes_per_param`: sums, reduced gradient, snapshot, tree
     scratch and receive buffers."""
     return GRAD_BYTES * (share.copies + share.levels) + GRAD_BYTES * share.peer_blocks / share.pipelines
@@ -293,7 +334,7 @@ def bucket_runs(layer_elements: Sequence[int]) -> list[int]:
     return runs
 
 
-def bucket_work_bytes(elements: int, share: GradShare, device_type: str = "cpu") -> int:
+def bucket_work_bytes(elements: int, share: ShareLike, device_type: str = "cpu") -> int:
     """Work buffers of one bucket of `elements` parameters (`BucketReducer._scratch`)."""
     p = share.pipelines
     padded = -(-elements // p) * p
@@ -429,22 +470,21 @@ def planner_figures(
         raise ValueError(f"{global_microbatches} microbatches, {min_pipelines} pipelines")
     grad, worker = 0.0, 0
     for p in range(min_pipelines, max(min_pipelines, min(max_pipelines, global_microbatches)) + 1):
-        split = [global_microbatches // p + (1 if i < global_microbatches % p else 0) for i in range(p)]
-        base = GradShare.of_split(split, partial_replay=partial_replay)
         # A holder's figures depend on its own blocks only through their number and tree levels
         # (the peers' count is the rest, the combine is of every holder's blocks): one holder of
-        # each kind stands for all, so a plan of P pipelines costs a few shares, not P.
-        kinds: dict[tuple[int, int], int] = {}
-        for me, own in enumerate(base.holders):
-            kinds.setdefault((len(own), tree_levels(own)), me)
-        for me in kinds.values():
-            figures = holder_figures(dataclasses.replace(base, me=me), device_type)
+        # each kind stands for all, and the split's blocks come as arrays (split_blocks.py).
+        split = even_split_blocks(global_microbatches, p)
+        total, scratch = len(split.starts), split.scratch()
+        for blocks, levels in split.kinds():
+            share = ShareCounts(pipelines=p, own_blocks=blocks, levels=levels, peer_blocks=total - blocks,
+                                scratch=scratch, snapshot=partial_replay and p > 1)
+            figures = holder_figures(share, device_type)
             grad = max(grad, figures.grad_bytes_per_param)
             worker = max(worker, figures.worker_bytes)
     return PlannerFigures(grad_bytes_per_param=grad, worker_bytes=worker)
 
 
-def holder_figures(share: GradShare, device_type: str = "cpu") -> PlannerFigures:
+def holder_figures(share: ShareLike, device_type: str = "cpu") -> PlannerFigures:
     """`planner_figures` of one holder in the tree `share`."""
     p = share.pipelines
     padding = (p - 1) * (GRAD_BYTES * share.copies + GRAD_BYTES * share.peer_blocks / p)
@@ -457,7 +497,7 @@ def holder_figures(share: GradShare, device_type: str = "cpu") -> PlannerFigures
     )
 
 
-def _bucket_work_bound(share: GradShare, device_type: str) -> tuple[float, float]:
+def _bucket_work_bound(share: ShareLike, device_type: str) -> tuple[float, float]:
     """(a, b): `bucket_work_bytes` of a bucket of n parameters is at most a + b x n."""
     if device_type in CHUNKED_DEVICE_TYPES:  # chunks of at most SUM_CHUNK elements: a constant
         return float(bucket_work_bytes(share.pipelines * SUM_CHUNK, share, device_type)), 0.0
