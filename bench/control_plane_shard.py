@@ -57,8 +57,8 @@ from elastic.records.protocol import (
     WorkerInfo,
     node_id,
 )
-from elastic.roles.agent import InjectionTrigger
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
+from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
 
 log = logging.getLogger("control_plane_shard")
@@ -144,6 +144,7 @@ class TimedTrigger(InjectionTrigger):
         self.events = 0
         self._upto = -1
         super().__init__(client, keys)
+        self.pin()  # the worst case: every agent's injection waits for a step (the runtime's watch is lazy)
 
     def _on_progress(self, events: list[WatchEvent]) -> None:
         super()._on_progress(events)

@@ -36,7 +36,6 @@ the job's config to be published, and adopts the member registration the rendezv
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import logging
 import os
@@ -53,14 +52,13 @@ import psutil
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import config_from_env, connect, stop_retrying
 from elastic.coordinator.election import LeaderElection
-from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
-from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
+from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.records.injection import (
     AGENT_KINDS,
     InjectionRequest,
@@ -73,7 +71,8 @@ from elastic.records.injection import (
     submit_request,
     write_status,
 )
-from elastic.records.protocol import ElasticConfig, ProgressRecord, RunKeys, WorkerInfo, node_id, node_of
+from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
+from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.start_phases import start_phases
 from elastic.roles.zygote import SPAWNED_AT_ENV, WarmProcess, start_process, warm_parent
 
@@ -110,74 +109,6 @@ log = logging.getLogger("elastic.agent")
 
 def worker_log_path(run_dir: str, node: int, local_rank: int, incarnation: int) -> Path:
     return Path(run_dir) / "logs" / f"node{node}.worker{local_rank}.inc{incarnation}.log"
-
-
-class InjectionTrigger:
-    """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins.
-    It watches the `progress` key (one event per committed step) and the generation records."""
-
-    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
-        self._committed = -1
-        """Index of the furthest committed step seen (-1: none)."""
-        self._last: tuple[float, float] = (0.0, 0.0)
-        """(commit wall time, seconds) of that step."""
-        self._generations = 0
-        self._cond = threading.Condition()
-        rk = RunKeys(keys)
-        # What is there now, then every change after it (history before it may be compacted).
-        resp = client.get_prefix_response(rk.progress)
-        self._on_progress([WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
-                                      revision=kv.mod_revision) for kv in resp.kvs])
-        plans = client.get_prefix_response(keys.plans, count_only=True)
-        self._generations = int(plans.count)
-        self._watches = [
-            PrefixWatch(client, rk.progress, self._on_progress, start_revision=int(resp.header.revision) + 1),
-            PrefixWatch(client, keys.plans, self._on_plans, start_revision=int(plans.header.revision) + 1),
-        ]
-
-    def _on_progress(self, events: list[WatchEvent]) -> None:
-        with self._cond:
-            for ev in events:
-                if ev.kind == "put":
-                    with contextlib.suppress(ValueError, TypeError, KeyError):
-                        record = ProgressRecord.from_json(ev.value)
-                        if record.step > self._committed:
-                            self._committed, self._last = record.step, (record.committed_at, record.seconds)
-            self._cond.notify_all()
-
-    def _on_plans(self, events: list[WatchEvent]) -> None:
-        with self._cond:
-            self._generations += sum(1 for ev in events if ev.kind == "put")
-            self._cond.notify_all()
-
-    def in_flight(self) -> int:
-        """The step (1-based) in flight as far as this trigger has seen."""
-        with self._cond:
-            return self._committed + 2
-
-    def wait(self, inj: InjectionRequest, stop: threading.Event) -> bool:
-        """Block until `inj` should fire (True) or `stop` is set (False)."""
-
-        def due() -> bool:
-            if stop.is_set() or inj.when == "now":
-                return True
-            if inj.when == "reconfig":
-                return self._generations >= 2
-            assert inj.step is not None
-            # Step k (1-based) is in flight once step k-1 (index k-2) is committed.
-            return self._generations >= 1 if inj.step == 1 else self._committed >= inj.step - 2
-
-        with self._cond:
-            while not due():
-                self._cond.wait(0.5)
-            committed_at, seconds = self._last
-        if inj.at and inj.when == "step" and not stop.is_set():  # part-way into the step
-            stop.wait(max(0.0, committed_at + inj.at * seconds - time.time()))
-        return not stop.is_set()
-
-    def close(self) -> None:
-        for w in self._watches:
-            w.cancel()
 
 
 class Agent:
