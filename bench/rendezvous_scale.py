@@ -1,6 +1,6 @@
 """Issue 13 part 2: seconds for a generation's group rendezvous at W simulated ranks, on a real etcd.
 
-    .venv/bin/python bench/rendezvous_scale.py --world 8 64 256 1024 [--pattern lazy eager] [--repeats 3]
+    .venv/bin/python bench/rendezvous_scale.py --world 8 64 256 1024 [--pattern lazy eager nccl] [--repeats 3]
 
 Each simulated rank is a thread holding its own `EtcdStore` (the project's real store, all on one
 etcd client, as one process's workers would share a channel) seen through the same
@@ -15,6 +15,12 @@ from `ProcessGroupGloo` on torch 2.13 (a logging store under 4 and 8 real ranks)
 - `lazy` (`TORCH_GLOO_LAZY_INIT=1`): the construction makes one `set`; each peer a rank first
   talks to costs a `wait` + `get` of its key. The pattern is the construction plus the first ring
   all-reduce over the world group (peers rank+1 and rank-1), W sets and 4 W reads in all.
+- `nccl`: NCCL's unique-id exchange through the store, as `ProcessGroupNCCL` makes it when a
+  communicator is created (lazily, at its first collective): rank 0 `set`s the 128-byte
+  `ncclUniqueId` under the group's key, every other rank `get`s it (a blocking get: `wait` then
+  read). One set and W - 1 blocking reads; NCCL's own bootstrap then runs over the network, not
+  the store, and is not simulated. (torch's multi-root initialisation, `ncclCommInitRankScalable`,
+  sets one id per root and is not this pattern.)
 
 A rendezvous is timed from the release of all W threads (a barrier) until the last one is done.
 etcd requests come from etcd's own /metrics (`grpc_server_started_total`, every method), read
@@ -40,8 +46,9 @@ import torch.distributed as dist
 from elastic.coordinator import EtcdConfig, EtcdServer, EtcdStore, JobKeys, connect
 from elastic.parallel.groups import group_prefix
 
-PATTERNS = ("eager", "lazy")
+PATTERNS = ("eager", "lazy", "nccl")
 _ADDRESS = "x" * 154  # a gloo tcp address record measured on torch 2.13 is 154-186 bytes
+_UNIQUE_ID = b"\x02" * 128  # sizeof(ncclUniqueId)
 _METRIC = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\d+)', re.M)
 
 
@@ -57,6 +64,13 @@ def etcd_requests(endpoint: str) -> dict[str, int]:
 def _rank_calls(store: dist.Store, rank: int, world: int, pattern: str) -> None:
     """The store calls world rank `rank` makes while its gloo world group of `world` connects."""
     timeout = timedelta(seconds=120)
+    if pattern == "nccl":
+        if rank == 0:
+            store.set("0/unique-id", _UNIQUE_ID)
+        else:
+            store.wait(["0/unique-id"], timeout)
+            store.get("0/unique-id")
+        return
     store.set(f"0/{rank}", _ADDRESS)
     peers = range(world) if pattern == "eager" else sorted({(rank + 1) % world, (rank - 1) % world})
     for peer in peers:
@@ -106,8 +120,8 @@ def rendezvous_seconds(
     Returns `seconds` (median over repeats), `seconds_all`, `requests_per_rank` (etcd requests
     of all methods per rank and rendezvous, from etcd's /metrics), `requests_by_method` (per
     rendezvous) and the `world`, `pattern` and `repeats` it ran with. `pattern` is `lazy` (a
-    gloo world group with TORCH_GLOO_LAZY_INIT=1 and its first ring all-reduce) or `eager`
-    (the full-mesh construction); see the module doc.
+    gloo world group with TORCH_GLOO_LAZY_INIT=1 and its first ring all-reduce), `eager` (the
+    full-mesh construction) or `nccl` (NCCL's unique-id exchange); see the module doc.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
