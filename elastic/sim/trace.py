@@ -15,7 +15,10 @@ fails loses its slowness (it comes back, if it does, at full speed). Two ways to
   and joins are the same events with or without the slow keys. `every` and `min` come together;
   one of `every` and `slow_every` must be given.
 - a JSON file: a list of {"time_s": float, "event": "fail" | "join" | "recover", "node": int},
-  and {"time_s": float, "event": "slow", "node": int, "factor": float}.
+  and {"time_s": float, "event": "slow", "node": int, "factor": float}; a fail event may name
+  its "cause" (a string), as the report's events do.
+- `llama3[,seed=S][,repair=24h][,restart=2m]`: failures at Llama 3's rate and causes
+  (elastic/sim/llama3_trace.py; `elastic/sim/trace_arg.py` tells the three forms apart).
 
 Every trace is checked on construction (TraceError, a ValueError, names the bad event).
 """
@@ -57,11 +60,16 @@ class TraceEvent:
     """Node id; the initial nodes are 0 .. initial_nodes - 1, a join may bring a new id."""
     factor: float | None = None
     """'slow' only: how many times as long the node's compute takes (> 1); None otherwise."""
+    cause: str | None = None
+    """'fail' only, optional: why the node was lost (a Llama 3 trace names its Table 5 cause,
+    elastic/sim/llama3_trace.py); policies may pay a different detection for it (config.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"time_s": self.time_s, "event": self.event, "node": self.node}
         if self.factor is not None:
             out["factor"] = self.factor
+        if self.cause is not None:
+            out["cause"] = self.cause
         return out
 
 
@@ -90,6 +98,14 @@ class Trace:
     @property
     def slowdowns(self) -> int:
         return sum(1 for ev in self.events if ev.event == "slow")
+
+    def causes(self) -> dict[str, int]:
+        """Failures per cause, most frequent first (ties by name); empty if no event names one."""
+        counts: dict[str, int] = {}
+        for ev in self.events:
+            if ev.cause is not None:
+                counts[ev.cause] = counts.get(ev.cause, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def until(self, horizon_s: float) -> Trace:
         """The events at or before `horizon_s`."""
@@ -272,9 +288,12 @@ def trace_from_json(data: Any, *, initial_nodes: int, description: str = "") -> 
 def _event_from_json(i: int, item: Any) -> TraceEvent:
     slow = isinstance(item, dict) and item.get("event") == "slow"
     keys = {"time_s", "event", "node", "factor"} if slow else {"time_s", "event", "node"}
-    if not isinstance(item, dict) or set(item) != keys:
+    if not isinstance(item, dict) or set(item) - {"cause"} != keys:
         names = "time_s, event, node and factor" if slow else "time_s, event and node"
-        raise TraceError(f"trace event {i} must be an object with exactly {names}: {item!r}")
+        raise TraceError(f"trace event {i} must be an object with exactly {names} (and an optional cause): {item!r}")
+    cause = item.get("cause")
+    if cause is not None and not isinstance(cause, str):
+        raise TraceError(f"trace event {i}: cause must be a string, got {cause!r}")
     time_s, event, node = item["time_s"], item["event"], item["node"]
     if isinstance(time_s, bool) or not isinstance(time_s, (int, float)):
         raise TraceError(f"trace event {i}: time_s must be a number, got {time_s!r}")
@@ -284,7 +303,7 @@ def _event_from_json(i: int, item: Any) -> TraceEvent:
     if slow and (isinstance(factor, bool) or not isinstance(factor, (int, float))):
         raise TraceError(f"trace event {i}: factor must be a number, got {factor!r}")
     return TraceEvent(time_s=float(time_s), event=str(event), node=node,
-                      factor=None if factor is None else float(factor))
+                      factor=None if factor is None else float(factor), cause=cause)
 
 
 def load_trace(path: str | Path, *, initial_nodes: int) -> Trace:
@@ -326,6 +345,8 @@ def _validate(trace: Trace) -> None:
             raise TraceError(f"{where}: node ids must be >= 0")
         if (ev.factor is not None) != (ev.event == "slow"):
             raise TraceError(f"{where}: a slow event needs a factor, and only a slow event has one")
+        if ev.cause is not None and ev.event != "fail":
+            raise TraceError(f"{where}: only a fail event has a cause")
         if ev.event in MEMBERSHIP:
             _apply_membership(where, ev, live)
             slow.discard(ev.node)  # a node that fails loses its slowness
