@@ -21,12 +21,19 @@ class ElasticPolicy:
 
     Assumptions (also printed with the results):
     - t = 0: the fastest plan with >= f+1 pipelines over all N nodes (`instantiate`).
-    - On a failure: detection takes the lease TTL; then `templates.replanning.replan` is called
-      exactly as the leader calls it (fault tolerance relaxed from f towards 0 if needed) and
-      its wall time is charged (or the fixed `replan_s`); every node fetches the layers it now
-      needs (weights + AdamW state, `Replan.fetch_bytes`) over its own NIC, in parallel, from
-      sources that are not a bottleneck, so transfer = the largest node's bytes / bandwidth;
-      then a fixed group/stage rebuild; the in-flight step is discarded (its partial work lost).
+    - On a failure: detection takes the lease TTL for a lost host, or the node monitor's 5 ms when
+      only its processes die (a Llama 3 `process` cause); both measured, bench/README.md "Failure
+      detection" (`RecoveryCosts.detection_s`). Partial replay (elastic/sim/partial_replay.py, the
+      runtime's elastic/records/partial.py): from `finish_from` (1/3) into the step on, the
+      pipelines that lost no node finish their microbatches meanwhile, and the next plan's first
+      step computes only the lost pipelines' microbatches (nothing committed is lost, and less
+      than a step is redone); earlier, the whole step is replayed. Then
+      `templates.replanning.replan` is called exactly as the leader calls it (fault tolerance
+      relaxed from f towards 0 if needed) and its wall time is charged (or the fixed `replan_s`);
+      every node fetches the layers it now needs (weights + AdamW state, `Replan.fetch_bytes`) in
+      parallel at the measured transfer rate capped by its NIC, so transfer = the largest node's
+      bytes / that rate; then the measured group/stage rebuild (bench/README.md "Recovery that
+      loses less than a step"). A failure during a recovery or a replay step replays the whole step.
     - A join waits for the in-flight step to commit (the runtime takes newcomers in at a step
       boundary, so no work is lost), then costs the same as a failure without detection. (A
       failure inside that last step is charged as if the step had completed: a small overcount.)
@@ -80,10 +87,18 @@ class ElasticPolicy:
         return [
             f"in-place re-plan with the real planner (templates.replanning.replan), f = {cl.fault_tolerance} "
             "relaxed towards 0 only if no plan exists",
-            f"failure: detection {c.detect_s:g} s (lease TTL) + planner wall time"
-            + ("" if c.replan_s is None else f" fixed at {c.replan_s:g} s")
-            + f" + transfer (largest per-node fetch of weights + AdamW state / {cl.network_gbps:g} Gbit/s) "
-            f"+ rebuild {c.rebuild_s:g} s; the in-flight step is discarded",
+            f"failure: detection {c.detect_s:g} s for a lost host (lease TTL; bench/README.md \"Failure detection\": "
+            f"lease expiry ~ the TTL) or {c.detect_process_s * 1e3:g} ms when only its processes die (a software cause; "
+            "same section: the node monitor, median 5.3 ms)",
+            ("partial replay (bench/README.md \"Recovery that loses less than a step\"; elastic/records/partial.py): "
+             f"from {c.finish_from:.2g} of a step on, the pipelines that lost no node finish their microbatches "
+             "during detection and the new plan's first step recomputes only the lost pipelines' share; earlier, "
+             "the whole step is replayed; committed steps are never lost" if c.partial_replay else
+             "whole-step replay (--whole-step-replay): the in-flight step is discarded"),
+            "then the planner's wall time" + ("" if c.replan_s is None else f" (fixed at {c.replan_s:g} s)")
+            + f" + transfer (largest per-node fetch of weights + AdamW state at {c.transfer_text(cl)}) "
+            f"+ rebuild {c.rebuild_s:g} s (measured: bench/README.md \"Recovery that loses less than a step\", "
+            "the largest rebuild there, 4 CPU nodes on gloo)",
             "join: at the next step boundary (the in-flight step completes), then the same without detection",
             "no plan possible (or a layer without holder): checkpoint fallback not modelled, the run stalls",
             *([f"{self.spares} hot spare(s): a failure takes a spare in in the same re-plan (it fetches the lost "

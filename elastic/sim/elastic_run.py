@@ -8,9 +8,12 @@ between events too (`straggler_marks.py`) and are carried out at a step boundary
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from elastic.sim.pace import Stretch
+from elastic.sim.partial_replay import cut, lost_microbatches, replay_s
 from elastic.sim.result import PolicyResult, add_segment, segment_of
 from elastic.sim.slowness import resplit, same_split, slow_step_s
 from elastic.sim.straggler_marks import Marks
@@ -19,6 +22,18 @@ from templates.plan import Plan
 
 if TYPE_CHECKING:
     from elastic.sim.elastic_policy import ElasticPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pending:
+    """A partial replay's first step: the lost microbatches recomputed on the new plan."""
+
+    microbatches: int
+    """Microbatches it recomputes."""
+    until: float
+    """When it ends (the interrupted step commits), at the pace it started with."""
+    lost: float
+    """Its seconds, already counted in `lost_s`."""
 
 
 class ElasticRun:
@@ -44,6 +59,8 @@ class ElasticRun:
         self.marks = Marks(detect_steps=c.straggler_detect_steps, window_steps=c.straggler_window_steps,
                            threshold=c.straggler_threshold)
         self.stretch = Stretch(start_s=0.0, iteration_s=first.iteration_time)
+        self.pending: Pending | None = None
+        """The replay step of the last partial replay (until it ends, its lost seconds may be undone)."""
         self.res.segments.append(segment_of(0.0, len(self.live), first))
 
     @property
@@ -76,8 +93,7 @@ class ElasticRun:
             return  # a spare lost, or a node back as a spare: the plan is untouched
         if ev.event == "join" and self.base is not None and t > self.stretch.start_s:
             t = min(horizon_s, self.stretch.boundary(t))  # the step boundary
-        if self.base is not None:
-            self.stretch.interrupt(res, t)
+        wait_s, replay = self._settle(ev, t) if self.base is not None else (0.0, self.book.mbs)
         swap: dict[int, int] = {}
         if ev.event == "fail":
             self.live.discard(ev.node)
@@ -99,17 +115,56 @@ class ElasticRun:
             self.base = None
             return
         fetch = max(new.fetch_bytes.values(), default=0)
-        cost = planning_s + fetch / self.book.cluster.network_bytes_per_s + self.costs.rebuild_s
-        if ev.event == "fail":
-            cost += self.costs.detect_s
+        resume = t + wait_s + planning_s + fetch / self.costs.transfer_bytes_per_s(self.book.cluster) \
+            + self.costs.rebuild_s
         res.reconfigurations += 1
-        self._start(new.plan, new.plan, t + cost, replanned=True)
+        self._start(new.plan, new.plan, resume, replanned=True, replay=replay, horizon_s=horizon_s)
 
-    def _start(self, base: Plan, plan: Plan, resume: float, *, replanned: bool) -> None:
-        """Train `plan` (a split of `base`) from `resume` on, at its pace with the slow nodes."""
+    def _settle(self, ev: TraceEvent, t: float) -> tuple[float, int]:
+        """Training until the change at `t` (partial_replay.py): (seconds from `t` until the
+        leader re-plans, microbatches of the interrupted step the new plan computes first).
+
+        A join comes at a step boundary (or during a recovery, whose pending replay it keeps). A
+        failure during a recovery or during a replay step makes the whole step replayed (a
+        simplification: the runtime may keep more); else `cut` decides."""
+        st, res, mbs = self.stretch, self.res, self.book.mbs
+        pending, self.pending = self.pending, None
+        live_replay, waiting = False, mbs
+        if pending is not None and t < pending.until:  # the replay does not complete
+            live_replay = True
+            res.lost_s -= pending.lost  # counted when it was planned
+            if t <= st.start_s:
+                waiting = pending.microbatches  # not started: still to do
+        if ev.event == "join":
+            st.interrupt(res, t)  # at a boundary, or before training resumed: nothing lost
+            return 0.0, waiting
+        detect_s = self.costs.detection_s(ev.cause)
+        if t <= st.start_s or live_replay:
+            st.interrupt(res, t)
+            return detect_s, mbs
+        c = cut(st.in_flight(t), st.iteration_s, detect_s=detect_s, finish_from=self.costs.finish_from,
+                partial=self.costs.partial_replay)
+        if not c.finish:
+            st.interrupt(res, t)
+            return c.wait_s, mbs
+        st.commit(res, t)  # the steps before count; the in-flight one waits for its replay
+        return c.wait_s, lost_microbatches(self.plan, {ev.node})
+
+    def _start(self, base: Plan, plan: Plan, resume: float, *, replanned: bool, replay: int | None = None,
+               horizon_s: float = math.inf) -> None:
+        """Train `plan` (a split of `base`) from `resume` on, at its pace with the slow nodes;
+        `replay` (< the global microbatches): the interrupted step's microbatches to compute first."""
         self.base, self.plan = base, plan
-        step = slow_step_s(self.policy.tset, plan, self.factors)
-        self.stretch = Stretch(start_s=resume, iteration_s=step)
+        tset = self.policy.tset
+        step = slow_step_s(tset, plan, self.factors)
+        carried = 0.0
+        if replay is not None and replay < self.book.mbs:
+            r = replay_s(tset, plan, self.factors, replay)
+            carried = min(1.0 - r / step, 1.0 - 1e-9)
+            lost = min(r, max(0.0, horizon_s - resume))
+            self.res.lost_s += lost  # recomputing the lost pipelines' microbatches
+            self.pending = Pending(microbatches=replay, until=resume + r, lost=lost)
+        self.stretch = Stretch(start_s=resume, iteration_s=step, carried=max(0.0, carried))
         self.res.segments.append(segment_of(resume, len(self.live), plan, step))
         if replanned and self.reacts:
             self.marks.replanned(plan.nodes, self.factors, start_s=resume, step_s=step)
@@ -191,7 +246,7 @@ class ElasticRun:
         swap = dict(zip(marked, free, strict=False))
         if not swap:
             return {}
-        tset, net = self.policy.tset, self.book.cluster.network_bytes_per_s
+        tset, net = self.policy.tset, self.costs.transfer_bytes_per_s(self.book.cluster)
         found, planning_s = self.policy.spare_swap(self.base, swap)
         fetch_s = planning_s + max(found.fetch_bytes.values(), default=0) / net
         left = [n for n in marked if n not in swap]
@@ -209,7 +264,7 @@ class ElasticRun:
         self.stretch.commit(self.res, t)
         found, planning_s = self.policy.spare_swap(self.base, swap)
         fetch = max(found.fetch_bytes.values(), default=0)
-        resume = t + planning_s + fetch / self.book.cluster.network_bytes_per_s + self.costs.rebuild_s
+        resume = t + planning_s + fetch / self.costs.transfer_bytes_per_s(self.book.cluster) + self.costs.rebuild_s
         for old, spare in swap.items():
             self.live.discard(old)
             self.live.add(spare)

@@ -38,6 +38,11 @@ class Stretch:
             return self.start_s
         return self.start_s + (math.ceil(self._steps(t) - _EPS) - self.carried) * self.iteration_s
 
+    def in_flight(self, t: float) -> float:
+        """Fraction of the step in flight at `t` already done (0 <= it < 1)."""
+        total = self._steps(t)
+        return max(0.0, total - math.floor(total + _EPS))
+
     def interrupt(self, res: PolicyResult, t: float) -> None:
         """Training until `t`, cut by a membership change: whole steps count, the in-flight one
         (its carried part included) is lost."""

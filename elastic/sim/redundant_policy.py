@@ -25,9 +25,11 @@ class RedundantPolicy:
       1.33x upper bound is our own arithmetic from the FLOP counts, not a number from the paper.
     - Plans are homogeneous (Bamboo runs D identical pipelines): the best depth from the real
       template search on that redundant profile, f = 0; leftover nodes are spares.
-    - Failure of a used node: detection (lease TTL), the in-flight step is lost, the planner's
-      wall time, re-protection = one node fetches 2 x the failed stage's weights + AdamW state
-      over its NIC, and a rebuild; then the best homogeneous plan over the survivors (optimistic:
+    - Failure of a used node: detection (`RecoveryCosts.detection_s`: lease TTL, or the node
+      monitor when only processes die), the in-flight step is lost, the planner's wall time,
+      re-protection = one node fetches 2 x the failed stage's weights + AdamW state at the
+      shard transfer rate (`RecoveryCosts.transfer_bytes_per_s`), and a rebuild; then the best
+      homogeneous plan over the survivors (optimistic:
       Bamboo's own re-shaping is more constrained).
     - Two failures of adjacent stages of one pipeline before re-protection finishes lose a
       layer's every copy: Bamboo would restart from a checkpoint; not modelled: the run stalls.
@@ -51,10 +53,11 @@ class RedundantPolicy:
             f"each stage holds its successor's layers (static memory x2) and runs their forward "
             f"(forward x{1 + c.redundant_forward:g}: {c.redundant_forward:g} of it not hidden in bubbles)",
             "homogeneous plans (Bamboo): D identical pipelines of the best depth on the redundant profile, spares idle",
-            f"failure: detection {c.detect_s:g} s + planner wall time"
+            f"failure: detection {c.detect_s:g} s (a lost host) or {c.detect_process_s * 1e3:g} ms (lost processes) "
+            "+ planner wall time"
             + ("" if c.replan_s is None else f" fixed at {c.replan_s:g} s")
-            + f" + fetch 2x the lost stage's state at {cl.network_gbps:g} Gbit/s + rebuild {c.rebuild_s:g} s; "
-            "the in-flight step is lost",
+            + f" + fetch 2x the lost stage's state at {c.transfer_text(cl)} + rebuild {c.rebuild_s:g} s; "
+            "the in-flight step is lost (detection, transfer and rebuild as for elastic, the same measured figures)",
             "adjacent stages lost before re-protection: checkpoint restart not modelled, the run stalls",
         ]
 
@@ -115,7 +118,7 @@ class RedundantPolicy:
                 return
             state.lost_in_window.add(ev.node)
             fetch = 2 * _stage_bytes(book, state.protected, ev.node)
-            cost = costs.detect_s
+            cost = costs.detection_s(ev.cause)
         else:
             res.joins += 1
             state.live.add(ev.node)
@@ -146,7 +149,7 @@ class RedundantPolicy:
         if fetch < 0:
             fetch = 2 * _stage_bytes(book, new, ev.node) if ev.node in new.nodes else 0
         planning = shape.planning_s if costs.replan_s is None else costs.replan_s
-        resume = t + cost + planning + fetch / book.cluster.network_bytes_per_s + costs.rebuild_s
+        resume = t + cost + planning + fetch / costs.transfer_bytes_per_s(book.cluster) + costs.rebuild_s
         state.current = new
         step = slow_step_s(book.redundant, new, state.factors)
         state.stretch = Stretch(start_s=resume, iteration_s=step)

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.timeout(120)
 
 CLUSTER = ClusterSpec(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
 REPLAN_S = 0.05
-COSTS = RecoveryCosts(replan_s=REPLAN_S, checkpoint_interval_s=120.0)
+COSTS = RecoveryCosts(replan_s=REPLAN_S, checkpoint_interval_s=120.0, partial_replay=False, transfer_gbps=None)
+"""The whole interrupted step lost, shards at the NIC's rate: the arithmetic these tests check by hand
+(partial replay and the measured transfer rate: tests/sim/test_partial_replay_sim.py)."""
 HORIZON = 3600.0
 
 

@@ -20,7 +20,7 @@ from templates.replanning import replan
 pytestmark = pytest.mark.timeout(120)
 
 CLUSTER = ClusterSpec(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
-COSTS = RecoveryCosts(replan_s=0.05, checkpoint_interval_s=120.0)
+COSTS = RecoveryCosts(replan_s=0.05, checkpoint_interval_s=120.0, partial_replay=False, transfer_gbps=None)
 HORIZON = 3600.0
 
 
