@@ -68,7 +68,12 @@ class CheckpointRestartPolicy:
     def assumptions(self, trace: Trace, horizon_s: float) -> list[str]:
         c = self.costs
         interval = self.interval_s(trace, horizon_s)
-        how = "given" if c.checkpoint_interval_s is not None else "Young's optimum for the trace"
+        failures = trace.until(horizon_s).failures
+        how = "given" if c.checkpoint_interval_s is not None else (
+            f"Young's optimum for the trace's MTBF, {horizon_s / failures / 3600:.3g} h" if failures
+            else "no failure in the trace: never")
+        llama3 = ["the Llama 3 paper states no checkpoint interval, so none is attributed to it: the interval above "
+                  "is Young's optimum for this trace (or --checkpoint-interval)"] if trace.causes() else []
         return [
             "homogeneous plans (Varuna): D identical pipelines of the best depth, spares idle",
             f"checkpoint of {self.book.model_bytes / 1e9:.2f} GB every {interval:.0f} s of training ({how}), "
@@ -77,6 +82,7 @@ class CheckpointRestartPolicy:
             + ("" if c.replan_s is None else f" fixed at {c.replan_s:g} s")
             + "; work since the last completed checkpoint is lost",
             "spare failures cost nothing; a join restarts (after a checkpoint) only if it allows a faster plan",
+            *llama3,
         ]
 
     def straggler_assumptions(self) -> list[str]:

@@ -77,6 +77,7 @@ class PlanBook:
             self.redundant, self.redundant_error = None, str(exc)
         self._best: dict[int, float | None] = {}
         self._shapes: dict[tuple[str, int], Shape | None] = {}
+        self._splits: dict[tuple[str, int], Plan] = {}
 
     def _templates(self, profile: Profile, f: int) -> TemplateSet:
         c = self.cluster
@@ -121,13 +122,23 @@ class PlanBook:
         return self._shapes[key]
 
     def shape_plan(self, kind: str, nodes: list[int]) -> Plan | None:
-        """The homogeneous plan over `nodes` (sorted ids dealt into pipelines; spares left over)."""
+        """The homogeneous plan over `nodes` (sorted ids dealt into pipelines; spares left over):
+        `build_plan`'s plan, its microbatch split computed once per node count."""
         shape = self.shape(kind, len(nodes))
         if shape is None:
             return None
         ordered = sorted(nodes)
-        groups = [ordered[p * shape.depth : (p + 1) * shape.depth] for p in range(shape.pipelines)]
-        return build_plan(self._tset(kind), groups, global_microbatches=self.mbs, fault_tolerance=0)
+        key = (kind, len(nodes))
+        if key not in self._splits:
+            groups = [ordered[p * shape.depth : (p + 1) * shape.depth] for p in range(shape.pipelines)]
+            plan = build_plan(self._tset(kind), groups, global_microbatches=self.mbs, fault_tolerance=0)
+            self._splits[key] = plan
+            return plan
+        like = self._splits[key]  # the same layout and split over other node ids
+        ids = iter(ordered)
+        pipes = tuple(replace(pipe, stages=tuple(replace(st, node=next(ids)) for st in pipe.stages))
+                      for pipe in like.pipelines)
+        return replace(like, pipelines=pipes)
 
     def _tset(self, kind: str) -> TemplateSet:
         if kind == "flat":

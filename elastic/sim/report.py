@@ -22,22 +22,25 @@ def format_table(report: dict[str, Any]) -> str:
         + (f", {tr['slowdowns']} slowdowns" if tr.get("slowdowns") else "") + f" in {hours:g} h",
         f"failure-free: {refs['failure_free_samples']} samples (initial plan {refs['initial_iteration_s']:.3f} s/step); "
         f"ideal: {refs['ideal_samples']} samples",
+        *([f"failures by cause: {', '.join(f'{k} {v}' for k, v in tr['causes'].items())}"] if tr.get("causes") else []),
         *([f"hot spares (elastic policy): {report['spares']} beside the {c['nodes']} nodes"]
           if report.get("spares") else []),
         *[f"slow nodes: {note}" for note in report.get("stragglers", {}).get("notes", [])],
         "",
-        f"{'policy':<{width}} {'effective':>9} {'vs ideal':>8} {'samples':>10} {'recovery s':>10} "
+        f"{'policy':<{width}} {'effective':>9} {'eff. h':>8} {'vs ideal':>8} {'samples':>14} {'recovery s':>10} "
         f"{'ckpt s':>8} {'lost s':>8} {'reconf':>6} {'restarts':>8}  note",
     ]
     for p in report["policies"]:
         lines.append(
-            f"{p['policy']:<{width}} {p['effective']:>9.1%} {p['vs_ideal']:>8.1%} {p['samples']:>10} "
+            f"{p['policy']:<{width}} {p['effective']:>9.1%} {p['effective'] * hours:>8.1f} {p['vs_ideal']:>8.1%} "
+            f"{p['samples']:>14} "
             f"{p['recovery_s']:>10.1f} {p['checkpoint_s']:>8.1f} {p['lost_s']:>8.1f} "
             f"{p['reconfigurations']:>6} {p['restarts']:>8}  {_note(p)}"
         )
     lines += [
         "",
         "effective = samples / failure-free samples of the initial plan over the whole time;",
+        "eff. h    = effective training time: effective x the simulated hours;",
         "vs ideal  = samples / samples of the fastest plan for the live node count at every moment, switched for free.",
         "",
         "assumptions:",

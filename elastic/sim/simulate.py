@@ -25,12 +25,13 @@ from elastic.sim.checkpoint_policy import CheckpointRestartPolicy
 from elastic.sim.config import RecoveryCosts
 from elastic.sim.elastic_policy import ElasticPolicy
 from elastic.sim.planbook import PlanBook
+from elastic.sim.recycle_policy import RecyclePolicy
 from elastic.sim.redundant_policy import RedundantPolicy
 from elastic.sim.result import PolicyResult, whole_steps
 from elastic.sim.slowness import STRAGGLER_POLICIES
 from elastic.sim.trace import Trace
 
-POLICIES = ("elastic", "checkpoint-restart", "redundant")
+POLICIES = ("elastic", "checkpoint-restart", "redundant", "recycle")
 REPORT_VERSION = 1
 STRAGGLERS_OFF = "elastic (stragglers off)"
 """The extra row of a trace with slow nodes: the elastic policy doing nothing about them."""
@@ -83,6 +84,8 @@ def make_policy(name: str, book: PlanBook, costs: RecoveryCosts, *, spares: int 
         return CheckpointRestartPolicy(book, costs)
     if name == "redundant":
         return RedundantPolicy(book, costs)
+    if name == "recycle":
+        return RecyclePolicy(book, costs)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -143,6 +146,7 @@ def simulate(
             "description": trace.description,
             "failures": seen.failures,
             "joins": seen.joins,
+            **({"causes": seen.causes()} if seen.causes() else {}),  # only when events name their cause
             **({"slowdowns": seen.slowdowns} if seen.slowdowns else {}),
             "events": seen.to_list(),
         },

@@ -32,6 +32,8 @@ def slow_step_s(tset: TemplateSet, plan: Plan, factors: Mapping[int, float]) -> 
     """Seconds per step of `plan`, its own microbatch split kept, with the nodes of `factors`
     slowed (module doc): for a plan the planner split, exactly its `iteration_time` when none of
     them is in it (the same formula over the same template stage times)."""
+    if not factors:
+        return plan.iteration_time  # the same formula over the same stage times, without the walk
     times = slow_stage_times(tset, plan, factors)
     return max(pipeline_time([times[st.node] for st in pipe.stages], pipe.microbatches) for pipe in plan.pipelines)
 

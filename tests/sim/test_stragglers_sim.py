@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 CLUSTER = ClusterSpec(model="gpt3-350m", nodes=4, fault_tolerance=1, global_batch=32, microbatch=1, device_memory_gib=16.0)
 CLUSTER8 = ClusterSpec(model="gpt3-350m", nodes=8, fault_tolerance=1, global_batch=32, microbatch=1,
                        device_memory_gib=16.0)
-COSTS = RecoveryCosts(replan_s=0.05)
+COSTS = RecoveryCosts(replan_s=0.05, partial_replay=False, transfer_gbps=None)
 HORIZON = 3600.0
 SLOW_AT = 600.0
 DETECT = 12
@@ -243,7 +243,7 @@ def checkpoint_reference(pace: list[tuple[float, float]], *, every: int, write_s
 
 
 def test_checkpoint_restart_keeps_its_k_and_slows_down(book: PlanBook) -> None:
-    costs = RecoveryCosts(replan_s=0.05, checkpoint_interval_s=120.0)
+    costs = RecoveryCosts(replan_s=0.05, checkpoint_interval_s=120.0, partial_replay=False, transfer_gbps=None)
     policy = CheckpointRestartPolicy(book, costs)
     base = book.shape_plan("flat", [0, 1, 2, 3])
     assert base is not None
@@ -268,7 +268,7 @@ def test_the_report_puts_the_straggler_policy_beside_doing_nothing() -> None:
     t = trace((SLOW_AT, "slow", 1, 2.0), (1800.0, "recover", 1, None))
     report = simulate(CLUSTER, COSTS, t, horizon_s=HORIZON, spares=1, stragglers="auto")
     rows = {p["policy"]: p for p in report["policies"]}
-    assert list(rows) == ["elastic", STRAGGLERS_OFF, "checkpoint-restart", "redundant"]
+    assert list(rows) == ["elastic", STRAGGLERS_OFF, "checkpoint-restart", "redundant", "recycle"]
     assert rows["elastic"]["effective"] > rows[STRAGGLERS_OFF]["effective"]
     assert rows["elastic"]["slow_swaps"] == 1
     assert report["stragglers"]["policy"] == "auto" and report["trace"]["slowdowns"] == 1
@@ -278,9 +278,9 @@ def test_the_report_puts_the_straggler_policy_beside_doing_nothing() -> None:
         assert p["training_s"] + p["recovery_s"] + p["checkpoint_s"] == pytest.approx(HORIZON)
         assert any("slow" in a for a in p["assumptions"])
     # Stragglers off: no extra row; no slow events: nothing about stragglers at all.
-    assert len(simulate(CLUSTER, COSTS, t, horizon_s=HORIZON, stragglers="off")["policies"]) == 3
+    assert len(simulate(CLUSTER, COSTS, t, horizon_s=HORIZON, stragglers="off")["policies"]) == 4
     plain = simulate(CLUSTER, COSTS, trace(), horizon_s=HORIZON)
-    assert "stragglers" not in plain and "slowdowns" not in plain["trace"] and len(plain["policies"]) == 3
+    assert "stragglers" not in plain and "slowdowns" not in plain["trace"] and len(plain["policies"]) == 4
     with pytest.raises(ValueError, match="straggler-policy"):
         simulate(CLUSTER, COSTS, t, horizon_s=HORIZON, stragglers="pray")
 
