@@ -2,7 +2,8 @@
 the same type a run plans with): the costs of recovering from failures, and of reacting to a
 slow node (the runtime's straggler policy, elastic/planning/stragglers.py).
 
-Every number here is an assumption of the simulation and is printed with its results.
+Every number here is printed with the results: a measured figure names its source (a section of
+bench/README.md), anything else is an assumption of the simulation.
 """
 
 from __future__ import annotations
