@@ -63,7 +63,8 @@ class PolicyResult:
     checkpoint_s: float = 0.0
     """Seconds spent writing checkpoints (training paused)."""
     lost_s: float = 0.0
-    """Training seconds whose work was discarded (in-flight steps, work since the last checkpoint)."""
+    """Training seconds whose work was discarded (in-flight steps, work since the last checkpoint),
+    or, for the elastic policy's partial replay, spent recomputing the lost pipelines' microbatches."""
     failures: int = 0
     """Node failures in the trace."""
     joins: int = 0
