@@ -3,9 +3,8 @@
 The facts (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4 and Table 5):
 during a 54-day snapshot of pre-training on 16,384 H100 GPUs there were 466 job interruptions,
 47 planned and 419 unexpected; about 78% of the unexpected ones were confirmed or suspected
-hardware issues. Table 5 counts the 419 unexpected ones by cause (`TABLE5`). Its percentage
-column is not used: its first row reads 30.1% where 148 / 419 is 35.3% (the other rows are
-count / 419), so the counts are the weights.
+hardware issues. Table 5 counts the 419 unexpected ones by cause (`TABLE5`); the counts are
+the weights of the causes drawn here (the table's percentage column is not used).
 
 The model (our assumptions, stated with the results):
 
