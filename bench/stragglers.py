@@ -3,6 +3,7 @@ failure-free rate of the same job (issue 33).
 
     .venv/bin/python bench/stragglers.py --nodes 2 --global-batch 16 --repeats 3
     .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --repeats 3
+    .venv/bin/python bench/stragglers.py --model small --nodes 4 --global-batch 32 --device-memory-gib 1 --repeats 3  # 2x2, 6.4 s a step here
 
 Each run is `elastic run` (its own etcd, f = 1) for `--steps` steps. In every side but `free`,
 `elastic inject slow --factor F --seconds S --at-step A` throttles the last node with real
@@ -43,7 +44,7 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
     throttle and loss."""
     shutil.rmtree(run_dir, ignore_errors=True)
     policy = "report" if side == "free" else side
-    cmd = [*ELASTIC, "run", "--nodes", str(args.nodes), "--fault-tolerance", "1", "--global-batch",
+    cmd = [*ELASTIC, "run", "--model", args.model, "--nodes", str(args.nodes), "--fault-tolerance", "1", "--global-batch",
            str(args.global_batch), "--steps", str(args.steps), "--run-dir", str(run_dir), "--straggler-policy", policy,
            "--checkpoint-every", "0", *(["--spares", "1"] if side == "auto" else [])]
     if args.device_memory_gib is not None:
@@ -101,6 +102,7 @@ def figures(run: dict[str, object], free: dict[str, object], slow_s: float) -> t
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="model preset (tiny, small, ...)")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--device-memory-gib", type=float, default=None)
@@ -126,7 +128,7 @@ def main() -> int:
                   f"{run['generations']}", flush=True)
             if got is not None:
                 rows.setdefault(side, []).append(got)
-    print(f"\n{args.nodes} nodes, global batch {args.global_batch}, node {args.nodes - 1} at 1/{args.factor:g} speed "
+    print(f"\n{args.model}, {args.nodes} nodes, global batch {args.global_batch}, node {args.nodes - 1} at 1/{args.factor:g} speed "
           f"for {args.slow_s:g} s from step {args.slow_at}; median of {args.repeats}")
     print("| policy | steps/s while slow / failure-free | steps/s after the release / failure-free |")
     print("| --- | --- | --- |")
