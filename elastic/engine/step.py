@@ -126,9 +126,6 @@ def replay_blocks(replay: ReplayRecord, plan: Plan) -> dict[int, tuple[Block, ..
     pipeline's share of the missing microbatches, of its own kept set (a keeper) and of the
     kept sets moved to it. A function of the record and the plan, so every worker computes
     the same lists; a block a worker holds for some layers only is zeros for the others."""
-    if len(replay.kept_sets) != len(replay.keepers):
-        raise ValueError(f"replay record of step {replay.step} names {len(replay.keepers)} keepers but "
-                         f"{len(replay.kept_sets)} kept sets")
     shares = split_microbatches(plan, replay.missing)
     sets = {(k[0], k[1]): tuple(mbs) for k, mbs in zip(replay.keepers, replay.kept_sets, strict=True)}
     received: dict[tuple[int, int], set[tuple[int, ...]]] = {}

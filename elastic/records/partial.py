@@ -21,6 +21,7 @@ imports no torch: the leader uses it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,26 +57,76 @@ class PartialReport(JsonRecord):
     """Their tensor-parallel rank."""
 
 
+def to_runs(values: Sequence[int]) -> list[list[int]]:
+    """Ascending distinct ints as [start, end) runs of consecutive values."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1][1] = v + 1
+        else:
+            runs.append([v, v + 1])
+    return runs
+
+
+def from_runs(runs: Sequence[Sequence[int]]) -> list[int]:
+    """The ints of [start, end) runs, in order."""
+    return [v for start, end in runs for v in range(start, end)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReplayRecord(JsonRecord):
-    """How a generation's first step reuses the interrupted step's finished microbatches."""
+    """How a generation's first step reuses the interrupted step's finished microbatches.
+
+    It fans out to every worker inside the generation record, so its size follows the kept sets
+    (one per intact pipeline), not the workers or the microbatches: microbatches are [start, end)
+    runs, and a set's keepers are its nodes (each node's every local rank keeps one
+    tensor-parallel shard). At 2,048 nodes x 8 GPUs and 16,384 microbatches a lost node's record
+    is a few tens of KB (its earlier per-worker form was 2.8 MB, more than etcd takes in one put).
+    `kept`, `keepers` and `kept_sets` give the per-worker view."""
 
     step: int
     """The interrupted step (the generation's resume step)."""
     total: int
     """Microbatches of the global batch."""
-    kept: list[int] = field(default_factory=list)
-    """Global microbatches whose gradients survivors kept (not recomputed)."""
-    keepers: list[list[int]] = field(default_factory=list)
-    """[node, local_rank] of every worker that adds its kept sums to the step."""
-    kept_sets: list[list[int]] = field(default_factory=list)
-    """Per keeper (same order), the microbatches its sums hold: the blocks of the step's
-    summation tree it sends follow from them."""
+    tp: int = 1
+    """Tensor-parallel degree: a keeper node's local ranks 0 .. tp - 1 keep (one shard each)."""
+    set_runs: list[list[list[int]]] = field(default_factory=list)
+    """Per kept set (a pipeline's finished microbatches, ascending sets), its microbatches as
+    [start, end) runs."""
+    set_nodes: list[list[int]] = field(default_factory=list)
+    """Per kept set (same order), the nodes whose workers add its sums to the step."""
     recomputed: list[str] = field(default_factory=list)
     """Finished microbatches recomputed anyway, and why (e.g. a keeper left the plan)."""
     moved: list[list[int]] = field(default_factory=list)
     """[layer, tp_rank, from_node, from_local_rank, to_node, to_local_rank]: kept sums of a layer
     whose keeper no longer holds it, sent to (and added by) a new holder."""
+
+    def __post_init__(self) -> None:
+        if len(self.set_runs) != len(self.set_nodes):
+            raise ValueError(f"replay record of step {self.step} has {len(self.set_runs)} kept sets but "
+                             f"{len(self.set_nodes)} lists of their nodes")
+        if self.tp < 1:
+            raise ValueError(f"replay record of step {self.step}: tp must be >= 1, got {self.tp}")
+
+    @functools.cached_property
+    def kept(self) -> list[int]:
+        """Global microbatches whose gradients survivors kept (not recomputed), ascending."""
+        return sorted(v for runs in self.set_runs for v in from_runs(runs))
+
+    @functools.cached_property
+    def keepers(self) -> list[list[int]]:
+        """[node, local_rank] of every worker that adds its kept sums to the step, ascending."""
+        return [[node, t] for node, _ in self._keeper_nodes for t in range(self.tp)]
+
+    @functools.cached_property
+    def kept_sets(self) -> list[list[int]]:
+        """Per keeper (the order of `keepers`), the microbatches its sums hold."""
+        return [mbs for _, mbs in self._keeper_nodes for _ in range(self.tp)]
+
+    @functools.cached_property
+    def _keeper_nodes(self) -> list[tuple[int, list[int]]]:
+        return sorted((node, from_runs(runs)) for runs, nodes in zip(self.set_runs, self.set_nodes, strict=True)
+                      for node in nodes)
 
     @property
     def missing(self) -> list[int]:
@@ -89,7 +140,7 @@ class ReplayRecord(JsonRecord):
         return len(self.missing) / self.total if self.total else 1.0
 
     def is_keeper(self, node: int, local_rank: int) -> bool:
-        return [node, local_rank] in self.keepers
+        return 0 <= local_rank < self.tp and any(node in nodes for nodes in self.set_nodes)
 
 
 def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[int, ...]]:
@@ -109,17 +160,18 @@ def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[in
     return out
 
 
-def _layers_in(plan: Plan, node: int) -> tuple[int, int] | None:
-    for pipe in plan.pipelines:
-        for stage in pipe.stages:
-            if stage.node == node:
-                return stage.first, stage.last
-    return None
+def _stage_layers(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Each node's layers [first, last) in `plan`."""
+    return {stage.node: (stage.first, stage.last) for pipe in plan.pipelines for stage in pipe.stages}
 
 
-def _first_holder(plan: Plan, layer: int) -> int:
-    """The node of the first pipeline's stage that holds `layer` in `plan`."""
-    return next(st.node for pipe in plan.pipelines for st in pipe.stages if st.first <= layer < st.last)
+def _first_holders(plan: Plan) -> list[int]:
+    """Per layer, the node of the first pipeline's stage that holds it in `plan`."""
+    out = [-1] * plan.num_layers
+    for pipe in reversed(plan.pipelines):
+        for st in pipe.stages:
+            out[st.first : st.last] = [st.node] * (st.last - st.first)
+    return out
 
 
 def resolve_replay(
@@ -130,37 +182,39 @@ def resolve_replay(
     `reports`: (node, local_rank, kept sums or None) of every live worker. A set of microbatches
     is kept when its reports cover every (layer, tensor-parallel rank) shard of the model once
     and every keeper is in `new_plan` at the same rank; the sums of a layer its keeper no longer
-    holds go to the first pipeline's holder of it (`moved`).
+    holds go to the first pipeline's holder of it (`moved`). O(reports x their layers).
     """
     tp = new_plan.gpus_per_node
-    shards = {(layer, t) for layer in range(new_plan.num_layers) for t in range(tp)}
+    shards = new_plan.num_layers * tp
     by_set: dict[tuple[int, ...], list[tuple[int, int, PartialReport]]] = {}
     for node, local_rank, report in reports:
         if report is not None and report.step == step:
             by_set.setdefault(report.microbatches, []).append((node, local_rank, report))
-    kept: list[int] = []
-    keepers: list[tuple[list[int], list[int]]] = []
+    layers_of, first_holder = _stage_layers(new_plan), _first_holders(new_plan)
+    kept: set[int] = set()
+    sets: list[tuple[tuple[int, ...], list[int]]] = []
     recomputed: list[str] = []
     moved_sums: list[list[int]] = []
     for mbs, group in sorted(by_set.items()):
-        covered: list[tuple[int, int]] = [
-            (layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])
-        ]
-        if len(covered) != len(set(covered)) or set(covered) != shards or set(mbs) & set(kept):
+        covered = {(layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])}
+        count = sum(r.layers[1] - r.layers[0] for _, _, r in group)
+        if count != shards or len(covered) != shards or not kept.isdisjoint(mbs) or any(
+                not (0 <= layer < new_plan.num_layers and 0 <= t < tp) for layer, t in covered):
             continue  # a pipeline that lost a worker: its sums are incomplete
-        gone = sorted({node for node, local_rank, r in group
-                       if _layers_in(new_plan, node) is None or local_rank != r.tp_rank})
+        nodes = sorted({node for node, _, _ in group})
+        if sorted((node, local_rank) for node, local_rank, _ in group) != [(n, t) for n in nodes for t in range(tp)]:
+            continue  # not every local rank of its nodes (the record names keepers by node)
+        gone = sorted({node for node, local_rank, r in group if node not in layers_of or local_rank != r.tp_rank})
         if gone:
             recomputed.append(f"microbatches {list(mbs)}: kept by node(s) {gone}, which are not in the new plan "
                               "at the same tensor-parallel rank")
             continue
         for node, local_rank, r in group:
-            first, last = _layers_in(new_plan, node) or (0, 0)
-            moved_sums.extend([layer, r.tp_rank, node, local_rank, _first_holder(new_plan, layer), r.tp_rank]
+            first, last = layers_of[node]
+            moved_sums.extend([layer, r.tp_rank, node, local_rank, first_holder[layer], r.tp_rank]
                               for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)
-        kept.extend(mbs)
-        keepers.extend(([node, local_rank], list(mbs)) for node, local_rank, _ in group)
-    keepers.sort()
-    return ReplayRecord(step=step, total=new_plan.global_microbatches, kept=sorted(kept),
-                        keepers=[k for k, _ in keepers], kept_sets=[s for _, s in keepers],
+        kept.update(mbs)
+        sets.append((mbs, nodes))
+    return ReplayRecord(step=step, total=new_plan.global_microbatches, tp=tp,
+                        set_runs=[to_runs(sorted(mbs)) for mbs, _ in sets], set_nodes=[nodes for _, nodes in sets],
                         recomputed=recomputed, moved=sorted(moved_sums))

@@ -9,8 +9,10 @@ from elastic.records.partial import (
     FINISH_FROM,
     PartialReport,
     ReplayRecord,
+    from_runs,
     resolve_replay,
     split_microbatches,
+    to_runs,
     worth_finishing,
 )
 from templates.plan import PipelinePlan, Plan, StagePlan
@@ -99,3 +101,34 @@ def test_pipelines_finish_a_step_only_once_it_is_far_enough_along() -> None:
     assert not worth_finishing(0.1, 24.0) and not worth_finishing(FINISH_FROM * 24.0 - 0.01, 24.0)
     assert worth_finishing(FINISH_FROM * 24.0, 24.0) and worth_finishing(30.0, 24.0)
     assert worth_finishing(0.0, 0.0)  # no step time known yet: finish
+
+
+def test_the_record_grows_with_kept_sets_not_workers_or_microbatches() -> None:
+    """The replay record fans out to every worker: its JSON is the same for 1 and 8 workers a
+    node and for 8 and 800 microbatches a pipeline (runs, nodes), while its per-worker view
+    (`keepers`, `kept_sets`, `kept`) equals the reports that were accepted."""
+
+    def record(tp: int, per_pipeline: int) -> tuple[ReplayRecord, list[tuple[int, int, PartialReport]]]:
+        pipes = [(((2 * p, 0, 3), (2 * p + 1, 3, 6)), per_pipeline) for p in range(8)]
+        new = plan((((16, 0, 3), (17, 3, 6)), per_pipeline), *pipes[1:], tp=tp)  # pipeline 0's nodes replaced
+        reports = []
+        for p in range(1, 8):
+            mbs = tuple(range(p * per_pipeline, (p + 1) * per_pipeline))
+            for node, first, last in pipes[p][0]:
+                reports += [kept(node, (first, last), mbs, tp_rank=t) for t in range(tp)]
+        return resolve_replay(new, reports, step=5), reports
+
+    (small, _), (wide, reports) = record(1, 8), record(8, 8)
+    assert len(wide.to_json().replace('"tp": 8', '"tp": 1')) == len(small.to_json())
+    assert len(record(1, 800)[0].to_json()) < len(small.to_json()) + 60  # longer numbers, no more of them
+    assert wide.keepers == sorted([node, t] for node, t, _ in reports)
+    by_worker = {(node, t): list(r.microbatches) for node, t, r in reports}
+    assert wide.kept_sets == [by_worker[(node, t)] for node, t in wide.keepers]
+    assert wide.kept == list(range(8, 64)) and wide.missing == list(range(8))
+    assert ReplayRecord.from_json(wide.to_json()) == wide
+
+
+def test_runs_round_trip() -> None:
+    for values in ([], [3], [0, 1, 2], [0, 2, 3, 7, 8, 9, 12]):
+        assert from_runs(to_runs(values)) == values
+    assert to_runs([0, 2, 3, 7, 8, 9, 12]) == [[0, 1], [2, 4], [7, 10], [12, 13]]

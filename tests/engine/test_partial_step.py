@@ -46,7 +46,7 @@ def test_kept_sums_plus_the_missing_microbatches_commit_the_failure_free_step(tm
 
     # Generation 2: node 0 alone; it keeps microbatches 0-1 and computes 2-3.
     alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
-    replay = ReplayRecord(step=2, total=4, kept=[0, 1], keepers=[[0, 0]], kept_sets=[[0, 1]])
+    replay = ReplayRecord(step=2, total=4, set_runs=[[[0, 2]]], set_nodes=[[0]])
     survivor.start(plan=alone, generation=2, store=dist.HashStore(), abort=AbortSignal(), fetch=None, step=2,
                    replay=replay)
     assert survivor._require().microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
@@ -61,7 +61,7 @@ def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
     trainers = _pair(tmp_path, [AbortSignal(), AbortSignal()])
     _both(lambda r: trainers[r].train(1))
     alone = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=4, microbatch_size=2)
-    replay = ReplayRecord(step=1, total=4, kept=[0, 1], keepers=[[0, 0]], kept_sets=[[0, 1]])
+    replay = ReplayRecord(step=1, total=4, set_runs=[[[0, 2]]], set_nodes=[[0]])
     with pytest.raises(ValueError, match="counts on this worker's kept sums"):
         trainers[0].start(plan=alone, generation=2, store=dist.HashStore(), abort=None, fetch=None, step=1,
                           replay=replay)
@@ -161,4 +161,4 @@ def test_every_worker_of_a_replayed_step_computes_every_peers_blocks() -> None:
         distinct = sorted({b for node in holders for b in by_node[node]})
         assert [m for b in distinct for m in range(b.start, b.end)] == list(range(8)), layer
     with pytest.raises(ValueError, match="kept sets"):
-        replay_blocks(ReplayRecord(step=5, total=8, kept=[0, 1, 2], keepers=[[0, 0]]), new)
+        replay_blocks(ReplayRecord(step=5, total=8, set_runs=[[[0, 3]]], set_nodes=[]), new)

@@ -50,7 +50,7 @@ PLAN = even_plan(num_layers=6, nodes=[0, 1, 2, 3], num_pipelines=2, global_micro
 SPEC = JobSpec(model="tiny", plan=PLAN, steps=12, run_dir="/runs/a", data_seed=3,
                optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=2, decay_steps=12))
 VOTE = Vote(step=6, grad_norm=1.25, loss=3.5)
-REPLAY = ReplayRecord(step=7, total=4, kept=[2, 3], keepers=[[1, 0], [3, 0]], recomputed=[],
+REPLAY = ReplayRecord(step=7, total=4, set_runs=[[[2, 4]]], set_nodes=[[1, 3]], recomputed=[],
                       moved=[[1, 0, 3, 0, 0, 0]])
 PARTIAL = PartialReport(step=7, microbatches=(2, 3), layers=(3, 6), tp_rank=0)
 
@@ -131,8 +131,9 @@ LEGACY: dict[type[JsonRecord], str] = {
     GenerationRecord: (
         '{"completed_vote": {"grad_norm": 1.25, "loss": 3.5, "step": 6}, "detected_at": 1000.5, "drained": [], '
         '"incarnations": {"0": 0, "1": 0, "2": 1, "3": 0}, "joined": [], "lost": [2], '
-        f'"plan": {_PLAN_JSON}, "published_at": 1000.75, "reason": "lost node 2", "replay": {{"keepers": '
-        '[[1, 0], [3, 0]], "kept": [2, 3], "moved": [[1, 0, 3, 0, 0, 0]], "recomputed": [], "step": 7, "total": 4}, '
+        f'"plan": {_PLAN_JSON}, "published_at": 1000.75, "reason": "lost node 2", "replay": {{"moved": '
+        '[[1, 0, 3, 0, 0, 0]], "recomputed": [], "set_nodes": [[1, 3]], "set_runs": [[[2, 4]]], "step": 7, '
+        '"total": 4, "tp": 1}, '
         '"restore_checkpoint": null, "resume_step": 7, "synced_at": 1000.6}'
     ),
     HaltRecord: '{"abort": true, "reason": "lost node 2", "at": 1000.55, "lost": [2]}',
