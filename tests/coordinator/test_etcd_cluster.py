@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import etcd3.exceptions
+import psutil
 import pytest
 
 from elastic.coordinator import EtcdConfig, connect
@@ -118,6 +119,21 @@ def test_pause_and_resume_a_member(cluster: EtcdCluster) -> None:
         client.close()
 
 
+def member_state(cluster: EtcdCluster, index: int) -> str:
+    """The process state of member `index` ('stopped', 'sleeping', ...)."""
+    pid = cluster.members[index].pid
+    return "gone" if pid is None else psutil.Process(pid).status()
+
+
+def stopped(cluster: EtcdCluster, members: list[int], timeout: float = 5.0) -> None:
+    """Wait until every one of `members` is stopped (a SIGSTOP takes effect once every thread of
+    the process leaves the kernel: one in a disk write finishes it first)."""
+    deadline = time.monotonic() + timeout
+    while any(member_state(cluster, i) != psutil.STATUS_STOPPED for i in members):
+        assert time.monotonic() < deadline, f"members {members} not stopped: {[member_state(cluster, i) for i in members]}"
+        time.sleep(0.01)
+
+
 def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
     """SIGSTOP of two members of three: the third has no quorum and holds every linearizable
     call until the caller's deadline, then answers with a server-side timeout (status UNKNOWN,
@@ -132,9 +148,14 @@ def test_calls_wait_out_a_lost_quorum(cluster: EtcdCluster) -> None:
         writer.put("/ha/q", "before")
         for i in followers:
             cluster.pause(i)
+        stopped(cluster, followers)
         paused_at = time.monotonic()
         with pytest.raises(Exception) as failed:
             impatient.get("/ha/q")
+            raise AssertionError(  # diagnostics: this failed once in CI, on a busy machine
+                f"a get was answered {time.monotonic() - paused_at:.2f} s after members {followers} stopped "
+                f"(leader was {leader}; states {[member_state(cluster, i) for i in range(3)]})")
+        assert not isinstance(failed.value, AssertionError), failed.value
         assert etcd_unreachable(failed.value), f"not recognised as etcd out of reach: {failed.value!r}"
         resumed_at: list[float] = []
 
