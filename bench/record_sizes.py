@@ -1,0 +1,89 @@
+"""Issue 34 item 1: the size of what fans out to every worker when a node is lost at N nodes.
+
+    .venv/bin/python bench/record_sizes.py [--nodes 64 256 1024 2048] [--gpus-per-node 8]
+
+Every worker watches the generation records (`plan/<g>`) and the halts (`halt/<g>`), so each such
+record is sent once per worker. For a GPT-3 6.7B-shaped model on N nodes x G GPUs (f = 1, one
+microbatch a GPU), the planner's first plan loses its first node; the leader's `replan` gives
+g+1, and `resolve_replay` keeps the microbatches of every intact pipeline, every worker of
+which reports its kept sums. Printed per N: the JSON bytes of the generation record (and of its
+plan, incarnations and replay parts), bytes per node, the time to decode it (what each worker
+pays), the halt record, and the bytes etcd sends for one record to every worker. etcd refuses a
+request over 1.5 MiB (`--max-request-bytes`), so the record must stay under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan  # noqa: E402
+from elastic.records.partial import PartialReport, resolve_replay  # noqa: E402
+from elastic.records.protocol import GenerationRecord, HaltRecord  # noqa: E402
+from templates.replanning import replan  # noqa: E402
+
+ETCD_MAX_REQUEST = int(1.5 * 2**20)
+
+
+def measure(nodes: int, gpus: int) -> dict[str, float]:
+    spec = ClusterSpec(model="gpt3-6.7b", nodes=nodes, gpus_per_node=gpus, fault_tolerance=1,
+                       global_batch=nodes * gpus, microbatch=1, device_memory_gib=80)
+    tset = cluster_templates(spec)
+    plan = initial_plan(spec, tset)
+    lost = plan.pipelines[0].stages[0].node
+    new = replan(tset, plan, [n for n in range(nodes) if n != lost]).plan
+    reports = []
+    start = 0
+    for i, pipe in enumerate(plan.pipelines):
+        mbs = tuple(range(start, start + pipe.microbatches))
+        start += pipe.microbatches
+        for st in pipe.stages:
+            if st.node != lost:
+                reports += [(st.node, t, None if i == 0 else PartialReport(step=100, microbatches=mbs,
+                                                                             layers=(st.first, st.last), tp_rank=t))
+                            for t in range(gpus)]
+    t0 = time.perf_counter()
+    replay = resolve_replay(new, reports, step=100)
+    resolve_s = time.perf_counter() - t0
+    record = GenerationRecord(plan=new, resume_step=100, incarnations={n: 0 for n in range(nodes) if n != lost},
+                              lost=[lost], reason=f"lost node {lost}", replay=replay)
+    text = record.to_json()
+    t0 = time.perf_counter()
+    GenerationRecord.from_json(text)
+    decode_s = time.perf_counter() - t0
+    halt = HaltRecord(abort=True, reason=f"lost node {lost}", at=time.time(), lost=[lost])
+    workers = nodes * gpus
+    return {
+        "nodes": nodes, "workers": workers, "record_bytes": len(text),
+        "plan_bytes": len(json.dumps(json.loads(text)["plan"])),
+        "incarnations_bytes": len(json.dumps(json.loads(text)["incarnations"])),
+        "replay_bytes": len(replay.to_json()), "bytes_per_node": len(text) / nodes,
+        "decode_ms": decode_s * 1e3, "resolve_ms": resolve_s * 1e3, "halt_bytes": len(halt.to_json()),
+        "fanout_mb": len(text) * workers / 1e6, "under_etcd_limit": len(text) < ETCD_MAX_REQUEST,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024, 2048])
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args()
+    print("| nodes | workers | generation record | plan | incarnations | replay | per node | decode | "
+          "resolve_replay | halt | to every worker |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in args.nodes:
+        r = measure(n, args.gpus_per_node)
+        assert r["under_etcd_limit"], f"{n} nodes: the record ({r['record_bytes']} B) exceeds etcd's request limit"
+        print(f"| {n} | {r['workers']} | {r['record_bytes'] / 1e3:.1f} KB | {r['plan_bytes'] / 1e3:.1f} KB | "
+              f"{r['incarnations_bytes'] / 1e3:.1f} KB | {r['replay_bytes'] / 1e3:.1f} KB | {r['bytes_per_node']:.0f} B | "
+              f"{r['decode_ms']:.1f} ms | {r['resolve_ms']:.0f} ms | {r['halt_bytes']} B | {r['fanout_mb']:.0f} MB |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
