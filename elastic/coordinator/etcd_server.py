@@ -326,14 +326,14 @@ class EtcdCluster:
             raise ValueError(f"etcd member {index} is not running")
         os.kill(pid, sig)
 
-    def stop(self) -> None:
-        """Stop every member (paused ones are continued first, so SIGTERM reaches them); the data
-        directories stay."""
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Stop every member (paused ones are continued first, so SIGTERM reaches them; each is
+        killed if it has not stopped within `timeout`); the data directories stay."""
         for member in self.members:
             if member.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(member.pid, signal.SIGCONT)
-            member.stop()
+            member.stop(timeout=timeout)
 
     def close(self) -> None:
         """`stop`, then remove the data directory if this object created it."""

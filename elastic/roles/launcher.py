@@ -97,6 +97,11 @@ _POLL_S = 0.05
 _READ_EVERY_S = 1.0
 """How often the elastic launcher's loop reads etcd itself (fatal key, rejoin requests, the end)."""
 _STOP_GRACE_S = 5.0
+_ETCD_STOP_S = 2.0
+"""How long the job's own etcd may take to stop gracefully at the end before it is killed: every
+write it acknowledged is already on disk, and the history is saved before it stops. Its
+graceful stop waits for open streams, and a stopped (SIGSTOPped) client's can hold it for the
+full default of 10 s."""
 
 
 def device_env(node: int, gpus_per_node: int) -> dict[str, str]:
@@ -548,7 +553,7 @@ def launch_elastic(
             f.close()
         _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
         if server is not None:
-            server.stop()
+            server.stop(timeout=_ETCD_STOP_S)
 
 
 def _start_services(
