@@ -185,7 +185,7 @@ def resolve_replay(
     holds go to the first pipeline's holder of it (`moved`). O(reports x their layers).
     """
     tp = new_plan.gpus_per_node
-    shards = new_plan.num_layers * tp
+    shards = {(layer, t) for layer in range(new_plan.num_layers) for t in range(tp)}
     by_set: dict[tuple[int, ...], list[tuple[int, int, PartialReport]]] = {}
     for node, local_rank, report in reports:
         if report is not None and report.step == step:
@@ -197,9 +197,8 @@ def resolve_replay(
     moved_sums: list[list[int]] = []
     for mbs, group in sorted(by_set.items()):
         covered = {(layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])}
-        count = sum(r.layers[1] - r.layers[0] for _, _, r in group)
-        if count != shards or len(covered) != shards or not kept.isdisjoint(mbs) or any(
-                not (0 <= layer < new_plan.num_layers and 0 <= t < tp) for layer, t in covered):
+        count = sum(r.layers[1] - r.layers[0] for _, _, r in group)  # == len(shards) only if none twice
+        if count != len(shards) or covered != shards or not kept.isdisjoint(mbs):
             continue  # a pipeline that lost a worker: its sums are incomplete
         nodes = sorted({node for node, _, _ in group})
         if sorted((node, local_rank) for node, local_rank, _ in group) != [(n, t) for n in nodes for t in range(tp)]:

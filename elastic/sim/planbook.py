@@ -85,10 +85,14 @@ class PlanBook:
             profile, gpus_per_node=c.gpus_per_node, num_nodes=c.nodes, fault_tolerance=f, global_microbatches=self.mbs
         )
 
+    def layers_bytes(self, first: int, last: int) -> int:
+        """Weights plus AdamW state of layers [first, last): what a node fetches to hold them."""
+        return sum(self.profile.layer_bytes(i) for i in range(first, last))
+
     @property
     def model_bytes(self) -> int:
         """One replica's weights plus AdamW state: what a checkpoint holds."""
-        return sum(self.profile.layer_bytes(i) for i in range(self.profile.num_layers))
+        return self.layers_bytes(0, self.profile.num_layers)
 
     def initial_plan(self) -> Plan:
         return instantiate(

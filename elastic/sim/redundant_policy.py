@@ -189,5 +189,5 @@ def _stage_bytes(book: PlanBook, plan: Plan, node: int) -> int:
     for pipe in plan.pipelines:
         for st in pipe.stages:
             if st.node == node:
-                return sum(book.profile.layer_bytes(i) for i in range(st.first, st.last))
+                return book.layers_bytes(st.first, st.last)
     return 0
