@@ -91,6 +91,18 @@ class Plan:
     def global_microbatches(self) -> int:
         return sum(p.microbatches for p in self.pipelines)
 
+    def spread(self, count: int) -> list[int]:
+        """`count` microbatches over the pipelines in proportion to each one's share of the global
+        batch, largest remainder first, ties to the lower pipeline: how a replayed step's missing
+        microbatches are shared (elastic/records/partial.py), and what the simulator charges."""
+        total = self.global_microbatches
+        shares = [p.microbatches * count for p in self.pipelines]
+        sizes = [s // total for s in shares]
+        order = sorted(range(len(shares)), key=lambda p: (-(shares[p] % total), p))
+        for p in order[: count - sum(sizes)]:
+            sizes[p] += 1
+        return sizes
+
     @property
     def global_batch(self) -> int:
         return self.global_microbatches * self.microbatch_size

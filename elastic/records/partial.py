@@ -147,14 +147,8 @@ def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[in
     """Spread `microbatches` (ascending) over `plan`'s pipelines in proportion to the share of
     the global batch each takes (largest remainder, ties to the lower pipeline), as contiguous
     runs in pipeline order. The same on every worker."""
-    total, count = plan.global_microbatches, len(microbatches)
-    shares = [p.microbatches * count for p in plan.pipelines]
-    sizes = [s // total for s in shares]
-    order = sorted(range(len(shares)), key=lambda p: (-(shares[p] % total), p))
-    for p in order[: count - sum(sizes)]:
-        sizes[p] += 1
     out, start = [], 0
-    for size in sizes:
+    for size in plan.spread(len(microbatches)):
         out.append(tuple(microbatches[start : start + size]))
         start += size
     return out

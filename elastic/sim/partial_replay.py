@@ -4,7 +4,7 @@ The runtime (elastic/records/partial.py) keeps the microbatches of every pipelin
 node: if the failure comes at least `finish_from` (1/3) into the step, those pipelines finish
 their microbatches while the loss is detected, and the next generation's first step computes
 only the lost pipelines' microbatches, spread over its pipelines in proportion to each one's
-share of the global batch (`spread`, the arithmetic of `elastic.records.partial.split_microbatches`);
+share of the global batch (`Plan.spread`, as `elastic.records.partial.split_microbatches` does);
 earlier in the step, every pipeline stops and the whole step is replayed. Committed work is never
 lost either way.
 """
@@ -25,24 +25,12 @@ def lost_microbatches(plan: Plan, nodes: set[int]) -> int:
     return sum(pipe.microbatches for pipe in plan.pipelines if any(n in nodes for n in pipe.nodes))
 
 
-def spread(plan: Plan, count: int) -> list[int]:
-    """`count` microbatches over `plan`'s pipelines in proportion to each one's share of the
-    global batch, largest remainder first, ties to the lower pipeline (the runtime's rule)."""
-    total = plan.global_microbatches
-    shares = [p.microbatches * count for p in plan.pipelines]
-    sizes = [s // total for s in shares]
-    order = sorted(range(len(shares)), key=lambda p: (-(shares[p] % total), p))
-    for p in order[: count - sum(sizes)]:
-        sizes[p] += 1
-    return sizes
-
-
 def replay_s(tset: TemplateSet, plan: Plan, factors: Mapping[int, float], count: int) -> float:
     """Seconds `plan` takes to compute `count` microbatches spread as the runtime does (each
     pipeline's 1F1B time over its stage times, slow nodes' factors included; idle ones 0)."""
     times = slow_stage_times(tset, plan, factors)
     return max((pipeline_time([times[st.node] for st in pipe.stages], m)
-                for pipe, m in zip(plan.pipelines, spread(plan, count), strict=True) if m > 0), default=0.0)
+                for pipe, m in zip(plan.pipelines, plan.spread(count), strict=True) if m > 0), default=0.0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,6 @@ from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.planning.stragglers import template_stage_times
 from elastic.records.partial import FINISH_FROM, split_microbatches
 from elastic.sim.config import RecoveryCosts
-from elastic.sim.partial_replay import spread
 from elastic.sim.planbook import PlanBook
 from elastic.sim.simulate import run_policy, simulate
 from elastic.sim.trace import Trace, TraceEvent
@@ -47,9 +46,15 @@ def test_the_figures_are_the_runtimes() -> None:
 
 
 def test_the_spread_is_the_runtimes(book: PlanBook) -> None:
+    """The simulator charges `Plan.spread`, which the runtime's split uses; checked here against
+    the definition: every microbatch once, each pipeline within one of its exact proportion."""
     plan = book.initial_plan()
+    total = plan.global_microbatches
     for count in range(0, 33):
-        assert spread(plan, count) == [len(s) for s in split_microbatches(plan, list(range(count)))]
+        sizes = plan.spread(count)
+        assert sizes == [len(s) for s in split_microbatches(plan, list(range(count)))]
+        assert sum(sizes) == count
+        assert all(abs(size - count * p.microbatches / total) < 1 for size, p in zip(sizes, plan.pipelines, strict=True))
 
 
 def _expected(book: PlanBook, fraction: float) -> tuple[float, float, float, int]:
@@ -62,7 +67,7 @@ def _expected(book: PlanBook, fraction: float) -> tuple[float, float, float, int
     lost = next(p.microbatches for p in first.pipelines if 2 in p.nodes)
     times = template_stage_times(book.elastic, new.plan)
     replay = max(pipeline_time([times[s.node] for s in pipe.stages], m)
-                 for pipe, m in zip(new.plan.pipelines, spread(new.plan, lost), strict=True) if m)
+                 for pipe, m in zip(new.plan.pipelines, new.plan.spread(lost), strict=True) if m)
     fetch = max(new.fetch_bytes.values(), default=0) / COSTS.transfer_bytes_per_s(CLUSTER)
     wait = max(COSTS.detect_s, (1 - fraction) * step) if fraction >= FINISH_FROM else COSTS.detect_s
     return t, t + wait + REPLAN_S + fetch + COSTS.rebuild_s, replay, before
