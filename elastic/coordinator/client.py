@@ -356,7 +356,10 @@ def _access_problem(exc: grpc.RpcError, config: EtcdConfig, key: str) -> str | N
 def _unreachable_problem(exc: grpc.RpcError, config: EtcdConfig) -> str | None:
     """After the retries: one line for an etcd that answers every connection by closing it (a
     TLS etcd dialled in plain text, or the reverse), None for one that is just not there."""
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and "Socket closed" in (exc.details() or ""):
+    details = exc.details() or ""
+    # A plain-text etcd resets a TLS client's handshake: gRPC says "Socket closed" or, as seen once
+    # in CI, "Handshake read failed (recvmsg:Connection reset by peer)".
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and ("Socket closed" in details or "Handshake read failed" in details):
         if config.ca_cert is None:
             return f"etcd at {config.endpoint} closes every plain-text connection: does it serve TLS? then set ${ETCD_CA_ENV}"
         return f"etcd at {config.endpoint} closes every connection: does it serve TLS? (${ETCD_CA_ENV} is set)"
