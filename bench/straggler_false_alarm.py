@@ -2,8 +2,10 @@
 no node as a straggler, or at most one mark that clears by itself (issue 33).
 
     .venv/bin/python bench/straggler_false_alarm.py --steps 2000 --hogs 1
+    .venv/bin/python bench/straggler_false_alarm.py --steps 2000 --hogs 1 --nodes 4 --global-batch 32 \
+        --device-memory-gib 0.03
 
-One `elastic run` (its own etcd, f = 1, `--straggler-policy report`, the default) of `--steps`
+One `elastic run` (its own etcd, f = 1, `--straggler-policy auto`, the default) of `--steps`
 steps. Once half of them are committed, `--hogs` busy-loop processes start beside it (each takes
 a core when it can) and run to the end. The result lists every `straggler` / `straggler-cleared`
 event, the generations (a plan change would show there) and the step rate before and after the
@@ -47,13 +49,16 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--hogs", type=int, default=1)
-    parser.add_argument("--policy", default="report")
+    parser.add_argument("--policy", default="auto")
+    parser.add_argument("--device-memory-gib", type=float, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-false-alarm-")) / "run"
     cmd = [*ELASTIC, "run", "--nodes", str(args.nodes), "--fault-tolerance", "1", "--global-batch",
            str(args.global_batch), "--steps", str(args.steps), "--run-dir", str(run_dir), "--straggler-policy",
            args.policy, "--checkpoint-every", "0"]
+    if args.device_memory_gib is not None:
+        cmd += ["--device-memory-gib", str(args.device_memory_gib)]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert job.stdout is not None
     hogs: list[subprocess.Popen[bytes]] = []

@@ -186,7 +186,16 @@ def register(subparsers: Any) -> None:
         help="slow: how long (default 10); partition: how long (default 2 x lease TTL + 1; must exceed the TTL)",
     )
     parser.add_argument(
+        "--steps", type=int, default=None, metavar="N",
+        help="slow, instead of --seconds: while N steps are in flight, from the one in flight when it begins",
+    )
+    parser.add_argument(
         "--factor", type=float, default=None, help="slow: steps take about F times longer (default 2)"
+    )
+    parser.add_argument(
+        "--hold-cpu", action=argparse.BooleanOptionalAction, default=None,
+        help="slow: while the workers are stopped, a process per worker spins in their place, so that "
+        "simulated nodes sharing this host's cores do not speed up (default: on)",
     )
     add_job_arguments(parser, wait=30.0)
     parser.set_defaults(func=_run)
@@ -201,6 +210,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--at-step must be >= 1 (steps are numbered from 1), got {args.at_step}")
     if args.factor is not None and args.kind != "slow":
         raise UsageError("--factor applies to slow only")
+    if args.hold_cpu is not None and args.kind != "slow":
+        raise UsageError("--hold-cpu applies to slow only")
+    if args.steps is not None and (args.kind != "slow" or args.seconds is not None or args.steps < 1):
+        raise UsageError("--steps N (N >= 1) applies to slow only, instead of --seconds")
     if args.seconds is not None and args.kind not in ("slow", "partition"):
         raise UsageError("--seconds applies to slow and partition only")
     if args.seconds is not None and args.seconds <= 0:
@@ -229,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
                 )
         seconds, factor = args.seconds, args.factor
         if args.kind == "slow":
-            seconds, factor = seconds or 10.0, factor or 2.0
+            seconds, factor = (seconds or 10.0) if args.steps is None else None, factor or 2.0
         if args.kind == "partition":
             seconds = seconds or 2.0 * job.lease_ttl + 1.0
             if seconds <= job.lease_ttl:
@@ -240,13 +253,14 @@ def _run(args: argparse.Namespace) -> int:
         req = InjectionRequest(
             id=request_id(args.kind, args.node, args.at_step), kind=args.kind, node=args.node,
             incarnation=members[args.node], when="step" if args.at_step is not None else "now", step=args.at_step,
-            seconds=seconds, factor=factor, requested_at=time.time(), by="cli",
+            seconds=seconds, steps=args.steps, factor=factor, requested_at=time.time(), by="cli",
+            hold_cpu=args.hold_cpu is not False,
         )
         submit_request(job.client, job.keys.root, req)
         when = f"while step {args.at_step} is in flight" if args.at_step is not None else "at once"
         what = ""  # only slow and partition have a factor / duration to show
         if args.kind == "slow":
-            what = f" (x{factor:g} for {seconds:g} s)"
+            what = f" (x{factor:g} for {seconds:g} s)" if args.steps is None else f" (x{factor:g} for {args.steps} steps)"
         elif args.kind == "partition":
             what = f" ({seconds:g} s)"
         print(

@@ -109,11 +109,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--lease-ttl", type=int, default=3, help="elastic: seconds before a silent node is lost")
     # -- stragglers (elastic/planning/stragglers.py) --
-    parser.add_argument("--straggler-policy", choices=POLICIES, default="report",
+    parser.add_argument("--straggler-policy", choices=POLICIES, default="auto",
                         help="elastic: report marks nodes slower than their peers in status and events; "
                         "rebalance also gives a straggler's pipeline fewer microbatches at the next step "
                         "boundary (and back once it recovers); auto also weighs a hot spare in its stage and "
-                        "dropping it, and takes the cheapest estimate; off keeps no speed factors (default report; "
+                        "dropping it, and takes the cheapest estimate; off keeps no speed factors (default auto; "
                         "`elastic stragglers --policy` changes it while the job runs)")
     parser.add_argument("--straggler-threshold", type=float, default=1.25, metavar="X",
                         help="elastic: a node this many times slower than its peers is slow (default 1.25)")

@@ -23,6 +23,7 @@ its kept sums (and their loss) before the reduction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from elastic.parallel.grad_sync import (
 )
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
+from elastic.parallel.phase_clock import PhaseClock, StepPhases
 from elastic.parallel.schedule import one_f_one_b
 from elastic.records.partial import PartialReport, ReplayRecord, split_microbatches
 from elastic.records.protocol import StepResult
@@ -153,13 +155,13 @@ class PreparedStep:
     """`time.perf_counter()` when the step began on this worker."""
     halt: bool = False
     """Whether the vote asked the generation to halt after this step (all workers agree)."""
-    busy: dict[int, float] = field(default_factory=dict)
-    """Each node's busy seconds of the step, from the vote (GradStats.busy)."""
+    phases: dict[int, StepPhases] = field(default_factory=dict)
+    """Each node's forward, backward and wait seconds of the step, from the vote (GradStats.phases)."""
 
 
 class _TimedWait:
-    """A schedule's wait on peers that counts the seconds it blocked: time spent waiting is not
-    this node's compute (its busy time, elastic/planning/stragglers.py)."""
+    """A schedule's wait on peers that counts the seconds it blocked (the `wait` phase of
+    elastic/parallel/phase_clock.py)."""
 
     def __init__(self, wait: Callable[[Handle], None]) -> None:
         self.wait, self.seconds = wait, 0.0
@@ -311,7 +313,7 @@ class StepTransaction:
                 step=step, grad_norm=stats.grad_norm, loss=stats.loss,
             )
         return PreparedStep(step=step, loss=stats.loss, grad_norm=stats.grad_norm, started=start, halt=stats.halt,
-                            busy=stats.busy)
+                            phases=stats.phases)
 
     def _keep_partial(self) -> None:
         """The step is abandoned: copy this worker's sums of it, if its schedule finished here."""
@@ -384,7 +386,7 @@ class StepTransaction:
         # A failure in another pipeline lets this one finish (and keep) its microbatches; a
         # replayed step keeps nothing, so any abort ends it.
         wait = _TimedWait(self.groups.wait_local if replay is None else self.groups.wait)
-        schedule_started = time.perf_counter()
+        clock = PhaseClock(self.device) if replay is None else None
         try:
             if mbs:
                 actions = self.actions if replay is None else one_f_one_b(
@@ -405,13 +407,14 @@ class StepTransaction:
                     autocast=lambda: compute_precision(self.device),
                     before_final_backward=reducer.arm if replay is None else None,
                     before_backward=lambda m: self.accum.leaf(mbs[m]),
+                    clock=clock,
                 )
                 losses = result
         except BaseException:
             reducer.abandon()  # buckets handed to its exchange thread must not be written any more
             raise
         # A replayed step is no measure of this node's speed (it redoes part of a step): 0, unmeasured.
-        busy = 0.0 if replay is not None else max(0.0, time.perf_counter() - schedule_started - wait.seconds)
+        phases = StepPhases() if clock is None else functools.partial(clock.totals, wait=wait.seconds)
         counted = layout.is_last_stage and layout.tp_rank == 0
         # The losses stay on the device: their sum is read with the vote (a non-finite one fails it).
         loss_sum = losses.loss_sum(self.device) / total_mbs if counted else torch.zeros(
@@ -436,5 +439,5 @@ class StepTransaction:
             ok=ok,
             halt=halt,
             reducer=reducer,
-            busy_s=busy,
+            phases=phases,
         )

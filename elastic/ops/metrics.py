@@ -36,7 +36,10 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_checkpoint_save_failures_total | counter | | checkpoint saves of the job that failed (a full or failing disk), each counted once |
 | elastic_spares | gauge | | of those, hot spares: live members the latest generation does not include (elastic/planning/spares.py) |
 | elastic_node_spare | gauge | | 1 while this endpoint's node is a hot spare, else 0 |
-| elastic_node_busy_seconds | gauge | | this node's compute seconds a step, less its waits on peers (median of the last 5; the `stragglers` key, read at scrape time) |
+| elastic_node_busy_seconds | gauge | | this node's compute seconds a step, forward plus backward (median of the last 5; the `stragglers` key, read at scrape time) |
+| elastic_node_forward_seconds | gauge | | of those, its forward passes' (median of the last 5; elastic/parallel/phase_clock.py) |
+| elastic_node_backward_seconds | gauge | | of those, its backward passes' (median of the last 5) |
+| elastic_node_wait_seconds | gauge | | its seconds a step blocked on pipeline peers (median of the last 5) |
 | elastic_node_speed_factor | gauge | | those seconds per unit of work over its peers' median (elastic/planning/stragglers.py) |
 | elastic_node_straggler | gauge | | 1 while this node is marked as a straggler, else 0 |
 
@@ -473,8 +476,12 @@ class NodeMetrics(Collector):
         if record is None or self.node not in record.factors:
             return
         if self.node in record.busy:
-            yield _gauge("elastic_node_busy_seconds", "This node's compute seconds a step, less waits on peers.",
+            yield _gauge("elastic_node_busy_seconds", "This node's compute seconds a step: forward plus backward.",
                          record.busy[self.node])
+        for i, phase in enumerate(("forward", "backward", "wait")):
+            if self.node in record.phases:
+                yield _gauge(f"elastic_node_{phase}_seconds", f"This node's {phase} seconds a step (median).",
+                             record.phases[self.node][i])
         yield _gauge("elastic_node_speed_factor", "This node's seconds per unit of work over its peers' median.",
                      record.factors[self.node])
         yield _gauge("elastic_node_straggler", "1 while this node is marked as a straggler.",

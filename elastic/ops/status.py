@@ -36,6 +36,9 @@ The JSON field names below are a contract for scripts (`schema_version` changes 
         speed_factor      its busy time per unit of work over its peers' median (smoothed; null
                           when not measured: elastic/planning/stragglers.py)
         straggler         null, or its straggler mark: since_step, since (wall time), factor
+        step_phases       null, or its seconds a step under the latest plan, each the median of the
+                          straggler window: {forward, backward, wait} (wait: blocked on pipeline
+                          peers; elastic/parallel/phase_clock.py)
         role              "active" (its incarnation is in the latest generation), "spare" (alive,
                           in no generation: a hot spare, elastic/planning/spares.py), "draining"
                           (drained by the latest generation, serving its shards before it leaves)
@@ -182,6 +185,8 @@ class NodeStatus:
     """Its smoothed speed factor against its peers (module doc)."""
     straggler: dict[str, Any] | None = None
     """Its straggler mark, or None."""
+    step_phases: dict[str, float] | None = None
+    """Its forward, backward and wait seconds a step (module doc), or None."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -384,7 +389,9 @@ def _with_speeds(nodes: list[NodeStatus], speeds: StragglerRecord | None) -> lis
     if speeds is None:
         return nodes
     return [dataclasses.replace(n, speed_factor=speeds.factors.get(n.node), straggler=None
-                                if n.node not in speeds.marked else dataclasses.asdict(speeds.marked[n.node]))
+                                if n.node not in speeds.marked else dataclasses.asdict(speeds.marked[n.node]),
+                                step_phases=None if n.node not in speeds.phases else
+                                dict(zip(("forward", "backward", "wait"), speeds.phases[n.node], strict=True)))
             for n in nodes]
 
 
@@ -612,7 +619,7 @@ def render_table(status: JobStatus) -> str:
             f"(mean step {t.mean_step_s:.3f} s, last {t.last_step_s:.3f} s, {t.tokens_per_step} tokens/step)"
         )
     lines += ["", f"{'node':>4}  {'alive':<5}  {'inc':>3}  {'lease':>5}  {'address':<21}  {'pipe/stage':<10}  "
-                  f"{'layers':<7}  {'speed':<6}  {'workers (rank:pid@transfer)':<30}  failures"]
+                  f"{'layers':<7}  {'speed':<6}  {'f/b/wait ms':<14}  {'workers (rank:pid@transfer)':<30}  failures"]
     for n in s.nodes:
         lease = "-" if n.lease_remaining_s is None else f"{n.lease_remaining_s}/{n.lease_granted_s}s"
         place = "-" if n.pipeline is None else f"{n.pipeline}/{n.stage}"
@@ -621,9 +628,11 @@ def render_table(status: JobStatus) -> str:
                           for f in n.failures) or "-"
         inc = "-" if n.incarnation is None else str(n.incarnation)
         speed = "-" if n.speed_factor is None else f"{n.speed_factor:.2f}" + ("!" if n.straggler else "")
+        ph = n.step_phases
+        phases = "-" if ph is None else "/".join(f"{ph[k] * 1e3:.0f}" for k in ("forward", "backward", "wait"))
         lines.append(
             f"{n.node:>4}  {'yes' if n.alive else 'NO':<5}  {inc:>3}  {lease:>5}  {n.address or '-':<21}  "
-            f"{place:<10}  {_layers(n.layers):<7}  {speed:<6}  {workers:<30}  {fails}"
+            f"{place:<10}  {_layers(n.layers):<7}  {speed:<6}  {phases:<14}  {workers:<30}  {fails}"
         )
     if s.pipelines:
         lines += ["", f"{'pipe':>4}  {'template':>8}  {'mbs':>4}  stages (node:[layers))"]

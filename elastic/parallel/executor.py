@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.comm import P2P, Communicator, Handle
+from elastic.parallel.phase_clock import PhaseClock
 from elastic.parallel.schedule import TRANSFERS, Action, Op, coalesce
 
 _ACT_TAG = 0
@@ -81,6 +82,7 @@ def run_schedule(
     forward_only: bool = False,
     before_final_backward: Callable[[], None] | None = None,
     before_backward: Callable[[int], None] | None = None,
+    clock: PhaseClock | None = None,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -95,6 +97,7 @@ def run_schedule(
     adds are final: a bucket reducer may launch each bucket's reduction as they arrive).
     `before_backward`: called with the microbatch of each backward right before it (a gradient
     accumulator learns where in the step's summation tree the gradients go).
+    `clock`: times each forward and backward (elastic/parallel/phase_clock.py).
     """
     if spec.prev_rank is None and tokens is None:
         raise ValueError("a first stage needs token inputs")
@@ -104,7 +107,7 @@ def run_schedule(
         module=module, spec=spec, wait=wait, post=post or group.post, device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
         forward_only=forward_only, before_final_backward=before_final_backward, before_backward=before_backward,
-        final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None),
+        final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None), clock=clock,
     )
     for step in coalesce(actions):
         if step[0].op in TRANSFERS:
@@ -147,6 +150,8 @@ class _StageRun:
     """The microbatch of the schedule's last backward."""
     before_backward: Callable[[int], None] | None = None
     """Called with the microbatch of each backward right before it."""
+    clock: PhaseClock | None = None
+    """Times each computation, when given."""
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     """Microbatch -> received activation (requires grad), until its input gradient is sent."""
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -166,7 +171,11 @@ class _StageRun:
 
     def do(self, action: Action) -> None:
         """Run one computation of the schedule."""
-        _HANDLERS[action.op](self, action.mb)
+        if self.clock is None:
+            _HANDLERS[action.op](self, action.mb)
+            return
+        with self.clock.timed(action.op.value):
+            _HANDLERS[action.op](self, action.mb)
 
     def transfer(self, actions: Sequence[Action]) -> None:
         """Post `actions` (consecutive transfers) as one group, wait for it, and keep what arrived."""

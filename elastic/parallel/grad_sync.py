@@ -68,6 +68,7 @@ from elastic.parallel.exchange import SUM_CHUNK, TreeBucket, TreeExchange
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import GradBucket, ParallelLayout, assign_ranks
+from elastic.parallel.phase_clock import StepPhases
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +83,14 @@ class GradStats:
     """Whether every worker reported a usable step (finite gradients, no local error)."""
     halt: bool = False
     """Whether some worker asked the generation to halt after this step (all agree)."""
-    busy: dict[int, float] = field(default_factory=dict)
-    """Each plan node's busy seconds of the step (its tensor-parallel rank 0's schedule, less its
-    waits on peers; elastic/planning/stragglers.py), carried by the vote; 0 where unmeasured."""
+    phases: dict[int, StepPhases] = field(default_factory=dict)
+    """Each plan node's forward, backward and wait seconds of the step (its tensor-parallel rank
+    0's; elastic/parallel/phase_clock.py), carried by the vote; 0 where unmeasured."""
+
+    @property
+    def busy(self) -> dict[int, float]:
+        """Each plan node's busy seconds of the step: its forward plus backward."""
+        return {n: p.busy for n, p in self.phases.items()}
 
 
 class VoteInterrupted(RuntimeError):
@@ -96,6 +102,8 @@ BucketLayout = list[tuple[GradBucket, tuple[str, ...]]]
 """A worker's gradient buckets, each with the parameter names it holds (name order). Not a plan:
 "plan" is the generation's parallel plan (`templates.plan.Plan`) that the buckets follow from."""
 
+
+_UNMEASURED = StepPhases()
 
 BUCKET_BYTES = 25 * 2**20
 """Target size of one gradient bucket in float32 bytes (DDP's bucket_cap_mb)."""
@@ -353,7 +361,7 @@ def finalize_grads(
     ok: bool = True,
     halt: bool = False,
     reducer: BucketReducer | None = None,
-    busy_s: float = 0.0,
+    phases: StepPhases | Callable[[], StepPhases] = _UNMEASURED,
 ) -> GradStats:
     """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
@@ -366,8 +374,10 @@ def finalize_grads(
     the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
     this worker's wish to stop after this step, summed into the vote. `reducer`: the step's
     BucketReducer when some buckets were launched during the backward (default: a new one).
-    `busy_s`: this worker's busy seconds of the step; the vote carries one slot per plan node
-    (tensor-parallel rank 0 fills its node's), 8 bytes a node, and every worker learns them all.
+    `phases`: this worker's forward, backward and wait seconds of the step (or what reads them,
+    right before the vote: an accelerator's timing events are waited for then); the vote carries
+    three slots per plan node (tensor-parallel rank 0 fills its node's), 24 bytes a node, and
+    every worker learns them all.
     """
     grads = accum.grads
     params = dict(accum.named)
@@ -404,14 +414,11 @@ def finalize_grads(
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64, device=device)
     failed = (~torch.isfinite(loss_t)).to(torch.float64) if ok else torch.ones((), dtype=torch.float64, device=device)
     nodes = layout.plan.nodes
-    busy = torch.zeros(len(nodes), dtype=torch.float64)
-    if layout.tp_rank == 0:
-        busy[nodes.index(layout.node)] = busy_s
     flags = torch.tensor([1.0 if halt else 0.0], dtype=torch.float64)
-    stats = torch.cat([torch.stack([sq, loss_t, failed]), torch.cat([flags, busy]).to(device)])
+    stats = torch.cat([torch.stack([sq, loss_t, failed]), torch.cat([flags, _phase_slots(layout, phases)]).to(device)])
     try:
         groups.wait(groups.world.all_reduce(stats))
-        total_sq, loss, failures, halts, *busy_all = groups.fetch(stats).tolist()
+        total_sq, loss, failures, halts, *timed_all = groups.fetch(stats).tolist()
     except Exception as exc:
         raise VoteInterrupted(f"the vote's wait failed: {type(exc).__name__}: {exc}") from exc
     norm = math.sqrt(total_sq)
@@ -420,7 +427,19 @@ def finalize_grads(
     # 3. Clip by one factor everywhere.
     if usable:
         clip_grads(accum, grad_norm=norm, grad_clip=grad_clip)
-    return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0, busy=dict(zip(nodes, busy_all, strict=True)))
+    seconds = {n: StepPhases(*timed_all[3 * i : 3 * i + 3]) for i, n in enumerate(nodes)}
+    return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0, phases=seconds)
+
+
+def _phase_slots(layout: ParallelLayout, phases: StepPhases | Callable[[], StepPhases]) -> torch.Tensor:
+    """The vote's three slots per plan node (forward, backward, wait), this node's filled on its
+    tensor-parallel rank 0 (read there, right before the vote), every other slot 0."""
+    nodes = layout.plan.nodes
+    timed = torch.zeros((len(nodes), 3), dtype=torch.float64)
+    if layout.tp_rank == 0:
+        mine = phases() if callable(phases) else phases
+        timed[nodes.index(layout.node)] = torch.tensor([mine.forward, mine.backward, mine.wait], dtype=torch.float64)
+    return timed.flatten()
 
 
 def clip_grads(accum: GradAccumulator, *, grad_norm: float, grad_clip: float) -> None:

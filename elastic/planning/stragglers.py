@@ -1,10 +1,11 @@
 """Straggler detection: per-node speed factors from the busy time of each committed step, and a
 mark with hysteresis (issue 33: measure and detect).
 
-What is measured: a node's *busy* seconds of a step, the wall time of its forward and backward
-schedule less the time it waited on peers (elastic/engine/step.py), which the step's vote carries
-to every worker (elastic/parallel/grad_sync.py). Waiting is left out, so a slow node's pipeline
-mates, which wait for it, do not look slow themselves.
+What is measured: a node's *busy* seconds of a step, the seconds of its forward and backward
+passes on the device's own clock (elastic/parallel/phase_clock.py: timing events on an
+accelerator; on the CPU, wall time less the time the thread waited for a core), which the step's
+vote carries to every worker with its wait on peers (elastic/parallel/grad_sync.py). Waiting is
+left out, so a slow node's pipeline mates, which wait for it, do not look slow themselves.
 
 From busy seconds to a speed factor, per step:
 
@@ -53,7 +54,7 @@ ACTING = ("rebalance", "auto")
 class StragglerConfig:
     """When a node counts as a straggler (module doc)."""
 
-    policy: str = "report"
+    policy: str = "auto"
     threshold: float = 1.25
     """A node whose smoothed factor is at least this is slow."""
     steps: int = 10

@@ -24,9 +24,11 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -162,10 +164,16 @@ class InjectionRequest(JsonRecord):
     """Step (1-based, as printed) for when="step"."""
     seconds: float | None = None
     """How long a slow or partition lasts."""
+    steps: int | None = None
+    """Slow, instead of `seconds`: it lasts while this many steps are in flight, from the one in
+    flight when it begins."""
     factor: float | None = None
     """Slow: steps take about this many times longer (the workers run 1/factor of the time)."""
     at: float | None = None
     """With when="step": fire this fraction of the previous step's duration into `step`."""
+    hold_cpu: bool = True
+    """Slow: while the workers are stopped, a burner process per worker spins in their place
+    (`Throttle`), so that simulated nodes sharing a host's cores do not run faster for it."""
     requested_at: float = 0.0
     """Wall time of the request."""
     by: str = "cli"
@@ -181,7 +189,11 @@ class InjectionRequest(JsonRecord):
             raise ValueError("a step is given exactly when when='step'")
         if self.step is not None and self.step < 1:
             raise ValueError(f"step must be >= 1 (steps are numbered from 1), got {self.step}")
-        if self.kind in ("slow", "partition") and (self.seconds is None or self.seconds <= 0):
+        if self.steps is not None and (self.kind != "slow" or self.steps < 1 or self.seconds is not None):
+            raise ValueError(f"steps (>= 1, instead of seconds) apply to a slow request only, got {self.steps} "
+                             f"for {self.kind} with seconds {self.seconds}")
+        timed = self.kind == "partition" or (self.kind == "slow" and self.steps is None)
+        if timed and (self.seconds is None or self.seconds <= 0):
             raise ValueError(f"{self.kind} needs seconds > 0, got {self.seconds}")
         if self.kind == "slow" and (self.factor is None or self.factor <= 1.0):
             raise ValueError(f"slow needs a factor > 1, got {self.factor}")
@@ -250,47 +262,156 @@ def write_status(client: EtcdClient, root: str, request_id: str, status: Injecti
 # ---- a slowed node: SIGSTOP/SIGCONT duty cycle -----------------------------------------------
 
 
+_BURNER = (
+    "import ctypes, os, sys\n"
+    "parent = int(sys.argv[1])\n"
+    "ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it dies with the thread that started it\n"
+    "os.write(1, b'r')\n"
+    "while os.getppid() == parent:\n"
+    "    pass\n"
+)
+"""A process that spins until its parent is gone (Linux; a stopped one is killed with it too)."""
+
+
+def _stat(pid: int) -> tuple[str, float] | None:
+    """(state letter, CPU seconds of all its threads) of a process, from /proc; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICK_S = 0.005
+"""How often the CPU-proportional throttle reads its processes' CPU time."""
+_LEAST_PAUSE_S = 0.01
+"""Stop debt below this waits for the next tick (CPU time moves in 10 ms ticks)."""
+
+
 class Throttle:
-    """Slow processes down with real signals: each `period` they run `period / factor` seconds
-    and stay stopped the rest, for `seconds` (or until `stop` is set). The period is short (50 ms)
-    so that a step of tens of milliseconds is slowed about `factor` times, not sometimes a lot
-    and sometimes not at all. `lock` is held while
-    signals are sent and `active` changes, so a hang detector that checks under the same lock
-    and skips while `active` never takes the throttling for a hang."""
+    """Slow processes down with real signals, for `seconds` (or until `stop` is set or `until()`
+    holds). `lock` is held while signals are sent and `active` changes, so a hang detector that
+    checks under the same lock and skips while `active` never takes the throttling for a hang.
+
+    Two ways, by `hold_cpu`:
+
+    - **CPU-proportional, holding the cores** (`hold_cpu`, what `elastic inject slow` does by
+      default): every 5 ms the processes' CPU time is read (/proc); each CPU second they used
+      becomes `factor - 1` seconds stopped, taken while their main thread is running (not while
+      it is blocked on a peer, when a stop would cost nothing). So their computation takes
+      `factor` times as long and their waiting does not, as on a device `factor` times slower.
+      While they are stopped, one burner process per throttled process spins in its place (its
+      own SIGSTOP/SIGCONT, in antiphase), so they keep the same share of the host's cores: on a
+      host that runs several simulated nodes on fewer cores, the other nodes would otherwise run
+      faster for it.
+    - **a duty cycle** (without `hold_cpu`): each `period` (50 ms) they run `period / factor`
+      seconds and stay stopped the rest, whatever they were doing. A process that spends much of
+      a step waiting on peers is slowed less than `factor`, and its host's other processes take
+      its share of the cores (a throttle of 2 on one of 4 simulated nodes on 2 cores slowed a job
+      of 2 two-stage pipelines to 0.70x). It suits a process whose work is not on the host CPU.
+    """
 
     def __init__(self, pids: Iterable[int], *, factor: float, seconds: float, lock: threading.Lock,
-                 period: float = 0.05) -> None:
+                 period: float = 0.05, hold_cpu: bool = False) -> None:
         if factor <= 1.0:
             raise ValueError(f"factor must be > 1, got {factor}")
         self.pids = list(pids)
         self.factor, self.seconds, self.period = factor, seconds, period
         self.lock = lock
+        self.hold_cpu = hold_cpu
+        self.burners: list[subprocess.Popen[bytes]] = []
         self.active = False
         self.stopped_s = 0.0
 
     def _signal(self, sig: signal.Signals) -> None:
-        for pid in self.pids:
+        anti = signal.SIGCONT if sig == signal.SIGSTOP else signal.SIGSTOP
+        for i, pid in enumerate(self.pids):
+            burner = self.burners[i] if i < len(self.burners) else None
             try:
                 os.kill(pid, sig)
-            except ProcessLookupError:
+            except ProcessLookupError:  # gone (a drained node's worker): its burner stops with it
+                self._end_burner(i)
                 continue
+            if burner is not None and burner.returncode is None:
+                burner.send_signal(anti)
 
-    def run(self, stop: threading.Event) -> None:
-        """Throttle until `seconds` have passed or `stop` is set; the processes run on afterwards."""
+    def _start_burners(self) -> None:
+        for _ in self.pids:
+            burner = subprocess.Popen([sys.executable, "-S", "-c", _BURNER, str(os.getpid())],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+            assert burner.stdout is not None
+            burner.stdout.read(1)  # its death signal is set: stopped from now on, it still dies with us
+            burner.stdout.close()
+            burner.send_signal(signal.SIGSTOP)
+            self.burners.append(burner)
+
+    def _end_burner(self, i: int) -> None:
+        """Stop the burner of the `i`th process (if it has one still running)."""
+        burner = self.burners[i] if i < len(self.burners) else None
+        if burner is not None and burner.returncode is None:
+            burner.kill()
+            burner.wait()
+
+    def _pause(self, stop: threading.Event, seconds: float) -> None:
+        """Stop the processes (and run the burners) for `seconds`, or until `stop` is set."""
+        with self.lock:
+            self.active = True
+            self._signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        stop.wait(seconds)
+        with self.lock:
+            self._signal(signal.SIGCONT)
+            self.active = False
+        self.stopped_s += time.monotonic() - t0
+
+    def _duty_cycle(self, stop: threading.Event, end: float, until: Callable[[], bool] | None) -> None:
         run_s = self.period / self.factor
+        while time.monotonic() < end and not (until is not None and until()) and not stop.wait(run_s):
+            self._pause(stop, min(self.period - run_s, max(0.0, end - time.monotonic())))
+
+    def _proportional(self, stop: threading.Event, end: float, until: Callable[[], bool] | None) -> None:
+        def cpu_and_running() -> tuple[float, bool]:
+            stats = []
+            for i, pid in enumerate(self.pids):
+                st = _stat(pid)
+                if st is None or st[0] in "ZX":  # gone: its burner stops with it
+                    self._end_burner(i)
+                else:
+                    stats.append(st)
+            return sum(c for _, c in stats), any(state == "R" for state, _ in stats)
+
+        used, _ = cpu_and_running()
+        debt = 0.0
+        while time.monotonic() < end and not (until is not None and until()) and not stop.wait(_TICK_S):
+            now, running = cpu_and_running()
+            debt += max(0.0, now - used) * (self.factor - 1.0)
+            used = now
+            if debt >= _LEAST_PAUSE_S and running:
+                self._pause(stop, min(debt, max(0.0, end - time.monotonic())))
+                debt = 0.0
+
+    def _stop_burners(self) -> None:
+        for burner in self.burners:
+            if burner.returncode is None:
+                burner.kill()
+                burner.wait()
+        self.burners.clear()
+
+    def run(self, stop: threading.Event, *, until: Callable[[], bool] | None = None) -> None:
+        """Throttle until `seconds` have passed, `until()` holds (asked every few ms) or `stop`
+        is set; the processes run on afterwards."""
         end = time.monotonic() + self.seconds
         try:
-            while time.monotonic() < end and not stop.wait(run_s):
-                with self.lock:
-                    self.active = True
-                    self._signal(signal.SIGSTOP)
-                t0 = time.monotonic()
-                stop.wait(min(self.period - run_s, max(0.0, end - t0)))
-                with self.lock:
-                    self._signal(signal.SIGCONT)
-                    self.active = False
-                self.stopped_s += time.monotonic() - t0
+            if self.hold_cpu:
+                self._start_burners()
+                self._proportional(stop, end, until)
+            else:
+                self._duty_cycle(stop, end, until)
         finally:
             with self.lock:
                 self._signal(signal.SIGCONT)
                 self.active = False
+            self._stop_burners()

@@ -3,9 +3,10 @@ stragglers (elastic/planning/stragglers.py), written by world rank 0, which lear
 busy time from each step's vote (roles/straggler_reporter.py). `elastic status` shows it; the
 `events` log has each mark and its end.
 
-Size: about 40 bytes a node (its factor and busy seconds), plus one entry per marked node. It is written when a
-mark changes and otherwise at most every `PUT_EVERY_S` seconds (the leader re-splits on fresh
-busy times), and no process watches it: at 2,048 nodes that is about 80 KB a second.
+Size: about 80 bytes a node (its factor, its busy seconds and their phases), plus one entry per
+marked node. It is written when a mark changes and otherwise at most every `PUT_EVERY_S` seconds
+(the leader re-splits on fresh busy times), and no process watches it: at 2,048 nodes that is
+about 160 KB a second.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class StragglerRecord(JsonRecord):
     its steps; nodes without one yet are left out), as Prometheus exports them."""
     marked: dict[int, Mark] = field(default_factory=dict)
     """Node -> its mark, for every node marked now."""
+    phases: dict[int, list[float]] = field(default_factory=dict)
+    """Node -> [forward, backward, wait] seconds a step under generation `generation`, each the
+    median of the same window as `busy` (elastic/parallel/phase_clock.py)."""
 
 
 def read_stragglers(client: EtcdClient, keys: JobKeys) -> StragglerRecord | None:

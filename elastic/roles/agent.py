@@ -447,17 +447,27 @@ class Agent:
             self._partition(req, step)
 
     def _slow(self, req: InjectionRequest, step: int) -> None:
-        assert req.factor is not None and req.seconds is not None
-        throttle = Throttle(list(self.procs), factor=req.factor, seconds=req.seconds, lock=self._signal_lock)
+        assert req.factor is not None and (req.seconds is not None or req.steps is not None)
+        trigger = self._trigger
+        assert trigger is not None
+        seconds = req.seconds if req.seconds is not None else float("inf")
+        throttle = Throttle(list(self.procs), factor=req.factor, seconds=seconds, lock=self._signal_lock,
+                            hold_cpu=req.hold_cpu)
         self._throttles.append(throttle)
-        self._status(
-            req, "running", step, detail=f"workers run 1/{req.factor:g} of the time for {req.seconds:g} s"
-        )
-        throttle.run(self.done)
+        how_long = f"{req.seconds:g} s" if req.steps is None else f"steps {step}-{step + req.steps - 1}"
+        self._status(req, "running", step, detail=f"workers run 1/{req.factor:g} of the time for {how_long}"
+                     + (" (a burner spins in each one's place while it is stopped)" if req.hold_cpu else ""))
+        t0 = time.monotonic()
+        if req.steps is None:
+            throttle.run(self.done)
+        else:
+            last = step + req.steps - 1
+            with trigger.watching():
+                throttle.run(self.done, until=lambda: trigger.in_flight() > last)
         self._throttles.remove(throttle)
-        assert self._trigger is not None
-        self._status(req, "done", self._trigger.in_flight(),
-                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of {req.seconds:g} s")
+        self._status(req, "done", trigger.in_flight(),
+                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of "
+                     f"{time.monotonic() - t0:.1f} s")
 
     def _partition(self, req: InjectionRequest, step: int) -> None:
         """Emulated partition (module doc); with a network-namespace launch the link is cut for real."""

@@ -60,6 +60,7 @@ from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.phase_clock import StepPhases
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
 from elastic.records.protocol import (
@@ -493,7 +494,7 @@ class ElasticWorker:
                 assert prepared is not None
                 report = self.trainer.commit(prepared)
             now = self._record_step(layout, report, started_at=started_at,
-                                    busy=prepared.busy if prepared is not None else None)
+                                    phases=prepared.phases if prepared is not None else None)
             self._abort.local_grace_s = _local_grace(report.seconds)
             if first_commit:
                 first_commit = False
@@ -544,21 +545,23 @@ class ElasticWorker:
         return decision == COMMIT
 
     def _record_step(self, layout: ParallelLayout, result: StepResult, *, started_at: float,
-                     busy: dict[int, float] | None = None) -> float:
+                     phases: dict[int, StepPhases] | None = None) -> float:
         """Hand a committed step to the progress writer and the straggler reporter (world rank
-        0) and the local step log (each pipeline's first worker); the commit's wall time. `busy`:
-        each node's busy seconds of the step (the vote's), None for a step with no measure."""
+        0) and the local step log (each pipeline's first worker); the commit's wall time. `phases`:
+        each node's forward, backward and wait seconds of the step (the vote's), None for a step
+        with no measure."""
         now = result.committed_at
         if layout.rank != 0 and self.stragglers is not None:  # another worker is rank 0 now: it reports
             self.stragglers.close()
             self.stragglers = None
         if layout.rank == 0:
             self.progress.publish(result)
-            if busy:  # also under `off`: the reporter reads the operator's changes of policy
+            if phases:  # also under `off`: the reporter reads the operator's changes of policy
                 if self.stragglers is None:
                     self.stragglers = StragglerReporter(self.client, self.keys, self.config.stragglers,
                                                         who=f"node{self.node}/{self.local_rank}")
-                self.stragglers.observe(step=result.step, generation=result.generation, busy=busy, plan=layout.plan)
+                self.stragglers.observe(step=result.step, generation=result.generation, phases=phases,
+                                        plan=layout.plan)
         if layout.stage == 0 and layout.tp_rank == 0:
             if self._step_log is None:
                 path = step_log_path(self.spec.run_dir, self.node, self.local_rank)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
@@ -80,6 +81,15 @@ class InjectionTrigger:
             if self._holders == 0 and self._progress is not None:
                 self._progress.cancel()
                 self._progress = None
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Watch `progress` while inside (`in_flight` then reads no key)."""
+        self._hold()
+        try:
+            yield
+        finally:
+            self._release()
 
     def pin(self) -> None:
         """Watch `progress` for good, as if an injection always waited (bench/control_plane_shard.py

@@ -1,5 +1,6 @@
 """World rank 0's straggler reporter (issue 33: measure, detect, show): it takes each committed
-step's busy seconds per node (the vote carries them, elastic/parallel/grad_sync.py), keeps the
+step's forward, backward and wait seconds per node (the vote carries them,
+elastic/parallel/grad_sync.py; busy is forward plus backward), keeps the
 speed factors and marks (elastic/planning/stragglers.py) on a thread of its own, off the step's
 path, and writes the `stragglers` key and a `straggler` / `straggler-cleared` event per change.
 
@@ -20,6 +21,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys
+from elastic.parallel.phase_clock import StepPhases
 from elastic.planning.stragglers import Change, NodeWork, SpeedTracker, StragglerConfig, node_work
 from elastic.records.stragglers import (
     PUT_EVERY_S,
@@ -40,8 +43,8 @@ from templates.plan import Plan
 
 TRACE_ENV = "ELASTIC_BUSY_TRACE"
 """A file to which world rank 0 appends each committed step's busy seconds per node, one JSON
-line a step (`{"step", "generation", "busy": {node: seconds}}`): the series the detector's tests
-replay (tests/planning/data/)."""
+line a step (`{"step", "generation", "busy": {node: seconds}, "phases": {node: [forward,
+backward, wait]}}`): the series the detector's tests replay (tests/planning/data/)."""
 SETTLE_STEPS = 2
 """Steps of a generation that are not taken in (module doc)."""
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class _Observed:
     generation: int
     busy: dict[int, float]
     work: dict[int, NodeWork]
+    phases: dict[int, StepPhases]
 
 
 class StragglerReporter:
@@ -72,6 +76,8 @@ class StragglerReporter:
         self._plan: tuple[int, int, dict[int, NodeWork]] | None = None
         """(generation, its first step seen here, each node's work in it)."""
         self.puts = 0
+        self._phases: dict[int, collections.deque[StepPhases]] = {}
+        """Node -> its phases of the last `window` steps taken in under the current generation."""
         trace = os.environ.get(TRACE_ENV)
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - closed in close()
         self._thread = threading.Thread(target=self._run, name="straggler-reporter", daemon=True)
@@ -82,11 +88,14 @@ class StragglerReporter:
         """The settings in force: the run's (`base`) with the operator's changes (the tracker's)."""
         return self.tracker.config
 
-    def observe(self, *, step: int, generation: int, busy: dict[int, float], plan: Plan) -> None:
+    def observe(self, *, step: int, generation: int, phases: dict[int, StepPhases], plan: Plan) -> None:
         """Queue one committed step (never blocks on etcd)."""
+        busy = {n: p.busy for n, p in phases.items()}
         if self._trace is not None:
             rounded = {n: round(b, 5) for n, b in busy.items()}
-            self._trace.write(json.dumps({"step": step, "generation": generation, "busy": rounded}) + "\n")
+            split = {n: [round(p.forward, 5), round(p.backward, 5), round(p.wait, 5)] for n, p in phases.items()}
+            line = {"step": step, "generation": generation, "busy": rounded, "phases": split}
+            self._trace.write(json.dumps(line) + "\n")
         self._latest = (step, generation)
         if self._plan is None or self._plan[0] != generation:
             self._plan = (generation, step, node_work(plan))
@@ -94,7 +103,7 @@ class StragglerReporter:
         if step - first < SETTLE_STEPS or not busy or self.config.policy == "off":
             return
         with self._cond:
-            self._queue.append(_Observed(step, generation, busy, work))
+            self._queue.append(_Observed(step, generation, busy, work, phases))
             self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -134,7 +143,12 @@ class StragglerReporter:
             for seen in batch:
                 if last is not None and seen.generation != last.generation:
                     self.tracker.new_plan()
+                    self._phases.clear()
                 changes += self.tracker.observe(seen.step, seen.busy, seen.work)
+                for node, phases in seen.phases.items():
+                    if node in seen.work and phases.busy > 0:
+                        window = self._phases.setdefault(node, collections.deque(maxlen=self.config.window))
+                        window.append(phases)
                 last = seen
             unwritten = unwritten or bool(batch)
             for change in changes:
@@ -191,6 +205,7 @@ class StragglerReporter:
             threshold=self.config.threshold,
             factors={n: round(f, 3) for n, f in sorted(self.tracker.smoothed().items())},
             busy={n: round(b, 5) for n, b in sorted(self.tracker.busy_seconds().items())},
+            phases={n: _medians(w) for n, w in sorted(self._phases.items()) if len(w) == w.maxlen},
             marked=dict(sorted(self._marks.items())),
         )
         try:
@@ -198,3 +213,8 @@ class StragglerReporter:
             self.puts += 1
         except Exception:  # noqa: BLE001 - etcd away: the next write carries the state on
             pass
+
+
+def _medians(window: collections.deque[StepPhases]) -> list[float]:
+    """[forward, backward, wait]: the median of each over `window`, rounded for the record."""
+    return [round(statistics.median(getattr(p, f) for p in window), 5) for f in ("forward", "backward", "wait")]

@@ -24,8 +24,9 @@ from tests.engine.test_transaction import assert_same, snapshot
 
 pytestmark = pytest.mark.timeout(120)
 
-VOTE = 4 + 2
-"""Float64s of a step's vote: norm, loss, failures, halts, and one busy time per node of the two."""
+VOTE = 4 + 2 * 3
+"""Float64s of a step's vote: norm, loss, failures, halts, and forward, backward and wait seconds
+per node of the two."""
 
 
 def _pair(tmp_path: Path, aborts: list[AbortSignal | None]) -> list[Trainer]:
@@ -117,3 +118,16 @@ def test_a_halt_voted_by_one_worker_is_agreed_by_all(tmp_path: Path) -> None:
     _both(lambda r: trainers[r].commit(first[r]))
     second = _both(lambda r: trainers[r].prepare_step(halt=r == 1))
     assert [p.halt for p in second] == [True, True], "every worker stops after the same step"
+
+
+def test_every_worker_learns_every_nodes_phases_from_the_vote(tmp_path: Path) -> None:
+    """Each node's forward, backward and wait seconds travel in the vote: both workers see the same
+    figures for both nodes, each node's own (its schedule did forward and backward passes), and a
+    node's busy time is its forward plus backward."""
+    trainers = _pair(tmp_path, [None, None])
+    prepared = _both(lambda r: trainers[r].prepare_step())
+    assert prepared[0].phases == prepared[1].phases
+    assert sorted(prepared[0].phases) == [0, 1]
+    for phases in prepared[0].phases.values():
+        assert phases.forward > 0 and phases.backward > 0 and phases.wait >= 0
+        assert phases.busy == phases.forward + phases.backward

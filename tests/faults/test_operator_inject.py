@@ -72,6 +72,10 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
         (["inject", "kill", "--node", "1", "--job", "no-such-job"], 1, "job no-such-job not found"),
         (["inject", "kill", "--node", "1", "--factor", "3"], 2, "--factor applies to slow only"),
         (["inject", "slow", "--node", "1", "--factor", "1"], 2, "--factor must be > 1"),
+        (["inject", "slow", "--node", "1", "--steps", "5", "--seconds", "3"], 2, "applies to slow only, instead of --seconds"),
+        (["inject", "kill", "--node", "1", "--steps", "5"], 2, "--steps N (N >= 1) applies to slow only"),
+        (["inject", "slow", "--node", "1", "--steps", "0"], 2, "--steps N (N >= 1) applies to slow only"),
+        (["inject", "kill", "--node", "1", "--no-hold-cpu"], 2, "--hold-cpu applies to slow only"),
         (["inject", "kill", "--node", "1", "--at-step", "0"], 2, "--at-step must be >= 1"),
         (["drain", "--node", "4"], 1, "node 4 is not in generation 1"),
         (["drain", "--node", "1", "--token", "wrong"], 1, "wrong job token"),
@@ -94,7 +98,13 @@ def test_writes_a_request_for_the_current_incarnation(
     assert (req.kind, req.node, req.incarnation, req.when, req.step, req.factor, req.seconds) == (
         "slow", 1, 2, "step", 5, 3.0, 10.0
     )
-    assert req.id.startswith("slow-node1-step5-") and req.id in out
+    assert req.id.startswith("slow-node1-step5-") and req.id in out and req.hold_cpu and req.steps is None
+    code, out = cli(capsys, "inject", "slow", "--node", "1", "--steps", "30", "--no-hold-cpu", "--run-dir",
+                    str(job_dir), "--wait", "0")
+    assert code == 0 and "(x2 for 30 steps)" in out, out
+    by_steps = [r for r in read_requests(client, JobKeys(job).root) if r.id != req.id]
+    assert [(r.steps, r.seconds, r.hold_cpu) for r in by_steps] == [(30, None, False)]
+    client.delete(f"{JobKeys(job).root}injections/{by_steps[0].id}")
     code, out = cli(capsys, "drain", "--node", "0", "--run-dir", str(job_dir), "--wait", "0")
     assert code == 0 and "drain node 0 (incarnation 0)" in out, out
     assert sorted(r.kind for r in read_requests(client, JobKeys(job).root)) == ["drain", "slow"]

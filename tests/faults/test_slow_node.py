@@ -1,7 +1,8 @@
 """One live run (real etcd, agents, workers): `elastic inject slow` on node 1, then `elastic drain`
 of node 3, both through the CLI against the running job.
 
-Slow: the node's workers are throttled with real SIGSTOP/SIGCONT for a few seconds; no failure
+Slow: the node's workers are throttled with real SIGSTOP/SIGCONT while 8 steps are in flight
+(`--steps`), and the throttle ends with them; no failure
 may be declared (no failure report, no new generation until the drain), the test sees the
 node's worker stopped for a good part of the window (sampled with psutil) and running after it,
 and training is unchanged. Step times while slowed are printed, not asserted (a tiny step is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import threading
 from collections.abc import Iterator
@@ -38,7 +40,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEPS = 40
 """Enough steps after the slow-down for the drain, even on a fast machine."""
 FACTOR = 4.0
-SLOW_S = 3.0
+SLOW_STEPS = 8
+"""The throttle lasts while this many steps are in flight (`elastic inject slow --steps`)."""
 
 
 class Outcome:
@@ -87,7 +90,7 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
         sampler.start()
         outputs, codes = {}, {}
         codes["slow"], outputs["slow"] = job.cli("inject", "slow", "--node", "1", "--factor", str(FACTOR),
-                                                 "--seconds", str(SLOW_S), "--wait", "60")
+                                                 "--steps", str(SLOW_STEPS), "--wait", "60")
         sampling.set()
         sampler.join()
         after = [worker.status() for _ in range(20)]
@@ -107,13 +110,17 @@ def test_slow_node_is_no_failure_and_slows_the_steps(outcome: Outcome, reference
     assert outcome.codes["slow"] == 0, outcome.outputs["slow"]
     status = outcome.status_of("slow")
     assert status.state == "done" and "stopped" in status.detail, status
+    # It lasted while SLOW_STEPS steps were in flight: it ended once the step after them was (the
+    # status is written a moment later: a short step may have passed meanwhile).
+    began = int(re.search(r"slowed from step (\d+)", status.detail).group(1))  # type: ignore[union-attr]
+    assert status.step is not None and began + SLOW_STEPS <= status.step <= began + SLOW_STEPS + 2, status
     # No false failure: nobody reported one, and the only reconfiguration is the drain.
     assert outcome.failed == [] and not [e for e in outcome.events if e["kind"] == "failure"]
     assert sorted(outcome.records) == [1, 2] and outcome.records[2].lost == []
     # Policy off: no speed record, no straggler event.
     assert outcome.stragglers is None and not [e for e in outcome.events if e["kind"].startswith("straggler")]
-    # The worker was really throttled: stopped for a good part of the window (the duty cycle
-    # stops it 1 - 1/FACTOR of the time), and running again afterwards.
+    # The worker was really throttled: stopped for a good part of the window (FACTOR - 1 seconds
+    # for each CPU second it uses), and running again afterwards.
     stopped = sum(1 for st in outcome.samples if st == psutil.STATUS_STOPPED) / max(1, len(outcome.samples))
     print(f"node 1's worker stopped in {stopped:.0%} of {len(outcome.samples)} samples")
     assert stopped >= 0.3, f"node 1's worker was stopped in only {stopped:.0%} of the samples"

@@ -59,7 +59,7 @@ def _wait_event(job: LiveJob, kind: str, timeout: float) -> dict[str, Any]:
 def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     config = tiny_config(tmp_path_factory.mktemp("straggler-auto"), nodes=2, pipelines=2, steps=STEPS,
                          global_microbatches=MICROBATCHES)
-    config = dataclasses.replace(config, spares=1)  # policy: the default, report
+    config = dataclasses.replace(config, spares=1)  # policy: report (tiny_config's)
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(SLOW_AT)

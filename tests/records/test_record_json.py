@@ -101,7 +101,8 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     StopRequest: StopRequest(by="sigint", requested_at=1000.95),
     StragglerRecord: StragglerRecord(step=62, generation=1, at=1004.5, policy="report", threshold=1.25,
                                      factors={0: 0.98, 1: 0.57, 2: 1.02, 3: 1.76},
-                                     marked={3: Mark(since_step=62, since=1004.4, factor=1.76)}),
+                                     marked={3: Mark(since_step=62, since=1004.4, factor=1.76)},
+                                     phases={3: [0.021, 0.043, 0.002]}),
     PolicyOverride: PolicyOverride(policy="auto", threshold=None, steps=20, at=1010.0),
 }
 """A realistic instance of every JsonRecord type of the project."""
@@ -232,6 +233,10 @@ def test_job_file_is_indented_and_reads_back(tmp_path: object) -> None:
          r"^InjectionRequest\.kind: expected one of 'kill', "),
         (InjectionRequest, LEGACY[InjectionRequest].replace('"factor": 3.0', '"factor": 0.5'),
          r"^InjectionRequest: slow needs a factor > 1, got 0\.5$"),
+        (InjectionRequest, LEGACY[InjectionRequest].replace('"seconds": 2.0', '"seconds": 2.0, "steps": 5'),
+         r"^InjectionRequest: steps \(>= 1, instead of seconds\) apply to a slow request only, got 5 for slow "),
+        (InjectionRequest, LEGACY[InjectionRequest].replace('"seconds": 2.0', '"seconds": null, "steps": 0'),
+         r"^InjectionRequest: steps \(>= 1, instead of seconds\) apply to a slow request only, got 0 "),
         (ElasticConfig, LEGACY[ElasticConfig].replace('"nodes": 4', '"nodes": 0'),
          r"^ElasticConfig\.cluster: --nodes must be >= 1, got 0$"),
         (ElasticConfig, LEGACY[ElasticConfig].replace('"steps": 12', '"steps": "12"'),

@@ -1,0 +1,120 @@
+"""How long a stage's own compute took in one step: the seconds of its forward passes, of its
+backward passes, and of its waits on peers (issue 33: measure). The straggler detector reads a
+node's busy time, forward plus backward (elastic/planning/stragglers.py); waiting is left out,
+so a slow node's pipeline mates, which wait for it, do not look slow themselves.
+
+Each computation is timed on the device's own clock:
+
+- **an accelerator** runs kernels asynchronously, so host time around a forward is only its
+  launch. Each computation records a pair of timing events on the current stream; `totals` waits
+  for the last one and adds their elapsed times. It is read once a step, right before the step's
+  vote, whose result the host reads synchronously anyway.
+- **the CPU** runs a computation on the calling thread: its wall time, less the time this thread
+  was runnable but waited for a core (the kernel's run-queue delay, `/proc/thread-self/schedstat`).
+  On one host that runs several simulated nodes (`elastic run` on a laptop), a node's compute is
+  otherwise stretched by its neighbours taking the cores in turn, and the stretch depends on how
+  much the others compute at the same moment, not on this node's speed. Time the thread was
+  stopped (SIGSTOP, `elastic inject slow`) is not run-queue delay: a throttled node is still seen.
+  Without schedstat (not Linux), the wall time is used. The two reads cost about 2 us a
+  computation (the file stays open for the thread's life).
+
+A node whose CPU is taken by another process on a CPU device is therefore not counted slow; on
+a GPU, the device's clock sees what the device did, whatever the host's load.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """One node's seconds of one step, by phase (0.0 where unmeasured, as in a replayed step)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    wait: float = 0.0
+    """Blocked on transfers with pipeline peers (host time)."""
+
+    @property
+    def busy(self) -> float:
+        """The stage's own compute: forward plus backward."""
+        return self.forward + self.backward
+
+
+class _Schedstat:
+    """The calling thread's schedstat file, open for as long as the thread lives (a read is then
+    one pread, about 1 us, against 7 us to open it each time)."""
+
+    def __init__(self) -> None:
+        try:
+            self.fd: int | None = os.open(_SCHEDSTAT, os.O_RDONLY)
+        except OSError:
+            self.fd = None
+
+    def __del__(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+_THREAD = threading.local()
+
+
+def run_queue_s() -> float:
+    """Seconds the calling thread has waited for a core since it started (0.0 without schedstat)."""
+    stat = getattr(_THREAD, "schedstat", None)
+    if stat is None:
+        stat = _THREAD.schedstat = _Schedstat()
+    if stat.fd is None:
+        return 0.0
+    try:
+        return int(os.pread(stat.fd, 64, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class PhaseClock:
+    """Sums the seconds of one step's forward and backward computations (module doc)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = device.type == "cpu"
+        self._sums = {"forward": 0.0, "backward": 0.0}
+        self._events: list[tuple[str, torch.Event, torch.Event]] = []
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Time one computation of `phase` (forward or backward)."""
+        if self.host:
+            t0, q0 = time.perf_counter(), run_queue_s()
+            try:
+                yield
+            finally:
+                self._sums[phase] += max(0.0, (time.perf_counter() - t0) - (run_queue_s() - q0))
+            return
+        start = torch.Event(device=self.device, enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end = torch.Event(device=self.device, enable_timing=True)
+            end.record()
+            self._events.append((phase, start, end))
+
+    def totals(self, *, wait: float = 0.0) -> StepPhases:
+        """The step's phases so far (an accelerator's events are waited for here), with `wait`."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for phase, start, end in self._events:
+                self._sums[phase] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+        return StepPhases(forward=self._sums["forward"], backward=self._sums["backward"], wait=wait)
