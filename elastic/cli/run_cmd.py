@@ -263,11 +263,10 @@ def _run_job(args: argparse.Namespace) -> int:
     _check_spares(args)
     _resume_defaults(args)
     plan = build_plan(args, cfg.num_layers, shape=cfg)
-    for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
-        if size % plan.gpus_per_node:
-            raise UsageError(
-                f"model {args.model}'s {what}={size} is not divisible by {plan.gpus_per_node} gpus per node"
-            )
+    try:
+        cfg.check_tensor_parallel(plan.gpus_per_node, by=f"{plan.gpus_per_node} gpus per node")
+    except ValueError as exc:
+        raise UsageError(f"model {args.model}'s {exc}") from None
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
     spec = _job_spec(args, plan, run_dir, shape=cfg)
     _check_held_out(spec)

@@ -133,11 +133,6 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def join_endpoints(endpoints: list[str] | tuple[str, ...]) -> str:
-    """`endpoints` (each `host:port`) as the one string that `--etcd` and `EtcdConfig` take."""
-    return ",".join(endpoints)
-
-
 _RETRY_PAUSE_S = 0.1
 
 _MEMBER_ATTEMPT_S = 2.0

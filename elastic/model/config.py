@@ -98,11 +98,12 @@ class GPTConfig:
         """The fields as a JSON-ready object (what `--model-config` files hold)."""
         return dataclasses.asdict(self)
 
-    def check_tensor_parallel(self, degree: int) -> None:
-        """ValueError unless `degree` tensor-parallel ranks can split this shape (heads and vocabulary)."""
+    def check_tensor_parallel(self, degree: int, *, by: str | None = None) -> None:
+        """ValueError unless `degree` tensor-parallel ranks can split this shape (heads and vocabulary);
+        `by` names the degree in the message (default "the tensor-parallel degree N")."""
         for what, size in (("n_head", self.n_head), ("vocab_size", self.vocab_size)):
             if size % degree:
-                raise ValueError(f"{what}={size} is not divisible by the tensor-parallel degree {degree}")
+                raise ValueError(f"{what}={size} is not divisible by {by or f'the tensor-parallel degree {degree}'}")
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -15,20 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
-
-
-class Codec(Protocol):
-    """Text <-> token ids."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteCodec:

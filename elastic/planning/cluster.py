@@ -123,12 +123,10 @@ class ClusterSpec:
                 raise ValueError(f"--device-memory-gib must be a positive number, got {self.device_memory_gib}")
         if not (math.isfinite(self.network_gbps) and self.network_gbps > 0):
             raise ValueError(f"--network-gbps must be a positive number, got {self.network_gbps}")
-        cfg = self.config
-        for what, size in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
-            if size % self.gpus_per_node:
-                raise ValueError(
-                    f"model {self.label}'s {what}={size} is not divisible by --gpus-per-node {self.gpus_per_node}"
-                )
+        try:
+            self.config.check_tensor_parallel(self.gpus_per_node, by=f"--gpus-per-node {self.gpus_per_node}")
+        except ValueError as exc:
+            raise ValueError(f"model {self.label}'s {exc}") from None
 
     @property
     def config(self) -> GPTConfig:

@@ -1,7 +1,7 @@
 """The etcd keys and records of an elastic run: what launcher, agents, leader and workers share.
 
 Everything lives under the job's prefix `/elastic/<job>/` (see elastic/coordinator/keys.py for
-members, leader, generation, plan/, committed, injections/, events/, token, store/):
+members, failed/, suspects/, leader, generation, plan/, injections/, events/, token, rdzv/, store/):
 
     config                          ElasticConfig JSON: the job spec, planning inputs, injections
     workers/<node>/<local_rank>     {"pid", "transfer_address", "incarnation"} on the node's lease
