@@ -18,9 +18,10 @@ the leader can put the spare in the slow node's stage. Figures, from the run's s
   rate is back within 20 steps of the release (issue 33's bar, >= 0.95x).
 
 The throttle is `elastic inject slow`'s default (`--hold-cpu`, elastic/records/injection.py
-`Throttle`): each CPU second the node's workers use becomes F-1 seconds stopped, taken while they
-compute, and a burner spins in their place while they are stopped, so the node computes F times
-slower and the other simulated nodes on this machine's cores do not run faster for it.
+`Throttle`): each CPU second the node's workers (their main threads) use becomes F-1 seconds
+stopped, taken while they compute, and a burner spins in their place while they are stopped, so
+the node computes F times slower and the other simulated nodes on this machine's cores do not run
+faster for it.
 `--no-hold-cpu` measures with the older duty cycle.
 
 The same side runs `--repeats` times and the median is reported; every run's final loss is

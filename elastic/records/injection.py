@@ -274,17 +274,19 @@ _BURNER = (
 
 
 def _stat(pid: int) -> tuple[str, float] | None:
-    """(state letter, CPU seconds of all its threads) of a process, from /proc; None when gone."""
+    """(state letter, CPU seconds of its main thread) of a process, from /proc; None when gone.
+    The main thread is where a worker computes; its schedstat counts nanoseconds (the process's
+    stat counts 10 ms ticks, too coarse to compare processes tick by tick)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
-    except OSError:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            ran_ns = int(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
         return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    return fields[0].decode(), (int(fields[11]) + int(fields[12])) / _TICKS
+    return data[data.rindex(b")") + 2 :].split()[0].decode(), ran_ns / 1e9
 
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _TICK_S = 0.005
 """How often the CPU-proportional throttle reads its processes' CPU time."""
 _LEAST_PAUSE_S = 0.01
@@ -299,9 +301,10 @@ class Throttle:
     Two ways, by `hold_cpu`:
 
     - **CPU-proportional, holding the cores** (`hold_cpu`, what `elastic inject slow` does by
-      default): every 5 ms the processes' CPU time is read (/proc); each CPU second they used
-      becomes `factor - 1` seconds stopped, taken while their main thread is running (not while
-      it is blocked on a peer, when a stop would cost nothing). So their computation takes
+      default): every 5 ms the processes' CPU time is read (their main threads', /proc); each
+      CPU second the busiest of them used becomes `factor - 1` seconds stopped (all of them
+      together), taken while a main thread is running (not while it is blocked on a peer, when
+      a stop would cost nothing). So their computation takes
       `factor` times as long and their waiting does not, as on a device `factor` times slower.
       While they are stopped, one burner process per throttled process spins in its place (its
       own SIGSTOP/SIGCONT, in antiphase), so they keep the same share of the host's cores: on a
@@ -373,21 +376,23 @@ class Throttle:
             self._pause(stop, min(self.period - run_s, max(0.0, end - time.monotonic())))
 
     def _proportional(self, stop: threading.Event, end: float, until: Callable[[], bool] | None) -> None:
-        def cpu_and_running() -> tuple[float, bool]:
-            stats = []
+        def cpu_and_running() -> tuple[dict[int, float], bool]:
+            cpu, running = {}, False
             for i, pid in enumerate(self.pids):
                 st = _stat(pid)
                 if st is None or st[0] in "ZX":  # gone: its burner stops with it
                     self._end_burner(i)
                 else:
-                    stats.append(st)
-            return sum(c for _, c in stats), any(state == "R" for state, _ in stats)
+                    cpu[pid], running = st[1], running or st[0] == "R"
+            return cpu, running
 
         used, _ = cpu_and_running()
         debt = 0.0
         while time.monotonic() < end and not (until is not None and until()) and not stop.wait(_TICK_S):
             now, running = cpu_and_running()
-            debt += max(0.0, now - used) * (self.factor - 1.0)
+            # The processes compute side by side (one device each): the busiest one's CPU time is
+            # the node's, and all of them are stopped together.
+            debt += max((c - used.get(pid, c) for pid, c in now.items()), default=0.0) * (self.factor - 1.0)
             used = now
             if debt >= _LEAST_PAUSE_S and running:
                 self._pause(stop, min(debt, max(0.0, end - time.monotonic())))

@@ -160,3 +160,21 @@ def test_the_proportional_throttle_slows_computation_not_waiting() -> None:
     # Each round: 20 ms of CPU, made about 40 ms (the 10 ms ticks of CPU time make it uneven).
     assert 1.5 <= computed / (rounds * 0.02) <= 2.6, (computed, slept)
     assert throttle.stopped_s >= 0.8 * (computed - rounds * 0.02), throttle.stopped_s
+
+
+def test_a_node_of_two_processes_is_stopped_for_the_busiest_ones_cpu_not_their_sum() -> None:
+    """A node's workers compute side by side (one device each): throttled by 2, they are stopped
+    as long as the busiest one computed, not as long as both did together."""
+    spinners = [_spinner(), _spinner()]
+    procs = [psutil.Process(p.pid) for p in spinners]
+    throttle = Throttle([p.pid for p in spinners], factor=2.0, seconds=1.5, lock=threading.Lock(), hold_cpu=True)
+    try:
+        before = [sum(p.cpu_times()[:2]) for p in procs]
+        throttle.run(threading.Event())
+        used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before, strict=True)]
+    finally:
+        stop_pids([p.pid for p in spinners])
+        for p in spinners:
+            p.wait()
+    busiest = max(used)
+    assert 0.6 * busiest <= throttle.stopped_s <= 1.3 * busiest, (throttle.stopped_s, used)
