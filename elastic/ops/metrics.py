@@ -75,6 +75,7 @@ from elastic.coordinator.membership import NodeIdentity
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.parallel.layout import assign_ranks
+from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
 from elastic.records.evals import EvalResult, eval_key
 from elastic.records.job import shape_of_spec
@@ -478,10 +479,8 @@ class NodeMetrics(Collector):
         if self.node in record.busy:
             yield _gauge("elastic_node_busy_seconds", "This node's compute seconds a step: forward plus backward.",
                          record.busy[self.node])
-        for i, phase in enumerate(("forward", "backward", "wait")):
-            if self.node in record.phases:
-                yield _gauge(f"elastic_node_{phase}_seconds", f"This node's {phase} seconds a step (median).",
-                             record.phases[self.node][i])
+        for phase, seconds in zip(STEP_PHASES, record.phases.get(self.node, []), strict=False):
+            yield _gauge(f"elastic_node_{phase}_seconds", f"This node's {phase} seconds a step (median).", seconds)
         yield _gauge("elastic_node_speed_factor", "This node's seconds per unit of work over its peers' median.",
                      record.factors[self.node])
         yield _gauge("elastic_node_straggler", "1 while this node is marked as a straggler.",

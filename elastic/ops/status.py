@@ -95,6 +95,7 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import NodeIdentity
+from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.evals import EvalResult, eval_key
 from elastic.records.job import shape_of_spec
 from elastic.records.protocol import (
@@ -391,7 +392,7 @@ def _with_speeds(nodes: list[NodeStatus], speeds: StragglerRecord | None) -> lis
     return [dataclasses.replace(n, speed_factor=speeds.factors.get(n.node), straggler=None
                                 if n.node not in speeds.marked else dataclasses.asdict(speeds.marked[n.node]),
                                 step_phases=None if n.node not in speeds.phases else
-                                dict(zip(("forward", "backward", "wait"), speeds.phases[n.node], strict=True)))
+                                dict(zip(STEP_PHASES, speeds.phases[n.node], strict=True)))
             for n in nodes]
 
 
@@ -629,7 +630,7 @@ def render_table(status: JobStatus) -> str:
         inc = "-" if n.incarnation is None else str(n.incarnation)
         speed = "-" if n.speed_factor is None else f"{n.speed_factor:.2f}" + ("!" if n.straggler else "")
         ph = n.step_phases
-        phases = "-" if ph is None else "/".join(f"{ph[k] * 1e3:.0f}" for k in ("forward", "backward", "wait"))
+        phases = "-" if ph is None else "/".join(f"{ph[k] * 1e3:.0f}" for k in STEP_PHASES)
         lines.append(
             f"{n.node:>4}  {'yes' if n.alive else 'NO':<5}  {inc:>3}  {lease:>5}  {n.address or '-':<21}  "
             f"{place:<10}  {_layers(n.layers):<7}  {speed:<6}  {phases:<14}  {workers:<30}  {fails}"

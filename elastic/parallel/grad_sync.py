@@ -87,11 +87,6 @@ class GradStats:
     """Each plan node's forward, backward and wait seconds of the step (its tensor-parallel rank
     0's; elastic/parallel/phase_clock.py), carried by the vote; 0 where unmeasured."""
 
-    @property
-    def busy(self) -> dict[int, float]:
-        """Each plan node's busy seconds of the step: its forward plus backward."""
-        return {n: p.busy for n, p in self.phases.items()}
-
 
 class VoteInterrupted(RuntimeError):
     """The vote's wait failed on this worker after its reductions completed: its gradients are
@@ -438,7 +433,7 @@ def _phase_slots(layout: ParallelLayout, phases: StepPhases | Callable[[], StepP
     timed = torch.zeros((len(nodes), 3), dtype=torch.float64)
     if layout.tp_rank == 0:
         mine = phases() if callable(phases) else phases
-        timed[nodes.index(layout.node)] = torch.tensor([mine.forward, mine.backward, mine.wait], dtype=torch.float64)
+        timed[nodes.index(layout.node)] = torch.tensor(mine.values(), dtype=torch.float64)
     return timed.flatten()
 
 

@@ -30,10 +30,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+STEP_PHASES = ("forward", "backward", "wait")
+"""The phases of a step, in the order the vote, the `stragglers` record and the traces list them."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,10 @@ class StepPhases:
     def busy(self) -> float:
         """The stage's own compute: forward plus backward."""
         return self.forward + self.backward
+
+    def values(self) -> list[float]:
+        """The seconds in `STEP_PHASES` order."""
+        return [self.forward, self.backward, self.wait]
 
 
 class _Schedstat:
@@ -101,6 +111,8 @@ class PhaseClock:
             finally:
                 self._sums[phase] += max(0.0, (time.perf_counter() - t0) - (run_queue_s() - q0))
             return
+        import torch  # an accelerator's clock; this module stays importable without torch (`elastic status`)
+
         start = torch.Event(device=self.device, enable_timing=True)
         start.record()
         try:

@@ -290,7 +290,8 @@ def _stat(pid: int) -> tuple[str, float] | None:
 _TICK_S = 0.005
 """How often the CPU-proportional throttle reads its processes' CPU time."""
 _LEAST_PAUSE_S = 0.01
-"""Stop debt below this waits for the next tick (CPU time moves in 10 ms ticks)."""
+"""Stop debt below this waits for a later tick: fewer, longer pauses, each of which costs two
+rounds of signals."""
 
 
 class Throttle:
@@ -399,10 +400,8 @@ class Throttle:
                 debt = 0.0
 
     def _stop_burners(self) -> None:
-        for burner in self.burners:
-            if burner.returncode is None:
-                burner.kill()
-                burner.wait()
+        for i in range(len(self.burners)):
+            self._end_burner(i)
         self.burners.clear()
 
     def run(self, stop: threading.Event, *, until: Callable[[], bool] | None = None) -> None:

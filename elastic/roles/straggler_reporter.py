@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys
-from elastic.parallel.phase_clock import StepPhases
+from elastic.parallel.phase_clock import STEP_PHASES, StepPhases
 from elastic.planning.stragglers import Change, NodeWork, SpeedTracker, StragglerConfig, node_work
 from elastic.records.stragglers import (
     PUT_EVERY_S,
@@ -56,9 +56,12 @@ _QUEUE = 256
 class _Observed:
     step: int
     generation: int
-    busy: dict[int, float]
     work: dict[int, NodeWork]
     phases: dict[int, StepPhases]
+
+    @property
+    def busy(self) -> dict[int, float]:
+        return {n: p.busy for n, p in self.phases.items()}
 
 
 class StragglerReporter:
@@ -90,20 +93,19 @@ class StragglerReporter:
 
     def observe(self, *, step: int, generation: int, phases: dict[int, StepPhases], plan: Plan) -> None:
         """Queue one committed step (never blocks on etcd)."""
-        busy = {n: p.busy for n, p in phases.items()}
         if self._trace is not None:
-            rounded = {n: round(b, 5) for n, b in busy.items()}
-            split = {n: [round(p.forward, 5), round(p.backward, 5), round(p.wait, 5)] for n, p in phases.items()}
+            rounded = {n: round(p.busy, 5) for n, p in phases.items()}
+            split = {n: [round(v, 5) for v in p.values()] for n, p in phases.items()}
             line = {"step": step, "generation": generation, "busy": rounded, "phases": split}
             self._trace.write(json.dumps(line) + "\n")
         self._latest = (step, generation)
         if self._plan is None or self._plan[0] != generation:
             self._plan = (generation, step, node_work(plan))
         _, first, work = self._plan
-        if step - first < SETTLE_STEPS or not busy or self.config.policy == "off":
+        if step - first < SETTLE_STEPS or not phases or self.config.policy == "off":
             return
         with self._cond:
-            self._queue.append(_Observed(step, generation, busy, work, phases))
+            self._queue.append(_Observed(step, generation, work, phases))
             self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -216,5 +218,5 @@ class StragglerReporter:
 
 
 def _medians(window: collections.deque[StepPhases]) -> list[float]:
-    """[forward, backward, wait]: the median of each over `window`, rounded for the record."""
-    return [round(statistics.median(getattr(p, f) for p in window), 5) for f in ("forward", "backward", "wait")]
+    """The median of each phase over `window` (`STEP_PHASES` order), rounded for the record."""
+    return [round(statistics.median(getattr(p, f) for p in window), 5) for f in STEP_PHASES]
