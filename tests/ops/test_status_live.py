@@ -38,7 +38,9 @@ from tests.polling import wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 JOB = "ops-status-live"
-STEPS = 24
+STEPS = 120
+"""Long enough that the first consistent snapshot comes while the job runs: with 24 steps, on a
+quiet machine, the job (kill at step 8 included) was over before it in about half the runs."""
 KILLED = 2
 ELASTIC = Path(sys.executable).parent / "elastic"
 
