@@ -2,6 +2,7 @@
 failure-free rate of the same job (issue 33).
 
     .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --repeats 3
+    .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --node-cpus 0.5 --repeats 3
     .venv/bin/python bench/stragglers.py --nodes 2 --global-batch 16 --repeats 3
     .venv/bin/python bench/stragglers.py --model small --nodes 4 --global-batch 32 --device-memory-gib 1 --repeats 3  # 2x2, 6.4 s a step here
 
@@ -23,6 +24,13 @@ stopped, taken while they compute, and a burner spins in their place while they 
 the node computes F times slower and the other simulated nodes on this machine's cores do not run
 faster for it.
 `--no-hold-cpu` measures with the older duty cycle.
+
+`--node-cpus X` runs `elastic run --node-cpus X`: each node (its agent, workers and burners) in a
+cgroup capped at X cores (elastic/roles/cpu_quota.py, needs root). Without it, simulated nodes
+share this machine's cores: a node that waits lends its core to the others, so a slow node costs
+the job less than it would on separate devices (on 4 nodes and 2 cores, `off` cannot drop below
+about 0.75x: the slow node's extra work is a fifth of the machine's). With 0.5 on 4 nodes, each
+node is a half-core device.
 
 The same side runs `--repeats` times and the median is reported; every run's final loss is
 printed (a policy changes the plan, never the result). Run it on a quiet machine.
@@ -54,6 +62,8 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
            "--checkpoint-every", "0", *(["--spares", "1"] if side == "auto" else [])]
     if args.device_memory_gib is not None:
         cmd += ["--device-memory-gib", str(args.device_memory_gib)]
+    if args.node_cpus is not None:
+        cmd += ["--node-cpus", str(args.node_cpus)]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         if side != "free":
@@ -116,6 +126,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hold-cpu", action=argparse.BooleanOptionalAction, default=True,
                         help="the throttle's burner holds the node's share of the cores (module doc)")
+    parser.add_argument("--node-cpus", type=float, default=None,
+                        help="elastic run --node-cpus: each node capped at this many cores (module doc)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-stragglers-"))
@@ -132,8 +144,9 @@ def main() -> int:
                   f"{run['generations']}", flush=True)
             if got is not None:
                 rows.setdefault(side, []).append(got)
-    print(f"\n{args.model}, {args.nodes} nodes, global batch {args.global_batch}, node {args.nodes - 1} at 1/{args.factor:g} speed "
-          f"for {args.slow_steps} steps from step {args.slow_at}; median of {args.repeats}")
+    cap = f", each node capped at {args.node_cpus:g} cores" if args.node_cpus is not None else ""
+    print(f"\n{args.model}, {args.nodes} nodes{cap}, global batch {args.global_batch}, node {args.nodes - 1} at 1/{args.factor:g} "
+          f"speed for {args.slow_steps} steps from step {args.slow_at}; median of {args.repeats}")
     print("| policy | steps/s while slow / failure-free | first 20 steps after the release | steps 21-40 after |")
     print("| --- | --- | --- | --- |")
     for side, vals in rows.items():

@@ -128,6 +128,10 @@ def register(subparsers: Any) -> None:
         "needs --etcd, --job and $ELASTIC_JOB_TOKEN)",
     )
     parser.add_argument("--job", default=None, help="elastic: job id (default: a fresh random one)")
+    parser.add_argument("--node-cpus", type=float, default=None, metavar="X",
+                        help="elastic: cap each local node at X cores with a cgroup CPU quota, so that simulated "
+                        "nodes sharing this host run as separate devices (e.g. 0.5 for 4 nodes on 2 cores; "
+                        "needs a writable cgroup cpu controller, i.e. root; default: no cap)")
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "
@@ -288,7 +292,8 @@ def _run_job(args: argparse.Namespace) -> int:
             job_stop = stop_on_signals(config)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local", job_stop=job_stop,
-                                     etcd_members=args.etcd_members, before_etcd_stops=guard.record_history)
+                                     etcd_members=args.etcd_members, before_etcd_stops=guard.record_history,
+                                     node_cpus=args.node_cpus)
         else:
             summary = launch(spec, timeout_s=args.timeout)
     except JobStopped as stopped:  # on request (a signal, `elastic drain --all`), with a checkpoint
@@ -319,6 +324,9 @@ def _check_flags(args: argparse.Namespace) -> str | None:
         token = os.environ.get("ELASTIC_JOB_TOKEN") or None
         if args.static or args.etcd is None or args.job is None or token is None:
             raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
+    if args.node_cpus is not None and (args.static or args.agents == "external" or not args.node_cpus > 0):
+        raise UsageError(f"--node-cpus caps the local agents of an elastic run: it must be > 0 (got {args.node_cpus}) "
+                         "and cannot go with --static or --agents external")
     return token
 
 

@@ -72,6 +72,7 @@ from elastic.records.injection import (
     write_status,
 )
 from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
+from elastic.roles import cpu_quota
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.start_phases import start_phases
 from elastic.roles.zygote import SPAWNED_AT_ENV, WarmProcess, start_process, warm_parent
@@ -163,10 +164,14 @@ class Agent:
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
         self._preempted = False
+        self.cpu_group = os.environ.get(cpu_quota.CPU_CGROUP_ENV, "")
+        """The node's cgroup CPU quota (`elastic run --node-cpus`), which this agent and its workers join."""
 
     # ---- life cycle ----------------------------------------------------------------------
 
     def run(self) -> int:
+        if self.cpu_group:  # before anything is forked: the throttle's burners are born in it
+            cpu_quota.join(self.cpu_group, os.getpid())
         if os.environ.get(RDZV_ROUND_ENV):
             self.membership.adopt()
         else:
@@ -208,6 +213,8 @@ class Agent:
             with open(path, "wb") as out:
                 proc = start_process("elastic.roles.elastic_worker", args, zygote=self.zygote, env=env, stdout=out,
                                      stderr=subprocess.STDOUT, warn=lambda what: log.warning("%s: %s", self.who, what))
+            if self.cpu_group:  # forked by the warm parent, not by this agent: put in the node's cgroup here
+                cpu_quota.join(self.cpu_group, proc.pid)
             self.procs[proc.pid] = proc
         log.warning("%s (incarnation %d): workers %s (%s)", self.who, self.incarnation, sorted(self.procs),
                     "warm" if self.zygote is not None else "cold")

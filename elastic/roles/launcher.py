@@ -72,6 +72,7 @@ from elastic.records.protocol import (
 )
 from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary, collect_summary
+from elastic.roles.cpu_quota import CPU_CGROUP_ENV, CpuQuotaError, NodeCpuQuotas
 from elastic.roles.job_stop import JobStop, JobStopped, StopOutcome, StopTracker
 from elastic.roles.progress import (
     JobFeed,
@@ -276,6 +277,8 @@ class _AgentPool:
     ELASTIC_ETCD_* credentials of the environment, which are for an external etcd."""
     zygote: ZygoteClient | None = None
     """The warm parent that agents and their workers are forked from (None: fresh interpreters)."""
+    cpu_quotas: NodeCpuQuotas | None = None
+    """Each node's cgroup CPU quota (`--node-cpus`), which its agent joins (None: no quota)."""
 
     def spawn(self, node: int, incarnation: int) -> None:
         """Start the agent of `node`'s `incarnation` (only its log file when agents are not local)."""
@@ -284,6 +287,8 @@ class _AgentPool:
         if not self.local:
             return
         prefix, extra_env = self.placement(node) if self.placement is not None else ([], {})
+        if self.cpu_quotas is not None:
+            extra_env = {**extra_env, CPU_CGROUP_ENV: str(self.cpu_quotas.group(node))}
         env = dict(
             os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker),
             **device_env(node, self.gpus_per_node), **extra_env,
@@ -489,34 +494,36 @@ def launch_elastic(
     job_stop: JobStop | None = None,
     etcd_members: int = 1,
     before_etcd_stops: EtcdStopHook | None = None,
+    node_cpus: float | None = None,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
     Starts an etcd server (a local cluster of `etcd_members` members when more than 1: its
     endpoint list is printed and written to job.json) unless `etcd_endpoint` (`HOST:PORT[,...]`)
-    is given. `job` and `token` default to fresh
-    random ones. `placement(node)` gives a command prefix and extra environment for that node's
-    agent (e.g. `ip netns exec NS` and ELASTIC_HOST, see deploy/); with `local_agents=False` no
-    agent is started here: agents on other hosts (`python -m elastic.roles.agent`) join the
-    job. `stop` (set from another thread) ends the run with JobFailed, `job_stop` (asked by a signal
-    handler) with JobStopped at a step boundary, its checkpoint complete (StopTimedOut past its
-    grace). Raises JobFailed or TimeoutError; every process it started (etcd, agents, their
-    workers) is stopped by PID on the way out, then `before_etcd_stops` runs (EtcdStopHook).
+    is given. `job` and `token` default to fresh random ones. `placement(node)` gives a command
+    prefix and extra environment for that node's agent (e.g. `ip netns exec NS` and ELASTIC_HOST,
+    see deploy/); with `local_agents=False` no agent is started here: agents on other hosts
+    (`python -m elastic.roles.agent`) join the job. `node_cpus` caps each local node at that many
+    cores (elastic/roles/cpu_quota.py). `stop` (set from another thread) ends the run with
+    JobFailed, `job_stop` (asked by a signal handler) with JobStopped at a step boundary, its
+    checkpoint complete (StopTimedOut past its grace). Raises JobFailed or TimeoutError; every
+    process it started (etcd, agents, their workers) is stopped by PID on the way out, then
+    `before_etcd_stops` runs (EtcdStopHook).
     StartupError, EtcdUnreachableError: no start."""
     started_at, spec, run_dir = time.time(), config.spec, Path(config.spec.run_dir)
+    job = job or f"run-{secrets.token_hex(4)}"
     if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
-        job = job or f"run-{secrets.token_hex(4)}"
         check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
-    zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
-                                     warm=local_agents and placement is None)
+    quotas, zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
+                                             warm=local_agents and placement is None,
+                                             node_cpus=node_cpus if local_agents else None, job=job)
     etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
     assert etcd_endpoint is not None
-    job = job or f"run-{secrets.token_hex(4)}"
     token = token or secrets.token_hex(16)
     pool = _AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
                       threads_per_worker=spec.threads_per_worker, gpus_per_node=spec.plan.gpus_per_node,
                       placement=placement, local=local_agents,
-                      plain_etcd=server is not None, zygote=zygote)
+                      plain_etcd=server is not None, zygote=zygote, cpu_quotas=quotas)
     progress = Progress()
     client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))
     keys = JobKeys(job)
@@ -533,12 +540,7 @@ def launch_elastic(
         feeds.append(feed)
         _submit_job(client, keys, config, etcd=etcd_endpoint, token=token)
         _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares)
-        if config.spares:
-            first = max(spec.plan.nodes) + 1
-            say(f"elastic run: {config.spares} hot spare(s) up: node(s) {list(range(first, first + config.spares))}")
-        say(f"elastic run: job {job}, etcd {etcd_endpoint}, {len(spec.plan.nodes)} agents, generation 1 published")
-        if config.resume is not None:
-            say(f"elastic run: {config.resume.describe()}")
+        _announce(say, config, job=job, etcd=etcd_endpoint)
         loop = _RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
                         start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, started_at=started_at)
         loop.follow()
@@ -549,6 +551,8 @@ def launch_elastic(
         _kill_workers(progress)
         if zygote is not None:
             zygote.close()
+        if quotas is not None:
+            quotas.close()
         for f in feeds:
             f.close()
         _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
@@ -556,24 +560,43 @@ def launch_elastic(
             server.stop(timeout=_ETCD_STOP_S)
 
 
+def _announce(say: Callable[[str], None], config: ElasticConfig, *, job: str, etcd: str) -> None:
+    """The job's first lines: its spares, where it runs, what it resumes."""
+    if config.spares:
+        first = max(config.spec.plan.nodes) + 1
+        say(f"elastic run: {config.spares} hot spare(s) up: node(s) {list(range(first, first + config.spares))}")
+    say(f"elastic run: job {job}, etcd {etcd}, {len(config.spec.plan.nodes)} agents, generation 1 published")
+    if config.resume is not None:
+        say(f"elastic run: {config.resume.describe()}")
+
+
 def _start_services(
-    config: ElasticConfig, *, etcd_endpoint: str | None, etcd_members: int, warm: bool
-) -> tuple[ZygoteClient | None, EtcdServer | EtcdCluster | None]:
-    """The run directory's files, the warm parent of the local agents and workers (`warm`; its
-    imports run while etcd starts) and the job's own etcd (None: `etcd_endpoint`'s)."""
+    config: ElasticConfig, *, etcd_endpoint: str | None, etcd_members: int, warm: bool, node_cpus: float | None,
+    job: str,
+) -> tuple[NodeCpuQuotas | None, ZygoteClient | None, EtcdServer | EtcdCluster | None]:
+    """The nodes' CPU quotas (`node_cpus`), the run directory's files, the warm parent of the local
+    agents and workers (`warm`; its imports run while etcd starts) and the job's own etcd (None:
+    `etcd_endpoint`'s). Nothing is left behind when one of them fails."""
     spec = config.spec
     run_dir = Path(spec.run_dir)
-    _clear_run_dir(spec)
-    zygote = warm_parent(log=run_dir / "logs" / "zygote.log") if warm else None
     try:
+        quotas = NodeCpuQuotas(cpus=node_cpus, job=job) if node_cpus is not None else None
+    except CpuQuotaError as exc:
+        raise StartupError(f"--node-cpus: {exc}") from None
+    zygote = None
+    try:
+        _clear_run_dir(spec)
+        zygote = warm_parent(log=run_dir / "logs" / "zygote.log") if warm else None
         spec.save(run_dir / "spec.json")  # what `elastic export` and `elastic sample` read (ops/run_state.py)
         _prepare_checkpoints(config)
         server = _start_etcd(run_dir, etcd_members) if etcd_endpoint is None else None
     except BaseException:
         if zygote is not None:
             zygote.close()
+        if quotas is not None:
+            quotas.close()
         raise
-    return zygote, server
+    return quotas, zygote, server
 
 
 def _close_client(client: EtcdClient, keys: JobKeys, endpoint: str, hook: EtcdStopHook | None) -> None:

@@ -1,0 +1,122 @@
+"""A simulated node's share of this host's CPU, as a cgroup CPU quota (`elastic run --node-cpus X`).
+
+Simulated nodes on one host share its cores: a node that waits lends its core to the others, and
+a node slowed by `elastic inject slow` is made up for by the others running faster. Real nodes
+have devices of their own. With `--node-cpus X` the launcher makes one cgroup per node,
+`<root>/elastic-<job>/node<N>`, capped at X cores (a CFS quota of X * 10 ms every 10 ms); the
+node's agent joins it at start and puts each of its workers in it (they are forked by the warm
+parent, not by the agent), and whatever the agent forks (the throttle's burners) is born in it.
+4 nodes with `--node-cpus 0.5` on 2 cores are then 4 half-core devices.
+
+Both cgroup versions: v1 (a `cpu` hierarchy, `cpu.cfs_quota_us`) and v2 (`cpu.max`, the cpu
+controller enabled in the root's `cgroup.subtree_control`). It needs write access to the
+hierarchy (root, or a delegated subtree given as `root`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CPU_CGROUP_ENV = "ELASTIC_CPU_CGROUP"
+"""The cgroup directory an agent joins, and puts its workers in (set by the launcher)."""
+
+PERIOD_US = 10_000
+"""The quota's period: short, so that a node's bursts stay shorter than a step."""
+
+_MIN_QUOTA_US = 1_000  # the kernel's least quota
+_V1_ROOT = Path("/sys/fs/cgroup/cpu")
+_V2_ROOT = Path("/sys/fs/cgroup")
+
+
+class CpuQuotaError(RuntimeError):
+    """No cgroup CPU quota can be set here: the message says what is missing."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuHierarchy:
+    """Where CPU quotas are set on this host, and how."""
+
+    root: Path
+    """The directory under which the job's cgroups are made."""
+    v2: bool
+    """cgroup v2 (`cpu.max`) rather than v1 (`cpu.cfs_quota_us`)."""
+
+    def set_quota(self, group: Path, cpus: float) -> None:
+        """Cap `group` at `cpus` cores."""
+        quota = round(cpus * PERIOD_US)
+        if self.v2:
+            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+def find_hierarchy(root: Path | None = None) -> CpuHierarchy:
+    """This host's writable CPU hierarchy (under `root` if given); CpuQuotaError names what is missing."""
+    for candidate in ([root] if root is not None else [_V1_ROOT, _V2_ROOT]):
+        if (candidate / "cpu.cfs_quota_us").exists() or (candidate / "cpu.cfs_period_us").exists():
+            hierarchy = CpuHierarchy(root=candidate, v2=False)
+        elif "cpu" in _read(candidate / "cgroup.controllers").split():
+            hierarchy = CpuHierarchy(root=candidate, v2=True)
+        else:
+            continue
+        if not os.access(candidate, os.W_OK):
+            raise CpuQuotaError(f"{candidate} is not writable (run as root, or give a delegated cgroup)")
+        return hierarchy
+    where = root if root is not None else f"{_V1_ROOT} or {_V2_ROOT}"
+    raise CpuQuotaError(f"no cgroup cpu controller at {where}")
+
+
+def join(group: str | Path, pid: int) -> None:
+    """Move process `pid` (every thread of it) into cgroup `group`."""
+    (Path(group) / "cgroup.procs").write_text(str(pid))
+
+
+class NodeCpuQuotas:
+    """One cgroup per node for one job, each capped at `cpus` cores; `close` removes them."""
+
+    def __init__(self, *, cpus: float, job: str, root: Path | None = None) -> None:
+        if not cpus * PERIOD_US >= _MIN_QUOTA_US:
+            raise CpuQuotaError(f"--node-cpus must be at least {_MIN_QUOTA_US / PERIOD_US}, got {cpus}")
+        self.cpus = cpus
+        self.hierarchy = find_hierarchy(root)
+        self.job_group = self.hierarchy.root / f"elastic-{job}"
+        try:
+            self.job_group.mkdir(exist_ok=True)
+            if self.hierarchy.v2:  # the nodes' quotas need the controller enabled below the job's group too
+                for parent in (self.hierarchy.root, self.job_group):
+                    if "cpu" not in _read(parent / "cgroup.subtree_control").split():
+                        (parent / "cgroup.subtree_control").write_text("+cpu")
+        except OSError as exc:
+            self.close()
+            raise CpuQuotaError(f"cannot make {self.job_group}: {exc}") from None
+        self.groups: dict[int, Path] = {}
+
+    def group(self, node: int) -> Path:
+        """Node `node`'s cgroup (made, with its quota, on first use)."""
+        if node not in self.groups:
+            path = self.job_group / f"node{node}"
+            path.mkdir(exist_ok=True)
+            self.hierarchy.set_quota(path, self.cpus)
+            self.groups[node] = path
+        return self.groups[node]
+
+    def close(self) -> None:
+        """Remove the job's cgroups; a process still in one is moved to the root first."""
+        for path in [*getattr(self, "groups", {}).values(), self.job_group]:
+            for pid in _read(path / "cgroup.procs").split():
+                with contextlib.suppress(OSError):  # it exited meanwhile
+                    join(self.hierarchy.root, int(pid))
+            with contextlib.suppress(OSError):  # gone already, or a process that would not move
+                path.rmdir()
+        self.groups = {}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
