@@ -19,7 +19,11 @@ What runs is the project's real code; only the training is simulated. Per W, one
   `ElasticWorker._train` runs per step: commit, world rank 0's `ProgressWriter.publish`, then
   `HaltFeed.requested` and `GenerationFeed.latest` for the next step. An abort (the feeds call
   the abort flag the worker `enter`ed, as in `_reconfigure`) makes the driver write each of the
-  node's workers' `SyncReport` with `write_sync`, as `_report_halted` does.
+  node's workers' `SyncReport` with `write_sync`, as `_report_halted` does (side by side, as
+  workers in processes of their own do), and the survivors then enter generation 2 and write
+  their holdings. Both go through the node's `NodeRelay` (elastic/roles/node_relay.py: the agent
+  writes its workers' reports as one transaction), as in the runtime; `--no-relay` has each
+  worker put its own, as before issue 34.
 - the plan is the planner's: `gpt3-6.7b` on nominal devices of 128/G GiB (128 GiB a node), so
   every pipeline spans 2 nodes and a loss re-plans (the leader's `replan` merges the broken
   pipeline's survivor into another one), f = 1, 8 microbatches of 1 a node.
@@ -54,7 +58,9 @@ Per W it measures
    from that moment to the leader's `halt/1` (seen by the parent's observer watch), every live
    worker's abort, every live worker's sync report written, `plan/2` published, every live
    worker's GenerationFeed holding generation 2 (also the latest of each shard); etcd writes /
-   watch events / ranges for the change, and the cores busy until every live worker had it.
+   watch events / ranges for the change (until every survivor has written its holdings of
+   generation 2, `entered_s` after it had the generation; the first commit's recovery record is
+   not simulated), and the cores busy until every live worker had it.
 3. the group rendezvous of the new generation: `bench/rendezvous_scale.py`'s
    `rendezvous_seconds(endpoint, world)` when that file exists (on the same etcd, with the
    simulated job still up; its W ranks are threads of the parent), else the figure is marked
@@ -382,8 +388,10 @@ class ScaleRun:
     """One W's simulated job on a fresh etcd: the bench's own client, the shards that host the
     nodes, and the measured phases (setup, failure-free steps, a generation change)."""
 
-    def __init__(self, layout: ShardLayout, *, server: EtcdServer, run_dir: str, grpc_poll_s: float) -> None:
+    def __init__(self, layout: ShardLayout, *, server: EtcdServer, run_dir: str, grpc_poll_s: float,
+                 relay: bool = True) -> None:
         self.layout = layout
+        self.relay = relay
         self.server = server
         self.endpoint = server.endpoint
         self.grpc_poll_s = grpc_poll_s
@@ -414,7 +422,7 @@ class ScaleRun:
         for i, block in enumerate(layout.blocks):
             spec = ShardSpec(index=i, endpoint=self.endpoint, job=self.keys.job,
                              config_json=self.config.to_json(), nodes=block, gpus=layout.gpus,
-                             grpc_poll_s=self.grpc_poll_s, log_level=level)
+                             grpc_poll_s=self.grpc_poll_s, relay=self.relay, log_level=level)
             self.shards.append(ShardHandle(spec, in_process=layout.in_process))
         first_shard = self.shards[0]
         setups = call_all(self.shards, "setup", timeout=SETUP_TIMEOUT_S)
@@ -520,6 +528,8 @@ class ScaleRun:
         t_fail, reported = victim_shard.call("report_failure", victim)
         assert reported, f"node {victim}'s member was not registered any more"
         self._await_generation_2(observer)
+        t_seen = time.time()
+        call_all(shards, "enter", 2, timeout=SETUP_TIMEOUT_S)  # the survivors' holdings of g+1 (`_reconfigure`)
         t_done = time.time()
         cpu5 = cpu_now(shards, etcd_pid)
         time.sleep(1.0)  # the leader's round after the publish, late watch deliveries
@@ -552,6 +562,7 @@ class ScaleRun:
             "all_seen_s": round(max(seen) - t_fail, 4),
             "seen_p50_s": round(pct(seen, 50) - t_fail, 4),
             "measured_until_s": round(t_done - t_fail, 4),
+            "entered_s": round(t_done - t_seen, 4),
             "all_seen_by_proc_s": [round(max(p["seen"]) - t_fail, 4) for p in parts if p["seen"]],
             "cores": cores(cpu5, cpu4, max(t_done - t_fail, 1e-3)),
             "leader_rounds": self.leader_rounds() - rounds0,
@@ -608,6 +619,7 @@ def run_one(
     standby_leaders: bool = True,
     procs: int | None = None,
     grpc_poll_s: float = GRPC_POLL_S,
+    relay: bool = True,
 ) -> dict[str, Any]:
     """Everything for one W (see the module doc); JSON-serialisable. `procs`: shard processes
     (None: `default_procs(world)`; 0: one shard, a thread of this process)."""
@@ -615,11 +627,11 @@ def run_one(
     layout = ShardLayout.of(world, procs)
     out: dict[str, Any] = {"workers": world, "nodes": layout.n_nodes, "gpus_per_node": layout.gpus, "model": MODEL,
                            "etcd_clients": layout.n_nodes + 1, "steps": steps, "pace_ms": pace_ms,
-                           "standby_leaders": standby_leaders,
+                           "standby_leaders": standby_leaders, "relay": relay,
                            "procs": 0 if layout.in_process else layout.n_shards,
                            "nodes_per_proc": [len(b) for b in layout.blocks]}
     with tempfile.TemporaryDirectory(prefix="cp-scale-") as run_dir, EtcdServer() as server:
-        run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s)
+        run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s, relay=relay)
         out["plan"] = run.plan_figures()
         run.admin.put(run.rk.config, run.config.to_json())
         interrupted = False
@@ -649,6 +661,7 @@ def run_scale(
     grpc_poll_s: float = GRPC_POLL_S,
     standby_leaders: bool = True,
     procs: int | None = None,
+    relay: bool = True,
 ) -> list[dict]:
     """One dict per W in `worlds` (see `run_one`); `procs` as there, for every W."""
     set_grpc_poll(grpc_poll_s)  # this process: the observer's and the rendezvous figure's streams
@@ -666,6 +679,7 @@ def run_scale(
                     standby_leaders=standby_leaders,
                     procs=procs,
                     grpc_poll_s=grpc_poll_s,
+                    relay=relay,
                 )
             )
         except Exception as exc:  # a W that does not hold is a result too
@@ -704,6 +718,7 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
     ("g+1 s", lambda r: r["change"]["published_s"]),
     ("seen s", lambda r: r["change"]["all_seen_s"]),
     ("chg writes", lambda r: int(r["change"]["etcd"]["writes"])),
+    ("/node", lambda r: round(r["change"]["etcd"]["writes"] / r["nodes"], 2)),
     ("chg events", lambda r: int(r["change"]["etcd"]["watch_events"])),
     ("chg ranges", lambda r: int(r["change"]["etcd"]["ranges"])),
     ("rdzv s", lambda r: r["rendezvous"].get("seconds", r["rendezvous"].get("status", "?"))),
@@ -744,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="shard processes hosting the nodes (default: 1 for W <= 64, else at most "
                          f"{NODES_PER_PROC} nodes / {WORKERS_PER_PROC} workers a process; 0: the nodes "
                          "run in this process, as threads)")
+    ap.add_argument("--no-relay", action="store_true",
+                    help="each worker puts its reports itself, not through its agent's relay (the runtime before issue 34)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runtime's warnings (halts, publishes)")
     args = ap.parse_args(argv)
@@ -754,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = run_scale(args.workers, steps=args.steps, pace_ms=args.pace_ms, rendezvous=not args.no_rendezvous,
                         grpc_poll_s=args.grpc_poll_s, standby_leaders=not args.no_standby_leaders,
-                        procs=args.procs)
+                        procs=args.procs, relay=not args.no_relay)
     total = time.perf_counter() - t0
     print(table(results))
     print(f"total wall time {total:.1f} s; etcd clients = nodes + 1 (one per node, shared by its agent "

@@ -60,6 +60,7 @@ from elastic.records.protocol import (
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
+from elastic.roles.node_relay import NodeRelay, RelayClient, put_all
 
 log = logging.getLogger("control_plane_shard")
 
@@ -182,6 +183,7 @@ class SimWorker:
         self.decisions = DecisionFeed(client, rk)
         self.progress = ProgressWriter(client, rk)
         self.abort = AbortFlag(node.wake)
+        self.relay = RelayClient(node.relay.name) if node.relay is not None else None
         self.generation = 0
         self.rank = -1
         self.committed = 0
@@ -197,8 +199,8 @@ class SimWorker:
         self.generations.enter(generation, self.abort)
         self.halts.enter(generation, self.abort)
         held = json.dumps([[layer, self.local_rank] for layer in range(*layout.layers)])
-        self.node.client.put(self.node.rk.worker_holdings(self.node.node, self.local_rank), held,
-                             lease=self.node.lease)
+        put_all(self.node.client, self.relay,
+                [(self.node.rk.worker_holdings(self.node.node, self.local_rank), held, self.node.lease)])
 
     def step(self, s: int, t: Timings) -> None:
         """Step s's vote completed: commit it, then the checks `_train` makes before step s+1."""
@@ -227,10 +229,12 @@ class SimWorker:
         """`_report_halted`: the worker's sync report of its generation."""
         report = SyncReport(committed=self.committed, pending=None, last_vote=self.last_vote,
                             node=self.node.node, local_rank=self.local_rank)
-        write_sync(self.node.client, self.node.rk, self.generation, report)
+        write_sync(self.node.client, self.node.rk, self.generation, report, relay=self.relay)
         self.synced_at = time.time()
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         self.progress.close(timeout=2.0)
         self.generations.close()
         self.halts.close()
@@ -240,8 +244,10 @@ class SimWorker:
 class SimNode:
     """One node: its agent's control plane (member, election, leader, trigger) and G workers."""
 
-    def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, node: int, gpus: int) -> None:
+    def __init__(self, client: Any, keys: JobKeys, config: ElasticConfig, node: int, gpus: int, relay: bool) -> None:
         self.client, self.keys, self.rk, self.config = client, keys, RunKeys(keys), config
+        self.relay = NodeRelay(client, name=f"bench-relay-{keys.job}-{node}", workers=gpus) if relay else None
+        """The agent's relay (elastic/roles/node_relay.py): the node's workers' reports as one transaction."""
         self.node, self.gpus, self.incarnation = node, gpus, 0
         self.who = node_id(node)
         self.membership = Membership(client, keys, NodeIdentity(node_id=self.who, incarnation=0,
@@ -286,9 +292,8 @@ class SimNode:
             if self.stop.is_set():
                 return
             if not self.halted and any(w.abort.is_set() for w in self.workers):
-                self.halted = True  # the in-flight step is abandoned; every worker reports
-                for w in self.workers:
-                    w.report_halted()
+                self.halted = True  # the in-flight step is abandoned; every worker reports, side by side
+                in_parallel([w.report_halted for w in self.workers], threads=len(self.workers))
                 continue
             if self.halted:
                 continue
@@ -313,6 +318,9 @@ class SimNode:
             self._thread.join(timeout=5.0)
 
     def close_agent(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.requests is not None:
             self.requests.cancel()
         if self.trigger is not None:
@@ -338,6 +346,8 @@ class ShardSpec:
     nodes: tuple[int, ...]
     gpus: int
     grpc_poll_s: float
+    relay: bool = True
+    """Whether each node's workers report through their agent's relay (`--no-relay`: each puts directly)."""
     log_level: int = logging.ERROR
 
 
@@ -367,7 +377,7 @@ class Shard:
         t0 = time.perf_counter()
         self.clients = [connect(EtcdConfig(endpoint=self.spec.endpoint)) for _ in self.spec.nodes]
         made = in_parallel([
-            functools.partial(SimNode, c, self.keys, self.config, n, self.spec.gpus)
+            functools.partial(SimNode, c, self.keys, self.config, n, self.spec.gpus, self.spec.relay)
             for c, n in zip(self.clients, self.spec.nodes, strict=True)
         ])
         self.nodes = {n.node: n for n in made}
@@ -377,7 +387,8 @@ class Shard:
         in_parallel([n.start_workers for n in self.nodes.values()])
 
     def cmd_enter(self, generation: int) -> None:
-        in_parallel([functools.partial(w.enter, generation) for n in self.nodes.values() for w in n.workers])
+        """Every live worker enters `generation` (its feeds, and the holdings it writes)."""
+        in_parallel([functools.partial(w.enter, generation) for w in self._live_workers()])
 
     def cmd_start_agents(self, which: list[int] | None, with_leader: bool) -> None:
         """Start the agents of `which` nodes (None: every node without one yet)."""

@@ -130,8 +130,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--job", default=None, help="elastic: job id (default: a fresh random one)")
     parser.add_argument("--node-cpus", type=float, default=None, metavar="X",
                         help="elastic: cap each local node at X cores with a cgroup CPU quota, so that simulated "
-                        "nodes sharing this host run as separate devices (e.g. 0.5 for 4 nodes on 2 cores; "
-                        "needs a writable cgroup cpu controller, i.e. root; default: no cap)")
+                        "nodes sharing this host run as separate devices (e.g. 0.4 for 4 nodes on 2 cores, which leaves "
+                        "0.4 core to etcd and the agents; needs a writable cgroup cpu controller, i.e. root; "
+                        "default: no cap)")
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "

@@ -319,10 +319,12 @@ class Throttle:
     """
 
     def __init__(self, pids: Iterable[int], *, factor: float, seconds: float, lock: threading.Lock,
-                 period: float = 0.05, hold_cpu: bool = False) -> None:
+                 period: float = 0.05, hold_cpu: bool = False, cgroup: str = "") -> None:
         if factor <= 1.0:
             raise ValueError(f"factor must be > 1, got {factor}")
         self.pids = list(pids)
+        self.cgroup = cgroup
+        """The cgroup the processes are in (`elastic run --node-cpus`), which each burner joins ("": none)."""
         self.factor, self.seconds, self.period = factor, seconds, period
         self.lock = lock
         self.hold_cpu = hold_cpu
@@ -350,6 +352,9 @@ class Throttle:
             burner.stdout.read(1)  # its death signal is set: stopped from now on, it still dies with us
             burner.stdout.close()
             burner.send_signal(signal.SIGSTOP)
+            if self.cgroup:  # it spins in their place: in their CPU quota too
+                with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as procs:
+                    procs.write(str(burner.pid))
             self.burners.append(burner)
 
     def _end_burner(self, i: int) -> None:

@@ -74,6 +74,7 @@ from elastic.records.injection import (
 from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
 from elastic.roles import cpu_quota
 from elastic.roles.injection_trigger import InjectionTrigger
+from elastic.roles.node_relay import RELAY_ENV, NodeRelay
 from elastic.roles.start_phases import start_phases
 from elastic.roles.zygote import SPAWNED_AT_ENV, WarmProcess, start_process, warm_parent
 
@@ -163,15 +164,16 @@ class Agent:
         self.monitor: WorkerMonitor | None = None
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
+        self.relay: NodeRelay | None = None
+        """Writes what this node's workers report at a generation change as one transaction."""
         self._preempted = False
         self.cpu_group = os.environ.get(cpu_quota.CPU_CGROUP_ENV, "")
-        """The node's cgroup CPU quota (`elastic run --node-cpus`), which this agent and its workers join."""
+        """The node's cgroup CPU quota (`elastic run --node-cpus`): its workers (and the throttle's
+        burners) run in it; the agent itself stays out, as a node's host CPU is not its device."""
 
     # ---- life cycle ----------------------------------------------------------------------
 
     def run(self) -> int:
-        if self.cpu_group:  # before anything is forked: the throttle's burners are born in it
-            cpu_quota.join(self.cpu_group, os.getpid())
         if os.environ.get(RDZV_ROUND_ENV):
             self.membership.adopt()
         else:
@@ -203,6 +205,9 @@ class Agent:
         env[TOKEN_ENV] = self.token
         env[AGENT_PID_ENV] = str(os.getpid())  # the worker dies with this agent (die_with_parent)
         env[SPAWNED_AT_ENV] = repr(time.time())
+        name = f"elastic-relay-{self.keys.job}-{self.node}.{self.incarnation}-{os.getpid()}"
+        self.relay = NodeRelay(self.client, name=name, workers=self.gpus)
+        env[RELAY_ENV] = name
         lease = self.membership.lease_id
         assert lease is not None
         for local_rank in range(self.gpus):
@@ -335,6 +340,8 @@ class Agent:
         self._kill_workers()
         for proc in self.procs.values():
             proc.wait()
+        if self.relay is not None:
+            self.relay.close()
         if self.zygote is not None:
             self.zygote.close()
         for thread in self._injecting:  # a partition cut short writes its status on the way out
@@ -459,7 +466,7 @@ class Agent:
         assert trigger is not None
         seconds = req.seconds if req.seconds is not None else float("inf")
         throttle = Throttle(list(self.procs), factor=req.factor, seconds=seconds, lock=self._signal_lock,
-                            hold_cpu=req.hold_cpu)
+                            hold_cpu=req.hold_cpu, cgroup=self.cpu_group)
         self._throttles.append(throttle)
         how_long = f"{req.seconds:g} s" if req.steps is None else f"steps {step}-{step + req.steps - 1}"
         self._status(req, "running", step, detail=f"workers run 1/{req.factor:g} of the time for {how_long}"

@@ -32,6 +32,7 @@ from elastic.records.protocol import (
     StepResult,
     SyncReport,
 )
+from elastic.roles.node_relay import RelayClient, put_all
 
 PROGRESS_WINDOW = 8
 """Steps kept in the progress record's `recent` window."""
@@ -259,6 +260,9 @@ class ProgressWriter:
         self._thread.join(timeout)
 
 
-def write_sync(client: EtcdClient, rk: RunKeys, generation: int, report: SyncReport) -> None:
-    """Report what this halted worker of `generation` holds (the leader waits for every live worker)."""
-    client.put(rk.sync_report(generation, report.node, report.local_rank), report.to_json())
+def write_sync(
+    client: EtcdClient, rk: RunKeys, generation: int, report: SyncReport, *, relay: RelayClient | None = None
+) -> None:
+    """Report what this halted worker of `generation` holds (the leader waits for every live worker);
+    through the node's `relay` when there is one (elastic/roles/node_relay.py)."""
+    put_all(client, relay, [(rk.sync_report(generation, report.node, report.local_rank), report.to_json(), None)])

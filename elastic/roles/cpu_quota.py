@@ -4,9 +4,11 @@ Simulated nodes on one host share its cores: a node that waits lends its core to
 a node slowed by `elastic inject slow` is made up for by the others running faster. Real nodes
 have devices of their own. With `--node-cpus X` the launcher makes one cgroup per node,
 `<root>/elastic-<job>/node<N>`, capped at X cores (a CFS quota of X * 10 ms every 10 ms); the
-node's agent joins it at start and puts each of its workers in it (they are forked by the warm
-parent, not by the agent), and whatever the agent forks (the throttle's burners) is born in it.
-4 nodes with `--node-cpus 0.5` on 2 cores are then 4 half-core devices.
+node's agent puts each of its workers in it (they are forked by the warm parent, not by the
+agent), and `elastic inject slow`'s burners join it, as they spin in the workers' place. The agent
+itself stays out, as the control plane runs on a node's host CPU, not on its device; so do etcd,
+the launcher and the warm parent: leave them some of the host's cores (on 2 cores, 4 nodes at
+0.4 leave 0.4 core).
 
 Both cgroup versions: v1 (a `cpu` hierarchy, `cpu.cfs_quota_us`) and v2 (`cpu.max`, the cpu
 controller enabled in the root's `cgroup.subtree_control`). It needs write access to the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +86,7 @@ class NodeCpuQuotas:
             raise CpuQuotaError(f"--node-cpus must be at least {_MIN_QUOTA_US / PERIOD_US}, got {cpus}")
         self.cpus = cpus
         self.hierarchy = find_hierarchy(root)
+        _sweep(self.hierarchy.root)
         self.job_group = self.hierarchy.root / f"elastic-{job}"
         try:
             self.job_group.mkdir(exist_ok=True)
@@ -97,9 +101,9 @@ class NodeCpuQuotas:
 
     def group(self, node: int) -> Path:
         """Node `node`'s cgroup (made, with its quota, on first use)."""
-        if node not in self.groups:
+        if node not in self.groups or not self.groups[node].exists():
             path = self.job_group / f"node{node}"
-            path.mkdir(exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
             self.hierarchy.set_quota(path, self.cpus)
             self.groups[node] = path
         return self.groups[node]
@@ -113,6 +117,25 @@ class NodeCpuQuotas:
             with contextlib.suppress(OSError):  # gone already, or a process that would not move
                 path.rmdir()
         self.groups = {}
+
+
+STALE_S = 600.0
+"""Age past which an empty job group is another launcher's leftover (one killed with SIGKILL)."""
+
+
+def _sweep(root: Path) -> None:
+    """Remove the job groups under `root` that hold no process and are older than STALE_S."""
+    for job_group in root.glob("elastic-*"):
+        try:
+            if time.time() - job_group.stat().st_mtime < STALE_S:
+                continue
+            nodes = [p for p in job_group.iterdir() if p.is_dir()]
+            if any(_read(p / "cgroup.procs").strip() for p in [*nodes, job_group]):
+                continue
+            for path in [*nodes, job_group]:
+                path.rmdir()
+        except OSError:  # gone meanwhile, or taken by a job that started meanwhile
+            continue
 
 
 def _read(path: Path) -> str:

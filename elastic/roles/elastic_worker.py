@@ -79,6 +79,7 @@ from elastic.records.protocol import (
 from elastic.records.stop import STOPPED
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.holders import HolderMap, holder_map_reader
+from elastic.roles.node_relay import put_all, relay_from_env
 from elastic.roles.start_phases import worker_stamps
 from elastic.roles.straggler_reporter import StragglerReporter
 from elastic.transfer.client import FetchConfig, fetch_shards
@@ -172,6 +173,8 @@ class ElasticWorker:
                           started=worker_stamps(main_at))
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
+        self.relay = relay_from_env()
+        """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
         self.generations = GenerationFeed(Generations(client, keys))
         self.halts = HaltFeed(client, self.rk)
         self.decisions = DecisionFeed(client, self.rk)
@@ -244,7 +247,7 @@ class ElasticWorker:
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
                             partial=None if kept is None else kept.report())
-        write_sync(self.client, self.rk, generation, report)
+        write_sync(self.client, self.rk, generation, report, relay=self.relay)
         _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
 
@@ -403,7 +406,7 @@ class ElasticWorker:
         )
         self._pending_recovery = (seen_at, timings, time.time())
         held = json.dumps(sorted(self.trainer.holdings()))
-        self.client.put(self.rk.worker_holdings(self.node, self.local_rank), held, lease=self.lease)
+        put_all(self.client, self.relay, [(self.rk.worker_holdings(self.node, self.local_rank), held, self.lease)])
         _log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
             f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
@@ -500,7 +503,7 @@ class ElasticWorker:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
                 rec = RecoveryTimings(seen_at=seen_at, reconfig=t, started_at=started, first_commit_at=now)
-                self.client.put(self.rk.recovery(generation, layout.rank), rec.to_json())
+                put_all(self.client, self.relay, [(self.rk.recovery(generation, layout.rank), rec.to_json(), None)])
             self._maybe_checkpoint(layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:
                 _log(f"generation {generation}: halted after step {step} (voted)")

@@ -1,12 +1,15 @@
 """`elastic run --node-cpus`: each node's processes in a cgroup capped at X cores (elastic/roles/cpu_quota.py).
 
 On real cgroups (skipped where none is writable): a capped spinner gets its quota against an
-uncapped one beside it, a job's agents and workers are in their node's group while it runs, and
-every group is gone when it ends.
+uncapped one beside it, and with the throttle's burner beside it the two share that quota; a
+job's workers (not its agents) are in their node's group while it runs, and every group is gone
+when it ends; a SIGKILLed launcher's empty groups are swept by the next.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import subprocess
 import sys
@@ -18,7 +21,8 @@ from typing import Any
 import psutil
 import pytest
 
-from elastic.roles.cpu_quota import CpuQuotaError, NodeCpuQuotas, find_hierarchy, join
+from elastic.records.injection import Throttle
+from elastic.roles.cpu_quota import STALE_S, CpuQuotaError, NodeCpuQuotas, find_hierarchy, join
 from tests.faults.runs import tiny_config
 from tests.processes import stop_pids
 
@@ -59,6 +63,60 @@ def test_a_capped_spinner_gets_its_quota() -> None:
             p.wait()
 
 
+@needs_cgroups
+def test_a_burner_spins_in_the_throttled_process_quota() -> None:
+    quotas = NodeCpuQuotas(cpus=0.3, job=f"test-{secrets.token_hex(4)}")
+    spinner = subprocess.Popen([sys.executable, "-c", _SPIN])
+    throttle = Throttle([spinner.pid], factor=3.0, seconds=30.0, lock=threading.Lock(), hold_cpu=True,
+                        cgroup=str(quotas.group(0)))
+    stop = threading.Event()
+    thread = threading.Thread(target=throttle.run, args=(stop,), daemon=True)
+    try:
+        join(quotas.group(0), spinner.pid)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not throttle.burners and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert throttle.burners, "the throttle started no burner"
+        burner = throttle.burners[0]
+        assert str(burner.pid) in (quotas.group(0) / "cgroup.procs").read_text().split()
+        both = _cpu_seconds([spinner, burner], 1.5)  # type: ignore[list-item]
+        assert sum(both) < 0.3 * 1.5 * 1.25, both  # the two together: the node's quota, no more
+        assert both[1] > 0.3 * both[0], both  # the burner took its part of it (factor 3: about 2/3)
+    finally:
+        stop.set()
+        thread.join(10)
+        stop_pids([spinner.pid])
+        spinner.wait()
+        quotas.close()
+
+
+@needs_cgroups
+def test_a_killed_launchers_groups_are_swept_and_a_live_ones_kept() -> None:
+    old = time.time() - 2 * STALE_S
+    stale, busy, young = (HIERARCHY.root / f"elastic-test-{what}-{secrets.token_hex(3)}" for what in ("stale", "busy", "young"))
+    spinner = subprocess.Popen([sys.executable, "-c", _SPIN])
+    quotas = None
+    try:
+        for group in (stale, busy, young):
+            (group / "node0").mkdir(parents=True)
+            if group is not young:
+                os.utime(group, (old, old))
+        join(busy / "node0", spinner.pid)
+        quotas = NodeCpuQuotas(cpus=0.5, job=f"test-{secrets.token_hex(4)}")  # sweeps on the way in
+        assert not stale.exists()
+        assert busy.exists() and young.exists()  # a process in it; too recent to be a leftover
+    finally:
+        stop_pids([spinner.pid])
+        spinner.wait()
+        for group in (stale, busy, young):
+            for path in (group / "node0", group):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        if quotas is not None:
+            quotas.close()
+
+
 def test_bad_caps_and_hierarchies_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CpuQuotaError, match="no cgroup cpu controller"):
         find_hierarchy(tmp_path)
@@ -70,7 +128,7 @@ def test_bad_caps_and_hierarchies_are_refused(tmp_path: Path) -> None:
 
 
 def _members(group: Path) -> list[str]:
-    """The module each process in `group` runs (agent or worker)."""
+    """The last part of the module each process in `group` runs (agent, elastic_worker)."""
     out = []
     for pid in (group / "cgroup.procs").read_text().split():
         try:
@@ -102,13 +160,13 @@ def test_each_node_runs_in_its_group(tmp_path: Path) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and thread.is_alive():
         seen = [_members(g) if g.exists() else [] for g in groups]
-        if all(s == ["agent", "elastic_worker"] for s in seen):
+        if all(s == ["elastic_worker"] for s in seen):
             break
         time.sleep(0.2)
     quotas = [(g / ("cpu.max" if HIERARCHY.v2 else "cpu.cfs_quota_us")).read_text().split()[0] for g in groups]
     thread.join(200.0)
     assert "error" not in outcome, outcome.get("error")
-    assert seen == [["agent", "elastic_worker"]] * 2, seen
+    assert seen == [["elastic_worker"]] * 2, seen  # the agent stays out: it is the host's, not the device's
     assert quotas == ["8000", "8000"]  # 0.8 of each 10 ms period
     assert outcome["summary"].steps_committed == 40
     assert not (HIERARCHY.root / f"elastic-{job}").exists()  # removed on the way out

@@ -1,0 +1,215 @@
+"""A node's etcd writes in one transaction: the agent relays what its workers report (issue 34 item 1).
+
+At a generation change every worker writes its sync report (halted), then the shards it holds
+(adopted), then its recovery record (first commit): with G workers a node, 3 G etcd writes a node,
+and 3 W for the job. The agent serves a Unix socket (Linux's abstract namespace, named in
+$ELASTIC_NODE_RELAY); a worker sends its puts there, and the agent writes what its workers sent
+together in one etcd transaction: 3 writes a node per change, whatever G. Keys, values and leases
+are unchanged, so every reader sees the same records.
+
+Batching: the relay writes once every one of the node's workers has a request waiting, or
+`linger_s` after the first one came (a worker that is slower, or gone), whichever is first. A
+worker's call returns once the transaction has committed: a report is as durable as a direct put.
+Without the variable (torchrun's workers, which have no agent of ours), or when the agent does not
+answer, a worker puts directly (`put_all`).
+
+Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...]}`,
+answer `{"ok": true}` or `{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from elastic.coordinator.etcd_api import EtcdClient
+
+log = logging.getLogger(__name__)
+
+RELAY_ENV = "ELASTIC_NODE_RELAY"
+"""The abstract socket name of this node's relay (set by the agent for its workers)."""
+
+_MAX_TXN_OPS = 128
+"""etcd's default --max-txn-ops: a larger batch is written as several transactions."""
+
+LINGER_S = 0.05
+"""How long the relay waits for the node's other workers after the first request of a batch."""
+
+Put = tuple[str, str, int | None]
+"""(key, value, lease id or None)."""
+
+
+class RelayError(RuntimeError):
+    """The relay did not take the puts (gone, refused, or its transaction failed)."""
+
+
+@dataclass
+class _Pending:
+    conn: socket.socket
+    puts: list[Put]
+    at: float = field(default_factory=time.monotonic)
+
+
+class NodeRelay:
+    """The agent's side: takes its `workers` workers' puts and writes each batch as one transaction."""
+
+    def __init__(self, client: EtcdClient, *, name: str, workers: int, linger_s: float = LINGER_S) -> None:
+        self.client, self.name, self.workers, self.linger_s = client, name, workers, linger_s
+        self.transactions = 0
+        """Transactions written so far (one per batch)."""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + name)
+        self._sock.listen(max(8, 2 * workers))
+        self._pending: list[_Pending] = []
+        self._conns: set[socket.socket] = set()
+        self._cond = threading.Condition()
+        self._closed = False
+        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+        threading.Thread(target=self._flush_loop, name="relay-flush", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop taking requests; a worker waiting on one (or sending one later) puts directly."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            conns = list(self._conns)
+        for sock in (self._sock, *conns):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="relay-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Queue each request of one worker's connection (it waits for the answer before the next)."""
+        with self._cond:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+        try:
+            with conn, conn.makefile("rb") as lines:
+                for line in lines:
+                    try:
+                        puts = [(str(k), str(v), None if lease is None else int(lease))
+                                for k, v, lease in json.loads(line)["puts"]]
+                    except (ValueError, TypeError, KeyError) as exc:
+                        _answer(conn, {"error": f"malformed request: {exc}"})
+                        continue
+                    with self._cond:
+                        self._pending.append(_Pending(conn, puts))
+                        self._cond.notify_all()
+        except OSError:  # closed under it (close) or by the worker
+            pass
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+
+    def _batch(self) -> list[_Pending] | None:
+        """The next batch: when every worker has a request waiting, or `linger_s` after the first."""
+        with self._cond:
+            while not self._closed:
+                if self._pending:
+                    wait = self._pending[0].at + self.linger_s - time.monotonic()
+                    if len({id(p.conn) for p in self._pending}) >= self.workers or wait <= 0:
+                        batch, self._pending = self._pending, []
+                        return batch
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
+            return None
+
+    def _flush_loop(self) -> None:
+        while (batch := self._batch()) is not None:
+            ops = [self.client.transactions.put(k, v, lease=lease) for p in batch for k, v, lease in p.puts]
+            try:
+                for i in range(0, len(ops), _MAX_TXN_OPS):
+                    self.client.transaction(compare=[], success=ops[i:i + _MAX_TXN_OPS], failure=[])
+                    self.transactions += 1
+                answer: dict[str, object] = {"ok": True}
+            except Exception as exc:  # noqa: BLE001 - handed to each worker, which then puts directly
+                log.warning("relay %s: a transaction of %d puts failed: %s", self.name, len(ops), exc)
+                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            for p in batch:
+                with contextlib.suppress(OSError):  # that worker is gone
+                    _answer(p.conn, answer)
+
+
+def _answer(conn: socket.socket, answer: dict[str, object]) -> None:
+    conn.sendall(json.dumps(answer).encode() + b"\n")
+
+
+class RelayClient:
+    """A worker's side: one connection to its node's relay, opened on first use."""
+
+    def __init__(self, name: str, *, timeout_s: float = 30.0) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self._conn: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def put(self, puts: list[Put]) -> None:
+        """Have the relay write `puts` (in one transaction with other workers'); RelayError if it did not."""
+        with self._lock:
+            try:
+                if self._conn is None:
+                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    conn.settimeout(self.timeout_s)
+                    conn.connect("\0" + self.name)
+                    self._conn = conn
+                self._conn.sendall(json.dumps({"puts": puts}).encode() + b"\n")
+                answer = json.loads(_read_line(self._conn))
+            except (OSError, ValueError) as exc:
+                self._close_locked()
+                raise RelayError(f"node relay {self.name!r}: {exc}") from None
+        if not answer.get("ok"):
+            raise RelayError(f"node relay {self.name!r}: {answer.get('error')}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    """One answer line (answers are short, and one request is in flight at a time)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise OSError("the relay closed the connection")
+        data += chunk
+    return data
+
+
+def relay_from_env() -> RelayClient | None:
+    """This worker's relay client, if its agent runs one ($ELASTIC_NODE_RELAY)."""
+    name = os.environ.get(RELAY_ENV)
+    return RelayClient(name) if name else None
+
+
+def put_all(client: EtcdClient, relay: RelayClient | None, puts: list[Put]) -> None:
+    """Write `puts`: through the node's relay when there is one, else (or when it fails) directly."""
+    if relay is not None:
+        try:
+            relay.put(puts)
+            return
+        except RelayError as exc:
+            log.warning("%s; putting directly", exc)
+    for key, value, lease in puts:
+        client.put(key, value, lease=lease)

@@ -1,0 +1,115 @@
+"""The agent's relay (elastic/roles/node_relay.py) on a real etcd: a node's workers' puts land as
+one transaction (one revision) where direct puts take one each, with their values and leases; a
+worker that is late or gone delays a batch by the linger only; bad requests are refused without
+losing the relay, and a worker whose relay is gone puts directly."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import uuid
+from typing import Any
+
+import pytest
+
+from elastic.roles.node_relay import NodeRelay, RelayClient, RelayError, put_all
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _revision(client: Any) -> int:
+    return int(client.get_response("/no-such-key").header.revision)
+
+
+def _name() -> str:
+    return f"test-relay-{uuid.uuid4().hex[:10]}"
+
+
+def _puts(job: str, worker: int) -> list[tuple[str, str, int | None]]:
+    return [(f"/{job}/sync/{worker}", json.dumps({"worker": worker}), None), (f"/{job}/rec/{worker}", str(worker), None)]
+
+
+def _send_all(name: str, job: str, workers: list[int]) -> None:
+    """Each worker of `workers` puts its keys through the relay at once, from its own thread."""
+    errors: list[BaseException] = []
+
+    def one(worker: int) -> None:
+        try:
+            RelayClient(name).put(_puts(job, worker))
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+
+
+def test_a_node_writes_one_transaction(client: Any, job: str) -> None:
+    direct = _revision(client)
+    for key, value, lease in _puts(job, 99):  # the reference: each put a revision of its own
+        client.put(key, value, lease=lease)
+    assert _revision(client) - direct == 2
+    relay = NodeRelay(client, name=_name(), workers=8, linger_s=10.0)  # only a full batch may flush early
+    try:
+        before = _revision(client)
+        _send_all(relay.name, job, list(range(8)))
+        assert _revision(client) - before == 1 and relay.transactions == 1
+        for w in range(8):
+            assert json.loads(client.get(f"/{job}/sync/{w}")[0]) == {"worker": w}
+            assert client.get(f"/{job}/rec/{w}")[0] == str(w).encode()
+    finally:
+        relay.close()
+
+
+def test_a_missing_worker_costs_the_linger_only(client: Any, job: str) -> None:
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=0.2)
+    try:
+        before = _revision(client)
+        _send_all(relay.name, job, [0, 1])  # two of four: written after the linger, together
+        assert _revision(client) - before == 1 and relay.transactions == 1
+        assert client.get(f"/{job}/sync/1")[0] is not None
+    finally:
+        relay.close()
+
+
+def test_leases_go_through(client: Any, job: str) -> None:
+    lease = client.lease(30)
+    relay = NodeRelay(client, name=_name(), workers=1)
+    try:
+        RelayClient(relay.name).put([(f"/{job}/held", "x", lease.id)])
+        assert client.get(f"/{job}/held")[0] == b"x"
+        client.revoke_lease(lease.id)
+        assert client.get(f"/{job}/held")[0] is None  # it went with the lease, as a direct put's would
+    finally:
+        relay.close()
+
+
+def test_bad_requests_are_refused_and_the_relay_goes_on(client: Any, job: str) -> None:
+    relay = NodeRelay(client, name=_name(), workers=1)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.settimeout(10)
+            raw.connect("\0" + relay.name)
+            raw.sendall(b'{"puts": 3}\n')
+            assert b"malformed request" in raw.recv(4096)
+            raw.sendall(b"not json\n")
+            assert b"malformed request" in raw.recv(4096)
+        put_all(client, RelayClient(relay.name), _puts(job, 1))
+        assert client.get(f"/{job}/sync/1")[0] is not None and relay.transactions == 1
+    finally:
+        relay.close()
+
+
+def test_a_worker_whose_relay_is_gone_puts_directly(client: Any, job: str) -> None:
+    relay = NodeRelay(client, name=_name(), workers=1)
+    worker = RelayClient(relay.name)
+    put_all(client, worker, _puts(job, 1))
+    relay.close()
+    with pytest.raises(RelayError):
+        RelayClient(relay.name).put(_puts(job, 2))
+    put_all(client, worker, _puts(job, 3))  # its connection is gone too: the put goes direct
+    assert client.get(f"/{job}/sync/3")[0] is not None and relay.transactions == 1
