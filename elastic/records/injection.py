@@ -289,6 +289,8 @@ def _stat(pid: int) -> tuple[str, float] | None:
 
 _TICK_S = 0.005
 """How often the CPU-proportional throttle reads its processes' CPU time."""
+_LEAST_REPAY_S = 0.001
+"""A repayment stops once less than this is left of it."""
 _LEAST_PAUSE_S = 0.01
 """Stop debt below this waits for a later tick: fewer, longer pauses, each of which costs two
 rounds of signals."""
@@ -304,7 +306,8 @@ class Throttle:
     - **CPU-proportional, holding the cores** (`hold_cpu`, what `elastic inject slow` does by
       default): every 5 ms the processes' CPU time is read (their main threads', /proc); each
       CPU second the busiest of them used becomes `factor - 1` seconds stopped (all of them
-      together), taken while a main thread is running (not while it is blocked on a peer, when
+      together; CPU seconds of their burners, see below, so that on less than a core the stop
+      stretches as their computation did), taken while a main thread is running (not while it is blocked on a peer, when
       a stop would cost nothing). So their computation takes
       `factor` times as long and their waiting does not, as on a device `factor` times slower.
       While they are stopped, one burner process per throttled process spins in its place (its
@@ -333,15 +336,21 @@ class Throttle:
         self.stopped_s = 0.0
 
     def _signal(self, sig: signal.Signals) -> None:
+        """`sig` to each process, and the other one to its burner: the one that stops first, so
+        that the two never run at once."""
         anti = signal.SIGCONT if sig == signal.SIGSTOP else signal.SIGSTOP
         for i, pid in enumerate(self.pids):
             burner = self.burners[i] if i < len(self.burners) else None
+            if burner is not None and burner.returncode is not None:
+                burner = None
+            if burner is not None and anti == signal.SIGSTOP:
+                burner.send_signal(anti)
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:  # gone (a drained node's worker): its burner stops with it
                 self._end_burner(i)
                 continue
-            if burner is not None and burner.returncode is None:
+            if burner is not None and anti == signal.SIGCONT:
                 burner.send_signal(anti)
 
     def _start_burners(self) -> None:
@@ -401,8 +410,30 @@ class Throttle:
             debt += max((c - used.get(pid, c) for pid, c in now.items()), default=0.0) * (self.factor - 1.0)
             used = now
             if debt >= _LEAST_PAUSE_S and running:
-                self._pause(stop, min(debt, max(0.0, end - time.monotonic())))
+                self._repay(stop, debt, end)
                 debt = 0.0
+
+    def _repay(self, stop: threading.Event, debt: float, end: float) -> None:
+        """Stop the processes until their burners have spun `debt` CPU seconds (the busiest of them),
+        or `end`. In CPU time, not wall time: where the node gets less than a core (a cgroup quota,
+        a busy host), its computation took longer than its CPU time, and so does the repayment."""
+        start = {b.pid: st[1] for b in self.burners if b.returncode is None and (st := _stat(b.pid)) is not None}
+        if not start:  # every burner is gone with its process: nothing left to slow
+            return
+        with self.lock:
+            self.active = True
+            self._signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while (left := debt - max((st[1] - c for pid, c in start.items() if (st := _stat(pid)) is not None),
+                                      default=debt)) > _LEAST_REPAY_S:
+                if stop.wait(min(left, max(0.0, end - time.monotonic()))) or time.monotonic() >= end:
+                    break
+        finally:
+            with self.lock:
+                self._signal(signal.SIGCONT)
+                self.active = False
+            self.stopped_s += time.monotonic() - t0
 
     def _stop_burners(self) -> None:
         for i in range(len(self.burners)):

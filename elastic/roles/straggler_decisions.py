@@ -71,7 +71,7 @@ def straggler_decision(*, policy: str, g: int, record: GenerationRecord, speeds:
     times = measured_stage_times(plan, speeds.busy)
     if speeds.generation != g or set(times) != set(plan.nodes):
         return None  # no full window of measures under this plan yet
-    what = ", ".join(f"node {n} at {speeds.marked[n].factor:.2f}x" for n in marked)
+    what = ", ".join(_speed_of(n, speeds) for n in marked)
     if policy == "auto":
         node = max(marked, key=lambda n: (speeds.marked[n].factor, -n))
         factor = speeds.factors.get(node, speeds.marked[node].factor)
@@ -86,6 +86,15 @@ def straggler_decision(*, policy: str, g: int, record: GenerationRecord, speeds:
     if policy != "auto":
         estimate = f"estimated step {result.unchanged_s:.3f} s (doing nothing) -> {result.step_s:.3f} s"
     return _resplit(plan, result.plan, f"rebalance for straggler(s) {what}", estimate, marked)
+
+
+def _speed_of(node: int, speeds: StragglerRecord) -> str:
+    """`node N at F x`, and the factor it was marked at when that differs (a node that has
+    recovered keeps its mark for K steps, while its pipeline is already given its share back)."""
+    marked = speeds.marked[node].factor
+    now = speeds.factors.get(node, marked)
+    return f"node {node} at {marked:.2f}x" if abs(now - marked) < 0.05 * marked else (
+        f"node {node} at {now:.2f}x now (marked at {marked:.2f}x)")
 
 
 def _resplit(plan: Plan, new: Plan, why: str, estimate: str, marked: list[int]) -> Resplit | None:

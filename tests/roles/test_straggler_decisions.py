@@ -71,6 +71,16 @@ def test_a_marked_node_without_a_spare_is_rebalanced_away_from(policy: str) -> N
 
 
 @pytest.mark.parametrize("policy", ["rebalance", "auto"])
+def test_a_marked_node_that_recovered_gets_its_share_back_and_says_so(policy: str) -> None:
+    busy = {0: 0.11, 1: 0.11, 2: 0.05, 3: 0.05}  # 0.01 s a microbatch everywhere: [11, 5], node 3 at full speed
+    speeds = dataclasses.replace(_speeds(busy, MARK), factors=dict.fromkeys(range(4), 1.0))  # still marked
+    got = _decide(policy, _record(SPLIT_FOR_3, balanced_for=(3,)), speeds)
+    assert isinstance(got, Resplit) and [p.microbatches for p in got.plan.pipelines] == [8, 8]
+    assert got.reason.startswith("rebalance for straggler(s) node 3 at 1.00x now (marked at 2.00x): "
+                                 "microbatches [11, 5] -> [8, 8]"), got.reason
+
+
+@pytest.mark.parametrize("policy", ["rebalance", "auto"])
 def test_no_decision_before_a_full_window_of_this_generation(policy: str) -> None:
     assert _decide(policy, _record(), _speeds(SLOW, MARK, generation=2)) is None  # measured under the last plan
     assert _decide(policy, _record(), _speeds({0: 0.1, 1: 0.1, 3: 0.2}, MARK)) is None  # node 2 has no window yet
