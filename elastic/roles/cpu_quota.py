@@ -3,7 +3,7 @@
 Simulated nodes on one host share its cores: a node that waits lends its core to the others, and
 a node slowed by `elastic inject slow` is made up for by the others running faster. Real nodes
 have devices of their own. With `--node-cpus X` the launcher makes one cgroup per node,
-`<root>/elastic-<job>/node<N>`, capped at X cores (a CFS quota of X * 10 ms every 10 ms); the
+`<root>/elastic-<job>/node<N>`, capped at X cores (a CFS quota, `quota_of`: 1 ms every 2.5 ms for 0.4); the
 node's agent puts each of its workers in it (they are forked by the warm parent, not by the
 agent), and `elastic inject slow`'s burners join it, as they spin in the workers' place. The agent
 itself stays out, as the control plane runs on a node's host CPU, not on its device; so do etcd,
@@ -26,10 +26,18 @@ from pathlib import Path
 CPU_CGROUP_ENV = "ELASTIC_CPU_CGROUP"
 """The cgroup directory an agent joins, and puts its workers in (set by the launcher)."""
 
-PERIOD_US = 10_000
-"""The quota's period: short, so that a node's bursts stay shorter than a step."""
+_MIN_QUOTA_US = 1_000
+"""The kernel's least quota (and least period)."""
+_MAX_PERIOD_US = 100_000
 
-_MIN_QUOTA_US = 1_000  # the kernel's least quota
+
+def quota_of(cpus: float) -> tuple[int, int]:
+    """(quota, period) in microseconds for `cpus` cores: the shortest period whose quota the
+    kernel takes (1 ms each at least). A node may run at full speed for its quota and then waits
+    out the period, so a long period would let a short computation run faster than `cpus` cores
+    allow and a long one slower: 2.5 ms at 0.4 core keeps every burst below a millisecond."""
+    period = max(_MIN_QUOTA_US, round(_MIN_QUOTA_US / cpus))
+    return round(cpus * period), period
 _V1_ROOT = Path("/sys/fs/cgroup/cpu")
 _V2_ROOT = Path("/sys/fs/cgroup")
 
@@ -48,12 +56,12 @@ class CpuHierarchy:
     """cgroup v2 (`cpu.max`) rather than v1 (`cpu.cfs_quota_us`)."""
 
     def set_quota(self, group: Path, cpus: float) -> None:
-        """Cap `group` at `cpus` cores."""
-        quota = round(cpus * PERIOD_US)
+        """Cap `group` at `cpus` cores (`quota_of`)."""
+        quota, period = quota_of(cpus)
         if self.v2:
-            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (group / "cpu.max").write_text(f"{quota} {period}")
         else:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_period_us").write_text(str(period))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
 
 
@@ -82,8 +90,8 @@ class NodeCpuQuotas:
     """One cgroup per node for one job, each capped at `cpus` cores; `close` removes them."""
 
     def __init__(self, *, cpus: float, job: str, root: Path | None = None) -> None:
-        if not cpus * PERIOD_US >= _MIN_QUOTA_US:
-            raise CpuQuotaError(f"--node-cpus must be at least {_MIN_QUOTA_US / PERIOD_US}, got {cpus}")
+        if not cpus * _MAX_PERIOD_US >= _MIN_QUOTA_US:
+            raise CpuQuotaError(f"--node-cpus must be at least {_MIN_QUOTA_US / _MAX_PERIOD_US}, got {cpus}")
         self.cpus = cpus
         self.hierarchy = find_hierarchy(root)
         _sweep(self.hierarchy.root)
