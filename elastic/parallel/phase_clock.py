@@ -16,7 +16,9 @@ Each computation is timed on the device's own clock:
   much the others compute at the same moment, not on this node's speed. Time the thread was
   stopped (SIGSTOP, `elastic inject slow`) is not run-queue delay: a throttled node is still seen.
   Without schedstat (not Linux), the wall time is used. The two reads cost about 2 us a
-  computation (the file stays open for the thread's life).
+  computation (the file stays open for the thread's life). A node given cores of its own
+  ($ELASTIC_DEDICATED_CPU=1: `elastic run --node-cpus`, a cgroup quota) is timed by wall time:
+  its waits for a core are then its quota running out, i.e. the device being as slow as it is.
 
 A node whose CPU is taken by another process on a CPU device is therefore not counted slow; on
 a GPU, the device's clock sees what the device did, whatever the host's load.
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
     import torch
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+
+DEDICATED_CPU_ENV = "ELASTIC_DEDICATED_CPU"
+"""Set to 1 for a worker whose node has cores of its own (module doc): time by wall time."""
 
 
 STEP_PHASES = ("forward", "backward", "wait")
@@ -98,6 +103,7 @@ class PhaseClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.host = device.type == "cpu"
+        self.wall = os.environ.get(DEDICATED_CPU_ENV) == "1"
         self._sums = {"forward": 0.0, "backward": 0.0}
         self._events: list[tuple[str, torch.Event, torch.Event]] = []
 
@@ -105,11 +111,12 @@ class PhaseClock:
     def timed(self, phase: str) -> Iterator[None]:
         """Time one computation of `phase` (forward or backward)."""
         if self.host:
-            t0, q0 = time.perf_counter(), run_queue_s()
+            t0, q0 = time.perf_counter(), 0.0 if self.wall else run_queue_s()
             try:
                 yield
             finally:
-                self._sums[phase] += max(0.0, (time.perf_counter() - t0) - (run_queue_s() - q0))
+                waited = 0.0 if self.wall else run_queue_s() - q0
+                self._sums[phase] += max(0.0, (time.perf_counter() - t0) - waited)
             return
         import torch  # an accelerator's clock; this module stays importable without torch (`elastic status`)
 

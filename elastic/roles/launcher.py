@@ -54,6 +54,7 @@ from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
+from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -288,7 +289,7 @@ class _AgentPool:
             return
         prefix, extra_env = self.placement(node) if self.placement is not None else ([], {})
         if self.cpu_quotas is not None:
-            extra_env = {**extra_env, CPU_CGROUP_ENV: str(self.cpu_quotas.group(node))}
+            extra_env = {**extra_env, CPU_CGROUP_ENV: str(self.cpu_quotas.group(node)), DEDICATED_CPU_ENV: "1"}
         env = dict(
             os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker),
             **device_env(node, self.gpus_per_node), **extra_env,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
 from tests.processes import stop_pids
 
 pytestmark = [pytest.mark.timeout(60),
@@ -52,8 +53,10 @@ def _spin(core: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-S", "-c", code])
 
 
-def _child(core: int) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(core)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def _child(core: int, *, dedicated: bool = False) -> subprocess.Popen[str]:
+    env = {**os.environ, DEDICATED_CPU_ENV: "1" if dedicated else "0"}
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(core)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env=env)
 
 
 def _result(child: subprocess.Popen[str]) -> dict[str, float]:
@@ -63,16 +66,20 @@ def _result(child: subprocess.Popen[str]) -> dict[str, float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_time_waiting_for_a_shared_core_is_not_counted(core: int) -> None:
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_time_waiting_for_a_shared_core_is_not_counted(core: int, dedicated: bool) -> None:
+    """...unless the node's cores are its own (`--node-cpus`): a wait for one is then the node's
+    quota running out, and the wall time is the device's time."""
     hog = _spin(core)
-    child = _child(core)
+    child = _child(core, dedicated=dedicated)
     try:
         got = _result(child)
     finally:
         stop_pids([hog.pid, child.pid])
         hog.wait()
     assert got["wall"] >= 1.5 * got["cpu"], f"the core was not shared: {got}"
-    assert abs(got["measured"] - got["cpu"]) <= 0.15 * got["cpu"] + 0.01, got
+    expected = got["wall"] if dedicated else got["cpu"]
+    assert abs(got["measured"] - expected) <= 0.15 * expected + 0.01, got
 
 
 def test_time_stopped_by_sigstop_is_counted(core: int) -> None:
