@@ -151,7 +151,8 @@ class TimedTrigger(InjectionTrigger):
         super()._on_progress(events)
         now = time.time()
         self.events += len(events)
-        committed = self.in_flight() - 2
+        with self._cond:  # not in_flight(): _hold calls this with the watch lock held
+            committed = self._committed
         for s in range(self._upto + 1, committed + 1):
             self.seen[s] = now
         self._upto = max(self._upto, committed)

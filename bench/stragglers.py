@@ -2,7 +2,7 @@
 failure-free rate of the same job (issue 33).
 
     .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --repeats 3
-    .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --node-cpus 0.5 --repeats 3
+    .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --node-cpus 0.4 --sides off,rebalance,auto --repeats 3
     .venv/bin/python bench/stragglers.py --nodes 2 --global-batch 16 --repeats 3
     .venv/bin/python bench/stragglers.py --model small --nodes 4 --global-batch 32 --device-memory-gib 1 --repeats 3  # 2x2, 6.4 s a step here
 
@@ -25,12 +25,12 @@ the node computes F times slower and the other simulated nodes on this machine's
 faster for it.
 `--no-hold-cpu` measures with the older duty cycle.
 
-`--node-cpus X` runs `elastic run --node-cpus X`: each node (its agent, workers and burners) in a
-cgroup capped at X cores (elastic/roles/cpu_quota.py, needs root). Without it, simulated nodes
+`--node-cpus X` runs `elastic run --node-cpus X`: each node (its workers and their burners) in a
+cgroup capped at X cores (elastic/roles/cpu_quota.py, needs root; the agents, etcd and the
+launcher stay outside, so leave them some cores: 0.4 a node for 4 nodes on 2). Without it, simulated nodes
 share this machine's cores: a node that waits lends its core to the others, so a slow node costs
 the job less than it would on separate devices (on 4 nodes and 2 cores, `off` cannot drop below
-about 0.75x: the slow node's extra work is a fifth of the machine's). With 0.5 on 4 nodes, each
-node is a half-core device.
+about 0.75x: the slow node's extra work is a fifth of the machine's).
 
 The same side runs `--repeats` times and the median is reported; every run's final loss is
 printed (a policy changes the plan, never the result). Run it on a quiet machine.
