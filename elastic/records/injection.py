@@ -21,6 +21,7 @@ incarnation). Whoever does writes an `InjectionStatus` under `injection-status/<
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -373,17 +374,25 @@ class Throttle:
             burner.kill()
             burner.wait()
 
-    def _pause(self, stop: threading.Event, seconds: float) -> None:
-        """Stop the processes (and run the burners) for `seconds`, or until `stop` is set."""
+    @contextlib.contextmanager
+    def _stopped(self) -> Iterator[None]:
+        """The processes stopped (and their burners running) while inside; the time counted in `stopped_s`."""
         with self.lock:
             self.active = True
             self._signal(signal.SIGSTOP)
         t0 = time.monotonic()
-        stop.wait(seconds)
-        with self.lock:
-            self._signal(signal.SIGCONT)
-            self.active = False
-        self.stopped_s += time.monotonic() - t0
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._signal(signal.SIGCONT)
+                self.active = False
+            self.stopped_s += time.monotonic() - t0
+
+    def _pause(self, stop: threading.Event, seconds: float) -> None:
+        """Stop the processes (and run the burners) for `seconds`, or until `stop` is set."""
+        with self._stopped():
+            stop.wait(seconds)
 
     def _duty_cycle(self, stop: threading.Event, end: float, until: Callable[[], bool] | None) -> None:
         run_s = self.period / self.factor
@@ -420,20 +429,11 @@ class Throttle:
         start = {b.pid: st[1] for b in self.burners if b.returncode is None and (st := _stat(b.pid)) is not None}
         if not start:  # every burner is gone with its process: nothing left to slow
             return
-        with self.lock:
-            self.active = True
-            self._signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        try:
+        with self._stopped():
             while (left := debt - max((st[1] - c for pid, c in start.items() if (st := _stat(pid)) is not None),
                                       default=debt)) > _LEAST_REPAY_S:
                 if stop.wait(min(left, max(0.0, end - time.monotonic()))) or time.monotonic() >= end:
                     break
-        finally:
-            with self.lock:
-                self._signal(signal.SIGCONT)
-                self.active = False
-            self.stopped_s += time.monotonic() - t0
 
     def _stop_burners(self) -> None:
         for i in range(len(self.burners)):
