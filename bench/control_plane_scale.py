@@ -11,7 +11,7 @@ What runs is the project's real code; only the training is simulated. Per W, one
   others keep their watches open as the real agent's do), the agent's `InjectionTrigger` (timed
   by a subclass that notes when each committed step reaches it) and the agent's watch on
   `injections/`. Not simulated: the agent's NodeMetrics endpoint, the worker monitor, processes.
-- workers: each simulated worker registers `workers/<node>/<lr>` and `holdings/<node>/<lr>` on
+- workers: each simulated worker registers `workers/<node>/<lr>` on
   its node's lease and owns the feeds a real ElasticWorker owns (`GenerationFeed`, `HaltFeed`,
   `DecisionFeed`, `ProgressWriter`, each with its own watch stream and thread). There is no
   model and no gloo: the step's vote (the world all-reduce) is a clock tick, every `--pace-ms`
@@ -21,7 +21,8 @@ What runs is the project's real code; only the training is simulated. Per W, one
   the abort flag the worker `enter`ed, as in `_reconfigure`) makes the driver write each of the
   node's workers' `SyncReport` with `write_sync`, as `_report_halted` does (side by side, as
   workers in processes of their own do), and the survivors then enter generation 2 and write
-  their holdings. Both go through the node's `NodeRelay` (elastic/roles/node_relay.py: the agent
+  their recovery records (the first commit's). The sync report carries the worker's holdings in
+  the same request (`write_sync`), as in the runtime. Both go through the node's `NodeRelay` (elastic/roles/node_relay.py: the agent
   writes its workers' reports as one transaction), as in the runtime; `--no-relay` has each
   worker put its own, as before issue 34.
 - the plan is the planner's: `gpt3-6.7b` on nominal devices of 128/G GiB (128 GiB a node), so
@@ -58,9 +59,9 @@ Per W it measures
    from that moment to the leader's `halt/1` (seen by the parent's observer watch), every live
    worker's abort, every live worker's sync report written, `plan/2` published, every live
    worker's GenerationFeed holding generation 2 (also the latest of each shard); etcd writes /
-   watch events / ranges for the change (until every survivor has written its holdings of
-   generation 2, `entered_s` after it had the generation; the first commit's recovery record is
-   not simulated), and the cores busy until every live worker had it.
+   watch events / ranges for the change (until every survivor has written its recovery record of
+   generation 2, `entered_s` after it had the generation; `writes_by_family` breaks the writes
+   down by the key families each revision touched), and the cores busy until every live worker had it.
 3. the group rendezvous of the new generation: `bench/rendezvous_scale.py`'s
    `rendezvous_seconds(endpoint, world)` when that file exists (on the same etcd, with the
    simulated job still up; its W ranks are threads of the parent), else the figure is marked
@@ -242,15 +243,19 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float, poll: float 
 
 
 class Observer:
-    """The bench's own watches on `halt/` and `plan/`: when each key first arrived."""
+    """The bench's own watches on `halt/` and `plan/`: when each key first arrived; and one on
+    the job's whole prefix: which key families each revision wrote (`writes_by_family`)."""
 
     def __init__(self, client: Any, keys: JobKeys) -> None:
         self.seen: dict[str, float] = {}
+        self.root = keys.root
+        self.families: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         rev = int(client.get_prefix_response(keys.root, count_only=True).header.revision) + 1
         self.watches = [
             PrefixWatch(client, p, self._on, start_revision=rev) for p in (RunKeys(keys).halts, keys.plans)
         ]
+        self.watches.append(PrefixWatch(client, keys.root, self._on_any, start_revision=rev))
 
     def _on(self, events: list[WatchEvent]) -> None:
         now = time.time()
@@ -258,6 +263,22 @@ class Observer:
             for ev in events:
                 if ev.kind == "put":
                     self.seen.setdefault(ev.key, now)
+
+    def _on_any(self, events: list[WatchEvent]) -> None:
+        with self._lock:
+            for ev in events:
+                family = ev.key[len(self.root):].split("/", 1)[0] + ("" if ev.kind == "put" else " (delete)")
+                self.families.setdefault(ev.revision, set()).add(family)
+
+    def writes_by_family(self) -> dict[str, int]:
+        """Revisions (etcd writes) seen under the job's prefix, by the key families each one
+        touched (a transaction of two families counts under "a+b")."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for fams in self.families.values():
+                name = "+".join(sorted(fams))
+                out[name] = out.get(name, 0) + 1
+            return dict(sorted(out.items()))
 
     def at(self, key: str) -> float | None:
         with self._lock:
@@ -529,7 +550,7 @@ class ScaleRun:
         assert reported, f"node {victim}'s member was not registered any more"
         self._await_generation_2(observer)
         t_seen = time.time()
-        call_all(shards, "enter", 2, timeout=SETUP_TIMEOUT_S)  # the survivors' holdings of g+1 (`_reconfigure`)
+        call_all(shards, "enter", 2, timeout=SETUP_TIMEOUT_S)  # the survivors' recovery records of g+1 (first commit)
         t_done = time.time()
         cpu5 = cpu_now(shards, etcd_pid)
         time.sleep(1.0)  # the leader's round after the publish, late watch deliveries
@@ -567,6 +588,7 @@ class ScaleRun:
             "cores": cores(cpu5, cpu4, max(t_done - t_fail, 1e-3)),
             "leader_rounds": self.leader_rounds() - rounds0,
             "etcd": counts(delta(after, before)),
+            "writes_by_family": observer.writes_by_family(),
         }
 
     def _await_generation_2(self, observer: Observer) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -50,6 +49,8 @@ from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.protocol import (
     ElasticConfig,
+    ReconfigTimings,
+    RecoveryTimings,
     RunKeys,
     StepResult,
     SyncReport,
@@ -171,7 +172,7 @@ class Timings:
 
 
 class SimWorker:
-    """One worker's control-plane side: registration, holdings, the feeds and the writer."""
+    """One worker's control-plane side: registration, the feeds, the writer, its reports."""
 
     def __init__(self, node: SimNode, local_rank: int) -> None:
         self.node, self.local_rank = node, local_rank
@@ -187,21 +188,25 @@ class SimWorker:
         self.relay = RelayClient(node.relay.name) if node.relay is not None else None
         self.generation = 0
         self.rank = -1
+        self.held: list[tuple[int, int]] = []
         self.committed = 0
         self.last_vote: Vote | None = None
         self.synced_at: float | None = None
 
     def enter(self, generation: int) -> None:
-        """What `_reconfigure` does with etcd: enter the feeds, write the holdings."""
-        record, _ = self.generations.get(generation)
+        """What `_reconfigure` and the first commit of `_train` do with etcd: enter the feeds;
+        then the recovery record (its timings are placeholders: nothing is transferred here)."""
+        record, seen_at = self.generations.get(generation)
         layout = ParallelLayout(plan=record.plan, generation=generation, node=self.node.node,
                                 local_rank=self.local_rank)
         self.generation, self.rank = generation, layout.rank
+        self.held = [(layer, self.local_rank) for layer in range(*layout.layers)]
         self.generations.enter(generation, self.abort)
         self.halts.enter(generation, self.abort)
-        held = json.dumps([[layer, self.local_rank] for layer in range(*layout.layers)])
-        put_all(self.node.client, self.relay,
-                [(self.node.rk.worker_holdings(self.node.node, self.local_rank), held, self.node.lease)])
+        now = time.time()
+        rec = RecoveryTimings(seen_at=seen_at, reconfig=ReconfigTimings(transfer_s=0.0, rebuild_s=0.0, bytes_fetched=0),
+                              started_at=now, first_commit_at=now)
+        put_all(self.node.client, self.relay, [(self.node.rk.recovery(generation, layout.rank), rec.to_json(), None)])
 
     def step(self, s: int, t: Timings) -> None:
         """Step s's vote completed: commit it, then the checks `_train` makes before step s+1."""
@@ -230,7 +235,8 @@ class SimWorker:
         """`_report_halted`: the worker's sync report of its generation."""
         report = SyncReport(committed=self.committed, pending=None, last_vote=self.last_vote,
                             node=self.node.node, local_rank=self.local_rank)
-        write_sync(self.node.client, self.node.rk, self.generation, report, relay=self.relay)
+        write_sync(self.node.client, self.node.rk, self.generation, report, holdings=self.held,
+                   lease=self.node.lease, relay=self.relay)
         self.synced_at = time.time()
 
     def close(self) -> None:
@@ -388,7 +394,7 @@ class Shard:
         in_parallel([n.start_workers for n in self.nodes.values()])
 
     def cmd_enter(self, generation: int) -> None:
-        """Every live worker enters `generation` (its feeds, and the holdings it writes)."""
+        """Every live worker enters `generation` (its feeds, and the recovery record it writes)."""
         in_parallel([functools.partial(w.enter, generation) for w in self._live_workers()])
 
     def cmd_start_agents(self, which: list[int] | None, with_leader: bool) -> None:

@@ -5,7 +5,8 @@ members, failed/, suspects/, leader, generation, plan/, injections/, events/, to
 
     config                          ElasticConfig JSON: the job spec, planning inputs, injections
     workers/<node>/<local_rank>     {"pid", "transfer_address", "incarnation"} on the node's lease
-    holdings/<node>/<local_rank>    [[layer, tp_rank], ...] the worker holds now, on the node's lease
+    holdings/<node>/<local_rank>    [[layer, tp_rank], ...] the worker held when it last halted (written
+                                    with its sync report, in one transaction), on the node's lease
     plan/<g>                        GenerationRecord JSON (published with Generations.publish)
     progress                        ProgressRecord of the last committed step (world rank 0, one put a step)
     stragglers                      StragglerRecord: speed factors and straggler marks (world rank 0, on a

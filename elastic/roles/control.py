@@ -10,14 +10,17 @@ from watches that fire only when the control plane acts, never per step:
   a boundary halt is what the worker votes with (`requested`);
 - `DecisionFeed`: the leader's decisions (`decisions/<g>/<s>`), for the job's last step only.
 
-A halted worker writes its `SyncReport` (`write_sync`) and waits for the next generation.
+A halted worker writes its `SyncReport` and its holdings (`write_sync`, one transaction) and
+waits for the next generation.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from elastic.coordinator.etcd_api import EtcdClient
@@ -32,7 +35,7 @@ from elastic.records.protocol import (
     StepResult,
     SyncReport,
 )
-from elastic.roles.node_relay import RelayClient, put_all
+from elastic.roles.node_relay import Put, RelayClient, put_all
 
 PROGRESS_WINDOW = 8
 """Steps kept in the progress record's `recent` window."""
@@ -261,8 +264,16 @@ class ProgressWriter:
 
 
 def write_sync(
-    client: EtcdClient, rk: RunKeys, generation: int, report: SyncReport, *, relay: RelayClient | None = None
+    client: EtcdClient, rk: RunKeys, generation: int, report: SyncReport, *,
+    holdings: Sequence[tuple[int, int]] | None = None, lease: int | None = None, relay: RelayClient | None = None,
 ) -> None:
-    """Report what this halted worker of `generation` holds (the leader waits for every live worker);
-    through the node's `relay` when there is one (elastic/roles/node_relay.py)."""
-    put_all(client, relay, [(rk.sync_report(generation, report.node, report.local_rank), report.to_json(), None)])
+    """Report what this halted worker of `generation` committed (the leader waits for every live
+    worker) and, with `holdings`, the shards it holds now under `holdings/<node>/<local_rank>` on
+    the node's `lease`, in the same transaction: the next generation's holder map and the leader's
+    gap check read them once every live worker has halted (elastic/roles/holders.py). Through the
+    node's `relay` when there is one (elastic/roles/node_relay.py): one transaction a node."""
+    puts: list[Put] = [(rk.sync_report(generation, report.node, report.local_rank), report.to_json(), None)]
+    if holdings is not None:
+        held = json.dumps([list(k) for k in sorted(holdings)])
+        puts.append((rk.worker_holdings(report.node, report.local_rank), held, lease))
+    put_all(client, relay, puts)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import math
 import os
 import signal
@@ -247,7 +246,7 @@ class ElasticWorker:
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
                             partial=None if kept is None else kept.report())
-        write_sync(self.client, self.rk, generation, report, relay=self.relay)
+        write_sync(self.client, self.rk, generation, report, holdings=t.holdings(), lease=self.lease, relay=self.relay)
         _log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
 
@@ -405,8 +404,6 @@ class ElasticWorker:
             holdings=self._holdings_fn(generation, record, holders),
         )
         self._pending_recovery = (seen_at, timings, time.time())
-        held = json.dumps(sorted(self.trainer.holdings()))
-        put_all(self.client, self.relay, [(self.rk.worker_holdings(self.node, self.local_rank), held, self.lease)])
         _log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
             f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "

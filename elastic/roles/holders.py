@@ -1,19 +1,21 @@
 """The holder map of a generation change: which live worker holds which shards, read from etcd.
 
-Every worker publishes the shards it holds under `holdings/<node>/<local_rank>` once it has
-joined a generation, and its shard server's address under `workers/<node>/<local_rank>`, both
-on its node's lease (a lost node's keys go with its lease). The leader publishes generation g
-only after every live worker of g-1 has halted, so when g is read these keys say what each live
-worker held after joining its last generation: what it serves until it has joined g (and the
-shards it drops then stay served until its next switch). The leader reads the same `holdings/`
-keys to decide whether some shard has no live holder. Two prefix reads per generation change,
-never per step.
+Every worker publishes the shards it holds under `holdings/<node>/<local_rank>` when it halts a
+generation, in the transaction of its sync report (elastic/roles/control.py `write_sync`), and
+its shard server's address under `workers/<node>/<local_rank>`, both on its node's lease (a lost
+node's keys go with its lease). The leader publishes generation g only after every live worker
+of g-1 has halted and reported, so when g is read these keys say what each live worker holds
+after its last generation: what it serves until it has joined g (and the shards it drops then
+stay served until its next switch). A worker that never halted (a spare taking its first stage)
+has no key: it holds nothing. The leader reads the same `holdings/` keys, with the sync reports,
+to decide whether some shard has no live holder. Two prefix reads per generation change, never
+per step, and no write of their own: a change costs each node one transaction for the reports
+and holdings of all its workers.
 
 Every worker of generation g reads these keys at the etcd revision at which g was published, not
-at "now": a worker that has already joined g rewrites its `holdings/` key, and a slower peer that
-read it would plan a different collective exchange than the others (a send nobody posts). At the
-publication revision all of them read the same map. When etcd has compacted that revision away
-(10 s of history by default: a very slow reconfiguration), the map is read as it is now.
+at "now", so that all of them plan the same collective exchange even if some key changed later
+(a send nobody posts otherwise). When etcd has compacted that revision away (10 s of history by
+default: a very slow reconfiguration), the map is read as it is now.
 
 Both shard paths of `Trainer.start` start from it: the collective exchange by rank of the new
 generation (`HolderMap.by_rank`), the gRPC fetch of the rest by shard-server address

@@ -1,17 +1,20 @@
 """A node's etcd writes in one transaction: the agent relays what its workers report (issue 34 item 1).
 
-At a generation change every worker writes its sync report (halted), then the shards it holds
-(adopted), then its recovery record (first commit): with G workers a node, 3 G etcd writes a node,
-and 3 W for the job. The agent serves a Unix socket (Linux's abstract namespace, named in
-$ELASTIC_NODE_RELAY); a worker sends its puts there, and the agent writes what its workers sent
-together in one etcd transaction: 3 writes a node per change, whatever G. Keys, values and leases
-are unchanged, so every reader sees the same records.
+At a generation change every worker writes its sync report with its holdings (halted; one
+request, elastic/roles/control.py `write_sync`), then its recovery record (first commit): with G
+workers a node, 2 G etcd writes a node, and 2 W for the job. The agent serves a Unix socket
+(Linux's abstract namespace, named in $ELASTIC_NODE_RELAY); a worker sends its puts there, and
+the agent writes what its workers sent together in one etcd transaction: 2 writes a node per
+change, whatever G. Keys, values and leases are unchanged, so every reader sees the same records.
 
-Batching: the relay writes once every one of the node's workers has a request waiting, or
-`linger_s` after the first one came (a worker that is slower, or gone), whichever is first. A
-worker's call returns once the transaction has committed: a report is as durable as a direct put.
-Without the variable (torchrun's workers, which have no agent of ours), or when the agent does not
-answer, a worker puts directly (`put_all`).
+Batching: the relay writes once every one of the node's live workers has a request waiting, or
+`linger_s` after the first one came, whichever is first. A worker counts as live until its
+connection closes (its process is gone: the kernel closes the socket). Waiting for the node's
+slowest worker costs a change nothing, since the leader waits for every live worker's report
+anyway; `linger_s` only bounds the wait for one that is stopped or stuck. A worker's call returns
+once the transaction has committed: a report is as durable as a direct put. Without the variable
+(torchrun's workers, which have no agent of ours), or when the agent does not answer, a worker
+writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...]}`,
 answer `{"ok": true}` or `{"error": "..."}`.
@@ -38,8 +41,9 @@ RELAY_ENV = "ELASTIC_NODE_RELAY"
 _MAX_TXN_OPS = 128
 """etcd's default --max-txn-ops: a larger batch is written as several transactions."""
 
-LINGER_S = 0.05
-"""How long the relay waits for the node's other workers after the first request of a batch."""
+LINGER_S = 1.0
+"""How long the relay waits for the node's other live workers after the first request of a batch
+(a bound for a stopped or stuck worker; the batch is written as soon as every live one has sent)."""
 
 Put = tuple[str, str, int | None]
 """(key, value, lease id or None)."""
@@ -68,6 +72,8 @@ class NodeRelay:
         self._sock.listen(max(8, 2 * workers))
         self._pending: list[_Pending] = []
         self._conns: set[socket.socket] = set()
+        self._gone = 0
+        """Workers whose connection closed while the relay served: not waited for any more."""
         self._cond = threading.Condition()
         self._closed = False
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
@@ -116,14 +122,18 @@ class NodeRelay:
         finally:
             with self._cond:
                 self._conns.discard(conn)
+                if not self._closed:  # that worker is gone: a batch no longer waits for it
+                    self._gone += 1
+                    self._cond.notify_all()
 
     def _batch(self) -> list[_Pending] | None:
-        """The next batch: when every worker has a request waiting, or `linger_s` after the first."""
+        """The next batch: when every live worker has a request waiting, or `linger_s` after the first."""
         with self._cond:
             while not self._closed:
                 if self._pending:
                     wait = self._pending[0].at + self.linger_s - time.monotonic()
-                    if len({id(p.conn) for p in self._pending}) >= self.workers or wait <= 0:
+                    live = max(1, self.workers - self._gone)
+                    if len({id(p.conn) for p in self._pending}) >= live or wait <= 0:
                         batch, self._pending = self._pending, []
                         return batch
                     self._cond.wait(wait)
@@ -204,12 +214,17 @@ def relay_from_env() -> RelayClient | None:
 
 
 def put_all(client: EtcdClient, relay: RelayClient | None, puts: list[Put]) -> None:
-    """Write `puts`: through the node's relay when there is one, else (or when it fails) directly."""
+    """Write `puts`: through the node's relay when there is one, else (or when it fails) as one
+    transaction of this worker's own."""
     if relay is not None:
         try:
             relay.put(puts)
             return
         except RelayError as exc:
             log.warning("%s; putting directly", exc)
-    for key, value, lease in puts:
+    if len(puts) == 1:
+        key, value, lease = puts[0]
         client.put(key, value, lease=lease)
+        return
+    ops = [client.transactions.put(k, v, lease=lease) for k, v, lease in puts]
+    client.transaction(compare=[], success=ops, failure=[])

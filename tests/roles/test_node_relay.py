@@ -1,6 +1,6 @@
 """The agent's relay (elastic/roles/node_relay.py) on a real etcd: a node's workers' puts land as
 one transaction (one revision) where direct puts take one each, with their values and leases; a
-worker that is late or gone delays a batch by the linger only; bad requests are refused without
+worker that is late delays a batch by the linger only, and one that is gone not at all; bad requests are refused without
 losing the relay, and a worker whose relay is gone puts directly."""
 
 from __future__ import annotations
@@ -74,6 +74,36 @@ def test_a_missing_worker_costs_the_linger_only(client: Any, job: str) -> None:
         assert client.get(f"/{job}/sync/1")[0] is not None
     finally:
         relay.close()
+
+
+def test_a_worker_that_is_gone_is_not_waited_for(client: Any, job: str) -> None:
+    """Four workers connect; two exit (their connections close). The next batch of the other two is
+    written without waiting out the linger (60 s here, beyond the test's timeout)."""
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=60.0)
+    workers = [RelayClient(relay.name) for _ in range(4)]
+    try:
+        _send_from(workers, job, [0, 1, 2, 3])  # a full batch: no wait
+        workers[2].close()
+        workers[3].close()
+        before = _revision(client)
+        _send_from(workers, job, [0, 1])
+        assert _revision(client) - before == 1 and relay.transactions == 2
+    finally:
+        for w in workers:
+            w.close()
+        relay.close()
+
+
+def _send_from(workers: list[RelayClient], job: str, which: list[int]) -> None:
+    """Workers `which` of `workers` put their keys at once, each from its own thread; they must
+    all be answered within 20 s."""
+    done: list[int] = []
+    threads = [threading.Thread(target=lambda w=w: (workers[w].put(_puts(job, w)), done.append(w))) for w in which]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(done) == sorted(which), f"answered: {done} of {which}"
 
 
 def test_leases_go_through(client: Any, job: str) -> None:
