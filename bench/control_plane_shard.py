@@ -394,8 +394,15 @@ class Shard:
         in_parallel([n.start_workers for n in self.nodes.values()])
 
     def cmd_enter(self, generation: int) -> None:
-        """Every live worker enters `generation` (its feeds, and the recovery record it writes)."""
-        in_parallel([functools.partial(w.enter, generation) for w in self._live_workers()])
+        """Every live worker enters `generation` (its feeds, and the recovery record it writes).
+        A node's workers side by side, as processes of their own: the relay writes a node's
+        records once all of its workers have sent theirs."""
+        live = [n for n in self.nodes.values() if n.node not in self.killed]
+        in_parallel([
+            functools.partial(in_parallel, [functools.partial(w.enter, generation) for w in n.workers],
+                              threads=len(n.workers))
+            for n in live
+        ])
 
     def cmd_start_agents(self, which: list[int] | None, with_leader: bool) -> None:
         """Start the agents of `which` nodes (None: every node without one yet)."""

@@ -209,6 +209,7 @@ def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], failure
     (cut,) = one_way_run["partitions"]
     assert cut["node"] == ONE_WAY["node"] and cut["mode"] == "oneway"
     # Lost once, while its packets to etcd were dropped; the survivors re-planned and trained on.
+    assert len(summary["recoveries"]) == 1, summary["recoveries"]
     (recovery,) = summary["recoveries"]
     assert recovery["lost_nodes"] == [ONE_WAY["node"]] and recovery["generation"] == 2
     assert cut["down_at"] < recovery["detected_at"] < cut["up_at"]
