@@ -127,7 +127,7 @@ NODE_MEMORY_GIB = 128.0
 MICROBATCHES_PER_NODE = 8
 FAULT_TOLERANCE = 1
 RENDEZVOUS_FILE = REPO / "bench" / "rendezvous_scale.py"
-SIM_LEASE_TTL = 10
+SIM_LEASE_TTL = 20
 """Lease TTL (s) of the simulated members and elections. The runtime's default is 3 s; here one
 process runs many nodes' keep-alive threads among a thousand others, and a starved keep-alive
 would expire a healthy node (the loss under test is reported, so the TTL does not enter the

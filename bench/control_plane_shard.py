@@ -94,6 +94,10 @@ def in_parallel(fns: list[Callable[[], Any]], threads: int = 16) -> list[Any]:
         return list(pool.map(lambda f: f(), fns))
 
 
+SIM_RETRY_S = 30.0
+"""How long a simulated node's etcd client retries a call that times out (see `Shard.cmd_setup`)."""
+
+
 # ---- the simulated pieces ------------------------------------------------------------------
 
 
@@ -382,7 +386,10 @@ class Shard:
     def cmd_setup(self) -> dict[str, Any]:
         """One etcd client a node (its agent and its workers share it) and the nodes' members."""
         t0 = time.perf_counter()
-        self.clients = [connect(EtcdConfig(endpoint=self.spec.endpoint)) for _ in self.spec.nodes]
+        # A longer retry budget than the runtime's 5 s: at W = 1024 the set-up (thousands of
+        # watches opening, 128 elections) starves a shard's gRPC threads for several seconds, and
+        # only what follows the set-up is measured.
+        self.clients = [connect(EtcdConfig(endpoint=self.spec.endpoint, retry_s=SIM_RETRY_S)) for _ in self.spec.nodes]
         made = in_parallel([
             functools.partial(SimNode, c, self.keys, self.config, n, self.spec.gpus, self.spec.relay)
             for c, n in zip(self.clients, self.spec.nodes, strict=True)
