@@ -39,8 +39,6 @@ from tests.processes import run_processes
 from tests.transfer.shard_data import bit_equal
 
 TIMEOUT = timedelta(seconds=20)
-ARRIVAL_S = 40.0
-"""How long a rank waits for the others to start before it makes the group (`make_group`)."""
 
 # Three ranks: 0 and 1 hold the shards; 1 and 2 need some, and so does 0 (0 <-> 1 both ways).
 HOLDERS: dict[ShardKey, list[int]] = {
@@ -92,12 +90,6 @@ def shuffled(d: dict[Any, list[Any]], seed: int) -> dict[Any, list[Any]]:
 def make_group(store_port: int, rank: int, size: int) -> Communicator:
     """A gloo communicator, as the runtime makes one (`elastic.comm.open_communicator`)."""
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=TIMEOUT)
-    # Every rank is up before the group's 20 s connection timeout starts: on a loaded machine a
-    # spawned rank can take that long to import torch, and only what follows is under test.
-    store.add("arrived", 1)
-    deadline = time.monotonic() + ARRIVAL_S
-    while store.add("arrived", 0) < size and time.monotonic() < deadline:
-        time.sleep(0.05)
     return open_communicator(store, name="g1/world", members=list(range(size)), rank=rank, backend="gloo",
                              device=torch.device("cpu"), timeout=TIMEOUT)
 
