@@ -274,6 +274,6 @@ def write_sync(
     node's `relay` when there is one (elastic/roles/node_relay.py): one transaction a node."""
     puts: list[Put] = [(rk.sync_report(generation, report.node, report.local_rank), report.to_json(), None)]
     if holdings is not None:
-        held = json.dumps([list(k) for k in sorted(holdings)])
+        held = json.dumps(sorted(holdings))
         puts.append((rk.worker_holdings(report.node, report.local_rank), held, lease))
     put_all(client, relay, puts)

@@ -143,14 +143,12 @@ class NodeRelay:
 
     def _flush_loop(self) -> None:
         while (batch := self._batch()) is not None:
-            ops = [self.client.transactions.put(k, v, lease=lease) for p in batch for k, v, lease in p.puts]
+            puts = [put for p in batch for put in p.puts]
             try:
-                for i in range(0, len(ops), _MAX_TXN_OPS):
-                    self.client.transaction(compare=[], success=ops[i:i + _MAX_TXN_OPS], failure=[])
-                    self.transactions += 1
+                self.transactions += write_puts(self.client, puts)
                 answer: dict[str, object] = {"ok": True}
             except Exception as exc:  # noqa: BLE001 - handed to each worker, which then puts directly
-                log.warning("relay %s: a transaction of %d puts failed: %s", self.name, len(ops), exc)
+                log.warning("relay %s: a transaction of %d puts failed: %s", self.name, len(puts), exc)
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             for p in batch:
                 with contextlib.suppress(OSError):  # that worker is gone
@@ -222,9 +220,12 @@ def put_all(client: EtcdClient, relay: RelayClient | None, puts: list[Put]) -> N
             return
         except RelayError as exc:
             log.warning("%s; putting directly", exc)
-    if len(puts) == 1:
-        key, value, lease = puts[0]
-        client.put(key, value, lease=lease)
-        return
+    write_puts(client, puts)
+
+
+def write_puts(client: EtcdClient, puts: list[Put]) -> int:
+    """Write `puts` as one etcd transaction (several past etcd's `_MAX_TXN_OPS`); how many."""
     ops = [client.transactions.put(k, v, lease=lease) for k, v, lease in puts]
-    client.transaction(compare=[], success=ops, failure=[])
+    for i in range(0, len(ops), _MAX_TXN_OPS):
+        client.transaction(compare=[], success=ops[i:i + _MAX_TXN_OPS], failure=[])
+    return -(-len(ops) // _MAX_TXN_OPS)

@@ -32,20 +32,29 @@ def _puts(job: str, worker: int) -> list[tuple[str, str, int | None]]:
 
 def _send_all(name: str, job: str, workers: list[int]) -> None:
     """Each worker of `workers` puts its keys through the relay at once, from its own thread."""
+    _send_from({w: RelayClient(name) for w in workers}, job, workers)
+
+
+def _send_from(clients: dict[int, RelayClient], job: str, which: list[int]) -> None:
+    """Workers `which` put their keys at once, each through its client of `clients` from its own
+    thread; every one must be answered within 20 s."""
     errors: list[BaseException] = []
+    done: list[int] = []
 
     def one(worker: int) -> None:
         try:
-            RelayClient(name).put(_puts(job, worker))
+            clients[worker].put(_puts(job, worker))
+            done.append(worker)
         except BaseException as exc:  # handed to the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(w,)) for w in workers]
+    threads = [threading.Thread(target=one, args=(w,)) for w in which]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(20)
     assert not errors, errors
+    assert sorted(done) == sorted(which), f"answered: {done} of {which}"
 
 
 def test_a_node_writes_one_transaction(client: Any, job: str) -> None:
@@ -80,7 +89,7 @@ def test_a_worker_that_is_gone_is_not_waited_for(client: Any, job: str) -> None:
     """Four workers connect; two exit (their connections close). The next batch of the other two is
     written without waiting out the linger (60 s here, beyond the test's timeout)."""
     relay = NodeRelay(client, name=_name(), workers=4, linger_s=60.0)
-    workers = [RelayClient(relay.name) for _ in range(4)]
+    workers = {w: RelayClient(relay.name) for w in range(4)}
     try:
         _send_from(workers, job, [0, 1, 2, 3])  # a full batch: no wait
         workers[2].close()
@@ -89,21 +98,9 @@ def test_a_worker_that_is_gone_is_not_waited_for(client: Any, job: str) -> None:
         _send_from(workers, job, [0, 1])
         assert _revision(client) - before == 1 and relay.transactions == 2
     finally:
-        for w in workers:
+        for w in workers.values():
             w.close()
         relay.close()
-
-
-def _send_from(workers: list[RelayClient], job: str, which: list[int]) -> None:
-    """Workers `which` of `workers` put their keys at once, each from its own thread; they must
-    all be answered within 20 s."""
-    done: list[int] = []
-    threads = [threading.Thread(target=lambda w=w: (workers[w].put(_puts(job, w)), done.append(w))) for w in which]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert sorted(done) == sorted(which), f"answered: {done} of {which}"
 
 
 def test_leases_go_through(client: Any, job: str) -> None:
