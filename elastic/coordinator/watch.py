@@ -1,27 +1,26 @@
 """A prefix watch that survives etcd restarts and never skips an event.
 
 python3-etcd3's own watcher dies silently when its stream breaks (and its error path refers to
-a module it does not import), so this module speaks etcd's Watch RPC directly: one background
-thread per watch, resuming from the revision after the last delivered event whenever the stream
-breaks. Callbacks run on that thread, in revision order. With several etcd members the resumed
-stream goes to another member (`client.fail_over`): every member serves the same revisions.
+a module it does not import), so this module speaks etcd's Watch RPC directly. Every watch of a
+client shares the client's one Watch stream (`watch_stream.py`), which resumes each watch from
+the revision after the last event it received whenever the stream breaks. A watch's callbacks
+run on a thread of its own, in revision order. With several etcd members the resumed stream goes
+to another member (`client.fail_over`): every member serves the same revisions.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import grpc
-from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
-from etcd3.utils import prefix_range_end
 
-from .client import TRANSIENT_ERRORS, fail_over
 from .etcd_api import EtcdClient
+from .watch_stream import subscribe
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,11 @@ class WatchEvent:
 
 
 class PrefixWatch:
-    """Calls `on_events(events)` for every change under `prefix` from `start_revision` on."""
+    """Calls `on_events(events)` for every change under `prefix` from `start_revision` on.
+
+    The watch rides its client's one Watch stream (`watch_stream.py`); its callbacks run on a
+    thread of its own, in revision order.
+    """
 
     def __init__(
         self,
@@ -58,98 +61,87 @@ class PrefixWatch:
     ) -> None:
         """`prev_kv`: deliver each change's previous value too (etcd then reads it for every
         event and watcher: only for watchers that need it)."""
-        self._client = client
-        self._prev_kv = prev_kv
-        self._prefix = prefix.encode()
+        self.prefix = prefix.encode()
+        self.prev_kv = prev_kv
+        self.retry_pause = retry_pause
         self._on_events = on_events
         self._on_connection = on_connection
-        self._retry_pause = retry_pause
+        self._received = start_revision
+        """The revision after the last event received: where a new stream resumes."""
         self._next_revision = start_revision
+        """The revision after the last event delivered."""
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._call: Any = None
-        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
         self.connected = False
-        self._thread = threading.Thread(target=self._run, name=f"watch:{prefix}", daemon=True)
+        self._thread = threading.Thread(target=self._deliver, name=f"watch:{prefix}", daemon=True)
         self._thread.start()
+        self._stream = subscribe(client, self)
 
     def wait_ready(self, timeout: float) -> bool:
-        """True once the first watch stream is established."""
+        """True once the watch is first established."""
         return self._ready.wait(timeout)
 
     @property
     def next_revision(self) -> int | None:
-        """The revision the watch would resume from."""
+        """The revision after the last change delivered (every change before it was)."""
         return self._next_revision
 
     def cancel(self) -> None:
         """Stop watching; no callback runs after this returns (except one already running)."""
         self._stop.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
+        self._stream.remove(self)
+        self._inbox.put(None)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
 
-    def _requests(self, create: Any) -> Iterator[Any]:
-        yield etcdrpc.WatchRequest(create_request=create)
-        self._stop.wait()
+    # -- from the stream's thread (watch_stream.Watcher) --
+
+    def resume_revision(self) -> int | None:
+        return self._received
+
+    def compacted(self, revision: int) -> None:
+        self._received = revision
+
+    def created(self, revision: int) -> None:
+        if self._received is None:
+            self._received = revision + 1
+        self._inbox.put(("created", revision))
+
+    def received(self, events: list[Any]) -> None:
+        self._received = int(events[-1].kv.mod_revision) + 1
+        self._inbox.put(("events", events))
+
+    def disconnected(self) -> None:
+        self._inbox.put(("connection", False))
+
+    # -- on the watch's own thread --
+
+    def _deliver(self) -> None:
+        while (item := self._inbox.get()) is not None and not self._stop.is_set():
+            kind, value = item
+            try:
+                if kind == "created":
+                    if self._next_revision is None:
+                        self._next_revision = value + 1
+                    self._set_connected(True)
+                    self._ready.set()
+                elif kind == "connection":
+                    self._set_connected(value)
+                else:
+                    events = [_convert(ev) for ev in value]
+                    try:
+                        self._on_events(events)
+                    finally:
+                        self._next_revision = events[-1].revision + 1
+            except Exception:  # a bug in a callback must not end the watch silently
+                log.exception("watch on %s: a callback failed", self.prefix.decode())
 
     def _set_connected(self, up: bool) -> None:
         if up != self.connected:
             self.connected = up
             if self._on_connection is not None:
                 self._on_connection(up)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._stream()
-            except grpc.RpcError as exc:
-                if self._stop.is_set():
-                    break
-                log.debug("watch on %s broke: %s", self._prefix, exc.code() if hasattr(exc, "code") else exc)
-                fail_over(self._client)
-            except TRANSIENT_ERRORS as exc:  # no member available right now (`channel` raised)
-                log.debug("watch on %s: %s", self._prefix, type(exc).__name__)
-            except Exception:  # a bug in a callback must not end the watch silently
-                log.exception("watch on %s failed", self._prefix)
-            self._set_connected(False)
-            self._stop.wait(self._retry_pause)
-
-    def _stream(self) -> None:
-        create = etcdrpc.WatchCreateRequest(
-            key=self._prefix, range_end=prefix_range_end(self._prefix), prev_kv=self._prev_kv
-        )
-        if self._next_revision is not None:
-            create.start_revision = self._next_revision
-        stub = etcdrpc.WatchStub(self._client.channel)
-        call = stub.Watch(
-            self._requests(create), credentials=self._client.call_credentials, metadata=self._client.metadata
-        )
-        with self._lock:
-            self._call = call
-        if self._stop.is_set():
-            call.cancel()
-            return
-        for rs in call:
-            if rs.created:
-                if self._next_revision is None:
-                    self._next_revision = rs.header.revision + 1
-                self._set_connected(True)
-                self._ready.set()
-            if rs.compact_revision:
-                # History we had not seen yet was compacted: resume from what is left.
-                log.warning("watch on %s lost history up to revision %d", self._prefix, rs.compact_revision)
-                self._next_revision = rs.compact_revision
-                return
-            if rs.canceled:
-                return
-            if rs.events:
-                events = [_convert(ev) for ev in rs.events]
-                self._next_revision = events[-1].revision + 1
-                self._on_events(events)
 
 
 def _convert(ev: Any) -> WatchEvent:

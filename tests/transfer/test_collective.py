@@ -38,7 +38,10 @@ from elastic.transfer.shards import ShardKey
 from tests.processes import run_processes
 from tests.transfer.shard_data import bit_equal
 
-TIMEOUT = timedelta(seconds=20)
+TIMEOUT = timedelta(seconds=40)
+"""The store's and the groups' timeout. Spawned ranks of the niced background lane can start tens
+of seconds apart on a loaded machine; a test that checks an error is seen, not timed out, measures
+inside the rank, after the group is made."""
 
 # Three ranks: 0 and 1 hold the shards; 1 and 2 need some, and so does 0 (0 <-> 1 both ways).
 HOLDERS: dict[ShardKey, list[int]] = {
@@ -119,7 +122,7 @@ def exchange_worker(rank: int, store_port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_exchange_three_processes_bit_identical(tmp_path: Path) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     out = str(tmp_path / "result")
@@ -127,7 +130,7 @@ def test_exchange_three_processes_bit_identical(tmp_path: Path) -> None:
     procs: list[BaseProcess] = [
         ctx.Process(target=exchange_worker, args=(r, store.port, out), daemon=True) for r in range(3)
     ]
-    run_processes(procs, timeout=50)
+    run_processes(procs, timeout=100)
     runs = [torch.load(f"{out}.{r}", weights_only=False) for r in range(3)]
 
     moves = assign_moves(NEEDS, HOLDERS)
@@ -183,7 +186,7 @@ def corrupt_worker(rank: int, store_port: int, out: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_exchange_reports_a_corrupt_shard_and_keeps_the_others(tmp_path: Path) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     out = str(tmp_path / "result")
@@ -191,7 +194,7 @@ def test_exchange_reports_a_corrupt_shard_and_keeps_the_others(tmp_path: Path) -
     procs: list[BaseProcess] = [
         ctx.Process(target=corrupt_worker, args=(r, store.port, out), daemon=True) for r in range(2)
     ]
-    run_processes(procs, timeout=50)
+    run_processes(procs, timeout=100)
     result = torch.load(f"{out}.1", weights_only=False)
     assert list(result.failed) == [ShardKey(1, 0)]
     assert "exp_avg_sq/weight: checksum" in result.failed[ShardKey(1, 0)]
@@ -221,17 +224,19 @@ def failing_worker(rank: int, store_port: int, scenario: str, out: str) -> None:
             os._exit(0)  # the sender dies before it sent anything
         return make_state(k)
 
+    began = time.monotonic()
     try:
         exchange(group, rank=rank, moves=moves, export=export, wait=lambda work: wait_work(work, abort))
         outcome = "returned"
     except Exception as exc:  # the test checks which type came out
         outcome = f"{type(exc).__name__}: {exc}"
+    Path(f"{out}.{rank}.seconds").write_text(f"{time.monotonic() - began:.3f}")
     Path(f"{out}.{rank}").write_text(outcome)
     os._exit(0)  # leave pending sends behind without waiting for the group's teardown
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("scenario", ["abort", "peer_died"])
 def test_exchange_errors_propagate(tmp_path: Path, scenario: str) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -240,8 +245,7 @@ def test_exchange_errors_propagate(tmp_path: Path, scenario: str) -> None:
     procs: list[BaseProcess] = [
         ctx.Process(target=failing_worker, args=(r, store.port, scenario, out), daemon=True) for r in range(2)
     ]
-    start = time.monotonic()
-    run_processes(procs, timeout=45)
+    run_processes(procs, timeout=100)
     outcome = Path(f"{out}.1").read_text()
     if scenario == "abort":
         assert outcome == f"{StepAborted.__name__}: step aborted: a peer stopped answering (test)"
@@ -249,7 +253,8 @@ def test_exchange_errors_propagate(tmp_path: Path, scenario: str) -> None:
         assert Path(f"{out}.0").read_text().startswith("RuntimeError")
     else:
         assert outcome.startswith("RuntimeError"), outcome  # gloo's own error, unchanged
-        assert time.monotonic() - start < TIMEOUT.total_seconds() + 20  # seen, not timed out
+        seconds = float(Path(f"{out}.1.seconds").read_text())
+        assert seconds < TIMEOUT.total_seconds() / 2, seconds  # seen when the peer went, not timed out
 
 
 # ---- checksum and verification ----------------------------------------------------------------
