@@ -13,7 +13,8 @@ What runs is the project's real code; only the training is simulated. Per W, one
   `injections/`. Not simulated: the agent's NodeMetrics endpoint, the worker monitor, processes.
 - workers: each simulated worker registers `workers/<node>/<lr>` on
   its node's lease and owns the feeds a real ElasticWorker owns (`GenerationFeed`, `HaltFeed`,
-  `DecisionFeed`, `ProgressWriter`, each with its own watch stream and thread). There is no
+  `DecisionFeed`, `ProgressWriter`, each with its own watch; every watch of an etcd client rides
+  that client's one Watch stream, elastic/coordinator/watch_stream.py). There is no
   model and no gloo: the step's vote (the world all-reduce) is a clock tick, every `--pace-ms`
   ms. One driver thread a node runs, at each tick and for each of the node's workers, what
   `ElasticWorker._train` runs per step: commit, world rank 0's `ProgressWriter.publish`, then
@@ -28,8 +29,8 @@ What runs is the project's real code; only the training is simulated. Per W, one
 - the plan is the planner's: `gpt3-6.7b` on nominal devices of 128/G GiB (128 GiB a node), so
   every pipeline spans 2 nodes and a loss re-plans (the leader's `replan` merges the broken
   pipeline's survivor into another one), f = 1, 8 microbatches of 1 a node.
-- etcd clients: one per node (its agent and its G workers share it, one gRPC channel carrying
-  their watch streams), one for the bench's own reads and observer watches.
+- etcd clients: one per node (its agent and its G workers share it, one gRPC channel and one
+  Watch stream carrying all their watches), one for the bench's own reads and observer watches.
 
 Processes (`--procs P`). The nodes are spread over P shard processes (bench/control_plane_shard.py,
 started with multiprocessing's "spawn": gRPC's threads do not survive a fork), in contiguous
