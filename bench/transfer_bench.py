@@ -32,9 +32,10 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from elastic.transfer import FetchConfig, ServerConfig, ShardKey, ShardServer, fetch_shards
+from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.collective import exchange, plan_moves
-from elastic.transfer.server import HEADER_ALLOWANCE
+from elastic.transfer.server import HEADER_ALLOWANCE, ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 
 TOKEN = "bench-token"
 

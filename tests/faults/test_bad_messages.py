@@ -21,15 +21,10 @@ import grpc
 import pytest
 import torch
 
-from elastic.transfer import (
-    FetchConfig,
-    ServerConfig,
-    ShardKey,
-    ShardServer,
-    TransferError,
-    fetch_shards,
-)
 from elastic.transfer import shard_transfer_pb2 as pb
+from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
+from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 from elastic.transfer.wire import FETCH_METHOD, SERVICE
 from tests.transfer.shard_data import make_shard, shards_equal
 

@@ -21,7 +21,8 @@ import torch
 from elastic.records.injection import parse_injection
 from elastic.records.protocol import WorkerInfo
 from elastic.records.summary import RunSummary
-from elastic.transfer import FetchConfig, ShardKey, TransferError, fetch_shards
+from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
+from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
 from tests.secure_etcd import JOB_PASSWORD, ROOT_PASSWORD, Pki, SecureEtcd, clean_env, make_pki
 

@@ -8,7 +8,8 @@ import grpc
 import pytest
 import torch
 
-from elastic.transfer import ServerConfig, ShardKey, ShardServer
+from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 from tests.transfer.shard_data import make_shard
 
 TOKEN = "test-job-token"

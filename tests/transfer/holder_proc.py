@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
-from elastic.transfer import ServerConfig, ShardKey, ShardServer
+from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 from tests.transfer.faults import FetchReplyInterceptor, StallAfterChunks
 from tests.transfer.shard_data import make_shard
 

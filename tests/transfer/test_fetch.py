@@ -9,14 +9,10 @@ import grpc
 import pytest
 import torch
 
-from elastic.transfer import (
-    FetchConfig,
-    ShardKey,
-    TransferError,
-    fetch_shards,
-)
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
+from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
+from elastic.transfer.shards import ShardKey
 from elastic.transfer.wire import SERVICE
 from tests.transfer.conftest import TOKEN, ServeFn, shard_set
 from tests.transfer.faults import CorruptChunks, FetchReplyInterceptor, RecordChunks

@@ -11,10 +11,11 @@ import grpc
 import pytest
 import torch
 
-from elastic.transfer import FetchConfig, ServerConfig, ShardKey, ShardServer, fetch_shards
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
-from elastic.transfer.server import SERVER_BUSY_KEY
+from elastic.transfer.client import FetchConfig, fetch_shards
+from elastic.transfer.server import SERVER_BUSY_KEY, ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 from tests.transfer.conftest import TOKEN, shard_set
 from tests.transfer.shard_data import shards_equal
 
@@ -86,7 +87,7 @@ def test_a_stream_beyond_the_limit_is_refused_busy_and_a_fetch_retries_until_ser
 def test_a_fetch_gives_up_on_a_server_busy_for_longer_than_behind_wait(
     gated: tuple[ShardServer, GatedProvider],
 ) -> None:
-    from elastic.transfer import TransferError
+    from elastic.transfer.client import TransferError
 
     server, provider = gated
     holder = threading.Thread(target=raw_fetch, args=(server.address, [(0, 0)]), daemon=True)

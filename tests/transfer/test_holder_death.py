@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.transfer import FetchConfig, ShardKey, fetch_shards
+from elastic.transfer.client import FetchConfig, fetch_shards
+from elastic.transfer.shards import ShardKey
 from tests.transfer.conftest import TOKEN, ServeFn, shard_set
 from tests.transfer.shard_data import shards_equal
 

@@ -23,7 +23,7 @@ from elastic.coordinator import JobKeys
 from elastic.records.protocol import RunKeys, WorkerInfo
 from elastic.records.summary import RunSummary
 from elastic.roles.holders import HolderMap, holder_map_reader
-from elastic.transfer import ShardKey
+from elastic.transfer.shards import ShardKey
 from templates.plan import even_plan
 from tests.faults.runs import check_same_training, max_rel_diff, reference_run, run_elastic
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.transfer import ShardKey, assign_shards
+from elastic.transfer.shards import ShardKey, assign_shards
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,8 +10,10 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from elastic.transfer import CorruptTensorError, ShardKey, ShardStreamParser
 from elastic.transfer import shard_transfer_pb2 as pb
+from elastic.transfer.codec import CorruptTensorError
+from elastic.transfer.shards import ShardKey
+from elastic.transfer.stream import ShardStreamParser
 from tests.transfer.shard_data import make_shard, shards_equal
 
 A, B = ShardKey(2, 0), ShardKey(3, 1)

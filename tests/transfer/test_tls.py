@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.transfer import FetchConfig, TransferError, fetch_shards
+from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
 from elastic.transfer.tls import TlsConfig
 from tests.secure_etcd import Pki, make_pki
 from tests.transfer.conftest import TOKEN, ServeFn, shard_set
