@@ -18,8 +18,8 @@ writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...]}`,
 answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
-is a subscription instead (elastic/roles/node_feed.py): the agent's one watch of that prefix
-feeds it, and it does not count as a worker.
+is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
+prefix it asks for feeds it, and it does not count as a worker.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.roles.node_feed import FeedHub
+from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
 log = logging.getLogger(__name__)
 
@@ -111,37 +111,52 @@ class NodeRelay:
             threading.Thread(target=self._serve, args=(conn,), name="relay-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        """Serve one connection: a worker's puts, or a subscription (its first line says which)."""
+        """Serve one connection: a worker's puts, or its feeds (its first line says which)."""
         with conn, conn.makefile("rb") as lines:
             first = lines.readline()
-            prefix = _watch_request(first)
-            if prefix is not None:
-                self._feed(conn, prefix)
+            if watch_request(first) is not None:
+                self._feed(conn, itertools.chain([first], lines))
             else:
                 self._serve_puts(conn, itertools.chain([first], lines))
 
-    def _feed(self, conn: socket.socket, prefix: str) -> None:
-        with self._hub_lock:  # one hub a prefix; its first etcd read outside the batches' lock
+    def _feed(self, conn: socket.socket, lines: Iterable[bytes]) -> None:
+        """A worker's feed connection: each request line adds a prefix; until the worker goes."""
+        with self._cond:
+            if self._closed:
+                return
+            self._feeds.add(conn)
+        outlet, joined = Outlet(conn), []
+        try:
+            for line in lines:
+                prefix = watch_request(line)
+                hub = self._hub(prefix) if prefix is not None else None
+                if hub is not None:
+                    hub.add(outlet)
+                    joined.append(hub)
+        except OSError:  # closed under it (close) or by the worker
+            pass
+        finally:
+            for hub in joined:
+                hub.remove(outlet)
+            outlet.stop()
+            with self._cond:
+                self._feeds.discard(conn)
+
+    def _hub(self, prefix: str) -> FeedHub | None:
+        """The node's one watch of `prefix` (made on first use; None once the relay is closed)."""
+        with self._hub_lock:  # its first etcd read outside the batches' lock
             with self._cond:
                 if self._closed:
-                    return
+                    return None
                 hub = self._hubs.get(prefix)
             if hub is None:
                 hub = FeedHub(self.client, prefix)
                 with self._cond:
                     if self._closed:
                         hub.close()
-                        return
+                        return None
                     self._hubs[prefix] = hub
-        with self._cond:
-            if self._closed:
-                return
-            self._feeds.add(conn)
-        try:
-            hub.serve(conn)
-        finally:
-            with self._cond:
-                self._feeds.discard(conn)
+            return hub
 
     def _serve_puts(self, conn: socket.socket, lines: Iterable[bytes]) -> None:
         """Queue each request of one worker's connection (it waits for the answer before the next)."""
@@ -198,16 +213,6 @@ class NodeRelay:
             for p in batch:
                 with contextlib.suppress(OSError):  # that worker is gone
                     _answer(p.conn, answer)
-
-
-def _watch_request(line: bytes) -> str | None:
-    """The prefix of a subscription's first line; None for anything else (a put request)."""
-    try:
-        request = json.loads(line)
-    except ValueError:
-        return None
-    prefix = request.get("watch") if isinstance(request, dict) else None
-    return prefix if isinstance(prefix, str) and prefix else None
 
 
 def _answer(conn: socket.socket, answer: dict[str, object]) -> None:

@@ -4,7 +4,7 @@ socket: a worker's subscription through its agent delivers exactly what a watch 
 not UTF-8; the agent watches each prefix once whatever the number of subscribers (etcd's own
 watcher count); a worker that never reads delays nobody; when the relay goes, a subscription goes
 on from etcd with nothing lost or repeated; with no relay a worker watches etcd itself; and a
-subscription is not a worker to the relay's batches."""
+subscription is not a worker to the relay's batches. A worker's prefixes share one connection."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.roles.node_feed import RelayedWatch, subscriber
+from elastic.roles.node_feed import FeedConnection, subscriber
 from elastic.roles.node_relay import NodeRelay, RelayClient
 from tests.polling import wait_for
 
@@ -57,37 +57,45 @@ def _watchers(server: EtcdServer) -> int:
 def test_a_subscription_delivers_what_a_watch_of_its_own_does(
     etcd_server: EtcdServer, client: Any, job: str
 ) -> None:
-    prefix = f"/{job}/halt/"
-    client.put(prefix + "1", b'{"g": 1}')
-    client.put(prefix + "2", b"\xff\xfe not utf-8 \x00")
+    halts, decisions = f"/{job}/halt/", f"/{job}/decisions/"
+    client.put(halts + "1", b'{"g": 1}')
+    client.put(halts + "2", b"\xff\xfe not utf-8 \x00")
     client.put(f"/{job}/elsewhere", b"x")
     relay = NodeRelay(client, name=_name(), workers=3)
-    reference, subs = _Log(), [_Log() for _ in range(3)]
-    ref_watch = watch_from_now(client, prefix, reference)
-    assert ref_watch.wait_ready(10.0)
+    reference = {p: _Log() for p in (halts, decisions)}
+    ref_watches = [watch_from_now(client, p, log) for p, log in reference.items()]
+    assert all(w.wait_ready(10.0) for w in ref_watches)
     before = _watchers(etcd_server)
-    feeds = [RelayedWatch(client, relay.name, prefix, log) for log in subs]
+    workers = [FeedConnection(client, relay.name) for _ in range(3)]  # a connection a worker
+    logs = [{p: _Log() for p in reference} for _ in workers]
+    subs = [w.subscribe(p, log) for w, wl in zip(workers, logs, strict=True) for p, log in wl.items()]
     try:
-        assert [log.get() for log in subs] == [reference.get()] * 3  # what is there now, on return
-        wait_for(lambda: _watchers(etcd_server) == before + 1, 10.0, "the agent's watch")
+        assert all(wl[p].get() == reference[p].get() for wl in logs for p in reference)  # on return
+        wait_for(lambda: _watchers(etcd_server) == before + 2, 10.0, "the agent's watches")
         time.sleep(0.3)
-        assert _watchers(etcd_server) == before + 1  # one watch for the node's three subscribers
-        client.put(prefix + "3", b'{"g": 3}')
-        client.delete(prefix + "1")
-        client.put(prefix + "2", bytes(range(256)))
-        wait_for(lambda: len(reference.get()) == 5, 10.0, "the reference watch")
-        for log in subs:
-            wait_for(lambda log=log: len(log.get()) >= 5, 10.0, "a subscription")
+        assert _watchers(etcd_server) == before + 2  # one watch a prefix for the node's three workers
+        assert sum(1 for t in threading.enumerate() if t.name == "feed-read") == 3  # one a worker
+        client.put(halts + "3", b'{"g": 3}')
+        client.put(decisions + "1/7", "commit")
+        client.delete(halts + "1")
+        client.put(halts + "2", bytes(range(256)))
+        wait_for(lambda: len(reference[halts].get()) == 5 and len(reference[decisions].get()) == 1, 10.0,
+                 "the reference watches")
+        for wl in logs:
+            wait_for(lambda wl=wl: len(wl[halts].get()) >= 5 and len(wl[decisions].get()) >= 1, 10.0, "a worker")
         time.sleep(0.2)  # room for a stray or repeated event to show
-        assert [log.get() for log in subs] == [reference.get()] * 3
+        assert all(wl[p].get() == reference[p].get() for wl in logs for p in reference)
         late = _Log()  # a worker that subscribes later gets what is there then
-        feeds.append(RelayedWatch(client, relay.name, prefix, late))
-        assert [(k, key, v) for k, key, v, _ in late.get()] == [("put", prefix + "3", b'{"g": 3}'),
-                                                                ("put", prefix + "2", bytes(range(256)))]
+        subs.append(FeedConnection(client, relay.name).subscribe(halts, late))
+        assert [(k, key, v) for k, key, v, _ in late.get()] == [("put", halts + "3", b'{"g": 3}'),
+                                                                ("put", halts + "2", bytes(range(256)))]
+        with pytest.raises(ValueError, match="already followed"):
+            workers[0].subscribe(halts, _Log())
     finally:
-        for f in feeds:
-            f.cancel()
-        ref_watch.cancel()
+        for sub in subs:
+            sub.cancel()
+        for w in ref_watches:
+            w.cancel()
         relay.close()
 
 
@@ -98,7 +106,7 @@ def test_a_worker_that_never_reads_delays_nobody(client: Any, job: str) -> None:
     stuck.connect("\0" + relay.name)
     stuck.sendall(b'{"watch": "' + prefix.encode() + b'"}\n')
     log = _Log()
-    feed = RelayedWatch(client, relay.name, prefix, log)
+    feed = FeedConnection(client, relay.name).subscribe(prefix, log)
     try:
         big = b"p" * (1 << 20)  # 8 MB in all: far past the stuck socket's buffers
         for g in range(8):
@@ -115,7 +123,7 @@ def test_when_the_relay_goes_the_subscription_goes_on_from_etcd(client: Any, job
     relay = NodeRelay(client, name=_name(), workers=1)
     log, reference = _Log(), _Log()
     ref_watch = watch_from_now(client, prefix, reference)
-    feed = RelayedWatch(client, relay.name, prefix, log)
+    feed = FeedConnection(client, relay.name).subscribe(prefix, log)
     try:
         client.put(prefix + "1/5", "commit")
         wait_for(lambda: len(log.get()) == 1, 10.0, "the first decision through the relay")
@@ -149,7 +157,7 @@ def test_a_subscription_is_not_a_worker_to_the_batches(client: Any, job: str) ->
     relay = NodeRelay(client, name=_name(), workers=2, linger_s=30.0)
     try:
         for _ in range(2):
-            RelayedWatch(client, relay.name, f"/{job}/halt/", _Log()).cancel()
+            FeedConnection(client, relay.name).subscribe(f"/{job}/halt/", _Log()).cancel()
         done: list[float] = []
         first = threading.Thread(target=lambda: (RelayClient(relay.name).put([(f"/{job}/a", "1", None)]),
                                                  done.append(time.monotonic())))
