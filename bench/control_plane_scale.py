@@ -13,10 +13,8 @@ What runs is the project's real code; only the training is simulated. Per W, one
   `injections/`. Not simulated: the agent's NodeMetrics endpoint, the worker monitor, processes.
 - workers: each simulated worker registers `workers/<node>/<lr>` on
   its node's lease and owns the feeds a real ElasticWorker owns (`GenerationFeed`, `HaltFeed`,
-  `DecisionFeed`, `ProgressWriter`). The three feeds follow their prefixes through the node's
-  relay, as an ElasticWorker's do (the agent watches each prefix once for its node,
-  elastic/roles/node_feed.py); with `--no-relay` each is a watch of the worker's own. Every
-  watch of an etcd client rides that client's one Watch stream (elastic/coordinator/watch_stream.py). There is no
+  `DecisionFeed`, `ProgressWriter`, each with its own watch; every watch of an etcd client rides
+  that client's one Watch stream, elastic/coordinator/watch_stream.py). There is no
   model and no gloo: the step's vote (the world all-reduce) is a clock tick, every `--pace-ms`
   ms. One driver thread a node runs, at each tick and for each of the node's workers, what
   `ElasticWorker._train` runs per step: commit, world rank 0's `ProgressWriter.publish`, then
@@ -27,7 +25,7 @@ What runs is the project's real code; only the training is simulated. Per W, one
   their recovery records (the first commit's). The sync report carries the worker's holdings in
   the same request (`write_sync`), as in the runtime. Both go through the node's `NodeRelay` (elastic/roles/node_relay.py: the agent
   writes its workers' reports as one transaction), as in the runtime; `--no-relay` has each
-  worker put its own and watch for itself, as before issue 34.
+  worker put its own, as before issue 34.
 - the plan is the planner's: `gpt3-6.7b` on nominal devices of 128/G GiB (128 GiB a node), so
   every pipeline spans 2 nodes and a loss re-plans (the leader's `replan` merges the broken
   pipeline's survivor into another one), f = 1, 8 microbatches of 1 a node.
@@ -785,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{NODES_PER_PROC} nodes / {WORKERS_PER_PROC} workers a process; 0: the nodes "
                          "run in this process, as threads)")
     ap.add_argument("--no-relay", action="store_true",
-                    help="each worker puts its reports and watches plan/halt/decisions itself, not through its agent's relay (the runtime before issue 34)")
+                    help="each worker puts its reports itself, not through its agent's relay (the runtime before issue 34)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runtime's warnings (halts, publishes)")
     args = ap.parse_args(argv)

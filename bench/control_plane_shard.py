@@ -61,7 +61,6 @@ from elastic.records.protocol import (
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
-from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import NodeRelay, RelayClient, put_all
 
 log = logging.getLogger("control_plane_shard")
@@ -185,12 +184,9 @@ class SimWorker:
         info = WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node.node * 64 + local_rank}",
                           incarnation=node.incarnation)
         client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
-        # As an ElasticWorker: its feeds through the node's agent (one watch a prefix a node), or,
-        # with --no-relay, each a watch of the worker's own.
-        follow = subscriber(client, node.relay.name if node.relay is not None else None)
-        self.generations = GenerationFeed(Generations(client, node.keys), subscribe=follow)
-        self.halts = HaltFeed(client, rk, subscribe=follow)
-        self.decisions = DecisionFeed(client, rk, subscribe=follow)
+        self.generations = GenerationFeed(Generations(client, node.keys))
+        self.halts = HaltFeed(client, rk)
+        self.decisions = DecisionFeed(client, rk)
         self.progress = ProgressWriter(client, rk)
         self.abort = AbortFlag(node.wake)
         self.relay = RelayClient(node.relay.name) if node.relay is not None else None
