@@ -13,8 +13,10 @@ What runs is the project's real code; only the training is simulated. Per W, one
   `injections/`. Not simulated: the agent's NodeMetrics endpoint, the worker monitor, processes.
 - workers: each simulated worker registers `workers/<node>/<lr>` on
   its node's lease and owns the feeds a real ElasticWorker owns (`GenerationFeed`, `HaltFeed`,
-  `DecisionFeed`, `ProgressWriter`, each with its own watch; every watch of an etcd client rides
-  that client's one Watch stream, elastic/coordinator/watch_stream.py). There is no
+  `DecisionFeed`, `ProgressWriter`). The three feeds follow their prefixes through the node's
+  relay, as an ElasticWorker's do (the agent watches each prefix once for its node,
+  elastic/roles/node_feed.py); with `--no-relay` each is a watch of the worker's own. Every
+  watch of an etcd client rides that client's one Watch stream (elastic/coordinator/watch_stream.py). There is no
   model and no gloo: the step's vote (the world all-reduce) is a clock tick, every `--pace-ms`
   ms. One driver thread a node runs, at each tick and for each of the node's workers, what
   `ElasticWorker._train` runs per step: commit, world rank 0's `ProgressWriter.publish`, then
@@ -25,7 +27,7 @@ What runs is the project's real code; only the training is simulated. Per W, one
   their recovery records (the first commit's). The sync report carries the worker's holdings in
   the same request (`write_sync`), as in the runtime. Both go through the node's `NodeRelay` (elastic/roles/node_relay.py: the agent
   writes its workers' reports as one transaction), as in the runtime; `--no-relay` has each
-  worker put its own, as before issue 34.
+  worker put its own and watch for itself, as before issue 34.
 - the plan is the planner's: `gpt3-6.7b` on nominal devices of 128/G GiB (128 GiB a node), so
   every pipeline spans 2 nodes and a loss re-plans (the leader's `replan` merges the broken
   pipeline's survivor into another one), f = 1, 8 microbatches of 1 a node.
@@ -76,7 +78,12 @@ workers one after another; the rendezvous figure's W ranks share the parent's GI
 stream iterators wake every 0.1 s while idle (`grpc._common.MAXIMUM_WAIT_TIMEOUT`), which costs a
 real worker (3 streams) 30 wake-ups a second but a shard (a thousand streams or more) tens of
 thousands: every process of the bench raises that period to `--grpc-poll-s` (5 s; waits still end
-at once when notified, so nothing is delayed), unless told 0.1 to see the difference.
+at once when notified, so nothing is delayed), unless told 0.1 to see the difference. Likewise
+CPython forces a GIL switch every 5 ms: in a shard of ~900 threads, a node's 8 workers decoding
+the plan of g+1 at once (as they do when their agent hands it to them together) were sliced by
+it to 3x the CPU of one decode alone (8.8 against 3.0 ms each, measured at W = 1024), which a
+real worker, alone in its process, never pays. Every shard raises that period to
+`--switch-interval-ms` (50 ms), unless told 5 to see the difference.
 """
 
 from __future__ import annotations
@@ -133,6 +140,8 @@ SIM_LEASE_TTL = 20
 process runs many nodes' keep-alive threads among a thousand others, and a starved keep-alive
 would expire a healthy node (the loss under test is reported, so the TTL does not enter the
 figures)."""
+SWITCH_INTERVAL_MS = 50.0
+"""CPython's forced GIL switch period in every shard (CPython's own: 5 ms)."""
 GRPC_POLL_S = 5.0
 """Idle wake-up period of gRPC's blocking stream iterators in every process of the bench
 (grpc's own: 0.1 s)."""
@@ -411,12 +420,13 @@ class ScaleRun:
     nodes, and the measured phases (setup, failure-free steps, a generation change)."""
 
     def __init__(self, layout: ShardLayout, *, server: EtcdServer, run_dir: str, grpc_poll_s: float,
-                 relay: bool = True) -> None:
+                 relay: bool = True, switch_interval_ms: float = SWITCH_INTERVAL_MS) -> None:
         self.layout = layout
         self.relay = relay
         self.server = server
         self.endpoint = server.endpoint
         self.grpc_poll_s = grpc_poll_s
+        self.switch_interval_s = switch_interval_ms / 1000
         self.admin = connect(EtcdConfig(endpoint=self.endpoint))
         self.keys = JobKeys(f"scale-{layout.world}")
         self.rk = RunKeys(self.keys)
@@ -444,7 +454,8 @@ class ScaleRun:
         for i, block in enumerate(layout.blocks):
             spec = ShardSpec(index=i, endpoint=self.endpoint, job=self.keys.job,
                              config_json=self.config.to_json(), nodes=block, gpus=layout.gpus,
-                             grpc_poll_s=self.grpc_poll_s, relay=self.relay, log_level=level)
+                             grpc_poll_s=self.grpc_poll_s, switch_interval_s=self.switch_interval_s,
+                             relay=self.relay, log_level=level)
             self.shards.append(ShardHandle(spec, in_process=layout.in_process))
         first_shard = self.shards[0]
         setups = call_all(self.shards, "setup", timeout=SETUP_TIMEOUT_S)
@@ -643,6 +654,7 @@ def run_one(
     procs: int | None = None,
     grpc_poll_s: float = GRPC_POLL_S,
     relay: bool = True,
+    switch_interval_ms: float = SWITCH_INTERVAL_MS,
 ) -> dict[str, Any]:
     """Everything for one W (see the module doc); JSON-serialisable. `procs`: shard processes
     (None: `default_procs(world)`; 0: one shard, a thread of this process)."""
@@ -650,11 +662,13 @@ def run_one(
     layout = ShardLayout.of(world, procs)
     out: dict[str, Any] = {"workers": world, "nodes": layout.n_nodes, "gpus_per_node": layout.gpus, "model": MODEL,
                            "etcd_clients": layout.n_nodes + 1, "steps": steps, "pace_ms": pace_ms,
+                           "switch_interval_ms": switch_interval_ms,
                            "standby_leaders": standby_leaders, "relay": relay,
                            "procs": 0 if layout.in_process else layout.n_shards,
                            "nodes_per_proc": [len(b) for b in layout.blocks]}
     with tempfile.TemporaryDirectory(prefix="cp-scale-") as run_dir, EtcdServer() as server:
-        run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s, relay=relay)
+        run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s, relay=relay,
+                       switch_interval_ms=switch_interval_ms)
         out["plan"] = run.plan_figures()
         run.admin.put(run.rk.config, run.config.to_json())
         interrupted = False
@@ -685,6 +699,7 @@ def run_scale(
     standby_leaders: bool = True,
     procs: int | None = None,
     relay: bool = True,
+    switch_interval_ms: float = SWITCH_INTERVAL_MS,
 ) -> list[dict]:
     """One dict per W in `worlds` (see `run_one`); `procs` as there, for every W."""
     set_grpc_poll(grpc_poll_s)  # this process: the observer's and the rendezvous figure's streams
@@ -703,6 +718,7 @@ def run_scale(
                     procs=procs,
                     grpc_poll_s=grpc_poll_s,
                     relay=relay,
+                    switch_interval_ms=switch_interval_ms,
                 )
             )
         except Exception as exc:  # a W that does not hold is a result too
@@ -776,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-rendezvous", action="store_true", help="skip part 3 (bench/rendezvous_scale.py)")
     ap.add_argument("--grpc-poll-s", type=float, default=GRPC_POLL_S,
                     help="idle wake-up period of gRPC stream threads (grpc's default: 0.1)")
+    ap.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_MS,
+                    help="CPython's forced GIL switch period in every shard (CPython's default: 5)")
     ap.add_argument("--no-standby-leaders", action="store_true",
                     help="only the elected agent runs a Leader (the real agents all do; shows their watch fan-out)")
     ap.add_argument("--procs", type=int, default=None,
@@ -783,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{NODES_PER_PROC} nodes / {WORKERS_PER_PROC} workers a process; 0: the nodes "
                          "run in this process, as threads)")
     ap.add_argument("--no-relay", action="store_true",
-                    help="each worker puts its reports itself, not through its agent's relay (the runtime before issue 34)")
+                    help="each worker puts its reports and watches plan/halt/decisions itself, not through its agent's relay (the runtime before issue 34)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="the runtime's warnings (halts, publishes)")
     args = ap.parse_args(argv)
@@ -794,7 +812,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = run_scale(args.workers, steps=args.steps, pace_ms=args.pace_ms, rendezvous=not args.no_rendezvous,
                         grpc_poll_s=args.grpc_poll_s, standby_leaders=not args.no_standby_leaders,
-                        procs=args.procs, relay=not args.no_relay)
+                        procs=args.procs, relay=not args.no_relay, switch_interval_ms=args.switch_interval_ms)
     total = time.perf_counter() - t0
     print(table(results))
     print(f"total wall time {total:.1f} s; etcd clients = nodes + 1 (one per node, shared by its agent "

@@ -61,6 +61,7 @@ from elastic.records.protocol import (
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
+from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import NodeRelay, RelayClient, put_all
 
 log = logging.getLogger("control_plane_shard")
@@ -184,9 +185,12 @@ class SimWorker:
         info = WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node.node * 64 + local_rank}",
                           incarnation=node.incarnation)
         client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
-        self.generations = GenerationFeed(Generations(client, node.keys))
-        self.halts = HaltFeed(client, rk)
-        self.decisions = DecisionFeed(client, rk)
+        # As an ElasticWorker: its feeds through the node's agent (one watch a prefix a node), or,
+        # with --no-relay, each a watch of the worker's own.
+        follow = subscriber(client, node.relay.name if node.relay is not None else None)
+        self.generations = GenerationFeed(Generations(client, node.keys), subscribe=follow)
+        self.halts = HaltFeed(client, rk, subscribe=follow)
+        self.decisions = DecisionFeed(client, rk, subscribe=follow)
         self.progress = ProgressWriter(client, rk)
         self.abort = AbortFlag(node.wake)
         self.relay = RelayClient(node.relay.name) if node.relay is not None else None
@@ -357,6 +361,8 @@ class ShardSpec:
     nodes: tuple[int, ...]
     gpus: int
     grpc_poll_s: float
+    switch_interval_s: float = 0.05
+    """CPython's forced GIL switch period in the shard (`sys.setswitchinterval`; see the bench's doc)."""
     relay: bool = True
     """Whether each node's workers report through their agent's relay (`--no-relay`: each puts directly)."""
     log_level: int = logging.ERROR
@@ -561,6 +567,7 @@ def shard_main(conn: multiprocessing.connection.Connection, spec: ShardSpec) -> 
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s shard-{spec.index} %(name)s %(levelname)s %(message)s")
     set_grpc_poll(spec.grpc_poll_s)
+    sys.setswitchinterval(spec.switch_interval_s)
     threading.stack_size(THREAD_STACK)
     code = 0
     try:

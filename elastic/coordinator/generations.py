@@ -13,13 +13,14 @@ Committed steps are not here: a step commits on the workers' vote, and the recor
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .etcd_api import Compare, EtcdClient
 from .keys import JobKeys
-from .watch import PrefixWatch, WatchEvent
+from .watch import Cancelable, Subscribe, WatchEvent, watch_from_now
 
 
 class GenerationConflict(RuntimeError):
@@ -97,25 +98,24 @@ class Generations:
             )
         return Generation(number=new, plan=plan, revision=int(responses[0].response_put.header.revision))
 
-    def watch(self, on_generation: Callable[[Generation], None], *, after: int | None = None) -> PrefixWatch:
-        """Deliver each committed generation (in order) newer than `after` (default: the current one)."""
+    def watch(
+        self, on_generation: Callable[[Generation], None], *, after: int | None = None,
+        subscribe: Subscribe | None = None,
+    ) -> Cancelable:
+        """Deliver each committed generation (in order) newer than `after` (default: the current
+        one): those already committed first, on the calling thread, then each one published.
+        `subscribe` follows the plans' prefix (default: `watch_from_now` on this client)."""
         last = [self.current_number() if after is None else after]
-        resp = self.client.get_prefix_response(self.keys.plans, keys_only=True)
-        start = int(resp.header.revision) + 1
-        # Generations committed between `after` and now are delivered first, then the watch's.
-        for number in range(last[0] + 1, self.current_number() + 1):
-            gen = self.get(number)
-            if gen is not None and gen.revision < start:
-                on_generation(gen)
-                last[0] = number
 
         def handle(events: list[WatchEvent]) -> None:
             for ev in events:
-                if ev.kind != "put":
+                suffix = ev.key[len(self.keys.plans):]
+                if ev.kind != "put" or not suffix.isdigit():
                     continue
-                number = int(ev.key.rsplit("/", 1)[1])
+                number = int(suffix)
                 if number > last[0]:
                     last[0] = number
                     on_generation(Generation(number=number, plan=ev.value.decode(), revision=ev.revision))
 
-        return PrefixWatch(self.client, self.keys.plans, handle, start_revision=start)
+        follow = subscribe if subscribe is not None else functools.partial(watch_from_now, self.client)
+        return follow(self.keys.plans, handle)

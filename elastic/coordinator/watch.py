@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from etcd3.etcdrpc import kv_pb2
 
@@ -39,6 +39,22 @@ class WatchEvent:
     """Value before the change, when etcd still had it and the watch asked for it (`prev_kv`)."""
     revision: int
     """etcd revision of the change."""
+
+
+OnEvents = Callable[[list[WatchEvent]], None]
+"""A watch's callback: a batch of changes, in revision order."""
+
+
+class Cancelable(Protocol):
+    """A watch, or anything that delivers like one until cancelled."""
+
+    def cancel(self) -> None: ...
+
+
+Subscribe = Callable[[str, OnEvents], Cancelable]
+"""`subscribe(prefix, on_events)` with `watch_from_now`'s semantics: what is under the prefix now
+(one put event a key, on the calling thread), then every change after it. `watch_from_now` with
+a client is one; a worker's node relay is another (elastic/roles/node_feed.py)."""
 
 
 class PrefixWatch:

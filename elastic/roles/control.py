@@ -10,6 +10,10 @@ from watches that fire only when the control plane acts, never per step:
   a boundary halt is what the worker votes with (`requested`);
 - `DecisionFeed`: the leader's decisions (`decisions/<g>/<s>`), for the job's last step only.
 
+Each follows its prefix through `subscribe` (`watch_from_now`'s semantics): an elastic worker's
+goes through its node's agent, which watches each prefix once for the node
+(elastic/roles/node_feed.py); the default is a watch of the worker's own.
+
 A halted worker writes its `SyncReport` and its holdings (`write_sync`, one transaction) and
 waits for the next generation.
 """
@@ -25,7 +29,7 @@ from typing import Protocol
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generation, Generations
-from elastic.coordinator.watch import PrefixWatch, WatchEvent
+from elastic.coordinator.watch import Subscribe, WatchEvent, watch_from_now
 from elastic.records.protocol import (
     COMMIT,
     GenerationRecord,
@@ -51,16 +55,21 @@ class Abortable(Protocol):
     def set(self, reason: str, *, local: bool = False) -> None: ...
 
 
+def _follow(client: EtcdClient, subscribe: Subscribe | None) -> Subscribe:
+    """`subscribe`, or a watch of this client's own."""
+    return subscribe if subscribe is not None else lambda prefix, on_events: watch_from_now(client, prefix, on_events)
+
+
 class GenerationFeed:
     """The job's generation records as they are published; sets the current abort on a newer one."""
 
-    def __init__(self, generations: Generations) -> None:
+    def __init__(self, generations: Generations, *, subscribe: Subscribe | None = None) -> None:
         self._records: dict[int, tuple[GenerationRecord, float]] = {}
         self._revisions: dict[int, int] = {}
         self._cond = threading.Condition()
         self._abort: Abortable | None = None
         self._current = 0
-        self._watch = generations.watch(self._on_generation, after=0)
+        self._watch = generations.watch(self._on_generation, after=0, subscribe=subscribe)
 
     def _on_generation(self, gen: Generation) -> None:
         record = GenerationRecord.from_json(gen.plan)
@@ -106,17 +115,14 @@ class GenerationFeed:
 class HaltFeed:
     """The leader's halt requests, generation -> HaltRecord (an abort halt replaces a boundary one)."""
 
-    def __init__(self, client: EtcdClient, rk: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, rk: RunKeys, *, subscribe: Subscribe | None = None) -> None:
         self._halts: dict[int, HaltRecord] = {}
         self._cond = threading.Condition()
         self._prefix = rk.halts
         self._current = 0
         self._abort: Abortable | None = None
         self._mine: frozenset[int] = frozenset()
-        resp = client.get_prefix_response(rk.halts)
-        for kv in resp.kvs:
-            self._add(kv.key.decode(), kv.value)
-        self._watch = PrefixWatch(client, rk.halts, self._on_events, start_revision=int(resp.header.revision) + 1)
+        self._watch = _follow(client, subscribe)(rk.halts, self._on_events)
 
     def _add(self, key: str, value: bytes) -> None:
         try:
@@ -160,14 +166,11 @@ class HaltFeed:
 class DecisionFeed:
     """The leader's commit/abort decisions of the job's last step, (generation, step) -> decision."""
 
-    def __init__(self, client: EtcdClient, rk: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, rk: RunKeys, *, subscribe: Subscribe | None = None) -> None:
         self._decisions: dict[tuple[int, int], str] = {}
         self._cond = threading.Condition()
         self._prefix = rk.decisions
-        resp = client.get_prefix_response(rk.decisions)
-        for kv in resp.kvs:
-            self._add(kv.key.decode(), kv.value.decode())
-        self._watch = PrefixWatch(client, rk.decisions, self._on_events, start_revision=int(resp.header.revision) + 1)
+        self._watch = _follow(client, subscribe)(rk.decisions, self._on_events)
 
     def _add(self, key: str, value: str) -> None:
         parts = key[len(self._prefix) :].split("/")

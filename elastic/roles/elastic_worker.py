@@ -78,6 +78,7 @@ from elastic.records.protocol import (
 from elastic.records.stop import STOPPED
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.holders import HolderMap, holder_map_reader
+from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import put_all, relay_from_env
 from elastic.roles.start_phases import worker_stamps
 from elastic.roles.straggler_reporter import StragglerReporter
@@ -174,9 +175,11 @@ class ElasticWorker:
         self.lease = lease
         self.relay = relay_from_env()
         """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
-        self.generations = GenerationFeed(Generations(client, keys))
-        self.halts = HaltFeed(client, self.rk)
-        self.decisions = DecisionFeed(client, self.rk)
+        # The records every worker follows come through the agent, which watches each once for the node.
+        follow = subscriber(client, self.relay.name if self.relay is not None else None)
+        self.generations = GenerationFeed(Generations(client, keys), subscribe=follow)
+        self.halts = HaltFeed(client, self.rk, subscribe=follow)
+        self.decisions = DecisionFeed(client, self.rk, subscribe=follow)
         self.progress = ProgressWriter(client, self.rk)
         self.stragglers: StragglerReporter | None = None
         """Speed factors and straggler marks, while this worker is world rank 0."""

@@ -17,21 +17,26 @@ once the transaction has committed: a report is as durable as a direct put. With
 writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...]}`,
-answer `{"ok": true}` or `{"error": "..."}`.
+answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
+is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
+prefix it asks for feeds it, and it does not count as a worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,10 @@ class NodeRelay:
         """Workers whose connection closed while the relay served: not waited for any more."""
         self._cond = threading.Condition()
         self._closed = False
+        self._hubs: dict[str, FeedHub] = {}
+        """The node's one watch of each prefix its workers subscribed to."""
+        self._feeds: set[socket.socket] = set()
+        self._hub_lock = threading.Lock()
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
         threading.Thread(target=self._flush_loop, name="relay-flush", daemon=True).start()
 
@@ -84,7 +93,10 @@ class NodeRelay:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            conns = list(self._conns)
+            conns = [*self._conns, *self._feeds]
+            hubs, self._hubs = list(self._hubs.values()), {}
+        for hub in hubs:
+            hub.close()
         for sock in (self._sock, *conns):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -99,24 +111,72 @@ class NodeRelay:
             threading.Thread(target=self._serve, args=(conn,), name="relay-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Serve one connection: a worker's puts, or its feeds (its first line says which)."""
+        with conn, conn.makefile("rb") as lines:
+            first = lines.readline()
+            if watch_request(first) is not None:
+                self._feed(conn, itertools.chain([first], lines))
+            else:
+                self._serve_puts(conn, itertools.chain([first], lines))
+
+    def _feed(self, conn: socket.socket, lines: Iterable[bytes]) -> None:
+        """A worker's feed connection: each request line adds a prefix; until the worker goes."""
+        with self._cond:
+            if self._closed:
+                return
+            self._feeds.add(conn)
+        outlet, joined = Outlet(conn), []
+        try:
+            for line in lines:
+                prefix = watch_request(line)
+                hub = self._hub(prefix) if prefix is not None else None
+                if hub is not None:
+                    hub.add(outlet)
+                    joined.append(hub)
+        except OSError:  # closed under it (close) or by the worker
+            pass
+        finally:
+            for hub in joined:
+                hub.remove(outlet)
+            outlet.stop()
+            with self._cond:
+                self._feeds.discard(conn)
+
+    def _hub(self, prefix: str) -> FeedHub | None:
+        """The node's one watch of `prefix` (made on first use; None once the relay is closed)."""
+        with self._hub_lock:  # its first etcd read outside the batches' lock
+            with self._cond:
+                if self._closed:
+                    return None
+                hub = self._hubs.get(prefix)
+            if hub is None:
+                hub = FeedHub(self.client, prefix)
+                with self._cond:
+                    if self._closed:
+                        hub.close()
+                        return None
+                    self._hubs[prefix] = hub
+            return hub
+
+    def _serve_puts(self, conn: socket.socket, lines: Iterable[bytes]) -> None:
         """Queue each request of one worker's connection (it waits for the answer before the next)."""
         with self._cond:
             if self._closed:
-                conn.close()
                 return
             self._conns.add(conn)
         try:
-            with conn, conn.makefile("rb") as lines:
-                for line in lines:
-                    try:
-                        puts = [(str(k), str(v), None if lease is None else int(lease))
-                                for k, v, lease in json.loads(line)["puts"]]
-                    except (ValueError, TypeError, KeyError) as exc:
-                        _answer(conn, {"error": f"malformed request: {exc}"})
-                        continue
-                    with self._cond:
-                        self._pending.append(_Pending(conn, puts))
-                        self._cond.notify_all()
+            for line in lines:
+                if not line:
+                    break
+                try:
+                    puts = [(str(k), str(v), None if lease is None else int(lease))
+                            for k, v, lease in json.loads(line)["puts"]]
+                except (ValueError, TypeError, KeyError) as exc:
+                    _answer(conn, {"error": f"malformed request: {exc}"})
+                    continue
+                with self._cond:
+                    self._pending.append(_Pending(conn, puts))
+                    self._cond.notify_all()
         except OSError:  # closed under it (close) or by the worker
             pass
         finally:
