@@ -15,7 +15,8 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `FOLD_EVERY`-th delta folds the deltas it saw into the value (one more transaction, guarded,
   skipped if anything changed), so a counter's read stays O(FOLD_EVERY) however often it grows.
 - `get`, `check` and `wait` read `[k, k\\1)`; `set` and `delete_key` write the value and drop the
-  deltas in one transaction.
+  deltas in one transaction. `append` is the exception: a read and a write guarded on it,
+  repeated while other writers of the same key get there first.
 - blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
   were seen missing (one stream per prefix shared by a process's waits, `store_waits.py`), so
   they wake on the write itself rather than on a polling tick, and raise
@@ -212,6 +213,26 @@ class EtcdStore(dist.Store):
             if current != expected or not found.deltas:
                 return current
             self._fold(full, found, key)  # a counter equal to `expected`: fold, then swap
+
+    def append(self, key: str, value: Any) -> None:
+        """Append `value` to `key`'s value (a missing key starts empty): a read and a write
+        guarded on what was read, again if another writer got there in between."""
+        full, txn = self._key(key), self.client.transactions
+        suffix = _as_bytes(value)
+        while True:
+            found = self._read(key)
+            if found.deltas:  # a counter: its sum becomes the value first
+                self._fold(full, found, key)
+                continue
+            unchanged = txn.mod(full) == found.base_mod if found.base is not None else txn.create(full) == 0
+            no_deltas = txn.version(full + _DELTA, full + _END) == 0
+            ok, _ = self._txn(compare=[unchanged, no_deltas], success=[txn.put(full, (found.base or b"") + suffix)])
+            if ok:
+                return
+
+    def has_extended_api(self) -> bool:
+        """`append`, `multi_get` and `multi_set` are this store's own (c10d asks before using them)."""
+        return True
 
     def delete_key(self, key: str) -> bool:
         full, txn = self._key(key), self.client.transactions
