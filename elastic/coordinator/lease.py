@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from .client import TRANSIENT_ERRORS
 from .etcd_api import EtcdClient
+from .lease_stream import kept_stream
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +17,8 @@ log = logging.getLogger(__name__)
 class KeptLease:
     """Grant a lease of `ttl` seconds and refresh it every `interval` until revoked or lost.
 
-    While etcd is unreachable the refresh is retried every 0.1 s; etcd extends all leases when
+    Refreshes ride the client's one LeaseKeepAlive stream (`lease_stream.py`), shared with the
+    client's other kept leases. While etcd is unreachable the refresh is retried every 0.1 s; etcd extends all leases when
     it comes back, so an outage shorter than the TTL costs nobody their lease. If a refresh
     finds the lease already expired (this process was hung longer than the TTL), `lost` is set
     and `on_lost` runs once: whatever hung on the lease was deleted and peers saw it go. With
@@ -41,15 +43,22 @@ class KeptLease:
         self._stop = threading.Event()
         # lease_id: keep an existing lease alive (one another process granted) instead of a new one.
         self.id: int = lease_id if lease_id is not None else client.lease(ttl).id
+        self._stream = kept_stream(client)
         self._thread = threading.Thread(target=self._run, name=f"{name}-keepalive", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._keep()
+        finally:
+            self._stream.release()
+
+    def _keep(self) -> None:
         interval = self.interval
         down_since: float | None = None
         while not self._stop.wait(interval):
             try:
-                responses = list(self.client.refresh_lease(self.id))
+                ttl = self._stream.refresh(self.id)
             except TRANSIENT_ERRORS:
                 interval = 0.1
                 now = time.monotonic()
@@ -59,7 +68,7 @@ class KeptLease:
                     return
                 continue
             interval, down_since = self.interval, None
-            if responses and responses[0].TTL <= 0:
+            if ttl <= 0:
                 self._give_up("lease expired")
                 return
 
