@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
         "--adam-eps",
         type=float,
         default=1e-6,
-        help="AdamW epsilon (default 1e-6: see README, 'Optimizer numerics')",
+        help="AdamW epsilon (default 1e-6: see docs/numerics.md, 'Optimizer numerics')",
     )
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
     parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")

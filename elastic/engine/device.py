@@ -6,7 +6,7 @@ it starts on one host, so that every node gets GPUs of its own: NCCL refuses two
 communicator on one GPU; 0 for an agent started alone on its host). The worker binds it as its
 current device (`bind`), and so does every thread of its that touches the GPU.
 
-Precision (README, "Precision"): parameters, gradients and optimizer state are float32 master
+Precision (docs/numerics.md, "Precision"): parameters, gradients and optimizer state are float32 master
 copies; on CUDA the forward and backward run under bf16 autocast and stage activations travel
 in bf16; the loss is computed in float32 at least (float64 for a float64 model); on CPU
 everything is float32, so results match across plans bit for bit.

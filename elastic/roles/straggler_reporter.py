@@ -73,6 +73,8 @@ class StragglerReporter:
         self._latest = (-1, 0)
         """(step, generation) of the last committed step handed over."""
         self._marks: dict[int, Mark] = {}
+        self._unrecorded: list[tuple[Change, str]] = []
+        """Marks and clears announced, their events not yet recorded (`_record_events`)."""
         self._queue: collections.deque[_Observed] = collections.deque(maxlen=_QUEUE)
         self._cond = threading.Condition()
         self._closing = False
@@ -158,6 +160,7 @@ class StragglerReporter:
             if unwritten and (changes or closing or time.monotonic() >= next_put):
                 self._put(last)
                 unwritten, next_put = False, time.monotonic() + PUT_EVERY_S
+            self._record_events()  # after the record: whoever reads an event finds its mark
             if closing:
                 return
 
@@ -192,10 +195,17 @@ class StragglerReporter:
             since = f" since step {mark.since_step + 1}" if mark is not None else ""
             detail = (f"{why or 'left the plan'}{since}" if math.isnan(change.factor) else
                       f"back to {change.factor:.2f}x its peers for {self.config.steps} steps{since}")
-        factor = None if math.isnan(change.factor) else round(change.factor, 3)
-        with contextlib.suppress(Exception):  # etcd away: the record (`_put`) still carries the mark
-            record_event(self.client, self.keys, who=self.who, node=change.node, step=change.step, factor=factor,
-                         kind="straggler" if change.marked else "straggler-cleared", reason=detail)
+        self._unrecorded.append((change, detail))
+
+    def _record_events(self) -> None:
+        """The events of the marks announced since the last call (the record was written first)."""
+        while self._unrecorded:
+            change, detail = self._unrecorded.pop(0)
+            factor = None if math.isnan(change.factor) else round(change.factor, 3)
+            with contextlib.suppress(Exception):  # etcd away: the record (`_put`) still carries the mark
+                record_event(self.client, self.keys, who=self.who, node=change.node, step=change.step,
+                             factor=factor, kind="straggler" if change.marked else "straggler-cleared",
+                             reason=detail)
 
     def _put(self, last: _Observed | None) -> None:
         """Write the record: of the last step taken in, whose generation the busy seconds are of

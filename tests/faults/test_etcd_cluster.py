@@ -42,7 +42,7 @@ REFERENCE_STEPS = 20
 PAUSE_S = 4.0
 """How long 2 of 3 members stay stopped: within the test's 6 s lease TTL and the clients' 5 s
 retry budget, far below the agents' give-up time (ELASTIC_ETCD_GIVE_UP_S, 300 s). Past the
-default 3 s TTL a node was lost once under load (README)."""
+default 3 s TTL a node was lost once under load (docs/deploying.md, "An etcd cluster")."""
 
 
 @dataclass
@@ -110,7 +110,7 @@ def _run_with_fault(factory: pytest.TempPathFactory, kind: str) -> Iterator[Outc
             # The two followers: the leader, left alone, steps down (check-quorum) and its lessor
             # stops counting lease time; the members elect a leader again once continued, which
             # renews every lease. (A paused *leader* would resume still counting, and expire the
-            # leases of an outage longer than their TTL: see the README.)
+            # leases of an outage longer than their TTL: see docs/deploying.md, "An etcd cluster".)
             paused = [(leader + 1) % 3, (leader + 2) % 3]
             watcher = leader  # the member left running: its watch sees each commit at once
             for i in paused:
