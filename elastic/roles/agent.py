@@ -113,6 +113,17 @@ def worker_log_path(run_dir: str, node: int, local_rank: int, incarnation: int) 
     return Path(run_dir) / "logs" / f"node{node}.worker{local_rank}.inc{incarnation}.log"
 
 
+def _is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP): its state in /proc/<pid>/stat, read directly
+    (a `psutil.Process` costs 4x as much, and this runs 10 times a second a worker)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # gone
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t")
+
+
 class Agent:
     """One node's agent (see the module doc)."""
 
@@ -268,13 +279,7 @@ class Agent:
             with self._signal_lock:  # a Throttle changes `active` and signals only under this lock
                 if any(t.active for t in self._throttles):
                     continue
-                for pid in list(self.procs):
-                    try:
-                        if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
-                            stopped = pid
-                            break
-                    except psutil.NoSuchProcess:
-                        continue
+                stopped = next((pid for pid in list(self.procs) if _is_stopped(pid)), None)
             if stopped is not None:
                 self._fail(f"worker pid {stopped} is stopped (hung)")
                 return
