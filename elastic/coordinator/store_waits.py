@@ -1,28 +1,27 @@
 """Blocking waits of `EtcdStore`: one etcd watch per (client, store prefix), shared by every wait.
 
 A wait that found keys missing at revision R needs every put after R on the prefix. Opening a
-watch stream per such wait costs a stream, a thread and a cancel each time: a 1024-rank
-generation opened ~200 of them in a burst. Here the first waiter of a prefix opens one stream
-(from its own R + 1) and later waiters join it while any waiter remains. The stream records the
-revision of the last put of every key it saw, so a waiter that joins late is satisfied by a put it
-already passed, provided that put came after the waiter's own read; a waiter whose read is older
-than the stream's start re-reads once after joining (the caller's `recheck`), which covers the gap.
+watch per such wait costs a create and a cancel each time: a 1024-rank generation opened ~200 of
+them in a burst. Here the first waiter of a prefix opens one watch (from its own R + 1) and later
+waiters join it while any waiter remains. The watch records the revision of the last put of every
+key it saw, so a waiter that joins late is satisfied by a put it already passed, provided that put
+came after the waiter's own read; a waiter whose read is older than the watch's start re-reads
+once after joining (the caller's `recheck`), which covers the gap. The watch rides the client's
+one Watch stream (`watch_stream.py`) and its events are handled on that stream's thread (a few
+set operations): no stream or thread of its own.
 
-If the stream breaks (etcd restarting), its waiters are woken unsatisfied and retry with a new one.
+If the stream breaks (etcd restarting) or the watch's history was compacted, its waiters are
+woken unsatisfied and retry with a new watch.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-import grpc
-from etcd3 import etcdrpc
-from etcd3.utils import prefix_range_end
-
-from .client import TRANSIENT_ERRORS, fail_over
 from .etcd_api import EtcdClient
+from .watch_stream import WatchStream, subscribe
 
 
 class _Waiter:
@@ -41,15 +40,17 @@ class PrefixWaits:
     def __init__(
         self, client: EtcdClient, prefix: str, start_revision: int, logical: Callable[[bytes], bytes]
     ) -> None:
-        self.client, self.prefix, self.start_revision, self.logical = client, prefix, start_revision, logical
+        self.client, self.store_prefix, self.start_revision, self.logical = client, prefix, start_revision, logical
         self.lock = threading.Lock()
         self.waiters: set[_Waiter] = set()
         self.last_put: dict[bytes, int] = {}
         self.broken = False
         self.users = 0
-        self._stop = threading.Event()
-        self._call: Any = None
-        threading.Thread(target=self._run, name=f"store-watch {prefix}", daemon=True).start()
+        # What the client's Watch stream asks of a watch (watch_stream.Watcher):
+        self.prefix = prefix.encode()
+        self.prev_kv = False
+        self.retry_pause = 0.1
+        self._stream: WatchStream | None = subscribe(client, self)
 
     @classmethod
     def wait_for(
@@ -103,51 +104,50 @@ class PrefixWaits:
             self.users -= 1
             if self.users > 0:
                 return
-            if PrefixWaits._live.get((id(self.client), self.prefix)) is self:
-                del PrefixWaits._live[(id(self.client), self.prefix)]
-        self._stop.set()
+            if PrefixWaits._live.get((id(self.client), self.store_prefix)) is self:
+                del PrefixWaits._live[(id(self.client), self.store_prefix)]
+        self._end()
+
+    def _end(self) -> None:
+        """Leave the stream and wake every waiter (those not satisfied retry)."""
+        self._break()
         with self.lock:
-            if self._call is not None:
-                self._call.cancel()
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.remove(self)
 
-    def _requests(self) -> Iterator[Any]:
-        create = etcdrpc.WatchCreateRequest(
-            key=self.prefix.encode(),
-            range_end=prefix_range_end(self.prefix.encode()),
-            start_revision=self.start_revision,
-        )
-        yield etcdrpc.WatchRequest(create_request=create)
-        self._stop.wait()
+    def _break(self) -> None:
+        """No new waiter joins this watch; its waiters wake (those not satisfied retry)."""
+        with self.lock:
+            self.broken = True
+            for w in self.waiters:
+                w.done.set()
 
-    def _run(self) -> None:
-        try:
-            call = etcdrpc.WatchStub(self.client.channel).Watch(
-                self._requests(), credentials=self.client.call_credentials, metadata=self.client.metadata
-            )
-            with self.lock:
-                self._call = call
-                if self._stop.is_set():
-                    call.cancel()
-            for rs in call:
-                if rs.canceled or rs.compact_revision:
-                    break
-                with self.lock:
-                    for ev in rs.events:
-                        if ev.type == 0:  # PUT (of a value or of an add's delta)
-                            key = self.logical(ev.kv.key)
-                            self.last_put[key] = int(ev.kv.mod_revision)
-                            for w in self.waiters:
-                                w.missing.discard(key)
+    # -- watch_stream.Watcher (called on the stream's thread) --------------------------------
+
+    def resume_revision(self) -> int | None:
+        return self.start_revision
+
+    def created(self, revision: int) -> None:
+        pass
+
+    def received(self, events: list[Any]) -> None:
+        with self.lock:
+            for ev in events:
+                if ev.type == 0:  # PUT (of a value or of an add's delta)
+                    key = self.logical(ev.kv.key)
+                    self.last_put[key] = int(ev.kv.mod_revision)
                     for w in self.waiters:
-                        if not w.missing:
-                            w.done.set()
-        except grpc.RpcError:
-            if not self._stop.is_set():  # etcd (this member) went away: waiters retry elsewhere
-                fail_over(self.client)
-        except TRANSIENT_ERRORS:
-            pass  # no member available right now (`channel` raised): waiters retry
-        finally:
-            with self.lock:
-                self.broken = True
-                for w in self.waiters:
+                        w.missing.discard(key)
+            for w in self.waiters:
+                if not w.missing:
                     w.done.set()
+
+    def compacted(self, revision: int) -> None:
+        # Puts it had not received are gone: its waiters re-read and wait again, on a new watch.
+        # (Called under the stream's lock: this watch leaves the stream when its last user does.)
+        self.start_revision = revision
+        self._break()
+
+    def disconnected(self) -> None:
+        self._end()  # etcd (this member) went away: waiters retry, on a new watch

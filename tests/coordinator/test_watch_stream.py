@@ -221,3 +221,36 @@ def test_every_watch_resumes_after_an_etcd_crash(server: EtcdServer, client: Any
         for w in watches:
             w.cancel()
 
+
+
+def test_store_waits_ride_the_stream_and_survive_an_etcd_crash(server: EtcdServer, client: Any) -> None:
+    """12 blocked `EtcdStore.get`s on 3 keys share the client's one stream with its other watch
+    (one watcher for the store's prefix), outlive an etcd SIGKILL and restart, and return what
+    was set after it."""
+    from datetime import timedelta
+
+    from elastic.coordinator import EtcdStore, JobKeys
+
+    other_watch = PrefixWatch(client, "/other/", lambda events: None)
+    assert other_watch.wait_ready(10.0)
+    store = EtcdStore(client, JobKeys("waits").store("g"), timeout=timedelta(seconds=30))
+    got: dict[int, bytes] = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, store.get(f"k{i % 3}"))) for i in range(12)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: _gauges(server) == (1, 2), 10.0, "one stream, and one watcher for 12 waits")
+    server.stop(kill=True)
+    time.sleep(1.0)
+    server.start()
+    writer = connect(EtcdConfig(endpoint=server.endpoint))
+    try:
+        other = EtcdStore(writer, JobKeys("waits").store("g"))
+        for k in range(3):
+            other.set(f"k{k}", f"v{k}")
+        for t in threads:
+            t.join(20.0)
+        assert got == {i: f"v{i % 3}".encode() for i in range(12)}
+    finally:
+        writer.close()
+        store.release()
+        other_watch.cancel()
