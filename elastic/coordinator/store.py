@@ -18,7 +18,8 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   deltas in one transaction. `append` is the exception: a read and a write guarded on it,
   repeated while other writers of the same key get there first.
 - blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
-  were seen missing (one stream per prefix shared by a process's waits, `store_waits.py`), so
+  were seen missing (one watch per prefix shared by a process's waits, on the client's Watch stream,
+  `store_waits.py`), so
   they wake on the write itself rather than on a polling tick, and raise
   `torch.distributed.DistStoreError` ("... timeout ...", the word torch's callers match on) when
   the timeout passes.

@@ -1,5 +1,5 @@
 """A worker SIGSTOPped alone (its agent still runs and keeps the node's lease): the agent sees
-the stopped state within its 0.1 s check (elastic/roles/agent.py, `_is_stopped`), reports the
+the stopped state within its 0.1 s check (elastic/roles/agent.py, `_watch_stopped`), reports the
 node failed at once and the job recovers without waiting for a lease to expire. Real etcd,
 agents and workers; the signal is a real SIGSTOP."""
 
