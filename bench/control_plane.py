@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -92,6 +93,18 @@ def overhead(repeats: int, steps: int) -> Section:
     return section
 
 
+def _key_families(names: list[str]) -> dict[str, int]:
+    """Keys left under the job prefixes, counted by family: `/elastic/<job>/` cut off and every run
+    of digits shown as `#` (so `sync/3/node1/0` counts under `sync/#/node#/#`). Lease-attached
+    families (members/, workers/, holdings/) may or may not have expired when the run ends."""
+    families: dict[str, int] = {}
+    for name in names:
+        rest = name.split("/", 3)[3] if name.count("/") >= 3 else name
+        family = re.sub(r"[0-9]+", "#", rest)
+        families[family] = families.get(family, 0) + 1
+    return dict(sorted(families.items()))
+
+
 def drift(steps: int) -> Section:
     """(b) step time late in a long run over early in it, and etcd's size at the end."""
     from elastic.coordinator import EtcdServer
@@ -106,7 +119,8 @@ def drift(steps: int) -> Section:
             early = median_interval(run, 50, 300)
             late = median_interval(run, steps - 249, steps)
             status = client.status()
-            keys = sum(1 for _ in client.get_prefix("/elastic/", keys_only=True))
+            names = [meta.key.decode() for _, meta in client.get_prefix("/elastic/", keys_only=True)]
+            keys = len(names)
             section.figures = [
                 Figure(name="median step, steps 50-300", unit="s", samples=[early]),
                 Figure(name=f"median step, steps {steps - 249}-{steps}", unit="s", samples=[late]),
@@ -116,8 +130,10 @@ def drift(steps: int) -> Section:
             ]
             blocks = [statistics.median(step_intervals(run)[i : i + 250]) for i in range(0, steps - 1, 250)]
             section.notes.append("median step by blocks of 250 steps (ms): " + " / ".join(f"{b * 1000:.0f}" for b in blocks))
+            section.notes.append("keys at the end by family: " + ", ".join(
+                f"{family} {count}" for family, count in _key_families(names).items()))
             section.raw.append({"early_s": early, "late_s": late, "db_size": status.db_size, "keys": keys,
-                                "blocks_s": blocks})
+                                "key_families": _key_families(names), "blocks_s": blocks})
         client.close()
     section.wall_s = time.monotonic() - t0
     return section
