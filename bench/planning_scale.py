@@ -22,7 +22,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan  # noqa: E402
-from elastic.planning.footprint import GradShare, PlannerFigures, holder_figures, planner_figures  # noqa: E402
+from elastic.planning.footprint import GradShare  # noqa: E402
+from elastic.planning.planner_figures import PlannerFigures, holder_figures, planner_figures  # noqa: E402
 from templates.replanning import replan  # noqa: E402
 
 MODEL = "gpt3-6.7b"

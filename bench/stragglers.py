@@ -18,7 +18,7 @@ the leader can put the spare in the slow node's stage. Figures, from the run's s
 - `after 20`: steps/s over the next 20 steps (21-40 after the release), over the same: whether the
   rate is back within 20 steps of the release (issue 33's bar, >= 0.95x).
 
-The throttle is `elastic inject slow`'s default (`--hold-cpu`, elastic/records/injection.py
+The throttle is `elastic inject slow`'s default (`--hold-cpu`, elastic/records/throttle.py
 `Throttle`): each CPU second the node's workers (their main threads) use becomes F-1 seconds
 stopped, taken while they compute, and a burner spins in their place while they are stopped, so
 the node computes F times slower and the other simulated nodes on this machine's cores do not run

@@ -7,7 +7,7 @@ static memory is its weights (`param_bytes`), the two AdamW moments (`optimizer_
 engine's gradient and exchange buffers (`memory.grad_bytes_per_param` per parameter); each
 worker also keeps `memory.worker_bytes` of fixed work buffers, and `device.reserve_bytes` of
 each device hold no training tensor (the CUDA context, the communicators). The planner imports
-nothing of the engine: these figures come as numbers, from `elastic/planning/footprint.py`.
+nothing of the engine: these figures come as numbers, from `elastic/planning/planner_figures.py`.
 Activation bytes are in the compute dtype the profile was taken or derived for. `source` says
 whether the numbers were measured on a device or derived from FLOP/byte counts.
 
@@ -116,7 +116,7 @@ class DeviceProfile:
 @dataclass(frozen=True, kw_only=True)
 class MemoryModel:
     """The engine's memory beyond the layers' weights, moments and activations, as numbers (the
-    planner imports nothing of the engine: `elastic/planning/footprint.py` computes them for the
+    planner imports nothing of the engine: `elastic/planning/planner_figures.py` computes them for the
     cluster being planned)."""
 
     grad_bytes_per_param: float = 4.0

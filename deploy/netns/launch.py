@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     """The ElasticConfig of `elastic run` with these flags, and the partitions (ValueError if bad)."""
     from elastic.cli.model_flags import model_for_data
-    from elastic.cli.run_cmd import _elastic_config, build_plan
+    from elastic.cli.run_config import build_plan, elastic_config
     from elastic.engine.optim import OptimConfig
     from elastic.records.job import JobSpec
 
@@ -141,7 +141,7 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     )
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
                    data_path=args.data, optim=optim, device=args.device, shape=cfg)
-    config = _elastic_config(args, spec, plan)
+    config = elastic_config(args, spec, plan)
     partitions = [parse_partition(text) for text in args.partition]
     partitions += [parse_sick_link(text) for text in args.sick_link]
     for p in partitions:

@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from elastic.coordinator.generations import Generations
-    from elastic.records.injection import InjectionRequest, request_id, submit_request
+    from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
     from elastic.records.protocol import GenerationRecord
 
     if args.node is not None and args.node < 0:

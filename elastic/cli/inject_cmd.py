@@ -1,6 +1,6 @@
 """`elastic inject {kill,hang,slow,partition} --node N`: a fault for a running elastic job.
 
-The request goes into the job's etcd (`injections/<id>`, see elastic/records/injection.py); the
+The request goes into the job's etcd (`injections/<id>`, see elastic/records/injection_requests.py); the
 agent of the node's current incarnation carries it out at once, or while `--at-step S` is in
 flight, and records its status and an event. `elastic drain` (drain_cmd.py) shares the helpers
 here. Exit codes: 0 written (and, within `--wait`, carried out); 1 the job cannot take it (etcd
@@ -109,7 +109,7 @@ class OperatorJob:
         self, request_id: str, timeout: float, *, command: str = "inject", say_running: bool = True
     ) -> Any:
         """The request's final status (done, refused, fenced) within `timeout` s, else the last seen."""
-        from elastic.records.injection import InjectionStatus
+        from elastic.records.injection_requests import InjectionStatus
 
         deadline = time.monotonic() + timeout
         last = None
@@ -202,7 +202,7 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from elastic.records.injection import InjectionRequest, request_id, submit_request
+    from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
 
     if args.node < 0:
         raise UsageError(f"--node must be >= 0, got {args.node}")

@@ -1,11 +1,16 @@
-"""`elastic run`: train a model on simulated nodes of this machine."""
+"""`elastic run`: train a model on simulated nodes of this machine.
+
+This file holds the command's flags (`register`), the driving of one job (warm parent, checks,
+plan, launch under the control plane or --static, the ways a run stops) and its result lines and
+outputs. Turning the flags into a plan, a JobSpec and the control plane's config is run_config.py;
+--resume is run_resume.py.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -14,17 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
 from elastic.cli.model_flags import add_shape_flags, model_for_data
-from elastic.model.config import PRESETS, GPTConfig, describe_model
-from elastic.planning.cluster import (
-    DEFAULT_MEMORY_GIB,
-    DEFAULT_TFLOPS,
-    ClusterSpec,
-    cluster_templates,
-    initial_plan,
-    memory_gib,
+from elastic.cli.run_config import (
+    build_plan,
+    check_flags,
+    check_held_out,
+    check_spares,
+    elastic_config,
+    job_spec,
+    spares_config,
 )
-from elastic.planning.stragglers import POLICIES, StragglerConfig
-from templates.plan import Plan, PlanError
+from elastic.cli.run_resume import resume_config, resume_defaults
+from elastic.model.config import PRESETS, describe_model
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS
+from elastic.planning.stragglers import POLICIES
 
 if TYPE_CHECKING:
     from elastic.records.job import JobSpec
@@ -158,67 +165,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=_run)
 
 
-def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | None = None) -> Plan:
-    """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
-    (for the model `shape`; None: the --model preset's)."""
-    if args.plan is not None:
-        try:
-            plan = Plan.from_json(args.plan.read_text())
-        except OSError as exc:
-            raise UsageError(f"cannot read --plan {args.plan}: {exc.strerror}") from None
-        except PlanError as exc:
-            raise UsageError(f"--plan {args.plan}: {exc}") from None
-        checks = {
-            "nodes": (args.nodes, len(plan.nodes)),
-            "gpus-per-node": (args.gpus_per_node, plan.gpus_per_node),
-            "microbatch": (args.microbatch, plan.microbatch_size),
-            "global-batch": (args.global_batch, plan.global_batch),
-        }
-        for flag, (given, planned) in checks.items():
-            if given is not None and given != planned:
-                raise UsageError(f"--{flag} {given} disagrees with the plan's {planned}")
-        if args.fault_tolerance is not None and len(plan.pipelines) < args.fault_tolerance + 1:
-            raise UsageError(
-                f"the plan has {len(plan.pipelines)} pipelines; --fault-tolerance {args.fault_tolerance} needs "
-                f"{args.fault_tolerance + 1}"
-            )
-        return plan
-    try:
-        spec = ClusterSpec(
-            model=args.model,
-            nodes=1 if args.nodes is None else args.nodes,
-            gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
-            fault_tolerance=0 if args.fault_tolerance is None else args.fault_tolerance,
-            global_batch=8 if args.global_batch is None else args.global_batch,
-            microbatch=2 if args.microbatch is None else args.microbatch,
-            profile_path=args.profile,
-            device_tflops=args.device_tflops,
-            device_memory_gib=_memory_gib(args),
-            device_type=_device_type(args),
-            shape=shape,
-        )
-        return initial_plan(spec, cluster_templates(spec))
-    except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
-        raise UsageError(str(exc)) from None
-
-
-def _device_type(args: argparse.Namespace) -> str:
-    """The device type the workers will compute on (what the planner counts activations in):
-    --device, or for "auto" whether this machine has a GPU (torch loads only where one may be)."""
-    if args.device != "auto":
-        return str(args.device)
-    if not (shutil.which("nvidia-smi") or Path("/dev/nvidiactl").exists()):
-        return "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _memory_gib(args: argparse.Namespace) -> float:
-    """--device-memory-gib, or the device's (`planning.cluster.memory_gib`)."""
-    return memory_gib(args.device_memory_gib, _device_type(args), profile=args.profile)
-
-
 def _unwind_on_sigterm() -> None:
     """SIGTERM (a scheduler, `timeout`, `kill`) unwinds like Ctrl-C, so the launcher's cleanup
     stops every process it started (by default SIGTERM would end this process and orphan them)."""
@@ -264,17 +210,17 @@ def _run_job(args: argparse.Namespace) -> int:
     from elastic.roles.launcher import JobFailed, StartupError, WorkerFailed, launch, launch_elastic
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
-    token = _check_flags(args)
-    _check_spares(args)
-    _resume_defaults(args)
+    token = check_flags(args)
+    check_spares(args)
+    resume_defaults(args)
     plan = build_plan(args, cfg.num_layers, shape=cfg)
     try:
         cfg.check_tensor_parallel(plan.gpus_per_node, by=f"{plan.gpus_per_node} gpus per node")
     except ValueError as exc:
         raise UsageError(f"model {args.model}'s {exc}") from None
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
-    spec = _job_spec(args, plan, run_dir, shape=cfg)
-    _check_held_out(spec)
+    spec = job_spec(args, plan, run_dir, shape=cfg)
+    check_held_out(spec)
     guard = guard_run(run_dir, embedded_etcd=args.etcd is None and not args.static,  # run dir in use: exit 2
                       local_agents=not args.static and args.agents == "local")
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
@@ -287,9 +233,9 @@ def _run_job(args: argparse.Namespace) -> int:
     job_stop = None
     try:
         if elastic:
-            config = _elastic_config(args, spec, plan)
-            config = _resume_config(args, config)
-            config = _spares_config(args, config)
+            config = elastic_config(args, spec, plan)
+            config = resume_config(args, config)
+            config = spares_config(args, config)
             job_stop = stop_on_signals(config)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local", job_stop=job_stop,
@@ -308,95 +254,6 @@ def _run_job(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     _write_outputs(args, spec, summary, run_dir, elastic=elastic)
     return 0
-
-
-def _check_flags(args: argparse.Namespace) -> str | None:
-    """Check the flags that go together (UsageError); the job token of `--agents external`
-    ($ELASTIC_JOB_TOKEN), else None."""
-    if args.steps < 0:
-        raise UsageError(f"--steps must be >= 0, got {args.steps}")
-    if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
-        raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
-    _check_etcd_flags(args)
-    token = None
-    if args.agents == "external":
-        import os
-
-        token = os.environ.get("ELASTIC_JOB_TOKEN") or None
-        if args.static or args.etcd is None or args.job is None or token is None:
-            raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
-    if args.node_cpus is not None and (args.static or args.agents == "external" or not args.node_cpus > 0):
-        raise UsageError(f"--node-cpus caps the local agents of an elastic run: it must be > 0 (got {args.node_cpus}) "
-                         "and cannot go with --static or --agents external")
-    return token
-
-
-def _check_etcd_flags(args: argparse.Namespace) -> None:
-    """`--etcd` is a valid endpoint list; `--etcd-members` is odd, in range, and not with `--etcd`
-    or `--static` (UsageError)."""
-    from elastic.coordinator.client import parse_endpoints
-    from elastic.coordinator.etcd_server import check_member_count
-
-    try:
-        if args.etcd is not None:
-            parse_endpoints(args.etcd)
-        check_member_count(args.etcd_members)
-    except ValueError as exc:
-        raise UsageError(f"--etcd/--etcd-members: {exc}") from None
-    if args.etcd_members != 1 and (args.etcd is not None or args.static):
-        raise UsageError("--etcd-members starts a local etcd cluster: it cannot go with --etcd or --static")
-
-
-def _job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:
-    """The JobSpec of the run (model shape, optimizer, data and device from the flags); UsageError
-    if invalid."""
-    from elastic.records.job import JobSpec
-    from elastic.records.optim_config import OptimConfig
-
-    try:
-        optim = OptimConfig(
-            lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
-        )
-        return JobSpec(
-            model=args.model,
-            plan=plan,
-            steps=args.steps,
-            run_dir=str(run_dir),
-            data_seed=args.seed,
-            data_path=args.data,
-            optim=optim,
-            device=args.device,
-            eval_every=args.eval_every,
-            eval_batches=_eval_batches(args),
-            shape=shape,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _eval_batches(args: argparse.Namespace) -> int:
-    """--eval-batches (default 8), checked with --eval-every (UsageError if they do not go together)."""
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
-    if args.eval_batches is None:
-        return 8
-    if args.eval_every == 0:
-        raise UsageError("--eval-batches needs --eval-every N (N > 0)")
-    if args.eval_batches < 1:
-        raise UsageError(f"--eval-batches must be >= 1, got {args.eval_batches}")
-    return int(args.eval_batches)
-
-
-def _check_held_out(spec: JobSpec) -> None:
-    """With --eval-every, the corpus must hold both a training part and a held-out tail (UsageError)."""
-    if spec.eval_every == 0:
-        return
-    from elastic.data.dataset import TokenDataset
-
-    try:
-        TokenDataset(seq_len=spec.model_config.seq_len, seed=spec.data_seed, path=spec.data_path, held_out=True)
-    except (ValueError, OSError) as exc:
-        raise UsageError(f"--eval-every: {exc}") from None
 
 
 def _write_outputs(
@@ -435,123 +292,3 @@ def _write_report(run_dir: Path) -> None:
         print(f"elastic run: report {write_report(run_dir)}", flush=True)
     except (ReportError, OSError, ValueError, ImportError) as exc:  # ImportError: no matplotlib here
         print(f"elastic run: warning: no report: {exc}", file=sys.stderr)
-
-
-def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
-    """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
-    from elastic.records.injection import check_injections, parse_injection
-    from elastic.records.protocol import ElasticConfig
-
-    try:
-        injections = [parse_injection(text) for text in args.inject]
-        check_injections(injections, nodes=max(plan.nodes) + 1, steps=args.steps)
-        every = 5 if args.checkpoint_every is None else args.checkpoint_every
-        if every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
-        if args.lease_ttl < 2:
-            raise ValueError(f"--lease-ttl must be >= 2 (etcd's minimum), got {args.lease_ttl}")
-        cluster = ClusterSpec(
-            model=args.model,
-            nodes=len(plan.nodes),
-            gpus_per_node=plan.gpus_per_node,
-            fault_tolerance=plan.fault_tolerance,
-            global_batch=plan.global_batch,
-            microbatch=plan.microbatch_size,
-            profile_path=args.profile,
-            device_tflops=args.device_tflops,
-            device_memory_gib=_memory_gib(args),
-            device_type=_device_type(args),
-            shape=spec.model_config,
-        )
-        stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
-                                     steps=args.straggler_steps)
-        return ElasticConfig(
-            spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,
-            lease_ttl=args.lease_ttl, stragglers=stragglers,
-        )
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-# ---- --resume ----------------------------------------------------------------------------
-
-
-def _resume_manifest(args: argparse.Namespace) -> Any:
-    """The manifest of the run to resume (None when it has none); UsageError if unreadable."""
-    from elastic.coordinator.jsonrecord import RecordError
-    from elastic.records.resume import CheckpointManifest
-
-    try:
-        return CheckpointManifest.load(args.resume / "checkpoints")
-    except (RecordError, OSError) as exc:
-        raise UsageError(f"--resume {args.resume}: unreadable checkpoint manifest: {exc}") from None
-
-
-def _resume_defaults(args: argparse.Namespace) -> None:
-    """With --resume: check the flags that go with it, and take --global-batch and --data from the
-    earlier run when they are not given (they fix the samples of every step)."""
-    if args.resume is None:
-        return
-    if args.static:
-        raise UsageError("--resume needs the control plane: it cannot take --static")
-    if not args.resume.is_dir():
-        raise UsageError(f"--resume {args.resume}: no such run directory")
-    manifest = _resume_manifest(args)
-    if manifest is not None:
-        if args.global_batch is None and args.plan is None:
-            args.global_batch = manifest.global_batch
-        if args.data is None:
-            args.data = manifest.data_path
-
-
-def _resume_config(args: argparse.Namespace, config: Any) -> Any:
-    """`config` with the checkpoint to resume from (--resume), after checking it continues the
-    earlier run exactly; UsageError (exit 2) for a missing, corrupt or incomplete checkpoint, or
-    one of another model shape, batch or data."""
-    if args.resume is None:
-        return config
-    import dataclasses
-
-    from elastic.engine.checkpoint_resume import CheckpointError, find_resume_point
-    from elastic.records.resume import CheckpointManifest, compare_runs
-
-    spec = config.spec
-    try:
-        source = find_resume_point(args.resume, spec.model_config)
-    except CheckpointError as exc:
-        raise UsageError(f"--resume {args.resume}: {exc}") from None
-    earlier = _resume_manifest(args)
-    if earlier is not None:
-        ours = CheckpointManifest(model=spec.model, model_config=spec.model_config,
-                                  global_batch=spec.plan.global_batch, data_seed=spec.data_seed,
-                                  data_path=spec.data_path, optim=spec.optim)
-        refusals, notes = compare_runs(earlier, ours)
-        if refusals:
-            raise UsageError(f"--resume {args.resume}: {refusals[0]}")
-        for note in notes:
-            print(f"elastic run: note: {note}", file=sys.stderr, flush=True)
-    if source.step >= spec.steps:
-        raise UsageError(f"--resume {args.resume}: its checkpoint is at step {source.step}; --steps {spec.steps} "
-                         "leaves nothing to run")
-    for skipped in source.skipped:
-        print(f"elastic run: warning: the checkpoint of step {skipped.step} of {args.resume} cannot be used "
-              f"({skipped.why}); falling back to the one before", file=sys.stderr, flush=True)
-    return dataclasses.replace(config, resume=source)
-
-
-# ---- --spares ----------------------------------------------------------------------------
-
-
-def _check_spares(args: argparse.Namespace) -> None:
-    """--spares: a count >= 0, and only under the control plane (UsageError otherwise)."""
-    if args.spares < 0:
-        raise UsageError(f"--spares must be >= 0, got {args.spares}")
-    if args.spares and args.static:
-        raise UsageError("--static runs without the control plane: it cannot take --spares")
-
-
-def _spares_config(args: argparse.Namespace, config: Any) -> Any:
-    """`config` with `--spares` (ElasticConfig.spares)."""
-    import dataclasses
-
-    return dataclasses.replace(config, spares=args.spares) if args.spares else config

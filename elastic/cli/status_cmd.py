@@ -30,7 +30,8 @@ from elastic.ops.job_target import (
     resolve_target,
 )
 from elastic.ops.run_history import EndedRun, find_ended_run
-from elastic.ops.status import DEFAULT_WINDOW, read_status, render_table
+from elastic.ops.status_read import DEFAULT_WINDOW, read_status
+from elastic.ops.status_table import render_table
 
 _CLEAR = "\x1b[H\x1b[2J"
 

@@ -44,7 +44,8 @@ from elastic.coordinator.keys import JobKeys
 from elastic.ops.events import History, HistoryEvent
 from elastic.ops.job_target import OpsError
 from elastic.ops.run_lock import probe
-from elastic.ops.status import JobStatus, read_status
+from elastic.ops.status import JobStatus
+from elastic.ops.status_read import read_status
 from elastic.records.run_end import RunEnd
 
 HISTORY_DIR = "history"

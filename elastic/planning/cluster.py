@@ -7,7 +7,7 @@ activations are counted in bf16 (the engine's autocast) and the device keeps a r
 context and communicators. A small memory budget is how a run on this machine emulates devices
 too small to hold the model, which forces multi-stage pipelines. Measured or derived, the
 profile's memory figures (gradient and exchange buffers per parameter, fixed buffers per worker)
-are the engine's for this cluster (`footprint.planner_figures`).
+are the engine's for this cluster (`planner_figures.planner_figures`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,9 @@ import math
 from dataclasses import dataclass
 
 from elastic.model.config import GPTConfig, describe_model, get_preset
-from elastic.planning.footprint import (
-    DEVICE_TYPES,
-    compute_bytes,
-    layer_saved,
-    loss_bytes_per_element,
-    planner_figures,
-    reserve_bytes,
-)
+from elastic.planning.activation_memory import compute_bytes, layer_saved, loss_bytes_per_element
+from elastic.planning.footprint import DEVICE_TYPES, reserve_bytes
+from elastic.planning.planner_figures import planner_figures
 from templates.derive import DeviceSpeed, LayerCounts, derive_profile
 from templates.instantiation import instantiate
 from templates.plan import Plan
@@ -151,7 +146,7 @@ def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCou
     """The planner's plain description of each planning layer of `cfg`, its activations for a
     forward in `compute_bytes`-byte elements (4: fp32, 2: bf16 autocast).
 
-    Saved activations per token (no recomputation; `footprint.layer_saved`): a block keeps
+    Saved activations per token (no recomputation; `activation_memory.layer_saved`): a block keeps
     14 * d_model elements in the compute dtype (LayerNorm outputs, q, k, v, attention output,
     the 4x-wide GELU input and output) and its input and mid-block residual in fp32, plus the
     attention probabilities with dropout; under autocast each microbatch also keeps a bf16 copy

@@ -33,26 +33,20 @@ One pipeline of 2^k microbatches (one block): 4 + 8 + 4 x (2 + max(0, k - 1)) = 
 to 2 microbatches, 24 B for 4, 28 B for 8. Two pipelines with one block each and partial replay
 add 4 x 1/2 of receive buffers and 4 of snapshot.
 
-Activations are counted per token in the compute dtype (fp32 on CPU, bf16 under the engine's
-autocast on CUDA), beside what stays fp32 whatever the compute dtype (the residual stream and
-LayerNorm statistics), and under autocast the bf16 copies of the matmul weights that each
-microbatch's forward makes and keeps for its backward. The head's loss (`model/tp_layers.py`)
-works in fp32 over the logits: at its peak the logits, their fp32 copy, the shifted logits, their
-exponentials and the softmax it keeps for backward live together.
+The summation tree's blocks and combine scratch are `sum_tree.py`; what activations take per
+token (compute dtype, autocast copies, the head's loss) is `activation_memory.py`; the figures
+the planner's memory check adds per parameter and per worker are `planner_figures.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from elastic.model.config import GPTConfig
-from elastic.planning.split_blocks import even_split_blocks
+from elastic.planning.sum_tree import Block, combine_scratch, tree_blocks, tree_levels
 
 WEIGHT_BYTES = 4
 """Bytes of one master weight (fp32, `engine/adamw.py`)."""
@@ -92,100 +86,10 @@ buffers (NCCL: a few MiB per peer and channel); none on the CPU."""
 DEVICE_TYPES = ("cpu", *AUTOCAST_DEVICE_TYPES)
 """Device types the memory model knows."""
 
-Block = tuple[int, int]
-"""(start, size): an aligned block of the step's summation tree (`parallel/blocks.py`)."""
-
-
-def compute_bytes(device_type: str) -> int:
-    """Bytes of one activation element in the compute dtype on `device_type`."""
-    return LOW_PRECISION_BYTES if device_type in AUTOCAST_DEVICE_TYPES else WEIGHT_BYTES
-
 
 def reserve_bytes(device_type: str) -> int:
     """Bytes of a `device_type` device that hold no training tensor (context, communicators)."""
     return RESERVE_BYTES.get(device_type, 0)
-
-
-# ---- the summation tree (parallel/blocks.py) ---------------------------------------------------
-
-
-def tree_blocks(start: int, count: int) -> tuple[Block, ...]:
-    """The blocks of microbatches [start, start + count): the fewest aligned ones (`decompose`)."""
-    out: list[Block] = []
-    end = start + count
-    while start < end:
-        size = 1
-        while start % (2 * size) == 0 and start + 2 * size <= end:
-            size *= 2
-        out.append((start, size))
-        start += size
-    return tuple(out)
-
-
-def tree_levels(blocks: Sequence[Block]) -> int:
-    """Scratch levels the tree-order accumulation of `blocks` climbs (a block of 2^k: k - 1)."""
-    return max((max(0, size.bit_length() - 2) for _, size in blocks), default=0)
-
-
-def combine_scratch(blocks: Sequence[Block]) -> int:
-    """Scratch buffers the tree-order combine of `blocks` needs (`CombineProgram.scratch`): one
-    per addition of two inputs; an addition with a scratch operand writes into it. Remembered
-    per multiset of blocks: every holder of a plan's layers combines the same blocks, and the
-    planner asks once per holder (`planner_figures`)."""
-    return _combine_scratch(tuple(sorted(blocks)))
-
-
-@functools.lru_cache(maxsize=64)  # the planner asks for one plan's blocks in a row
-def _combine_scratch(blocks: tuple[Block, ...]) -> int:
-    if all(a[0] + a[1] <= b[0] for a, b in zip(blocks, blocks[1:], strict=False)):
-        return disjoint_scratch(blocks)
-    return tree_scratch(blocks)
-
-
-def disjoint_scratch(blocks: tuple[Block, ...]) -> int:
-    """`combine_scratch` of disjoint aligned blocks in order (every plan's step), in one pass. The
-    combine adds two inputs only at a node whose halves each hold one block and nothing else: the
-    smallest aligned range over two neighbours, when it holds no third block (the blocks a node
-    holds are consecutive)."""
-    made = 0
-    for i in range(len(blocks) - 1):
-        (s1, _), (s2, z2) = blocks[i], blocks[i + 1]
-        k = (s1 ^ (s2 + z2 - 1)).bit_length()
-        lo, hi = (s1 >> k) << k, ((s1 >> k) + 1) << k
-        left_alone = i == 0 or blocks[i - 1][0] < lo
-        right_alone = i + 2 >= len(blocks) or blocks[i + 2][0] + blocks[i + 2][1] > hi
-        made += left_alone and right_alone
-    return made
-
-
-def tree_scratch(blocks: tuple[Block, ...]) -> int:
-    """`combine_scratch` by walking the tree (any blocks, repeated or nested)."""
-    count = Counter(blocks)
-    unique = sorted(count)
-    end = max(start + size for start, size in unique)
-    top = 1
-    while top < end:
-        top *= 2
-    made = 0
-
-    def node(start: int, size: int, inside: list[Block]) -> bool | None:
-        """Whether the subtree's sum is a scratch (True) or an input (False); None: empty."""
-        nonlocal made
-        inside = [b for b in inside if start <= b[0] and b[0] + b[1] <= start + size]
-        if not inside:
-            return None
-        refs: list[bool] = [False] * count.get((start, size), 0)
-        if any(b[1] < size for b in inside):
-            half = size // 2
-            refs += [c for c in (node(start, half, inside), node(start + half, half, inside)) if c is not None]
-        acc = refs[0]
-        for ref in refs[1:]:
-            made += not (acc or ref)
-            acc = True
-        return acc
-
-    node(0, top, unique)
-    return made
 
 
 class ShareLike(Protocol):
@@ -381,126 +285,3 @@ def layer_elements(cfg: GPTConfig, index: int, tp: int = 1) -> int:
     replicated = 4 * d + 2 * d  # ln1, ln2; the biases of attn.proj and mlp.proj
     split = 3 * d * d + 3 * d + d * d + cfg.d_ff * d + cfg.d_ff + d * cfg.d_ff  # qkv, attn.proj, fc, mlp.proj
     return replicated + split // tp
-
-
-# ---- activations ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Saved:
-    """What one planning layer keeps from its forward to its backward, for one microbatch."""
-
-    elements_per_token: float
-    """Elements in the compute dtype."""
-    bytes_per_token: float
-    """Bytes whatever the compute dtype: fp32 residual stream and statistics, token ids, masks."""
-    cast_params: int
-    """Weight elements autocast copies to the compute dtype and keeps (none in fp32)."""
-    workspace_per_token: float = 0.0
-    """Elements per token the loss holds at its peak beyond them (the head), for `head_bytes`."""
-
-
-def layer_saved(cfg: GPTConfig, index: int, tp: int = 1) -> Saved:
-    """What planning layer `index` keeps per microbatch on one of `tp` ranks (measured on this
-    model: saved-tensor hooks over one layer, fp32 and bf16 autocast).
-
-    A block keeps in the compute dtype its two LayerNorm outputs (the column-parallel inputs) and
-    its sharded q/k/v, attention output, MLP input and GELU output: 2d + 12d / tp elements; in
-    fp32 its input and the residual after attention (2d), the LayerNorms' mean and rstd (4) and,
-    when attention runs fused (no dropout), its log-sum-exp (n_head / tp). With dropout the
-    attention probabilities are kept instead: 2 x n_head x seq / tp elements (an estimate). The
-    head keeps its fp32 input and statistics and the LayerNorm output; the embedding its token
-    ids (int64) and the mask of ids outside this rank's vocabulary shard.
-    """
-    d, kind = cfg.d_model, cfg.layer_kind(index)
-    if kind == "embedding":
-        return Saved(elements_per_token=0.0, bytes_per_token=8 + 1, cast_params=0)
-    if kind == "head":
-        return Saved(elements_per_token=float(d), bytes_per_token=4.0 * (d + 2), cast_params=cfg.vocab_size // tp * d,
-                     workspace_per_token=cfg.vocab_size / tp)
-    heads = cfg.n_head / tp
-    attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 else 0.0
-    fused = 0.0 if cfg.dropout > 0 else 4.0 * heads
-    return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + fused,
-                 cast_params=12 * d * d // tp)
-
-
-def saved_bytes(saved: Saved, *, tokens: int, element_bytes: int) -> int:
-    """Bytes `saved` amounts to for one microbatch of `tokens` tokens in `element_bytes` elements."""
-    cast = saved.cast_params * element_bytes if element_bytes < WEIGHT_BYTES else 0
-    return int(tokens * (saved.elements_per_token * element_bytes + saved.bytes_per_token)) + cast
-
-
-def loss_bytes_per_element(element_bytes: int) -> int:
-    """Bytes per logit at the loss's peak: the logits, their copy in the loss's dtype (fp32 at
-    least; none when they have it), the shifted logits, their exponentials and the softmax."""
-    loss = max(element_bytes, WEIGHT_BYTES)
-    return element_bytes + (loss if loss != element_bytes else 0) + 3 * loss
-
-
-def head_bytes(cfg: GPTConfig, *, tokens: int, tp: int = 1, element_bytes: int = WEIGHT_BYTES) -> int:
-    """Bytes of the head's loss at its peak for one microbatch of `tokens` tokens."""
-    return int(tokens * layer_saved(cfg, cfg.num_layers - 1, tp).workspace_per_token) * loss_bytes_per_element(
-        element_bytes)
-
-
-# ---- the planner's figures -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannerFigures:
-    """What the planner's memory check adds to the layers' own bytes (`templates.profile.MemoryModel`)."""
-
-    grad_bytes_per_param: float
-    """Gradient and exchange bytes per parameter, with the buckets' work buffers spread over them."""
-    worker_bytes: int
-    """Fixed bytes per worker: the norm's float64 chunk, the step count, two buckets' work buffers."""
-
-
-def planner_figures(
-    *, global_microbatches: int, min_pipelines: int = 1, max_pipelines: int = 1, partial_replay: bool = True,
-    device_type: str = "cpu",
-) -> PlannerFigures:
-    """The largest figures over plans of `min_pipelines`..`max_pipelines` pipelines splitting the
-    step's microbatches evenly (as far as they go: at most one pipeline per microbatch), on
-    tensor-parallel rank 0 of a `device_type` device. Exact for one pipeline whose share is one
-    block (a power of two); otherwise an upper bound for the even split: each bucket's fixed work
-    buffers and padding are counted at their largest, spread over a full bucket beyond two."""
-    if global_microbatches < 1 or min_pipelines < 1:
-        raise ValueError(f"{global_microbatches} microbatches, {min_pipelines} pipelines")
-    grad, worker = 0.0, 0
-    for p in range(min_pipelines, max(min_pipelines, min(max_pipelines, global_microbatches)) + 1):
-        # A holder's figures depend on its own blocks only through their number and tree levels
-        # (the peers' count is the rest, the combine is of every holder's blocks): one holder of
-        # each kind stands for all, and the split's blocks come as arrays (split_blocks.py).
-        split = even_split_blocks(global_microbatches, p)
-        total, scratch = len(split.starts), split.scratch()
-        for blocks, levels in split.kinds():
-            share = ShareCounts(pipelines=p, own_blocks=blocks, levels=levels, peer_blocks=total - blocks,
-                                scratch=scratch, snapshot=partial_replay and p > 1)
-            figures = holder_figures(share, device_type)
-            grad = max(grad, figures.grad_bytes_per_param)
-            worker = max(worker, figures.worker_bytes)
-    return PlannerFigures(grad_bytes_per_param=grad, worker_bytes=worker)
-
-
-def holder_figures(share: ShareLike, device_type: str = "cpu") -> PlannerFigures:
-    """`planner_figures` of one holder in the tree `share`."""
-    p = share.pipelines
-    padding = (p - 1) * (GRAD_BYTES * share.copies + GRAD_BYTES * share.peer_blocks / p)
-    fixed, per_param = _bucket_work_bound(share, device_type)
-    bucket = fixed + padding
-    loss = LOSS_BYTES if share.snapshot else 0
-    return PlannerFigures(
-        grad_bytes_per_param=grad_bytes_per_param(share) + per_param + bucket * GRAD_BYTES / BUCKET_BYTES,
-        worker_bytes=worker_work_bytes(device_type) + loss + 2 * math.ceil(bucket),
-    )
-
-
-def _bucket_work_bound(share: ShareLike, device_type: str) -> tuple[float, float]:
-    """(a, b): `bucket_work_bytes` of a bucket of n parameters is at most a + b x n."""
-    if device_type in CHUNKED_DEVICE_TYPES:  # chunks of at most SUM_CHUNK elements: a constant
-        return float(bucket_work_bytes(share.pipelines * SUM_CHUNK, share, device_type)), 0.0
-    p = share.pipelines
-    scratch = GRAD_BYTES * share.combine_scratch()  # slice-long buffers, a slice rounded up
-    return scratch + (NORM_BYTES if share.measures and p > 1 else 0.0), scratch / p

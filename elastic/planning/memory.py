@@ -19,16 +19,14 @@ import psutil
 import torch
 
 from elastic.model.config import GPTConfig
+from elastic.planning.activation_memory import head_bytes, layer_saved, saved_bytes
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB
 from elastic.planning.footprint import (
     AUTOCAST_DEVICE_TYPES,
     GradShare,
     StateBytes,
-    head_bytes,
     layer_elements,
-    layer_saved,
     reserve_bytes,
-    saved_bytes,
     state_bytes,
 )
 

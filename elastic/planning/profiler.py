@@ -31,14 +31,10 @@ import torch
 
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
-from elastic.planning.footprint import (
-    GradShare,
-    head_bytes,
-    planner_figures,
-    reserve_bytes,
-    state_bytes_per_param,
-)
+from elastic.planning.activation_memory import head_bytes
+from elastic.planning.footprint import GradShare, reserve_bytes, state_bytes_per_param
 from elastic.planning.memory import compute_dtype, device_memory_bytes
+from elastic.planning.planner_figures import planner_figures
 from templates.derive import ADAMW_STATE_PER_PARAM, DeviceSpeed, LayerCounts, derive_profile
 from templates.profile import LayerProfile, MemoryModel, Profile
 

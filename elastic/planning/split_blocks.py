@@ -1,10 +1,10 @@
 """The summation-tree blocks of an even split of a step, for every holder at once (numpy).
 
-`footprint.tree_blocks` decomposes one holder's microbatches [s, e) into the fewest aligned
+`sum_tree.tree_blocks` decomposes one holder's microbatches [s, e) into the fewest aligned
 blocks: from s, the largest power of two that s is a multiple of and that fits before e. Here
 every holder of a split advances together, one block per round (at most 2 log2 M rounds), so a
 split of P pipelines costs a few dozen array operations instead of P Python loops. The planner's
-memory figures (`footprint.planner_figures`) ask this of every pipeline count up to the node
+memory figures (`planner_figures.planner_figures`) ask this of every pipeline count up to the node
 count: at 2,048 nodes the Python loops took about 11 s, most of a leader's start.
 """
 
@@ -27,7 +27,7 @@ class SplitBlocks:
     per_holder: np.ndarray
     """Blocks of each holder, in plan order."""
     levels: np.ndarray
-    """`footprint.tree_levels` of each holder's blocks."""
+    """`sum_tree.tree_levels` of each holder's blocks."""
 
     def kinds(self) -> list[tuple[int, int]]:
         """The distinct (blocks, levels) of the holders."""
@@ -35,7 +35,7 @@ class SplitBlocks:
         return [(int(k) // 64, int(k) % 64) for k in keys]
 
     def scratch(self) -> int:
-        """`footprint.disjoint_scratch` of all the blocks: a pair of neighbours makes a scratch
+        """`sum_tree.disjoint_scratch` of all the blocks: a pair of neighbours makes a scratch
         buffer when the smallest aligned range over both holds no third block."""
         s, z = self.starts, self.sizes
         if len(s) < 2:

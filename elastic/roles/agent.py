@@ -59,20 +59,20 @@ from elastic.coordinator.membership import Membership, MembershipConfig, NodeIde
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.records.injection import (
+from elastic.records.injection_requests import (
     AGENT_KINDS,
     InjectionRequest,
     InjectionStatus,
     State,
-    Throttle,
-    process_state,
     read_status,
     read_statuses,
     request_id,
     submit_request,
     write_status,
 )
+from elastic.records.proc_stat import process_state
 from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
+from elastic.records.throttle import Throttle
 from elastic.roles import cpu_quota
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.records.injection import InjectionRequest
+from elastic.records.injection_requests import InjectionRequest
 from elastic.records.protocol import ProgressRecord, RunKeys
 
 

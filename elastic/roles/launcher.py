@@ -55,7 +55,7 @@ from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
-from elastic.records.injection import (
+from elastic.records.injection_requests import (
     InjectionRequest,
     InjectionStatus,
     read_requests,

@@ -70,7 +70,7 @@ from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
 from elastic.planning.stragglers import ACTING, planner_split
-from elastic.records.injection import (
+from elastic.records.injection_requests import (
     InjectionRequest,
     InjectionStatus,
     read_requests,

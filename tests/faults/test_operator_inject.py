@@ -15,7 +15,7 @@ import pytest
 from elastic.cli.main import main
 from elastic.coordinator import EtcdServer, JobKeys, Membership, MembershipConfig, NodeIdentity, admit
 from elastic.coordinator.generations import Generations
-from elastic.records.injection import read_requests
+from elastic.records.injection_requests import read_requests
 from elastic.records.protocol import GenerationRecord, ProgressRecord, RunKeys, node_id
 
 from .runs import tiny_config

@@ -16,7 +16,7 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.coordinator.generations import Generations
-from elastic.records.injection import read_requests, read_statuses
+from elastic.records.injection_requests import read_requests, read_statuses
 from elastic.records.protocol import GenerationRecord
 from elastic.records.summary import RunSummary
 

@@ -28,7 +28,7 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.planning.stragglers import StragglerConfig
-from elastic.records.injection import read_requests, read_statuses
+from elastic.records.injection_requests import read_requests, read_statuses
 from elastic.records.protocol import GenerationRecord, WorkerInfo
 from elastic.records.stragglers import read_stragglers
 from elastic.records.summary import RunSummary

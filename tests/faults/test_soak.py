@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from elastic.coordinator.etcd_server import EtcdCluster
-from elastic.records.injection import read_statuses
+from elastic.records.injection_requests import read_statuses
 
 from .runs import LiveJob, check_same_training, static_reference, step_logs, tiny_config
 from .soak import FAULT_KINDS, GUARANTEED_AT, SoakController, check_exactly_once, soak_schedule

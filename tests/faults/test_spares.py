@@ -22,7 +22,8 @@ import pytest
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.records.injection import InjectionRequest, parse_injection, request_id, submit_request
+from elastic.records.injection import parse_injection
+from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
 from elastic.records.protocol import GenerationRecord
 from tests.polling import wait_for
 

@@ -31,7 +31,8 @@ import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.ops.status import read_status, render_table
+from elastic.ops.status_read import read_status
+from elastic.ops.status_table import render_table
 from elastic.planning.stragglers import StragglerConfig
 from elastic.records.protocol import GenerationRecord
 from elastic.records.stragglers import StragglerRecord, read_stragglers

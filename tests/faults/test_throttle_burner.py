@@ -1,5 +1,5 @@
 """The throttle of `elastic inject slow` holds the node's share of the cores (Throttle's
-`hold_cpu`, elastic/records/injection.py): a burner per throttled process spins exactly while
+`hold_cpu`, elastic/records/throttle.py): a burner per throttled process spins exactly while
 that process is stopped, and no burner outlives the throttle, not even when the process that
 throttles is SIGKILLed. Real processes and signals, sampled with psutil."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic.records.injection import Throttle
+from elastic.records.throttle import Throttle
 from tests.processes import stop_pids
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,7 +68,7 @@ def test_a_burner_runs_exactly_while_its_process_is_stopped() -> None:
 def test_burners_die_with_the_process_that_throttles() -> None:
     code = (
         "import os, sys, threading\n"
-        "from elastic.records.injection import Throttle\n"
+        "from elastic.records.throttle import Throttle\n"
         "t = Throttle([int(sys.argv[1])], factor=2.0, seconds=60.0, lock=threading.Lock(), hold_cpu=True)\n"
         "threading.Thread(target=t.run, args=(threading.Event(),), daemon=True).start()\n"
         "while not t.burners:\n"

@@ -22,7 +22,7 @@ import pytest
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
 from elastic.coordinator.generations import Generations
 from elastic.engine.optim import OptimConfig
-from elastic.ops.status import read_status
+from elastic.ops.status_read import read_status
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.job import JobSpec
 from elastic.records.protocol import (

@@ -20,7 +20,8 @@ import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
 from elastic.engine.optim import OptimConfig
-from elastic.ops.metrics import NodeMetrics, metrics_addresses, snapshot
+from elastic.ops.metrics import NodeMetrics, metrics_addresses
+from elastic.ops.metrics_snapshot import snapshot
 from elastic.ops.report import summary_text, write_report
 from elastic.parallel.layout import assign_ranks
 from elastic.planning.cluster import ClusterSpec

@@ -25,7 +25,8 @@ from elastic.coordinator import EtcdConfig, EtcdServer, connect
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import read_members
 from elastic.engine.optim import OptimConfig
-from elastic.ops.status import read_status, render_table
+from elastic.ops.status_read import read_status
+from elastic.ops.status_table import render_table
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec

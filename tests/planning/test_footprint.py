@@ -1,4 +1,5 @@
-"""The memory model (elastic/planning/footprint.py, memory.py) as units: its mirrors of the
+"""The memory model (elastic/planning/footprint.py, sum_tree.py, activation_memory.py,
+planner_figures.py, memory.py) as units: its mirrors of the
 engine's bucketing, summation tree and parameter shapes against the engine's own functions, its
 one per-parameter formula against its exact count, its activation counts against the tensors
 autograd saves, and the planner's figures against the exact count they bound. The whole against
@@ -20,6 +21,7 @@ from elastic.model.naming import layer_of
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.blocks import Block, CombineProgram, decompose
 from elastic.parallel.grad_sync import split_layers
+from elastic.planning.activation_memory import layer_saved, saved_bytes
 from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.planning.footprint import (
     LOSS_BYTES,
@@ -29,20 +31,14 @@ from elastic.planning.footprint import (
     STEP_COUNT_BYTES,
     GradShare,
     bucket_runs,
-    combine_scratch,
-    disjoint_scratch,
     grad_bytes_per_param,
-    holder_figures,
     layer_elements,
-    layer_saved,
-    planner_figures,
-    saved_bytes,
     state_bytes,
     state_bytes_per_param,
-    tree_blocks,
-    tree_scratch,
 )
 from elastic.planning.memory import worker_memory
+from elastic.planning.planner_figures import holder_figures, planner_figures
+from elastic.planning.sum_tree import combine_scratch, disjoint_scratch, tree_blocks, tree_scratch
 from templates.cost import StageCosts
 
 pytestmark = pytest.mark.timeout(60)

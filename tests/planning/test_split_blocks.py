@@ -6,8 +6,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.footprint import GradShare, disjoint_scratch, tree_levels
+from elastic.planning.footprint import GradShare
 from elastic.planning.split_blocks import bit_length, even_split_blocks
+from elastic.planning.sum_tree import disjoint_scratch, tree_levels
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,7 +21,8 @@ from elastic.ops.run_lock import LauncherRecord
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.checkpoint_failures import SaveFailures
 from elastic.records.evals import EvalResult
-from elastic.records.injection import Injection, InjectionRequest, InjectionStatus, parse_injection
+from elastic.records.injection import Injection, parse_injection
+from elastic.records.injection_requests import InjectionRequest, InjectionStatus
 from elastic.records.job import JobSpec
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
-from elastic.records.injection import Throttle
+from elastic.records.throttle import Throttle
 from elastic.roles.cpu_quota import STALE_S, CpuQuotaError, NodeCpuQuotas, find_hierarchy, join
 from tests.faults.runs import tiny_config
 from tests.processes import stop_pids

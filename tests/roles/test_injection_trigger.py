@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdServer, JobKeys
-from elastic.records.injection import InjectionRequest
+from elastic.records.injection_requests import InjectionRequest
 from elastic.records.protocol import ProgressRecord, RunKeys
 from elastic.roles.injection_trigger import InjectionTrigger
 

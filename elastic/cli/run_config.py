@@ -1,0 +1,221 @@
+"""`elastic run`'s flags turned into what runs: the plan (--plan FILE or the planner's), the
+device type and memory the planner counts with, the checks of flags that go together, the
+JobSpec and the control plane's ElasticConfig (injections, checkpoints, leases, stragglers,
+--spares). Every bad value is a UsageError (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elastic.cli.main import UsageError
+from elastic.model.config import GPTConfig
+from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan, memory_gib
+from elastic.planning.stragglers import StragglerConfig
+from templates.plan import Plan, PlanError
+
+if TYPE_CHECKING:
+    from elastic.records.job import JobSpec
+
+
+def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | None = None) -> Plan:
+    """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
+    (for the model `shape`; None: the --model preset's)."""
+    if args.plan is not None:
+        try:
+            plan = Plan.from_json(args.plan.read_text())
+        except OSError as exc:
+            raise UsageError(f"cannot read --plan {args.plan}: {exc.strerror}") from None
+        except PlanError as exc:
+            raise UsageError(f"--plan {args.plan}: {exc}") from None
+        checks = {
+            "nodes": (args.nodes, len(plan.nodes)),
+            "gpus-per-node": (args.gpus_per_node, plan.gpus_per_node),
+            "microbatch": (args.microbatch, plan.microbatch_size),
+            "global-batch": (args.global_batch, plan.global_batch),
+        }
+        for flag, (given, planned) in checks.items():
+            if given is not None and given != planned:
+                raise UsageError(f"--{flag} {given} disagrees with the plan's {planned}")
+        if args.fault_tolerance is not None and len(plan.pipelines) < args.fault_tolerance + 1:
+            raise UsageError(
+                f"the plan has {len(plan.pipelines)} pipelines; --fault-tolerance {args.fault_tolerance} needs "
+                f"{args.fault_tolerance + 1}"
+            )
+        return plan
+    try:
+        spec = ClusterSpec(
+            model=args.model,
+            nodes=1 if args.nodes is None else args.nodes,
+            gpus_per_node=1 if args.gpus_per_node is None else args.gpus_per_node,
+            fault_tolerance=0 if args.fault_tolerance is None else args.fault_tolerance,
+            global_batch=8 if args.global_batch is None else args.global_batch,
+            microbatch=2 if args.microbatch is None else args.microbatch,
+            profile_path=args.profile,
+            device_tflops=args.device_tflops,
+            device_memory_gib=_memory_gib(args),
+            device_type=_device_type(args),
+            shape=shape,
+        )
+        return initial_plan(spec, cluster_templates(spec))
+    except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
+        raise UsageError(str(exc)) from None
+
+
+def _device_type(args: argparse.Namespace) -> str:
+    """The device type the workers will compute on (what the planner counts activations in):
+    --device, or for "auto" whether this machine has a GPU (torch loads only where one may be)."""
+    if args.device != "auto":
+        return str(args.device)
+    if not (shutil.which("nvidia-smi") or Path("/dev/nvidiactl").exists()):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _memory_gib(args: argparse.Namespace) -> float:
+    """--device-memory-gib, or the device's (`planning.cluster.memory_gib`)."""
+    return memory_gib(args.device_memory_gib, _device_type(args), profile=args.profile)
+
+
+def check_flags(args: argparse.Namespace) -> str | None:
+    """Check the flags that go together (UsageError); the job token of `--agents external`
+    ($ELASTIC_JOB_TOKEN), else None."""
+    if args.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    if args.static and (args.inject or args.etcd is not None or args.checkpoint_every is not None):
+        raise UsageError("--static runs without the control plane: it cannot take --inject, --etcd or --checkpoint-every")
+    _check_etcd_flags(args)
+    token = None
+    if args.agents == "external":
+        import os
+
+        token = os.environ.get("ELASTIC_JOB_TOKEN") or None
+        if args.static or args.etcd is None or args.job is None or token is None:
+            raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
+    if args.node_cpus is not None and (args.static or args.agents == "external" or not args.node_cpus > 0):
+        raise UsageError(f"--node-cpus caps the local agents of an elastic run: it must be > 0 (got {args.node_cpus}) "
+                         "and cannot go with --static or --agents external")
+    return token
+
+
+def _check_etcd_flags(args: argparse.Namespace) -> None:
+    """`--etcd` is a valid endpoint list; `--etcd-members` is odd, in range, and not with `--etcd`
+    or `--static` (UsageError)."""
+    from elastic.coordinator.client import parse_endpoints
+    from elastic.coordinator.etcd_server import check_member_count
+
+    try:
+        if args.etcd is not None:
+            parse_endpoints(args.etcd)
+        check_member_count(args.etcd_members)
+    except ValueError as exc:
+        raise UsageError(f"--etcd/--etcd-members: {exc}") from None
+    if args.etcd_members != 1 and (args.etcd is not None or args.static):
+        raise UsageError("--etcd-members starts a local etcd cluster: it cannot go with --etcd or --static")
+
+
+def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:
+    """The JobSpec of the run (model shape, optimizer, data and device from the flags); UsageError
+    if invalid."""
+    from elastic.records.job import JobSpec
+    from elastic.records.optim_config import OptimConfig
+
+    try:
+        optim = OptimConfig(
+            lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
+        )
+        return JobSpec(
+            model=args.model,
+            plan=plan,
+            steps=args.steps,
+            run_dir=str(run_dir),
+            data_seed=args.seed,
+            data_path=args.data,
+            optim=optim,
+            device=args.device,
+            eval_every=args.eval_every,
+            eval_batches=_eval_batches(args),
+            shape=shape,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _eval_batches(args: argparse.Namespace) -> int:
+    """--eval-batches (default 8), checked with --eval-every (UsageError if they do not go together)."""
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every must be >= 0, got {args.eval_every}")
+    if args.eval_batches is None:
+        return 8
+    if args.eval_every == 0:
+        raise UsageError("--eval-batches needs --eval-every N (N > 0)")
+    if args.eval_batches < 1:
+        raise UsageError(f"--eval-batches must be >= 1, got {args.eval_batches}")
+    return int(args.eval_batches)
+
+
+def check_held_out(spec: JobSpec) -> None:
+    """With --eval-every, the corpus must hold both a training part and a held-out tail (UsageError)."""
+    if spec.eval_every == 0:
+        return
+    from elastic.data.dataset import TokenDataset
+
+    try:
+        TokenDataset(seq_len=spec.model_config.seq_len, seed=spec.data_seed, path=spec.data_path, held_out=True)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--eval-every: {exc}") from None
+
+
+def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
+    """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
+    from elastic.records.injection import check_injections, parse_injection
+    from elastic.records.protocol import ElasticConfig
+
+    try:
+        injections = [parse_injection(text) for text in args.inject]
+        check_injections(injections, nodes=max(plan.nodes) + 1, steps=args.steps)
+        every = 5 if args.checkpoint_every is None else args.checkpoint_every
+        if every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
+        if args.lease_ttl < 2:
+            raise ValueError(f"--lease-ttl must be >= 2 (etcd's minimum), got {args.lease_ttl}")
+        cluster = ClusterSpec(
+            model=args.model,
+            nodes=len(plan.nodes),
+            gpus_per_node=plan.gpus_per_node,
+            fault_tolerance=plan.fault_tolerance,
+            global_batch=plan.global_batch,
+            microbatch=plan.microbatch_size,
+            profile_path=args.profile,
+            device_tflops=args.device_tflops,
+            device_memory_gib=_memory_gib(args),
+            device_type=_device_type(args),
+            shape=spec.model_config,
+        )
+        stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
+                                     steps=args.straggler_steps)
+        return ElasticConfig(
+            spec=spec, cluster=cluster, injections=tuple(injections), checkpoint_every=every,
+            lease_ttl=args.lease_ttl, stragglers=stragglers,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_spares(args: argparse.Namespace) -> None:
+    """--spares: a count >= 0, and only under the control plane (UsageError otherwise)."""
+    if args.spares < 0:
+        raise UsageError(f"--spares must be >= 0, got {args.spares}")
+    if args.spares and args.static:
+        raise UsageError("--static runs without the control plane: it cannot take --spares")
+
+
+def spares_config(args: argparse.Namespace, config: Any) -> Any:
+    """`config` with `--spares` (ElasticConfig.spares)."""
+    import dataclasses
+
+    return dataclasses.replace(config, spares=args.spares) if args.spares else config

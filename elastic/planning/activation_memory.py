@@ -1,0 +1,75 @@
+"""Activation memory as the memory model counts it: what each planning layer keeps from its
+forward to its backward per microbatch, in the compute dtype (fp32 on CPU, bf16 under the
+engine's autocast on CUDA) and beside it in fp32 (the residual stream and LayerNorm statistics),
+the bf16 weight copies autocast keeps, and the head's loss at its peak: the logits, their fp32
+copy, the shifted logits, their exponentials and the softmax (`model/tp_layers.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.model.config import GPTConfig
+from elastic.planning.footprint import AUTOCAST_DEVICE_TYPES, LOW_PRECISION_BYTES, WEIGHT_BYTES
+
+
+def compute_bytes(device_type: str) -> int:
+    """Bytes of one activation element in the compute dtype on `device_type`."""
+    return LOW_PRECISION_BYTES if device_type in AUTOCAST_DEVICE_TYPES else WEIGHT_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Saved:
+    """What one planning layer keeps from its forward to its backward, for one microbatch."""
+
+    elements_per_token: float
+    """Elements in the compute dtype."""
+    bytes_per_token: float
+    """Bytes whatever the compute dtype: fp32 residual stream and statistics, token ids, masks."""
+    cast_params: int
+    """Weight elements autocast copies to the compute dtype and keeps (none in fp32)."""
+    workspace_per_token: float = 0.0
+    """Elements per token the loss holds at its peak beyond them (the head), for `head_bytes`."""
+
+
+def layer_saved(cfg: GPTConfig, index: int, tp: int = 1) -> Saved:
+    """What planning layer `index` keeps per microbatch on one of `tp` ranks (measured on this
+    model: saved-tensor hooks over one layer, fp32 and bf16 autocast).
+
+    A block keeps in the compute dtype its two LayerNorm outputs (the column-parallel inputs) and
+    its sharded q/k/v, attention output, MLP input and GELU output: 2d + 12d / tp elements; in
+    fp32 its input and the residual after attention (2d), the LayerNorms' mean and rstd (4) and,
+    when attention runs fused (no dropout), its log-sum-exp (n_head / tp). With dropout the
+    attention probabilities are kept instead: 2 x n_head x seq / tp elements (an estimate). The
+    head keeps its fp32 input and statistics and the LayerNorm output; the embedding its token
+    ids (int64) and the mask of ids outside this rank's vocabulary shard.
+    """
+    d, kind = cfg.d_model, cfg.layer_kind(index)
+    if kind == "embedding":
+        return Saved(elements_per_token=0.0, bytes_per_token=8 + 1, cast_params=0)
+    if kind == "head":
+        return Saved(elements_per_token=float(d), bytes_per_token=4.0 * (d + 2), cast_params=cfg.vocab_size // tp * d,
+                     workspace_per_token=cfg.vocab_size / tp)
+    heads = cfg.n_head / tp
+    attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 else 0.0
+    fused = 0.0 if cfg.dropout > 0 else 4.0 * heads
+    return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + fused,
+                 cast_params=12 * d * d // tp)
+
+
+def saved_bytes(saved: Saved, *, tokens: int, element_bytes: int) -> int:
+    """Bytes `saved` amounts to for one microbatch of `tokens` tokens in `element_bytes` elements."""
+    cast = saved.cast_params * element_bytes if element_bytes < WEIGHT_BYTES else 0
+    return int(tokens * (saved.elements_per_token * element_bytes + saved.bytes_per_token)) + cast
+
+
+def loss_bytes_per_element(element_bytes: int) -> int:
+    """Bytes per logit at the loss's peak: the logits, their copy in the loss's dtype (fp32 at
+    least; none when they have it), the shifted logits, their exponentials and the softmax."""
+    loss = max(element_bytes, WEIGHT_BYTES)
+    return element_bytes + (loss if loss != element_bytes else 0) + 3 * loss
+
+
+def head_bytes(cfg: GPTConfig, *, tokens: int, tp: int = 1, element_bytes: int = WEIGHT_BYTES) -> int:
+    """Bytes of the head's loss at its peak for one microbatch of `tokens` tokens."""
+    return int(tokens * layer_saved(cfg, cfg.num_layers - 1, tp).workspace_per_token) * loss_bytes_per_element(
+        element_bytes)
