@@ -81,7 +81,7 @@ class RecoveryCosts:
     """Elastic: a slowdown by a smaller factor is never marked (the runtime's StragglerConfig.threshold)."""
     straggler_min_gain: float = 0.1
     """Elastic: the leader re-splits for marked nodes only for an estimated step-time gain of at
-    least this fraction (elastic/roles/leader.py REBALANCE_GAIN)."""
+    least this fraction (elastic/roles/leader_decisions.py REBALANCE_GAIN)."""
     spare_payback_s: float = 600.0
     """Elastic, straggler policy auto: a free spare replaces a marked node when, over this many
     seconds, it is estimated to train more steps than rebalancing, its shard fetch included (an

@@ -1,7 +1,7 @@
 """When the runtime would mark a slow node, and clear its mark, as the simulation times it.
 
 The runtime (elastic/planning/stragglers.py) marks a node after a number of slow steps and
-clears the mark after as many fast ones; the leader then re-splits (elastic/roles/leader.py).
+clears the mark after as many fast ones; the leader then re-splits (elastic/roles/leader_decisions.py).
 Here that delay is `RecoveryCosts.straggler_detect_steps` steps at the pace the run has when the
 node's speed changes (or when training resumes, if it is recovering then), counted in seconds at
 that pace: a later change of pace does not move it. A re-plan restarts the counts of the nodes

@@ -42,7 +42,8 @@ from elastic.records.protocol import (
     node_id,
 )
 from elastic.records.stop import submit_stop
-from elastic.roles.leader import Leader, NotLeader, decide, surviving_holders_cover
+from elastic.roles.leader import Leader, NotLeader, decide
+from elastic.roles.leader_replan import surviving_holders_cover
 from templates.plan import even_plan
 from tests.polling import wait_for
 
