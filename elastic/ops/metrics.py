@@ -43,7 +43,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_node_speed_factor | gauge | | those seconds per unit of work over its peers' median (elastic/planning/stragglers.py) |
 | elastic_node_straggler | gauge | | 1 while this node is marked as a straggler, else 0 |
 
-A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
+A recovery's breakdown follows elastic.roles.launcher_feed (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
 generation reported its timings, or a later generation superseded it after some did.
 """
@@ -224,7 +224,7 @@ class Snapshot:
 def recovery_of(
     g: int, rec: GenerationRecord, timings: list[RecoveryTimings], injected: dict[str, float]
 ) -> Recovery:
-    """The breakdown of elastic.roles.progress (the launcher's and `elastic status`'s), from
+    """The breakdown of elastic.roles.launcher_feed (the launcher's and `elastic status`'s), from
     mirrored values."""
     b = breakdown_of(g, rec, timings, list(injected.items()))
     return Recovery(generation=g, total_s=b["total_s"], phases={p: b[f"{p}_s"] for p in PHASES})
