@@ -1,5 +1,5 @@
 """Static launcher: a fixed plan's N simulated nodes x G worker processes on this machine, with
-no failure handling (`elastic run` without `--elastic`; the elastic launcher is launcher.py).
+no failure handling (`elastic run --static`; the elastic launcher is launcher.py).
 
 `launch` hosts the rendezvous store (a TCPStore on 127.0.0.1; the store is a parameter so an
 etcd-backed one can take its place), writes the job spec, starts one worker subprocess per

@@ -1,6 +1,7 @@
-"""Worker entry point: `python -m elastic.roles.static_worker --spec FILE --node N --local-rank L`.
+"""Static worker entry point: `python -m elastic.roles.static_worker --spec FILE --node N --local-rank L`.
 
-The launcher starts one such process per (node, device). The worker joins the job through the
+The static launcher (static_launcher.py, `elastic run --static`) starts one such process per
+(node, device), for a fixed plan with no failure handling. The worker joins the job through the
 store at --store-host/--store-port (hosted by the launcher) and runs the job spec.
 """
 
