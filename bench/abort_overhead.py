@@ -29,7 +29,7 @@ import torch.distributed as dist
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.records.job import JobSpec
-from elastic.roles.launcher import host_store
+from elastic.roles.static_launcher import host_store
 from templates.plan import even_plan
 
 

@@ -58,11 +58,11 @@ from elastic.records.protocol import (
     WorkerInfo,
     node_id,
 )
-from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
 from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import NodeRelay, RelayClient, put_all
+from elastic.roles.worker_feeds import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 
 log = logging.getLogger("control_plane_shard")
 

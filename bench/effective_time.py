@@ -160,7 +160,7 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     from elastic.ops.job_target import find_job, open_client, resolve_target
     from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
     from elastic.records.protocol import GenerationRecord, RunKeys, committed_steps, live_nodes
-    from elastic.roles.launcher import JobFailed
+    from elastic.roles.launch_errors import JobFailed
 
     stop = threading.Event()
     failed: list[BaseException] = []

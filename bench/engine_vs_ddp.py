@@ -47,7 +47,7 @@ from elastic.engine.optim import OptimConfig, lr_at
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.records.job import JobSpec
-from elastic.roles.launcher import host_store, launch
+from elastic.roles.static_launcher import host_store, launch
 from templates.plan import even_plan
 
 REPO = Path(__file__).resolve().parents[1]

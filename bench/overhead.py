@@ -47,7 +47,7 @@ def _spawn(
 ) -> list[float]:
     """Start `procs` ranks of `argv` (given their rank and the store's port through `flags`) around
     a fresh TCPStore; rank 0's step times, read from `out`."""
-    from elastic.roles.launcher import host_store
+    from elastic.roles.static_launcher import host_store
 
     store, port = host_store(timeout_s=300)
     env = {
@@ -83,7 +83,7 @@ def engine_run(args: argparse.Namespace, run_dir: Path, *, pipelines: int) -> li
     from elastic.engine.optim import OptimConfig
     from elastic.model.config import get_preset
     from elastic.records.job import JobSpec
-    from elastic.roles.launcher import launch
+    from elastic.roles.static_launcher import launch
     from templates.plan import even_plan
 
     plan = even_plan(num_layers=get_preset(args.model).num_layers, nodes=list(range(args.procs)),

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
-from elastic.roles.zygote import ZYGOTE_ENV, Zygote, warm_enabled
+from elastic.roles.zygote import ZYGOTE_ENV, warm_enabled
+from elastic.roles.zygote_client import Zygote
 
 
 @pytest.fixture(scope="session", autouse=True)

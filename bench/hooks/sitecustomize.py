@@ -4,7 +4,7 @@ The engine writes no figure of its memory, and its workers are started by `elast
 launcher, or an agent under the control plane), not by the bench. Python imports
 `sitecustomize` at start-up from the first `sys.path` entry that has one, and the workers inherit
 the environment: bench/gpu_check.py puts this folder first on PYTHONPATH and names a folder in
-$ELASTIC_BENCH_PEAK_DIR. In a worker (`python -m elastic.roles.worker` or
+$ELASTIC_BENCH_PEAK_DIR. In a worker (`python -m elastic.roles.static_worker` or
 `elastic.roles.elastic_worker`), a daemon thread then appends to `peak-<pid>.jsonl` in that folder,
 every POLL_S seconds and only when a value grew, one line: `t` (Unix seconds), `allocated` and
 `reserved` (torch.cuda.max_memory_allocated / max_memory_reserved of the busiest device, or None

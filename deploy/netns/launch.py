@@ -175,7 +175,8 @@ def _fault_setter(topo: Topology, etcd_host: str) -> Callable[[PartitionSpec, bo
 
 def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
     from elastic.coordinator import EtcdServer
-    from elastic.roles.launcher import JobFailed, launch_elastic
+    from elastic.roles.launch_errors import JobFailed
+    from elastic.roles.launcher import launch_elastic
 
     plan = config.spec.plan
     run_dir = Path(args.run_dir)

@@ -190,7 +190,8 @@ def _start_warm_parent(args: argparse.Namespace) -> Any:
     """The warm parent of the job's local agents and workers (elastic/roles/zygote.py), started
     before anything else: its `import torch` runs while this process plans and starts etcd (this
     process never imports torch before the job ends). The launcher finds it in $ELASTIC_ZYGOTE."""
-    from elastic.roles.zygote import ZYGOTE_ENV, Zygote, warm_enabled
+    from elastic.roles.zygote import ZYGOTE_ENV, warm_enabled
+    from elastic.roles.zygote_client import Zygote
 
     if args.static or args.agents != "local" or not warm_enabled() or os.environ.get(ZYGOTE_ENV):
         return None
@@ -207,7 +208,9 @@ def _run_job(args: argparse.Namespace) -> int:
     from elastic.cli.run_stop import report_stop_timed_out, report_stopped, stop_on_signals
     from elastic.coordinator.client import EtcdAccessError, EtcdUnreachableError
     from elastic.roles.job_stop import JobStopped, StopTimedOut
-    from elastic.roles.launcher import JobFailed, StartupError, WorkerFailed, launch, launch_elastic
+    from elastic.roles.launch_errors import JobFailed, StartupError, WorkerFailed
+    from elastic.roles.launcher import launch_elastic
+    from elastic.roles.static_launcher import launch
 
     cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
     token = check_flags(args)

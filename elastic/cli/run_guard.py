@@ -137,7 +137,7 @@ def ending(exc: BaseException | None, status: JobStatus) -> RunEnd:
 def _classify(exc: BaseException | None, status: JobStatus) -> tuple[str, str]:
     """(RunEnd.how, the reason in a few words)."""
     from elastic.roles.job_stop import JobStopped, StopTimedOut
-    from elastic.roles.launcher import JobFailed, StartupError, WorkerFailed
+    from elastic.roles.launch_errors import JobFailed, StartupError, WorkerFailed
 
     if exc is None:
         done = status.total_steps is not None and status.committed_steps >= status.total_steps

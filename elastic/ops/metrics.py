@@ -47,7 +47,7 @@ This file holds the endpoint (`NodeMetrics`: its mirrors, HTTP server and publis
 the address keys. The values come from `metrics_snapshot.py` (a `Snapshot` of the mirrored state),
 their exposition as metric families from `metrics_families.py`, the mirrors from `etcd_mirror.py`.
 
-A recovery's breakdown follows elastic.roles.progress (the run summary's recovery entries),
+A recovery's breakdown follows elastic.roles.launcher_feed (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
 generation reported its timings, or a later generation superseded it after some did.
 """

@@ -1,6 +1,6 @@
 """What a node's metrics endpoint serves, as numbers: a `Snapshot` computed from the mirrored etcd
 state at scrape time (nothing counted locally), its finished recoveries by the breakdown of
-elastic.roles.progress, and the hot spares among the live members. Metric names: metrics.py's doc."""
+elastic.roles.launcher_feed, and the hot spares among the live members. Metric names: metrics.py's doc."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class Snapshot:
 def recovery_of(
     g: int, rec: GenerationRecord, timings: list[RecoveryTimings], injected: dict[str, float]
 ) -> Recovery:
-    """The breakdown of elastic.roles.progress (the launcher's and `elastic status`'s), from
+    """The breakdown of elastic.roles.launcher_feed (the launcher's and `elastic status`'s), from
     mirrored values."""
     b = breakdown_of(g, rec, timings, list(injected.items()))
     return Recovery(generation=g, total_s=b["total_s"], phases={p: b[f"{p}_s"] for p in PHASES})

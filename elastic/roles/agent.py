@@ -7,16 +7,17 @@ stopped (SIGSTOP: hung), makes it report the node failed at once (its lease is r
 watcher sees the loss), kill the node's other workers and exit.
 
 It carries out the injection requests (injection.py) addressed to its node and incarnation,
-watching `injections/`: kill (SIGKILL the workers), hang (SIGSTOP workers and agent: the lease
-expires), slow (a SIGSTOP/SIGCONT duty cycle on the workers, which the hang detector knows is
-not a hang) and partition (emulated: keepalives stop, the leader steps down and the workers are
-SIGSTOPped for the given seconds; after the heal the node finds itself fenced, kills its
-workers before they run again and exits 3). An agent that finds its own lease expired (a real
-partition healed, a hang continued) likewise kills its workers and exits 3.
+watching `injections/` (elastic/roles/agent_injections.py): kill (SIGKILL the workers), hang
+(SIGSTOP workers and agent: the lease expires), slow (a SIGSTOP/SIGCONT duty cycle on the
+workers, which the hang detector knows is not a hang) and partition (emulated: keepalives stop,
+the leader steps down and the workers are SIGSTOPped for the given seconds; after the heal the
+node finds itself fenced, kills its workers before they run again and exits 3). An agent that
+finds its own lease expired (a real partition healed, a hang continued) likewise kills its
+workers and exits 3.
 
-Preemption: SIGTERM (Kubernetes' and SLURM's notice, or torchrun passing its own on) asks the
-leader for a drain of this node, as `elastic drain` does (a request under `injections/`, by
-"sigterm"). When the leader meets it, the node leaves at the next step boundary with nothing
+Preemption (elastic/roles/agent_preemption.py): SIGTERM (Kubernetes' and SLURM's notice, or
+torchrun passing its own on) asks the leader for a drain of this node, as `elastic drain` does
+(a request under `injections/`, by "sigterm"). When the leader meets it, the node leaves at the next step boundary with nothing
 discarded: its workers hand their shards over and the agent exits 0. When the leader refuses it
 (the other nodes could not form the job's f+1 pipelines) or it is not done within
 $ELASTIC_PREEMPT_GRACE_S (default 20 s, below Kubernetes' default grace of 30 s), the node leaves
@@ -53,31 +54,20 @@ from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import config_from_env, connect, stop_retrying
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
-from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
-from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.records.injection_requests import (
-    AGENT_KINDS,
-    InjectionRequest,
-    InjectionStatus,
-    State,
-    read_status,
-    read_statuses,
-    request_id,
-    submit_request,
-    write_status,
-)
+from elastic.coordinator.watch import watch_from_now
 from elastic.records.proc_stat import process_state
 from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
-from elastic.records.throttle import Throttle
 from elastic.roles import cpu_quota
-from elastic.roles.injection_trigger import InjectionTrigger
+from elastic.roles.agent_injections import NodeInjections
+from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, Preemption
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
 from elastic.roles.start_phases import start_phases
-from elastic.roles.zygote import SPAWNED_AT_ENV, WarmProcess, start_process, warm_parent
+from elastic.roles.zygote import SPAWNED_AT_ENV
+from elastic.roles.zygote_client import WarmProcess, start_process, warm_parent
 
 if TYPE_CHECKING:
     from elastic.ops.metrics import NodeMetrics
@@ -94,12 +84,6 @@ ETCD_GIVE_UP_S = 300.0
 """How long etcd may stay unreachable before the agent counts its node lost, stops its workers
 and exits (EXIT_FAILED); $ELASTIC_ETCD_GIVE_UP_S overrides it. etcd extends every lease when it
 comes back, so shorter outages cost nothing."""
-PREEMPT_GRACE_ENV = "ELASTIC_PREEMPT_GRACE_S"
-PREEMPT_GRACE_S = 20.0
-"""How long a SIGTERMed node may take to be drained before it leaves as a failure (module doc);
-$ELASTIC_PREEMPT_GRACE_S overrides it. Below Kubernetes' default terminationGracePeriodSeconds
-(30 s) and torchrun's shutdown timeout (30 s), which end the agent with SIGKILL after it."""
-_PREEMPT_POLL_S = 0.1
 EXIT_FAILED = 3
 EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
@@ -153,21 +137,18 @@ class Agent:
         self.procs: dict[int, subprocess.Popen[bytes] | WarmProcess] = {}
         self.exit_code: int | None = None
         self.done = threading.Event()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        """Held while the node's fate is decided (finished, failed, fenced)."""
         self._finished: set[int] = set()
-        self._hanging = False
-        self._partitioned = False
-        self._signal_lock = threading.Lock()  # held while workers are signalled by a Throttle
-        self._throttles: list[Throttle] = []
-        self._requests_seen: set[str] = set()
-        self._injecting: list[threading.Thread] = []
-        self._trigger: InjectionTrigger | None = None
+        self.injections = NodeInjections(self)
+        """The fault injections addressed to this node incarnation."""
+        self.preemption = Preemption(self)
+        """What a SIGTERM does: ask for a drain of this node."""
         self.monitor: WorkerMonitor | None = None
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
         self.relay: NodeRelay | None = None
         """Writes what this node's workers report at a generation change as one transaction."""
-        self._preempted = False
         self.cpu_group = os.environ.get(cpu_quota.CPU_CGROUP_ENV, "")
         """The node's cgroup CPU quota (`elastic run --node-cpus`): its workers (and the throttle's
         burners) run in it; the agent itself stays out, as a node's host CPU is not its device."""
@@ -180,7 +161,7 @@ class Agent:
         else:
             self.membership.join()
         self._start_metrics()
-        self._trigger = trigger = InjectionTrigger(self.client, self.keys)
+        trigger = self.injections.open()
         self._spawn_workers()
         self.monitor = WorkerMonitor(list(self.procs), self._on_death)
         from elastic.roles.leader import Leader
@@ -188,7 +169,7 @@ class Agent:
         self.election.start()
         self.leader = Leader(self.client, self.keys, self.config, self.election, who=self.who).start()
         threading.Thread(target=self._watch_stopped, name="stopped-check", daemon=True).start()
-        requests = watch_from_now(self.client, self.keys.injections, self._on_requests)
+        requests = watch_from_now(self.client, self.keys.injections, self.injections.on_requests)
         # In slices: Python runs a signal's handler in the main thread, but the kernel may deliver
         # the signal to any thread (gRPC's, the monitor's); an untimed wait would then sleep
         # through a SIGTERM until the job ends, and the preemption notice would never be acted on.
@@ -254,25 +235,25 @@ class Agent:
         code = self.procs[pid].wait()
         done, _ = self.client.get(self.rk.worker_done(self.node, _local_rank(self.procs, pid)))
         if done is not None:  # finished its job (a crash in interpreter teardown does not matter)
-            with self._lock:
+            with self.lock:
                 self._finished.add(pid)
                 if len(self._finished) == len(self.procs):
-                    self._finish(0)
+                    self.finish(0)
             return
-        self._fail(f"worker pid {pid} exited with code {code}")
+        self.fail(f"worker pid {pid} exited with code {code}")
 
     def _watch_stopped(self) -> None:
         while not self.done.wait(_STOPPED_CHECK_S):
-            if self._hanging or self._partitioned:  # injected: the lease must expire, not be revoked
+            if self.injections.hanging or self.injections.partitioned:  # injected: the lease must expire, not be revoked
                 return
             stopped = None
-            with self._signal_lock:  # a Throttle changes `active` and signals only under this lock
-                if any(t.active for t in self._throttles):
+            with self.injections.signal_lock:  # a Throttle changes `active` and signals only under this lock
+                if self.injections.throttled():
                     continue
                 # /proc directly: a psutil.Process costs 4x as much, 10 times a second a worker
                 stopped = next((pid for pid in list(self.procs) if process_state(pid) in ("T", "t")), None)
             if stopped is not None:
-                self._fail(f"worker pid {stopped} is stopped (hung)")
+                self.fail(f"worker pid {stopped} is stopped (hung)")
                 return
 
     def _on_lease_lost(self) -> None:
@@ -282,7 +263,7 @@ class Agent:
         log.warning("%s (incarnation %d): %s, the node is fenced; leaving", self.who, self.incarnation, reason)
         if reason.startswith("etcd unreachable"):
             stop_retrying(self.client)  # the tidying-up calls below would each wait out the retries
-        with self._lock:
+        with self.lock:
             if self.exit_code is not None:
                 return
             try:
@@ -291,26 +272,33 @@ class Agent:
             except Exception as exc:  # etcd may be the reason; the workers must stop regardless
                 log.warning("%s: could not record the fencing: %s", self.who, exc)
             finally:
-                self._kill_workers()
-                self._finish(EXIT_FAILED)
+                self.kill_workers()
+                self.finish_failed()
 
-    def _fail(self, reason: str) -> None:
-        with self._lock:
+    def fail(self, reason: str) -> None:
+        """Report the node failed (its lease revoked), kill its workers and finish (EXIT_FAILED)."""
+        with self.lock:
             if self.exit_code is not None:
                 return
             log.warning("%s failed: %s", self.who, reason)
             try:
                 self.membership.report_failure(reason=reason)
             finally:
-                self._kill_workers()
-                self._finish(EXIT_FAILED)
+                self.kill_workers()
+                self.finish_failed()
 
-    def _finish(self, code: int) -> None:
+    def finish(self, code: int) -> None:
+        """End the agent's run with exit `code` (the first call decides)."""
         if self.exit_code is None:
             self.exit_code = code
             self.done.set()
 
-    def _kill_workers(self) -> None:
+    def finish_failed(self) -> None:
+        """End the agent's run as a failed node (EXIT_FAILED)."""
+        self.finish(EXIT_FAILED)
+
+    def kill_workers(self) -> None:
+        """SIGKILL every worker of the node still running."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -333,193 +321,20 @@ class Agent:
             self.monitor.stop()
         if self.leader is not None:
             self.leader.stop()
-        self._kill_workers()
+        self.kill_workers()
         for proc in self.procs.values():
             proc.wait()
         if self.relay is not None:
             self.relay.close()
         if self.zygote is not None:
             self.zygote.close()
-        for thread in self._injecting:  # a partition cut short writes its status on the way out
-            thread.join(timeout=2.0)
+        self.injections.join(timeout=2.0)  # a partition cut short writes its status on the way out
         for step in (self.election.resign, self.membership.leave):
             try:  # a partitioned or fenced node's leases are already gone
                 step()
             except Exception as exc:
                 log.warning("%s: %s on the way out: %s", self.who, step.__name__, exc)
         self.client.close()
-
-    # ---- preemption ----------------------------------------------------------------------
-
-    def preempt(self, grace_s: float) -> None:
-        """SIGTERM: ask for a drain of this node from a thread of its own (module doc); a second
-        SIGTERM changes nothing."""
-        if self._preempted or self.exit_code is not None:
-            return
-        self._preempted = True
-        threading.Thread(target=self._preempt, args=(grace_s,), name="preempt", daemon=True).start()
-
-    def _preempt(self, grace_s: float) -> None:
-        deadline = time.monotonic() + grace_s
-        try:
-            req = self._request_drain()
-        except Exception as exc:  # etcd away, no generation yet, ...: a failure, as before
-            self._fail(f"preempted (SIGTERM) and no drain could be asked: {exc}")
-            return
-        log.warning("%s: preempted (SIGTERM): asked the leader for drain %s (grace %.0f s)", self.who, req.id, grace_s)
-        drained = False
-        while not self.done.wait(_PREEMPT_POLL_S):
-            if time.monotonic() > deadline:
-                what = "its workers did not hand over and leave" if drained else "the leader did not drain it"
-                self._fail(f"preempted (SIGTERM): {what} within {grace_s:g} s (${PREEMPT_GRACE_ENV})")
-                return
-            if drained:
-                continue  # the workers serve their shards, then exit 0 (`_on_death` finishes)
-            try:
-                status = read_status(self.client, self.keys.root, req.id)
-            except Exception as exc:  # a transient etcd error: the deadline decides
-                log.warning("%s: reading the drain's status: %s", self.who, exc)
-                continue
-            if status is not None and status.state == "refused":
-                self._fail(f"preempted (SIGTERM) and the drain was refused: {status.detail}")
-                return
-            if status is not None and status.state == "done":
-                drained = True
-                log.warning("%s: drained by generation %s: leaving once the workers have handed over",
-                            self.who, status.generation)
-
-    def _request_drain(self) -> InjectionRequest:
-        """Write the drain request of this node's incarnation; ValueError if it is in no generation."""
-        from elastic.records.protocol import GenerationRecord
-
-        gen = Generations(self.client, self.keys).current()
-        if gen is None or GenerationRecord.from_json(gen.plan).incarnations.get(self.node) != self.incarnation:
-            raise ValueError(f"{self.who} (incarnation {self.incarnation}) is in no generation of the job yet")
-        req = InjectionRequest(id=request_id("drain", self.node, None), kind="drain", node=self.node,
-                               incarnation=self.incarnation, requested_at=time.time(), by="sigterm")
-        submit_request(self.client, self.keys.root, req)
-        record_event(self.client, self.keys, who=self.who, kind="preempted", node=self.node,
-                     incarnation=self.incarnation, id=req.id)
-        return req
-
-    # ---- injections ----------------------------------------------------------------------
-
-    def _on_requests(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.kind != "put":
-                continue
-            try:
-                req = InjectionRequest.from_json(ev.value)
-            except (ValueError, TypeError, KeyError) as exc:
-                log.warning("%s: ignoring malformed injection request %s: %s", self.who, ev.key, exc)
-                continue
-            if (req.node, req.incarnation) != (self.node, self.incarnation) or req.kind not in AGENT_KINDS:
-                continue
-            if req.id in self._requests_seen:
-                continue
-            self._requests_seen.add(req.id)
-            thread = threading.Thread(target=self._inject, args=(req,), name=f"inject-{req.id}", daemon=True)
-            self._injecting.append(thread)
-            thread.start()
-
-    def _status(self, req: InjectionRequest, state: State, step: int | None, *, detail: str = "",
-                generation: int | None = None) -> None:
-        status = InjectionStatus(state=state, at=time.time(), step=step, generation=generation, detail=detail)
-        write_status(self.client, self.keys.root, req.id, status)
-
-    def _inject(self, req: InjectionRequest) -> None:
-        trigger = self._trigger
-        assert trigger is not None
-        if req.id in read_statuses(self.client, self.keys.root):
-            return  # carried out before
-        if not trigger.wait(req, self.done):
-            return
-        step = trigger.in_flight()
-        self.client.put(self.rk.injected(req.id), repr(time.time()))
-        record_event(self.client, self.keys, who=self.who, kind="injection", id=req.id, injection=req.kind,
-                     node=self.node, incarnation=self.incarnation, step=step)
-        log.warning("%s: injecting %s (step %d in flight)", self.who, req.id, step)
-        if req.kind == "kill":
-            self._status(req, "done", step, detail="workers SIGKILLed")
-            for proc in self.procs.values():
-                proc.send_signal(signal.SIGKILL)
-        elif req.kind == "hang":
-            self._status(req, "done", step, detail="workers and agent SIGSTOPped")
-            self._hanging = True
-            if self.monitor is not None:
-                self.monitor.stop()
-            for proc in self.procs.values():
-                proc.send_signal(signal.SIGSTOP)
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif req.kind == "slow":
-            self._slow(req, step)
-        elif req.kind == "partition":
-            self._partition(req, step)
-
-    def _slow(self, req: InjectionRequest, step: int) -> None:
-        assert req.factor is not None and (req.seconds is not None or req.steps is not None)
-        trigger = self._trigger
-        assert trigger is not None
-        seconds = req.seconds if req.seconds is not None else float("inf")
-        throttle = Throttle(list(self.procs), factor=req.factor, seconds=seconds, lock=self._signal_lock,
-                            hold_cpu=req.hold_cpu, cgroup=self.cpu_group)
-        self._throttles.append(throttle)
-        how_long = f"{req.seconds:g} s" if req.steps is None else f"steps {step}-{step + req.steps - 1}"
-        self._status(req, "running", step, detail=f"workers run 1/{req.factor:g} of the time for {how_long}"
-                     + (" (a burner spins in each one's place while it is stopped)" if req.hold_cpu else ""))
-        t0 = time.monotonic()
-        if req.steps is None:
-            throttle.run(self.done)
-        else:
-            last = step + req.steps - 1
-            with trigger.watching():
-                throttle.run(self.done, until=lambda: trigger.in_flight() > last)
-        self._throttles.remove(throttle)
-        self._status(req, "done", trigger.in_flight(),
-                     detail=f"slowed from step {step}: workers stopped {throttle.stopped_s:.1f} s of "
-                     f"{time.monotonic() - t0:.1f} s")
-
-    def _partition(self, req: InjectionRequest, step: int) -> None:
-        """Emulated partition (module doc); with a network-namespace launch the link is cut for real."""
-        assert req.seconds is not None and self.membership.lease is not None
-        self._partitioned = True
-        self._status(req, "running", step, detail=f"keepalives and workers stopped for {req.seconds:g} s")
-        if self.monitor is not None:
-            self.monitor.stop()
-        if self.leader is not None:
-            self.leader.stop()
-        # A partitioned leader reaches no one: its rounds stop here and it steps down (in a real
-        # partition its leader key would expire instead, a TTL later).
-        self.election.resign()
-        self.membership.lease.stop_refreshing()
-        for proc in self.procs.values():
-            proc.send_signal(signal.SIGSTOP)
-        cut_short = self.done.wait(req.seconds)
-        value, _ = self.client.get(self.keys.member(self.who))
-        fenced = value is None or NodeIdentity.from_json(value).incarnation != self.incarnation
-        generation = Generations(self.client, self.keys).current_number()
-        if cut_short:  # stopped while partitioned (e.g. the launcher replaced the node by a rejoin)
-            self._status(req, "fenced" if fenced else "done", step, generation=generation,
-                         detail=f"the agent was stopped while partitioned ({'lease gone, ' if fenced else ''}"
-                         f"job at generation {generation})")
-            if fenced:
-                record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             generation=generation, reason=f"partition of {req.seconds:g} s (agent stopped)")
-            return
-        # The workers still hold generation-old state and are stopped mid-step: they are killed
-        # before they run again, so nothing of theirs can reach the job after the fencing.
-        with self._lock:
-            self._kill_workers()
-            if fenced:
-                self._status(req, "fenced", step, generation=generation,
-                             detail=f"healed after {req.seconds:g} s: lease gone, job at generation {generation}; "
-                             "workers killed before they ran again")
-                record_event(self.client, self.keys, who=self.who, kind="fenced", incarnation=self.incarnation,
-                             generation=generation, reason=f"partition of {req.seconds:g} s")
-            else:  # healed within the TTL, but keepalives stopped: leave cleanly rather than linger
-                self.membership.report_failure(reason=f"partition of {req.seconds:g} s healed; leaving")
-                self._status(req, "done", step, detail="healed before the lease expired; the node left")
-            self._finish(EXIT_FAILED)
 
 
 def _local_rank(procs: dict[int, subprocess.Popen[bytes] | WarmProcess], pid: int) -> int:
@@ -568,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"elastic agent: error: ${PREEMPT_GRACE_ENV} must be seconds, got {os.environ[PREEMPT_GRACE_ENV]!r}",
               file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda signum, frame: agent.preempt(grace))
-    signal.signal(signal.SIGINT, lambda signum, frame: agent._finish(EXIT_FAILED))
+    signal.signal(signal.SIGTERM, lambda signum, frame: agent.preemption.preempt(grace))
+    signal.signal(signal.SIGINT, lambda signum, frame: agent.finish_failed())
     code = agent.run()
     log.warning("%s (incarnation %d): exiting with code %d", agent.who, agent.incarnation, code)
     return code

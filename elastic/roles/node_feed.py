@@ -12,7 +12,7 @@ A worker has one connection to the relay for all its subscriptions (`FeedConnect
 put event per key, at its revision) and then every change after it, in revision order, one JSON
 line a batch: `{"prefix": prefix, "events": [[kind, key, value, revision], ...]}` (a value's bytes
 as UTF-8, any other byte escaped: `surrogateescape`); the first line of a prefix is what is there
-now. These are `watch_from_now`'s semantics, which the worker's feeds (`elastic/roles/control.py`)
+now. These are `watch_from_now`'s semantics, which the worker's feeds (`elastic/roles/worker_feeds.py`)
 expect; their records are unchanged. A worker's callbacks run on its connection's one reading
 thread (what is there now: on the subscribing thread).
 

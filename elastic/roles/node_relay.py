@@ -1,7 +1,7 @@
 """A node's etcd writes in one transaction: the agent relays what its workers report (issue 34 item 1).
 
 At a generation change every worker writes its sync report with its holdings (halted; one
-request, elastic/roles/control.py `write_sync`), then its recovery record (first commit): with G
+request, elastic/roles/worker_feeds.py `write_sync`), then its recovery record (first commit): with G
 workers a node, 2 G etcd writes a node, and 2 W for the job. The agent serves a Unix socket
 (Linux's abstract namespace, named in $ELASTIC_NODE_RELAY); a worker sends its puts there, and
 the agent writes what its workers sent together in one etcd transaction: 2 writes a node per

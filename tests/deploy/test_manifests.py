@@ -198,7 +198,7 @@ def test_every_etcd_compacts_its_history_as_the_embedded_one_does() -> None:
 def test_preemption_grace_periods_nest() -> None:
     """SIGTERM becomes a drain (elastic/roles/agent.py): the agent's grace must end before
     torchrun's wait for it, and that before the pod's (or SLURM's) SIGKILL."""
-    from elastic.roles.agent import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S
+    from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S
 
     pod = _one("Job", "elastic-train")["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}

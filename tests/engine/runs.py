@@ -9,7 +9,7 @@ import torch
 from elastic.engine.optim import OptimConfig
 from elastic.records.job import JobSpec
 from elastic.records.summary import RunSummary, load_final_state
-from elastic.roles.launcher import launch
+from elastic.roles.static_launcher import launch
 from templates.plan import Plan
 
 STEPS = 5

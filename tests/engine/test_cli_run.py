@@ -107,7 +107,7 @@ def test_a_killed_worker_stops_the_job_and_is_named(tmp_path: Path) -> None:
                 break
         # The job's workers, by command line: forked from a warm parent, they are not the launcher's children.
         workers = [w for w in psutil.process_iter(["cmdline"])
-                   if "elastic.roles.worker" in (w.info["cmdline"] or []) and str(tmp_path / "job.json") in w.info["cmdline"]]
+                   if "elastic.roles.static_worker" in (w.info["cmdline"] or []) and str(tmp_path / "job.json") in w.info["cmdline"]]
         assert len(workers) == 2
         victim = workers[1]
         os.kill(victim.pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ import torch
 from elastic.engine import device as device_module
 from elastic.engine.device import compute_precision, select_device, wire_dtype
 from elastic.records.job import DEVICE_BASE_ENV
-from elastic.roles.launcher import device_env
+from elastic.roles.static_launcher import device_env
 
 pytestmark = pytest.mark.timeout(60)
 

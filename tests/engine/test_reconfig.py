@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.roles.launcher import host_store
+from elastic.roles.static_launcher import host_store
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
 from tests.engine.runs import OPTIM, max_rel_diff
 

@@ -109,7 +109,7 @@ def tiny_config(
 def static_reference(run_dir: Path, *, steps: int, global_microbatches: int = 4) -> Result:
     """The failure-free result on a single worker: the parameters and losses after K steps do not
     depend on the plan (DESIGN.md invariant 1), so one process stands for any elastic plan."""
-    from elastic.roles.launcher import launch
+    from elastic.roles.static_launcher import launch
 
     plan = even_plan(num_layers=6, nodes=[0], num_pipelines=1, global_microbatches=global_microbatches,
                      microbatch_size=2, fault_tolerance=0)

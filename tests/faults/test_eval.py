@@ -26,7 +26,8 @@ from elastic.records.evals import read_eval_logs
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
 from elastic.records.summary import RunSummary, load_final_state
-from elastic.roles.launcher import launch, launch_elastic
+from elastic.roles.launcher import launch_elastic
+from elastic.roles.static_launcher import launch
 from templates.plan import even_plan
 
 from .runs import OPTIM, TOLERANCE, LiveJob, Result, check_same_training, tiny_config

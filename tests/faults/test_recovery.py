@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elastic.records.summary import RunSummary
-from elastic.roles.launcher import JobFailed
+from elastic.roles.launch_errors import JobFailed
 from elastic.roles.zygote import warm_enabled
 
 from .runs import check_same_training, reference_run, run_elastic

@@ -36,8 +36,7 @@ from elastic.records.protocol import (
     committed_steps,
     step_log_path,
 )
-from elastic.roles.launcher import _step_in_flight
-from elastic.roles.progress import (
+from elastic.roles.launcher_feed import (
     JobFeed,
     Progress,
     elastic_summary,
@@ -45,6 +44,7 @@ from elastic.roles.progress import (
     poll_progress,
     run_finished,
 )
+from elastic.roles.run_loop import _step_in_flight
 from templates.plan import even_plan
 
 from ..polling import wait_for

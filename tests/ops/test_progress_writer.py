@@ -13,7 +13,7 @@ import pytest
 from elastic.coordinator import JobKeys
 from elastic.coordinator.watch import WatchEvent, watch_from_now
 from elastic.records.protocol import ProgressRecord, RunKeys, StepResult
-from elastic.roles.control import ProgressWriter
+from elastic.roles.worker_feeds import ProgressWriter
 
 pytestmark = pytest.mark.timeout(60)
 

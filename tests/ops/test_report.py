@@ -18,7 +18,7 @@ from elastic.engine.optim import OptimConfig
 from elastic.ops.report import DPI, FIGSIZE, ReportError, load_timeline, summary_text, write_report
 from elastic.records.job import JobSpec
 from elastic.records.summary import RunSummary
-from elastic.roles.launcher import launch
+from elastic.roles.static_launcher import launch
 from templates.plan import even_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

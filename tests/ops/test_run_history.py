@@ -30,7 +30,8 @@ from elastic.records.protocol import GenerationRecord
 from elastic.records.run_end import RunEnd
 from elastic.records.summary import RunSummary
 from elastic.roles.job_stop import JobStopped, StopOutcome
-from elastic.roles.launcher import JobFailed, write_job_file
+from elastic.roles.launch_errors import JobFailed
+from elastic.roles.launcher import write_job_file
 from templates.plan import even_plan
 
 from .test_run_lock import HOLD

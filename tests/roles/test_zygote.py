@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from elastic.roles.zygote import Zygote, ZygoteError
+from elastic.roles.zygote import ZygoteError
+from elastic.roles.zygote_client import Zygote
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
@@ -88,7 +89,7 @@ def test_a_zygote_whose_preload_fails_is_reported(tmp_path: Path) -> None:
 PARENT = f"""
 import os, sys
 sys.path.insert(0, {str(HERE.parent.parent)!r})
-from elastic.roles.zygote import Zygote
+from elastic.roles.zygote_client import Zygote
 z = Zygote(preload=("{MODULE}",))
 child = z.spawn("{MODULE}", ["sleep", "120", "0"], env=dict(os.environ), stdout=open(os.devnull, "wb"))
 print(z.proc.pid, child.pid, flush=True)
@@ -119,7 +120,7 @@ def test_the_zygote_dies_with_its_parent_and_its_child_with_its_agent() -> None:
 
 
 def test_a_new_zygote_removes_the_directories_of_killed_owners(tmp_path: Path) -> None:
-    from elastic.roles.zygote import DIR_PREFIX, OWNER_FILE, sweep_stale
+    from elastic.roles.zygote_client import DIR_PREFIX, OWNER_FILE, sweep_stale
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

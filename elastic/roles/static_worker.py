@@ -1,6 +1,7 @@
-"""Worker entry point: `python -m elastic.roles.worker --spec FILE --node N --local-rank L`.
+"""Static worker entry point: `python -m elastic.roles.static_worker --spec FILE --node N --local-rank L`.
 
-The launcher starts one such process per (node, device). The worker joins the job through the
+The static launcher (static_launcher.py, `elastic run --static`) starts one such process per
+(node, device), for a fixed plan with no failure handling. The worker joins the job through the
 store at --store-host/--store-port (hosted by the launcher) and runs the job spec.
 """
 
@@ -22,7 +23,7 @@ def connect_store(host: str, port: int, *, timeout_s: float) -> dist.Store:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="elastic.roles.worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="elastic.roles.static_worker", description=__doc__)
     parser.add_argument("--spec", required=True, help="job spec JSON written by the launcher")
     parser.add_argument("--node", type=int, required=True, help="node id of this worker")
     parser.add_argument("--local-rank", type=int, required=True, help="worker index inside the node")

@@ -1,0 +1,74 @@
+"""Where an elastic worker entering a generation gets the shards it lacks: the checkpoint the
+generation restores (resharded when it was written at another tensor-parallel degree), or the
+live holders etcd knows of (elastic/roles/holders.py): by rank of the new generation for the
+collective shard path, by shard-server address for the gRPC one. Each is handed to
+`Trainer.start` as a function it calls with what it misses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from elastic.records.job import JobSpec
+from elastic.records.protocol import GenerationRecord
+from elastic.roles.holders import HolderMap
+from elastic.roles.worker_log import worker_log
+from elastic.transfer.client import FetchConfig, fetch_shards
+from elastic.transfer.shards import ShardKey
+from elastic.transfer.tls import TlsConfig
+
+Fetch = Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]
+"""Missing shards -> their tensors."""
+
+
+def checkpoint_fetch(generation: int, record: GenerationRecord, *, spec: JobSpec, checkpoint_path: str) -> Fetch:
+    """For a generation that restores a checkpoint (a fallback, or a resumed run's first): read
+    the shards from the checkpoint (the record's directory, else `checkpoint_path`), resharded
+    when it was written at another tensor-parallel degree (elastic/engine/checkpoint_reshard.py)."""
+    from elastic.engine.checkpoint_reshard import load_resharded
+
+    ckpt = record.restore_checkpoint
+    assert ckpt is not None
+    directory = Path(record.restore_dir or checkpoint_path)
+    cfg, degree = spec.model_config, record.plan.gpus_per_node
+    worker_log(f"generation {generation}: restoring from the checkpoint of step {ckpt} in {directory}")
+
+    def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
+        return load_resharded(directory, ckpt, missing, cfg=cfg, tp_degree=degree)
+
+    return fetch
+
+
+def holdings_by_rank(
+    generation: int, record: GenerationRecord, holders: Callable[[], HolderMap], *, spec: JobSpec
+) -> Callable[[], dict[int, list[ShardKey]]] | None:
+    """For the collective shard path: rank of `generation` -> the shards it holds now, from
+    the holder map etcd knows (`elastic.roles.holders`); None when that path is not taken."""
+    if record.restore_checkpoint is not None or generation == 1 or spec.shard_transport != "collective":
+        return None
+    return lambda: holders().by_rank(record.plan)
+
+
+def holder_fetch(
+    generation: int, holders: Callable[[], HolderMap], *, token: str, timeout: float, tls: TlsConfig | None,
+    exclude: str,
+) -> Fetch:
+    """For the gRPC shard path: fetch shards from the shard servers of the holder map etcd
+    knows (no server is asked what it holds; `exclude`: this worker's own address). A holder
+    still resolving its step of the generation before answers "not yet" and is asked again,
+    for up to `timeout` (the collective timeout)."""
+    config = FetchConfig(token=token, generation=generation, stall_timeout_s=min(30.0, timeout),
+                         behind_wait_s=timeout, tls=tls)
+
+    def fetch(missing: list[ShardKey]) -> dict[ShardKey, dict[str, torch.Tensor]]:
+        known = holders()
+        worker_log(f"generation {generation}: fetching shards {sorted(missing)} over gRPC; holder map read from "
+             f"etcd (holdings/ + workers/): {known.describe()}")
+        result = fetch_shards(missing, known.by_address(exclude=exclude), config)
+        worker_log(f"generation {generation}: fetched {len(result.shards)} shards over gRPC "
+             f"({result.bytes_moved} B) from {result.bytes_by_holder} in {result.seconds:.3f} s")
+        return dict(result.shards)
+
+    return fetch
