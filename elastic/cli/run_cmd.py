@@ -139,7 +139,7 @@ def register(subparsers: Any) -> None:
                         "(default 0: never; holds out the tail of the corpus from training)")
     parser.add_argument("--eval-batches", type=int, default=None, metavar="K",
                         help="held-out microbatches each evaluation averages over (default 8; needs --eval-every)")
-    # ---- --resume (elastic/engine/checkpoint_resume.py) ----
+    # ---- --resume (elastic/engine/checkpoint/resume.py) ----
     parser.add_argument(
         "--resume",
         type=Path,
@@ -512,7 +512,8 @@ def _resume_config(args: argparse.Namespace, config: Any) -> Any:
         return config
     import dataclasses
 
-    from elastic.engine.checkpoint_resume import CheckpointError, find_resume_point
+    from elastic.engine.checkpoint.files import CheckpointError
+    from elastic.engine.checkpoint.resume import find_resume_point
     from elastic.records.resume import CheckpointManifest, compare_runs
 
     spec = config.spec

@@ -195,7 +195,7 @@ class ElasticWorker:
         self._save_failures = 0
         """Checkpoint saves of this worker that failed so far (`_report_failed_saves`)."""
         if config.checkpoint_every > 0:
-            from elastic.engine.checkpoint import CheckpointWriter
+            from elastic.engine.checkpoint.writers import CheckpointWriter
 
             cfg = self.spec.model_config
             self.writer = CheckpointWriter(
@@ -419,8 +419,8 @@ class ElasticWorker:
     ) -> Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]:
         """For a generation that restores a checkpoint (a fallback, or a resumed run's first):
         drop any newer state held here and read the shards from the checkpoint, resharded when it
-        was written at another tensor-parallel degree (elastic/engine/checkpoint_reshard.py)."""
-        from elastic.engine.checkpoint_reshard import load_resharded
+        was written at another tensor-parallel degree (elastic/engine/checkpoint/reshard.py)."""
+        from elastic.engine.checkpoint.reshard import load_resharded
 
         if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
             fresh = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
@@ -587,7 +587,7 @@ class ElasticWorker:
 
     def _save_checkpoint(self, layout: ParallelLayout) -> None:
         """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
-        from elastic.engine.checkpoint import checkpoint_writer_shards
+        from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 
         mine = checkpoint_writer_shards(layout)
         if mine:

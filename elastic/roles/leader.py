@@ -658,8 +658,8 @@ class Leader:
         newer complete ones skipped as corrupt (step, why), each reported once as a
         `checkpoint-skipped` event naming the file. Reading every file is a fallback's cost,
         never a step's."""
-        from elastic.engine.checkpoint_files import CheckpointError, complete_steps
-        from elastic.engine.checkpoint_resume import verify_crcs
+        from elastic.engine.checkpoint.files import CheckpointError, complete_steps
+        from elastic.engine.checkpoint.resume import verify_crcs
 
         directory = Path(self.config.checkpoint_path)
         skipped: list[tuple[int, str]] = []
