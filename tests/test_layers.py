@@ -133,7 +133,8 @@ def test_records_the_control_plane_and_the_operator_cli_do_not_import_torch() ->
 def test_a_worker_starts_without_torch_distributed_checkpoint() -> None:
     """Importing a worker's modules does not import torch.distributed.checkpoint (DTensor, sympy:
     ~0.5 s of CPU): the checkpoint writer's thread does, while the worker registers."""
-    assert not _loaded_after(["elastic.roles.elastic_worker", "elastic.engine.checkpoint"],
+    assert not _loaded_after(["elastic.roles.elastic_worker", "elastic.engine.checkpoint.writers",
+                              "elastic.engine.checkpoint.load"],
                              "torch.distributed.checkpoint")
     assert _loaded_after(["elastic.roles.elastic_worker"], "torch")  # the probe sees what is loaded
 

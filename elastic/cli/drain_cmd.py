@@ -120,7 +120,7 @@ def _wait_stopped(job: OperatorJob, wait: float) -> int:
     the checkpoint directory, else when every worker reported done (etcd). 0 (also when still
     pending), or JobError when the job's etcd went away before the leader decided the stop."""
     from elastic.coordinator.client import etcd_unreachable, stop_retrying
-    from elastic.engine.checkpoint_files import complete_steps
+    from elastic.engine.checkpoint.files import complete_steps
     from elastic.records.stop import StopPoint, read_stop_point, workers_not_done
 
     directory = Path(job.raw.get("checkpoint_dir") or f"{job.raw['spec']['run_dir']}/checkpoints")

@@ -41,7 +41,7 @@ def add_state_arguments(parser: argparse.ArgumentParser) -> None:
 def load_run(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
     """(job spec, full parameters, where they came from in words) of `args.run_dir` at
     `args.step`; UsageError for a missing directory, RunStateError or CheckpointError otherwise."""
-    from elastic.engine.checkpoint_params import checkpoint_params
+    from elastic.engine.checkpoint.params import checkpoint_params
     from elastic.ops.run_state import final_state, read_spec
 
     run_dir: Path = args.run_dir
@@ -58,7 +58,7 @@ def load_run(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from elastic.engine.checkpoint import CheckpointError
+    from elastic.engine.checkpoint.files import CheckpointError
     from elastic.ops.export import ExportError, write_hf_gpt2
     from elastic.ops.run_state import RunStateError, data_tokenizer
 

@@ -146,7 +146,7 @@ def register(subparsers: Any) -> None:
                         "(default 0: never; holds out the tail of the corpus from training)")
     parser.add_argument("--eval-batches", type=int, default=None, metavar="K",
                         help="held-out microbatches each evaluation averages over (default 8; needs --eval-every)")
-    # ---- --resume (elastic/engine/checkpoint_resume.py) ----
+    # ---- --resume (elastic/engine/checkpoint/resume.py) ----
     parser.add_argument(
         "--resume",
         type=Path,

@@ -47,7 +47,8 @@ def resume_config(args: argparse.Namespace, config: Any) -> Any:
         return config
     import dataclasses
 
-    from elastic.engine.checkpoint_resume import CheckpointError, find_resume_point
+    from elastic.engine.checkpoint.files import CheckpointError
+    from elastic.engine.checkpoint.resume import find_resume_point
     from elastic.records.resume import CheckpointManifest, compare_runs
 
     spec = config.spec

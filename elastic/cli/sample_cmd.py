@@ -59,7 +59,7 @@ def _codec(args: argparse.Namespace, spec: Any) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from elastic.engine.checkpoint import CheckpointError
+    from elastic.engine.checkpoint.files import CheckpointError
     from elastic.ops.run_state import RunStateError
     from elastic.ops.sample import SamplingConfig, generate, load_model
 

@@ -6,7 +6,7 @@ The job spec is `<run_dir>/spec.json` (written by `elastic run` with the control
 `<run_dir>/job.json` (written by `--static` runs; with the control plane that file holds the
 job's etcd address instead). The final state is pipeline 0's per-stage files
 (`records/summary.load_final_state`); a checkpoint's parameters are read by
-`engine/checkpoint_params.py`.
+`engine/checkpoint/params.py`.
 """
 
 from __future__ import annotations

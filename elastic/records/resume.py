@@ -1,7 +1,7 @@
 """What a resumed run starts from (`elastic run --resume RUN_DIR`) and what every run leaves
 beside its checkpoints so that a later run can continue it.
 
-A run's checkpoints (`<run_dir>/checkpoints/step-*/`, elastic/engine/checkpoint_files.py) hold
+A run's checkpoints (`<run_dir>/checkpoints/step-*/`, elastic/engine/checkpoint/files.py) hold
 parameters and AdamW state per (layer, tp_rank) shard; the LR schedule, the sample order and the
 dropout masks are pure functions of the step number. `CheckpointManifest` records the rest that
 fixes what step s computes (model shape, global batch, data, optimizer), so a resumed run can

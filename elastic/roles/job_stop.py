@@ -20,7 +20,7 @@ from pathlib import Path
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
-from elastic.engine.checkpoint_files import complete_steps
+from elastic.engine.checkpoint.files import complete_steps
 from elastic.records.protocol import ElasticConfig
 from elastic.records.stop import (
     By,

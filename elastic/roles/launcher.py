@@ -224,7 +224,7 @@ def _prepare_checkpoints(config: ElasticConfig) -> None:
     than its start (incomplete or corrupt ones it skipped): they would mix with the steps it writes."""
     if config.checkpoint_every <= 0:
         return
-    from elastic.engine.checkpoint_files import list_steps, step_dir
+    from elastic.engine.checkpoint.files import list_steps, step_dir
     from elastic.records.resume import CheckpointManifest
 
     spec, directory = config.spec, Path(config.checkpoint_path)

@@ -120,8 +120,8 @@ def verified_checkpoint(directory: Path, plan: Plan) -> tuple[int | None, list[t
     """The newest complete checkpoint in `directory` whose every file matches its marker's
     CRC-32, and the newer complete ones skipped as corrupt (step, why), newest first. Reading
     every file is a fallback's cost, never a step's."""
-    from elastic.engine.checkpoint_files import CheckpointError, complete_steps
-    from elastic.engine.checkpoint_resume import verify_crcs
+    from elastic.engine.checkpoint.files import CheckpointError, complete_steps
+    from elastic.engine.checkpoint.resume import verify_crcs
 
     skipped: list[tuple[int, str]] = []
     for step in reversed(complete_steps(directory, num_layers=plan.num_layers, tp_degree=plan.gpus_per_node)):

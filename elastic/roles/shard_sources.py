@@ -26,8 +26,8 @@ Fetch = Callable[[list[ShardKey]], dict[ShardKey, dict[str, torch.Tensor]]]
 def checkpoint_fetch(generation: int, record: GenerationRecord, *, spec: JobSpec, checkpoint_path: str) -> Fetch:
     """For a generation that restores a checkpoint (a fallback, or a resumed run's first): read
     the shards from the checkpoint (the record's directory, else `checkpoint_path`), resharded
-    when it was written at another tensor-parallel degree (elastic/engine/checkpoint_reshard.py)."""
-    from elastic.engine.checkpoint_reshard import load_resharded
+    when it was written at another tensor-parallel degree (elastic/engine/checkpoint/reshard.py)."""
+    from elastic.engine.checkpoint.reshard import load_resharded
 
     ckpt = record.restore_checkpoint
     assert ckpt is not None

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastic.engine.trainer import run_worker
+from elastic.engine.static_loop import run_worker
 from elastic.records.job import JobSpec
 
 

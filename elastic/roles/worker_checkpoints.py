@@ -26,7 +26,7 @@ class WorkerCheckpoints:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, node: int, local_rank: int,
                  incarnation: int) -> None:
-        from elastic.engine.checkpoint import CheckpointWriter
+        from elastic.engine.checkpoint.writers import CheckpointWriter
 
         self.client, self.keys, self.every = client, keys, config.checkpoint_every
         self.node, self.local_rank, self.incarnation = node, local_rank, incarnation
@@ -50,7 +50,7 @@ class WorkerCheckpoints:
 
     def save(self, trainer: Trainer, layout: ParallelLayout) -> None:
         """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
-        from elastic.engine.checkpoint import checkpoint_writer_shards
+        from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 
         mine = checkpoint_writer_shards(layout)
         if mine:

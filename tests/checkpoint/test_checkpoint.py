@@ -8,13 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.engine.checkpoint import (
-    CheckpointError,
-    CheckpointWriter,
-    latest_complete,
-    load_shards,
-)
-from elastic.engine.checkpoint_files import list_steps, marker_path, read_marker, step_dir
+from elastic.engine.checkpoint.files import CheckpointError, list_steps, marker_path, read_marker, step_dir
+from elastic.engine.checkpoint.load import latest_complete, load_shards
+from elastic.engine.checkpoint.writers import CheckpointWriter
 from tests.checkpoint.shards import assert_shards_equal, make_shards
 
 LAYERS, TP = 3, 2

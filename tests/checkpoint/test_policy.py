@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.engine.checkpoint import checkpoint_writer_shards
+from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 from elastic.parallel.layout import ParallelLayout
 from tests.engine.plans import hetero
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.engine.checkpoint import CheckpointError, CheckpointWriter, load_shards
-from elastic.engine.checkpoint_files import marker_path, read_marker, step_dir
-from elastic.engine.checkpoint_reshard import KINDS, CheckpointMismatch, layer_parameters, load_resharded
-from elastic.engine.checkpoint_resume import find_resume_point
+from elastic.engine.checkpoint.files import CheckpointError, marker_path, read_marker, step_dir
+from elastic.engine.checkpoint.load import load_shards
+from elastic.engine.checkpoint.reshard import KINDS, CheckpointMismatch, layer_parameters, load_resharded
+from elastic.engine.checkpoint.resume import find_resume_point
+from elastic.engine.checkpoint.writers import CheckpointWriter
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.init import shard_tensor

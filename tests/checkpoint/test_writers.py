@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from elastic.engine.checkpoint import CheckpointError, latest_complete, load_shards
-from elastic.engine.checkpoint_files import marker_path, shard_stem, step_dir
+from elastic.engine.checkpoint.files import CheckpointError, marker_path, shard_stem, step_dir
+from elastic.engine.checkpoint.load import latest_complete, load_shards
 from tests.checkpoint.shards import assert_shards_equal, make_shards
 from tests.processes import stop_pids
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from elastic.engine.checkpoint import CheckpointWriter
+from elastic.engine.checkpoint.writers import CheckpointWriter
 from tests.checkpoint.shards import make_shards
 
 

@@ -9,7 +9,7 @@ from tests.comm.cluster import Case
 FRAME = 64 << 10
 """A shard exchange's first header frame (elastic/transfer/collective.py HEADER_FRAME_BYTES)."""
 SUMS_TAG = 8
-"""The tag of the kept sums' exchange (elastic/engine/trainer.py)."""
+"""The tag of the kept sums' exchange (elastic/engine/replay_sums.py)."""
 
 WANTED = frozenset({
     "group of 2", "group of 3", "group of 4",  # data parallelism: 2-4 holders per bucket

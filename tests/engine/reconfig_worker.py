@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.engine.optim import OptimConfig
-from elastic.engine.trainer import ShardKey, ShardState, Trainer
+from elastic.engine.shard_store import ShardState
+from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.records.job import JobSpec
+from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 
 _FETCH_DEADLINE_S = 60.0

@@ -101,7 +101,7 @@ def trained(model: str, plan: Plan, run_dir: Path) -> dict[tuple[int, int], Trai
             trainer = Trainer(spec, node=node, local_rank=local_rank)
             trainer.start(plan=plan, generation=0, store=store, abort=None, fetch=None, step=0)
             trainer.train(1)
-            transaction = trainer._transaction
+            transaction = None if trainer._current is None else trainer._current.transaction
             assert transaction is not None
             if transaction.keep_partial:
                 transaction.accum.snapshot()

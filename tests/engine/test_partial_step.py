@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm import P2P
+from elastic.engine.generation import joined
 from elastic.engine.step import replay_blocks
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from elastic.parallel.blocks import Block
@@ -49,12 +50,12 @@ def test_kept_sums_plus_the_missing_microbatches_commit_the_failure_free_step(tm
     replay = ReplayRecord(step=2, total=4, set_runs=[[[0, 2]]], set_nodes=[[0]])
     survivor.start(plan=alone, generation=2, store=dist.HashStore(), abort=AbortSignal(), fetch=None, step=2,
                    replay=replay)
-    assert survivor._require().microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
+    assert joined(survivor._current).transaction.microbatches(2) == (2, 3)  # noqa: SLF001 - the replayed share
     (report,) = survivor.train(3)
     assert_same(snapshot(survivor), snapshot(reference[0]))
     assert report.loss == pytest.approx(reference[0].last_report.loss, rel=1e-12)  # type: ignore[union-attr]
     assert survivor.kept is None  # dropped once the step committed
-    assert survivor._require().microbatches(3) == (0, 1, 2, 3)  # noqa: SLF001 - later steps are whole
+    assert joined(survivor._current).transaction.microbatches(3) == (0, 1, 2, 3)  # noqa: SLF001 - later steps are whole
 
 
 def test_a_keeper_without_its_sums_refuses_to_join(tmp_path: Path) -> None:
@@ -121,7 +122,7 @@ def test_kept_sums_of_a_layer_that_moves_travel_with_it(tmp_path: Path) -> None:
     store = dist.HashStore()
     _both(lambda r: trainers[r].start(plan=split, generation=2, store=store, abort=AbortSignal(), fetch=None, step=2,
                                       replay=replay))
-    adopted = trainers[1]._require().replay  # noqa: SLF001 - node 1 adopted node 0's sums of [0, 3)
+    adopted = joined(trainers[1]._current).transaction.replay  # noqa: SLF001 - node 1 adopted node 0's sums of [0, 3)
     assert adopted is not None and {trainers[1].layer_of(n) for named in adopted.sums.values() for n in named} == {0, 1, 2}
     _both(lambda r: trainers[r].train(3))
     want = dict(reference[0].module.named_parameters())

@@ -26,7 +26,7 @@ from elastic.coordinator import (
     connect,
 )
 from elastic.coordinator.generations import Generations
-from elastic.engine.checkpoint import CheckpointWriter
+from elastic.engine.checkpoint.writers import CheckpointWriter
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.job import JobSpec
 from elastic.records.protocol import (

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.engine.checkpoint import latest_complete
-from elastic.engine.checkpoint_files import list_steps, read_marker, step_dir
+from elastic.engine.checkpoint.files import list_steps, read_marker, step_dir
+from elastic.engine.checkpoint.load import latest_complete
 from elastic.transfer.shards import ShardKey
 
 from .runs import STEPS, TOLERANCE, Result, max_rel_diff, reference_run

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from elastic.cli.run_stop import resume_command
-from elastic.engine.checkpoint import latest_complete
+from elastic.engine.checkpoint.load import latest_complete
 from elastic.records.protocol import read_step_logs
 from tests.polling import wait_for
 

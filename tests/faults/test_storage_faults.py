@@ -26,8 +26,8 @@ import pytest
 
 from elastic.coordinator.etcd_server import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.engine.checkpoint import latest_complete
-from elastic.engine.checkpoint_files import read_marker, step_dir
+from elastic.engine.checkpoint.files import read_marker, step_dir
+from elastic.engine.checkpoint.load import latest_complete
 from elastic.ops.metrics import NodeMetrics
 from elastic.records.injection import parse_injection
 from elastic.records.protocol import ElasticConfig, WorkerInfo

@@ -15,7 +15,7 @@ import pytest
 import elastic
 from elastic.coordinator.jsonrecord import VERSION_KEY, JsonRecord, RecordError
 from elastic.coordinator.membership import NodeIdentity
-from elastic.engine.checkpoint_files import ShardMarker
+from elastic.engine.checkpoint.files import ShardMarker
 from elastic.ops.events import HistoryEvent
 from elastic.ops.run_lock import LauncherRecord
 from elastic.planning.cluster import ClusterSpec

@@ -1,4 +1,5 @@
-"""Asynchronous sharded checkpoints: the fallback when a layer has no surviving holder.
+"""The checkpoint writer: asynchronous sharded checkpoints, the fallback when a layer has no
+surviving holder.
 
 Shards are the dicts `Trainer.export_shard` serves: `{(layer, tp_rank): {name: tensor}}` with
 names `param/<canonical>`, `exp_avg/<canonical>`, `exp_avg_sq/<canonical>` and `step`. Every
@@ -6,7 +7,7 @@ shard is written by exactly one worker (`checkpoint_writer_shards`), each with i
 `torch.distributed.checkpoint` save in single-process mode: no process group is involved, so a
 checkpoint never waits on a peer and survives any peer's failure. The training thread only pays
 for a copy of the tensors; the write, fsync and commit marker happen on a background thread.
-See `checkpoint_files` for the on-disk layout and why a partly written step never counts.
+See `files.py` for the on-disk layout and why a partly written step never counts.
 
 A save that fails (a full or failing disk: ENOSPC, any OSError, or torch's RuntimeError for a
 short write) removes its partial data directory, writes no marker and does not stop the writer:
@@ -14,8 +15,9 @@ short write) removes its partial data directory, writes no marker and does not s
 missing checkpoint directory (a configuration error) surfaces as CheckpointError on `flush`.
 
 `torch.distributed.checkpoint` is imported by the writer's background thread as it starts, or by
-the first load, not when this module is imported: it pulls in DTensor and sympy, about 0.5 s of
-CPU that a worker would otherwise spend before it can register, on every start and every rejoin.
+the first load (`load.py`), not when this module is imported: it pulls in DTensor and sympy,
+about 0.5 s of CPU that a worker would otherwise spend before it can register, on every start
+and every rejoin.
 A worker starts the thread at once (`warm()`), so the import overlaps its wait for a generation
 and the first save does not pay for it.
 """
@@ -30,40 +32,24 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from elastic.comm.device import host_copy, mark, settle
-from elastic.engine.checkpoint_files import (
+from elastic.engine.checkpoint.files import (
     CheckpointError,
-    ShardKey,
     all_keys,
     complete_steps,
-    list_steps,
-    missing_shards,
     new_data_dir,
     prune,
-    read_marker,
-    shard_stem,
     step_dir,
-    verify_data,
     write_marker,
 )
-
-__all__ = [
-    "CheckpointError",
-    "CheckpointWriter",
-    "FailedSave",
-    "SaveRecord",
-    "ShardKey",
-    "checkpoint_writer_shards",
-    "latest_complete",
-    "load_shards",
-    "shard_metadata",
-]
+from elastic.transfer.shards import ShardKey
 
 Shards = dict[ShardKey, dict[str, torch.Tensor]]
+"""Shard -> its tensors by name, as `Trainer.export_shard` serves them."""
 
 # Single-process saves and loads are the intent here (one writer per shard, no process group);
 # torch warns about it on every call.
@@ -307,102 +293,3 @@ def _remove_stale_data(current: Path) -> None:
         if entry != current and entry.is_dir() and entry.name.startswith(stem + "."):
             with contextlib.suppress(OSError):
                 shutil.rmtree(entry)
-
-
-# ---- reading -------------------------------------------------------------------------------
-
-
-def latest_complete(directory: Path, *, num_layers: int, tp_degree: int) -> int | None:
-    """The newest step whose every (layer, tp_rank) shard is committed, or None."""
-    steps = complete_steps(Path(directory), num_layers=num_layers, tp_degree=tp_degree)
-    return steps[-1] if steps else None
-
-
-def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
-    """The committed shards `keys` of `step`, as CPU tensors named like `Trainer.export_shard`;
-    every file is checked against its marker's CRC-32 first (CheckpointError if corrupt)."""
-    directory = Path(directory)
-    if not step_dir(directory, step).is_dir():
-        present = list_steps(directory)
-        raise CheckpointError(
-            f"no checkpoint of step {step} in {directory} (steps present: {present or 'none'})"
-        )
-    missing = missing_shards(directory, step, keys)
-    if missing:
-        named = ", ".join(f"(layer {layer}, tp {t})" for layer, t in missing)
-        raise CheckpointError(
-            f"checkpoint step {step} in {directory} lacks committed shards {named}: "
-            "their writer did not finish"
-        )
-    out: Shards = {}
-    for key in keys:
-        out[key] = _load_one(directory, step, key)
-    return out
-
-
-def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of every tensor of one committed shard, from its DCP metadata alone
-    (no tensor is read); CheckpointError if the shard is not committed or its metadata is unreadable
-    or disagrees with the marker."""
-    marker = read_marker(directory, step, key)
-    where = f"shard {shard_stem(key)} of step {step} in {directory}"
-    if marker is None:
-        raise CheckpointError(f"{where} is not committed")
-    data = step_dir(directory, step) / marker.data
-    import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
-
-    try:
-        metadata = dcp.FileSystemReader(data).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise CheckpointError(f"{where}: cannot read {data}: {e}") from e
-    if sorted(metadata) != marker.names:
-        raise CheckpointError(f"{where}: tensors {sorted(metadata)} differ from the marker's {marker.names}")
-    out = {}
-    for name, meta in metadata.items():
-        if not isinstance(meta, dcp.TensorStorageMetadata):
-            raise CheckpointError(f"{where}: entry {name!r} is not a tensor")
-        out[name] = (tuple(meta.size), meta.properties.dtype)
-    return out
-
-
-def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
-    marker = read_marker(directory, step, key)
-    assert marker is not None  # checked by the caller
-    verify_data(directory, marker)
-    shapes = shard_metadata(directory, step, key)
-    data = step_dir(directory, step) / marker.data
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
-    import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
-
-    try:
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(data), no_dist=True)
-    except Exception as e:
-        raise CheckpointError(f"shard {shard_stem(key)} of step {step} in {directory}: cannot read {data}: {e}") from e
-    return tensors
-
-
-# ---- policy --------------------------------------------------------------------------------
-
-
-class LayoutLike(Protocol):
-    """What `checkpoint_writer_shards` needs of a `ParallelLayout`."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def tp_rank(self) -> int: ...
-
-    @property
-    def layers(self) -> tuple[int, int]: ...
-
-    def holders(self, layer: int, tp_rank: int | None = None) -> tuple[int, ...]: ...
-
-
-def checkpoint_writer_shards(layout: LayoutLike) -> list[ShardKey]:
-    """The shards this worker writes: those of its stage for which it is the holder of the
-    lowest-numbered pipeline. Ranks are dealt pipeline by pipeline, so that holder is the one
-    with the lowest global rank; every (layer, tp_rank) gets exactly one writer."""
-    first, last = layout.layers
-    t = layout.tp_rank
-    return [ShardKey(layer, t) for layer in range(first, last) if layout.holders(layer, t)[0] == layout.rank]

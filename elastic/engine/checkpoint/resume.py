@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic.engine.checkpoint_files import (
+from elastic.engine.checkpoint.files import (
     CheckpointError,
     committed_keys,
     list_steps,
     read_marker,
     verify_data,
 )
-from elastic.engine.checkpoint_reshard import CheckpointMismatch, check_shapes
+from elastic.engine.checkpoint.reshard import CheckpointMismatch, check_shapes
 from elastic.model.config import GPTConfig
 from elastic.records.resume import ResumeSource, SkippedCheckpoint
 
-__all__ = ["CheckpointError", "CheckpointMismatch", "find_resume_point", "verify_step"]
+__all__ = ["find_resume_point", "verify_crcs", "verify_step"]
 
 
 def verify_step(directory: Path, step: int, cfg: GPTConfig) -> int:

@@ -1,6 +1,6 @@
 """The full parameters a checkpoint step holds, merged across its tensor-parallel shards: what
 `elastic export --step` and `elastic sample --step` read (optimizer state is left out). The
-merge is the resharding loader's (`checkpoint_reshard`), asked for tensor-parallel degree 1."""
+merge is the resharding loader's (`reshard.py`), asked for tensor-parallel degree 1."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from elastic.engine.checkpoint import CheckpointError, ShardKey
-from elastic.engine.checkpoint_files import complete_steps
-from elastic.engine.checkpoint_reshard import layer_parameters, load_resharded
+from elastic.engine.checkpoint.files import CheckpointError, complete_steps
+from elastic.engine.checkpoint.reshard import layer_parameters, load_resharded
 from elastic.model.config import GPTConfig
+from elastic.transfer.shards import ShardKey
 
 _PARAM = "param/"
 """Prefix of a parameter's entry in a shard (`Trainer.export_shard`)."""

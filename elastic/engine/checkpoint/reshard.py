@@ -1,6 +1,6 @@
 """Reading a checkpoint at another tensor-parallel degree than the one that wrote it.
 
-Shards on disk are per (layer, tp_rank) (checkpoint_files.py). A run at degree T' reads a step
+Shards on disk are per (layer, tp_rank) (files.py). A run at degree T' reads a step
 written at degree T by merging, for each layer it needs, the T shards of every tensor into the
 full canonical tensor (concatenated along the parameter's `tp_dim`; replicated tensors are taken
 from rank 0) and slicing the full tensor for its own rank with the model's own slicing
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from elastic.engine.checkpoint import Shards, load_shards, shard_metadata
-from elastic.engine.checkpoint_files import CheckpointError, committed_keys, read_marker, shard_stem, step_dir
+from elastic.engine.checkpoint.files import CheckpointError, committed_keys, read_marker, shard_stem, step_dir
+from elastic.engine.checkpoint.load import load_shards, shard_metadata
+from elastic.engine.checkpoint.writers import Shards
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
 from elastic.model.init import shard_tensor
