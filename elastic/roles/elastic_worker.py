@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import config_from_env, connect
+from elastic.coordinator.client import connect
+from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations

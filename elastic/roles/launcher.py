@@ -41,14 +41,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from elastic.coordinator.access import admit
-from elastic.coordinator.client import (
-    ETCD_CREDENTIAL_ENVS,
-    EtcdConfig,
-    check_access,
-    config_from_env,
-    connect,
-    etcd_unreachable,
-)
+from elastic.coordinator.client import EtcdConfig, connect, etcd_unreachable
+from elastic.coordinator.credentials import ETCD_CREDENTIAL_ENVS, check_access, config_from_env
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
