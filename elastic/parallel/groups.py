@@ -5,7 +5,7 @@ is a communicator (elastic/comm/communicator.py: a real `dist.ProcessGroup`, NCC
 device and connected at once) built on a store prefix of its own, `generation/<g>/group/<ranks>`,
 so groups of different generations never share store keys. Building a group is a rendezvous of
 its members only: a worker builds just the groups it is a member of, in the single order of
-`layout.all_group_ranks()` (world first), so two workers never wait for each other in opposite
+`plan_ranks.all_group_ranks(plan)` (world first), so two workers never wait for each other in opposite
 orders. Peers are addressed by their rank inside a group; in the world group that is the
 layout's global rank.
 
@@ -34,6 +34,7 @@ from elastic.comm.device import bind_thread
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.abort import AbortSignal, call_abortable, fetch, wait_work
 from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.plan_ranks import all_group_ranks
 
 PostFn = Callable[[Sequence[P2P]], Handle]
 """Posts a group of point-to-point operations on the world communicator."""
@@ -181,7 +182,7 @@ def build_groups(
         groups_abort.on_hard(abort_created)  # also those made so far, while the groups are being built
     world = make(None)
     made: dict[tuple[int, ...], Communicator] = {}
-    for ranks in layout.all_group_ranks():
+    for ranks in all_group_ranks(layout.plan):
         if layout.rank in ranks:
             made[ranks] = make(ranks)
     tp_ranks = layout.tp_ranks
