@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm import Communicator, Handle
+from elastic.model.config import tp_split
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,5 @@ class TensorParallel:
             self.wait(work)
 
     def divide(self, value: int, what: str) -> int:
-        """value / size, with a clear error when it does not divide."""
-        if value % self.size:
-            raise ValueError(f"{what}={value} is not divisible by the tensor-parallel degree {self.size}")
-        return value // self.size
+        """value / size, with a clear error when it does not divide (`config.tp_split`)."""
+        return tp_split(value, self.size, what)
