@@ -37,15 +37,6 @@ class TensorParallel:
         """No tensor parallelism: every collective is a no-op."""
         return cls()
 
-    @classmethod
-    def from_group(cls, group: dist.ProcessGroup, *, device: torch.device | None = None) -> TensorParallel:
-        """The context of the calling process inside the process group `group`."""
-        size = group.size()
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        comm = Communicator(group, name="tp", members=range(size), backend=backend,
-                            device=device or torch.device("cpu"))
-        return cls(group=comm, rank=group.rank(), size=size)
-
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """All-reduce `x` in place over the tensor-parallel group, and wait for it."""
         assert self.group is not None

@@ -10,7 +10,7 @@ orders. Peers are addressed by their rank inside a group; in the world group tha
 layout's global rank.
 
 A generation's communicators end in one of two ways. A hard abort of its AbortSignal aborts
-them all at once (`abort_all`, from whatever thread makes the abort hard): nothing is posted on
+them all at once (`build_groups` registers that on it; it runs on whatever thread makes the abort hard): nothing is posted on
 them afterwards, and on NCCL their pending operations end. A generation that is replaced is
 `retire`d at the switch: aborted if its step was abandoned, and NCCL's shut down; gloo's
 connections are closed later (`close`), once every worker of the next generation has left it
@@ -73,9 +73,6 @@ class ParallelGroups:
     def device(self) -> torch.device:
         return self.world.device
 
-    def communicators(self) -> list[Communicator]:
-        return list(self.created)
-
     def post(self, comm: Communicator, ops: Sequence[P2P], *, local: bool = False) -> Handle:
         """Post `ops` on `comm` as one group. A gloo group posted to a peer for the first time
         connects to it inside the call (lazy pairs), which a dead peer would block until the
@@ -109,16 +106,11 @@ class ParallelGroups:
     def bucket_group(self, ranks: tuple[int, ...]) -> Communicator | None:
         return self.buckets[ranks]
 
-    def abort_all(self) -> None:
-        """Abort every communicator of the generation (a hard abort; safe from any thread)."""
-        for comm in self.created:
-            comm.abort()
-
     def retire(self) -> None:
         """The generation is replaced: abort it if its step was abandoned, shut NCCL's
         communicators down (their memory is freed); gloo's wait for `close` (module doc)."""
         if self.abort is not None and self.abort.is_set():
-            self.abort.set("the generation was replaced")  # hard: runs `abort_all`
+            self.abort.set("the generation was replaced")  # hard: aborts every communicator (build_groups)
         for comm in self.created:
             if comm.backend != "gloo":
                 comm.shutdown()
