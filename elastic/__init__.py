@@ -4,6 +4,6 @@ import os as _os
 
 # gRPC's C core logs a failed TLS handshake (a wrong CA, a missing client certificate) at INFO
 # on stderr unless told otherwise, beside the one line that names the problem
-# (elastic/coordinator/client.py, check_access). Set before anything imports grpc; an explicit
+# (elastic/coordinator/credentials.py, check_access). Set before anything imports grpc; an explicit
 # GRPC_VERBOSITY wins.
 _os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from elastic.coordinator.client import config_from_env, connect
+from elastic.coordinator.client import connect
+from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.keys import JobKeys
 from elastic.records.protocol import RunKeys, committed_steps
 

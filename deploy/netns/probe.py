@@ -16,7 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic.coordinator.client import config_from_env, connect
+from elastic.coordinator.client import connect
+from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.netaddr import LOOPBACK, bind_host
 from elastic.coordinator.store import EtcdStore
 from elastic.parallel.groups import new_group

@@ -206,7 +206,7 @@ def _run_job(args: argparse.Namespace) -> int:
     # commands start without torch.
     from elastic.cli.run_guard import guard_run
     from elastic.cli.run_stop import report_stop_timed_out, report_stopped, stop_on_signals
-    from elastic.coordinator.client import EtcdAccessError, EtcdUnreachableError
+    from elastic.coordinator.credentials import EtcdAccessError, EtcdUnreachableError
     from elastic.roles.job_stop import JobStopped, StopTimedOut
     from elastic.roles.launch_errors import JobFailed, StartupError, WorkerFailed
     from elastic.roles.launcher import launch_elastic

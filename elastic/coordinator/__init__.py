@@ -1,7 +1,8 @@
 """The etcd v3 control plane: membership, failure detection, election, generations, Store, torchrun.
 
 Modules, one concern each: `etcd_server` (a private etcd for launchers and tests), `client`
-(connection settings, restart-proof client), `keys` (the key layout), `watch` (reconnecting
+(connection settings, restart-proof client), `credentials` (etcd credentials from the
+environment, a first read that names what is wrong), `keys` (the key layout), `watch` (reconnecting
 prefix watch), `lease`, `membership`, `monitor` (local worker death -> report), `election`,
 `generations` (plans by compare-and-swap), `store` (c10d Store), `access`
 (job token), `rendezvous` (torchrun handler), `events` (event log) and `jsonrecord` (the JSON

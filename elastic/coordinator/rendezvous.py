@@ -52,7 +52,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from .access import admit
-from .client import EtcdConfig, config_from_env, connect, credentials_env
+from .client import EtcdConfig, connect
+from .credentials import config_from_env, credentials_env
 from .keys import JobKeys, check_name
 from .membership import Membership, MembershipConfig, NodeIdentity, read_members
 from .store import EtcdStore

@@ -38,19 +38,12 @@ from elastic.engine.device import compute_precision, wire_dtype
 from elastic.engine.optim import OptimConfig, lr_at
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.blocks import Block, decompose
+from elastic.parallel.bucket_reducer import BucketReducer, plan_blocks
+from elastic.parallel.buckets import accum_buckets, bucket_layout
 from elastic.parallel.exchange import TreeExchange
 from elastic.parallel.executor import MicrobatchResult, StageSpec, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
-from elastic.parallel.grad_sync import (
-    BucketReducer,
-    GradStats,
-    VoteInterrupted,
-    accum_buckets,
-    bucket_layout,
-    clip_grads,
-    finalize_grads,
-    plan_blocks,
-)
+from elastic.parallel.grad_sync import GradStats, VoteInterrupted, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.parallel.phase_clock import PhaseClock, StepPhases

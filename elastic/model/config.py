@@ -102,8 +102,16 @@ class GPTConfig:
         """ValueError unless `degree` tensor-parallel ranks can split this shape (heads and vocabulary);
         `by` names the degree in the message (default "the tensor-parallel degree N")."""
         for what, size in (("n_head", self.n_head), ("vocab_size", self.vocab_size)):
-            if size % degree:
-                raise ValueError(f"{what}={size} is not divisible by {by or f'the tensor-parallel degree {degree}'}")
+            tp_split(size, degree, what, by=by)
+
+
+def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> int:
+    """`value` / `degree`, the share of each of `degree` tensor-parallel ranks: the one check
+    that a size splits evenly. ValueError naming `what` unless it divides; `by` names the
+    degree in the message (default "the tensor-parallel degree N")."""
+    if value % degree:
+        raise ValueError(f"{what}={value} is not divisible by {by or f'the tensor-parallel degree {degree}'}")
+    return value // degree
 
 
 PRESETS: dict[str, GPTConfig] = {

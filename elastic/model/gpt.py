@@ -156,8 +156,7 @@ class GPTStage(nn.Module):
             raise ValueError(f"stage layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
         self.cfg, self.first, self.last = cfg, first, last
         self.tp = tp or TensorParallel.single()
-        self.tp.divide(cfg.n_head, "n_head")
-        self.tp.divide(cfg.vocab_size, "vocab_size")
+        cfg.check_tensor_parallel(self.tp.size)
         self.embed = Embedding(cfg, tp=self.tp) if first == 0 else None
         block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
         self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}") for k in block_ids})

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from elastic.model.config import GPTConfig
+from elastic.model.config import GPTConfig, tp_split
 
 STD = 0.02
 """GPT-2's standard deviation for weights."""
@@ -42,6 +42,5 @@ def shard_tensor(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -
     """Rank `rank`'s contiguous shard of `full` along `tp_dim` (the whole tensor if None)."""
     if tp_dim is None or size == 1:
         return full
-    if full.shape[tp_dim] % size:
-        raise ValueError(f"dimension {tp_dim} of shape {tuple(full.shape)} is not divisible by {size}")
+    tp_split(full.shape[tp_dim], size, f"dimension {tp_dim} of shape {tuple(full.shape)}")
     return full.chunk(size, dim=tp_dim)[rank]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm import Communicator, Handle
+from elastic.model.config import tp_split
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,15 +37,6 @@ class TensorParallel:
         """No tensor parallelism: every collective is a no-op."""
         return cls()
 
-    @classmethod
-    def from_group(cls, group: dist.ProcessGroup, *, device: torch.device | None = None) -> TensorParallel:
-        """The context of the calling process inside the process group `group`."""
-        size = group.size()
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
-        comm = Communicator(group, name="tp", members=range(size), backend=backend,
-                            device=device or torch.device("cpu"))
-        return cls(group=comm, rank=group.rank(), size=size)
-
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         """All-reduce `x` in place over the tensor-parallel group, and wait for it."""
         assert self.group is not None
@@ -62,7 +54,5 @@ class TensorParallel:
             self.wait(work)
 
     def divide(self, value: int, what: str) -> int:
-        """value / size, with a clear error when it does not divide."""
-        if value % self.size:
-            raise ValueError(f"{what}={value} is not divisible by the tensor-parallel degree {self.size}")
-        return value // self.size
+        """value / size, with a clear error when it does not divide (`config.tp_split`)."""
+        return tp_split(value, self.size, what)

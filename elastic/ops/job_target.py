@@ -21,13 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic.coordinator.client import (
-    TRANSIENT_ERRORS,
-    EtcdConfig,
-    EtcdUnreachableError,
-    check_access,
-    config_from_env,
-)
+from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig
+from elastic.coordinator.credentials import EtcdUnreachableError, check_access, config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 

@@ -67,7 +67,7 @@ class GradAccumulator:
         """(names, one flat buffer of sums per block slot) per partition group."""
         self.reduced: list[torch.Tensor] = []
         """Per partition group, the flat buffer of the step's reduced gradient (the parameters'
-        dtype), written by the reduction (`elastic.parallel.grad_sync`)."""
+        dtype), written by the reduction (`elastic.parallel.bucket_reducer`)."""
         self._views: dict[str, list[torch.Tensor]] = {}
         """Name -> its sum in each block slot (lists grow in place: the hooks hold them)."""
         self._next: dict[str, list[int]] = {}

@@ -5,12 +5,12 @@ is a communicator (elastic/comm/communicator.py: a real `dist.ProcessGroup`, NCC
 device and connected at once) built on a store prefix of its own, `generation/<g>/group/<ranks>`,
 so groups of different generations never share store keys. Building a group is a rendezvous of
 its members only: a worker builds just the groups it is a member of, in the single order of
-`layout.all_group_ranks()` (world first), so two workers never wait for each other in opposite
+`plan_ranks.all_group_ranks(plan)` (world first), so two workers never wait for each other in opposite
 orders. Peers are addressed by their rank inside a group; in the world group that is the
 layout's global rank.
 
 A generation's communicators end in one of two ways. A hard abort of its AbortSignal aborts
-them all at once (`abort_all`, from whatever thread makes the abort hard): nothing is posted on
+them all at once (`build_groups` registers that on it; it runs on whatever thread makes the abort hard): nothing is posted on
 them afterwards, and on NCCL their pending operations end. A generation that is replaced is
 `retire`d at the switch: aborted if its step was abandoned, and NCCL's shut down; gloo's
 connections are closed later (`close`), once every worker of the next generation has left it
@@ -34,6 +34,7 @@ from elastic.comm.device import bind_thread
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.abort import AbortSignal, call_abortable, fetch, wait_work
 from elastic.parallel.layout import ParallelLayout
+from elastic.parallel.plan_ranks import all_group_ranks
 
 PostFn = Callable[[Sequence[P2P]], Handle]
 """Posts a group of point-to-point operations on the world communicator."""
@@ -72,9 +73,6 @@ class ParallelGroups:
     def device(self) -> torch.device:
         return self.world.device
 
-    def communicators(self) -> list[Communicator]:
-        return list(self.created)
-
     def post(self, comm: Communicator, ops: Sequence[P2P], *, local: bool = False) -> Handle:
         """Post `ops` on `comm` as one group. A gloo group posted to a peer for the first time
         connects to it inside the call (lazy pairs), which a dead peer would block until the
@@ -108,16 +106,11 @@ class ParallelGroups:
     def bucket_group(self, ranks: tuple[int, ...]) -> Communicator | None:
         return self.buckets[ranks]
 
-    def abort_all(self) -> None:
-        """Abort every communicator of the generation (a hard abort; safe from any thread)."""
-        for comm in self.created:
-            comm.abort()
-
     def retire(self) -> None:
         """The generation is replaced: abort it if its step was abandoned, shut NCCL's
         communicators down (their memory is freed); gloo's wait for `close` (module doc)."""
         if self.abort is not None and self.abort.is_set():
-            self.abort.set("the generation was replaced")  # hard: runs `abort_all`
+            self.abort.set("the generation was replaced")  # hard: aborts every communicator (build_groups)
         for comm in self.created:
             if comm.backend != "gloo":
                 comm.shutdown()
@@ -181,7 +174,7 @@ def build_groups(
         groups_abort.on_hard(abort_created)  # also those made so far, while the groups are being built
     world = make(None)
     made: dict[tuple[int, ...], Communicator] = {}
-    for ranks in layout.all_group_ranks():
+    for ranks in all_group_ranks(layout.plan):
         if layout.rank in ranks:
             made[ranks] = make(ranks)
     tp_ranks = layout.tp_ranks

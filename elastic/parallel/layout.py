@@ -2,7 +2,8 @@
 
 Built from (plan, generation, node, local rank) with no communication: every worker derives
 the same global ranks from the plan alone. Ranks are dealt pipeline by pipeline, stage by stage,
-tensor-parallel rank by tensor-parallel rank, so pipeline 0 stage 0 tp 0 is rank 0.
+tensor-parallel rank by tensor-parallel rank, so pipeline 0 stage 0 tp 0 is rank 0. The rank
+maths and group lookups over the whole plan are pure functions of it (plan_ranks.py).
 
 A new generation means a new layout; nothing here is ever patched in place.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic.parallel import plan_ranks
+from elastic.parallel.plan_ranks import GradBucket
 from templates.plan import Plan, PlanError
 
 
@@ -32,16 +35,6 @@ class WorkerCoord:
     @property
     def tp_rank(self) -> int:
         return self.local_rank
-
-
-@dataclass(frozen=True, kw_only=True)
-class GradBucket:
-    """Consecutive layers held by the same set of workers: one all-reduce per step."""
-
-    layers: tuple[int, ...]
-    """Planning layers in the bucket, ascending and consecutive."""
-    ranks: tuple[int, ...]
-    """Global ranks (one per pipeline) holding these layers at this tensor-parallel rank, sorted."""
 
 
 def assign_ranks(plan: Plan) -> tuple[WorkerCoord, ...]:
@@ -98,19 +91,15 @@ class ParallelLayout:
 
     @property
     def rank(self) -> int:
-        return self.rank_of(*self.plan.locate(self.node), self.local_rank)
-
-    @property
-    def me(self) -> WorkerCoord:
-        return self.workers[self.rank]
+        return plan_ranks.rank_of(self.plan, *self.plan.locate(self.node), self.local_rank)
 
     @property
     def pipeline(self) -> int:
-        return self.me.pipeline
+        return self.workers[self.rank].pipeline
 
     @property
     def stage(self) -> int:
-        return self.me.stage
+        return self.workers[self.rank].stage
 
     @property
     def tp_rank(self) -> int:
@@ -146,85 +135,35 @@ class ParallelLayout:
         """Global index of this pipeline's first microbatch."""
         return self.plan.microbatch_offset(self.pipeline)
 
-    # ---- neighbours and groups -----------------------------------------------------------
-
-    def rank_of(self, pipeline: int, stage: int, tp_rank: int) -> int:
-        """Global rank of the worker at (pipeline, stage, tp_rank)."""
-        tp = self.plan.gpus_per_node
-        before = sum(len(p.stages) for p in self.plan.pipelines[:pipeline])
-        return (before + stage) * tp + tp_rank
+    # ---- neighbours and groups (the plan-wide lookups: plan_ranks.py) ---------------------
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
         """Global ranks of my tensor-parallel group (my node's workers)."""
-        return self.tp_group_of(self.pipeline, self.stage)
-
-    def tp_group_of(self, pipeline: int, stage: int) -> tuple[int, ...]:
-        base = self.rank_of(pipeline, stage, 0)
-        return tuple(range(base, base + self.plan.gpus_per_node))
+        return plan_ranks.tp_group_of(self.plan, self.pipeline, self.stage)
 
     @property
     def prev_rank(self) -> int | None:
         """Same tensor-parallel rank on the previous stage; None on the first stage."""
         if self.is_first_stage:
             return None
-        return self.rank_of(self.pipeline, self.stage - 1, self.tp_rank)
+        return plan_ranks.rank_of(self.plan, self.pipeline, self.stage - 1, self.tp_rank)
 
     @property
     def next_rank(self) -> int | None:
         """Same tensor-parallel rank on the next stage; None on the last stage."""
         if self.is_last_stage:
             return None
-        return self.rank_of(self.pipeline, self.stage + 1, self.tp_rank)
+        return plan_ranks.rank_of(self.plan, self.pipeline, self.stage + 1, self.tp_rank)
 
     def holders(self, layer: int, tp_rank: int | None = None) -> tuple[int, ...]:
-        """Global ranks, one per pipeline, that hold (layer, tp_rank); sorted."""
-        if not 0 <= layer < self.plan.num_layers:
-            raise ValueError(f"layer {layer} outside [0, {self.plan.num_layers})")
-        t = self.tp_rank if tp_rank is None else tp_rank
-        out = []
-        for p, pipe in enumerate(self.plan.pipelines):
-            for s, stage in enumerate(pipe.stages):
-                if stage.first <= layer < stage.last:
-                    out.append(self.rank_of(p, s, t))
-        return tuple(sorted(out))
+        """Global ranks, one per pipeline, that hold (layer, tp_rank) (default: mine); sorted."""
+        return plan_ranks.holders(self.plan, layer, self.tp_rank if tp_rank is None else tp_rank)
 
     @property
     def buckets(self) -> tuple[GradBucket, ...]:
         """My layers grouped into gradient buckets, ascending by layer."""
-        return self.buckets_of(self.pipeline, self.stage, self.tp_rank)
-
-    def buckets_of(self, pipeline: int, stage: int, tp_rank: int) -> tuple[GradBucket, ...]:
-        first, last = self.plan.pipelines[pipeline].stages[stage].layers
-        out: list[GradBucket] = []
-        for layer in range(first, last):
-            ranks = self.holders(layer, tp_rank)
-            if out and out[-1].ranks == ranks:
-                out[-1] = GradBucket(layers=out[-1].layers + (layer,), ranks=ranks)
-            else:
-                out.append(GradBucket(layers=(layer,), ranks=ranks))
-        return tuple(out)
-
-    def all_group_ranks(self) -> tuple[tuple[int, ...], ...]:
-        """Every multi-member group of the plan (tensor-parallel groups, then gradient-bucket
-        groups), deduplicated, in one order that every worker computes identically."""
-        seen: set[tuple[int, ...]] = set()
-        ordered: list[tuple[int, ...]] = []
-
-        def add(ranks: tuple[int, ...]) -> None:
-            if len(ranks) > 1 and ranks not in seen:
-                seen.add(ranks)
-                ordered.append(ranks)
-
-        for p, pipe in enumerate(self.plan.pipelines):
-            for s in range(len(pipe.stages)):
-                add(self.tp_group_of(p, s))
-        for p, pipe in enumerate(self.plan.pipelines):
-            for s in range(len(pipe.stages)):
-                for t in range(self.plan.gpus_per_node):
-                    for bucket in self.buckets_of(p, s, t):
-                        add(bucket.ranks)
-        return tuple(ordered)
+        return plan_ranks.buckets_of(self.plan, self.pipeline, self.stage, self.tp_rank)
 
     def counts_layer_for_norm(self, layer: int) -> bool:
         """Whether this worker's copy of `layer` counts in the global gradient norm: after the

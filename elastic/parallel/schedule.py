@@ -101,11 +101,6 @@ def forward_only(*, num_stages: int, stage: int, microbatches: int) -> list[Acti
     return actions
 
 
-def pipeline_schedule(*, num_stages: int, microbatches: int) -> list[list[Action]]:
-    """The 1F1B schedules of every stage of one pipeline."""
-    return [one_f_one_b(num_stages=num_stages, stage=s, microbatches=microbatches) for s in range(num_stages)]
-
-
 def coalesce(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
     """`actions` as the executor runs them: each computation alone, each run of consecutive
     transfers as one group posted together (module doc)."""
@@ -195,15 +190,3 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> list[tuple[int, Action]]:
     if left:
         raise ScheduleError(f"messages never received by stages {left}")
     return order
-
-
-def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most microbatches whose activations a stage holds at once (forwarded, not backwarded)."""
-    live = peak = 0
-    for a in actions:
-        if a.op is Op.FORWARD:
-            live += 1
-            peak = max(peak, live)
-        elif a.op is Op.BACKWARD:
-            live -= 1
-    return peak

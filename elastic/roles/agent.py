@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING
 import psutil
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import config_from_env, connect, stop_retrying
+from elastic.coordinator.client import connect, stop_retrying
+from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys

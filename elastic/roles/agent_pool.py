@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from elastic.coordinator.client import ETCD_CREDENTIAL_ENVS
+from elastic.coordinator.credentials import ETCD_CREDENTIAL_ENVS
 from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
 from elastic.roles.cpu_quota import CPU_CGROUP_ENV, NodeCpuQuotas
 from elastic.roles.launch_errors import JobFailed

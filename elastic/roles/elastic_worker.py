@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import config_from_env, connect
+from elastic.coordinator.client import connect
+from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic.coordinator.access import admit
-from elastic.coordinator.client import EtcdConfig, check_access, config_from_env, connect
+from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.credentials import check_access, config_from_env
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer

@@ -39,7 +39,7 @@ TLS_KEY_ENV = "ELASTIC_TLS_KEY"
 TLS_SERVER_NAME_ENV = "ELASTIC_TLS_SERVER_NAME"
 """Name the server certificates carry, checked instead of the dialled address (optional)."""
 
-# The etcd client credentials (elastic/coordinator/client.py; transfer may not import the
+# The etcd client credentials (elastic/coordinator/credentials.py; transfer may not import the
 # coordinator, which is on its own layer): the fallback when no ELASTIC_TLS_* is set.
 _ETCD_FALLBACK = ("ELASTIC_ETCD_CA", "ELASTIC_ETCD_CERT", "ELASTIC_ETCD_KEY")
 

@@ -10,8 +10,9 @@ import pytest
 
 from elastic.comm import Event, Op
 from elastic.comm.nccl_model import check
-from elastic.parallel.schedule import Action, coalesce, forward_only, pipeline_schedule
+from elastic.parallel.schedule import Action, coalesce, forward_only
 from elastic.parallel.schedule import Op as Act
+from tests.engine.schedules import pipeline_schedule
 
 pytestmark = pytest.mark.timeout(120)
 

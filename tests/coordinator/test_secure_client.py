@@ -13,7 +13,8 @@ import etcd3
 import grpc
 import pytest
 
-from elastic.coordinator.client import EtcdAccessError, EtcdConfig, config_from_env, connect, credentials_env
+from elastic.coordinator.client import EtcdConfig, connect
+from elastic.coordinator.credentials import EtcdAccessError, config_from_env, credentials_env
 from tests.secure_etcd import JOB_PASSWORD, Pki, SecureEtcd, make_pki
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

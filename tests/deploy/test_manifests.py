@@ -245,7 +245,7 @@ def test_tls_settings_are_consistent() -> None:
     """etcd serves client TLS from a mounted Secret; every pod that talks to it has the
     ELASTIC_ETCD_* files in a mounted Secret at the paths its env names, the user and password
     from a Secret (never a literal, never on a command line), and one CA for both sides."""
-    from elastic.coordinator.client import (
+    from elastic.coordinator.credentials import (
         ETCD_CA_ENV,
         ETCD_CERT_ENV,
         ETCD_KEY_ENV,

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic.parallel import grad_sync
+from elastic.parallel import bucket_reducer, grad_sync
 from elastic.parallel.blocks import Block, CombineProgram, combine, decompose
+from elastic.parallel.exchange import SUM_CHUNK
 from elastic.parallel.grad_accum import GradAccumulator
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,8 +174,8 @@ def test_the_accelerator_way_combines_in_one_pass_to_the_same_bits() -> None:
     assert torch.equal(chunked, whole)
     assert norms[1].item() == pytest.approx(norms[0].item(), rel=1e-12)
     assert norms[0].item() == pytest.approx(whole.double().square().sum().item(), rel=1e-12)
-    assert grad_sync._chunk(1 << 20, torch.device("cpu")) == grad_sync.SUM_CHUNK
-    assert grad_sync._chunk(1 << 20, torch.device("cuda", 0)) == 1 << 20
+    assert bucket_reducer._chunk(1 << 20, torch.device("cpu")) == SUM_CHUNK
+    assert bucket_reducer._chunk(1 << 20, torch.device("cuda", 0)) == 1 << 20
     t = parts[0]
     assert grad_sync.sum_of_squares(t, None).item() == pytest.approx(
         grad_sync.sum_of_squares(t, torch.empty(1000, dtype=torch.float64)).item(), rel=1e-12)

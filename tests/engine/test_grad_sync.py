@@ -17,14 +17,9 @@ from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.parallel.blocks import Block
-from elastic.parallel.grad_sync import (
-    BUCKET_BYTES,
-    FIRST_BUCKET_BYTES,
-    BucketReducer,
-    bucket_layout,
-    finalize_grads,
-    split_layers,
-)
+from elastic.parallel.bucket_reducer import BucketReducer
+from elastic.parallel.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES, bucket_layout, split_layers
+from elastic.parallel.grad_sync import finalize_grads
 from elastic.parallel.groups import build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from templates.plan import even_plan

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.parallel.layout import GradBucket, ParallelLayout, assign_ranks
+from elastic.parallel.layout import ParallelLayout, assign_ranks
+from elastic.parallel.plan_ranks import GradBucket, all_group_ranks
 from templates.plan import PlanError
 from tests.engine.plans import hetero, two_by_two
 
@@ -73,8 +74,8 @@ def test_tp_ranks_get_disjoint_bucket_groups() -> None:
 
 def test_group_order_is_identical_everywhere_and_complete() -> None:
     all_layouts = layouts(hetero(tp=2))
-    groups = all_layouts[0].all_group_ranks()
-    assert all(ly.all_group_ranks() == groups for ly in all_layouts)
+    groups = all_group_ranks(all_layouts[0].plan)
+    assert all(all_group_ranks(ly.plan) == groups for ly in all_layouts)
     assert len(set(groups)) == len(groups)
     for ly in all_layouts:
         assert ly.tp_ranks in groups

@@ -9,10 +9,9 @@ from elastic.parallel.schedule import (
     Op,
     ScheduleError,
     one_f_one_b,
-    peak_in_flight,
-    pipeline_schedule,
     simulate,
 )
+from tests.engine.schedules import peak_in_flight, pipeline_schedule
 
 pytestmark = pytest.mark.timeout(60)
 

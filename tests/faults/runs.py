@@ -140,7 +140,7 @@ class LiveJob:
         import secrets
 
         from elastic.coordinator import JobKeys, connect
-        from elastic.coordinator.client import config_from_env
+        from elastic.coordinator.credentials import config_from_env
         from elastic.records.protocol import RunKeys
 
         self.config, self.etcd = config, etcd

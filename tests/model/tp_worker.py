@@ -4,14 +4,44 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from elastic.comm import Communicator
 from elastic.data import TokenDataset
 from elastic.model import GPTStage, TensorParallel, get_preset
-from elastic.model.init import name_seed
-from elastic.model.state import full_grad_dict, full_state_dict, load_full_state
+from elastic.model.init import name_seed, shard_tensor
+from elastic.model.state import full_state_dict, gather_full
 
 BATCH = 4
 DROPOUT_KEY = 7
+
+
+def tp_from_group(group: dist.ProcessGroup) -> TensorParallel:
+    """The tensor-parallel context of the calling process inside the gloo process group `group`."""
+    size = group.size()
+    comm = Communicator(group, name="tp", members=range(size), backend="gloo", device=torch.device("cpu"))
+    return TensorParallel(group=comm, rank=group.rank(), size=size)
+
+
+def full_grad_dict(module: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """Canonical name -> full fp32 CPU gradient of every parameter that has one."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            out[name] = gather_full(p.grad, p.tp_dim, tp).float().cpu()  # type: ignore[attr-defined]
+    return out
+
+
+def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], tp: TensorParallel) -> None:
+    """Copy this rank's shard of each full tensor in `state` into `module`'s parameters."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name not in state:
+                raise KeyError(f"state has no tensor for parameter {name!r}")
+            full = state[name]
+            if tuple(full.shape) != tuple(p.full_shape):  # type: ignore[attr-defined]
+                raise ValueError(f"{name}: state shape {tuple(full.shape)} != model shape {p.full_shape}")  # type: ignore[attr-defined]
+            p.copy_(shard_tensor(full, p.tp_dim, tp.rank, tp.size))  # type: ignore[attr-defined]
 
 
 def perturbation(name: str, shape: torch.Size) -> torch.Tensor:
@@ -45,7 +75,7 @@ def run_case(cfg_overrides: dict[str, float], tp: TensorParallel, split: int | N
 def main(rank: int, world: int, init_file: str, out_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        tp = TensorParallel.from_group(dist.group.WORLD)  # type: ignore[arg-type]
+        tp = tp_from_group(dist.group.WORLD)  # type: ignore[arg-type]
         results = {
             "plain": run_case({}, tp, None),
             "dropout": run_case({"dropout": 0.1}, tp, None),

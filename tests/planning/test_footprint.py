@@ -20,7 +20,7 @@ from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.blocks import Block, CombineProgram, decompose
-from elastic.parallel.grad_sync import split_layers
+from elastic.parallel.buckets import split_layers
 from elastic.planning.activation_memory import layer_saved, saved_bytes
 from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.planning.footprint import (
