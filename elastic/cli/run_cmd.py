@@ -439,8 +439,8 @@ def _write_report(run_dir: Path) -> None:
 
 def _elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
     """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
+    from elastic.records.config import ElasticConfig
     from elastic.records.injection import check_injections, parse_injection
-    from elastic.records.protocol import ElasticConfig
 
     try:
         injections = [parse_injection(text) for text in args.inject]

@@ -47,7 +47,8 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, split_microbatches
-from elastic.records.protocol import ReconfigTimings, StepResult
+from elastic.records.progress import StepResult
+from elastic.records.recovery_timings import ReconfigTimings
 from elastic.transfer.collective import ShardMove, assign_moves, exchange
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan

@@ -70,7 +70,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
@@ -78,18 +78,13 @@ from elastic.parallel.layout import assign_ranks
 from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
 from elastic.records.evals import EvalResult, eval_key
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
-from elastic.records.protocol import (
-    GenerationRecord,
-    ProgressRecord,
-    RecoveryTimings,
-    RunKeys,
-    WorkerInfo,
-    node_id,
-    node_of,
-)
+from elastic.records.progress import ProgressRecord
 from elastic.records.recoveries import breakdown_of
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stragglers import read_stragglers
+from elastic.records.workers import WorkerInfo, node_id, node_of
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +96,12 @@ BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 def metrics_key(keys: JobKeys, node: int) -> str:
     """`metrics/<node_id>`: where plan node `node` publishes its metrics address."""
-    return f"{keys.root}metrics/{node_id(node)}"
+    return keys.key("metrics", node_id(node))
 
 
 def metrics_addresses(client: EtcdClient, keys: JobKeys) -> dict[str, str]:
     """node id -> `host:port` of every metrics endpoint published in the job."""
-    prefix = f"{keys.root}metrics/"
+    prefix = keys.prefix("metrics")
     found: dict[str, str] = {}
     for value, meta in client.get_prefix(prefix):
         try:

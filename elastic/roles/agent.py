@@ -54,11 +54,12 @@ from elastic.coordinator.client import config_from_env, connect, stop_retrying
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import WatchEvent, watch_from_now
+from elastic.records.config import ElasticConfig
 from elastic.records.injection import (
     AGENT_KINDS,
     InjectionRequest,
@@ -72,7 +73,7 @@ from elastic.records.injection import (
     submit_request,
     write_status,
 )
-from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
+from elastic.records.workers import WorkerInfo, node_id, node_of
 from elastic.roles import cpu_quota
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
@@ -390,7 +391,7 @@ class Agent:
 
     def _request_drain(self) -> InjectionRequest:
         """Write the drain request of this node's incarnation; ValueError if it is in no generation."""
-        from elastic.records.protocol import GenerationRecord
+        from elastic.records.generation import GenerationRecord
 
         gen = Generations(self.client, self.keys).current()
         if gen is None or GenerationRecord.from_json(gen.plan).incarnations.get(self.node) != self.incarnation:

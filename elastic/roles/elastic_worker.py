@@ -50,7 +50,7 @@ from elastic.coordinator.client import config_from_env, connect
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store import EtcdStore
@@ -61,21 +61,14 @@ from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.phase_clock import StepPhases
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
+from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
-from elastic.records.protocol import (
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    RecoveryTimings,
-    RunKeys,
-    StepResult,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    read_progress,
-    step_log_path,
-)
+from elastic.records.generation import GenerationRecord, Vote
+from elastic.records.progress import StepResult, read_progress, step_log_path
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stop import STOPPED
+from elastic.records.sync import COMMIT, SyncReport
+from elastic.records.workers import WorkerInfo
 from elastic.roles.control import DecisionFeed, GenerationFeed, HaltFeed, ProgressWriter, write_sync
 from elastic.roles.holders import HolderMap, holder_map_reader
 from elastic.roles.node_feed import subscriber

@@ -53,8 +53,10 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -64,13 +66,7 @@ from elastic.records.injection import (
     write_status,
 )
 from elastic.records.job import DEVICE_BASE_ENV, JobSpec
-from elastic.records.protocol import (
-    ElasticConfig,
-    GenerationRecord,
-    RunKeys,
-    committed_steps,
-    step_log_path,
-)
+from elastic.records.progress import committed_steps, step_log_path
 from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary, collect_summary
 from elastic.roles.cpu_quota import CPU_CGROUP_ENV, CpuQuotaError, NodeCpuQuotas
@@ -425,7 +421,7 @@ class _RunLoop:
 
     def _read_requests(self) -> list[InjectionRequest]:
         """The job's injection requests; JobFailed if the leader gave up (its `fatal` key)."""
-        fatal, _ = self.client.get(self.keys.root + "fatal")
+        fatal, _ = self.client.get(self.keys.fatal)
         if fatal is not None:
             raise JobFailed(f"the leader gave up: {fatal.decode()}")
         return read_requests(self.client, self.keys.root)

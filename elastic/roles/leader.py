@@ -2,7 +2,7 @@
 
 It keeps nothing that etcd does not have: a newly elected leader reads the current generation,
 its halt and the sync reports written so far, and goes on from there. Steps commit without it
-(every worker commits when the step's vote, a world all-reduce, completes: see protocol.py);
+(every worker commits when the step's vote, a world all-reduce, completes: see elastic/records/sync.py);
 it acts only when membership changes. Each round (woken by a change under members/, workers/,
 sync/, ready/ or injections/, or every second) reads O(nodes) keys and never a per-step key:
 
@@ -65,11 +65,13 @@ from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.etcd_api import Compare, EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
 from elastic.planning.stragglers import ACTING, planner_split
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.injection import (
     InjectionRequest,
     InjectionStatus,
@@ -80,21 +82,11 @@ from elastic.records.injection import (
     write_status,
 )
 from elastic.records.partial import resolve_replay, worth_finishing
-from elastic.records.protocol import (
-    ABORT,
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    HaltRecord,
-    RunKeys,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    live_nodes,
-    read_progress,
-)
+from elastic.records.progress import read_progress
 from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.records.stragglers import read_policy, read_stragglers
+from elastic.records.sync import ABORT, COMMIT, SyncReport
+from elastic.records.workers import WorkerInfo, live_nodes
 from elastic.roles.holders import read_holdings
 from elastic.roles.straggler_decisions import DrainStraggler, Resplit, straggler_decision
 from elastic.transfer.shards import ShardKey
@@ -210,7 +202,7 @@ class Leader:
 
     def _run(self) -> None:
         # Watched only while leading: standby agents must not receive every sync report.
-        prefixes = (self.keys.members, self.rk.workers, self.rk.syncs, self.rk.readies, self.keys.injections,
+        prefixes = (self.keys.members, self.rk.workers, self.rk.prefix("sync"), self.rk.prefix("ready"), self.keys.injections,
                     stop_key(self.keys))
         watches: list[PrefixWatch] = []
         try:
@@ -231,7 +223,7 @@ class Leader:
                 except FallbackImpossible as exc:
                     log.error("leader %s: %s", self.who, exc)
                     record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
-                    self.client.put(self.keys.root + "fatal", str(exc))
+                    self.client.put(self.keys.fatal, str(exc))
                     return
                 except Exception as exc:
                     if not etcd_unreachable(exc):
@@ -401,7 +393,7 @@ class Leader:
         """Commit the job's last step once every rank of g is ready for it; True when the job is done."""
         last = self.config.spec.steps - 1
         world = len(record.plan.nodes) * record.plan.gpus_per_node
-        resp = self.client.get_prefix_response(self.rk.ready_prefix(g, last), count_only=True)
+        resp = self.client.get_prefix_response(self.rk.prefix("ready", g, last), count_only=True)
         if int(resp.count) < world:
             return False
         if decide(self.client, self.rk, g, last, COMMIT, fence=self.election.leader_compare()) == COMMIT:
@@ -649,7 +641,7 @@ class Leader:
         """Delete what generation `g` (and any before it) left that no one reads any more."""
         if g < 1:
             return
-        for prefix in (self.rk.sync(g), self.rk.halt(g), f"{self.rk.readies}{g}/", f"{self.rk.decisions}{g}/",
+        for prefix in (self.rk.sync(g), self.rk.halt(g), self.rk.prefix("ready", g), self.rk.prefix("decisions", g),
                        self.keys.store(f"gen-{g}")):
             self.client.delete_prefix(prefix)
 

@@ -33,7 +33,7 @@ from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.ops.status import read_status, render_table
 from elastic.planning.stragglers import StragglerConfig
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.summary import RunSummary
 
