@@ -60,8 +60,8 @@ class JobKeys:
     def failure(self, node_id: str, incarnation: int) -> str:
         return self.key("failed", check_name("node id", node_id), incarnation)
 
-    def suspects(self, node_id: str, incarnation: int) -> str:
-        return self.prefix("suspects", check_name("node id", node_id), incarnation)
+    def suspect(self, node_id: str, incarnation: int, reporter: str) -> str:
+        return self.key("suspects", check_name("node id", node_id), incarnation, check_name("reporter", reporter))
 
     @property
     def leader(self) -> str:

@@ -18,7 +18,9 @@ from elastic.records.generation import Vote
 from elastic.records.partial import PartialReport
 
 COMMIT = "commit"
+"""The leader's decision at `decisions/<g>/<s>`: every worker commits the job's last step."""
 ABORT = "abort"
+"""The leader's decision at `decisions/<g>/<s>`: no worker commits the job's last step in generation g."""
 
 
 @dataclass(frozen=True, kw_only=True)
