@@ -120,10 +120,12 @@ from bench.control_plane_shard import (  # noqa: E402
 from bench.section import exit_on_sigterm  # noqa: E402
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect  # noqa: E402
 from elastic.coordinator.generations import Generations  # noqa: E402
+from elastic.coordinator.keys import RunKeys  # noqa: E402
 from elastic.coordinator.watch import PrefixWatch, WatchEvent  # noqa: E402
 from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan  # noqa: E402
+from elastic.records.config import ElasticConfig  # noqa: E402
+from elastic.records.generation import GenerationRecord  # noqa: E402
 from elastic.records.job import JobSpec  # noqa: E402
-from elastic.records.protocol import ElasticConfig, GenerationRecord, RunKeys  # noqa: E402
 from templates.plan import Plan  # noqa: E402
 
 log = logging.getLogger("control_plane_scale")

@@ -45,19 +45,15 @@ from elastic.coordinator import (
     connect,
 )
 from elastic.coordinator.generations import Generations
+from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.layout import ParallelLayout
-from elastic.records.protocol import (
-    ElasticConfig,
-    ReconfigTimings,
-    RecoveryTimings,
-    RunKeys,
-    StepResult,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    node_id,
-)
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import Vote
+from elastic.records.progress import StepResult
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
+from elastic.records.sync import SyncReport
+from elastic.records.workers import WorkerInfo, node_id
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
 from elastic.roles.node_feed import subscriber

@@ -157,9 +157,12 @@ def runtime_window(model: str, trace: Trace | None, window_s: float, run_dir: Pa
     with `spares` hot spare nodes beside the 4; `memory_gib`: per-node memory of the planner's
     profile (default PIPELINE_MEMORY_GIB of the model)."""
     from bench.recovery import run
+    from elastic.coordinator.keys import RunKeys
     from elastic.ops.job_target import find_job, open_client, resolve_target
+    from elastic.records.generation import GenerationRecord
     from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
-    from elastic.records.protocol import GenerationRecord, RunKeys, committed_steps, live_nodes
+    from elastic.records.progress import committed_steps
+    from elastic.records.workers import live_nodes
     from elastic.roles.launch_errors import JobFailed
 
     stop = threading.Event()

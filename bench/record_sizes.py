@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan  # noqa: E402
+from elastic.records.generation import GenerationRecord, HaltRecord  # noqa: E402
 from elastic.records.partial import PartialReport, resolve_replay  # noqa: E402
-from elastic.records.protocol import GenerationRecord, HaltRecord  # noqa: E402
 from templates.replanning import replan  # noqa: E402
 
 ETCD_MAX_REQUEST = int(1.5 * 2**20)

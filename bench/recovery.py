@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 from elastic.engine.optim import OptimConfig  # noqa: E402
 from elastic.model.config import get_preset  # noqa: E402
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB, ClusterSpec, cluster_templates, initial_plan  # noqa: E402
+from elastic.records.config import ElasticConfig  # noqa: E402
 from elastic.records.injection import parse_injection  # noqa: E402
 from elastic.records.job import JobSpec  # noqa: E402
-from elastic.records.protocol import ElasticConfig  # noqa: E402
 from elastic.records.summary import RunSummary  # noqa: E402
 from elastic.roles.launcher import launch_elastic  # noqa: E402
 from templates.plan import even_plan  # noqa: E402

@@ -38,7 +38,8 @@ sys.path.insert(0, str(REPO))
 from elastic.coordinator import EtcdServer, JobKeys, connect  # noqa: E402
 from elastic.coordinator.client import EtcdConfig  # noqa: E402
 from elastic.coordinator.events import read_events  # noqa: E402
-from elastic.records.protocol import GenerationRecord, RunKeys  # noqa: E402
+from elastic.coordinator.keys import RunKeys  # noqa: E402
+from elastic.records.generation import GenerationRecord  # noqa: E402
 
 MODES = ("cold", "warm")
 TINY = ["--model", "tiny", "--fault-tolerance", "1", "--global-batch", "16", "--microbatch", "2"]

@@ -125,7 +125,7 @@ def test_records_the_control_plane_and_the_operator_cli_do_not_import_torch() ->
     """The records, the agent and its leader, and `elastic status` / `events` stay light: importing
     torch costs every agent about a second of CPU at every node start (all nodes start at once, on
     the cores their workers need)."""
-    modules = ["elastic.records.protocol", "elastic.roles.launcher_feed", "elastic.ops.status_read",
+    modules = ["elastic.records.config", "elastic.records.generation", "elastic.records.sync", "elastic.records.progress", "elastic.records.workers", "elastic.records.recovery_timings", "elastic.roles.launcher_feed", "elastic.ops.status_read",
                "elastic.ops.status_table", "elastic.ops.events", "elastic.roles.agent", "elastic.roles.leader"]
     assert not _loaded_after(modules, "torch")
 

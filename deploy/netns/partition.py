@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from elastic.coordinator.client import connect
 from elastic.coordinator.credentials import config_from_env
-from elastic.coordinator.keys import JobKeys
-from elastic.records.protocol import RunKeys, committed_steps
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.progress import committed_steps
 
 Mode = Literal["down", "oneway", "sick"]
 """How the link is hurt: downed, cut from the node to etcd only, or delayed and lossy."""

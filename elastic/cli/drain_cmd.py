@@ -51,8 +51,8 @@ def register(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from elastic.coordinator.generations import Generations
+    from elastic.records.generation import GenerationRecord
     from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
-    from elastic.records.protocol import GenerationRecord
 
     if args.node is not None and args.node < 0:
         raise UsageError(f"--node must be >= 0, got {args.node}")

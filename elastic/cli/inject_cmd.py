@@ -55,8 +55,8 @@ class OperatorJob:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from elastic.coordinator.access import JobAccessError, admit
+        from elastic.coordinator.keys import RunKeys
         from elastic.ops.job_target import OpsError, find_job, open_client, resolve_target
-        from elastic.records.protocol import RunKeys
 
         if args.wait < 0:
             raise UsageError(f"--wait must be >= 0, got {args.wait}")
@@ -96,12 +96,12 @@ class OperatorJob:
 
     def members(self) -> dict[int, int]:
         """Live plan node -> its incarnation."""
-        from elastic.records.protocol import live_nodes
+        from elastic.records.workers import live_nodes
 
         return live_nodes(self.client, self.keys)
 
     def committed_steps(self) -> int:
-        from elastic.records.protocol import committed_steps
+        from elastic.records.progress import committed_steps
 
         return committed_steps(self.client, self.rk)
 
@@ -114,7 +114,7 @@ class OperatorJob:
         deadline = time.monotonic() + timeout
         last = None
         while True:
-            value, _ = self.client.get(self.rk.injection_status(request_id))
+            value, _ = self.client.get(self.rk.job.key("injection-status", request_id))
             if value is not None:
                 status = InjectionStatus.from_json(value)
                 if status.state in _DONE_STATES:

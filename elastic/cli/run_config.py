@@ -172,8 +172,8 @@ def check_held_out(spec: JobSpec) -> None:
 
 def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
     """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
+    from elastic.records.config import ElasticConfig
     from elastic.records.injection import check_injections, parse_injection
-    from elastic.records.protocol import ElasticConfig
 
     try:
         injections = [parse_injection(text) for text in args.inject]

@@ -13,7 +13,7 @@ from .keys import JobKeys
 def record_event(client: EtcdClient, keys: JobKeys, *, who: str, kind: str, **detail: Any) -> str:
     """Append one event {"time", "who", "kind", **detail}; returns its key."""
     now = time.time_ns()
-    key = f"{keys.events}{now:020d}-{who}"
+    key = keys.key("events", now, who)
     client.put(key, json.dumps({"time": now / 1e9, "who": who, "kind": kind, **detail}))
     return key
 

@@ -8,7 +8,7 @@ writers. Passing the leader's `fence` (LeaderElection.leader_compare()) also rej
 leader. Workers act only on what `watch()` delivers: committed generations, in order.
 
 Committed steps are not here: a step commits on the workers' vote, and the records of it are in
-`elastic/records/protocol.py` (the `progress` key and the per-pipeline step logs).
+`elastic/records/progress.py` (the `progress` key and the per-pipeline step logs).
 """
 
 from __future__ import annotations

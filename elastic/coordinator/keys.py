@@ -1,27 +1,17 @@
-"""The etcd key layout of one job, in one place.
+"""The key builders of one job: `JobKeys` (the coordinator's keys and any family by name) and
+`RunKeys` (the elastic runtime's records), both built from the etcd schema's table.
 
-Everything a job stores lives under `/elastic/<job>/`:
-
-    members/<node_id>          NodeIdentity JSON, attached to the node's lease
-    failed/<node_id>/<inc>     a failure report (who saw it, when, why); no lease
-    suspects/<node_id>/<inc>/<reporter>   a suspicion raised by a worker's collective error
-    leader                     the elected leader's id, attached to its lease
-    generation                 the latest committed generation number (decimal)
-    plan/<generation:012d>     the plan JSON of that generation, written once
-    injections/<id>            fault-injection requests from the operator CLI
-    events/<time_ns>-<who>     an append-only log of what happened
-    token                      hash of the job token (see access.py)
-    rdzv/...                   torchrun rendezvous state (see rendezvous.py)
-    store/<prefix>/<key>       c10d Store keys (see store.py), one prefix per generation
-
-The records of the runtime (progress, halts, holdings, workers, recoveries, ...) live under the
-run prefix that `elastic/records/protocol.py` (`RunKeys`) lays out.
+Every key of a job, with its pattern, lease, writer and readers, is listed once, in
+elastic/coordinator/schema.py; the methods here only name the common ones. A family without a
+method of its own is built with `JobKeys.key(family, *fields)` / `JobKeys.prefix(family, *fields)`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from .schema import ROOT, key, prefix
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -46,57 +36,138 @@ class JobKeys:
 
     @property
     def root(self) -> str:
-        return f"/elastic/{self.job}/"
+        return f"{ROOT}{self.job}/"
+
+    def key(self, family: str, *fields: object) -> str:
+        """The key of schema family `family`, every field given in pattern order."""
+        return key(self.root, family, *fields)
+
+    def prefix(self, family: str, *fields: object) -> str:
+        """The prefix of schema family `family` whose first fields are `fields`."""
+        return prefix(self.root, family, *fields)
 
     @property
     def members(self) -> str:
-        return self.root + "members/"
+        return self.prefix("members")
 
     def member(self, node_id: str) -> str:
-        return self.members + check_name("node id", node_id)
+        return self.key("members", check_name("node id", node_id))
 
     @property
     def failed(self) -> str:
-        return self.root + "failed/"
+        return self.prefix("failed")
 
     def failure(self, node_id: str, incarnation: int) -> str:
-        return f"{self.failed}{check_name('node id', node_id)}/{incarnation}"
+        return self.key("failed", check_name("node id", node_id), incarnation)
 
-    def suspects(self, node_id: str, incarnation: int) -> str:
-        return f"{self.root}suspects/{check_name('node id', node_id)}/{incarnation}/"
+    def suspect(self, node_id: str, incarnation: int, reporter: str) -> str:
+        return self.key("suspects", check_name("node id", node_id), incarnation, check_name("reporter", reporter))
 
     @property
     def leader(self) -> str:
-        return self.root + "leader"
+        return self.key("leader")
 
     @property
     def generation(self) -> str:
-        return self.root + "generation"
+        return self.key("generation")
 
     @property
     def plans(self) -> str:
-        return self.root + "plan/"
+        return self.prefix("plan")
 
     def plan(self, generation: int) -> str:
         if generation < 0:
             raise ValueError(f"generation must be >= 0, got {generation}")
-        return f"{self.plans}{generation:012d}"
+        return self.key("plan", generation)
 
     @property
     def injections(self) -> str:
-        return self.root + "injections/"
+        return self.prefix("injections")
 
     @property
     def events(self) -> str:
-        return self.root + "events/"
+        return self.prefix("events")
 
     @property
     def token(self) -> str:
-        return self.root + "token"
+        return self.key("token")
 
     @property
-    def rdzv(self) -> str:
-        return self.root + "rdzv/"
+    def fatal(self) -> str:
+        return self.key("fatal")
 
-    def store(self, prefix: str) -> str:
-        return f"{self.root}store/{prefix.strip('/')}/"
+    def store(self, scope: str) -> str:
+        return self.prefix("store", scope.strip("/"))
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Keys of the elastic runtime's records, beside the coordinator's JobKeys of the same job."""
+
+    job: JobKeys
+
+    def prefix(self, family: str, *fields: object) -> str:
+        """The prefix of schema family `family` whose first fields are `fields` (e.g.
+        `prefix("ready", g)`: every ready mark of generation g)."""
+        return self.job.prefix(family, *fields)
+
+    @property
+    def config(self) -> str:
+        return self.job.key("config")
+
+    @property
+    def workers(self) -> str:
+        return self.prefix("workers")
+
+    def worker(self, node: int, local_rank: int) -> str:
+        return self.job.key("workers", node, local_rank)
+
+    def node_workers(self, node: int) -> str:
+        return self.prefix("workers", node)
+
+    @property
+    def holdings(self) -> str:
+        return self.prefix("holdings")
+
+    def worker_holdings(self, node: int, local_rank: int) -> str:
+        return self.job.key("holdings", node, local_rank)
+
+    @property
+    def progress(self) -> str:
+        return self.job.key("progress")
+
+    @property
+    def halts(self) -> str:
+        return self.prefix("halt")
+
+    def halt(self, generation: int) -> str:
+        return self.job.key("halt", generation)
+
+    def sync(self, generation: int) -> str:
+        return self.prefix("sync", generation)
+
+    def sync_report(self, generation: int, node: int, local_rank: int) -> str:
+        return self.job.key("sync", generation, node, local_rank)
+
+    def ready(self, generation: int, step: int, rank: int) -> str:
+        return self.job.key("ready", generation, step, rank)
+
+    def decision(self, generation: int, step: int) -> str:
+        return self.job.key("decisions", generation, step)
+
+    @property
+    def recoveries(self) -> str:
+        return self.prefix("recoveries")
+
+    def recovery(self, generation: int, rank: int) -> str:
+        return self.job.key("recoveries", generation, rank)
+
+    @property
+    def done(self) -> str:
+        return self.prefix("done")
+
+    def worker_done(self, node: int, local_rank: int) -> str:
+        return self.job.key("done", node, local_rank)
+
+    def injected(self, name: str) -> str:
+        return self.job.key("injected", name)

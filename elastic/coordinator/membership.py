@@ -235,7 +235,7 @@ class Membership:
         """
         check_name("node id", node_id)
         self.client.put(
-            self.keys.suspects(node_id, incarnation) + self.identity.node_id,
+            self.keys.suspect(node_id, incarnation, self.identity.node_id),
             json.dumps({"reason": reason, "time": time.time()}),
         )
         deadline = time.monotonic() + (timeout if timeout is not None else self.config.ttl + 1.0)

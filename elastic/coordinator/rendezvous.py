@@ -111,10 +111,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return False
 
     def is_closed(self) -> bool:
-        return self.client.get(self.keys.rdzv + "closed")[0] is not None
+        return self.client.get(self.keys.key("rdzv-closed"))[0] is not None
 
     def set_closed(self) -> None:
-        self.client.put(self.keys.rdzv + "closed", "1")
+        self.client.put(self.keys.key("rdzv-closed"), "1")
 
     def num_nodes_waiting(self) -> int:
         # Joins and losses are handled in place by the runtime: never let torchrun restart survivors.
@@ -141,12 +141,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         )
         self.membership = Membership(self.client, self.keys, identity, config=self.membership_config)
         self.membership.join()
-        waiting_key = f"{self.keys.rdzv}waiting/{self.node_id}"
+        waiting_key = self.keys.key("rdzv-waiting", self.node_id)
         self.client.put(waiting_key, str(incarnation), lease=self.membership.lease_id)
         round_number, rank, world = self._await_round(incarnation)
         store = EtcdStore(
             self.client,
-            f"{self.keys.rdzv}round-{round_number}/store/",
+            self.keys.prefix("rdzv-store", round_number),
             timeout=timedelta(seconds=self.join_timeout),
         )
         bootstrap = RendezvousStoreInfo.build(rank, store, self.local_addr)
@@ -165,7 +165,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
     # -- internals -------------------------------------------------------------------------
 
     def _next_incarnation(self) -> int:
-        key = f"{self.keys.rdzv}incarnation/{self.node_id}"
+        key = self.keys.key("rdzv-incarnation", self.node_id)
         txn = self.client.transactions
         while True:
             value, meta = self.client.get(key)
@@ -178,8 +178,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _await_round(self, incarnation: int) -> tuple[int, int, int]:
         """Wait until a sealed round includes (node, incarnation); seal one when it is time."""
         me = [self.node_id, incarnation]
-        round_key = f"{self.keys.rdzv}round"
-        waiting_prefix = f"{self.keys.rdzv}waiting/"
+        round_key = self.keys.key("rdzv-round")
+        waiting_prefix = self.keys.prefix("rdzv-waiting")
         deadline = time.monotonic() + self.join_timeout
         ready_since: float | None = None
         txn = self.client.transactions
@@ -201,7 +201,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     )
                     new_state = json.dumps({"round": state["round"] + 1, "nodes": nodes})
                     ops = [txn.put(round_key, new_state)]
-                    ops += [txn.delete(f"{waiting_prefix}{node}") for node, _ in nodes]
+                    ops += [txn.delete(self.keys.key("rdzv-waiting", node)) for node, _ in nodes]
                     self.client.transaction(compare=[guard], success=ops, failure=[])
                     continue
             else:

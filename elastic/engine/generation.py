@@ -39,7 +39,7 @@ from elastic.parallel.groups import ParallelGroups, build_groups
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord
-from elastic.records.protocol import ReconfigTimings
+from elastic.records.recovery_timings import ReconfigTimings
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 

@@ -11,7 +11,7 @@ import torch
 
 from elastic.engine.trainer import Trainer
 from elastic.records.job import JobSpec
-from elastic.records.protocol import StepResult
+from elastic.records.progress import StepResult
 
 
 def run_worker(spec: JobSpec, *, node: int, local_rank: int, store: torch.distributed.Store) -> None:

@@ -49,7 +49,7 @@ from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.parallel.phase_clock import PhaseClock, StepPhases
 from elastic.parallel.schedule import one_f_one_b
 from elastic.records.partial import PartialReport, ReplayRecord, split_microbatches
-from elastic.records.protocol import StepResult
+from elastic.records.progress import StepResult
 from templates.plan import Plan
 
 

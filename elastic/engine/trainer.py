@@ -36,7 +36,8 @@ from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord
-from elastic.records.protocol import ReconfigTimings, StepResult
+from elastic.records.progress import StepResult
+from elastic.records.recovery_timings import ReconfigTimings
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 

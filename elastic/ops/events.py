@@ -28,9 +28,10 @@ from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
 from elastic.coordinator.jsonrecord import to_data
-from elastic.coordinator.keys import JobKeys
-from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import recovery_breakdown
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.run_end import ENDINGS, RunEnd
 
 
@@ -148,7 +149,7 @@ class History:
         for g, rec in sorted(generations.items()):
             if g == 1:
                 continue
-            pairs = list(self.client.get_prefix(f"{self.rk.recoveries}{g}/"))
+            pairs = list(self.client.get_prefix(self.rk.prefix("recoveries", g)))
             if len(pairs) < len(rec.plan.nodes) * rec.plan.gpus_per_node:
                 continue  # still reconfiguring, or cut short by a later generation
             timings = [RecoveryTimings.from_json(v) for v, _ in pairs]
@@ -158,7 +159,7 @@ class History:
                                         "total_s", "bytes_moved", "replayed_fraction")}
             out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
                                     revision=max(m.mod_revision for _, m in pairs),
-                                    key=f"{self.rk.recoveries}{g}/", detail=detail))
+                                    key=self.rk.prefix("recoveries", g), detail=detail))
         return out
 
     def poll(self) -> list[HistoryEvent]:

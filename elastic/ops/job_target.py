@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elastic.coordinator import schema
 from elastic.coordinator.client import TRANSIENT_ERRORS, EtcdConfig
 from elastic.coordinator.credentials import EtcdUnreachableError, check_access, config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
@@ -32,7 +33,7 @@ CONNECT_TIMEOUT_S = 5.0
 JOB_FILE = "job.json"
 """Name of the file `elastic run` writes into its run directory (see launcher.write_job_file)."""
 
-_ROOT = "/elastic/"
+_ROOT = schema.ROOT
 _UNREACHABLE: tuple[type[BaseException], ...] = (EtcdUnreachableError, *TRANSIENT_ERRORS)
 
 

@@ -67,7 +67,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.ops.etcd_mirror import PrefixMirror
 from elastic.ops.metrics_families import families, gauge
@@ -75,16 +75,12 @@ from elastic.ops.metrics_snapshot import Snapshot, snapshot, spare_members
 from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
 from elastic.records.evals import EvalResult, eval_key
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
-from elastic.records.protocol import (
-    GenerationRecord,
-    ProgressRecord,
-    RecoveryTimings,
-    RunKeys,
-    WorkerInfo,
-    node_id,
-)
+from elastic.records.progress import ProgressRecord
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stragglers import read_stragglers
+from elastic.records.workers import WorkerInfo, node_id
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +89,12 @@ PORT_ENV = "ELASTIC_METRICS_PORT"
 
 def metrics_key(keys: JobKeys, node: int) -> str:
     """`metrics/<node_id>`: where plan node `node` publishes its metrics address."""
-    return f"{keys.root}metrics/{node_id(node)}"
+    return keys.key("metrics", node_id(node))
 
 
 def metrics_addresses(client: EtcdClient, keys: JobKeys) -> dict[str, str]:
     """node id -> `host:port` of every metrics endpoint published in the job."""
-    prefix = f"{keys.root}metrics/"
+    prefix = keys.prefix("metrics")
     found: dict[str, str] = {}
     for value, meta in client.get_prefix(prefix):
         try:

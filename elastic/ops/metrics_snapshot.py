@@ -12,14 +12,11 @@ import psutil
 from elastic.coordinator.membership import NodeIdentity
 from elastic.parallel.layout import assign_ranks
 from elastic.records.evals import EvalResult
-from elastic.records.protocol import (
-    GenerationRecord,
-    ProgressRecord,
-    RecoveryTimings,
-    WorkerInfo,
-    node_of,
-)
+from elastic.records.generation import GenerationRecord
+from elastic.records.progress import ProgressRecord
 from elastic.records.recoveries import breakdown_of
+from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.workers import WorkerInfo, node_of
 
 PHASES = ("detecting", "planning", "transferring", "rebuilding", "replaying")
 """The recovery phases the endpoint serves (elastic_last_recovery_phase_seconds)."""

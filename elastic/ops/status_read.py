@@ -12,7 +12,7 @@ from typing import Any
 
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.ops.status import (
     FailureReport,
@@ -25,18 +25,13 @@ from elastic.ops.status import (
 )
 from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.evals import EvalResult, eval_key
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
-from elastic.records.protocol import (
-    GenerationRecord,
-    ProgressRecord,
-    RecoveryTimings,
-    RunKeys,
-    WorkerInfo,
-    node_of,
-    read_progress,
-)
+from elastic.records.progress import ProgressRecord, read_progress
 from elastic.records.recoveries import generation_fields, recovery_breakdown
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stragglers import StragglerRecord, read_stragglers
+from elastic.records.workers import WorkerInfo, node_of
 from templates.plan import Plan
 
 DEFAULT_WINDOW = 5
@@ -90,7 +85,7 @@ def _last_recovery(
     g = max(later)
     rec = generations[g]
     expected = len(rec.plan.nodes) * rec.plan.gpus_per_node
-    timings = [RecoveryTimings.from_json(v) for v, _ in client.get_prefix(f"{rk.recoveries}{g}/")]
+    timings = [RecoveryTimings.from_json(v) for v, _ in client.get_prefix(rk.prefix("recoveries", g))]
     if timings:
         entry = recovery_breakdown(client, rk, g, rec, timings)
     else:
@@ -124,7 +119,7 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
     spec = config["spec"] if config is not None else None
     seq_len = shape_of_spec(spec).seq_len if spec is not None else None
     tokens = plan.global_batch * seq_len if plan is not None and seq_len is not None else None
-    fatal_value, _ = client.get(keys.root + "fatal")
+    fatal_value, _ = client.get(keys.fatal)
     fatal = fatal_value.decode() if fatal_value is not None else None
     total = int(spec["steps"]) if spec is not None else None
     return JobStatus(

@@ -18,7 +18,7 @@ global-batch mean. Then:
    0, so on the other TP ranks it is measured per parameter after the reduction), the loss, a
    failure count and a halt count. A
    worker that sees it complete knows that every worker finished its reductions, so it may
-   commit without asking anyone (see elastic/records/protocol.py). If the vote's wait fails
+   commit without asking anyone (see elastic/records/sync.py). If the vote's wait fails
    here, the reduced gradients are kept (VoteInterrupted): another worker may have seen it
    complete, and then this one must commit the same step during recovery.
 3. Clip every gradient by the same factor (`clip_grads`, also used to complete such a step).

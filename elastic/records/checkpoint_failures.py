@@ -39,9 +39,9 @@ class SaveFailures(JsonRecord):
 
 def save_failures_prefix(keys: JobKeys) -> str:
     """The prefix of every worker's `SaveFailures`."""
-    return keys.root + "checkpoint-failures/"
+    return keys.prefix("checkpoint-failures")
 
 
 def save_failures_key(keys: JobKeys, node: int, local_rank: int, incarnation: int) -> str:
     """The key of the `SaveFailures` of worker (node, local_rank) of one node incarnation."""
-    return f"{save_failures_prefix(keys)}{node}/{local_rank}/{incarnation}"
+    return keys.key("checkpoint-failures", node, local_rank, incarnation)

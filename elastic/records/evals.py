@@ -37,7 +37,7 @@ class EvalResult(JsonRecord):
 
 def eval_key(keys: JobKeys) -> str:
     """The job's `eval` key: the latest evaluation."""
-    return keys.root + "eval"
+    return keys.key("eval")
 
 
 def eval_log_path(run_dir: str | Path, node: int, local_rank: int) -> Path:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic.coordinator import schema
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.jsonrecord import JsonRecord
 from elastic.records.injection import Injection
@@ -109,7 +110,7 @@ class InjectionStatus(JsonRecord):
 
 def submit_request(client: EtcdClient, root: str, request: InjectionRequest) -> None:
     """Write `request` under `<root>injections/<id>` (create-only: ValueError if the id exists)."""
-    key = f"{root}injections/{request.id}"
+    key = schema.key(root, "injections", request.id)
     txn = client.transactions
     ok, _ = client.transaction(compare=[txn.create(key) == 0], success=[txn.put(key, request.to_json())],
                                failure=[])
@@ -119,20 +120,20 @@ def submit_request(client: EtcdClient, root: str, request: InjectionRequest) -> 
 
 def read_requests(client: EtcdClient, root: str) -> list[InjectionRequest]:
     """Every request of the job, in id order."""
-    return [InjectionRequest.from_json(v) for v, _ in client.get_prefix(f"{root}injections/")]
+    return [InjectionRequest.from_json(v) for v, _ in client.get_prefix(schema.prefix(root, "injections"))]
 
 
 def read_statuses(client: EtcdClient, root: str) -> dict[str, InjectionStatus]:
     """Request id -> its latest status, for the requests that have one."""
-    prefix = f"{root}injection-status/"
+    prefix = schema.prefix(root, "injection-status")
     return {m.key.decode()[len(prefix) :]: InjectionStatus.from_json(v) for v, m in client.get_prefix(prefix)}
 
 
 def read_status(client: EtcdClient, root: str, request_id: str) -> InjectionStatus | None:
     """The latest status of one request (one key read), None while it has none."""
-    value, _ = client.get(f"{root}injection-status/{request_id}")
+    value, _ = client.get(schema.key(root, "injection-status", request_id))
     return None if value is None else InjectionStatus.from_json(value)
 
 
 def write_status(client: EtcdClient, root: str, request_id: str, status: InjectionStatus) -> None:
-    client.put(f"{root}injection-status/{request_id}", status.to_json())
+    client.put(schema.key(root, "injection-status", request_id), status.to_json())

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.records.protocol import GenerationRecord, RecoveryTimings, RunKeys
+from elastic.coordinator.keys import RunKeys
+from elastic.records.generation import GenerationRecord
+from elastic.records.recovery_timings import RecoveryTimings
 
 
 def change_words(lost: list[int], joined: list[int], drained: list[int]) -> str:

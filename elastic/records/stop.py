@@ -19,8 +19,8 @@ from typing import Literal
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.jsonrecord import JsonRecord
-from elastic.coordinator.keys import JobKeys
-from elastic.records.protocol import GenerationRecord, HaltRecord, RunKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.generation import GenerationRecord, HaltRecord
 from templates.plan import Plan
 
 By = Literal["sigint", "sigterm", "cli"]
@@ -32,7 +32,7 @@ STOPPED = "stopped"
 
 def stop_key(keys: JobKeys) -> str:
     """The job's `stop` key."""
-    return keys.root + "stop"
+    return keys.key("stop")
 
 
 @dataclass(frozen=True, kw_only=True)

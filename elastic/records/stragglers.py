@@ -24,12 +24,12 @@ PUT_EVERY_S = 1.0
 
 
 def stragglers_key(keys: JobKeys) -> str:
-    return keys.root + "stragglers"
+    return keys.key("stragglers")
 
 
 def policy_key(keys: JobKeys) -> str:
     """`elastic stragglers --policy ...`'s settings for a running job (`PolicyOverride`)."""
-    return keys.root + "straggler-policy"
+    return keys.key("straggler-policy")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,13 +55,14 @@ from elastic.coordinator.client import connect, stop_retrying
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.events import record_event
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import watch_from_now
+from elastic.records.config import ElasticConfig
 from elastic.records.proc_stat import process_state
-from elastic.records.protocol import ElasticConfig, RunKeys, WorkerInfo, node_id, node_of
+from elastic.records.workers import WorkerInfo, node_id, node_of
 from elastic.roles import cpu_quota
 from elastic.roles.agent_injections import NodeInjections
 from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, Preemption

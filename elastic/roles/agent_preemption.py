@@ -80,7 +80,7 @@ class Preemption:
     def _request_drain(self) -> InjectionRequest:
         """Write the drain request of this node's incarnation; ValueError if it is in no generation."""
         a = self.agent
-        from elastic.records.protocol import GenerationRecord
+        from elastic.records.generation import GenerationRecord
 
         gen = Generations(a.client, a.keys).current()
         if gen is None or GenerationRecord.from_json(gen.plan).incarnations.get(a.node) != a.incarnation:

@@ -47,7 +47,7 @@ from elastic.coordinator.client import connect
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.engine.eval import eval_due
@@ -55,19 +55,14 @@ from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
+from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
-from elastic.records.protocol import (
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    RecoveryTimings,
-    RunKeys,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    read_progress,
-)
+from elastic.records.generation import GenerationRecord, Vote
+from elastic.records.progress import read_progress
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stop import STOPPED
+from elastic.records.sync import COMMIT, SyncReport
+from elastic.records.workers import WorkerInfo
 from elastic.roles.abortable_store import AbortableStore
 from elastic.roles.holders import holder_map_reader
 from elastic.roles.node_feed import subscriber

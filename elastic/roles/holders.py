@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import grpc
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.keys import RunKeys
 from elastic.parallel.layout import assign_ranks
-from elastic.records.protocol import RunKeys, WorkerInfo
+from elastic.records.workers import WorkerInfo
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 

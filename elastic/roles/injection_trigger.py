@@ -16,10 +16,10 @@ import time
 from collections.abc import Iterator
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.records.injection_requests import InjectionRequest
-from elastic.records.protocol import ProgressRecord, RunKeys
+from elastic.records.progress import ProgressRecord
 
 
 class InjectionTrigger:

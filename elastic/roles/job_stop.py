@@ -21,7 +21,7 @@ from pathlib import Path
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys
 from elastic.engine.checkpoint.files import complete_steps
-from elastic.records.protocol import ElasticConfig
+from elastic.records.config import ElasticConfig
 from elastic.records.stop import (
     By,
     StopPoint,

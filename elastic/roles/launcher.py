@@ -35,10 +35,12 @@ from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest, submit_request
 from elastic.records.job import JobSpec
-from elastic.records.protocol import ElasticConfig, GenerationRecord, RunKeys, step_log_path
+from elastic.records.progress import step_log_path
 from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary
 from elastic.roles.agent_pool import AgentPlacement, AgentPool, kill_workers, stop_agents, wait_for

@@ -21,23 +21,17 @@ from typing import Any
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.jsonrecord import to_data
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent, watch_from_now
+from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult, eval_key, eval_losses, newer, read_eval_logs
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
-from elastic.records.protocol import (
-    ElasticConfig,
-    GenerationRecord,
-    ProgressRecord,
-    RecoveryTimings,
-    RunKeys,
-    StepResult,
-    WorkerInfo,
-    read_progress,
-    read_step_logs,
-)
+from elastic.records.progress import ProgressRecord, StepResult, read_progress, read_step_logs
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
+from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.summary import RunSummary, model_fields
+from elastic.records.workers import WorkerInfo
 
 
 class JobFeed:

@@ -24,10 +24,12 @@ from elastic.coordinator.election import LeaderElection
 from elastic.coordinator.etcd_api import Compare, EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.stragglers import ACTING
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, HaltRecord
 from elastic.records.injection_requests import (
     InjectionRequest,
     InjectionStatus,
@@ -37,19 +39,11 @@ from elastic.records.injection_requests import (
     submit_request,
     write_status,
 )
-from elastic.records.protocol import (
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    HaltRecord,
-    RunKeys,
-    SyncReport,
-    WorkerInfo,
-    live_nodes,
-    read_progress,
-)
+from elastic.records.progress import read_progress
 from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.records.stragglers import StragglerRecord, read_policy, read_stragglers
+from elastic.records.sync import COMMIT, SyncReport
+from elastic.records.workers import WorkerInfo, live_nodes
 from elastic.roles.holders import read_holdings
 from elastic.roles.leader_actions import (
     Answer,
@@ -185,7 +179,7 @@ class Leader:
 
     def _run(self) -> None:
         # Watched only while leading: standby agents must not receive every sync report.
-        prefixes = (self.keys.members, self.rk.workers, self.rk.syncs, self.rk.readies, self.keys.injections,
+        prefixes = (self.keys.members, self.rk.workers, self.rk.prefix("sync"), self.rk.prefix("ready"), self.keys.injections,
                     stop_key(self.keys))
         watches: list[PrefixWatch] = []
         try:
@@ -206,7 +200,7 @@ class Leader:
                 except FallbackImpossible as exc:
                     log.error("leader %s: %s", self.who, exc)
                     record_event(self.client, self.keys, who=self.who, kind="fatal", reason=str(exc))
-                    self.client.put(self.keys.root + "fatal", str(exc))
+                    self.client.put(self.keys.fatal, str(exc))
                     return
                 except Exception as exc:
                     if not etcd_unreachable(exc):
@@ -262,7 +256,7 @@ class Leader:
             decision = None if value is None else value.decode()
             progress = read_progress(client, rk) if self.config.spec.partial_replay else None
         else:
-            ready = int(client.get_prefix_response(rk.ready_prefix(g, last), count_only=True).count)
+            ready = int(client.get_prefix_response(rk.prefix("ready", g, last), count_only=True).count)
             if self._stop_request is None:  # one key read until it is asked
                 self._stop_request = read_stop(client, self.keys)
             policy, speeds, unreadable = self._read_stragglers(record)
@@ -397,7 +391,7 @@ class Leader:
         """Delete what generation `g` (and any before it) left that no one reads any more."""
         if g < 1:
             return
-        for prefix in (self.rk.sync(g), self.rk.halt(g), f"{self.rk.readies}{g}/", f"{self.rk.decisions}{g}/",
+        for prefix in (self.rk.sync(g), self.rk.halt(g), self.rk.prefix("ready", g), self.rk.prefix("decisions", g),
                        self.keys.store(f"gen-{g}")):
             self.client.delete_prefix(prefix)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest
-from elastic.records.protocol import GenerationRecord
 from elastic.roles.leader_replan import Fallback
 
 

@@ -5,7 +5,7 @@ snapshot and carries the writes out; tests/roles/test_leader_decisions.py tests 
 
 The leader keeps nothing that etcd does not have: a newly elected leader reads the current
 generation, its halt and the sync reports written so far, and goes on from there. Steps commit
-without it (every worker commits when the step's vote completes: see protocol.py); it acts only
+without it (every worker commits when the step's vote completes: see elastic/records/sync.py); it acts only
 when membership changes. "Reports" below: every live worker of g has written its sync report.
 
 | case (first that applies) | writes, in order |
@@ -36,8 +36,10 @@ generations before g are deleted when g+1 is published, so etcd holds O(workers)
 from __future__ import annotations
 
 from elastic.planning.stragglers import ACTING
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, HaltRecord
 from elastic.records.partial import resolve_replay, worth_finishing
-from elastic.records.protocol import ABORT, COMMIT, ElasticConfig, GenerationRecord, HaltRecord
+from elastic.records.sync import ABORT, COMMIT
 from elastic.roles.leader_actions import (
     Answer,
     AskDrain,

@@ -22,7 +22,9 @@ from pathlib import Path
 
 from elastic.planning.spares import newcomers_to_join, spares_to_take, substitute
 from elastic.planning.stragglers import planner_split
-from elastic.records.protocol import ElasticConfig, GenerationRecord, SyncReport, Vote
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, Vote
+from elastic.records.sync import SyncReport
 from elastic.roles.leader_snapshot import Holdings, Snapshot
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic.records.generation import GenerationRecord, HaltRecord
 from elastic.records.injection_requests import InjectionRequest
-from elastic.records.protocol import GenerationRecord, HaltRecord, ProgressRecord, SyncReport
+from elastic.records.progress import ProgressRecord
 from elastic.records.stop import StopRequest
 from elastic.records.stragglers import StragglerRecord
+from elastic.records.sync import SyncReport
 from elastic.transfer.shards import ShardKey
 
 Holdings = dict[tuple[int, int], tuple[ShardKey, ...]]

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from elastic.coordinator.client import etcd_unreachable
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.config import ElasticConfig
 from elastic.records.injection_requests import (
     InjectionRequest,
     InjectionStatus,
@@ -22,7 +23,7 @@ from elastic.records.injection_requests import (
     read_statuses,
     write_status,
 )
-from elastic.records.protocol import ElasticConfig, RunKeys, committed_steps
+from elastic.records.progress import committed_steps
 from elastic.roles.agent_pool import AgentPool, kill_workers
 from elastic.roles.job_stop import JobStop, JobStopped, StopOutcome, StopTracker
 from elastic.roles.launch_errors import JobFailed
@@ -131,7 +132,7 @@ class RunLoop:
 
     def _read_requests(self) -> list[InjectionRequest]:
         """The job's injection requests; JobFailed if the leader gave up (its `fatal` key)."""
-        fatal, _ = self.client.get(self.keys.root + "fatal")
+        fatal, _ = self.client.get(self.keys.fatal)
         if fatal is not None:
             raise JobFailed(f"the leader gave up: {fatal.decode()}")
         return read_requests(self.client, self.keys.root)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
-from elastic.records.protocol import GenerationRecord
 from elastic.roles.holders import HolderMap
 from elastic.roles.worker_log import worker_log
 from elastic.transfer.client import FetchConfig, fetch_shards

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import TextIO
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.phase_clock import StepPhases
-from elastic.records.protocol import ElasticConfig, RunKeys, StepResult, step_log_path
+from elastic.records.config import ElasticConfig
+from elastic.records.progress import StepResult, step_log_path
 from elastic.roles.straggler_reporter import StragglerReporter
 from elastic.roles.worker_feeds import ProgressWriter
 

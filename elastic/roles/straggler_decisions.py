@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from elastic.planning.straggler_options import choose, straggler_options
 from elastic.planning.stragglers import ACTING, measured_stage_times, planner_split, rebalanced
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.stragglers import StragglerRecord
 from templates.plan import Plan
 from templates.template_set import TemplateSet

@@ -14,7 +14,7 @@ from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_key
-from elastic.records.protocol import ElasticConfig
+from elastic.records.config import ElasticConfig
 from elastic.roles.worker_log import worker_log
 
 if TYPE_CHECKING:

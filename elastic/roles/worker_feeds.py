@@ -29,16 +29,11 @@ from typing import Protocol
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generation, Generations
+from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import Subscribe, WatchEvent, watch_from_now
-from elastic.records.protocol import (
-    COMMIT,
-    GenerationRecord,
-    HaltRecord,
-    ProgressRecord,
-    RunKeys,
-    StepResult,
-    SyncReport,
-)
+from elastic.records.generation import GenerationRecord, HaltRecord
+from elastic.records.progress import ProgressRecord, StepResult
+from elastic.records.sync import COMMIT, SyncReport
 from elastic.roles.node_relay import Put, RelayClient, put_all
 
 PROGRESS_WINDOW = 8
@@ -169,8 +164,8 @@ class DecisionFeed:
     def __init__(self, client: EtcdClient, rk: RunKeys, *, subscribe: Subscribe | None = None) -> None:
         self._decisions: dict[tuple[int, int], str] = {}
         self._cond = threading.Condition()
-        self._prefix = rk.decisions
-        self._watch = _follow(client, subscribe)(rk.decisions, self._on_events)
+        self._prefix = rk.prefix("decisions")
+        self._watch = _follow(client, subscribe)(rk.prefix("decisions"), self._on_events)
 
     def _add(self, key: str, value: str) -> None:
         parts = key[len(self._prefix) :].split("/")

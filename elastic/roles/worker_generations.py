@@ -15,9 +15,10 @@ import time
 import torch
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.keys import RunKeys
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.job import JobSpec
-from elastic.records.protocol import RunKeys, read_progress
+from elastic.records.progress import read_progress
 from elastic.roles.worker_feeds import GenerationFeed, HaltFeed
 from elastic.roles.worker_log import worker_log
 from elastic.transfer.server import ShardServer

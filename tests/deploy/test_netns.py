@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.records.protocol import StepResult
+from elastic.records.progress import StepResult
 from tests.faults.runs import TOLERANCE, max_rel_diff, reference_run, step_logs
 from tests.polling import wait_for
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 
 from elastic.coordinator import EtcdConfig, JobKeys, connect
-from elastic.records.protocol import RunKeys, WorkerInfo
+from elastic.coordinator.keys import RunKeys
+from elastic.records.workers import WorkerInfo
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 

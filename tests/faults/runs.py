@@ -18,9 +18,10 @@ import torch
 from elastic.engine.optim import OptimConfig
 from elastic.planning.cluster import ClusterSpec
 from elastic.planning.stragglers import StragglerConfig
+from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
-from elastic.records.protocol import ElasticConfig, ProgressRecord, StepResult, committed_steps
+from elastic.records.progress import ProgressRecord, StepResult, committed_steps
 from elastic.records.summary import RunSummary, load_final_state
 from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
@@ -141,7 +142,7 @@ class LiveJob:
 
         from elastic.coordinator import JobKeys, connect
         from elastic.coordinator.credentials import config_from_env
-        from elastic.records.protocol import RunKeys
+        from elastic.coordinator.keys import RunKeys
 
         self.config, self.etcd = config, etcd
         self.job = job or f"h2-{secrets.token_hex(4)}"
@@ -210,7 +211,7 @@ class LiveJob:
         from elastic.records.stragglers import stragglers_key
 
         keys = {meta.key.decode(): value for value, meta in self.client.get_prefix(self.keys.root)}
-        ending = (self.rk.readies, self.rk.decisions, self.rk.done)
+        ending = (self.rk.prefix("ready"), self.rk.prefix("decisions"), self.rk.done)
         # The election moves when the first agent leaves.
         moved = (self.rk.progress, self.keys.leader, stragglers_key(self.keys))
 
@@ -222,7 +223,7 @@ class LiveJob:
 
     def leased_prefixes(self) -> list[str]:
         """Prefixes of the keys that live on an agent's lease (gone when the agent leaves)."""
-        return [self.keys.members, self.rk.workers, self.rk.holdings, self.keys.root + "metrics/"]
+        return [self.keys.members, self.rk.workers, self.rk.holdings, self.keys.prefix("metrics")]
 
     def result(self) -> Result:
         """Wait for the run's end; its summary and final state (re-raises the run's error)."""

@@ -27,8 +27,8 @@ from typing import Any
 
 from elastic.coordinator.etcd_server import EtcdCluster
 from elastic.coordinator.generations import Generations
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest, read_statuses, request_id, submit_request
-from elastic.records.protocol import GenerationRecord
 
 from .runs import LiveJob
 

@@ -72,7 +72,7 @@ class _ProgressClock:
         assert all(w.wait_ready(10.0) for w in self._watches)
 
     def _stamp(self, member: int, key: str, events: list[WatchEvent]) -> None:
-        from elastic.records.protocol import ProgressRecord
+        from elastic.records.progress import ProgressRecord
 
         with self._lock:
             self.times[member].extend((ProgressRecord.from_json(ev.value).step, time.monotonic())

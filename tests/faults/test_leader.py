@@ -26,22 +26,15 @@ from elastic.coordinator import (
     connect,
 )
 from elastic.coordinator.generations import Generations
+from elastic.coordinator.keys import RunKeys
 from elastic.engine.checkpoint.writers import CheckpointWriter
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.job import JobSpec
-from elastic.records.protocol import (
-    ABORT,
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    HaltRecord,
-    RunKeys,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-    node_id,
-)
 from elastic.records.stop import submit_stop
+from elastic.records.sync import ABORT, COMMIT, SyncReport
+from elastic.records.workers import WorkerInfo, node_id
 from elastic.roles.leader import Leader, NotLeader, decide
 from elastic.roles.leader_replan import surviving_holders_cover
 from templates.plan import even_plan

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from elastic.coordinator import EtcdServer
-from elastic.records.protocol import WorkerInfo
+from elastic.records.workers import WorkerInfo
 
 from .runs import LiveJob, Result, agent_pid, check_same_training, reference_run, tiny_config
 

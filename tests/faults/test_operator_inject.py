@@ -15,8 +15,11 @@ import pytest
 from elastic.cli.main import main
 from elastic.coordinator import EtcdServer, JobKeys, Membership, MembershipConfig, NodeIdentity, admit
 from elastic.coordinator.generations import Generations
+from elastic.coordinator.keys import RunKeys
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import read_requests
-from elastic.records.protocol import GenerationRecord, ProgressRecord, RunKeys, node_id
+from elastic.records.progress import ProgressRecord
+from elastic.records.workers import node_id
 
 from .runs import tiny_config
 

@@ -16,8 +16,8 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.coordinator.generations import Generations
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import read_requests, read_statuses
-from elastic.records.protocol import GenerationRecord
 from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_config
@@ -45,7 +45,7 @@ def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> It
                    for g in range(1, gens.current_number() + 1)}
         revisions = {g: gens.get(g).revision for g in records}  # type: ignore[union-attr]
         rk = job.rk
-        old_keys = [(m.key.decode(), m.mod_revision) for prefix in (rk.sync(1), f"{rk.readies}1/", f"{rk.decisions}1/")
+        old_keys = [(m.key.decode(), m.mod_revision) for prefix in (rk.sync(1), rk.prefix("ready", 1), rk.prefix("decisions", 1))
                     for _, m in client.get_prefix(prefix)]
         yield {
             "code": code, "output": output, "summary": summary, "state": state,

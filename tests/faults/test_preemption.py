@@ -23,8 +23,8 @@ import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest, InjectionStatus, read_requests, read_statuses
-from elastic.records.protocol import GenerationRecord
 from elastic.records.summary import RunSummary
 
 from .runs import (

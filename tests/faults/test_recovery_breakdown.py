@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from elastic.coordinator import JobKeys
-from elastic.records.protocol import GenerationRecord, ReconfigTimings, RecoveryTimings, RunKeys
+from elastic.coordinator.keys import RunKeys
+from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import fault_time, recovery_breakdown
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from templates.plan import even_plan
 
 T0 = 1_000_000.0

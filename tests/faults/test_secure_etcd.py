@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from elastic.records.injection import parse_injection
-from elastic.records.protocol import WorkerInfo
 from elastic.records.summary import RunSummary
+from elastic.records.workers import WorkerInfo
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
 from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig

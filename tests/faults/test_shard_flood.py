@@ -19,8 +19,9 @@ import psutil
 import pytest
 
 from elastic.coordinator.etcd_server import EtcdServer
+from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
-from elastic.records.protocol import ElasticConfig, WorkerInfo
+from elastic.records.workers import WorkerInfo
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 

@@ -28,10 +28,11 @@ import torch
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
 from elastic.planning.stragglers import StragglerConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import read_requests, read_statuses
-from elastic.records.protocol import GenerationRecord, WorkerInfo
 from elastic.records.stragglers import read_stragglers
 from elastic.records.summary import RunSummary
+from elastic.records.workers import WorkerInfo
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config
 

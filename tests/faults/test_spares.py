@@ -22,9 +22,9 @@ import pytest
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection import parse_injection
 from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
-from elastic.records.protocol import GenerationRecord
 from tests.polling import wait_for
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config

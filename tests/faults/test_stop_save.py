@@ -34,7 +34,7 @@ import torch
 
 from elastic.cli.run_stop import resume_command
 from elastic.engine.checkpoint.load import latest_complete
-from elastic.records.protocol import read_step_logs
+from elastic.records.progress import read_step_logs
 from tests.polling import wait_for
 
 from .runs import TOLERANCE, max_rel_diff

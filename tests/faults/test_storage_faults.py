@@ -29,8 +29,9 @@ from elastic.coordinator.events import read_events
 from elastic.engine.checkpoint.files import read_marker, step_dir
 from elastic.engine.checkpoint.load import latest_complete
 from elastic.ops.metrics import NodeMetrics
+from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
-from elastic.records.protocol import ElasticConfig, WorkerInfo
+from elastic.records.workers import WorkerInfo
 from elastic.transfer.shards import ShardKey
 from tests.tmpfs import mounted_tmpfs
 

@@ -30,7 +30,7 @@ import torch
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.summary import RunSummary
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config

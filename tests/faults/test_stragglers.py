@@ -34,7 +34,7 @@ from elastic.coordinator.events import read_events
 from elastic.ops.status_read import read_status
 from elastic.ops.status_table import render_table
 from elastic.planning.stragglers import StragglerConfig
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.summary import RunSummary
 

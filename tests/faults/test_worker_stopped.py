@@ -14,7 +14,7 @@ import pytest
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.records.protocol import WorkerInfo
+from elastic.records.workers import WorkerInfo
 
 from .runs import LiveJob, tiny_config
 

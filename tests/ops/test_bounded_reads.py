@@ -21,21 +21,16 @@ import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
 from elastic.coordinator.generations import Generations
+from elastic.coordinator.keys import RunKeys
 from elastic.engine.optim import OptimConfig
 from elastic.ops.status_read import read_status
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
-from elastic.records.protocol import (
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    ProgressRecord,
-    RunKeys,
-    StepResult,
-    WorkerInfo,
-    committed_steps,
-    step_log_path,
-)
+from elastic.records.progress import ProgressRecord, StepResult, committed_steps, step_log_path
+from elastic.records.sync import COMMIT
+from elastic.records.workers import WorkerInfo
 from elastic.roles.launcher_feed import (
     JobFeed,
     Progress,

@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from elastic.coordinator import EtcdConfig, connect
-from elastic.coordinator.keys import JobKeys
-from elastic.records.protocol import RunKeys, read_progress
+from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.records.progress import read_progress
 from tests.polling import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

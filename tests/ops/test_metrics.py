@@ -19,26 +19,22 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect
+from elastic.coordinator.keys import RunKeys
 from elastic.engine.optim import OptimConfig
 from elastic.ops.metrics import NodeMetrics, metrics_addresses
 from elastic.ops.metrics_snapshot import snapshot
 from elastic.ops.report import summary_text, write_report
 from elastic.parallel.layout import assign_ranks
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
-from elastic.records.protocol import (
-    ElasticConfig,
-    GenerationRecord,
-    ProgressRecord,
-    ReconfigTimings,
-    RecoveryTimings,
-    RunKeys,
-    node_id,
-    read_progress,
-)
+from elastic.records.progress import ProgressRecord, read_progress
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.summary import RunSummary
+from elastic.records.workers import node_id
 from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
 

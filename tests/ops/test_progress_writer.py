@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import JobKeys
+from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import WatchEvent, watch_from_now
-from elastic.records.protocol import ProgressRecord, RunKeys, StepResult
+from elastic.records.progress import ProgressRecord, StepResult
 from elastic.roles.worker_feeds import ProgressWriter
 
 pytestmark = pytest.mark.timeout(60)

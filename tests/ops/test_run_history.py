@@ -26,7 +26,7 @@ from elastic.coordinator.membership import NodeIdentity
 from elastic.ops.events import HistoryEvent
 from elastic.ops.run_history import find_ended_run, save_history, snapshot
 from elastic.ops.status import JobStatus
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.run_end import RunEnd
 from elastic.records.summary import RunSummary
 from elastic.roles.job_stop import JobStopped, StopOutcome

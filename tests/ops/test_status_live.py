@@ -22,15 +22,17 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
-from elastic.coordinator.keys import JobKeys
+from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import read_members
 from elastic.engine.optim import OptimConfig
 from elastic.ops.status_read import read_status
 from elastic.ops.status_table import render_table
 from elastic.planning.cluster import ClusterSpec
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
-from elastic.records.protocol import ElasticConfig, GenerationRecord, RunKeys, committed_steps
+from elastic.records.progress import committed_steps
 from elastic.records.summary import RunSummary
 from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan

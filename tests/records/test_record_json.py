@@ -20,30 +20,24 @@ from elastic.ops.events import HistoryEvent
 from elastic.ops.run_lock import LauncherRecord
 from elastic.planning.cluster import ClusterSpec
 from elastic.records.checkpoint_failures import SaveFailures
+from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult
+from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.injection import Injection, parse_injection
 from elastic.records.injection_requests import InjectionRequest, InjectionStatus
 from elastic.records.job import JobSpec
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
 from elastic.records.prepared_data import PreparedData, ShardInfo, SourceInfo
-from elastic.records.protocol import (
-    ElasticConfig,
-    GenerationRecord,
-    HaltRecord,
-    ProgressRecord,
-    ReconfigTimings,
-    RecoveryTimings,
-    StepResult,
-    SyncReport,
-    Vote,
-    WorkerInfo,
-)
+from elastic.records.progress import ProgressRecord, StepResult
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.resume import CheckpointManifest
 from elastic.records.run_end import RunEnd
 from elastic.records.stop import StopRequest
 from elastic.records.stragglers import Mark, PolicyOverride, StragglerRecord
 from elastic.records.summary import RunSummary
+from elastic.records.sync import SyncReport
+from elastic.records.workers import WorkerInfo
 from templates.plan import even_plan
 
 PLAN = even_plan(num_layers=6, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=4, microbatch_size=2,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdServer, JobKeys
+from elastic.coordinator.keys import RunKeys
 from elastic.records.injection_requests import InjectionRequest
-from elastic.records.protocol import ProgressRecord, RunKeys
+from elastic.records.progress import ProgressRecord
 from elastic.roles.injection_trigger import InjectionTrigger
 
 _WATCHERS = re.compile(r"^etcd_debugging_mvcc_watcher_total (\d+)", re.M)

@@ -10,20 +10,14 @@ import dataclasses
 
 from elastic.planning.cluster import ClusterSpec, cluster_templates
 from elastic.planning.stragglers import rebalanced
+from elastic.records.config import ElasticConfig
+from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.injection_requests import InjectionRequest
 from elastic.records.job import JobSpec
-from elastic.records.protocol import (
-    ABORT,
-    COMMIT,
-    ElasticConfig,
-    GenerationRecord,
-    HaltRecord,
-    ProgressRecord,
-    SyncReport,
-    Vote,
-)
+from elastic.records.progress import ProgressRecord
 from elastic.records.stop import StopRequest
 from elastic.records.stragglers import Mark, StragglerRecord
+from elastic.records.sync import ABORT, COMMIT, SyncReport
 from elastic.roles.leader_actions import (
     Answer,
     AskDrain,

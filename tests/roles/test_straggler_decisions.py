@@ -10,7 +10,7 @@ import pytest
 
 from elastic.planning.cluster import ClusterSpec, cluster_templates
 from elastic.planning.stragglers import rebalanced
-from elastic.records.protocol import GenerationRecord
+from elastic.records.generation import GenerationRecord
 from elastic.records.stragglers import Mark, StragglerRecord
 from elastic.roles.straggler_decisions import DrainStraggler, Resplit, straggler_decision
 from templates.instantiation import instantiate

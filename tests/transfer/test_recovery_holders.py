@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from elastic.coordinator import JobKeys
-from elastic.records.protocol import RunKeys, WorkerInfo
+from elastic.coordinator.keys import RunKeys
 from elastic.records.summary import RunSummary
+from elastic.records.workers import WorkerInfo
 from elastic.roles.holders import HolderMap, holder_map_reader
 from elastic.transfer.shards import ShardKey
 from templates.plan import even_plan
