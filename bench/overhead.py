@@ -196,7 +196,7 @@ def _import_sides() -> None:
     import elastic.engine.optim  # noqa: F401
     import elastic.model.config  # noqa: F401
     import elastic.records.job  # noqa: F401
-    import elastic.roles.launcher  # noqa: F401
+    import elastic.roles.static_launcher  # noqa: F401
     import templates.plan  # noqa: F401
 
 

@@ -35,7 +35,7 @@ ENV = "ELASTIC_BENCH_PEAK_DIR"
 """The folder the reports go to; unset: no reports."""
 POLL_S = 0.25
 """Seconds between two readings."""
-WORKER_MODULES = frozenset({"worker", "elastic_worker"})
+WORKER_MODULES = frozenset({"static_worker", "elastic_worker"})
 """Modules of elastic/roles/ whose processes report."""
 
 

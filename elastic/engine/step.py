@@ -204,7 +204,7 @@ class StepTransaction:
         accum.attach(module)
         self.accum = accum
         self.buckets = accum_buckets(accum, layout, layer_of)
-        """The accumulator's gradient buckets (`grad_sync.accum_buckets`)."""
+        """The accumulator's gradient buckets (`buckets.accum_buckets`)."""
         self.exchange = TreeExchange(device=device, recorder=groups.recorder)
         """Where the steps' buckets are reduced (its thread is kept from step to step)."""
         self.tree = tree
@@ -244,7 +244,7 @@ class StepTransaction:
         device: torch.device, dtype: torch.dtype = torch.float32,
     ) -> GradAccumulator:
         """Gradient buffers for `module`'s parameters (a meta skeleton will do), one flat buffer
-        per gradient bucket (`grad_sync.bucket_layout`), padded for an even reduce-scatter over
+        per gradient bucket (`buckets.bucket_layout`), padded for an even reduce-scatter over
         the bucket's holders, not yet attached."""
         sizes = {name: p.numel() for name, p in module.named_parameters()}
         buckets = bucket_layout(list(sizes), layout, layer_of, sizes)

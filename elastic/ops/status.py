@@ -59,7 +59,7 @@ This file holds the snapshot's records (`JobStatus` and its parts) and its JSON 
         mean_step_s, last_step_s   step wall times reported by the workers
     recoveries          number of reconfigurations (generations after the first)
     last_recovery       null, or the latest generation after the first, with the fields of
-                        elastic.roles.launcher_feed.recovery_breakdown (generation, lost_nodes,
+                        elastic.records.recoveries.recovery_breakdown (generation, lost_nodes,
                         joined_nodes, drained_nodes, reason, restore_checkpoint, detected_at, published_at,
                         replayed_fraction, kept_microbatches, recomputed,
                         detecting_s, finishing_s, planning_s, transferring_s, rebuilding_s, replaying_s,

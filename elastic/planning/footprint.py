@@ -9,7 +9,7 @@ What a worker holding parameters keeps from step to step (`state_bytes`):
 
 - the fp32 master weights (4 B per parameter: `engine/adamw.py` refuses any other dtype) and
   AdamW's two fp32 moments (8 B);
-- per gradient bucket (`parallel/grad_sync.py`: a layout bucket's layers cut into runs of whole
+- per gradient bucket (`parallel/buckets.py`: a layout bucket's layers cut into runs of whole
   layers, the first closed at 1 MiB of fp32 gradient, later ones at 25 MiB), flat fp32 buffers
   padded to a multiple of the bucket's holder count P (`parallel/grad_accum.py`): the reduced
   gradient, one sum per block of the step's summation tree the worker computes (B blocks), and,
@@ -56,10 +56,10 @@ GRAD_BYTES = 4
 """Bytes of one element of the gradient sums, the reduced gradient, the receive buffers, the
 snapshot and the tree scratch (float32, `parallel/grad_accum.py`)."""
 FIRST_BUCKET_BYTES = 2**20
-"""`parallel/grad_sync.py` FIRST_BUCKET_BYTES: a layout bucket's first run closes at this many
+"""`parallel/buckets.py` FIRST_BUCKET_BYTES: a layout bucket's first run closes at this many
 fp32 gradient bytes."""
 BUCKET_BYTES = 25 * 2**20
-"""`parallel/grad_sync.py` BUCKET_BYTES: every later run closes at this many."""
+"""`parallel/buckets.py` BUCKET_BYTES: every later run closes at this many."""
 SUM_CHUNK = 1 << 16
 """`parallel/exchange.py` SUM_CHUNK: elements of one combine scratch buffer."""
 NORM_CHUNK = 1 << 18
@@ -73,7 +73,7 @@ LOSS_BYTES = 8
 float64) until it is read, should the step be abandoned."""
 CHUNKED_DEVICE_TYPES = ("cpu",)
 """Device types whose combine and norm work SUM_CHUNK / NORM_CHUNK elements at a time through
-buffers of that size (`grad_sync._chunk`); elsewhere a slice at a time, with no float64 buffer."""
+buffers of that size (`bucket_reducer._chunk`); elsewhere a slice at a time, with no float64 buffer."""
 
 AUTOCAST_DEVICE_TYPES = ("cuda",)
 """Device types whose forward runs under bf16 autocast (`engine/device.py` compute_precision)."""

@@ -6,7 +6,7 @@ never restarted) and watches them: a worker that exits before finishing, or that
 stopped (SIGSTOP: hung), makes it report the node failed at once (its lease is revoked, every
 watcher sees the loss), kill the node's other workers and exit.
 
-It carries out the injection requests (injection.py) addressed to its node and incarnation,
+It carries out the injection requests (records/injection_requests.py) addressed to its node and incarnation,
 watching `injections/` (elastic/roles/agent_injections.py): kill (SIGKILL the workers), hang
 (SIGSTOP workers and agent: the lease expires), slow (a SIGSTOP/SIGCONT duty cycle on the
 workers, which the hang detector knows is not a hang) and partition (emulated: keepalives stop,

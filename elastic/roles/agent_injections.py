@@ -1,4 +1,4 @@
-"""A node agent's fault injections (elastic/records/injection.py): the requests addressed to its
+"""A node agent's fault injections (elastic/records/injection_requests.py): the requests addressed to its
 node and incarnation, carried out once each, on a thread of their own.
 
 Watching `injections/`, the agent (elastic/roles/agent.py) hands each request here: kill (SIGKILL

@@ -2,7 +2,7 @@
 beside agents on other hosts (the static launcher of a fixed plan is static_launcher.py).
 
 It starts etcd (unless given one), writes the job's token-protected config and its `--inject`
-faults as injection requests (injection.py), starts one agent per node (elastic.roles.agent:
+faults as injection requests (records/injection_requests.py), starts one agent per node (elastic.roles.agent:
 membership, leader, workers; the pool of agent_pool.py), publishes generation 1, then follows the
 run (run_loop.py): it prints each committed step and each failure and recovery as watches on etcd
 deliver them (one line per put of the `progress` key), counts restarts of survivors' workers from
