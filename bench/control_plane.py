@@ -6,7 +6,9 @@
 (a) overhead: the same `elastic run` (tiny, 2 nodes, f = 1, global batch 4, microbatch 2, no
     checkpoints) under the control plane and with `--static` (no etcd, no agents), one fresh
     launch each, in alternating rounds; the figure is each run's median step interval (the time
-    between consecutive commits) over steps 21-300, and the ratio per round.
+    between consecutive commits) over steps 21-300, and the ratio per round. Beside it, the cores
+    each side's processes used by role (etcd, launcher, agents, workers; bench/process_cpu.py)
+    between the printed lines of steps 50 and 250, and what all but the workers cost a step.
 (b) drift: one run of 3000+ steps under the control plane on an etcd this script starts (the
     same EtcdServer, hence the same auto-compaction, as `elastic run`'s embedded one); the
     median step interval of the last 250 steps over that of steps 50-300, and at the end etcd's
@@ -27,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.process_cpu import Sample, TreeCpu, cores_between  # noqa: E402
 from bench.section import Section, attempt, exit_on_sigterm, series  # noqa: E402
 from bench.stats import Figure  # noqa: E402
 
@@ -42,8 +46,11 @@ JOB_FLAGS = ["--model", "tiny", "--nodes", "2", "--fault-tolerance", "1", "--glo
 """The job of parts (a) and (b): the issue's."""
 
 
-def _run(run_dir: Path, steps: int, *, static: bool, etcd: str | None = None, timeout_s: float = 3600) -> dict[str, Any]:
-    """One `elastic run` of the job as a user starts it; its summary."""
+def _run(run_dir: Path, steps: int, *, static: bool, etcd: str | None = None, timeout_s: float = 3600,
+         window: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One `elastic run` of the job as a user starts it; its summary. With `window` (first, last
+    step), also the cores its processes used by role (bench/process_cpu.py) from the printing of
+    the first step's line to that of the last, under the summary's key "cores"."""
     summary = run_dir / "summary.json"
     argv = [sys.executable, "-m", "elastic.cli", "run", *JOB_FLAGS, "--steps", str(steps), "--run-dir", str(run_dir),
             "--summary", str(summary)]
@@ -51,10 +58,30 @@ def _run(run_dir: Path, steps: int, *, static: bool, etcd: str | None = None, ti
     if etcd is not None:
         argv += ["--etcd", etcd]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"elastic run exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
-    return dict(json.loads(summary.read_text()))
+    marks = {} if window is None else {f"step {window[0]}/": 0, f"step {window[1]}/": 1}
+    samples: list[Sample] = []
+    tail: list[str] = []
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree = TreeCpu(proc.pid)
+    deadline = threading.Timer(timeout_s, proc.kill)
+    deadline.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail = (tail + [line])[-20:]
+            if any(line.startswith(mark) for mark in marks) and len(samples) < 2:
+                samples.append(tree.sample())
+        code = proc.wait()
+    finally:
+        deadline.cancel()
+        if proc.poll() is None:
+            proc.kill()
+    if code != 0:
+        raise RuntimeError(f"elastic run exited {code}: {''.join(tail).strip()[-400:]}")
+    out = dict(json.loads(summary.read_text()))
+    if len(samples) == 2:
+        out["cores"] = cores_between(*samples)
+    return out
 
 
 def step_intervals(summary: dict[str, Any]) -> list[float]:
@@ -72,6 +99,7 @@ def overhead(repeats: int, steps: int) -> Section:
     """(a) the control plane's step over `--static`'s, side by side."""
     section = Section(title=f"(a) control plane vs --static: tiny, 2 nodes, steps 21-{steps}")
     figures: dict[str, Figure] = {}
+    window = (max(21, steps // 6), steps - steps // 6)  # the CPU sample's steps: 50-250 of 300
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp:
         for r in range(repeats):
@@ -79,12 +107,21 @@ def overhead(repeats: int, steps: int) -> Section:
             for static in (False, True) if r % 2 == 0 else (True, False):
                 name = "static" if static else "control plane"
                 where = Path(tmp) / f"{name}-{r}"
-                run = attempt(f"{name} round {r + 1}", lambda s=static, w=where: _run(w, steps, static=s), section)  # type: ignore[misc]
+                run = attempt(f"{name} round {r + 1}", lambda s=static, w=where: _run(w, steps, static=s, window=window),  # type: ignore[misc]
+                              section)
                 if run is None:
                     continue
                 medians[name] = median_interval(run, 21, steps)
                 series(figures, f"median step, {name}", "s", medians[name])
-                section.raw.append({"round": r, "side": name, "median_step_s": medians[name]})
+                cores = run.get("cores", {})
+                for role, used in cores.items():
+                    series(figures, f"cores of the {role} processes, {name}", "cores", used)
+                if cores:
+                    besides = sum(used for role, used in cores.items() if role != "worker")
+                    series(figures, f"cores besides the workers, {name}", "cores", besides,
+                           note=f"steps {window[0]}-{window[1]}")
+                    series(figures, f"CPU besides the workers a step, {name}", "ms", besides * medians[name] * 1000)
+                section.raw.append({"round": r, "side": name, "median_step_s": medians[name], "cores": cores})
             if len(medians) == 2:
                 series(figures, "ratio control plane / static", "ratio", medians["control plane"] / medians["static"],
                        note="per round, then the median")

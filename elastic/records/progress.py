@@ -74,7 +74,8 @@ class ProgressRecord(JsonRecord):
     earlier: list[list[float]] = field(default_factory=list)
     """[step, loss, grad_norm, lr, seconds, committed_at] of the steps of this record's
     generation committed since the previous record was written, oldest first, this one left out (the writer writes at most
-    every `PROGRESS_MIN_INTERVAL_S`, so fast steps share a record); empty when none."""
+    every `PROGRESS_MIN_INTERVAL_S`, or `PROGRESS_IDLE_INTERVAL_S` while no one waits on a step,
+    so fast steps share a record); empty when none."""
 
     def result(self) -> StepResult:
         """The last step as a StepResult."""

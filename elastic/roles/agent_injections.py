@@ -59,7 +59,7 @@ class NodeInjections:
 
     def open(self) -> InjectionTrigger:
         """Start following the job's steps, which the requests wait for; the trigger."""
-        self.trigger = InjectionTrigger(self.agent.client, self.agent.keys)
+        self.trigger = InjectionTrigger(self.agent.client, self.agent.keys, lease=self.agent.membership.lease_id)
         return self.trigger
 
     def throttled(self) -> bool:

@@ -6,6 +6,11 @@ injections waits for a step (almost never): a step's put then wakes the launcher
 agents, not every agent of the job (issue 34: a progress put wakes only the watchers that need
 it). Otherwise the trigger reads the key when asked. The generation records (one put per
 generation) are watched all the time.
+
+While it watches, the trigger also holds a `step-waiters/<name>` key (on the agent's node lease,
+so it goes with the agent): the progress writer then puts at its short interval, so the step is
+seen within `PROGRESS_MIN_INTERVAL_S` of its commit; with no waiter it puts every
+`PROGRESS_IDLE_INTERVAL_S` (elastic/roles/worker_feeds.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 from elastic.coordinator.etcd_api import EtcdClient
@@ -25,9 +31,12 @@ from elastic.records.progress import ProgressRecord
 class InjectionTrigger:
     """Fires when a step-numbered injection's step is in flight, or when a reconfiguration begins."""
 
-    def __init__(self, client: EtcdClient, keys: JobKeys) -> None:
+    def __init__(self, client: EtcdClient, keys: JobKeys, *, lease: int | None = None) -> None:
         self._client = client
         self._progress_key = RunKeys(keys).progress
+        self._waiter_key = keys.key("step-waiters", uuid.uuid4().hex[:16])
+        """Held while `_holders` > 0 (module doc)."""
+        self._lease = lease
         self._committed = -1
         """Index of the furthest committed step seen (-1: none)."""
         self._last: tuple[float, float] = (0.0, 0.0)
@@ -71,6 +80,7 @@ class InjectionTrigger:
         with self._watch_lock:
             self._holders += 1
             if self._progress is None:
+                self._client.put(self._waiter_key, "", lease=self._lease)
                 revision = self._read_progress()
                 self._progress = PrefixWatch(self._client, self._progress_key, self._on_progress,
                                              start_revision=revision + 1)
@@ -81,6 +91,13 @@ class InjectionTrigger:
             if self._holders == 0 and self._progress is not None:
                 self._progress.cancel()
                 self._progress = None
+                self._unwait()
+
+    def _unwait(self) -> None:
+        """Delete the waiter key; left behind (etcd away), it only keeps the progress writer at its
+        short interval until the node's lease ends."""
+        with contextlib.suppress(Exception):
+            self._client.delete(self._waiter_key)
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -137,3 +154,4 @@ class InjectionTrigger:
             if self._progress is not None:
                 self._progress.cancel()
                 self._progress = None
+                self._unwait()

@@ -43,6 +43,7 @@ class JobFeed:
         self.rk = rk
         self._lock = threading.Lock()
         self._events: list[WatchEvent] = []
+        self._arrived = threading.Event()
         self._watches: list[PrefixWatch] = []
         try:
             for prefix in (rk.progress, rk.job.plans, rk.workers, rk.recoveries, eval_key(rk.job)):
@@ -54,6 +55,13 @@ class JobFeed:
     def _on_events(self, events: list[WatchEvent]) -> None:
         with self._lock:
             self._events.extend(events)
+        self._arrived.set()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a watch delivers something or `timeout` seconds pass; whether it did."""
+        arrived = self._arrived.wait(timeout)
+        self._arrived.clear()
+        return arrived
 
     def drain(self) -> list[WatchEvent]:
         """The events delivered since the last drain, oldest first."""

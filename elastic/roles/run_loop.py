@@ -35,10 +35,12 @@ from elastic.roles.launcher_feed import (
     poll_progress,
     run_finished,
 )
-from elastic.roles.static_launcher import POLL_S
 
 _READ_EVERY_S = 1.0
 """How often the elastic launcher's loop reads etcd itself (fatal key, rejoin requests, the end)."""
+_WAIT_S = 0.25
+"""Longest sleep of the loop between feed deliveries: how late it notices an agent's exit, a stop
+asked from another thread, its time limit. Each delivery wakes it at once."""
 
 
 @dataclass(kw_only=True)
@@ -121,7 +123,7 @@ class RunLoop:
                     self.say(f"elastic run: etcd did not answer ({type(exc).__name__}); waiting for it")
                 etcd_out = True
                 self._check_limits()
-            time.sleep(POLL_S)
+            self.feed.wait(_WAIT_S)  # woken by what the watches deliver (a progress put, a plan)
         if self._stopped is not None:
             final_poll(self.client, self.keys, self.config, self.progress, self.say, self.feed)
             raise JobStopped(self._stopped, elastic_summary(self.config, self.progress, started_at=self.started_at))

@@ -2,7 +2,8 @@
 
 A failure-free step touches etcd at most once, off the critical path: world rank 0 hands the
 committed step to a `ProgressWriter`, whose thread overwrites the `progress` key (at most every
-`PROGRESS_MIN_INTERVAL_S`; fast steps share a put). Everything else is read
+`PROGRESS_MIN_INTERVAL_S` while someone waits on a step, every `PROGRESS_IDLE_INTERVAL_S`
+otherwise; fast steps share a put). Everything else is read
 from watches that fire only when the control plane acts, never per step:
 
 - `GenerationFeed`: generation records (`plan/<g>`); a newer one aborts the current generation;
@@ -30,7 +31,7 @@ from typing import Protocol
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import RunKeys
-from elastic.coordinator.watch import Subscribe, WatchEvent, watch_from_now
+from elastic.coordinator.watch import PrefixWatch, Subscribe, WatchEvent, watch_from_now
 from elastic.records.generation import GenerationRecord, HaltRecord
 from elastic.records.progress import ProgressRecord, StepResult
 from elastic.records.sync import COMMIT, SyncReport
@@ -39,7 +40,12 @@ from elastic.roles.node_relay import Put, RelayClient, put_all
 PROGRESS_WINDOW = 8
 """Steps kept in the progress record's `recent` window."""
 PROGRESS_MIN_INTERVAL_S = 0.1
-"""Least time between two puts of the `progress` key (module doc of ProgressWriter)."""
+"""Least time between two puts of the `progress` key while someone waits on a step (a
+`step-waiters/` key: an agent's injection waits for its step)."""
+PROGRESS_IDLE_INTERVAL_S = 0.5
+"""Least time between two puts while no one waits on a step: the launcher's step lines, status
+and metrics are then at most this stale (issue 34: the control plane's CPU is taken from the
+workers on a shared machine; a put costs the writer, etcd and every watcher)."""
 PROGRESS_EARLIER_MAX = 64
 """Most gathered steps one progress record names in `earlier`."""
 
@@ -196,16 +202,24 @@ class DecisionFeed:
 class ProgressWriter:
     """Overwrites the `progress` key from a thread of its own, so the step never waits for etcd.
 
-    A committed step is written at once when the previous put is at least
-    `PROGRESS_MIN_INTERVAL_S` old; faster steps are gathered and the newest is written when the
-    interval has passed, naming the ones before it in `earlier` (so etcd and every watcher of
-    the key see at most 1 / PROGRESS_MIN_INTERVAL_S puts a second, whatever the step rate).
-    Steps beyond `PROGRESS_EARLIER_MAX` gathered ones are named only in the step logs."""
+    A committed step is written at once when the previous put is at least an interval old;
+    faster steps are gathered and the newest is written when the interval has passed, naming the
+    ones before it in `earlier`. The interval is `min_interval_s` while someone waits on a step
+    (a key under `step-waiters/`, which the writer's thread watches from its first put on; also
+    until that watch is open) and `idle_interval_s` otherwise, so etcd and every watcher of the
+    key see at most 1 / interval puts a second, whatever the step rate. Steps beyond
+    `PROGRESS_EARLIER_MAX` gathered ones are named only in the step logs."""
 
     def __init__(
-        self, client: EtcdClient, rk: RunKeys, *, min_interval_s: float = PROGRESS_MIN_INTERVAL_S
+        self, client: EtcdClient, rk: RunKeys, *, min_interval_s: float = PROGRESS_MIN_INTERVAL_S,
+        idle_interval_s: float = PROGRESS_IDLE_INTERVAL_S,
     ) -> None:
         self.client, self.key, self.min_interval_s = client, rk.progress, min_interval_s
+        self.idle_interval_s = max(idle_interval_s, min_interval_s)
+        self._waiters_prefix = rk.prefix("step-waiters")
+        self._waiters: set[str] | None = None
+        """Keys under `step-waiters/` (None until the watch is open: the short interval)."""
+        self._waiter_watch: PrefixWatch | None = None
         self._recent: collections.deque[list[float]] = collections.deque(maxlen=PROGRESS_WINDOW)
         self._pending: collections.deque[StepResult] = collections.deque(maxlen=PROGRESS_EARLIER_MAX + 1)
         self._cond = threading.Condition()
@@ -221,6 +235,31 @@ class ProgressWriter:
             self._recent.append([result.step, result.committed_at, result.seconds])
             self._pending.append(result)
             self._cond.notify()
+
+    def interval(self) -> float:
+        """The least time between two puts now (class doc)."""
+        with self._cond:
+            return self.min_interval_s if self._waiters is None or self._waiters else self.idle_interval_s
+
+    def _on_waiters(self, events: list[WatchEvent]) -> None:
+        with self._cond:
+            waiters = self._waiters if self._waiters is not None else set()
+            for ev in events:
+                (waiters.add if ev.kind == "put" else waiters.discard)(ev.key)
+            self._waiters = waiters
+            self._cond.notify_all()  # a new waiter shortens the wait under way
+
+    def _follow_waiters(self) -> None:
+        """Open the `step-waiters/` watch (writer thread; on failure the next put tries again)."""
+        if self._waiter_watch is not None:
+            return
+        try:
+            self._waiter_watch = watch_from_now(self.client, self._waiters_prefix, self._on_waiters)
+        except Exception:  # etcd away: keep the short interval
+            return
+        with self._cond:
+            if self._waiters is None:
+                self._waiters = set()
 
     def _take(self) -> ProgressRecord | None:
         """The record of every step gathered so far (None once closed with nothing left)."""
@@ -238,20 +277,33 @@ class ProgressWriter:
                      for r in earlier if r.generation == last.generation],
         )
 
+    def _wait_interval(self, last_put: float) -> None:
+        """Gather steps until an interval has passed since `last_put` (closing: at once)."""
+        with self._cond:
+            while not self._closing:
+                left = last_put + self.interval() - time.monotonic()  # the condition's lock is an RLock
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
     def _run(self) -> None:
-        next_put = 0.0
-        while True:
-            with self._cond:  # gather steps until the interval has passed (closing: at once)
-                self._cond.wait_for(lambda: self._closing, max(0.0, next_put - time.monotonic()))
-            record = self._take()
-            if record is None:
-                return
-            next_put = time.monotonic() + self.min_interval_s
-            try:
-                self.client.put(self.key, record.to_json())
-                self.puts += 1
-            except Exception:  # etcd away: the next record carries the progress on
-                continue
+        last_put = -float("inf")
+        try:
+            while True:
+                self._wait_interval(last_put)
+                record = self._take()
+                if record is None:
+                    return
+                last_put = time.monotonic()
+                try:
+                    self.client.put(self.key, record.to_json())
+                    self.puts += 1
+                except Exception:  # etcd away: the next record carries the progress on
+                    continue
+                self._follow_waiters()
+        finally:
+            if self._waiter_watch is not None:
+                self._waiter_watch.cancel()
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is gathered, then stop the thread."""

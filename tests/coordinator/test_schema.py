@@ -50,6 +50,7 @@ def test_every_builder_makes_a_key_of_its_own_row() -> None:
         "decisions": rk.decision(3, 9), "recoveries": rk.recovery(3, 2), "done": rk.worker_done(1, 0),
         "injected": rk.injected("kill-node1-step3"), "injection-status": rk.job.key("injection-status", "x"),
         "rdzv-store": keys.prefix("rdzv-store", 4) + "a/b", "rdzv-waiting": keys.key("rdzv-waiting", "h-1"),
+        "step-waiters": keys.key("step-waiters", "0123abcd"),
     }
     for name, key in built.items():
         family = schema.family_of(key[len(keys.root):])
@@ -117,8 +118,9 @@ def test_the_static_check_sees_a_glued_key(tmp_path: Path) -> None:
 
 MUST_SEE = {"members", "leader", "generation", "plan", "config", "token", "workers", "holdings", "progress",
             "halt", "sync", "ready", "decisions", "recoveries", "done", "events", "injections", "injection-status",
-            "injected", "eval", "metrics", "store"}
-"""Rows that a run with a node's loss, checkpoints and evaluations writes for sure."""
+            "injected", "eval", "metrics", "store", "step-waiters"}
+"""Rows that a run with a node's loss (an injection at a step), checkpoints and evaluations writes
+for sure."""
 
 
 @dataclasses.dataclass

@@ -113,7 +113,15 @@ def test_auto_puts_the_spare_in_the_straggler_stage_with_nothing_lost(outcome: d
     assert [d["node"] for d in drains] == [SLOW_NODE] and "hot spare 2 took its stage" in drains[0]["reason"]
     assert not [e for e in events if e["kind"] == "failure"]
     gens = outcome["gens"]
-    assert sorted(gens) == [1, 2], {g: r.reason for g, r in gens.items()}
+    assert sorted(gens)[:2] == [1, 2], {g: r.reason for g, r in gens.items()}
+    # After the swap the job runs 2 workers on this machine's 2 cores beside etcd, the agents and
+    # this test's polling: a further mark of node 0 against the spare can be the machine's own
+    # noise (one CI run: node 0 at 1.39x, a rebalance and its undoing). It may only rebalance:
+    # no node lost, drained or joined, nothing replayed or restored.
+    for g in sorted(gens)[2:]:
+        later = gens[g]
+        assert later.reason.startswith("rebalance") and not (later.lost or later.drained or later.joined), later.reason
+        assert later.replay is None and later.restore_checkpoint is None
     swapped = gens[2]
     assert swapped.drained == [SLOW_NODE] and swapped.joined == [SPARE] and swapped.lost == []
     assert [p.nodes for p in swapped.plan.pipelines] == [(0,), (SPARE,)]

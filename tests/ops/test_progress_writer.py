@@ -1,5 +1,7 @@
 """The progress writer against a real etcd: fast steps share puts, yet every step reaches a
-watcher of the `progress` key with its own figures; slow steps get a put each, at once."""
+watcher of the `progress` key with its own figures; slow steps get a put each, at once; the
+long interval holds while no one waits on a step, the short one while a `step-waiters/` key is
+there."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def test_fast_steps_share_puts_and_every_step_is_reported(client: Any) -> None:
 def test_slow_steps_are_written_one_put_each(client: Any) -> None:
     rk = RunKeys(JobKeys(f"pw-{uuid.uuid4().hex[:8]}"))
     seen = Seen(client, rk)
-    writer = ProgressWriter(client, rk, min_interval_s=0.05)
+    writer = ProgressWriter(client, rk, min_interval_s=0.05, idle_interval_s=0.05)
     try:
         for s in range(5):
             writer.publish(result(s))
@@ -82,3 +84,40 @@ def test_slow_steps_are_written_one_put_each(client: Any) -> None:
         seen.close()
     assert [rec.step for rec in records] == list(range(5))
     assert all(rec.earlier == [] for rec in records)
+
+
+def wait_for_interval(writer: ProgressWriter, seconds: float) -> None:
+    deadline = time.monotonic() + 10
+    while writer.interval() != seconds:
+        assert time.monotonic() < deadline, f"the writer's interval stayed {writer.interval()}"
+        time.sleep(0.01)
+
+
+def test_a_step_waiter_shortens_the_interval_and_its_end_lengthens_it(client: Any) -> None:
+    rk = RunKeys(JobKeys(f"pw-{uuid.uuid4().hex[:8]}"))
+    seen = Seen(client, rk)
+    # idle 30 s: a step held back by the idle interval cannot reach the watch within the test
+    writer = ProgressWriter(client, rk, min_interval_s=0.05, idle_interval_s=30.0)
+    waiter = rk.job.key("step-waiters", "test")
+    try:
+        writer.publish(result(0))
+        seen.until(0)  # the first put is at once
+        wait_for_interval(writer, 30.0)  # its waiter watch is open and sees no waiter
+        writer.publish(result(1))
+        time.sleep(0.5)
+        assert seen.records[-1].step == 0  # held back: no one waits
+        client.put(waiter, "")
+        records = seen.until(1)  # the waiter wakes the writer: written now, not 30 s on
+        assert records[-1].step == 1 and records[-1].earlier == []
+        client.delete(waiter)
+        wait_for_interval(writer, 30.0)
+        writer.publish(result(2))
+        time.sleep(0.5)
+        assert seen.records[-1].step == 1
+    finally:
+        writer.close()
+    try:
+        assert seen.until(2)[-1].step == 2  # closing writes what is gathered at once
+        assert writer.puts == 3
+    finally:
+        seen.close()

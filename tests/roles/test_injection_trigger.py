@@ -61,6 +61,8 @@ def test_only_a_waiting_injection_watches_progress(etcd_server: EtcdServer, clie
         waiter = threading.Thread(target=lambda: fired.append(triggers[0].wait(request, stop)))
         waiter.start()
         assert settle(etcd_server.endpoint, before + 5) == before + 5  # one more: the waiting one
+        # and it asks the progress writer for the short interval while it waits
+        assert len(list(client.get_prefix(rk.prefix("step-waiters"), keys_only=True))) == 1
         for step in range(1, 4):
             commit(client, rk, step)
         waiter.join(0.3)
@@ -70,6 +72,7 @@ def test_only_a_waiting_injection_watches_progress(etcd_server: EtcdServer, clie
         assert fired == [True]
         assert triggers[0].in_flight() == 6
         assert settle(etcd_server.endpoint, before + 4) == before + 4  # its watch is gone with it
+        assert list(client.get_prefix(rk.prefix("step-waiters"), keys_only=True)) == []  # its key too
         assert triggers[3].in_flight() == 6  # the others read it when asked
     finally:
         for t in triggers:

@@ -160,7 +160,28 @@ def test_more_failures_never_increase_effective_time(book: PlanBook, pair: tuple
     fewer, more = pair
     for policy in (ElasticPolicy(book, COSTS), CheckpointRestartPolicy(book, COSTS), RedundantPolicy(book, COSTS)):
         a, b = policy.run(fewer, HORIZON), policy.run(more, HORIZON)
-        assert b.samples <= a.samples, (policy.name, fewer.to_list(), more.to_list())
+        slack = 0
+        if policy.name == "checkpoint-restart":
+            # Its restart resets the checkpoint phase, so a later failure of the richer trace can
+            # lose less work since its last checkpoint than the same failure of the base trace
+            # (found by this test: 8 nodes, one more failure at 10 s, later ones losing 70 s of
+            # work instead of 190 s). Up to the work the base run lost more, at the fastest pace:
+            fastest = book.shape_plan("flat", list(range(CLUSTER.nodes)))
+            assert fastest is not None
+            slack = math.ceil(max(0.0, a.lost_s - b.lost_s) / fastest.iteration_time) * CLUSTER.global_batch
+        assert b.samples <= a.samples + slack, (policy.name, fewer.to_list(), more.to_list())
+
+
+def test_an_extra_failure_can_move_checkpoint_restarts_phase_not_its_cost(book: PlanBook) -> None:
+    # The case the property test found: node 0 failing beside node 1 at 10 s leaves 6 nodes, all
+    # in the plan, so the later failures restart from fresher checkpoints; without it, node 7 is
+    # a spare of the 7-node plan. It would train fewer samples than the base, had it lost as much.
+    policy = CheckpointRestartPolicy(book, COSTS)
+    a = policy.run(fails((10.0, 1), (2105.0, 2), (2515.0, 3)), HORIZON)
+    b = policy.run(fails((10.0, 0), (10.0, 1), (2105.0, 2), (2515.0, 3)), HORIZON)
+    assert b.lost_s < a.lost_s and b.samples > a.samples
+    slowest = max(seg.iteration_s for seg in b.segments)
+    assert b.samples - (a.lost_s - b.lost_s) / slowest * CLUSTER.global_batch < a.samples  # had it lost as much
 
 
 def test_report_has_stable_fields() -> None:
