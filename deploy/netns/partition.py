@@ -26,7 +26,7 @@ from typing import Any, Literal
 from elastic.coordinator.client import connect
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.keys import JobKeys, RunKeys
-from elastic.records.progress import committed_steps
+from elastic.records.progress import committed_steps, waiting_for_steps
 
 Mode = Literal["down", "oneway", "sick"]
 """How the link is hurt: downed, cut from the node to etcd only, or delayed and lossy."""
@@ -168,25 +168,30 @@ class Partitioner:
     def _run(self) -> None:
         client = connect(config_from_env(self.etcd))
         try:
-            for spec in self.specs:
-                while self._committed(client) < spec.step - 1:
-                    if self._stop.wait(0.05):
-                        return
-                record = PartitionRecord(node=spec.node, step=spec.step, down_at=time.time(), mode=spec.mode,
-                                         delay_ms=spec.delay_ms, loss=spec.loss)
-                self.set_fault(spec, True)
-                self._applied.append(spec)
-                self.records.append(record)
-                self.say(f"netns: node {spec.node} {spec.describe()} during step {spec.step}")
-                self._stop.wait(spec.seconds)
-                self.set_fault(spec, False)
-                self._applied.remove(spec)
-                record.up_at = time.time()
-                self.say(f"netns: node {spec.node} link restored after {record.up_at - record.down_at:.1f} s")
+            with waiting_for_steps(client, self.rk):  # the progress key at its short interval
+                self._inject_all(client)
         except BaseException as exc:  # reported by the launcher after the run
             self.error = exc
         finally:
             client.close()
+
+    def _inject_all(self, client: Any) -> None:
+        """Each fault once its step is in flight, then its link restored after its seconds."""
+        for spec in self.specs:
+            while self._committed(client) < spec.step - 1:
+                if self._stop.wait(0.05):
+                    return
+            record = PartitionRecord(node=spec.node, step=spec.step, down_at=time.time(), mode=spec.mode,
+                                     delay_ms=spec.delay_ms, loss=spec.loss)
+            self.set_fault(spec, True)
+            self._applied.append(spec)
+            self.records.append(record)
+            self.say(f"netns: node {spec.node} {spec.describe()} during step {spec.step}")
+            self._stop.wait(spec.seconds)
+            self.set_fault(spec, False)
+            self._applied.remove(spec)
+            record.up_at = time.time()
+            self.say(f"netns: node {spec.node} link restored after {record.up_at - record.down_at:.1f} s")
 
     def stop(self) -> None:
         """Stop waiting, restore any link still hurt, and join the thread."""

@@ -173,13 +173,13 @@ def _convert(ev: Any) -> WatchEvent:
 def watch_from_now(
     client: EtcdClient, prefix: str, on_events: Callable[[list[WatchEvent]], None], **kwargs: Any
 ) -> PrefixWatch:
-    """Deliver what is under `prefix` now (one put event per key, at its mod revision, on the
-    calling thread) and then every change after that read (a PrefixWatch from the read's revision
-    + 1; `kwargs` go to it). The way to mirror a prefix under auto-compaction: a watch from an
+    """Deliver what is under `prefix` now (one put event per key, at its mod revision, in
+    revision order as a watch would have delivered them, on the calling thread) and then every
+    change after that read (a PrefixWatch from the read's revision + 1; `kwargs` go to it). The way to mirror a prefix under auto-compaction: a watch from an
     old revision (such as 1) misses every key last written before the compacted revision."""
     resp = client.get_prefix_response(prefix)
-    current = [WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
-                          revision=kv.mod_revision) for kv in resp.kvs]
+    current = sorted((WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
+                                 revision=kv.mod_revision) for kv in resp.kvs), key=lambda ev: ev.revision)
     if current:
         on_events(current)
     return PrefixWatch(client, prefix, on_events, start_revision=int(resp.header.revision) + 1, **kwargs)

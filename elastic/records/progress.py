@@ -8,6 +8,9 @@ reads at the end; etcd keeps no per-step history.
 
 from __future__ import annotations
 
+import contextlib
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +29,33 @@ def committed_steps(client: EtcdClient, rk: RunKeys) -> int:
     """How many steps the job has committed, from the progress record (one key read)."""
     record = read_progress(client, rk)
     return 0 if record is None else record.step + 1
+
+
+def add_step_waiter(client: EtcdClient, rk: RunKeys, *, lease: int | None = None) -> str:
+    """Put a `step-waiters/<id>` key (on `lease`, if given) and return it: while it is there,
+    world rank 0's progress writer puts the `progress` key at its short interval
+    (`PROGRESS_MIN_INTERVAL_S`, elastic/roles/worker_feeds.py), so whoever waits for a step to be
+    committed sees it within that interval rather than the idle one."""
+    key = rk.job.key("step-waiters", uuid.uuid4().hex[:16])
+    client.put(key, "", lease=lease)
+    return key
+
+
+def drop_step_waiter(client: EtcdClient, key: str) -> None:
+    """Delete a key of `add_step_waiter`; left behind (etcd away), it only keeps the progress
+    writer at its short interval (until its lease ends, if it has one)."""
+    with contextlib.suppress(Exception):
+        client.delete(key)
+
+
+@contextlib.contextmanager
+def waiting_for_steps(client: EtcdClient, rk: RunKeys, *, lease: int | None = None) -> Iterator[None]:
+    """Hold a step waiter (`add_step_waiter`) while inside."""
+    key = add_step_waiter(client, rk, lease=lease)
+    try:
+        yield
+    finally:
+        drop_step_waiter(client, key)
 
 
 def step_log_path(run_dir: str | Path, node: int, local_rank: int) -> Path:

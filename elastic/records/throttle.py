@@ -73,6 +73,10 @@ class Throttle:
         self.burners: list[subprocess.Popen[bytes]] = []
         self.active = False
         self.stopped_s = 0.0
+        """Wall seconds the processes were stopped."""
+        self.repaid_s = 0.0
+        """CPU seconds the busiest burner spun in their place (`hold_cpu`): the node's computation
+        repaid, whatever share of the cores the host gave it (`stopped_s` stretches with that)."""
 
     def _signal(self, sig: signal.Signals) -> None:
         """`sig` to each process, and the other one to its burner: the one that stops first, so
@@ -168,10 +172,15 @@ class Throttle:
         if not start:  # every burner is gone with its process: nothing left to slow
             return
         with self._stopped():
-            while (left := debt - max((st[1] - c for pid, c in start.items() if (st := state_and_cpu(pid)) is not None),
-                                      default=debt)) > _LEAST_REPAY_S:
+            while (left := debt - self._spun(start, default=debt)) > _LEAST_REPAY_S:
                 if stop.wait(min(left, max(0.0, end - time.monotonic()))) or time.monotonic() >= end:
                     break
+        self.repaid_s += self._spun(start, default=0.0)
+
+    @staticmethod
+    def _spun(start: dict[int, float], *, default: float) -> float:
+        """CPU seconds the busiest burner spun since `start` (burner pid -> its CPU then)."""
+        return max((st[1] - c for pid, c in start.items() if (st := state_and_cpu(pid)) is not None), default=default)
 
     def _stop_burners(self) -> None:
         for i in range(len(self.burners)):

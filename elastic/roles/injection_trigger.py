@@ -18,14 +18,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.records.injection_requests import InjectionRequest
-from elastic.records.progress import ProgressRecord
+from elastic.records.progress import ProgressRecord, add_step_waiter, drop_step_waiter
 
 
 class InjectionTrigger:
@@ -34,8 +33,9 @@ class InjectionTrigger:
     def __init__(self, client: EtcdClient, keys: JobKeys, *, lease: int | None = None) -> None:
         self._client = client
         self._progress_key = RunKeys(keys).progress
-        self._waiter_key = keys.key("step-waiters", uuid.uuid4().hex[:16])
-        """Held while `_holders` > 0 (module doc)."""
+        self._rk = RunKeys(keys)
+        self._waiter: str | None = None
+        """The step-waiters key held while `_holders` > 0 (module doc)."""
         self._lease = lease
         self._committed = -1
         """Index of the furthest committed step seen (-1: none)."""
@@ -80,7 +80,7 @@ class InjectionTrigger:
         with self._watch_lock:
             self._holders += 1
             if self._progress is None:
-                self._client.put(self._waiter_key, "", lease=self._lease)
+                self._waiter = add_step_waiter(self._client, self._rk, lease=self._lease)
                 revision = self._read_progress()
                 self._progress = PrefixWatch(self._client, self._progress_key, self._on_progress,
                                              start_revision=revision + 1)
@@ -94,10 +94,9 @@ class InjectionTrigger:
                 self._unwait()
 
     def _unwait(self) -> None:
-        """Delete the waiter key; left behind (etcd away), it only keeps the progress writer at its
-        short interval until the node's lease ends."""
-        with contextlib.suppress(Exception):
-            self._client.delete(self._waiter_key)
+        if self._waiter is not None:
+            drop_step_waiter(self._client, self._waiter)
+            self._waiter = None
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:

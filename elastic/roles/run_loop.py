@@ -23,7 +23,7 @@ from elastic.records.injection_requests import (
     read_statuses,
     write_status,
 )
-from elastic.records.progress import committed_steps
+from elastic.records.progress import add_step_waiter, committed_steps, drop_step_waiter
 from elastic.roles.agent_pool import AgentPool, kill_workers
 from elastic.roles.job_stop import JobStop, JobStopped, StopOutcome, StopTracker
 from elastic.roles.launch_errors import JobFailed
@@ -75,6 +75,8 @@ class RunLoop:
     """Wall time of the launch (the origin of a stopped run's summary)."""
     _stopping: StopTracker = field(init=False)
     _stopped: StopOutcome | None = field(init=False, default=None)
+    _step_waiter: str | None = field(init=False, default=None)
+    """The step-waiters key held while a rejoin waits for its step."""
 
     def __post_init__(self) -> None:
         self._stopping = StopTracker(client=self.client, keys=self.keys, config=self.config, say=self.say,
@@ -92,6 +94,7 @@ class RunLoop:
         finally:
             if self.job_stop is not None:
                 self.job_stop.armed = False
+            self._wait_for_steps(False)
         if self._stopping.request is not None:
             self.say(f"elastic run: the job finished its last step before the stop ({self._stopping.request.words()}) "
                      "took effect")
@@ -109,6 +112,8 @@ class RunLoop:
                 if read_now:
                     next_read = time.monotonic() + _READ_EVERY_S
                     requests = self._read_requests()
+                    self._wait_for_steps(any(r.kind == "rejoin" and r.when == "step" and r.id not in self.progress.rejoined
+                                             for r in requests))
                 for req in _due_rejoins(self.client, self.keys, self.progress, requests):
                     self._rejoin(req)
                 if self._finished(read_now):
@@ -127,6 +132,15 @@ class RunLoop:
         if self._stopped is not None:
             final_poll(self.client, self.keys, self.config, self.progress, self.say, self.feed)
             raise JobStopped(self._stopped, elastic_summary(self.config, self.progress, started_at=self.started_at))
+
+    def _wait_for_steps(self, waiting: bool) -> None:
+        """Hold a step waiter while a rejoin waits for its step (elastic/records/progress.py:
+        the progress key then comes at its short interval), and drop it once none does."""
+        if waiting and self._step_waiter is None:
+            self._step_waiter = add_step_waiter(self.client, RunKeys(self.keys))
+        elif not waiting and self._step_waiter is not None:
+            drop_step_waiter(self.client, self._step_waiter)
+            self._step_waiter = None
 
     def poll(self) -> None:
         """Take in what the feed delivered (prints step, failure and recovery lines)."""

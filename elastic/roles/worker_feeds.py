@@ -226,8 +226,9 @@ class ProgressWriter:
         self._closing = False
         self.puts = 0
         """Records written (for benchmarks and tests)."""
-        self._thread = threading.Thread(target=self._run, name="progress-writer", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        """Started by the first `publish`: only world rank 0 publishes, so every other worker's
+        writer holds no thread."""
 
     def publish(self, result: StepResult) -> None:
         """Queue the committed step `result` (never blocks on etcd)."""
@@ -235,6 +236,9 @@ class ProgressWriter:
             self._recent.append([result.step, result.committed_at, result.seconds])
             self._pending.append(result)
             self._cond.notify()
+            if self._thread is None and not self._closing:
+                self._thread = threading.Thread(target=self._run, name="progress-writer", daemon=True)
+                self._thread.start()
 
     def interval(self) -> float:
         """The least time between two puts now (class doc)."""
@@ -310,7 +314,9 @@ class ProgressWriter:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
 
 def write_sync(

@@ -21,7 +21,7 @@ from elastic.planning.stragglers import StragglerConfig
 from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
-from elastic.records.progress import ProgressRecord, StepResult, committed_steps
+from elastic.records.progress import ProgressRecord, StepResult, committed_steps, waiting_for_steps
 from elastic.records.summary import RunSummary, load_final_state
 from elastic.roles.launcher import launch_elastic
 from templates.plan import even_plan
@@ -191,13 +191,16 @@ class LiveJob:
         return committed_steps(self.client, self.rk)
 
     def wait_committed(self, steps: int, timeout: float = 120.0) -> None:
+        """Until `steps` steps are committed, as a step waiter (the progress key at its short
+        interval, as while an agent's injection waits: what a test does next lands as promptly)."""
         deadline = time.monotonic() + timeout
-        while self.committed() < steps:
-            if self.error is not None or not self._thread.is_alive():
-                raise AssertionError(f"the run ended before step {steps} was committed: {self.error!r}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"step {steps} not committed within {timeout} s")
-            time.sleep(0.05)
+        with waiting_for_steps(self.client, self.rk):
+            while self.committed() < steps:
+                if self.error is not None or not self._thread.is_alive():
+                    raise AssertionError(f"the run ended before step {steps} was committed: {self.error!r}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"step {steps} not committed within {timeout} s")
+                time.sleep(0.05)
 
     def generation(self) -> int:
         """The latest published generation (0 before the first)."""

@@ -177,4 +177,8 @@ def test_a_node_of_two_processes_is_stopped_for_the_busiest_ones_cpu_not_their_s
         for p in spinners:
             p.wait()
     busiest = max(used)
-    assert 0.6 * busiest <= throttle.stopped_s <= 1.3 * busiest, (throttle.stopped_s, used)
+    # In CPU seconds: the stop is repaid in burner CPU, and on a host that gives the node less than
+    # a core each (run alone, this test shares the machine with the suite's zygote warming up) the
+    # stops stretch in wall time as the computation did (0.77 s stopped for 0.44 + 0.34 CPU s).
+    assert 0.6 * busiest <= throttle.repaid_s <= 1.3 * busiest, (throttle.repaid_s, used)
+    assert throttle.stopped_s >= 0.9 * throttle.repaid_s, (throttle.stopped_s, throttle.repaid_s)

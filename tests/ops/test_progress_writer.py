@@ -121,3 +121,21 @@ def test_a_step_waiter_shortens_the_interval_and_its_end_lengthens_it(client: An
         assert writer.puts == 3
     finally:
         seen.close()
+
+
+def test_a_writer_that_never_publishes_holds_no_thread(client: Any) -> None:
+    rk = RunKeys(JobKeys(f"pw-{uuid.uuid4().hex[:8]}"))
+
+    def writer_threads() -> int:
+        return sum(t.name == "progress-writer" for t in threading.enumerate())
+
+    before = writer_threads()
+    writers = [ProgressWriter(client, rk) for _ in range(8)]  # a node's workers: only rank 0 publishes
+    try:
+        assert writer_threads() == before
+        writers[0].publish(result(0))
+        assert writer_threads() == before + 1
+    finally:
+        for w in writers:
+            w.close()
+    assert writer_threads() == before
