@@ -30,7 +30,7 @@ decisions/ and store/ keys). The table, as `table()` renders it:
 | workers | `workers/{node:d}/{local_rank:d}` | node | worker | agent, leader, launcher, status, metrics | WorkerInfo JSON: pid, transfer address |
 | holdings | `holdings/{node:d}/{local_rank:d}` | node | worker (with its sync report) | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
 | progress | `progress` | none | world rank 0 | launcher, status, metrics, workers | ProgressRecord of the last committed step |
-| step-waiters | `step-waiters/{name}` | node | agent (InjectionTrigger) | world rank 0 (ProgressWriter) | an injection waits for a step: progress puts at the short interval |
+| step-waiters | `step-waiters/{name}` | node | agent (InjectionTrigger); launcher (a rejoin at a step) and netns partitioner, leaseless, deleted when done | world rank 0 (ProgressWriter) | someone waits for a step: progress puts at the short interval |
 | stragglers | `stragglers` | none | world rank 0 | leader, status, metrics | StragglerRecord: speed factors and marks |
 | straggler-policy | `straggler-policy` | none | `elastic stragglers` | world rank 0, leader | PolicyOverride of the straggler settings |
 | halt | `halt/{generation:d}` | none | leader | workers, job stop | HaltRecord: generation g is to stop |
@@ -157,8 +157,9 @@ SCHEMA: tuple[Family, ...] = (
        "leader, workers (holder map)", "[[layer, tp_rank], ...] it held at its halt"),
     _f("progress", "progress", "none", "world rank 0", "launcher, status, metrics, workers",
        "ProgressRecord of the last committed step"),
-    _f("step-waiters", "step-waiters/{name}", "node", "agent (InjectionTrigger)", "world rank 0 (ProgressWriter)",
-       "an injection waits for a step: progress puts at the short interval"),
+    _f("step-waiters", "step-waiters/{name}", "node",
+       "agent (InjectionTrigger); launcher (a rejoin at a step) and netns partitioner, leaseless, deleted when done",
+       "world rank 0 (ProgressWriter)", "someone waits for a step: progress puts at the short interval"),
     _f("stragglers", "stragglers", "none", "world rank 0", "leader, status, metrics",
        "StragglerRecord: speed factors and marks"),
     _f("straggler-policy", "straggler-policy", "none", "`elastic stragglers`", "world rank 0, leader",

@@ -175,8 +175,9 @@ def watch_from_now(
 ) -> PrefixWatch:
     """Deliver what is under `prefix` now (one put event per key, at its mod revision, in
     revision order as a watch would have delivered them, on the calling thread) and then every
-    change after that read (a PrefixWatch from the read's revision + 1; `kwargs` go to it). The way to mirror a prefix under auto-compaction: a watch from an
-    old revision (such as 1) misses every key last written before the compacted revision."""
+    change after that read (a PrefixWatch from the read's revision + 1; `kwargs` go to it). The
+    way to mirror a prefix under auto-compaction: a watch from an old revision (such as 1)
+    misses every key last written before the compacted revision."""
     resp = client.get_prefix_response(prefix)
     current = sorted((WatchEvent(kind="put", key=kv.key.decode(), value=kv.value, prev_value=None,
                                  revision=kv.mod_revision) for kv in resp.kvs), key=lambda ev: ev.revision)

@@ -32,8 +32,8 @@ class InjectionTrigger:
 
     def __init__(self, client: EtcdClient, keys: JobKeys, *, lease: int | None = None) -> None:
         self._client = client
-        self._progress_key = RunKeys(keys).progress
         self._rk = RunKeys(keys)
+        self._progress_key = self._rk.progress
         self._waiter: str | None = None
         """The step-waiters key held while `_holders` > 0 (module doc)."""
         self._lease = lease
