@@ -53,7 +53,10 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
         workers = [WorkerInfo.from_json(v).pid for v, _ in run.client.get_prefix(run.rk.node_workers(VICTIM))]
         victims = [agent_pid(run.job, VICTIM), *workers]
         for pid in victims:  # all at once: no process of the node survives to report anything
-            os.kill(pid, signal.SIGKILL)
+            # The agent first, so that it cannot see its worker die and report it. A worker dies
+            # with its agent (PR_SET_PDEATHSIG) and may be reaped before its own kill lands.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         result = run.result()
         reported = any(True for _ in run.client.get_prefix(run.keys.failed))
         yield Outcome(reference, result, victims, reported)
