@@ -362,6 +362,10 @@ class ShardSpec:
     relay: bool = True
     """Whether each node's workers report through their agent's relay (`--no-relay`: each puts directly)."""
     log_level: int = logging.ERROR
+    light: bool = False
+    """A `LightShard` (bench/control_plane_light_shard.py) instead of a `Shard`."""
+    nodes_per_client: int = 1
+    """Light shards: nodes sharing one etcd client (1: a client a node, as real agents)."""
 
 
 TEARDOWN_STAGES = ("stop_drivers", "close_workers", "close_agents", "leave", "exit")
@@ -534,7 +538,13 @@ class Shard:
 
 def serve(conn: multiprocessing.connection.Connection, spec: ShardSpec) -> None:
     """Answer the parent's commands until told to exit or the pipe closes."""
-    shard = Shard(spec)
+    shard: Any
+    if spec.light:
+        from bench.control_plane_light_shard import LightShard
+
+        shard = LightShard(spec)
+    else:
+        shard = Shard(spec)
     while not shard.exiting:
         try:
             seq, command, args = conn.recv()

@@ -49,6 +49,25 @@ class Fallback:
     """The nodes of the next generation."""
 
 
+NODE_LIST_MAX = 16
+"""Longest list of nodes a generation's reason spells out one by one (the record reaches every node)."""
+
+
+def node_list(nodes: list[int]) -> str:
+    """`nodes` for a reason text: the list itself up to NODE_LIST_MAX nodes, else its runs
+    ("[0-1270, 1273-2046] (2046 nodes)"), so that the record's size does not grow with the job."""
+    if len(nodes) <= NODE_LIST_MAX:
+        return str(nodes)
+    runs: list[list[int]] = []
+    for n in sorted(nodes):
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"[{spans}] ({len(nodes)} nodes)"
+
+
 def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
     """Whether every layer of `plan` has a holder among `live` nodes."""
     return all(
@@ -94,7 +113,7 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
             except PlanningError:
                 continue
             relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
-            return new, f"{what}: re-planned over nodes {live}{relaxed}"
+            return new, f"{what}: re-planned over nodes {node_list(live)}{relaxed}"
     return Fallback(what=what, gaps=gaps, live=live)
 
 
@@ -211,6 +230,6 @@ def drain_plan(tset: TemplateSet, s: Snapshot, config: ElasticConfig, node: int)
         plan = replan(tset, record.plan, others, global_microbatches=record.plan.global_microbatches,
                       fault_tolerance=f).plan
     except PlanningError as exc:
-        return (f"draining node {node} would leave nodes {others}, which cannot "
+        return (f"draining node {node} would leave nodes {node_list(others)}, which cannot "
                 f"form the {f + 1} pipelines that fault tolerance {f} needs: {exc}")
-    return plan, f"drained node {node}: re-planned over nodes {others}", None
+    return plan, f"drained node {node}: re-planned over nodes {node_list(others)}", None

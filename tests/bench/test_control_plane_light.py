@@ -1,0 +1,41 @@
+"""bench/control_plane_light.py at a small size, against a real etcd and real shard processes: the
+figures it reports are the protocol's, counted from what etcd saw.
+
+The reference is the runtime's protocol: a change costs each live node one transaction for its
+workers' sync reports (with their holdings) and one for their recovery records, plus the leader's
+own handful; a progress put wakes one watcher per waiting agent and the bench's observer (the
+launcher's watch), no one else.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.control_plane_light import run_one
+
+NODES = 16
+CHANGES = 2
+WAITING = 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_light_nodes_change_generations_at_the_protocols_cost() -> None:
+    out = run_one(nodes=NODES, steps=45, changes=CHANGES, pace_ms=20.0, procs=2, nodes_per_client=1,
+                  waiting=WAITING)
+    changes = out["changes_detail"]
+    assert [c["generation"] for c in changes] == [2, 3]
+    for c in changes:
+        assert c["valid"], c  # the leader's record names the node the bench reported lost
+        live = c["live_nodes"]
+        fams = c["writes_by_family"]
+        assert fams.get("holdings+sync") == live, fams  # one transaction a node: reports and holdings
+        assert fams.get("recoveries") == live, fams  # one a node: its workers' recovery records
+        node_writes = fams["holdings+sync"] + fams["recoveries"]
+        assert c["etcd"]["writes"] - node_writes <= 10, fams  # the leader's and the failure's own
+        assert 0 < c["halt_written_s"] <= c["syncs_written_s"] <= c["published_s"] <= c["all_seen_s"]
+        assert not c["leases_lost"]
+    steady = out["steady"]
+    assert steady["waiting_nodes"] == WAITING
+    assert steady["events_per_put"] == pytest.approx(WAITING + 1, abs=0.3)  # the waiting agents and the launcher
+    assert out["end"]["db_bytes"] > 0
