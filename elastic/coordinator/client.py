@@ -53,10 +53,16 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 
 # Reconnect quickly after an etcd restart (gRPC's default backoff grows to minutes).
 # etcd3.Endpoint hands this straight to grpc, which wants a sequence of pairs.
+MAX_ANSWER_BYTES = 256 * 2**20
+"""Largest etcd answer a client takes (etcd itself sends up to 2 GiB)."""
+
 _GRPC_OPTIONS: Any = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    # gRPC's client default is 4 MiB an answer: at 16,384 workers the leader's read of one
+    # generation's sync reports is 3 MB (bench/control_plane_light.py) and a whole job's keys far more.
+    ("grpc.max_receive_message_length", MAX_ANSWER_BYTES),
 ]
 
 
