@@ -75,10 +75,12 @@ log = logging.getLogger("control_plane_light")
 
 GPUS = 8
 NODES_PER_PROC = 128
-LEASE_TTL = 60
+LEASE_TTL = 600
 """Lease TTL (s) of the light nodes' members and elections. The loss under test is reported (the
-worker monitor's path), so the TTL enters no figure; 2,048 nodes' keep-alives share 2 cores with
-everything else here, and a keep-alive starved past a shorter TTL would lose a healthy node."""
+worker monitor's path), so the TTL enters no figure. A shard process holds 128 nodes' ~1,200
+threads; in a change most of them want the GIL at once, and a lease's keep-alive thread (wake,
+send, read the answer: three GIL hand-offs) was starved past a 60 s TTL: 3-200 leases a run
+expired that way (2026-11-29). A real agent's process has a few threads."""
 
 
 def blocks_of(nodes: int, procs: int) -> list[tuple[int, ...]]:
@@ -117,6 +119,23 @@ class Arrivals:
 def family(root: str, key: str) -> str:
     """The schema family of a job key: its first component under the job's root."""
     return key[len(root):].split("/", 1)[0]
+
+
+SCAN_PAGE = 5000
+"""Keys a page of `scan` reads (etcd's answers must stay under gRPC's 4 MiB)."""
+
+
+def scan(client: Any, prefix: str, *, keys_only: bool) -> list[Any]:
+    """Every key-value under `prefix`, read a page at a time."""
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    out: list[Any] = []
+    start = prefix
+    while True:
+        kvs = list(client.get_range_response(start, end, keys_only=keys_only, limit=SCAN_PAGE).kvs)
+        out.extend(kvs)
+        if len(kvs) < SCAN_PAGE:
+            return out
+        start = kvs[-1].key.decode() + "\0"
 
 
 class LightRun:
@@ -264,9 +283,8 @@ class LightRun:
         """etcd writes (revisions) after `rev0` by the key families they wrote, from the keys
         there now (one keys-only read after the change: a watch of the whole job would cost the
         bench as much CPU as a thousand nodes; deletions are counted by etcd's metrics)."""
-        resp = self.admin.get_prefix_response(self.keys.root, keys_only=True)
         by_rev: dict[int, set[str]] = {}
-        for kv in resp.kvs:
+        for kv in scan(self.admin, self.keys.root, keys_only=True):
             if kv.mod_revision > rev0:
                 by_rev.setdefault(kv.mod_revision, set()).add(family(self.keys.root, kv.key.decode()))
         out: dict[str, int] = {}
@@ -278,15 +296,15 @@ class LightRun:
     def end(self) -> dict[str, Any]:
         """etcd's db size and the job's keys, with their bytes by family."""
         m = etcd_metrics(self.endpoint)
-        resp = self.admin.get_prefix_response(self.keys.root)
+        kvs = scan(self.admin, self.keys.root, keys_only=False)
         fams: dict[str, list[int]] = {}
-        for kv in resp.kvs:
+        for kv in kvs:
             f = fams.setdefault(family(self.keys.root, kv.key.decode()), [0, 0])
             f[0] += 1
             f[1] += len(kv.key) + len(kv.value)
         return {"db_bytes": int(m["etcd_mvcc_db_total_size_in_bytes"]),
                 "db_in_use_bytes": int(m["etcd_mvcc_db_total_size_in_use_in_bytes"]),
-                "job_keys": len(resp.kvs),
+                "job_keys": len(kvs),
                 "keys_by_family": {k: {"keys": v[0], "bytes": v[1]} for k, v in sorted(fams.items())}}
 
     def close(self, *, interrupted: bool) -> None:
