@@ -68,7 +68,7 @@ PURE_UNITS = (
     "tests/data/test_dataset.py", "tests/data/test_held_out.py", "tests/data/test_prepare_data.py",
     "tests/transfer/test_codec.py", "tests/transfer/test_shards.py", "tests/transfer/test_wire.py",
     "tests/transfer/test_stubs_fresh.py", "tests/ops/test_report.py", "tests/roles/test_straggler_decisions.py",
-    "tests/roles/test_leader_decisions.py",
+    "tests/roles/test_leader_decisions.py", "tests/roles/test_node_list.py",
     "tests/test_function_length.py", "tests/test_layers.py", "tests/model/test_shape_flags.py",
     "tests/checkpoint/test_policy.py", "tests/checkpoint/test_reshard.py",
 )

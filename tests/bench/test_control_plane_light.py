@@ -33,7 +33,10 @@ def test_light_nodes_change_generations_at_the_protocols_cost() -> None:
         assert fams.get("recoveries") == live, fams  # one a node: its workers' recovery records
         node_writes = fams["holdings+sync"] + fams["recoveries"]
         assert c["etcd"]["writes"] - node_writes <= 10, fams  # the leader's and the failure's own
-        assert 0 < c["halt_written_s"] <= c["syncs_written_s"] <= c["published_s"] <= c["all_seen_s"]
+        # Causal order of what the nodes noted (the bench's own watch may see a key late):
+        # every node halted before the last sync report, which the leader awaited to publish.
+        assert 0 < c["halt_seen_all_s"] <= c["syncs_written_s"] < c["arrived_all_s"] <= c["all_seen_s"]
+        assert 0 < c["halt_written_s"] and 0 < c["published_s"]
         assert not c["leases_lost"]
     steady = out["steady"]
     assert steady["waiting_nodes"] == WAITING
