@@ -262,6 +262,10 @@ class LightRun:
             "generation": g + 1, "lost_node": victim, "valid": record.lost == [victim],
             "live_nodes": len(self.live),
             "halt_written_s": round(halt_at - t_fail, 3),
+            # the leader's own clock: loss seen, every sync report read, the record published
+            "leader_detected_s": round((record.detected_at or t_fail) - t_fail, 3),
+            "leader_synced_s": round((record.synced_at or t_fail) - t_fail, 3),
+            "leader_published_s": round((record.published_at or t_fail) - t_fail, 3),
             "halt_seen_all_s": round(max(concat(parts, "aborts")) - t_fail, 3),
             "syncs_written_s": round(max(concat(parts, "synced")) - t_fail, 3),
             "published_s": round(plan_at - t_fail, 3),
