@@ -50,13 +50,16 @@ from bench.control_plane_scale import (  # noqa: E402
     GRPC_POLL_S,
     SETUP_TIMEOUT_S,
     SWITCH_INTERVAL_MS,
+    Observer,
     bench_usage,
+    by_family,
     concat,
     cores,
     counts,
     cpu_now,
     delta,
     etcd_metrics,
+    family,
     make_config,
     pct,
     split_nodes,
@@ -68,7 +71,6 @@ from bench.section import exit_on_sigterm  # noqa: E402
 from elastic.coordinator import EtcdConfig, EtcdServer, JobKeys, connect  # noqa: E402
 from elastic.coordinator.generations import Generations  # noqa: E402
 from elastic.coordinator.keys import RunKeys  # noqa: E402
-from elastic.coordinator.watch import PrefixWatch, WatchEvent  # noqa: E402
 from elastic.records.generation import GenerationRecord  # noqa: E402
 
 log = logging.getLogger("control_plane_light")
@@ -88,37 +90,6 @@ def blocks_of(nodes: int, procs: int) -> list[tuple[int, ...]]:
     `procs` - 1 contiguous blocks."""
     rest = split_nodes(nodes - 1, max(1, procs - 1))
     return [(0,)] + [tuple(n + 1 for n in block) for block in rest]
-
-
-class Arrivals:
-    """When each key under `halt/` and `plan/` first arrived at the bench's own watch; and the
-    launcher's watch of `progress` (the runtime's launcher follows every step through it)."""
-
-    def __init__(self, client: Any, keys: JobKeys) -> None:
-        self.seen: dict[str, float] = {}
-        self._lock = threading.Lock()
-        rev = int(client.get_prefix_response(keys.root, count_only=True).header.revision) + 1
-        self.watches = [PrefixWatch(client, p, self._on, start_revision=rev) for p in (RunKeys(keys).halts, keys.plans, RunKeys(keys).progress)]
-
-    def _on(self, events: list[WatchEvent]) -> None:
-        now = time.time()
-        with self._lock:
-            for ev in events:
-                if ev.kind == "put":
-                    self.seen.setdefault(ev.key, now)
-
-    def at(self, key: str) -> float | None:
-        with self._lock:
-            return self.seen.get(key)
-
-    def close(self) -> None:
-        for w in self.watches:
-            w.cancel()
-
-
-def family(root: str, key: str) -> str:
-    """The schema family of a job key: its first component under the job's root."""
-    return key[len(root):].split("/", 1)[0]
 
 
 SCAN_PAGE = 5000
@@ -157,9 +128,11 @@ class LightRun:
         self.waiting = [int(i * nodes / waiting) for i in range(waiting)] if waiting else []
         self.live = set(range(nodes))
         self.shards: list[ShardHandle] = []
-        self.observer: Arrivals | None = None
+        self.observer: Observer | None = None
         self.generation = 0
         self.step = 0
+        self.progress_puts = 0
+        """Progress puts of world rank 0's writer so far (each segment's figures are the difference)."""
 
     def setup(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -187,7 +160,8 @@ class LightRun:
         wait_until("the leader's first round", lambda: lead.call("leader_rounds", 0) >= 1, 30.0, poll=0.05)
         _, threads = bench_usage(self.shards)
         m = etcd_metrics(self.endpoint)
-        self.observer = Arrivals(self.admin, self.keys)
+        # halt/ and plan/ arrivals; `progress` as the launcher watches it (every step)
+        self.observer = Observer(self.admin, self.keys, families=False, also=(self.rk.progress,))
         return {"setup_s": round(time.perf_counter() - t0, 1), "threads": sum(threads),
                 "etcd_clients": sum(s["clients"] for s in made) + 1,
                 "watchers": int(m["etcd_debugging_mvcc_watcher_total"]),
@@ -219,8 +193,8 @@ class LightRun:
         seen = [d for p in parts for d in p["seen"]]
         lat = [max(s[st] for s in seen) - publish_at[st] for st in range(first, self.step) if seen]
         per = delta(after, before)
-        puts = max(1, sum(p["progress_puts"] for p in parts) - getattr(self, "_puts", 0))
-        self._puts = sum(p["progress_puts"] for p in parts)
+        total_puts = sum(p["progress_puts"] for p in parts)
+        puts, self.progress_puts = max(1, total_puts - self.progress_puts), total_puts
         return {"steps": n, "ticks_s": round(run_s, 2), "per_step": counts(per, per=n), "progress_puts": puts,
                 "waiting_nodes": sum(p["waiting"] for p in parts),
                 "events_per_put": round(per["etcd_debugging_mvcc_events_total"] / puts, 2),
@@ -287,15 +261,11 @@ class LightRun:
         """etcd writes (revisions) after `rev0` by the key families they wrote, from the keys
         there now (one keys-only read after the change: a watch of the whole job would cost the
         bench as much CPU as a thousand nodes; deletions are counted by etcd's metrics)."""
-        by_rev: dict[int, set[str]] = {}
+        written: dict[int, set[str]] = {}
         for kv in scan(self.admin, self.keys.root, keys_only=True):
             if kv.mod_revision > rev0:
-                by_rev.setdefault(kv.mod_revision, set()).add(family(self.keys.root, kv.key.decode()))
-        out: dict[str, int] = {}
-        for fams in by_rev.values():
-            name = "+".join(sorted(fams))
-            out[name] = out.get(name, 0) + 1
-        return dict(sorted(out.items()))
+                written.setdefault(kv.mod_revision, set()).add(family(self.keys.root, kv.key.decode()))
+        return by_family(written.values())
 
     def end(self) -> dict[str, Any]:
         """etcd's db size and the job's keys, with their bytes by family."""

@@ -28,7 +28,6 @@ no etcd request and are not run.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
@@ -37,26 +36,29 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from bench.control_plane_shard import SIM_RETRY_S, TimedTrigger, in_parallel, process_cpu
+from bench.control_plane_shard import (
+    SIM_RETRY_S,
+    NodeHost,
+    TimedTrigger,
+    in_parallel,
+    join_member,
+    stop_agent,
+    worker_info,
+)
 from elastic.coordinator import (
     EtcdConfig,
-    JobKeys,
     LeaderElection,
-    Membership,
-    MembershipConfig,
-    NodeIdentity,
     connect,
 )
 from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import Cancelable, PrefixWatch, watch_from_now
 from elastic.parallel.layout import WorkerCoord, assign_ranks
-from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord, Vote
 from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
-from elastic.records.workers import WorkerInfo, node_id
+from elastic.records.workers import node_id
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
 from elastic.roles.node_relay import Put, write_puts
@@ -133,15 +135,8 @@ class LightNode:
         self.shard, self.client, self.node = shard, client, node
         keys, config, gpus = shard.keys, shard.config, shard.spec.gpus
         self.rk, self.who = RunKeys(keys), node_id(node)
-        self.membership = Membership(client, keys, NodeIdentity(node_id=self.who, incarnation=0,
-                                     address=f"127.0.0.1:{10000 + node}", devices=gpus),
-                                     config=MembershipConfig(ttl=config.lease_ttl))
-        self.membership.join()
-        assert self.membership.lease_id is not None
-        self.lease: int = self.membership.lease_id
-        infos: list[Put] = [(self.rk.worker(node, lr), WorkerInfo(pid=os.getpid(), incarnation=0,
-                  transfer_address=f"127.0.0.1:{20000 + node * 64 + lr}").to_json(), self.lease) for lr in range(gpus)]
-        write_puts(client, infos)
+        self.membership, self.lease = join_member(client, keys, config, node, gpus)
+        write_puts(client, [(self.rk.worker(node, lr), worker_info(node, lr).to_json(), self.lease) for lr in range(gpus)])
         self.generation = 0
         self.aborted: dict[int, float] = {}
         self.held: dict[int, list[tuple[int, int]]] = {}
@@ -167,11 +162,9 @@ class LightNode:
             self.leader = Leader(self.client, keys, config, self.election, who=self.who).start()
         self.trigger = TimedTrigger(self.client, keys) if waits else InjectionTrigger(self.client, keys)
         self.watches.append(watch_from_now(self.client, keys.injections, lambda evs: None))
-        hubs: dict[str, Any] = {}
 
         def follow(prefix: str, on_events: Any) -> PrefixWatch:
             w = watch_from_now(self.client, prefix, on_events)
-            hubs[prefix] = w
             self.watches.append(w)
             return w
 
@@ -250,25 +243,17 @@ class LightNode:
         for closable in (self.progress, self.halts, self.decisions):
             if closable is not None:
                 closable.close()
-        if self.trigger is not None:
-            self.trigger.close()
-        if self.leader is not None:
-            self.leader.stop()
-        if self.election is not None:
-            self.election.resign()
+        stop_agent(self.trigger, self.leader, self.election)
         self.progress = self.halts = self.decisions = self.trigger = self.leader = self.election = None
 
 
-class LightShard:
+class LightShard(NodeHost):
     """The light nodes of one shard process and the parent's commands (`cmd_<name>`)."""
 
+    nodes: dict[int, LightNode]
+
     def __init__(self, spec: Any) -> None:
-        self.spec = spec
-        self.keys = JobKeys(spec.job)
-        self.config = ElasticConfig.from_json(spec.config_json)
-        self.clients: list[Any] = []
-        self.nodes: dict[int, LightNode] = {}
-        self.killed: set[int] = set()
+        super().__init__(spec)
         self.decoded = Decoded()
         self.lock = threading.Lock()
         self.writers = ThreadPoolExecutor(max_workers=WRITERS, thread_name_prefix="writer")
@@ -277,10 +262,6 @@ class LightShard:
         self.rank0: LightNode | None = None
         self.publish_at: dict[int, float] = {}
         self.publish_s: list[float] = []
-        self.exiting = False
-
-    def _live(self) -> list[LightNode]:
-        return [n for n in self.nodes.values() if n.node not in self.killed]
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -301,20 +282,8 @@ class LightShard:
     def cmd_start_agents(self, which: list[int] | None, leader: int, waiting: list[int]) -> None:
         """Start the agents of `which` nodes (None: every node without one yet); `leader` runs
         the Leader; the nodes in `waiting` have an injection waiting on a step."""
-        todo = [n for n in self.nodes.values() if (n.node in which if which is not None else n.election is None)]
-        in_parallel([functools.partial(n.start_agent, leads=n.node == leader, waits=n.node in waiting) for n in todo],
-                    threads=STARTERS)
-
-    def cmd_wait_leader(self, node: int, timeout: float) -> bool:
-        election = self.nodes[node].election
-        return election is not None and election.wait_leader(timeout)
-
-    def cmd_leader_rounds(self, node: int) -> int:
-        leader = self.nodes[node].leader
-        return -1 if leader is None else leader.rounds
-
-    def cmd_usage(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "cpu": process_cpu(), "threads": threading.active_count()}
+        in_parallel([functools.partial(n.start_agent, leads=n.node == leader, waits=n.node in waiting)
+                     for n in self._agentless(which)], threads=STARTERS)
 
     def cmd_enter(self, generation: int) -> None:
         """Every live node's workers enter `generation` (feeds, then their recovery records)."""
@@ -351,14 +320,6 @@ class LightShard:
 
     # -- a generation change --------------------------------------------------------------------
 
-    def cmd_kill(self, node: int) -> None:
-        self.killed.add(node)
-        self.nodes[node].kill()
-
-    def cmd_report_failure(self, node: int) -> tuple[float, bool]:
-        at = time.time()
-        return at, self.nodes[node].membership.report_failure(reason="bench: simulated node failure")
-
     def cmd_change_status(self, generation: int) -> dict[str, bool]:
         live = self._live()
         return {"seen": all(generation in n.seen for n in live),
@@ -376,26 +337,18 @@ class LightShard:
             "entered": [n.entered[generation] for n in live if generation in n.entered],
             "decode_s": decoded.cost_s,
             "record": decoded.record.to_json(),
-            "leases_lost": [n.node for n in live if n.membership.lease is not None and n.membership.lease.lost.is_set()],
+            "leases_lost": self._leases_lost(),
         }
 
     # -- teardown -------------------------------------------------------------------------------
 
     def cmd_teardown(self, stage: str) -> None:
-        nodes = [n for n in self.nodes.values() if n.node not in self.killed]
+        nodes = self._live()
         if stage in ("stop_drivers", "close_workers"):
             return
         if stage == "close_agents":
             in_parallel([n.close for n in nodes], threads=32)
-        elif stage == "leave":
-            in_parallel([n.membership.leave for n in nodes], threads=32)
-        elif stage == "abort":
-            self.exiting = True
-        elif stage == "exit":
+            return
+        if stage == "exit":
             self.writers.shutdown(wait=False)
-            for c in self.clients:
-                with contextlib.suppress(Exception):
-                    c.close()
-            self.exiting = True
-        else:
-            raise ValueError(f"unknown teardown stage {stage!r}")
+        self._end(stage, nodes)

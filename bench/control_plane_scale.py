@@ -254,20 +254,37 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float, poll: float 
 # ---- one W -----------------------------------------------------------------------------------
 
 
-class Observer:
-    """The bench's own watches on `halt/` and `plan/`: when each key first arrived; and one on
-    the job's whole prefix: which key families each revision wrote (`writes_by_family`)."""
+def family(root: str, key: str) -> str:
+    """The schema family of a job key: its first component under the job's root."""
+    return key[len(root):].split("/", 1)[0]
 
-    def __init__(self, client: Any, keys: JobKeys) -> None:
+
+def by_family(revisions: Iterable[set[str]]) -> dict[str, int]:
+    """Revisions (etcd writes) counted by the key families each one touched (a transaction of
+    two families counts under "a+b")."""
+    out: dict[str, int] = {}
+    for fams in revisions:
+        name = "+".join(sorted(fams))
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+class Observer:
+    """The bench's own watches on `halt/` and `plan/` (and `also`): when each key first arrived;
+    with `families`, one on the job's whole prefix: which key families each revision wrote
+    (`writes_by_family`)."""
+
+    def __init__(self, client: Any, keys: JobKeys, *, families: bool = True, also: tuple[str, ...] = ()) -> None:
         self.seen: dict[str, float] = {}
         self.root = keys.root
         self.families: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         rev = int(client.get_prefix_response(keys.root, count_only=True).header.revision) + 1
         self.watches = [
-            PrefixWatch(client, p, self._on, start_revision=rev) for p in (RunKeys(keys).halts, keys.plans)
+            PrefixWatch(client, p, self._on, start_revision=rev) for p in (RunKeys(keys).halts, keys.plans, *also)
         ]
-        self.watches.append(PrefixWatch(client, keys.root, self._on_any, start_revision=rev))
+        if families:
+            self.watches.append(PrefixWatch(client, keys.root, self._on_any, start_revision=rev))
 
     def _on(self, events: list[WatchEvent]) -> None:
         now = time.time()
@@ -279,18 +296,13 @@ class Observer:
     def _on_any(self, events: list[WatchEvent]) -> None:
         with self._lock:
             for ev in events:
-                family = ev.key[len(self.root):].split("/", 1)[0] + ("" if ev.kind == "put" else " (delete)")
-                self.families.setdefault(ev.revision, set()).add(family)
+                name = family(self.root, ev.key) + ("" if ev.kind == "put" else " (delete)")
+                self.families.setdefault(ev.revision, set()).add(name)
 
     def writes_by_family(self) -> dict[str, int]:
-        """Revisions (etcd writes) seen under the job's prefix, by the key families each one
-        touched (a transaction of two families counts under "a+b")."""
+        """Revisions (etcd writes) seen under the job's prefix, by the key families each one touched."""
         with self._lock:
-            out: dict[str, int] = {}
-            for fams in self.families.values():
-                name = "+".join(sorted(fams))
-                out[name] = out.get(name, 0) + 1
-            return dict(sorted(out.items()))
+            return by_family(self.families.values())
 
     def at(self, key: str) -> float | None:
         with self._lock:

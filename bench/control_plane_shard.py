@@ -178,8 +178,7 @@ class SimWorker:
     def __init__(self, node: SimNode, local_rank: int) -> None:
         self.node, self.local_rank = node, local_rank
         client, rk = node.client, node.rk
-        info = WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node.node * 64 + local_rank}",
-                          incarnation=node.incarnation)
+        info = worker_info(node.node, local_rank, node.incarnation)
         client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
         # As an ElasticWorker: its feeds through the node's agent (one watch a prefix a node), or,
         # with --no-relay, each a watch of the worker's own.
@@ -252,6 +251,33 @@ class SimWorker:
         self.decisions.close()
 
 
+def stop_agent(trigger: InjectionTrigger | None, leader: Leader | None, election: LeaderElection | None) -> None:
+    """What a simulated agent stops, in the agent's order: its trigger, its Leader, then its
+    candidacy (resigning last, so that no other leader takes over while this one still runs)."""
+    if trigger is not None:
+        trigger.close()
+    if leader is not None:
+        leader.stop()
+    if election is not None:
+        election.resign()
+
+
+def join_member(client: Any, keys: JobKeys, config: ElasticConfig, node: int, gpus: int) -> tuple[Membership, int]:
+    """Node `node`'s member, joined as `Agent.run` joins it (incarnation 0), and its lease."""
+    membership = Membership(client, keys, NodeIdentity(node_id=node_id(node), incarnation=0,
+                            address=f"127.0.0.1:{10000 + node}", devices=gpus),
+                            config=MembershipConfig(ttl=config.lease_ttl))
+    membership.join()
+    assert membership.lease_id is not None
+    return membership, membership.lease_id
+
+
+def worker_info(node: int, local_rank: int, incarnation: int = 0) -> WorkerInfo:
+    """What a simulated worker registers under `workers/<node>/<local_rank>`."""
+    return WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node * 64 + local_rank}",
+                      incarnation=incarnation)
+
+
 class SimNode:
     """One node: its agent's control plane (member, election, leader, trigger) and G workers."""
 
@@ -261,12 +287,7 @@ class SimNode:
         """The agent's relay (elastic/roles/node_relay.py): the node's workers' reports as one transaction."""
         self.node, self.gpus, self.incarnation = node, gpus, 0
         self.who = node_id(node)
-        self.membership = Membership(client, keys, NodeIdentity(node_id=self.who, incarnation=0,
-                                     address=f"127.0.0.1:{10000 + node}", devices=gpus),
-                                     config=MembershipConfig(ttl=config.lease_ttl))
-        self.membership.join()
-        assert self.membership.lease_id is not None
-        self.lease: int = self.membership.lease_id
+        self.membership, self.lease = join_member(client, keys, config, node, gpus)
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.workers: list[SimWorker] = []
@@ -334,12 +355,7 @@ class SimNode:
             self.relay = None
         if self.requests is not None:
             self.requests.cancel()
-        if self.trigger is not None:
-            self.trigger.close()
-        if self.leader is not None:
-            self.leader.stop()
-        if self.election is not None:
-            self.election.resign()
+        stop_agent(self.trigger, self.leader, self.election)
         self.requests = self.trigger = self.leader = self.election = None
 
 
@@ -373,19 +389,79 @@ TEARDOWN_STAGES = ("stop_drivers", "close_workers", "close_agents", "leave", "ex
 a leader elsewhere still runs, as in the one-process bench."""
 
 
-class Shard:
-    """The nodes of one shard and the commands the parent sends it (`cmd_<name>`)."""
+class NodeHost:
+    """What every kind of shard does with the nodes it hosts (`Shard`'s `SimNode`s, and
+    bench/control_plane_light_shard.py's `LightNode`s): each node has a `membership`, an
+    `election` and a `leader` once its agent started, and `kill()`."""
+
+    nodes: dict[int, Any]
 
     def __init__(self, spec: ShardSpec) -> None:
         self.spec = spec
         self.keys = JobKeys(spec.job)
         self.config = ElasticConfig.from_json(spec.config_json)
         self.clients: list[Any] = []
-        self.nodes: dict[int, SimNode] = {}
+        self.nodes = {}
         self.killed: set[int] = set()
+        self.exiting = False
+
+    def _live(self) -> list[Any]:
+        """The nodes not killed."""
+        return [n for n in self.nodes.values() if n.node not in self.killed]
+
+    def _agentless(self, which: list[int] | None) -> list[Any]:
+        """The nodes of `which` (None: every node whose agent has not started yet)."""
+        return [n for n in self.nodes.values() if (n.node in which if which is not None else n.election is None)]
+
+    def _leases_lost(self) -> list[int]:
+        """Live nodes whose member lease was lost."""
+        return [n.node for n in self._live() if n.membership.lease is not None and n.membership.lease.lost.is_set()]
+
+    def cmd_wait_leader(self, node: int, timeout: float) -> bool:
+        election = self.nodes[node].election
+        return election is not None and bool(election.wait_leader(timeout))
+
+    def cmd_leader_rounds(self, node: int) -> int:
+        leader = self.nodes[node].leader
+        return -1 if leader is None else int(leader.rounds)
+
+    def cmd_usage(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "cpu": process_cpu(), "threads": threading.active_count()}
+
+    def cmd_kill(self, node: int) -> None:
+        self.killed.add(node)
+        self.nodes[node].kill()
+
+    def cmd_report_failure(self, node: int) -> tuple[float, bool]:
+        """The worker monitor's path: the node's member reported failed; (when, whether it was)."""
+        at = time.time()
+        return at, self.nodes[node].membership.report_failure(reason="bench: simulated node failure")
+
+    def _end(self, stage: str, nodes: list[Any]) -> None:
+        """The teardown stages every shard has: `nodes` leave, or the process ends (at once with
+        "abort", after closing its clients with "exit")."""
+        if stage == "leave":
+            in_parallel([n.membership.leave for n in nodes], threads=32)
+        elif stage == "abort":
+            self.exiting = True  # the process ends at once (interrupted run: no orderly closing)
+        elif stage == "exit":
+            for c in self.clients:
+                with contextlib.suppress(Exception):
+                    c.close()
+            self.exiting = True
+        else:
+            raise ValueError(f"unknown teardown stage {stage!r}")
+
+
+class Shard(NodeHost):
+    """The nodes of one shard and the commands the parent sends it (`cmd_<name>`)."""
+
+    nodes: dict[int, SimNode]
+
+    def __init__(self, spec: ShardSpec) -> None:
+        super().__init__(spec)
         self.clock = StepClock()
         self.timings = Timings()
-        self.exiting = False
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -419,21 +495,7 @@ class Shard:
 
     def cmd_start_agents(self, which: list[int] | None, with_leader: bool) -> None:
         """Start the agents of `which` nodes (None: every node without one yet)."""
-        todo = [
-            n for n in self.nodes.values() if (n.node in which if which is not None else n.election is None)
-        ]
-        in_parallel([functools.partial(n.start_agent, with_leader) for n in todo])
-
-    def cmd_wait_leader(self, node: int, timeout: float) -> bool:
-        election = self.nodes[node].election
-        return election is not None and election.wait_leader(timeout)
-
-    def cmd_leader_rounds(self, node: int) -> int:
-        leader = self.nodes[node].leader
-        return -1 if leader is None else leader.rounds
-
-    def cmd_usage(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "cpu": process_cpu(), "threads": threading.active_count()}
+        in_parallel([functools.partial(n.start_agent, with_leader) for n in self._agentless(which)])
 
     # -- failure-free steps ---------------------------------------------------------------------
 
@@ -473,17 +535,8 @@ class Shard:
 
     # -- a generation change --------------------------------------------------------------------
 
-    def cmd_kill(self, node: int) -> None:
-        self.killed.add(node)
-        self.nodes[node].kill()
-
-    def cmd_report_failure(self, node: int) -> tuple[float, bool]:
-        """The worker monitor's path: the node's member reported failed; (when, whether it was)."""
-        at = time.time()
-        return at, self.nodes[node].membership.report_failure(reason="bench: simulated node failure")
-
     def _live_workers(self) -> list[SimWorker]:
-        return [w for n in self.nodes.values() if n.node not in self.killed for w in n.workers]
+        return [w for n in self._live() for w in n.workers]
 
     def cmd_change_status(self, generation: int) -> dict[str, bool]:
         live = self._live_workers()
@@ -501,13 +554,7 @@ class Shard:
             "seen": [w.generations.get(generation)[1] for w in live],
             "latest": max((w.generations.latest() for w in live), default=0),
             "record": live[0].generations.get(generation)[0].to_json() if live else None,
-            "leases_lost": [
-                n.node
-                for n in self.nodes.values()
-                if n.node not in self.killed
-                and n.membership.lease is not None
-                and n.membership.lease.lost.is_set()
-            ],
+            "leases_lost": self._leases_lost(),
         }
 
     # -- teardown -------------------------------------------------------------------------------
@@ -523,17 +570,8 @@ class Shard:
             in_parallel([w.close for n in nodes for w in n.workers], threads=32)
         elif stage == "close_agents":
             in_parallel([n.close_agent for n in nodes], threads=32)
-        elif stage == "leave":
-            in_parallel([n.membership.leave for n in nodes], threads=32)
-        elif stage == "abort":
-            self.exiting = True  # the process ends at once (interrupted run: no orderly closing)
-        elif stage == "exit":
-            for c in self.clients:
-                with contextlib.suppress(Exception):
-                    c.close()
-            self.exiting = True
         else:
-            raise ValueError(f"unknown teardown stage {stage!r}")
+            self._end(stage, nodes)
 
 
 def serve(conn: multiprocessing.connection.Connection, spec: ShardSpec) -> None:
