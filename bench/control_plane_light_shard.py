@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +60,9 @@ from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
 from elastic.records.workers import node_id
+from elastic.roles.etcd_writes import Fold, Put, write_batch, write_puts
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
-from elastic.roles.node_relay import Put, write_puts
 from elastic.roles.worker_feeds import DecisionFeed, HaltFeed, ProgressWriter, write_sync
 
 WRITERS = 16
@@ -70,13 +71,21 @@ STARTERS = 4
 """Threads a shard starts its agents with (many at once starve the running ones' lease keep-alives)."""
 
 
+def _say_failure(future: Future[None]) -> None:
+    """A writer's exception, on stderr (a pool's future keeps it otherwise, and the bench would
+    only time out waiting for the reports)."""
+    if (exc := future.exception()) is not None:
+        print(f"light shard: a halted node's report failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
 class Collector:
     """Takes a worker's puts where its relay client would send them (`write_sync(relay=...)`)."""
 
     def __init__(self) -> None:
         self.puts: list[Put] = []
 
-    def put(self, puts: list[Put]) -> None:
+    def put(self, puts: list[Put], folds: list[Fold] | None = None) -> None:
+        assert not folds, "a sync report folds nothing"
         self.puts.extend(puts)
 
 
@@ -184,19 +193,21 @@ class LightNode:
     # -- the workers -----------------------------------------------------------------------------
 
     def enter(self, generation: int) -> None:
-        """The node's workers enter `generation`: the feeds, then their recovery records, one
-        transaction (the relay's write of what its G workers sent)."""
+        """The node's workers enter `generation`: the feeds, then their recovery records folded into
+        the node's one, one transaction (the relay's write of what its G workers sent)."""
         assert self.halts is not None
         self.generation = generation
         self.halts.enter(generation, self)
         ranks = self.shard.decoded[generation].ranks
         now = time.time()
-        puts: list[Put] = []
+        key = self.rk.recovery(generation, self.node)
+        folds: list[Fold] = []
         for lr in range(self.shard.spec.gpus):
-            rec = RecoveryTimings(seen_at=self.seen.get(generation, now), started_at=now, first_commit_at=now,
+            rec = RecoveryTimings(ranks=[ranks[(self.node, lr)].rank], seen_at=self.seen.get(generation, now),
+                                  started_at=now, first_commit_at=now,
                                   reconfig=ReconfigTimings(transfer_s=0.0, rebuild_s=0.0, bytes_fetched=0))
-            puts.append((self.rk.recovery(generation, ranks[(self.node, lr)].rank), rec.to_json(), None))
-        write_puts(self.client, puts)
+            folds.append((key, rec))
+        write_batch(self.client, [], folds, {})
         self.entered[generation] = time.time()
 
     def set(self, reason: str, *, local: bool = False) -> None:
@@ -206,7 +217,7 @@ class LightNode:
             if g in self.aborted:
                 return
             self.aborted[g] = time.time()
-        self.shard.writers.submit(self._report_halted, g)
+        self.shard.writers.submit(self._report_halted, g).add_done_callback(_say_failure)
 
     def is_set(self) -> bool:
         return self.generation in self.aborted

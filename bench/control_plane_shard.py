@@ -207,9 +207,9 @@ class SimWorker:
         self.generations.enter(generation, self.abort)
         self.halts.enter(generation, self.abort)
         now = time.time()
-        rec = RecoveryTimings(seen_at=seen_at, reconfig=ReconfigTimings(transfer_s=0.0, rebuild_s=0.0, bytes_fetched=0),
-                              started_at=now, first_commit_at=now)
-        put_all(self.node.client, self.relay, [(self.node.rk.recovery(generation, layout.rank), rec.to_json(), None)])
+        rec = RecoveryTimings(ranks=[layout.rank], seen_at=seen_at, started_at=now, first_commit_at=now,
+                              reconfig=ReconfigTimings(transfer_s=0.0, rebuild_s=0.0, bytes_fetched=0))
+        put_all(self.node.client, self.relay, [], [(self.node.rk.recovery(generation, self.node.node), rec)])
 
     def step(self, s: int, t: Timings) -> None:
         """Step s's vote completed: commit it, then the checks `_train` makes before step s+1."""

@@ -159,8 +159,8 @@ class RunKeys:
     def recoveries(self) -> str:
         return self.prefix("recoveries")
 
-    def recovery(self, generation: int, rank: int) -> str:
-        return self.job.key("recoveries", generation, rank)
+    def recovery(self, generation: int, node: int) -> str:
+        return self.job.key("recoveries", generation, node)
 
     @property
     def done(self) -> str:

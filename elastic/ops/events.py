@@ -31,7 +31,7 @@ from elastic.coordinator.jsonrecord import to_data
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import recovery_breakdown
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.run_end import ENDINGS, RunEnd
 
 
@@ -150,9 +150,9 @@ class History:
             if g == 1:
                 continue
             pairs = list(self.client.get_prefix(self.rk.prefix("recoveries", g)))
-            if len(pairs) < len(rec.plan.nodes) * rec.plan.gpus_per_node:
-                continue  # still reconfiguring, or cut short by a later generation
             timings = [RecoveryTimings.from_json(v) for v, _ in pairs]
+            if workers_reported(timings) < len(rec.plan.nodes) * rec.plan.gpus_per_node:
+                continue  # still reconfiguring, or cut short by a later generation
             b = recovery_breakdown(self.client, self.rk, g, rec, timings)
             detail = {k: b[k] for k in ("generation", "lost_nodes", "joined_nodes", "drained_nodes", "detecting_s",
                                         "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s",

@@ -185,8 +185,8 @@ class NodeMetrics(Collector):
         m = {name: mirror.items() for name, mirror in self._mirrors.items()}
         timings: dict[int, dict[int, RecoveryTimings]] = {}
         for key, t in m["recoveries"].items():
-            g, rank = key.split("/")
-            timings.setdefault(int(g), {})[int(rank)] = t
+            g, node = key.split("/")  # one record a node (its workers' folded)
+            timings.setdefault(int(g), {})[int(node)] = t
         try:
             seq_len = self._seq()
         except Exception as exc:  # etcd unreachable: serve what the mirrors hold

@@ -10,12 +10,11 @@ from typing import Any
 import psutil
 
 from elastic.coordinator.membership import NodeIdentity
-from elastic.parallel.layout import assign_ranks
 from elastic.records.evals import EvalResult
 from elastic.records.generation import GenerationRecord
 from elastic.records.progress import ProgressRecord
 from elastic.records.recoveries import breakdown_of
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.workers import WorkerInfo, node_of
 
 PHASES = ("detecting", "planning", "transferring", "rebuilding", "replaying")
@@ -135,15 +134,12 @@ def snapshot(
     finished: list[Recovery] = []
     node_bytes = job_bytes = 0
     for g, rec in sorted(plans.items()):
-        got = timings.get(g, {})
+        got = timings.get(g, {})  # by node
         world = len(rec.plan.nodes) * rec.plan.gpus_per_node
-        coords = assign_ranks(rec.plan)
-        for rank, t in got.items():
-            job_bytes += t.reconfig.bytes_fetched
-            if rank < len(coords) and coords[rank].node == node:
-                node_bytes += t.reconfig.bytes_fetched
+        job_bytes += sum(t.reconfig.bytes_fetched for t in got.values())
+        node_bytes += got[node].reconfig.bytes_fetched if node in got else 0
         superseded = any(later > g for later in plans)
-        if g > 1 and got and (len(got) >= world or superseded):
+        if g > 1 and got and (workers_reported(list(got.values())) >= world or superseded):
             finished.append(recovery_of(g, rec, list(got.values()), injected))
     return Snapshot(
         step=last.step + 1 if last else 0,

@@ -29,7 +29,7 @@ from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
 from elastic.records.progress import ProgressRecord, read_progress
 from elastic.records.recoveries import generation_fields, recovery_breakdown
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.workers import WorkerInfo, node_of
 from templates.plan import Plan
@@ -90,7 +90,8 @@ def _last_recovery(
         entry = recovery_breakdown(client, rk, g, rec, timings)
     else:
         entry = {**generation_fields(g, rec), **dict.fromkeys(_TIMING_FIELDS), "interrupted": False}
-    return {**entry, "complete": len(timings) >= expected, "workers_reported": len(timings),
+    reported = workers_reported(timings)
+    return {**entry, "complete": reported >= expected, "workers_reported": reported,
             "workers_expected": expected}
 
 

@@ -1,5 +1,12 @@
-"""Where a worker's reconfiguration into a generation spent its time: `ReconfigTimings` (what
-`Trainer.start` measured) inside `RecoveryTimings` (at `recoveries/<g>/<rank>`)."""
+"""Where a node's workers' reconfiguration into a generation spent its time: `ReconfigTimings`
+(what `Trainer.start` measured) inside `RecoveryTimings`, one record a node at
+`recoveries/<g>/<node>` (issue 34: a generation change keeps O(nodes) records, not O(workers)).
+
+A node's record folds its workers' own: the slowest worker's times, the sum of their bytes, and
+the ranks folded in. Every reader's breakdown takes only maxima and sums of these fields
+(elastic/records/recoveries.py `breakdown_of`), so folding a node's workers first changes no
+figure. Folding is idempotent: a record whose ranks are already in is not added again.
+"""
 
 from __future__ import annotations
 
@@ -26,16 +33,52 @@ class ReconfigTimings:
 
 @dataclass(frozen=True, kw_only=True)
 class RecoveryTimings(JsonRecord):
-    """One worker's reconfiguration into a generation, at `recoveries/<g>/<rank>`.
+    """The reconfiguration into a generation of the workers `ranks` (one node's, folded), at
+    `recoveries/<g>/<node>`.
 
-    Its JSON is one flat object (`reconfig`'s fields beside the others), the form that
-    `elastic status`, `elastic events`, the metrics and the launcher have always read."""
+    Its JSON is one flat object (`reconfig`'s fields beside the others). Folded, every time is
+    the slowest of its workers' and every byte count their sum."""
 
+    VERSION = 2  # ranks added: one record a node, not a worker
+
+    ranks: list[int]
+    """World ranks (of generation g) whose reconfiguration this record folds, ascending."""
     seen_at: float
-    """Wall time the worker learned of the generation."""
+    """Wall time the (last) worker learned of the generation."""
     reconfig: ReconfigTimings = field(metadata=INLINE)
     """What joining the generation cost (transfer, rebuild, bytes)."""
     started_at: float
-    """Wall time `Trainer.start` returned."""
+    """Wall time `Trainer.start` returned (the last worker's)."""
     first_commit_at: float
-    """Wall time of its first commit in the generation."""
+    """Wall time of the first commit in the generation (the last worker's)."""
+
+    def fold(self, other: RecoveryTimings) -> RecoveryTimings:
+        """Both records as one: the later times, the larger phases, the summed bytes, the ranks
+        of both. `self` unchanged when `other`'s ranks are already in it (folded before)."""
+        if set(other.ranks) <= set(self.ranks):
+            return self
+        if set(other.ranks) & set(self.ranks):
+            raise ValueError(f"recovery records overlap in part: ranks {self.ranks} and {other.ranks}")
+        a, b = self.reconfig, other.reconfig
+        return RecoveryTimings(
+            ranks=sorted({*self.ranks, *other.ranks}),
+            seen_at=max(self.seen_at, other.seen_at),
+            reconfig=ReconfigTimings(transfer_s=max(a.transfer_s, b.transfer_s), rebuild_s=max(a.rebuild_s, b.rebuild_s),
+                                     bytes_fetched=a.bytes_fetched + b.bytes_fetched,
+                                     bytes_collective=a.bytes_collective + b.bytes_collective),
+            started_at=max(self.started_at, other.started_at),
+            first_commit_at=max(self.first_commit_at, other.first_commit_at),
+        )
+
+
+def fold_all(records: list[RecoveryTimings], into: RecoveryTimings | None = None) -> RecoveryTimings | None:
+    """`records` folded into `into` (None: nothing to fold)."""
+    out = into
+    for r in records:
+        out = r if out is None else out.fold(r)
+    return out
+
+
+def workers_reported(records: list[RecoveryTimings]) -> int:
+    """How many workers' reconfigurations `records` (one a node) hold."""
+    return sum(len(r.ranks) for r in records)

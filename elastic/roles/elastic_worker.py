@@ -322,8 +322,9 @@ class ElasticWorker:
             if first_commit:
                 first_commit = False
                 seen_at, t, started = self._pending_recovery
-                rec = RecoveryTimings(seen_at=seen_at, reconfig=t, started_at=started, first_commit_at=now)
-                put_all(self.client, self.relay, [(self.rk.recovery(generation, layout.rank), rec.to_json(), None)])
+                rec = RecoveryTimings(ranks=[layout.rank], seen_at=seen_at, reconfig=t, started_at=started,
+                                      first_commit_at=now)
+                put_all(self.client, self.relay, [], [(self.rk.recovery(generation, layout.node), rec)])
             if self.checkpoints is not None:
                 self.checkpoints.after_commit(self.trainer, layout)
             if prepared is not None and prepared.halt and self.trainer.step < self.spec.steps:

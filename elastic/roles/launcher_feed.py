@@ -29,7 +29,7 @@ from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
 from elastic.records.progress import ProgressRecord, StepResult, read_progress, read_step_logs
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.summary import RunSummary, model_fields
 from elastic.records.workers import WorkerInfo
 
@@ -111,7 +111,7 @@ class Progress:
     trained: set[int] = field(default_factory=set)
     """Generations seen committing a step."""
     timings: dict[int, dict[str, RecoveryTimings]] = field(default_factory=dict)
-    """Generation -> rank -> that worker's timings of its reconfiguration into the generation."""
+    """Generation -> node -> its workers' timings of their reconfiguration into the generation (folded)."""
     evals: dict[int, EvalResult] = field(default_factory=dict)
     """Committed steps -> the evaluation after them (`--eval-every`; newest generation's)."""
 
@@ -181,8 +181,8 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
         info = WorkerInfo.from_json(ev.value)
         progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
     elif ev.key.startswith(rk.recoveries):
-        generation, rank = ev.key[len(rk.recoveries) :].split("/")[:2]
-        progress.timings.setdefault(int(generation), {})[rank] = RecoveryTimings.from_json(ev.value)
+        generation, writer = ev.key[len(rk.recoveries) :].split("/")[:2]  # writer: the node
+        progress.timings.setdefault(int(generation), {})[writer] = RecoveryTimings.from_json(ev.value)
     elif ev.key == eval_key(rk.job):
         evaluation = EvalResult.from_json(ev.value)
         if evaluation.step not in progress.evals:
@@ -205,7 +205,7 @@ def poll_progress(
         timings = list(progress.timings.get(g, {}).values())
         superseded = any(later > g for later in progress.generations)
         trained = g in progress.trained or bool(timings)  # a worker's timings come with its first commit
-        if len(timings) < world and not (superseded and (not trained or timings)):
+        if workers_reported(timings) < world and not (superseded and (not trained or timings)):
             continue
         progress.reported.add(g)
         if not timings:  # a further failure cut this reconfiguration short

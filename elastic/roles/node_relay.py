@@ -5,7 +5,9 @@ request, elastic/roles/worker_feeds.py `write_sync`), then its recovery record (
 workers a node, 2 G etcd writes a node, and 2 W for the job. The agent serves a Unix socket
 (Linux's abstract namespace, named in $ELASTIC_NODE_RELAY); a worker sends its puts there, and
 the agent writes what its workers sent together in one etcd transaction: 2 writes a node per
-change, whatever G. Keys, values and leases are unchanged, so every reader sees the same records.
+change, whatever G. Puts keep their keys, values and leases. Recovery records are folds: the
+relay folds its workers' records into the node's one key (elastic/roles/etcd_writes.py), keeping
+the last value it wrote to each such key as the base of its next compare-and-swap.
 
 Batching: the relay writes once every one of the node's live workers has a request waiting, or
 `linger_s` after the first one came, whichever is first. A worker counts as live until its
@@ -16,8 +18,8 @@ once the transaction has committed: a report is as durable as a direct put. With
 (torchrun's workers, which have no agent of ours), or when the agent does not answer, a worker
 writes its puts itself, in one transaction (`put_all`).
 
-Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...]}`,
-answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
+Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...],
+"folds": [[key, RecoveryTimings JSON], ...]}` ("folds" optional), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
 is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
 prefix it asks for feeds it, and it does not count as a worker.
 """
@@ -36,6 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.records.recovery_timings import RecoveryTimings
+from elastic.roles.etcd_writes import Fold, Put, write_batch
 from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
 log = logging.getLogger(__name__)
@@ -43,15 +47,13 @@ log = logging.getLogger(__name__)
 RELAY_ENV = "ELASTIC_NODE_RELAY"
 """The abstract socket name of this node's relay (set by the agent for its workers)."""
 
-_MAX_TXN_OPS = 128
-"""etcd's default --max-txn-ops: a larger batch is written as several transactions."""
-
 LINGER_S = 1.0
 """How long the relay waits for the node's other live workers after the first request of a batch
 (a bound for a stopped or stuck worker; the batch is written as soon as every live one has sent)."""
 
-Put = tuple[str, str, int | None]
-"""(key, value, lease id or None)."""
+KNOWN_KEYS = 64
+"""How many folded keys the relay remembers its last written value of (a node writes one a
+generation; an older one is read again if it is ever folded into)."""
 
 
 class RelayError(RuntimeError):
@@ -62,6 +64,7 @@ class RelayError(RuntimeError):
 class _Pending:
     conn: socket.socket
     puts: list[Put]
+    folds: list[Fold]
     at: float = field(default_factory=time.monotonic)
 
 
@@ -85,6 +88,8 @@ class NodeRelay:
         """The node's one watch of each prefix its workers subscribed to."""
         self._feeds: set[socket.socket] = set()
         self._hub_lock = threading.Lock()
+        self._known: dict[str, bytes | None] = {}
+        """Folded key -> the value this relay last wrote or read there."""
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
         threading.Thread(target=self._flush_loop, name="relay-flush", daemon=True).start()
 
@@ -169,13 +174,14 @@ class NodeRelay:
                 if not line:
                     break
                 try:
-                    puts = [(str(k), str(v), None if lease is None else int(lease))
-                            for k, v, lease in json.loads(line)["puts"]]
-                except (ValueError, TypeError, KeyError) as exc:
+                    request = json.loads(line)
+                    puts = [(str(k), str(v), None if lease is None else int(lease)) for k, v, lease in request["puts"]]
+                    folds = [(str(k), RecoveryTimings.from_json(str(v))) for k, v in request.get("folds", [])]
+                except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a RecordError is a ValueError
                     _answer(conn, {"error": f"malformed request: {exc}"})
                     continue
                 with self._cond:
-                    self._pending.append(_Pending(conn, puts))
+                    self._pending.append(_Pending(conn, puts, folds))
                     self._cond.notify_all()
         except OSError:  # closed under it (close) or by the worker
             pass
@@ -204,11 +210,16 @@ class NodeRelay:
     def _flush_loop(self) -> None:
         while (batch := self._batch()) is not None:
             puts = [put for p in batch for put in p.puts]
+            folds = [fold for p in batch for fold in p.folds]
             try:
-                self.transactions += write_puts(self.client, puts)
+                self.transactions += write_batch(self.client, puts, folds, self._known)
+                while len(self._known) > KNOWN_KEYS:
+                    del self._known[next(iter(self._known))]
                 answer: dict[str, object] = {"ok": True}
             except Exception as exc:  # noqa: BLE001 - handed to each worker, which then puts directly
-                log.warning("relay %s: a transaction of %d puts failed: %s", self.name, len(puts), exc)
+                self._known.clear()  # a fold may have landed before the error: read keys again
+                log.warning("relay %s: a transaction of %d puts and %d folds failed: %s", self.name, len(puts),
+                            len(folds), exc)
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             for p in batch:
                 with contextlib.suppress(OSError):  # that worker is gone
@@ -227,8 +238,9 @@ class RelayClient:
         self._conn: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def put(self, puts: list[Put]) -> None:
-        """Have the relay write `puts` (in one transaction with other workers'); RelayError if it did not."""
+    def put(self, puts: list[Put], folds: list[Fold] | None = None) -> None:
+        """Have the relay write `puts` and fold `folds` (in one transaction with other workers');
+        RelayError if it did not."""
         with self._lock:
             try:
                 if self._conn is None:
@@ -236,7 +248,10 @@ class RelayClient:
                     conn.settimeout(self.timeout_s)
                     conn.connect("\0" + self.name)
                     self._conn = conn
-                self._conn.sendall(json.dumps({"puts": puts}).encode() + b"\n")
+                request: dict[str, object] = {"puts": puts}
+                if folds:
+                    request["folds"] = [[key, record.to_json()] for key, record in folds]
+                self._conn.sendall(json.dumps(request).encode() + b"\n")
                 answer = json.loads(_read_line(self._conn))
             except (OSError, ValueError) as exc:
                 self._close_locked()
@@ -271,21 +286,13 @@ def relay_from_env() -> RelayClient | None:
     return RelayClient(name) if name else None
 
 
-def put_all(client: EtcdClient, relay: RelayClient | None, puts: list[Put]) -> None:
-    """Write `puts`: through the node's relay when there is one, else (or when it fails) as one
-    transaction of this worker's own."""
+def put_all(client: EtcdClient, relay: RelayClient | None, puts: list[Put], folds: list[Fold] | None = None) -> None:
+    """Write `puts` and fold `folds`: through the node's relay when there is one, else (or when it
+    fails) as one transaction of this worker's own."""
     if relay is not None:
         try:
-            relay.put(puts)
+            relay.put(puts, folds)
             return
         except RelayError as exc:
             log.warning("%s; putting directly", exc)
-    write_puts(client, puts)
-
-
-def write_puts(client: EtcdClient, puts: list[Put]) -> int:
-    """Write `puts` as one etcd transaction (several past etcd's `_MAX_TXN_OPS`); how many."""
-    ops = [client.transactions.put(k, v, lease=lease) for k, v, lease in puts]
-    for i in range(0, len(ops), _MAX_TXN_OPS):
-        client.transaction(compare=[], success=ops[i:i + _MAX_TXN_OPS], failure=[])
-    return -(-len(ops) // _MAX_TXN_OPS)
+    write_batch(client, puts, folds or [], {})

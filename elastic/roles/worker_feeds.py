@@ -35,7 +35,8 @@ from elastic.coordinator.watch import PrefixWatch, Subscribe, WatchEvent, watch_
 from elastic.records.generation import GenerationRecord, HaltRecord
 from elastic.records.progress import ProgressRecord, StepResult
 from elastic.records.sync import COMMIT, SyncReport
-from elastic.roles.node_relay import Put, RelayClient, put_all
+from elastic.roles.etcd_writes import Put
+from elastic.roles.node_relay import RelayClient, put_all
 
 PROGRESS_WINDOW = 8
 """Steps kept in the progress record's `recent` window."""

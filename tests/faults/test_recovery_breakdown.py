@@ -27,7 +27,7 @@ def record(*, lost: list[int], detected_at: float, nodes: list[int]) -> Generati
 
 
 def timings(first_commit_at: float) -> list[RecoveryTimings]:
-    return [RecoveryTimings(seen_at=first_commit_at - 2, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2,
+    return [RecoveryTimings(ranks=[0], seen_at=first_commit_at - 2, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2,
                             bytes_fetched=10), started_at=first_commit_at - 1, first_commit_at=first_commit_at)]
 
 

@@ -135,8 +135,8 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
                  for v, m in client.get_prefix(keys.plans)}
         timings: dict[int, dict[int, RecoveryTimings]] = {}
         for value, m in client.get_prefix(rk.recoveries):
-            g, rank = m.key.decode().split("/")[-2:]
-            timings.setdefault(int(g), {})[int(rank)] = RecoveryTimings.from_json(value)
+            g, node = m.key.decode().split("/")[-2:]
+            timings.setdefault(int(g), {})[int(node)] = RecoveryTimings.from_json(value)
         yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
                    published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
                    timings=timings, progress=read_progress(client, rk), stragglers=read_stragglers(client, keys))
@@ -219,9 +219,12 @@ def test_recovery_seconds_match_the_summary(live: Live) -> None:
 def test_bytes_transferred(live: Live) -> None:
     (rec,) = live.summary.recoveries
     assert live.after["elastic_job_transfer_bytes_total"] == rec["bytes_moved"] > 0
-    # This node's share: the ranks that generation 2's layout puts on node 1.
+    # One record a node, folding exactly the ranks that generation 2's layout puts on it.
     coords = assign_ranks(live.plans[2].plan)
-    mine = sum(t.reconfig.bytes_fetched for rank, t in live.timings[2].items() if coords[rank].node == NODE)
+    for node, t in live.timings[2].items():
+        assert t.ranks == [rank for rank, c in enumerate(coords) if c.node == node]
+    assert sum(t.reconfig.bytes_fetched for t in live.timings[2].values()) == rec["bytes_moved"]
+    mine = live.timings[2][NODE].reconfig.bytes_fetched
     assert 0 < live.after["elastic_transfer_bytes_total"] == mine < rec["bytes_moved"]
 
 
@@ -244,19 +247,20 @@ def _record(nodes: list[int], pipelines: int, **kw: Any) -> GenerationRecord:
     return GenerationRecord(plan=plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0), **kw)
 
 
-def _timings(first_commit_at: float, bytes_fetched: int) -> RecoveryTimings:
-    return RecoveryTimings(seen_at=0.0, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched),
+def _timings(first_commit_at: float, bytes_fetched: int, *, rank: int) -> RecoveryTimings:
+    return RecoveryTimings(ranks=[rank], seen_at=0.0, reconfig=ReconfigTimings(transfer_s=0.1, rebuild_s=0.2, bytes_fetched=bytes_fetched),
                            started_at=first_commit_at - 0.5, first_commit_at=first_commit_at)
 
 
-def test_snapshot_superseded_generation_and_rank_mapping() -> None:
+def test_snapshot_superseded_generation_and_node_bytes() -> None:
     plans = {
         1: _record([0, 1, 2, 3], 2),
         2: _record([0, 1, 3], 2, lost=[2], detected_at=10.0, published_at=10.5),
         3: _record([0, 3], 2, lost=[1], detected_at=11.0, published_at=11.2),
     }
     # Generation 2 was superseded after one of its three workers reported; generation 3 finished.
-    timings = {2: {0: _timings(12.0, 100)}, 3: {0: _timings(14.0, 10), 1: _timings(14.5, 1000)}}
+    # Records are by node: generation 3's rank 1 is node 3 (pipeline 1's only stage).
+    timings = {2: {0: _timings(12.0, 100, rank=0)}, 3: {0: _timings(14.0, 10, rank=0), 3: _timings(14.5, 1000, rank=1)}}
     injected = {"kill-node2-step5": 9.0, "kill-node1-reconfig": 10.8}
     snap = snapshot(node=3, seq_len=64, window=10, plans=plans, progress=None, timings=timings, injected=injected,
                     workers=[], nodes_alive=2)
@@ -267,7 +271,6 @@ def test_snapshot_superseded_generation_and_rank_mapping() -> None:
         11.0 - 10.8
     )
     assert last.phases["replaying"] == pytest.approx(0.5)
-    # Generation 3: rank 1 is node 3 (pipeline 1's only stage); generation 2's rank 0 is node 0.
     assert snap.node_bytes == 1000 and snap.job_bytes == 1110
 
 

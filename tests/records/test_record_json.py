@@ -69,7 +69,7 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     StepResult: StepResult(step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1,
                            committed_at=1000.4),
     RecoveryTimings: RecoveryTimings(
-        seen_at=1000.8, reconfig=ReconfigTimings(transfer_s=0.03, rebuild_s=0.02, bytes_fetched=7534112,
+        ranks=[2, 3], seen_at=1000.8, reconfig=ReconfigTimings(transfer_s=0.03, rebuild_s=0.02, bytes_fetched=7534112,
                                                  bytes_collective=7534112),
         started_at=1000.9, first_commit_at=1001.0),
     InjectionRequest: InjectionRequest(id="slow-node1-step5-3f2a9c", kind="slow", node=1, incarnation=0, when="step",
@@ -147,10 +147,6 @@ LEGACY: dict[type[JsonRecord], str] = {
         '{"step": 6, "loss": 3.5, "grad_norm": 1.25, "lr": 0.00025, "seconds": 0.05, "generation": 1, '
         '"committed_at": 1000.4}'
     ),
-    RecoveryTimings: (
-        '{"seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7534112, "started_at": 1000.9, '
-        '"first_commit_at": 1001.0, "bytes_collective": 7534112}'
-    ),
     InjectionRequest: (
         '{"at": null, "by": "cli", "factor": 3.0, "id": "slow-node1-step5-3f2a9c", "incarnation": 0, "kind": "slow", '
         '"node": 1, "requested_at": 999.0, "seconds": 2.0, "step": 5, "when": "step"}'
@@ -185,7 +181,7 @@ def test_round_trip(cls: type[JsonRecord]) -> None:
     record = EXAMPLES[cls]
     assert type(record) is cls
     text = record.to_json()
-    assert json.loads(text)[VERSION_KEY] == 1
+    assert json.loads(text)[VERSION_KEY] == cls.VERSION
     assert cls.from_json(text) == record
     assert cls.from_dict(json.loads(json.dumps(record.to_dict()))) == record
 
@@ -196,10 +192,26 @@ def test_records_written_before_versions_still_read(cls: type[JsonRecord]) -> No
     assert cls.from_json(LEGACY[cls].encode()) == EXAMPLES[cls]
 
 
+RECOVERY_V2 = (
+    '{"ranks": [2, 3], "seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7534112, '
+    '"started_at": 1000.9, "first_commit_at": 1001.0, "bytes_collective": 7534112, "v": 2}'
+)
+"""A node's folded recovery record (version 2: one a node, the ranks it folds)."""
+
+
 def test_recovery_timings_stay_one_flat_object() -> None:
     """`elastic status`, `elastic events`, the metrics and the launcher read these keys."""
-    data = json.loads(EXAMPLES[RecoveryTimings].to_json())
-    assert data == {VERSION_KEY: 1, **json.loads(LEGACY[RecoveryTimings])}
+    assert json.loads(EXAMPLES[RecoveryTimings].to_json()) == json.loads(RECOVERY_V2)
+    assert RecoveryTimings.from_json(RECOVERY_V2) == EXAMPLES[RecoveryTimings]
+
+
+def test_a_recovery_record_of_one_worker_is_refused() -> None:
+    """Version 1 was a worker's own record at recoveries/<g>/<rank>, without the ranks it folds:
+    counting it as a node's would be wrong, so it is refused, naming the field."""
+    v1 = '{"seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7, "started_at": 1000.9, ' \
+         '"first_commit_at": 1001.0}'
+    with pytest.raises(RecordError, match=r"^RecoveryTimings: missing field 'ranks'$"):
+        RecoveryTimings.from_json(v1)
 
 
 def test_job_file_is_indented_and_reads_back(tmp_path: object) -> None:
@@ -236,7 +248,7 @@ def test_job_file_is_indented_and_reads_back(tmp_path: object) -> None:
          r"^ElasticConfig\.cluster: --nodes must be >= 1, got 0$"),
         (ElasticConfig, LEGACY[ElasticConfig].replace('"steps": 12', '"steps": "12"'),
          r"^ElasticConfig\.spec\.steps: expected int, got str '12'$"),
-        (RecoveryTimings, LEGACY[RecoveryTimings].replace('"rebuild_s": 0.02, ', ''),
+        (RecoveryTimings, RECOVERY_V2.replace('"rebuild_s": 0.02, ', ''),
          r"^RecoveryTimings: missing field 'rebuild_s'$"),
         (NodeIdentity, '{"address": "a:1", "devices": 2, "incarnation": 1, "node_id": "n", "rack": 3}',
          r"^NodeIdentity: unknown field\(s\) 'rack'$"),

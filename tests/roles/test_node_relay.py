@@ -1,7 +1,9 @@
 """The agent's relay (elastic/roles/node_relay.py) on a real etcd: a node's workers' puts land as
 one transaction (one revision) where direct puts take one each, with their values and leases; a
 worker that is late delays a batch by the linger only, and one that is gone not at all; bad requests are refused without
-losing the relay, and a worker whose relay is gone puts directly."""
+losing the relay, and a worker whose relay is gone puts directly. Recovery records fold into their
+node's one key, in the same transaction, across batches and beside a worker that writes its own,
+each worker counted once."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.roles.node_relay import NodeRelay, RelayClient, RelayError, put_all
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,6 +128,8 @@ def test_bad_requests_are_refused_and_the_relay_goes_on(client: Any, job: str) -
             assert b"malformed request" in raw.recv(4096)
             raw.sendall(b"not json\n")
             assert b"malformed request" in raw.recv(4096)
+            raw.sendall(b'{"puts": [], "folds": [["/k", "{\\"seen_at\\": 1.0}"]]}\n')  # not a RecoveryTimings
+            assert b"malformed request" in raw.recv(4096) and client.get("/k")[0] is None
         put_all(client, RelayClient(relay.name), _puts(job, 1))
         assert client.get(f"/{job}/sync/1")[0] is not None and relay.transactions == 1
     finally:
@@ -140,3 +145,75 @@ def test_a_worker_whose_relay_is_gone_puts_directly(client: Any, job: str) -> No
         RelayClient(relay.name).put(_puts(job, 2))
     put_all(client, worker, _puts(job, 3))  # its connection is gone too: the put goes direct
     assert client.get(f"/{job}/sync/3")[0] is not None and relay.transactions == 1
+
+
+def _recovery(rank: int) -> RecoveryTimings:
+    """Worker `rank`'s own record: every figure distinct."""
+    return RecoveryTimings(ranks=[rank], seen_at=100.0 + rank, started_at=200.0 + 3 * rank % 7,
+                           first_commit_at=300.0 + 5 * rank % 11,
+                           reconfig=ReconfigTimings(transfer_s=0.1 * (7 * rank % 5), rebuild_s=0.01 * (3 * rank % 4),
+                                                    bytes_fetched=1000 * rank + 1, bytes_collective=rank))
+
+
+def _reference(records: list[RecoveryTimings]) -> dict[str, object]:
+    """What a node's record must say of `records`: the latest times, the largest phases, summed bytes."""
+    return {"ranks": sorted(r.ranks[0] for r in records), "seen_at": max(r.seen_at for r in records),
+            "started_at": max(r.started_at for r in records),
+            "first_commit_at": max(r.first_commit_at for r in records),
+            "transfer_s": max(r.reconfig.transfer_s for r in records),
+            "rebuild_s": max(r.reconfig.rebuild_s for r in records),
+            "bytes_fetched": sum(r.reconfig.bytes_fetched for r in records),
+            "bytes_collective": sum(r.reconfig.bytes_collective for r in records), "v": 2}
+
+
+def test_a_nodes_recovery_records_fold_into_one_key_in_its_one_transaction(client: Any, job: str) -> None:
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=10.0)
+    key = f"/{job}/recoveries/2/5"
+    records = {w: _recovery(10 + w) for w in range(4)}
+    workers = {w: RelayClient(relay.name) for w in range(4)}
+    try:
+        before = _revision(client)
+        threads = [threading.Thread(target=workers[w].put, args=(_puts(job, w), [(key, records[w])])) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert _revision(client) - before == 1 and relay.transactions == 1
+        assert json.loads(client.get(key)[0]) == _reference(list(records.values()))
+        assert all(client.get(f"/{job}/sync/{w}")[0] is not None for w in range(4))
+    finally:
+        for w in workers.values():
+            w.close()
+        relay.close()
+
+
+def test_folds_across_batches_and_a_worker_writing_its_own_count_each_worker_once(client: Any, job: str) -> None:
+    """Workers 0 and 1 come in one batch (after the linger); worker 2 writes directly (no relay);
+    worker 3 comes through the relay, whose compare-and-swap then loses to worker 2's write and
+    folds again; worker 3's record written again directly (an answer lost) changes nothing."""
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=0.2)
+    key = f"/{job}/recoveries/3/1"
+    records = [_recovery(w) for w in range(4)]
+    workers = {w: RelayClient(relay.name) for w in range(4)}
+    try:
+        _send_folds(workers, key, records, [0, 1])
+        assert json.loads(client.get(key)[0]) == _reference(records[:2])
+        put_all(client, None, [], [(key, records[2])])
+        assert json.loads(client.get(key)[0]) == _reference(records[:3])
+        _send_folds(workers, key, records, [3])
+        assert json.loads(client.get(key)[0]) == _reference(records)
+        put_all(client, None, [], [(key, records[3])])
+        assert json.loads(client.get(key)[0]) == _reference(records)
+        assert relay.transactions == 2
+    finally:
+        for w in workers.values():
+            w.close()
+        relay.close()
+
+
+def _send_folds(clients: dict[int, RelayClient], key: str, records: list[RecoveryTimings], which: list[int]) -> None:
+    threads = [threading.Thread(target=clients[w].put, args=([], [(key, records[w])])) for w in which]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)

@@ -1,0 +1,64 @@
+"""Folding a node's workers' recovery records (elastic/records/recovery_timings.py): the breakdown of
+the folded records (one a node) equals the breakdown of the workers' own records, whatever the
+order of folding; a record folded twice counts once; records that overlap in part are refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from elastic.parallel.layout import assign_ranks
+from elastic.records.generation import GenerationRecord
+from elastic.records.recoveries import breakdown_of
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings, fold_all, workers_reported
+from templates.plan import even_plan
+
+T0 = 1_790_000_000.0
+
+
+def _worker(rank: int, rng: random.Random) -> RecoveryTimings:
+    return RecoveryTimings(
+        ranks=[rank], seen_at=T0 + rng.uniform(0, 0.2),
+        reconfig=ReconfigTimings(transfer_s=rng.uniform(0, 2), rebuild_s=rng.uniform(0, 1),
+                                 bytes_fetched=rng.randrange(10**9), bytes_collective=rng.randrange(10**6)),
+        started_at=T0 + rng.uniform(1, 3), first_commit_at=T0 + rng.uniform(3, 5))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_breakdown_of_node_records_is_that_of_the_workers(seed: int) -> None:
+    rng = random.Random(seed)
+    nodes = [0, 1, 3, 4, 6, 7]
+    plan = even_plan(num_layers=12, nodes=nodes, num_pipelines=2, global_microbatches=8, microbatch_size=1,
+                     gpus_per_node=4)
+    rec = GenerationRecord(plan=plan, resume_step=5, incarnations=dict.fromkeys(nodes, 0), lost=[2],
+                           detected_at=T0 - 1, synced_at=T0 - 0.8, published_at=T0 - 0.5)
+    coords = assign_ranks(plan)
+    workers = [_worker(rank, rng) for rank in range(len(coords))]
+    by_node: dict[int, list[RecoveryTimings]] = {}
+    for w in rng.sample(workers, len(workers)):  # folded in any order
+        by_node.setdefault(coords[w.ranks[0]].node, []).append(w)
+    folded = [fold_all(ws) for ws in by_node.values()]
+    assert all(f is not None for f in folded)
+    node_records = [f for f in folded if f is not None]
+    assert len(node_records) == len(nodes) and workers_reported(node_records) == len(workers) == workers_reported(workers)
+    carried = [("kill-node2-step5", T0 - 1.3)]
+    assert breakdown_of(2, rec, node_records, carried) == breakdown_of(2, rec, workers, carried)
+    assert sorted(r for f in node_records for r in f.ranks) == list(range(len(coords)))
+
+
+def test_folding_a_record_again_counts_it_once() -> None:
+    rng = random.Random(7)
+    a, b = _worker(4, rng), _worker(5, rng)
+    both = a.fold(b)
+    assert both.ranks == [4, 5] and both.fold(a) == both and both.fold(both) == both
+    assert both.reconfig.bytes_fetched == a.reconfig.bytes_fetched + b.reconfig.bytes_fetched
+    assert fold_all([a, b, a, b]) == both and fold_all([]) is None
+
+
+def test_records_that_overlap_in_part_are_refused() -> None:
+    rng = random.Random(8)
+    ab = _worker(1, rng).fold(_worker(2, rng))
+    bc = _worker(2, rng).fold(_worker(3, rng))
+    with pytest.raises(ValueError, match=r"overlap in part: ranks \[1, 2\] and \[2, 3\]"):
+        ab.fold(bc)
