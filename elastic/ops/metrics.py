@@ -45,7 +45,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 
 This file holds the endpoint (`NodeMetrics`: its mirrors, HTTP server and published address) and
 the address keys. The values come from `metrics_snapshot.py` (a `Snapshot` of the mirrored state),
-their exposition as metric families from `metrics_families.py`, the mirrors from `etcd_mirror.py`.
+their exposition as metric families from `metrics_families.py`, the mirrors from `elastic/coordinator/prefix_mirror.py`.
 
 A recovery's breakdown follows elastic.roles.launcher_feed (the run summary's recovery entries),
 so the gauges agree with `summary.json`; a recovery counts as finished once every worker of its
@@ -69,7 +69,7 @@ from prometheus_client.registry import Collector
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.netaddr import bind_host
-from elastic.ops.etcd_mirror import PrefixMirror
+from elastic.coordinator.prefix_mirror import PrefixMirror
 from elastic.ops.metrics_families import families, gauge
 from elastic.ops.metrics_snapshot import Snapshot, snapshot, spare_members
 from elastic.parallel.phase_clock import STEP_PHASES

@@ -7,8 +7,9 @@ module doc is the table of cases: lost, join, drain, spare, straggler, fallback,
 step) for the round's writes (roles/leader_actions.py), and carries them out in that order,
 fenced by the leader key: halts, the last step's decision, generation g+1 (re-planned by
 roles/leader_replan.py), drain answers, events. It keeps nothing that etcd does not have, but
-which spare events and straggler drains it recorded already: a newly elected leader reads the
-current generation, its halt and the sync reports written so far, and goes on from there.
+which spare events and straggler drains it recorded already, and a mirror of the sync reports
+(decoded as they arrive, kept by a watch): a newly elected leader reads the current generation,
+its halt and the sync reports written so far, and goes on from there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from elastic.coordinator.etcd_api import Compare, EtcdClient
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.coordinator.prefix_mirror import PrefixMirror
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.planning.cluster import cluster_templates
 from elastic.planning.stragglers import ACTING
@@ -93,22 +95,23 @@ def decide(
     return str(value.decode())
 
 
-def read_sync_reports(client: EtcdClient, rk: RunKeys, g: int, expected: set[tuple[int, int]]
-                      ) -> list[SyncReport] | None:
-    """Every expected sync report of g, in (node, local_rank) order; None while some are missing."""
-    written = client.get_prefix_response(rk.sync(g), count_only=True)
-    if int(written.count) < len(expected):  # rounds woken by each report: count, don't read them all
+def sync_reports(mirror: PrefixMirror, g: int, expected: set[tuple[int, int]]) -> list[SyncReport] | None:
+    """Every expected sync report of g, in (node, local_rank) order; None while some are missing.
+
+    From the leader's mirror of `sync/`, which decodes each report as its watch delivers it: a
+    change's reports arrive over the time its nodes take to halt, and the round after the last
+    one decodes nothing (at 16,384 workers, reading and decoding them all took the leader 1 s)."""
+    names = {(node, lr): f"{g}/{node}/{lr}" for node, lr in expected}
+    got = mirror.pick(names.values())
+    if len(got) < len(names):
         return None
-    reports: dict[tuple[int, int], SyncReport] = {}
-    for value, _ in client.get_prefix(rk.sync(g)):
-        try:
-            report = SyncReport.from_json(value)
-        except (ValueError, TypeError, KeyError):
-            continue
-        reports[(report.node, report.local_rank)] = report
-    if not expected <= reports.keys():
-        return None
-    return [reports[k] for k in sorted(expected)]
+    out = []
+    for k in sorted(expected):
+        report = got[names[k]]
+        if (report.node, report.local_rank) != k:  # a report under another worker's key
+            return None
+        out.append(report)
+    return out
 
 
 def read_registered(client: EtcdClient, rk: RunKeys, record: GenerationRecord, members: dict[int, int]
@@ -159,6 +162,8 @@ class Leader:
         """The straggler settings in force (the run's, or the operator's change)."""
         self._straggler_drains: set[tuple[int, int]] = set()
         """(node, incarnation) of the stragglers this leader asked to drain (once each)."""
+        self._sync: PrefixMirror | None = None
+        """The sync reports while leading, decoded as they come (`sync_reports`)."""
         self.rounds = 0
         """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
@@ -178,9 +183,9 @@ class Leader:
         self._wake.set()
 
     def _run(self) -> None:
-        # Watched only while leading: standby agents must not receive every sync report.
-        prefixes = (self.keys.members, self.rk.workers, self.rk.prefix("sync"), self.rk.prefix("ready"), self.keys.injections,
-                    stop_key(self.keys))
+        # Watched only while leading: standby agents must not receive every sync report (sync/
+        # is watched by the leader's mirror of it, made by the first round that leads).
+        prefixes = (self.keys.members, self.rk.workers, self.rk.prefix("ready"), self.keys.injections, stop_key(self.keys))
         watches: list[PrefixWatch] = []
         try:
             while not self._stop.is_set() and not self.finished.is_set():
@@ -188,6 +193,7 @@ class Leader:
                     for w in watches:
                         w.cancel()
                     watches = []
+                    self._close_mirror()
                     continue
                 if not watches:
                     watches = [PrefixWatch(self.client, p, self._on_events) for p in prefixes]
@@ -215,6 +221,12 @@ class Leader:
         finally:
             for w in watches:
                 w.cancel()
+            self._close_mirror()
+
+    def _close_mirror(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
 
     # ---- one round: read, decide, write ---------------------------------------------------
 
@@ -247,7 +259,10 @@ class Leader:
         now = time.time()
         lost = any(members.get(n) != inc for n, inc in record.incarnations.items())
         halt, _ = client.get(rk.halt(g))
-        reports = read_sync_reports(client, rk, g, live_workers(record, members))
+        if self._sync is None:
+            self._sync = PrefixMirror(client, rk.prefix("sync"), SyncReport.from_json,
+                                      on_change=self._wake.set)
+        reports = sync_reports(self._sync, g, live_workers(record, members))
         requests, drained = read_drains(client, self.keys) if not lost or self.config.spares else ([], frozenset())
         decision, progress, ready = None, None, 0
         policy, speeds, unreadable = self._straggler_config.policy, None, False
