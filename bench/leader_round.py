@@ -39,7 +39,7 @@ from elastic.records.generation import Vote  # noqa: E402
 from elastic.records.sync import SyncReport  # noqa: E402
 from elastic.roles.etcd_writes import Put, write_puts  # noqa: E402
 from elastic.roles.holders import read_holdings  # noqa: E402
-from elastic.roles.leader import sync_reports  # noqa: E402
+from elastic.roles.leader import read_sync_reports, sync_reports  # noqa: E402
 
 GENERATION = 3
 
@@ -54,11 +54,11 @@ def _timed(f: Callable[[], Any], repeats: int) -> float:
 
 
 def _baseline(client: Any, rk: RunKeys, expected: set[tuple[int, int]]) -> list[SyncReport] | None:
-    """The reports read and decoded at once (the leader's read before the mirror)."""
+    """The reports read and decoded at once (the leader's read before the mirror, and its
+    fallback when the mirror lacks some that etcd has)."""
     if int(client.get_prefix_response(rk.sync(GENERATION), count_only=True).count) < len(expected):
         return None
-    reports = {(r.node, r.local_rank): r for r in (SyncReport.from_json(v) for v, _ in client.get_prefix(rk.sync(GENERATION)))}
-    return [reports[k] for k in sorted(expected)]
+    return read_sync_reports(client, rk, GENERATION, expected)
 
 
 def one(nodes: int, gpus: int, repeats: int) -> dict[str, Any]:
@@ -78,11 +78,11 @@ def one(nodes: int, gpus: int, repeats: int) -> dict[str, Any]:
             raw = [v for v, _ in client.get_prefix(rk.sync(GENERATION))]
             mirror = PrefixMirror(client, rk.prefix("sync"), SyncReport.from_json)
             try:
-                assert sync_reports(mirror, GENERATION, expected) == _baseline(client, rk, expected)
+                assert sync_reports(client, rk, mirror, GENERATION, expected) == _baseline(client, rk, expected)
                 row = {
                     "workers": nodes * gpus, "nodes": nodes,
                     "baseline_s": _timed(lambda: _baseline(client, rk, expected), repeats),
-                    "mirror_s": _timed(lambda: sync_reports(mirror, GENERATION, expected), repeats),
+                    "mirror_s": _timed(lambda: sync_reports(client, rk, mirror, GENERATION, expected), repeats),
                     "holdings_s": _timed(lambda: read_holdings(client, rk), repeats),
                     "decode_s": _timed(lambda: [SyncReport.from_json(v) for v in raw], repeats),
                     "reports_bytes": sum(len(v) for v in raw),
