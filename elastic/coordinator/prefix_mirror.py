@@ -1,8 +1,8 @@
 """A local copy of the keys under one etcd prefix, parsed: read once, then kept current by a
 watch from the revision after that read (never from revision 1: auto-compaction drops old
 history). The metrics endpoint (elastic/ops/metrics.py) keeps one per prefix it serves from; the
-leader keeps the sync reports and holdings it decides on (elastic/roles/leader.py), decoded as
-they arrive rather than all at once after the last one."""
+leader keeps one of the sync reports it decides on (elastic/roles/leader.py), decoded as they
+arrive rather than all at once after the last one."""
 
 from __future__ import annotations
 

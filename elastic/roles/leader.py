@@ -104,17 +104,17 @@ def sync_reports(client: EtcdClient, rk: RunKeys, mirror: PrefixMirror, g: int, 
     one decodes nothing (at 16,384 workers, reading and decoding them all took the leader 0.5 s
     on an idle host). The mirror is a speed-up, never the authority: while it lacks some, a
     count of the keys says whether etcd has them all, and if so they are read from etcd."""
-    names = {(node, lr): f"{g}/{node}/{lr}" for node, lr in expected}
-    got = mirror.pick(names.values())
-    if len(got) == len(names):
-        picked = [got[names[k]] for k in sorted(expected)]
-        if all((r.node, r.local_rank) == k for r, k in zip(picked, sorted(expected), strict=True)):
-            return picked
+    order = sorted(expected)
+    got = mirror.pick(f"{g}/{node}/{lr}" for node, lr in order)
+    picked = [r for node, lr in order
+              if (r := got.get(f"{g}/{node}/{lr}")) is not None and (r.node, r.local_rank) == (node, lr)]
+    if len(picked) == len(order):  # a report under another worker's key counts as missing
+        return picked
     written = client.get_prefix_response(rk.sync(g), count_only=True)
     if int(written.count) < len(expected):  # rounds woken by each report: count, don't read them all
         return None
     log.info("leader: generation %d: %d of %d sync reports are in etcd but not (yet) in the mirror; reading them",
-             g, len(names) - len(got), len(names))
+             g, len(order) - len(picked), len(order))
     return read_sync_reports(client, rk, g, expected)
 
 
