@@ -4,7 +4,9 @@ A record (what goes into etcd or the run directory) subclasses `JsonRecord` and 
 `from_dict`, `to_json` and `from_json` from its fields: nested dataclasses become objects,
 lists and tuples arrays, dicts objects (int keys written as strings), optionals null, and a
 type with its own `to_dict`/`from_dict` (the plan, `templates.plan.Plan`) keeps its format.
-A field with `metadata=INLINE` writes the fields of its dataclass into the enclosing object.
+A field with `metadata=INLINE` writes the fields of its dataclass into the enclosing object, and a
+`list[int]` field with `metadata=RUNS` writes its sorted integers as runs (`[0, [2, 9]]` for
+0, 2, 3, ..., 9: a run of 16,384 ranks is 2 numbers) and reads runs or plain integers.
 
 `to_json` adds the record's schema version under `"v"`; `from_json` reads a record without one
 as version 1 (what every record was before versions existed) and refuses a newer version. Any
@@ -31,6 +33,13 @@ VERSION_KEY = "v"
 
 INLINE: Mapping[str, Any] = types.MappingProxyType({"json": "inline"})
 """Field metadata: write the nested dataclass's fields into the enclosing object (no sub-object)."""
+
+RUNS: Mapping[str, Any] = types.MappingProxyType({"json": "runs"})
+"""Field metadata of a sorted `list[int]`: written as runs (a lone integer, or [first, last] of
+consecutive ones), read from runs or plain integers."""
+
+MAX_RUN = 1 << 24
+"""The longest run a record may hold (a malformed one must not make a reader allocate without bound)."""
 
 T = TypeVar("T")
 
@@ -90,12 +99,44 @@ def to_data(obj: Any) -> dict[str, Any]:
     """A dataclass instance as a JSON-ready object, field by field (INLINE fields merged in)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
-        value = _encode(getattr(obj, f.name))
+        value: Any = _runs(getattr(obj, f.name)) if f.metadata.get("json") == "runs" else _encode(getattr(obj, f.name))
         if f.metadata.get("json") == "inline":
             out.update(value)
         else:
             out[f.name] = value
     return out
+
+
+def _runs(values: list[int]) -> list[int | list[int]]:
+    """Sorted distinct integers as runs: a lone one as itself, consecutive ones as [first, last]."""
+    out: list[int | list[int]] = []
+    start = prev = None
+    for v in sorted(set(values)):
+        if prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None and prev is not None:
+            out.append(start if start == prev else [start, prev])
+        start = prev = v
+    if start is not None and prev is not None:
+        out.append(start if start == prev else [start, prev])
+    return out
+
+
+def _from_runs(data: Any, where: str) -> list[int]:
+    """The integers of `_runs`'s form (plain integers read as themselves), ascending."""
+    out: list[int] = []
+    for i, item in enumerate(_array(data, where)):
+        if isinstance(item, list):
+            if len(item) != 2:
+                raise RecordError(f"{where}[{i}]: expected [first, last], got {_shown(item)}")
+            first, last = (_scalar(int, v, f"{where}[{i}]") for v in item)
+            if not 0 <= last - first < MAX_RUN:
+                raise RecordError(f"{where}[{i}]: run [{first}, {last}] is not 1 to {MAX_RUN} integers")
+            out.extend(range(first, last + 1))
+        else:
+            out.append(_scalar(int, item, f"{where}[{i}]"))
+    return sorted(set(out))
 
 
 def _encode(value: Any) -> Any:
@@ -154,6 +195,9 @@ def _fields_from(cls: type, data: dict[str, Any], where: str) -> tuple[dict[str,
             part = {k: v for k, v in data.items() if k in names}
             kwargs[f.name] = from_data(inner, part, where=where)
             used |= set(part)
+        elif f.name in data and f.metadata.get("json") == "runs":
+            kwargs[f.name] = _from_runs(data[f.name], f"{where}.{f.name}")
+            used.add(f.name)
         elif f.name in data:
             kwargs[f.name] = _decode(types_[f.name], data[f.name], f"{where}.{f.name}")
             used.add(f.name)

@@ -162,6 +162,15 @@ class RunKeys:
     def recovery(self, generation: int, node: int) -> str:
         return self.job.key("recoveries", generation, node)
 
+    def recovery_nodes(self, generation: int) -> tuple[str, str]:
+        """The key range [start, end) of generation `generation`'s node records (digits only:
+        its summary, `recovery_summary`, lies outside it)."""
+        prefix = self.prefix("recoveries", generation)
+        return prefix + "0", prefix + ":"  # ':' follows '9'
+
+    def recovery_summary(self, generation: int) -> str:
+        return self.job.key("recovered", generation)
+
     @property
     def done(self) -> str:
         return self.prefix("done")

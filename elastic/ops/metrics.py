@@ -78,7 +78,7 @@ from elastic.records.evals import EvalResult, eval_key
 from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
 from elastic.records.progress import ProgressRecord
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import SUMMARY_NODE, RecoveryTimings
 from elastic.records.stragglers import read_stragglers
 from elastic.records.workers import WorkerInfo, node_id
 
@@ -185,8 +185,8 @@ class NodeMetrics(Collector):
         m = {name: mirror.items() for name, mirror in self._mirrors.items()}
         timings: dict[int, dict[int, RecoveryTimings]] = {}
         for key, t in m["recoveries"].items():
-            g, node = key.split("/")  # one record a node (its workers' folded)
-            timings.setdefault(int(g), {})[int(node)] = t
+            g, node = key.split("/")  # one record a node (its workers' folded), or "all": the generation's
+            timings.setdefault(int(g), {})[SUMMARY_NODE if node == "all" else int(node)] = t
         try:
             seq_len = self._seq()
         except Exception as exc:  # etcd unreachable: serve what the mirrors hold

@@ -14,7 +14,7 @@ from elastic.records.evals import EvalResult
 from elastic.records.generation import GenerationRecord
 from elastic.records.progress import ProgressRecord
 from elastic.records.recoveries import breakdown_of
-from elastic.records.recovery_timings import RecoveryTimings, workers_reported
+from elastic.records.recovery_timings import SUMMARY_NODE, RecoveryTimings, distinct, workers_reported
 from elastic.records.workers import WorkerInfo, node_of
 
 PHASES = ("detecting", "planning", "transferring", "rebuilding", "replaying")
@@ -134,10 +134,10 @@ def snapshot(
     finished: list[Recovery] = []
     node_bytes = job_bytes = 0
     for g, rec in sorted(plans.items()):
-        got = timings.get(g, {})  # by node
+        got = timings.get(g, {})  # by node, the generation's summary under SUMMARY_NODE once folded
         world = len(rec.plan.nodes) * rec.plan.gpus_per_node
-        job_bytes += sum(t.reconfig.bytes_fetched for t in got.values())
-        node_bytes += got[node].reconfig.bytes_fetched if node in got else 0
+        job_bytes += sum(t.reconfig.bytes_fetched for t in distinct(list(got.values())))
+        node_bytes += _node_bytes(got, node)
         superseded = any(later > g for later in plans)
         if g > 1 and got and (workers_reported(list(got.values())) >= world or superseded):
             finished.append(recovery_of(g, rec, list(got.values()), injected))
@@ -158,6 +158,16 @@ def snapshot(
         eval_step=None if last_eval is None else last_eval.step,
         checkpoint_save_failures=save_failures,
     )
+
+
+def _node_bytes(got: dict[int, RecoveryTimings], node: int) -> int:
+    """Bytes node `node` fetched into a generation: its own record's, else its generation summary's
+    count (a record the summary covers is counted once)."""
+    summary = got.get(SUMMARY_NODE)
+    own = got.get(node)
+    if own is not None and (summary is None or not set(own.ranks) <= set(summary.ranks)):
+        return own.reconfig.bytes_fetched + (0 if summary is None else summary.node_bytes.get(node, 0))
+    return 0 if summary is None else summary.node_bytes.get(node, 0)
 
 
 def _tokens_per_s(record: ProgressRecord, tokens: int, window: int) -> float | None:

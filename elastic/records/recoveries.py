@@ -9,7 +9,7 @@ from typing import Any
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import RunKeys
 from elastic.records.generation import GenerationRecord
-from elastic.records.recovery_timings import RecoveryTimings
+from elastic.records.recovery_timings import RecoveryTimings, distinct
 
 
 def change_words(lost: list[int], joined: list[int], drained: list[int]) -> str:
@@ -66,7 +66,9 @@ def breakdown_of(
 ) -> dict[str, Any]:
     """One recovery's breakdown from values already read: the generation record, every worker's
     timings and the injections carried out (request id, wall time). `total_s` runs from the
-    injected fault (or the detection, when nothing was injected) to the first commit."""
+    injected fault (or the detection, when nothing was injected) to the first commit. A node's
+    record beside its generation's summary is counted once (`distinct`)."""
+    timings = distinct(timings)
     detected = rec.detected_at if rec.detected_at is not None else rec.published_at or 0.0
     faults = [t for node in rec.lost if (t := fault_time(carried_out, node, detected)) is not None]
     origin = min(faults) if faults else detected

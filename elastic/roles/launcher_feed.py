@@ -4,7 +4,8 @@ recoveries (with their breakdown) and worker PIDs, and the run summary built fro
 Nothing here scans per-step history. A `JobFeed` watches five things from the moment it is
 opened: the `eval` key (one put per evaluation, `--eval-every`: a line each), the `progress` key (every put names the steps committed since the previous one, so the
 launcher prints one line a step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
-worker) and `recoveries/` (one key a worker a generation). `poll_progress` only drains what the
+worker) and `recoveries/` (one key a node a generation, folded into one a generation by the leader
+once it is two behind: a delete of a node key is taken in). `poll_progress` only drains what the
 watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
 logs of the run directory (`read_step_logs`: complete for local agents; the feed is the fallback
 for agents on other hosts).
@@ -162,6 +163,9 @@ def eval_line(r: EvalResult, spec: JobSpec) -> str:
 def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], None], spec: JobSpec) -> None:
     """Apply one delivered change to `progress`, saying what a person should see."""
     if ev.kind != "put":
+        if ev.key.startswith(rk.recoveries):  # node records folded into their generation's summary
+            generation, writer = ev.key[len(rk.recoveries) :].split("/")[:2]
+            progress.timings.get(int(generation), {}).pop(writer, None)
         return
     if ev.key == rk.progress:
         record = ProgressRecord.from_json(ev.value)
@@ -181,7 +185,7 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
         info = WorkerInfo.from_json(ev.value)
         progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
     elif ev.key.startswith(rk.recoveries):
-        generation, writer = ev.key[len(rk.recoveries) :].split("/")[:2]  # writer: the node
+        generation, writer = ev.key[len(rk.recoveries) :].split("/")[:2]  # writer: the node, or "all"
         progress.timings.setdefault(int(generation), {})[writer] = RecoveryTimings.from_json(ev.value)
     elif ev.key == eval_key(rk.job):
         evaluation = EvalResult.from_json(ev.value)

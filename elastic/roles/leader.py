@@ -63,6 +63,7 @@ from elastic.roles.leader_actions import (
 from elastic.roles.leader_decisions import decide_round
 from elastic.roles.leader_replan import FallbackImpossible, fallback_plan, restore_dir, verified_checkpoint
 from elastic.roles.leader_snapshot import Snapshot, live_workers
+from elastic.roles.recovery_summary import fold_generation
 from templates.template_set import TemplateSet
 
 log = logging.getLogger(__name__)
@@ -423,12 +424,14 @@ class Leader:
         self._publish(s.g, record, synced=synced)
 
     def _forget(self, g: int) -> None:
-        """Delete what generation `g` (and any before it) left that no one reads any more."""
+        """Delete what generation `g` (and any before it) left that no one reads any more, and fold
+        its recovery records into one (elastic/roles/recovery_summary.py)."""
         if g < 1:
             return
         for prefix in (self.rk.sync(g), self.rk.halt(g), self.rk.prefix("ready", g), self.rk.prefix("decisions", g),
                        self.keys.store(f"gen-{g}")):
             self.client.delete_prefix(prefix)
+        fold_generation(self.client, self.rk, g)
 
     def _answer(self, req: InjectionRequest, state: str, detail: str, generation: int | None = None) -> None:
         status = InjectionStatus(state=state, at=time.time(), generation=generation, detail=detail)  # type: ignore[arg-type]

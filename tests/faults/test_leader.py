@@ -4,6 +4,7 @@ the workers' side of the protocol (sync reports, ready keys, registrations) is w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from elastic.planning.cluster import ClusterSpec
 from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.job import JobSpec
+from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings, fold_all
 from elastic.records.stop import submit_stop
 from elastic.records.sync import ABORT, COMMIT, SyncReport
 from elastic.records.workers import WorkerInfo, node_id
@@ -84,6 +86,19 @@ class World:
         vote = None if vote_of is None else Vote(step=vote_of, grad_norm=1.0 + vote_of, loss=2.0 + vote_of)
         report = SyncReport(committed=committed, pending=pending, last_vote=vote, node=node, local_rank=0)
         self.client.put(self.rk.sync_report(g, node, 0), report.to_json())
+
+    def recovery(self, g: int, node: int, *, write: bool = True) -> RecoveryTimings:
+        """Node `node`'s (one worker, rank = node) recovery record of g, written unless not `write`."""
+        rec = RecoveryTimings(ranks=[node], seen_at=100.0 * g + node, started_at=100.0 * g + 10 + node,
+                              first_commit_at=100.0 * g + 20 - node,
+                              reconfig=ReconfigTimings(transfer_s=0.1 * node, rebuild_s=0.2, bytes_fetched=1000 + node))
+        if write:
+            self.client.put(self.rk.recovery(g, node), rec.to_json())
+        return rec
+
+    def recovery_keys(self, g: int) -> list[str]:
+        prefix = self.rk.prefix("recoveries", g)
+        return sorted(m.key.decode()[len(prefix):] for _, m in self.client.get_prefix(prefix))
 
     def ready(self, g: int, step: int, ranks: range) -> None:
         for r in ranks:
@@ -146,15 +161,24 @@ def test_a_vote_no_survivor_saw_complete_is_dropped(world: World) -> None:
     assert new.resume_step == 6 and new.completed_vote is not None and new.completed_vote.step == 5
     # A worker that never joined generation 2 says nothing of its steps: 2 was halted before
     # anyone trained in it, so generation 3 resumes where 2 began, with 2's completed vote.
+    for g in (1, 2):  # each node's recovery record of generations 1 and 2
+        for node in range(4):
+            world.recovery(g, node)
     world.members[2].report_failure(reason="test: node 2 lost")
     wait_for(lambda: world.halt(2), 15.0, "the abort halt of generation 2")
     world.sync(2, 0, None, pending=None, vote_of=5)
     world.sync(2, 1, None, pending=None, vote_of=5)
     third = wait_for(lambda: world.record(3), 15.0, "generation 3")
     assert third.resume_step == 6 and third.completed_vote == new.completed_vote
-    # the leader forgets generation 1 right after publishing 3 (a write after the record's)
+    # the leader forgets generation 1 right after publishing 3 (a write after the record's), and
+    # folds its recovery records into one; generation 2's stay a node each
     wait_for(lambda: not list(world.client.get_prefix(world.rk.sync(1))), 10.0,
              "generation 1's reports to be deleted once generation 3 is published")
+    wait_for(lambda: world.recovery_keys(1) == ["all"], 10.0, "generation 1's recovery records folded")
+    summary = RecoveryTimings.from_json(world.client.get(world.rk.recovery_summary(1))[0])
+    folded = fold_all([world.recovery(1, node, write=False) for node in range(4)])
+    assert folded is not None and summary == dataclasses.replace(folded, node_bytes={n: 1000 + n for n in range(4)})
+    assert world.recovery_keys(2) == ["0", "1", "2", "3"]
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+from dataclasses import replace
 
 import pytest
 
@@ -199,10 +200,42 @@ RECOVERY_V2 = (
 """A node's folded recovery record (version 2: one a node, the ranks it folds)."""
 
 
+RECOVERY_V3 = (
+    '{"ranks": [[2, 3]], "seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7534112, '
+    '"started_at": 1000.9, "first_commit_at": 1001.0, "bytes_collective": 7534112, "node_bytes": {}, "v": 3}'
+)
+"""The same record in version 3: the ranks as runs, and `node_bytes` (a generation's summary's)."""
+
+
 def test_recovery_timings_stay_one_flat_object() -> None:
-    """`elastic status`, `elastic events`, the metrics and the launcher read these keys."""
-    assert json.loads(EXAMPLES[RecoveryTimings].to_json()) == json.loads(RECOVERY_V2)
+    """`elastic status`, `elastic events`, the metrics and the launcher read these keys; a
+    version-2 record (ranks one by one, no node_bytes) still reads as the same record."""
+    assert json.loads(EXAMPLES[RecoveryTimings].to_json()) == json.loads(RECOVERY_V3)
+    assert RecoveryTimings.from_json(RECOVERY_V3) == EXAMPLES[RecoveryTimings]
     assert RecoveryTimings.from_json(RECOVERY_V2) == EXAMPLES[RecoveryTimings]
+
+
+def test_a_whole_job_of_ranks_is_two_numbers() -> None:
+    """A generation's summary folds every rank: written as runs, its size does not grow with the job."""
+    whole = replace(EXAMPLES[RecoveryTimings], ranks=list(range(16_384)))
+    assert json.loads(whole.to_json())["ranks"] == [[0, 16_383]]
+    gappy = replace(whole, ranks=[0, 2, 3, 4, 9, 11, 12])
+    assert json.loads(gappy.to_json())["ranks"] == [0, [2, 4], 9, [11, 12]]
+    assert RecoveryTimings.from_json(gappy.to_json()) == gappy
+    assert RecoveryTimings.from_json(whole.to_json()) == whole
+
+
+@pytest.mark.parametrize(("runs", "message"), [
+    ('[[3, 1]]', r"ranks\[0\]: run \[3, 1\] is not 1 to 16777216 integers"),
+    ('[[0, 99999999999]]', r"ranks\[0\]: run \[0, 99999999999\] is not 1 to 16777216 integers"),
+    ('[[1, 2, 3]]', r"ranks\[0\]: expected \[first, last\]"),
+    ('[[1, "x"]]', r"ranks\[0\]: expected int, got str"),
+    ('"0-3"', r"ranks: expected an array"),
+])
+def test_malformed_runs_are_refused_naming_the_field(runs: str, message: str) -> None:
+    text = RECOVERY_V3.replace('[[2, 3]]', runs)
+    with pytest.raises(RecordError, match=message):
+        RecoveryTimings.from_json(text)
 
 
 def test_a_recovery_record_of_one_worker_is_refused() -> None:

@@ -1,17 +1,26 @@
 """Folding a node's workers' recovery records (elastic/records/recovery_timings.py): the breakdown of
 the folded records (one a node) equals the breakdown of the workers' own records, whatever the
-order of folding; a record folded twice counts once; records that overlap in part are refused."""
+order of folding; a record folded twice counts once; records that overlap in part are refused; a
+superseded generation's summary of its node records reads as they do."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from elastic.parallel.layout import assign_ranks
 from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import breakdown_of
-from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings, fold_all, workers_reported
+from elastic.records.recovery_timings import (
+    SUMMARY_NODE,
+    ReconfigTimings,
+    RecoveryTimings,
+    fold_all,
+    summary_of,
+    workers_reported,
+)
 from templates.plan import even_plan
 
 T0 = 1_790_000_000.0
@@ -62,3 +71,46 @@ def test_records_that_overlap_in_part_are_refused() -> None:
     bc = _worker(2, rng).fold(_worker(3, rng))
     with pytest.raises(ValueError, match=r"overlap in part: ranks \[1, 2\] and \[2, 3\]"):
         ab.fold(bc)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_generations_summary_reads_as_its_node_records(seed: int) -> None:
+    """The leader folds a superseded generation's node records into one: the breakdown, the
+    workers counted and each node's bytes are those of the workers' own records, and a node
+    record read beside the summary (a watch between the two) is counted once."""
+    rng = random.Random(100 + seed)
+    nodes = [0, 2, 5, 9]
+    plan = even_plan(num_layers=8, nodes=nodes, num_pipelines=2, global_microbatches=4, microbatch_size=1,
+                     gpus_per_node=2)
+    rec = GenerationRecord(plan=plan, resume_step=3, incarnations=dict.fromkeys(nodes, 0), lost=[1],
+                           detected_at=T0 - 1, synced_at=T0 - 0.8, published_at=T0 - 0.5)
+    coords = assign_ranks(plan)
+    workers = [_worker(rank, rng) for rank in range(len(coords))]
+    if seed == 0:  # a node that fetched nothing is left out of node_bytes
+        workers = [replace(w, reconfig=replace(w.reconfig, bytes_fetched=0)) if coords[w.ranks[0]].node == 5 else w
+                   for w in workers]
+    by_node: dict[int, RecoveryTimings] = {}
+    for w in workers:
+        node = coords[w.ranks[0]].node
+        by_node[node] = w if node not in by_node else by_node[node].fold(w)
+    summary = summary_of(by_node)
+    assert summary is not None and summary.ranks == list(range(len(coords)))
+    expected_bytes = {n: sum(w.reconfig.bytes_fetched for w in workers if coords[w.ranks[0]].node == n) for n in nodes}
+    assert summary.node_bytes == {n: b for n, b in expected_bytes.items() if b}
+    carried = [("kill-node1-step3", T0 - 1.2)]
+    reference = breakdown_of(2, rec, workers, carried)
+    assert breakdown_of(2, rec, [summary], carried) == reference
+    beside = [summary, by_node[2], by_node[9]]
+    assert breakdown_of(2, rec, beside, carried) == reference and workers_reported(beside) == len(workers)
+    # folding again, with the summary among the records (a late node record folded in later)
+    late = {SUMMARY_NODE: summary_of({n: r for n, r in by_node.items() if n != 9}), 9: by_node[9]}
+    again = summary_of(late)  # type: ignore[arg-type]
+    assert again == summary
+    assert summary_of({SUMMARY_NODE: summary, 2: by_node[2]}) == summary
+
+
+def test_a_summary_that_overlaps_a_node_record_in_part_is_refused() -> None:
+    rng = random.Random(9)
+    a, b = _worker(1, rng), _worker(2, rng)
+    with pytest.raises(ValueError, match="overlap in part"):
+        summary_of({SUMMARY_NODE: a.fold(b), 3: b.fold(_worker(3, rng))})

@@ -155,15 +155,19 @@ def _recovery(rank: int) -> RecoveryTimings:
                                                     bytes_fetched=1000 * rank + 1, bytes_collective=rank))
 
 
-def _reference(records: list[RecoveryTimings]) -> dict[str, object]:
+def _reference(records: list[RecoveryTimings]) -> RecoveryTimings:
     """What a node's record must say of `records`: the latest times, the largest phases, summed bytes."""
-    return {"ranks": sorted(r.ranks[0] for r in records), "seen_at": max(r.seen_at for r in records),
-            "started_at": max(r.started_at for r in records),
-            "first_commit_at": max(r.first_commit_at for r in records),
-            "transfer_s": max(r.reconfig.transfer_s for r in records),
-            "rebuild_s": max(r.reconfig.rebuild_s for r in records),
-            "bytes_fetched": sum(r.reconfig.bytes_fetched for r in records),
-            "bytes_collective": sum(r.reconfig.bytes_collective for r in records), "v": 2}
+    return RecoveryTimings(
+        ranks=sorted(r.ranks[0] for r in records), seen_at=max(r.seen_at for r in records),
+        started_at=max(r.started_at for r in records), first_commit_at=max(r.first_commit_at for r in records),
+        reconfig=ReconfigTimings(transfer_s=max(r.reconfig.transfer_s for r in records),
+                                 rebuild_s=max(r.reconfig.rebuild_s for r in records),
+                                 bytes_fetched=sum(r.reconfig.bytes_fetched for r in records),
+                                 bytes_collective=sum(r.reconfig.bytes_collective for r in records)))
+
+
+def _stored(client: Any, key: str) -> RecoveryTimings:
+    return RecoveryTimings.from_json(client.get(key)[0])
 
 
 def test_a_nodes_recovery_records_fold_into_one_key_in_its_one_transaction(client: Any, job: str) -> None:
@@ -179,7 +183,7 @@ def test_a_nodes_recovery_records_fold_into_one_key_in_its_one_transaction(clien
         for t in threads:
             t.join(20)
         assert _revision(client) - before == 1 and relay.transactions == 1
-        assert json.loads(client.get(key)[0]) == _reference(list(records.values()))
+        assert _stored(client, key) == _reference(list(records.values()))
         assert all(client.get(f"/{job}/sync/{w}")[0] is not None for w in range(4))
     finally:
         for w in workers.values():
@@ -197,13 +201,13 @@ def test_folds_across_batches_and_a_worker_writing_its_own_count_each_worker_onc
     workers = {w: RelayClient(relay.name) for w in range(4)}
     try:
         _send_folds(workers, key, records, [0, 1])
-        assert json.loads(client.get(key)[0]) == _reference(records[:2])
+        assert _stored(client, key) == _reference(records[:2])
         put_all(client, None, [], [(key, records[2])])
-        assert json.loads(client.get(key)[0]) == _reference(records[:3])
+        assert _stored(client, key) == _reference(records[:3])
         _send_folds(workers, key, records, [3])
-        assert json.loads(client.get(key)[0]) == _reference(records)
+        assert _stored(client, key) == _reference(records)
         put_all(client, None, [], [(key, records[3])])
-        assert json.loads(client.get(key)[0]) == _reference(records)
+        assert _stored(client, key) == _reference(records)
         assert relay.transactions == 2
     finally:
         for w in workers.values():
