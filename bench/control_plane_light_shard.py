@@ -10,9 +10,9 @@ the runtime's own classes where the request is issued:
   to wait on a step watch `progress`, as in the runtime) and its watch on `injections/`;
 - the agent's relay: one watch a prefix a node on `plan/`, `halt/` and `decisions/`
   (`watch_from_now`, what `FeedHub` opens), and one transaction a node for its G workers' sync
-  reports with their holdings (each report and holding built by the worker's own `write_sync`,
-  collected instead of sent over the relay's socket), and one for their recovery records
-  (`write_puts`, the relay's write);
+  reports folded into one key, with their holdings where they changed (each report and holding
+  built by the worker's own `write_sync`, collected instead of sent over the relay's socket),
+  and one for their recovery records folded into one (`write_batch`, the relay's write);
 - the workers: their `workers/<node>/<lr>` registrations, their `HaltFeed` and `DecisionFeed`
   (fed by the node's watch, as through the relay), and world rank 0's `ProgressWriter`;
 - node 0's `Leader`, elected first. The standby agents' Leaders make no etcd request while
@@ -83,10 +83,11 @@ class Collector:
 
     def __init__(self) -> None:
         self.puts: list[Put] = []
+        self.folds: list[Fold] = []
 
     def put(self, puts: list[Put], folds: list[Fold] | None = None) -> None:
-        assert not folds, "a sync report folds nothing"
         self.puts.extend(puts)
+        self.folds.extend(folds or [])
 
 
 class Decoded:
@@ -149,6 +150,8 @@ class LightNode:
         self.generation = 0
         self.aborted: dict[int, float] = {}
         self.held: dict[int, list[tuple[int, int]]] = {}
+        self.held_written: dict[int, list[tuple[int, int]]] = {}
+        """Local rank -> the holdings its worker last wrote."""
         self.seen: dict[int, float] = {}
         self.arrived: dict[int, float] = {}
         self.synced: dict[int, float] = {}
@@ -228,10 +231,12 @@ class LightNode:
         collect = Collector()
         for lr in range(self.shard.spec.gpus):
             report = SyncReport(committed=committed, pending=None, last_vote=vote, node=self.node, local_rank=lr)
-            held = [h for h in self.held.get(generation, []) if h[1] == lr]
-            write_sync(self.client, self.rk, generation, report, holdings=held, lease=self.lease,
+            held = sorted(h for h in self.held.get(generation, []) if h[1] == lr)
+            same = self.held_written.get(lr) == held  # as the worker: written when it changed
+            write_sync(self.client, self.rk, generation, report, holdings=None if same else held, lease=self.lease,
                        relay=collect)  # type: ignore[arg-type]
-        write_puts(self.client, collect.puts)
+            self.held_written[lr] = held
+        write_batch(self.client, collect.puts, collect.folds, {})
         self.synced[generation] = time.time()
 
     def publish(self, step: int) -> float:

@@ -1,13 +1,15 @@
 """Issue 34: what the leader reads once every sync report of a change is in, at W workers.
 
-    .venv/bin/python bench/leader_round.py [--nodes 128 512 2048] [--gpus 8] [--repeats 5] [--json out.json]
+    .venv/bin/python bench/leader_round.py [--nodes 128 512 2048] [--gpus 8] [--repeats 5] [--forms worker node] [--json out.json]
 
-A fresh etcd (127.0.0.1) holds one generation's sync reports (one a worker, a vote each) and
-every worker's holdings (3 layers each), written as the nodes' relays write them. Then, timed
+A fresh etcd (127.0.0.1) holds one generation's sync reports (a vote each) and every worker's
+holdings (3 layers each), written as the nodes' relays write them, in one of two forms: one key
+a worker (`worker`, until issue 34's node records) or one a node (`node`, `sync/<g>/<node>/all`,
+elastic/records/node_sync.py, what the runtime writes now). Then, timed
 on this otherwise idle process (median of `--repeats`):
 
 - baseline: the reports read and decoded all at once, as the leader did until the sync mirror
-  (a count of the keys, then one range read and a `SyncReport.from_json` each);
+  (a count of the keys, then one range read and a decode each);
 - mirror: the leader's `sync_reports` over its `PrefixMirror` of `sync/`, which decoded each report
   when its watch delivered it (elastic/roles/leader.py): what is left for the round that finds
   the last one;
@@ -36,10 +38,11 @@ from elastic.coordinator import EtcdConfig, EtcdServer, connect  # noqa: E402
 from elastic.coordinator.keys import JobKeys, RunKeys  # noqa: E402
 from elastic.coordinator.prefix_mirror import PrefixMirror  # noqa: E402
 from elastic.records.generation import Vote  # noqa: E402
+from elastic.records.node_sync import NodeSyncReports, reports_of  # noqa: E402
 from elastic.records.sync import SyncReport  # noqa: E402
 from elastic.roles.etcd_writes import Put, write_puts  # noqa: E402
 from elastic.roles.holders import read_holdings  # noqa: E402
-from elastic.roles.leader import read_sync_reports, sync_reports  # noqa: E402
+from elastic.roles.leader_sync import read_sync_reports, sync_reports  # noqa: E402
 
 GENERATION = 3
 
@@ -56,12 +59,12 @@ def _timed(f: Callable[[], Any], repeats: int) -> float:
 def _baseline(client: Any, rk: RunKeys, expected: set[tuple[int, int]]) -> list[SyncReport] | None:
     """The reports read and decoded at once (the leader's read before the mirror, and its
     fallback when the mirror lacks some that etcd has)."""
-    if int(client.get_prefix_response(rk.sync(GENERATION), count_only=True).count) < len(expected):
+    if int(client.get_prefix_response(rk.sync(GENERATION), count_only=True).count) < len({n for n, _ in expected}):
         return None
     return read_sync_reports(client, rk, GENERATION, expected)
 
 
-def one(nodes: int, gpus: int, repeats: int) -> dict[str, Any]:
+def one(nodes: int, gpus: int, repeats: int, form: str = "node") -> dict[str, Any]:
     with EtcdServer() as server:
         client = connect(EtcdConfig(endpoint=server.endpoint))
         try:
@@ -69,22 +72,29 @@ def one(nodes: int, gpus: int, repeats: int) -> dict[str, Any]:
             vote = Vote(step=499, grad_norm=1.0, loss=2.0)
             for n in range(nodes):
                 puts: list[Put] = []
-                for lr in range(gpus):
-                    report = SyncReport(committed=500, pending=None, last_vote=vote, node=n, local_rank=lr)
-                    puts.append((rk.sync_report(GENERATION, n, lr), report.to_json(), None))
-                    puts.append((rk.worker_holdings(n, lr), json.dumps([[layer, lr] for layer in range(3)]), None))
+                reports = [SyncReport(committed=500, pending=None, last_vote=vote, node=n, local_rank=lr)
+                           for lr in range(gpus)]
+                for r in reports:
+                    if form == "worker":
+                        puts.append((rk.sync_report(GENERATION, n, r.local_rank), r.to_json(), None))
+                    puts.append((rk.worker_holdings(n, r.local_rank),
+                                 json.dumps([[layer, r.local_rank] for layer in range(3)]), None))
+                if form == "node":
+                    puts.append((rk.node_sync(GENERATION, n), NodeSyncReports.of(reports).to_json(), None))
                 write_puts(client, puts)
             expected = {(n, lr) for n in range(nodes) for lr in range(gpus)}
             raw = [v for v, _ in client.get_prefix(rk.sync(GENERATION))]
-            mirror = PrefixMirror(client, rk.prefix("sync"), SyncReport.from_json)
+            mirror = PrefixMirror(client, rk.prefix("sync"), reports_of)
             try:
-                assert sync_reports(client, rk, mirror, GENERATION, expected) == _baseline(client, rk, expected)
+                picked = sync_reports(client, rk, mirror, GENERATION, expected)
+                assert picked is not None and len(picked) == len(expected), "the mirror lacks reports"
+                assert picked == _baseline(client, rk, expected)
                 row = {
-                    "workers": nodes * gpus, "nodes": nodes,
+                    "workers": nodes * gpus, "nodes": nodes, "form": form,
                     "baseline_s": _timed(lambda: _baseline(client, rk, expected), repeats),
                     "mirror_s": _timed(lambda: sync_reports(client, rk, mirror, GENERATION, expected), repeats),
                     "holdings_s": _timed(lambda: read_holdings(client, rk), repeats),
-                    "decode_s": _timed(lambda: [SyncReport.from_json(v) for v in raw], repeats),
+                    "decode_s": _timed(lambda: [reports_of(v) for v in raw], repeats),
                     "reports_bytes": sum(len(v) for v in raw),
                 }
             finally:
@@ -100,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[128, 512, 2048])
     p.add_argument("--gpus", type=int, default=8, help="workers a node")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--forms", nargs="+", choices=["worker", "node"], default=["worker", "node"],
+                   help="the sync reports' keys: one a worker, one a node")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = p.parse_args(argv)
-    rows = [one(n, args.gpus, args.repeats) for n in args.nodes]
-    print(f"{'W':>7} {'nodes':>6} {'baseline s':>11} {'mirror s':>9} {'ratio':>7} {'holdings s':>11} "
+    rows = [one(n, args.gpus, args.repeats, form) for n in args.nodes for form in args.forms]
+    print(f"{'W':>7} {'nodes':>6} {'form':>6} {'baseline s':>11} {'mirror s':>9} {'ratio':>7} {'holdings s':>11} "
           f"{'decode s':>9} {'reports MB':>11}")
     for r in rows:
-        print(f"{r['workers']:>7} {r['nodes']:>6} {r['baseline_s']:>11.3f} {r['mirror_s']:>9.3f} {r['ratio']:>7.3f} "
+        print(f"{r['workers']:>7} {r['nodes']:>6} {r['form']:>6} {r['baseline_s']:>11.3f} {r['mirror_s']:>9.3f} {r['ratio']:>7.3f} "
               f"{r['holdings_s']:>11.3f} {r['decode_s']:>9.3f} {r['reports_bytes'] / 1e6:>11.2f}")
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))

@@ -149,6 +149,10 @@ class RunKeys:
     def sync_report(self, generation: int, node: int, local_rank: int) -> str:
         return self.job.key("sync", generation, node, local_rank)
 
+    def node_sync(self, generation: int, node: int) -> str:
+        """A node's workers' sync reports of `generation`, folded (elastic/records/node_sync.py)."""
+        return self.job.key("node-sync", generation, node)
+
     def ready(self, generation: int, step: int, rank: int) -> str:
         return self.job.key("ready", generation, step, rank)
 
@@ -161,15 +165,6 @@ class RunKeys:
 
     def recovery(self, generation: int, node: int) -> str:
         return self.job.key("recoveries", generation, node)
-
-    def recovery_nodes(self, generation: int) -> tuple[str, str]:
-        """The key range [start, end) of generation `generation`'s node records (digits only:
-        its summary, `recovery_summary`, lies outside it)."""
-        prefix = self.prefix("recoveries", generation)
-        return prefix + "0", prefix + ":"  # ':' follows '9'
-
-    def recovery_summary(self, generation: int) -> str:
-        return self.job.key("recovered", generation)
 
     @property
     def done(self) -> str:

@@ -36,10 +36,11 @@ decisions/ and store/ keys). The table, as `table()` renders it:
 | halt | `halt/{generation:d}` | none | leader | workers, job stop | HaltRecord: generation g is to stop |
 | stop | `stop` | none | launcher (Ctrl-C, SIGTERM), `elastic drain --all` | leader | StopRequest: stop the job with a checkpoint |
 | sync | `sync/{generation:d}/{node:d}/{local_rank:d}` | none | worker of a halted generation | leader | SyncReport: what it committed |
+| node-sync | `sync/{generation:d}/{node:d}/all` | none | agent (its workers' folded; a worker without one folds its own in) | leader | NodeSyncReports: what each of the node's workers committed |
 | ready | `ready/{generation:d}/{step:d}/{rank:d}` | none | worker (the job's last step only) | leader | its vote of the last step succeeded |
 | decisions | `decisions/{generation:d}/{step:d}` | none | leader (the job's last step only) | workers | "commit" or "abort", created once |
 | recoveries | `recoveries/{generation:d}/{node:d}` | none | agent (its workers' folded; a worker without one folds its own in) | status, events, metrics, launcher | RecoveryTimings of the node's workers' move into g |
-| recovered | `recoveries/{generation:d}/all` | none | leader (when g+2 is published) | status, events, metrics, launcher | RecoveryTimings of every worker's move into g, the node records folded |
+| recovered | `recoveries/{generation:d}/all` | none | leader (when g+1 is published) | status, events, metrics, launcher | RecoveryTimings of every worker's move into g, the node records folded |
 | done | `done/{node:d}/{local_rank:d}` | none | worker | launcher, status, job stop | it finished (its last step, "stopped", "drained", "spare") |
 | eval | `eval` | none | world rank 0 | launcher, status, metrics | EvalResult of the latest evaluation |
 | checkpoint-failures | `checkpoint-failures/{node:d}/{local_rank:d}/{incarnation:d}` | none | worker | status, metrics | SaveFailures: its failed checkpoint saves |
@@ -170,13 +171,15 @@ SCHEMA: tuple[Family, ...] = (
        "StopRequest: stop the job with a checkpoint"),
     _f("sync", "sync/{generation:d}/{node:d}/{local_rank:d}", "none", "worker of a halted generation", "leader",
        "SyncReport: what it committed"),
+    _f("node-sync", "sync/{generation:d}/{node:d}/all", "none", "agent (its workers' folded; a worker without one folds its own in)",
+       "leader", "NodeSyncReports: what each of the node's workers committed"),
     _f("ready", "ready/{generation:d}/{step:d}/{rank:d}", "none", "worker (the job's last step only)", "leader",
        "its vote of the last step succeeded"),
     _f("decisions", "decisions/{generation:d}/{step:d}", "none", "leader (the job's last step only)", "workers",
        "\"commit\" or \"abort\", created once"),
     _f("recoveries", "recoveries/{generation:d}/{node:d}", "none", "agent (its workers' folded; a worker without one folds its own in)",
        "status, events, metrics, launcher", "RecoveryTimings of the node's workers' move into g"),
-    _f("recovered", "recoveries/{generation:d}/all", "none", "leader (when g+2 is published)",
+    _f("recovered", "recoveries/{generation:d}/all", "none", "leader (when g+1 is published)",
        "status, events, metrics, launcher", "RecoveryTimings of every worker's move into g, the node records folded"),
     _f("done", "done/{node:d}/{local_rank:d}", "none", "worker", "launcher, status, job stop",
        "it finished (its last step, \"stopped\", \"drained\", \"spare\")"),

@@ -75,6 +75,7 @@ from elastic.roles.worker_feeds import DecisionFeed, GenerationFeed, HaltFeed, w
 from elastic.roles.worker_generations import Drained, GenerationWaiter, SpareDone, Stopped
 from elastic.roles.worker_log import worker_log
 from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
@@ -111,6 +112,7 @@ class ElasticWorker:
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
         self.relay = relay_from_env()
+        self._held_written: list[ShardKey] | None = None  # what it last wrote to holdings/<node>/<local_rank>
         """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
         # The records every worker follows come through the agent, which watches each once for the node.
         follow = subscriber(client, self.relay.name if self.relay is not None else None)
@@ -176,7 +178,10 @@ class ElasticWorker:
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
                             partial=None if kept is None else kept.report())
-        write_sync(self.client, self.rk, generation, report, holdings=t.holdings(), lease=self.lease, relay=self.relay)
+        held = sorted(t.holdings())  # written when it changed: most workers hold the same from change to change
+        write_sync(self.client, self.rk, generation, report, holdings=None if held == self._held_written else held,
+                   lease=self.lease, relay=self.relay)
+        self._held_written = held
         worker_log(f"generation {generation} halted here: committed {report.committed}, pending {report.pending}"
              + ("" if kept is None else f", kept the sums of microbatches {list(kept.microbatches)}"))
 

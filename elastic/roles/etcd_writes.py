@@ -1,23 +1,26 @@
-"""A node's etcd writes as transactions: plain puts, and recovery records folded a node a key.
+"""A node's etcd writes as transactions: plain puts, and records folded a node a key.
 
-A plain put is (key, value, lease). A fold is one worker's `RecoveryTimings` destined for its
-node's key `recoveries/<g>/<node>` (issue 34: records a node, not a worker). The node's agent
+A plain put is (key, value, lease). A fold is one worker's record destined for its node's key
+(issue 34: records a node, not a worker): its `RecoveryTimings` at `recoveries/<g>/<node>`, its
+sync report (a `NodeSyncReports` of one) at `sync/<g>/<node>/all`. The node's agent
 (elastic/roles/node_relay.py) folds its workers' records and writes them with their other puts
 in one transaction; a worker without an agent folds its own in the same way. Both may write the
 same key, so a fold is a compare-and-swap: the transaction holds only if the key still has the
 value the writer folded into (`known`, or absent), else the writer reads the key, folds again
-and retries. Folding is idempotent (a record whose ranks are in is not added again), so a
-retry, or a worker that falls back to writing its record itself after its agent wrote it,
-counts nothing twice. In the usual case (one writer a node, the key absent or last written by
-it) a batch is still one transaction.
+and retries. Folding is idempotent (a record already in is not added again), so a retry, or a
+worker that falls back to writing its record itself after its agent wrote it, counts nothing
+twice. In the usual case (one writer a node, the key absent or last written by it) a batch is
+still one transaction.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import reduce
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.records.recovery_timings import RecoveryTimings, fold_all
+from elastic.records.node_sync import NodeSyncReports
+from elastic.records.recovery_timings import RecoveryTimings
 
 MAX_TXN_OPS = 128
 """etcd's default --max-txn-ops: a larger batch is written as several transactions."""
@@ -29,8 +32,20 @@ successful fold of the same key: a node has few writers)."""
 Put = tuple[str, str, int | None]
 """(key, value, lease id or None)."""
 
-Fold = tuple[str, RecoveryTimings]
-"""(a node's recovery key, one worker's record to fold into it)."""
+Foldable = RecoveryTimings | NodeSyncReports
+"""A record that folds into its node's key: `a.fold(b)`, idempotent."""
+
+Fold = tuple[str, Foldable]
+"""(a node's key, one worker's record to fold into it)."""
+
+FOLD_KINDS: dict[str, type[RecoveryTimings] | type[NodeSyncReports]] = {
+    "recovery": RecoveryTimings, "sync": NodeSyncReports}
+"""The relay's wire name of each kind of fold."""
+
+
+def fold_kind(record: Foldable) -> str:
+    """`record`'s name in `FOLD_KINDS`."""
+    return "recovery" if isinstance(record, RecoveryTimings) else "sync"
 
 
 class FoldConflict(RuntimeError):
@@ -52,7 +67,7 @@ def write_batch(client: EtcdClient, puts: list[Put], folds: Iterable[Fold], know
     `known` maps a folded key to the value this writer last saw there (None: absent); a key not
     in it is taken to be absent. It is updated to what was written. FoldConflict after
     `FOLD_ATTEMPTS` lost compare-and-swaps."""
-    by_key: dict[str, list[RecoveryTimings]] = {}
+    by_key: dict[str, list[Foldable]] = {}
     for key, record in folds:
         by_key.setdefault(key, []).append(record)
     if not by_key:
@@ -62,10 +77,8 @@ def write_batch(client: EtcdClient, puts: list[Put], folds: Iterable[Fold], know
         compares, ops, written = [], [], {}
         for key, records in by_key.items():
             seen = known.get(key)
-            base = None if seen is None else RecoveryTimings.from_json(seen)
-            folded = fold_all(records, base)
-            assert folded is not None
-            value = folded.to_json().encode()
+            start = records if seen is None else [type(records[0]).from_json(seen), *records]
+            value = reduce(lambda a, b: a.fold(b), start).to_json().encode()  # type: ignore[arg-type]
             compares.append(client.transactions.version(key) == 0 if seen is None
                             else client.transactions.value(key) == seen)
             ops.append(client.transactions.put(key, value))

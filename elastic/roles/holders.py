@@ -1,7 +1,9 @@
 """The holder map of a generation change: which live worker holds which shards, read from etcd.
 
 Every worker publishes the shards it holds under `holdings/<node>/<local_rank>` when it halts a
-generation, in the transaction of its sync report (elastic/roles/worker_feeds.py `write_sync`), and
+generation holding other shards than it last wrote (most workers hold the same from change to
+change: no write then), in the transaction of its sync report (elastic/roles/worker_feeds.py
+`write_sync`), and
 its shard server's address under `workers/<node>/<local_rank>`, both on its node's lease (a lost
 node's keys go with its lease). The leader publishes generation g only after every live worker
 of g-1 has halted and reported, so when g is read these keys say what each live worker holds

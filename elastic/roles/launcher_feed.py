@@ -5,7 +5,7 @@ Nothing here scans per-step history. A `JobFeed` watches five things from the mo
 opened: the `eval` key (one put per evaluation, `--eval-every`: a line each), the `progress` key (every put names the steps committed since the previous one, so the
 launcher prints one line a step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
 worker) and `recoveries/` (one key a node a generation, folded into one a generation by the leader
-once it is two behind: a delete of a node key is taken in). `poll_progress` only drains what the
+once it is superseded: a delete of a node key is taken in). `poll_progress` only drains what the
 watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
 logs of the run directory (`read_step_logs`: complete for local agents; the feed is the fallback
 for agents on other hosts).

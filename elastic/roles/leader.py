@@ -41,10 +41,11 @@ from elastic.records.injection_requests import (
     submit_request,
     write_status,
 )
+from elastic.records.node_sync import reports_of
 from elastic.records.progress import read_progress
 from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.records.stragglers import StragglerRecord, read_policy, read_stragglers
-from elastic.records.sync import COMMIT, SyncReport
+from elastic.records.sync import COMMIT
 from elastic.records.workers import WorkerInfo, live_nodes
 from elastic.roles.holders import read_holdings
 from elastic.roles.leader_actions import (
@@ -63,6 +64,7 @@ from elastic.roles.leader_actions import (
 from elastic.roles.leader_decisions import decide_round
 from elastic.roles.leader_replan import FallbackImpossible, fallback_plan, restore_dir, verified_checkpoint
 from elastic.roles.leader_snapshot import Snapshot, live_workers
+from elastic.roles.leader_sync import sync_reports
 from elastic.roles.recovery_summary import fold_generation
 from templates.template_set import TemplateSet
 
@@ -94,45 +96,6 @@ def decide(
     if value is None:
         raise NotLeader(f"decision {key} not written: this agent is no longer the leader")
     return str(value.decode())
-
-
-def sync_reports(client: EtcdClient, rk: RunKeys, mirror: PrefixMirror, g: int, expected: set[tuple[int, int]]
-                 ) -> list[SyncReport] | None:
-    """Every expected sync report of g, in (node, local_rank) order; None while some are missing.
-
-    From the leader's mirror of `sync/`, which decodes each report as its watch delivers it: a
-    change's reports arrive over the time its nodes take to halt, and the round after the last
-    one decodes nothing (at 16,384 workers, reading and decoding them all took the leader 0.5 s
-    on an idle host). The mirror is a speed-up, never the authority: while it lacks some, a
-    count of the keys says whether etcd has them all, and if so they are read from etcd."""
-    order = sorted(expected)
-    got = mirror.pick(f"{g}/{node}/{lr}" for node, lr in order)
-    picked = [r for node, lr in order
-              if (r := got.get(f"{g}/{node}/{lr}")) is not None and (r.node, r.local_rank) == (node, lr)]
-    if len(picked) == len(order):  # a report under another worker's key counts as missing
-        return picked
-    written = client.get_prefix_response(rk.sync(g), count_only=True)
-    if int(written.count) < len(expected):  # rounds woken by each report: count, don't read them all
-        return None
-    log.info("leader: generation %d: %d of %d sync reports are in etcd but not (yet) in the mirror; reading them",
-             g, len(order) - len(picked), len(order))
-    return read_sync_reports(client, rk, g, expected)
-
-
-def read_sync_reports(client: EtcdClient, rk: RunKeys, g: int, expected: set[tuple[int, int]]
-                      ) -> list[SyncReport] | None:
-    """Every expected sync report of g read from etcd, in (node, local_rank) order; None while some
-    are missing or unreadable."""
-    reports: dict[tuple[int, int], SyncReport] = {}
-    for value, _ in client.get_prefix(rk.sync(g)):
-        try:
-            report = SyncReport.from_json(value)
-        except (ValueError, TypeError, KeyError):
-            continue
-        reports[(report.node, report.local_rank)] = report
-    if not expected <= reports.keys():
-        return None
-    return [reports[k] for k in sorted(expected)]
 
 
 def read_registered(client: EtcdClient, rk: RunKeys, record: GenerationRecord, members: dict[int, int]
@@ -281,7 +244,7 @@ class Leader:
         lost = any(members.get(n) != inc for n, inc in record.incarnations.items())
         halt, _ = client.get(rk.halt(g))
         if self._sync is None:
-            self._sync = PrefixMirror(client, rk.prefix("sync"), SyncReport.from_json,
+            self._sync = PrefixMirror(client, rk.prefix("sync"), reports_of,
                                       on_change=self._wake.set)
         reports = sync_reports(client, rk, self._sync, g, live_workers(record, members))
         requests, drained = read_drains(client, self.keys) if not lost or self.config.spares else ([], frozenset())
@@ -386,7 +349,7 @@ class Leader:
         self.finished.set()
 
     def _publish(self, g: int, record: GenerationRecord, *, synced: float) -> None:
-        """Publish g+1 (fenced compare-and-swap on g), its event, and forget g-1."""
+        """Publish g+1 (fenced compare-and-swap on g), its event, forget g-1 and fold g's recovery records."""
         new = dataclasses.replace(record, detected_at=self._detected, synced_at=synced, published_at=time.time())
         self.generations.publish(new.to_json(), expected=g, fence=self.election.leader_compare())
         self._detected = None
@@ -398,6 +361,7 @@ class Leader:
                      **({} if replay is None else {"kept_microbatches": replay.kept,
                                                    "recomputed": replay.recomputed}))
         self._forget(g - 1)
+        fold_generation(self.client, self.rk, g)  # superseded: its node records folded into one
 
     def _publish_fallback(self, s: Snapshot, step: PublishFallback) -> None:
         """Publish g+1 from the newest verified checkpoint (FallbackImpossible: there is none)."""
@@ -425,7 +389,7 @@ class Leader:
 
     def _forget(self, g: int) -> None:
         """Delete what generation `g` (and any before it) left that no one reads any more, and fold
-        its recovery records into one (elastic/roles/recovery_summary.py)."""
+        any recovery record of it written after its fold (elastic/roles/recovery_summary.py)."""
         if g < 1:
             return
         for prefix in (self.rk.sync(g), self.rk.halt(g), self.rk.prefix("ready", g), self.rk.prefix("decisions", g),

@@ -2,12 +2,13 @@
 
 At a generation change every worker writes its sync report with its holdings (halted; one
 request, elastic/roles/worker_feeds.py `write_sync`), then its recovery record (first commit): with G
-workers a node, 2 G etcd writes a node, and 2 W for the job. The agent serves a Unix socket
+workers a node, 2 G etcd writes a node, and 2 W for the job, if each wrote its own. The agent serves a Unix socket
 (Linux's abstract namespace, named in $ELASTIC_NODE_RELAY); a worker sends its puts there, and
 the agent writes what its workers sent together in one etcd transaction: 2 writes a node per
-change, whatever G. Puts keep their keys, values and leases. Recovery records are folds: the
-relay folds its workers' records into the node's one key (elastic/roles/etcd_writes.py), keeping
-the last value it wrote to each such key as the base of its next compare-and-swap.
+change, whatever G. Puts keep their keys, values and leases. Sync reports and recovery records
+are folds: the relay folds its workers' records into the node's one key of each
+(elastic/roles/etcd_writes.py), keeping the last value it wrote to each such key as the base of
+its next compare-and-swap.
 
 Batching: the relay writes once every one of the node's live workers has a request waiting, or
 `linger_s` after the first one came, whichever is first. A worker counts as live until its
@@ -19,7 +20,8 @@ once the transaction has committed: a report is as durable as a direct put. With
 writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...],
-"folds": [[key, RecoveryTimings JSON], ...]}` ("folds" optional), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
+"folds": [[key, kind, record JSON], ...]}` ("folds" optional; kind "recovery" or "sync",
+etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
 is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
 prefix it asks for feeds it, and it does not count as a worker.
 """
@@ -38,8 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.records.recovery_timings import RecoveryTimings
-from elastic.roles.etcd_writes import Fold, Put, write_batch
+from elastic.roles.etcd_writes import FOLD_KINDS, Fold, Put, fold_kind, write_batch
 from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,8 @@ class NodeRelay:
                 try:
                     request = json.loads(line)
                     puts = [(str(k), str(v), None if lease is None else int(lease)) for k, v, lease in request["puts"]]
-                    folds = [(str(k), RecoveryTimings.from_json(str(v))) for k, v in request.get("folds", [])]
+                    folds: list[Fold] = [(str(k), FOLD_KINDS[str(kind)].from_json(str(v)))
+                                         for k, kind, v in request.get("folds", [])]
                 except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a RecordError is a ValueError
                     _answer(conn, {"error": f"malformed request: {exc}"})
                     continue
@@ -250,7 +252,7 @@ class RelayClient:
                     self._conn = conn
                 request: dict[str, object] = {"puts": puts}
                 if folds:
-                    request["folds"] = [[key, record.to_json()] for key, record in folds]
+                    request["folds"] = [[key, fold_kind(record), record.to_json()] for key, record in folds]
                 self._conn.sendall(json.dumps(request).encode() + b"\n")
                 answer = json.loads(_read_line(self._conn))
             except (OSError, ValueError) as exc:

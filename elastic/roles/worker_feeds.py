@@ -33,6 +33,7 @@ from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import PrefixWatch, Subscribe, WatchEvent, watch_from_now
 from elastic.records.generation import GenerationRecord, HaltRecord
+from elastic.records.node_sync import NodeSyncReports
 from elastic.records.progress import ProgressRecord, StepResult
 from elastic.records.sync import COMMIT, SyncReport
 from elastic.roles.etcd_writes import Put
@@ -325,12 +326,13 @@ def write_sync(
     holdings: Sequence[tuple[int, int]] | None = None, lease: int | None = None, relay: RelayClient | None = None,
 ) -> None:
     """Report what this halted worker of `generation` committed (the leader waits for every live
-    worker) and, with `holdings`, the shards it holds now under `holdings/<node>/<local_rank>` on
-    the node's `lease`, in the same transaction: the next generation's holder map and the leader's
-    gap check read them once every live worker has halted (elastic/roles/holders.py). Through the
-    node's `relay` when there is one (elastic/roles/node_relay.py): one transaction a node."""
-    puts: list[Put] = [(rk.sync_report(generation, report.node, report.local_rank), report.to_json(), None)]
+    worker), folded into its node's `sync/<g>/<node>/all` (elastic/records/node_sync.py), and, with
+    `holdings`, the shards it holds now under `holdings/<node>/<local_rank>` on the node's `lease`,
+    in the same transaction: the next generation's holder map and the leader's gap check read
+    them once every live worker has halted (elastic/roles/holders.py). Through the node's `relay`
+    when there is one (elastic/roles/node_relay.py): one transaction a node."""
+    puts: list[Put] = []
     if holdings is not None:
         held = json.dumps(sorted(holdings))
         puts.append((rk.worker_holdings(report.node, report.local_rank), held, lease))
-    put_all(client, relay, puts)
+    put_all(client, relay, puts, [(rk.node_sync(generation, report.node), NodeSyncReports.of([report]))])

@@ -85,17 +85,17 @@ def test_the_leader_reads_etcd_when_its_mirror_lacks_reports(client: Any, job: s
     """The mirror is a speed-up, never the authority: reports its watch did not deliver (here: a
     mirror closed before they were written) are read from etcd once a count says all are there."""
     from elastic.coordinator.keys import JobKeys, RunKeys
+    from elastic.records.node_sync import NodeSyncReports, reports_of
     from elastic.records.sync import SyncReport
-    from elastic.roles.leader import sync_reports
+    from elastic.roles.leader_sync import sync_reports
 
     rk = RunKeys(JobKeys(job))
     expected = {(0, 0), (1, 0), (1, 1)}
     reports = {k: SyncReport(committed=7, pending=None, last_vote=None, node=k[0], local_rank=k[1]) for k in expected}
-    client.put(rk.sync_report(4, 0, 0), reports[(0, 0)].to_json())
-    mirror = PrefixMirror(client, rk.prefix("sync"), SyncReport.from_json)
+    client.put(rk.sync_report(4, 0, 0), reports[(0, 0)].to_json())  # a worker's own key
+    mirror = PrefixMirror(client, rk.prefix("sync"), reports_of)
     mirror.close()
     assert sync_reports(client, rk, mirror, 4, expected) is None  # etcd lacks two as well
-    for node, lr in [(1, 0), (1, 1)]:
-        client.put(rk.sync_report(4, node, lr), reports[(node, lr)].to_json())
-    assert mirror.pick(["4/1/0", "4/1/1"]) == {}
+    client.put(rk.node_sync(4, 1), NodeSyncReports.of([reports[(1, 0)], reports[(1, 1)]]).to_json())  # a node's
+    assert mirror.pick(["4/1/all"]) == {}
     assert sync_reports(client, rk, mirror, 4, expected) == [reports[k] for k in sorted(expected)]

@@ -117,7 +117,8 @@ def test_the_static_check_sees_a_glued_key(tmp_path: Path) -> None:
 # -- a real run, watched --------------------------------------------------------------------------
 
 MUST_SEE = {"members", "leader", "generation", "plan", "config", "token", "workers", "holdings", "progress",
-            "halt", "sync", "ready", "decisions", "recoveries", "done", "events", "injections", "injection-status",
+            "halt", "node-sync", "ready", "decisions", "recoveries", "recovered", "done", "events", "injections",
+            "injection-status",
             "injected", "eval", "metrics", "store", "step-waiters"}
 """Rows that a run with a node's loss (an injection at a step), checkpoints and evaluations writes
 for sure."""

@@ -31,7 +31,7 @@ from elastic.records.generation import GenerationRecord
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
 from elastic.records.progress import ProgressRecord, read_progress
-from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
+from elastic.records.recovery_timings import SUMMARY_NODE, ReconfigTimings, RecoveryTimings
 from elastic.records.stragglers import StragglerRecord, read_stragglers
 from elastic.records.summary import RunSummary
 from elastic.records.workers import node_id
@@ -135,8 +135,8 @@ def live(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> I
                  for v, m in client.get_prefix(keys.plans)}
         timings: dict[int, dict[int, RecoveryTimings]] = {}
         for value, m in client.get_prefix(rk.recoveries):
-            g, node = m.key.decode().split("/")[-2:]
-            timings.setdefault(int(g), {})[int(node)] = RecoveryTimings.from_json(value)
+            g, node = m.key.decode().split("/")[-2:]  # node "all": a superseded generation's summary
+            timings.setdefault(int(g), {})[SUMMARY_NODE if node == "all" else int(node)] = RecoveryTimings.from_json(value)
         yield Live(summary=summary, job=job, run_dir=run_dir, address=address, published_during=published_during,
                    published_after=metrics_addresses(client, keys), during=during, after=after, plans=plans,
                    timings=timings, progress=read_progress(client, rk), stragglers=read_stragglers(client, keys))

@@ -27,6 +27,7 @@ from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.injection import Injection, parse_injection
 from elastic.records.injection_requests import InjectionRequest, InjectionStatus
 from elastic.records.job import JobSpec
+from elastic.records.node_sync import NodeSyncReports
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
 from elastic.records.prepared_data import PreparedData, ShardInfo, SourceInfo
@@ -63,6 +64,9 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     SaveFailures: SaveFailures(node=1, local_rank=0, incarnation=2, count=3, last_step=15,
                                last_reason="[Errno 28] No space left on device", last_at=1000.9),
     SyncReport: SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
+    NodeSyncReports: NodeSyncReports.of([
+        SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
+        *(SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=lr) for lr in (1, 2, 3, 5))]),
     ProgressRecord: ProgressRecord(
         step=6, loss=3.5, grad_norm=1.25, lr=2.5e-4, seconds=0.05, generation=1, committed_at=1000.4,
         recent=[[5, 1000.35, 0.05], [6, 1000.4, 0.05]], earlier=[[5, 3.6, 1.3, 2.6e-4, 0.05, 1000.35]]),

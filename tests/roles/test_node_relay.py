@@ -3,7 +3,7 @@ one transaction (one revision) where direct puts take one each, with their value
 worker that is late delays a batch by the linger only, and one that is gone not at all; bad requests are refused without
 losing the relay, and a worker whose relay is gone puts directly. Recovery records fold into their
 node's one key, in the same transaction, across batches and beside a worker that writes its own,
-each worker counted once."""
+each worker counted once; so do a node's sync reports, with or without a relay."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ from typing import Any
 
 import pytest
 
+from elastic.records.node_sync import reports_of
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
+from elastic.records.sync import SyncReport
 from elastic.roles.node_relay import NodeRelay, RelayClient, RelayError, put_all
+from elastic.roles.worker_feeds import write_sync
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,3 +224,56 @@ def _send_folds(clients: dict[int, RelayClient], key: str, records: list[Recover
         t.start()
     for t in threads:
         t.join(20)
+
+
+def _halted(client: Any, rk: Any, relay: NodeRelay | None, node: int, workers: list[int]) -> list[SyncReport]:
+    """Workers `workers` of `node` report their halt of generation 7 at once (`write_sync`), each from
+    its own thread, through `relay` (None: each writes its own); their reports."""
+    reports = [SyncReport(committed=30 + (lr == 2), pending=None, last_vote=None, node=node, local_rank=lr)
+               for lr in workers]
+    clients = [None if relay is None else RelayClient(relay.name) for _ in workers]
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            write_sync(client, rk, 7, reports[i], holdings=[(i, workers[i])], relay=clients[i])
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for c in clients:
+        if c is not None:
+            c.close()
+    assert not errors, errors
+    return reports
+
+
+def test_a_nodes_sync_reports_are_one_key_through_the_relay_or_not(client: Any, job: str) -> None:
+    """Through the relay, a node's 4 reports and holdings are one transaction and its reports one
+    key; without one (torchrun's workers), 4 workers folding their own at once into the same key
+    (compare-and-swaps that lose and fold again) give the same key, each report once."""
+    from elastic.coordinator.keys import JobKeys, RunKeys
+
+    rk = RunKeys(JobKeys(job))
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=10.0)
+    try:
+        before = _revision(client)
+        sent = _halted(client, rk, relay, 3, [0, 1, 2, 3])
+        assert _revision(client) - before == 1 and relay.transactions == 1
+    finally:
+        relay.close()
+    assert [k.decode().rsplit("/", 1)[1] for k in _keys(client, rk.sync(7))] == ["all"]
+    assert reports_of(client.get(rk.node_sync(7, 3))[0]) == sent
+    assert all(json.loads(client.get(rk.worker_holdings(3, lr))[0]) == [[lr, lr]] for lr in range(4))
+
+    direct = _halted(client, rk, None, 4, [0, 1, 2, 3])
+    assert reports_of(client.get(rk.node_sync(7, 4))[0]) == direct
+    assert len(_keys(client, rk.sync(7))) == 2
+
+
+def _keys(client: Any, prefix: str) -> list[bytes]:
+    return [m.key for _, m in client.get_prefix(prefix, keys_only=True)]
