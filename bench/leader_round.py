@@ -4,8 +4,9 @@
 
 A fresh etcd (127.0.0.1) holds one generation's sync reports (a vote each) and every worker's
 holdings (3 layers each), written as the nodes' relays write them, in one of two forms: one key
-a worker (`worker`, until issue 34's node records) or one a node (`node`, `sync/<g>/<node>/all`,
-elastic/records/node_sync.py, what the runtime writes now). Then, timed
+a worker of each (`worker`, until issue 34's node records) or one a node (`node`,
+`sync/<g>/<node>/all` and `holdings/<node>/all`, elastic/records/node_sync.py and
+node_holdings.py, what the runtime writes now). Then, timed
 on this otherwise idle process (median of `--repeats`):
 
 - baseline: the reports read and decoded all at once, as the leader did until the sync mirror
@@ -38,6 +39,7 @@ from elastic.coordinator import EtcdConfig, EtcdServer, connect  # noqa: E402
 from elastic.coordinator.keys import JobKeys, RunKeys  # noqa: E402
 from elastic.coordinator.prefix_mirror import PrefixMirror  # noqa: E402
 from elastic.records.generation import Vote  # noqa: E402
+from elastic.records.node_holdings import NodeHoldings, node_holdings_key  # noqa: E402
 from elastic.records.node_sync import NodeSyncReports, reports_of  # noqa: E402
 from elastic.records.sync import SyncReport  # noqa: E402
 from elastic.roles.etcd_writes import Put, write_puts  # noqa: E402
@@ -74,13 +76,14 @@ def one(nodes: int, gpus: int, repeats: int, form: str = "node") -> dict[str, An
                 puts: list[Put] = []
                 reports = [SyncReport(committed=500, pending=None, last_vote=vote, node=n, local_rank=lr)
                            for lr in range(gpus)]
+                held = {r.local_rank: [(layer, r.local_rank) for layer in range(3)] for r in reports}
                 for r in reports:
                     if form == "worker":
                         puts.append((rk.sync_report(GENERATION, n, r.local_rank), r.to_json(), None))
-                    puts.append((rk.worker_holdings(n, r.local_rank),
-                                 json.dumps([[layer, r.local_rank] for layer in range(3)]), None))
+                        puts.append((rk.worker_holdings(n, r.local_rank), json.dumps(held[r.local_rank]), None))
                 if form == "node":
                     puts.append((rk.node_sync(GENERATION, n), NodeSyncReports.of(reports).to_json(), None))
+                    puts.append((node_holdings_key(rk, n), NodeHoldings(node=n, held=held).to_json(), None))
                 write_puts(client, puts)
             expected = {(n, lr) for n in range(nodes) for lr in range(gpus)}
             raw = [v for v, _ in client.get_prefix(rk.sync(GENERATION))]

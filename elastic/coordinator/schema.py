@@ -28,14 +28,15 @@ decisions/ and store/ keys). The table, as `table()` renders it:
 | fatal | `fatal` | none | leader | launcher, status | why the job cannot go on |
 | config | `config` | none | launcher | workers, agents, status, CLI, metrics | ElasticConfig JSON: the job spec |
 | workers | `workers/{node:d}/{local_rank:d}` | node | worker | agent, leader, launcher, status, metrics | WorkerInfo JSON: pid, transfer address |
-| holdings | `holdings/{node:d}/{local_rank:d}` | node | worker (with its sync report) | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
+| holdings | `holdings/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-holdings); still read | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
+| node-holdings | `holdings/{node:d}/all` | node | agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in) | leader, workers (holder map) | NodeHoldings: what each of the node's workers held at its halt |
 | progress | `progress` | none | world rank 0 | launcher, status, metrics, workers | ProgressRecord of the last committed step |
 | step-waiters | `step-waiters/{name}` | node | agent (InjectionTrigger); launcher (a rejoin at a step) and netns partitioner, leaseless, deleted when done | world rank 0 (ProgressWriter) | someone waits for a step: progress puts at the short interval |
 | stragglers | `stragglers` | none | world rank 0 | leader, status, metrics | StragglerRecord: speed factors and marks |
 | straggler-policy | `straggler-policy` | none | `elastic stragglers` | world rank 0, leader | PolicyOverride of the straggler settings |
 | halt | `halt/{generation:d}` | none | leader | workers, job stop | HaltRecord: generation g is to stop |
 | stop | `stop` | none | launcher (Ctrl-C, SIGTERM), `elastic drain --all` | leader | StopRequest: stop the job with a checkpoint |
-| sync | `sync/{generation:d}/{node:d}/{local_rank:d}` | none | worker of a halted generation | leader | SyncReport: what it committed |
+| sync | `sync/{generation:d}/{node:d}/{local_rank:d}` | none | none since issue 34 (workers fold theirs into node-sync); still read | leader | SyncReport: what it committed |
 | node-sync | `sync/{generation:d}/{node:d}/all` | none | agent (its workers' folded; a worker without one folds its own in) | leader | NodeSyncReports: what each of the node's workers committed |
 | ready | `ready/{generation:d}/{step:d}/{rank:d}` | none | worker (the job's last step only) | leader | its vote of the last step succeeded |
 | decisions | `decisions/{generation:d}/{step:d}` | none | leader (the job's last step only) | workers | "commit" or "abort", created once |
@@ -155,8 +156,12 @@ SCHEMA: tuple[Family, ...] = (
        "ElasticConfig JSON: the job spec"),
     _f("workers", "workers/{node:d}/{local_rank:d}", "node", "worker", "agent, leader, launcher, status, metrics",
        "WorkerInfo JSON: pid, transfer address"),
-    _f("holdings", "holdings/{node:d}/{local_rank:d}", "node", "worker (with its sync report)",
+    _f("holdings", "holdings/{node:d}/{local_rank:d}", "node",
+       "none since issue 34 (workers fold theirs into node-holdings); still read",
        "leader, workers (holder map)", "[[layer, tp_rank], ...] it held at its halt"),
+    _f("node-holdings", "holdings/{node:d}/all", "node",
+       "agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in)",
+       "leader, workers (holder map)", "NodeHoldings: what each of the node's workers held at its halt"),
     _f("progress", "progress", "none", "world rank 0", "launcher, status, metrics, workers",
        "ProgressRecord of the last committed step"),
     _f("step-waiters", "step-waiters/{name}", "node",
@@ -169,7 +174,8 @@ SCHEMA: tuple[Family, ...] = (
     _f("halt", "halt/{generation:d}", "none", "leader", "workers, job stop", "HaltRecord: generation g is to stop"),
     _f("stop", "stop", "none", "launcher (Ctrl-C, SIGTERM), `elastic drain --all`", "leader",
        "StopRequest: stop the job with a checkpoint"),
-    _f("sync", "sync/{generation:d}/{node:d}/{local_rank:d}", "none", "worker of a halted generation", "leader",
+    _f("sync", "sync/{generation:d}/{node:d}/{local_rank:d}", "none",
+       "none since issue 34 (workers fold theirs into node-sync); still read", "leader",
        "SyncReport: what it committed"),
     _f("node-sync", "sync/{generation:d}/{node:d}/all", "none", "agent (its workers' folded; a worker without one folds its own in)",
        "leader", "NodeSyncReports: what each of the node's workers committed"),

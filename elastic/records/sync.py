@@ -1,4 +1,5 @@
-"""What a halted generation's workers report (`SyncReport`, at `sync/<g>/<node>/<local_rank>`) and
+"""What a halted generation's workers report (`SyncReport`, folded a node a key at
+`sync/<g>/<node>/all`: elastic/records/node_sync.py) and
 the leader's decision of the job's last step (`COMMIT` / `ABORT`, at `decisions/<g>/<s>`).
 
 How a step commits: the failure-free step path touches etcd once per step (the `progress` put,

@@ -1,8 +1,9 @@
 """A node's etcd writes as transactions: plain puts, and records folded a node a key.
 
 A plain put is (key, value, lease). A fold is one worker's record destined for its node's key
-(issue 34: records a node, not a worker): its `RecoveryTimings` at `recoveries/<g>/<node>`, its
-sync report (a `NodeSyncReports` of one) at `sync/<g>/<node>/all`. The node's agent
+(issue 34: records a node, not a worker), with the lease the key is written on if any: its
+`RecoveryTimings` at `recoveries/<g>/<node>`, its sync report (a `NodeSyncReports` of one) at
+`sync/<g>/<node>/all`, its holdings (a `NodeHoldings` of one) at `holdings/<node>/all`. The node's agent
 (elastic/roles/node_relay.py) folds its workers' records and writes them with their other puts
 in one transaction; a worker without an agent folds its own in the same way. Both may write the
 same key, so a fold is a compare-and-swap: the transaction holds only if the key still has the
@@ -19,6 +20,7 @@ from collections.abc import Iterable
 from functools import reduce
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports
 from elastic.records.recovery_timings import RecoveryTimings
 
@@ -32,20 +34,25 @@ successful fold of the same key: a node has few writers)."""
 Put = tuple[str, str, int | None]
 """(key, value, lease id or None)."""
 
-Foldable = RecoveryTimings | NodeSyncReports
+Foldable = RecoveryTimings | NodeSyncReports | NodeHoldings
 """A record that folds into its node's key: `a.fold(b)`, idempotent."""
 
-Fold = tuple[str, Foldable]
-"""(a node's key, one worker's record to fold into it)."""
+Fold = tuple[str, Foldable] | tuple[str, Foldable, int | None]
+"""(a node's key, one worker's record to fold into it[, the lease the key is written on])."""
 
-FOLD_KINDS: dict[str, type[RecoveryTimings] | type[NodeSyncReports]] = {
-    "recovery": RecoveryTimings, "sync": NodeSyncReports}
+FOLD_KINDS: dict[str, type[Foldable]] = {"recovery": RecoveryTimings, "sync": NodeSyncReports,
+                                         "holdings": NodeHoldings}
 """The relay's wire name of each kind of fold."""
 
 
 def fold_kind(record: Foldable) -> str:
     """`record`'s name in `FOLD_KINDS`."""
-    return "recovery" if isinstance(record, RecoveryTimings) else "sync"
+    return next(name for name, kind in FOLD_KINDS.items() if isinstance(record, kind))
+
+
+def fold_lease(fold: Fold) -> int | None:
+    """The lease `fold`'s key is written on (None: none)."""
+    return fold[2] if len(fold) > 2 else None
 
 
 class FoldConflict(RuntimeError):
@@ -68,8 +75,10 @@ def write_batch(client: EtcdClient, puts: list[Put], folds: Iterable[Fold], know
     in it is taken to be absent. It is updated to what was written. FoldConflict after
     `FOLD_ATTEMPTS` lost compare-and-swaps."""
     by_key: dict[str, list[Foldable]] = {}
-    for key, record in folds:
-        by_key.setdefault(key, []).append(record)
+    leases: dict[str, int | None] = {}
+    for fold in folds:
+        by_key.setdefault(fold[0], []).append(fold[1])
+        leases[fold[0]] = leases.get(fold[0]) or fold_lease(fold)
     if not by_key:
         return write_puts(client, puts)
     head = max(0, MAX_TXN_OPS - 2 * len(by_key))
@@ -81,7 +90,7 @@ def write_batch(client: EtcdClient, puts: list[Put], folds: Iterable[Fold], know
             value = reduce(lambda a, b: a.fold(b), start).to_json().encode()  # type: ignore[arg-type]
             compares.append(client.transactions.version(key) == 0 if seen is None
                             else client.transactions.value(key) == seen)
-            ops.append(client.transactions.put(key, value))
+            ops.append(client.transactions.put(key, value, lease=leases[key]))
             written[key] = value
         ops += [client.transactions.put(k, v, lease=lease) for k, v, lease in puts[:head]]
         ok, _ = client.transaction(compare=compares, success=ops, failure=[])

@@ -1,18 +1,18 @@
 """The holder map of a generation change: which live worker holds which shards, read from etcd.
 
-Every worker publishes the shards it holds under `holdings/<node>/<local_rank>` when it halts a
-generation holding other shards than it last wrote (most workers hold the same from change to
-change: no write then), in the transaction of its sync report (elastic/roles/worker_feeds.py
-`write_sync`), and
-its shard server's address under `workers/<node>/<local_rank>`, both on its node's lease (a lost
-node's keys go with its lease). The leader publishes generation g only after every live worker
-of g-1 has halted and reported, so when g is read these keys say what each live worker holds
-after its last generation: what it serves until it has joined g (and the shards it drops then
-stay served until its next switch). A worker that never halted (a spare taking its first stage)
-has no key: it holds nothing. The leader reads the same `holdings/` keys, with the sync reports,
-to decide whether some shard has no live holder. Two prefix reads per generation change, never
-per step, and no write of their own: a change costs each node one transaction for the reports
-and holdings of all its workers.
+Every worker publishes the shards it holds, folded into its node's `holdings/<node>/all`
+(elastic/records/node_holdings.py), when it halts a generation holding other shards than it last
+wrote (most workers hold the same from change to change: no write then), in the transaction of
+its sync report (elastic/roles/worker_feeds.py `write_sync`), and its shard server's address
+under `workers/<node>/<local_rank>`, both on its node's lease (a lost node's keys go with its
+lease). The leader publishes generation g only after every live worker of g-1 has halted and
+reported, so when g is read these keys say what each live worker holds after its last
+generation: what it serves until it has joined g (and the shards it drops then stay served until
+its next switch). A worker that never halted (a spare taking its first stage) has no entry: it
+holds nothing. The leader reads the same `holdings/` keys, with the sync reports, to decide
+whether some shard has no live holder. Two prefix reads per generation change, never per step,
+and no write of their own: a change costs each node one transaction for the reports and
+holdings of all its workers.
 
 Every worker of generation g reads these keys at the etcd revision at which g was published, not
 at "now", so that all of them plan the same collective exchange even if some key changed later
@@ -36,6 +36,7 @@ import grpc
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import RunKeys
 from elastic.parallel.layout import assign_ranks
+from elastic.records.node_holdings import NODE_KEY, NodeHoldings
 from elastic.records.workers import WorkerInfo
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
@@ -119,11 +120,18 @@ def read_holdings(
     client: EtcdClient, rk: RunKeys, *, revision: int | None = None
 ) -> dict[tuple[int, int], tuple[ShardKey, ...]]:
     """(node, local_rank) -> the shards that worker reports holding: one read of `holdings/`
-    (at `revision`, or the current one). The leader reads it to find shards without a live holder."""
-    return {
-        _worker_of(meta.key): tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
-        for value, meta in client.get_prefix(rk.holdings, revision=revision)
-    }
+    (at `revision`, or the current one), a node's key (`holdings/<node>/all`) or a worker's own.
+    The leader reads it to find shards without a live holder."""
+    out: dict[tuple[int, int], tuple[ShardKey, ...]] = {}
+    for value, meta in client.get_prefix(rk.holdings, revision=revision):
+        node, last = meta.key.decode().rsplit("/", 2)[-2:]
+        if last == NODE_KEY:
+            record = NodeHoldings.from_json(value)
+            for lr, held in record.held.items():
+                out[(record.node, lr)] = tuple(ShardKey(layer, tp) for layer, tp in held)
+        elif (int(node), int(last)) not in out:  # a node's key is the newer form
+            out[(int(node), int(last))] = tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
+    return out
 
 
 def _worker_of(key: bytes) -> tuple[int, int]:

@@ -20,8 +20,8 @@ once the transaction has committed: a report is as durable as a direct put. With
 writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...],
-"folds": [[key, kind, record JSON], ...]}` ("folds" optional; kind "recovery" or "sync",
-etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
+"folds": [[key, kind, record JSON, lease or null], ...]}` ("folds" optional; kind "recovery",
+"sync" or "holdings": etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
 is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
 prefix it asks for feeds it, and it does not count as a worker.
 """
@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.roles.etcd_writes import FOLD_KINDS, Fold, Put, fold_kind, write_batch
+from elastic.roles.etcd_writes import FOLD_KINDS, Fold, Put, fold_kind, fold_lease, write_batch
 from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
 log = logging.getLogger(__name__)
@@ -177,8 +177,9 @@ class NodeRelay:
                 try:
                     request = json.loads(line)
                     puts = [(str(k), str(v), None if lease is None else int(lease)) for k, v, lease in request["puts"]]
-                    folds: list[Fold] = [(str(k), FOLD_KINDS[str(kind)].from_json(str(v)))
-                                         for k, kind, v in request.get("folds", [])]
+                    folds: list[Fold] = [(str(k), FOLD_KINDS[str(kind)].from_json(str(v)),
+                                          None if lease is None else int(lease))
+                                         for k, kind, v, lease in request.get("folds", [])]
                 except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a RecordError is a ValueError
                     _answer(conn, {"error": f"malformed request: {exc}"})
                     continue
@@ -252,7 +253,7 @@ class RelayClient:
                     self._conn = conn
                 request: dict[str, object] = {"puts": puts}
                 if folds:
-                    request["folds"] = [[key, fold_kind(record), record.to_json()] for key, record in folds]
+                    request["folds"] = [[f[0], fold_kind(f[1]), f[1].to_json(), fold_lease(f)] for f in folds]
                 self._conn.sendall(json.dumps(request).encode() + b"\n")
                 answer = json.loads(_read_line(self._conn))
             except (OSError, ValueError) as exc:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 3
 """Reads and compare-and-swaps of one generation's fold before leaving it as it is."""
 
+
 def summary_key(rk: RunKeys, generation: int) -> str:
     """`recoveries/<g>/all`: generation g's node records, folded."""
     return rk.job.key("recovered", generation)

@@ -22,7 +22,6 @@ waits for the next generation.
 from __future__ import annotations
 
 import collections
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -33,10 +32,11 @@ from elastic.coordinator.generations import Generation, Generations
 from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import PrefixWatch, Subscribe, WatchEvent, watch_from_now
 from elastic.records.generation import GenerationRecord, HaltRecord
+from elastic.records.node_holdings import NodeHoldings, node_holdings_key
 from elastic.records.node_sync import NodeSyncReports
 from elastic.records.progress import ProgressRecord, StepResult
 from elastic.records.sync import COMMIT, SyncReport
-from elastic.roles.etcd_writes import Put
+from elastic.roles.etcd_writes import Fold
 from elastic.roles.node_relay import RelayClient, put_all
 
 PROGRESS_WINDOW = 8
@@ -327,12 +327,12 @@ def write_sync(
 ) -> None:
     """Report what this halted worker of `generation` committed (the leader waits for every live
     worker), folded into its node's `sync/<g>/<node>/all` (elastic/records/node_sync.py), and, with
-    `holdings`, the shards it holds now under `holdings/<node>/<local_rank>` on the node's `lease`,
-    in the same transaction: the next generation's holder map and the leader's gap check read
+    `holdings`, the shards it holds now, folded into `holdings/<node>/all` on the node's `lease`
+    (elastic/records/node_holdings.py), in the same transaction: the next generation's holder map and the leader's gap check read
     them once every live worker has halted (elastic/roles/holders.py). Through the node's `relay`
     when there is one (elastic/roles/node_relay.py): one transaction a node."""
-    puts: list[Put] = []
+    folds: list[Fold] = [(rk.node_sync(generation, report.node), NodeSyncReports.of([report]))]
     if holdings is not None:
-        held = json.dumps(sorted(holdings))
-        puts.append((rk.worker_holdings(report.node, report.local_rank), held, lease))
-    put_all(client, relay, puts, [(rk.node_sync(generation, report.node), NodeSyncReports.of([report]))])
+        held = NodeHoldings(node=report.node, held={report.local_rank: sorted((int(a), int(b)) for a, b in holdings)})
+        folds.append((node_holdings_key(rk, report.node), held, lease))
+    put_all(client, relay, [], folds)

@@ -1,6 +1,7 @@
 """A node's sync reports in one record (elastic/records/node_sync.py): grouped, it gives back every
 worker's own report; folding is keyed by local rank, idempotent and order-free; a value of either
-form reads as the reports it holds, and a malformed one is refused."""
+form reads as the reports it holds, and a malformed one is refused. A node's holdings fold the same
+way (elastic/records/node_holdings.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from elastic.coordinator.jsonrecord import RecordError
 from elastic.records.generation import Vote
+from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports, reports_of
 from elastic.records.partial import PartialReport
 from elastic.records.sync import SyncReport
@@ -75,3 +77,13 @@ def test_reports_of_two_nodes_or_none_are_refused() -> None:
 def test_a_malformed_value_is_refused_naming_the_field(value: bytes, message: str) -> None:
     with pytest.raises(RecordError, match=message):
         reports_of(value)
+
+
+def test_a_nodes_holdings_fold_by_local_rank_and_refuse_another_nodes() -> None:
+    a = NodeHoldings(node=2, held={0: [(0, 0), (1, 0)], 1: [(0, 1)]})
+    later = NodeHoldings(node=2, held={1: [(0, 1), (2, 1)]})
+    folded = a.fold(later)
+    assert folded.held == {0: [(0, 0), (1, 0)], 1: [(0, 1), (2, 1)]}
+    assert folded.fold(later) == folded and NodeHoldings.from_json(folded.to_json()) == folded
+    with pytest.raises(ValueError, match="node 2's holdings cannot fold node 3's"):
+        a.fold(NodeHoldings(node=3, held={}))

@@ -27,6 +27,7 @@ from elastic.records.generation import GenerationRecord, HaltRecord, Vote
 from elastic.records.injection import Injection, parse_injection
 from elastic.records.injection_requests import InjectionRequest, InjectionStatus
 from elastic.records.job import JobSpec
+from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
@@ -64,6 +65,7 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
     SaveFailures: SaveFailures(node=1, local_rank=0, incarnation=2, count=3, last_step=15,
                                last_reason="[Errno 28] No space left on device", last_at=1000.9),
     SyncReport: SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
+    NodeHoldings: NodeHoldings(node=3, held={0: [(0, 0), (1, 0)], 1: [(0, 1), (1, 1)], 5: []}),
     NodeSyncReports: NodeSyncReports.of([
         SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
         *(SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=lr) for lr in (1, 2, 3, 5))]),

@@ -15,11 +15,14 @@ from typing import Any
 
 import pytest
 
+from elastic.records.node_holdings import node_holdings_key
 from elastic.records.node_sync import reports_of
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
+from elastic.roles.holders import read_holdings
 from elastic.roles.node_relay import NodeRelay, RelayClient, RelayError, put_all
 from elastic.roles.worker_feeds import write_sync
+from elastic.transfer.shards import ShardKey
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -226,7 +229,8 @@ def _send_folds(clients: dict[int, RelayClient], key: str, records: list[Recover
         t.join(20)
 
 
-def _halted(client: Any, rk: Any, relay: NodeRelay | None, node: int, workers: list[int]) -> list[SyncReport]:
+def _halted(client: Any, rk: Any, relay: NodeRelay | None, node: int, workers: list[int], *,
+            lease: int) -> list[SyncReport]:
     """Workers `workers` of `node` report their halt of generation 7 at once (`write_sync`), each from
     its own thread, through `relay` (None: each writes its own); their reports."""
     reports = [SyncReport(committed=30 + (lr == 2), pending=None, last_vote=None, node=node, local_rank=lr)
@@ -236,7 +240,7 @@ def _halted(client: Any, rk: Any, relay: NodeRelay | None, node: int, workers: l
 
     def one(i: int) -> None:
         try:
-            write_sync(client, rk, 7, reports[i], holdings=[(i, workers[i])], relay=clients[i])
+            write_sync(client, rk, 7, reports[i], holdings=[(workers[i], workers[i])], lease=lease, relay=clients[i])
         except BaseException as exc:  # handed to the test
             errors.append(exc)
 
@@ -253,26 +257,34 @@ def _halted(client: Any, rk: Any, relay: NodeRelay | None, node: int, workers: l
 
 
 def test_a_nodes_sync_reports_are_one_key_through_the_relay_or_not(client: Any, job: str) -> None:
-    """Through the relay, a node's 4 reports and holdings are one transaction and its reports one
-    key; without one (torchrun's workers), 4 workers folding their own at once into the same key
-    (compare-and-swaps that lose and fold again) give the same key, each report once."""
+    """Through the relay, a node's 4 reports and holdings are one transaction, its reports one key
+    and its holdings one key on its lease; without one (torchrun's workers), 4 workers folding
+    their own at once into the same keys (compare-and-swaps that lose and fold again) give the
+    same keys, each worker once."""
     from elastic.coordinator.keys import JobKeys, RunKeys
 
     rk = RunKeys(JobKeys(job))
     relay = NodeRelay(client, name=_name(), workers=4, linger_s=10.0)
+    lease = client.lease(60)
     try:
         before = _revision(client)
-        sent = _halted(client, rk, relay, 3, [0, 1, 2, 3])
+        sent = _halted(client, rk, relay, 3, [0, 1, 2, 3], lease=lease.id)
         assert _revision(client) - before == 1 and relay.transactions == 1
     finally:
         relay.close()
     assert [k.decode().rsplit("/", 1)[1] for k in _keys(client, rk.sync(7))] == ["all"]
     assert reports_of(client.get(rk.node_sync(7, 3))[0]) == sent
-    assert all(json.loads(client.get(rk.worker_holdings(3, lr))[0]) == [[lr, lr]] for lr in range(4))
+    assert [k.decode().rsplit("/", 1)[1] for k in _keys(client, rk.holdings)] == ["all"]
+    assert read_holdings(client, rk) == {(3, lr): (ShardKey(lr, lr),) for lr in range(4)}
+    _, meta = client.get(node_holdings_key(rk, 3))
+    assert meta.lease_id == lease.id, "the node's holdings go with its lease"
 
-    direct = _halted(client, rk, None, 4, [0, 1, 2, 3])
+    direct = _halted(client, rk, None, 4, [0, 1, 2, 3], lease=lease.id)
     assert reports_of(client.get(rk.node_sync(7, 4))[0]) == direct
     assert len(_keys(client, rk.sync(7))) == 2
+    assert read_holdings(client, rk) == {(n, lr): (ShardKey(lr, lr),) for n in (3, 4) for lr in range(4)}
+    lease.revoke()
+    assert read_holdings(client, rk) == {}
 
 
 def _keys(client: Any, prefix: str) -> list[bytes]:
