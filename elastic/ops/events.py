@@ -158,7 +158,8 @@ class History:
                                         "finishing_s", "planning_s", "transferring_s", "rebuilding_s", "replaying_s",
                                         "total_s", "bytes_moved", "replayed_fraction")}
             out.append(HistoryEvent(kind="recovered", time=b["first_commit_at"], who="workers",
-                                    revision=max(m.mod_revision for _, m in pairs),
+                                    revision=max(t.last_revision or m.mod_revision  # a summary: its records'
+                                                 for t, (_, m) in zip(timings, pairs, strict=True)),
                                     key=self.rk.prefix("recoveries", g), detail=detail))
         return out
 

@@ -60,6 +60,9 @@ class RecoveryTimings(JsonRecord):
     node_bytes: dict[int, int] = field(default_factory=dict)
     """A generation's summary only: `bytes_fetched` of each node that fetched any (a node's own
     record leaves it empty: its bytes are `reconfig.bytes_fetched`)."""
+    last_revision: int | None = None
+    """A generation's summary only: the etcd revision of the last node record folded in (what
+    `elastic events` orders the recovery by, as before the fold)."""
 
     def fold(self, other: RecoveryTimings) -> RecoveryTimings:
         """Both records as one: the later times, the larger phases, the summed bytes, the ranks

@@ -16,6 +16,7 @@ count such a record beside the summary once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from elastic.coordinator.etcd_api import EtcdClient
@@ -56,10 +57,13 @@ def fold_generation(client: EtcdClient, rk: RunKeys, g: int) -> int:
             if old is not None:
                 by_node[SUMMARY_NODE] = RecoveryTimings.from_json(old)
             summary = summary_of(by_node)
+            last = max([kv.mod_revision for kv in resp.kvs]
+                       + [r.last_revision for r in by_node.values() if r.last_revision is not None])
         except ValueError as exc:  # a malformed record, or two that overlap in part: readers see them as they are
             log.warning("recoveries of generation %d left unfolded: %s", g, exc)
             return 0
         assert summary is not None
+        summary = dataclasses.replace(summary, last_revision=last)
         txn = client.transactions
         ok, _ = client.transaction(
             compare=[txn.mod(start, end) < int(resp.header.revision) + 1,

@@ -208,9 +208,11 @@ RECOVERY_V2 = (
 
 RECOVERY_V3 = (
     '{"ranks": [[2, 3]], "seen_at": 1000.8, "transfer_s": 0.03, "rebuild_s": 0.02, "bytes_fetched": 7534112, '
-    '"started_at": 1000.9, "first_commit_at": 1001.0, "bytes_collective": 7534112, "node_bytes": {}, "v": 3}'
+    '"started_at": 1000.9, "first_commit_at": 1001.0, "bytes_collective": 7534112, "node_bytes": {}, '
+    '"last_revision": null, "v": 3}'
 )
-"""The same record in version 3: the ranks as runs, and `node_bytes` (a generation's summary's)."""
+"""The same record in version 3: the ranks as runs, `node_bytes` and `last_revision` (a generation's
+summary's)."""
 
 
 def test_recovery_timings_stay_one_flat_object() -> None:

@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
+from elastic.coordinator.events import record_event
+from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.ops.events import History
 from elastic.ops.metrics_snapshot import snapshot
 from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import breakdown_of
@@ -147,3 +150,19 @@ def test_the_launchers_watch_ends_with_the_summary_alone(client: Any, job: str) 
         assert progress.timings[g]["all"].reconfig.bytes_fetched == sum(r.reconfig.bytes_fetched for r in records.values())
     finally:
         feed.close()
+
+
+def test_elastic_events_shows_a_folded_recovery_where_and_as_it_was(client: Any, job: str) -> None:
+    """`elastic events` orders a recovery by the revision of its generation's last record: the fold,
+    written later, moves it nowhere, and its figures are the same."""
+    keys = JobKeys(job)
+    rk, gens = RunKeys(keys), Generations(client, keys)
+    gens.publish(_generation(1).to_json(), expected=0)
+    gens.publish(_generation(2).to_json(), expected=1)
+    _write(client, rk, 2, _records(5))
+    record_event(client, keys, who="test", kind="note", reason="after the recovery")
+    before = [e for e in History(client, keys).read_all() if e.kind in ("recovered", "note")]
+    assert [e.kind for e in before] == ["recovered", "note"]
+    assert fold_generation(client, rk, 2) == len(NODES)
+    after = [e for e in History(client, keys).read_all() if e.kind in ("recovered", "note")]
+    assert after == before
