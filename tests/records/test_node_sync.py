@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from elastic.coordinator.jsonrecord import RecordError
+from elastic.coordinator.jsonrecord import JsonRecord, RecordError
 from elastic.records.generation import Vote
 from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports, reports_of
@@ -87,3 +87,20 @@ def test_a_nodes_holdings_fold_by_local_rank_and_refuse_another_nodes() -> None:
     assert folded.fold(later) == folded and NodeHoldings.from_json(folded.to_json()) == folded
     with pytest.raises(ValueError, match="node 2's holdings cannot fold node 3's"):
         a.fold(NodeHoldings(node=3, held={}))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_holdings_fast_read_is_the_checked_read(seed: int) -> None:
+    """NodeHoldings.from_json's fast path reads what JsonRecord's checked decode reads, and leaves
+    anything else to it (its errors name the field)."""
+    rng = random.Random(seed)
+    record = NodeHoldings(node=rng.randrange(2048), held={
+        lr: sorted((rng.randrange(96), rng.randrange(8)) for _ in range(rng.randrange(4))) for lr in range(8)})
+    text = record.to_json()
+    assert NodeHoldings.from_json(text) == JsonRecord.from_json.__func__(NodeHoldings, text) == record  # type: ignore[attr-defined]
+    for bad, message in [(text.replace('"node": ', '"node": "x', 1).replace(', "v"', '", "v"', 1), r"node: expected int"),
+                         ('{"held": {"0": [[1, 2.5]]}, "node": 1, "v": 1}', r"held\['0'\]\[0\]\[1\]: expected int"),
+                         ('{"held": {}, "node": 1, "v": 2}', r"schema version 2 is newer"),
+                         ('{"held": {}, "node": 1, "v": 1, "x": 0}', r"unknown field")]:
+        with pytest.raises(RecordError, match=message):
+            NodeHoldings.from_json(bad)
