@@ -68,51 +68,55 @@ class RecoveryTimings(JsonRecord):
         """Both records as one: the later times, the larger phases, the summed bytes, the ranks
         of both. `self` unchanged when `other`'s ranks are already in it (folded before), `other`
         when it holds all of `self`'s (a summary)."""
-        if set(other.ranks) <= set(self.ranks):
-            return self
-        if set(self.ranks) <= set(other.ranks):
-            return other
-        if set(other.ranks) & set(self.ranks):
-            raise ValueError(f"recovery records overlap in part: ranks {self.ranks} and {other.ranks}")
-        a, b = self.reconfig, other.reconfig
-        return RecoveryTimings(
-            ranks=sorted({*self.ranks, *other.ranks}),
-            seen_at=max(self.seen_at, other.seen_at),
-            reconfig=ReconfigTimings(transfer_s=max(a.transfer_s, b.transfer_s), rebuild_s=max(a.rebuild_s, b.rebuild_s),
-                                     bytes_fetched=a.bytes_fetched + b.bytes_fetched,
-                                     bytes_collective=a.bytes_collective + b.bytes_collective),
-            started_at=max(self.started_at, other.started_at),
-            first_commit_at=max(self.first_commit_at, other.first_commit_at),
-            node_bytes=_added(self.node_bytes, other.node_bytes),
-        )
-
-
-def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
-    return {n: a.get(n, 0) + b.get(n, 0) for n in sorted({*a, *b})}
+        out = fold_all([other], self)
+        assert out is not None
+        return out
 
 
 def fold_all(records: list[RecoveryTimings], into: RecoveryTimings | None = None) -> RecoveryTimings | None:
-    """`records` folded into `into` (None: nothing to fold)."""
-    out = into
-    for r in records:
-        out = r if out is None else out.fold(r)
-    return out
+    """`records` folded into `into` (None: nothing to fold), in one pass: what folding them one by
+    one gives (`fold`), in time linear in their ranks (a generation's summary folds 2,048 node
+    records). ValueError when two hold some but not all of the same ranks."""
+    kept = distinct(records if into is None else [into, *records])
+    if len(kept) <= 1:
+        return kept[0] if kept else None
+    owner: dict[int, RecoveryTimings] = {}
+    node_bytes: dict[int, int] = {}
+    for r in kept:
+        for rank in r.ranks:
+            if (first := owner.setdefault(rank, r)) is not r:
+                raise ValueError(f"recovery records overlap in part: ranks {first.ranks} and {r.ranks}")
+        for n, b in r.node_bytes.items():
+            node_bytes[n] = node_bytes.get(n, 0) + b
+    parts = [r.reconfig for r in kept]
+    return RecoveryTimings(
+        ranks=sorted(owner),
+        seen_at=max(r.seen_at for r in kept),
+        reconfig=ReconfigTimings(transfer_s=max(p.transfer_s for p in parts), rebuild_s=max(p.rebuild_s for p in parts),
+                                 bytes_fetched=sum(p.bytes_fetched for p in parts),
+                                 bytes_collective=sum(p.bytes_collective for p in parts)),
+        started_at=max(r.started_at for r in kept),
+        first_commit_at=max(r.first_commit_at for r in kept),
+        node_bytes=dict(sorted(node_bytes.items())),
+    )
 
 
 def summary_of(by_node: dict[int, RecoveryTimings]) -> RecoveryTimings | None:
     """A generation's records by node (a summary already written under `SUMMARY_NODE`) as its
     one summary: folded, with each node's bytes (None: no records). ValueError when two records
     hold some but not all of the same ranks."""
-    kept = {id(r) for r in distinct(list(by_node.values()))}
-    node_bytes: dict[int, int] = {}
-    for node, record in by_node.items():
-        if id(record) in kept:
-            node_bytes = _added(node_bytes, record.node_bytes if node == SUMMARY_NODE or record.node_bytes
-                                else {node: record.reconfig.bytes_fetched})
-    out = fold_all([r for r in by_node.values() if id(r) in kept])
+    kept = distinct(list(by_node.values()))
+    out = fold_all(kept)
     if out is None:
         return None
-    return dataclasses.replace(out, node_bytes={n: b for n, b in node_bytes.items() if b})
+    ids = {id(r) for r in kept}
+    node_bytes: dict[int, int] = {}
+    for node, record in by_node.items():
+        if id(record) in ids:
+            own = record.node_bytes if node == SUMMARY_NODE or record.node_bytes else {node: record.reconfig.bytes_fetched}
+            for n, b in own.items():
+                node_bytes[n] = node_bytes.get(n, 0) + b
+    return dataclasses.replace(out, node_bytes={n: b for n, b in sorted(node_bytes.items()) if b})
 
 
 def distinct(records: list[RecoveryTimings]) -> list[RecoveryTimings]:
