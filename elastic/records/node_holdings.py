@@ -20,9 +20,6 @@ from typing import Self
 from elastic.coordinator.jsonrecord import JsonRecord
 from elastic.coordinator.keys import RunKeys
 
-NODE_KEY = "all"
-"""The last component of a node's key under `holdings/<node>/` (a worker's own is its local rank)."""
-
 
 @dataclass(frozen=True, kw_only=True)
 class NodeHoldings(JsonRecord):

@@ -23,7 +23,8 @@ from elastic.records.partial import PartialReport
 from elastic.records.sync import SyncReport
 
 NODE_KEY = "all"
-"""The last component of a node's key under `sync/<g>/<node>/` (a worker's own is its local rank)."""
+"""The last component of a node's folded key, `sync/<g>/<node>/all` and `holdings/<node>/all` (a
+worker's own key ends in its local rank)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -112,8 +112,8 @@ class ElasticWorker:
         client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
         self.relay = relay_from_env()
-        self._held_written: list[ShardKey] | None = None  # what it last wrote to holdings/<node>/<local_rank>
         """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
+        self._held_written: list[ShardKey] | None = None  # what it last wrote to its node's holdings/<node>/all
         # The records every worker follows come through the agent, which watches each once for the node.
         follow = subscriber(client, self.relay.name if self.relay is not None else None)
         self.generations = GenerationFeed(Generations(client, keys), subscribe=follow)

@@ -36,7 +36,8 @@ import grpc
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import RunKeys
 from elastic.parallel.layout import assign_ranks
-from elastic.records.node_holdings import NODE_KEY, NodeHoldings
+from elastic.records.node_holdings import NodeHoldings
+from elastic.records.node_sync import NODE_KEY
 from elastic.records.workers import WorkerInfo
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic.parallel.layout import assign_ranks
+from elastic.parallel.layout import WorkerCoord, assign_ranks
 from elastic.records.generation import GenerationRecord
 from elastic.records.recoveries import breakdown_of
 from elastic.records.recovery_timings import (
@@ -34,16 +34,23 @@ def _worker(rank: int, rng: random.Random) -> RecoveryTimings:
         started_at=T0 + rng.uniform(1, 3), first_commit_at=T0 + rng.uniform(3, 5))
 
 
+def _generation(nodes: list[int], *, gpus: int, lost: int, rng: random.Random
+                ) -> tuple[GenerationRecord, tuple[WorkerCoord, ...], list[RecoveryTimings]]:
+    """A generation of 2 pipelines over `nodes` after losing `lost`, its ranks' coordinates, and
+    each worker's own record."""
+    plan = even_plan(num_layers=2 * len(nodes), nodes=nodes, num_pipelines=2, global_microbatches=2 * gpus,
+                     microbatch_size=1, gpus_per_node=gpus)
+    rec = GenerationRecord(plan=plan, resume_step=5, incarnations=dict.fromkeys(nodes, 0), lost=[lost],
+                           detected_at=T0 - 1, synced_at=T0 - 0.8, published_at=T0 - 0.5)
+    coords = assign_ranks(plan)
+    return rec, coords, [_worker(rank, rng) for rank in range(len(coords))]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_breakdown_of_node_records_is_that_of_the_workers(seed: int) -> None:
     rng = random.Random(seed)
-    nodes = [0, 1, 3, 4, 6, 7]
-    plan = even_plan(num_layers=12, nodes=nodes, num_pipelines=2, global_microbatches=8, microbatch_size=1,
-                     gpus_per_node=4)
-    rec = GenerationRecord(plan=plan, resume_step=5, incarnations=dict.fromkeys(nodes, 0), lost=[2],
-                           detected_at=T0 - 1, synced_at=T0 - 0.8, published_at=T0 - 0.5)
-    coords = assign_ranks(plan)
-    workers = [_worker(rank, rng) for rank in range(len(coords))]
+    rec, coords, workers = _generation([0, 1, 3, 4, 6, 7], gpus=4, lost=2, rng=rng)
+    nodes = rec.plan.nodes
     by_node: dict[int, list[RecoveryTimings]] = {}
     for w in rng.sample(workers, len(workers)):  # folded in any order
         by_node.setdefault(coords[w.ranks[0]].node, []).append(w)
@@ -79,13 +86,8 @@ def test_a_generations_summary_reads_as_its_node_records(seed: int) -> None:
     workers counted and each node's bytes are those of the workers' own records, and a node
     record read beside the summary (a watch between the two) is counted once."""
     rng = random.Random(100 + seed)
-    nodes = [0, 2, 5, 9]
-    plan = even_plan(num_layers=8, nodes=nodes, num_pipelines=2, global_microbatches=4, microbatch_size=1,
-                     gpus_per_node=2)
-    rec = GenerationRecord(plan=plan, resume_step=3, incarnations=dict.fromkeys(nodes, 0), lost=[1],
-                           detected_at=T0 - 1, synced_at=T0 - 0.8, published_at=T0 - 0.5)
-    coords = assign_ranks(plan)
-    workers = [_worker(rank, rng) for rank in range(len(coords))]
+    rec, coords, workers = _generation([0, 2, 5, 9], gpus=2, lost=1, rng=rng)
+    nodes = rec.plan.nodes
     if seed == 0:  # a node that fetched nothing is left out of node_bytes
         workers = [replace(w, reconfig=replace(w.reconfig, bytes_fetched=0)) if coords[w.ranks[0]].node == 5 else w
                    for w in workers]
