@@ -136,7 +136,7 @@ class LightRun:
 
     def setup(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        self.admin.put(self.rk.config, self.config.to_json())
+        self.admin.put(self.rk.config, self.config.to_packed())
         level = logging.getLogger().getEffectiveLevel()
         for i, block in enumerate(self.blocks):
             spec = ShardSpec(index=i, endpoint=self.endpoint, job=self.keys.job, config_json=self.config.to_json(),
@@ -165,7 +165,7 @@ class LightRun:
         return {"setup_s": round(time.perf_counter() - t0, 1), "threads": sum(threads),
                 "etcd_clients": sum(s["clients"] for s in made) + 1,
                 "watchers": int(m["etcd_debugging_mvcc_watcher_total"]),
-                "watch_streams": int(m["etcd_debugging_mvcc_watch_stream_total"])}
+                "watch_streams": int(m["etcd_debugging_mvcc_watch_stream_total"]), **db_mb(m)}
 
     def _all(self, command: str, *args: Any, key: str) -> bool:
         return all(st[key] for st in call_all(self.shards, command, *args))
@@ -255,6 +255,7 @@ class LightRun:
             "cores": cores(cpu1, cpu0, max(t_done - t_fail, 1e-3)),
             "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu1},
             "leases_lost": concat(parts, "leases_lost"),
+            **db_mb(after),  # where the db's high-water mark grows: after setup, or change by change
         }
 
     def _families(self, rev0: int) -> dict[str, int]:
@@ -286,6 +287,12 @@ class LightRun:
             self.observer.close()
         teardown(self.shards, graceful=not interrupted and self.server.running(), timeout=180.0)
         self.admin.close()
+
+
+def db_mb(m: dict[str, float]) -> dict[str, float]:
+    """etcd's db size (its pages' high-water mark) and the part of it in use, in MB, from its metrics."""
+    return {"db_mb": round(m["etcd_mvcc_db_total_size_in_bytes"] / 2**20, 2),
+            "db_in_use_mb": round(m["etcd_mvcc_db_total_size_in_use_in_bytes"] / 2**20, 2)}
 
 
 def run_one(*, nodes: int, steps: int, changes: int, pace_ms: float, procs: int, nodes_per_client: int,

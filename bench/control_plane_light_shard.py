@@ -13,7 +13,7 @@ the runtime's own classes where the request is issued:
   reports folded into one key, with their holdings where they changed (each report and holding
   built by the worker's own `write_sync`, collected instead of sent over the relay's socket),
   and one for their recovery records folded into one (`write_batch`, the relay's write);
-- the workers: their `workers/<node>/<lr>` registrations, their `HaltFeed` and `DecisionFeed`
+- the workers: their registrations, folded into `workers/<node>/all` (one transaction a node), their `HaltFeed` and `DecisionFeed`
   (fed by the node's watch, as through the relay), and world rank 0's `ProgressWriter`;
 - node 0's `Leader`, elected first. The standby agents' Leaders make no etcd request while
   standby (they wait on their election locally) and are not started.
@@ -56,11 +56,12 @@ from elastic.coordinator.keys import RunKeys
 from elastic.coordinator.watch import Cancelable, PrefixWatch, watch_from_now
 from elastic.parallel.layout import WorkerCoord, assign_ranks
 from elastic.records.generation import GenerationRecord, Vote
+from elastic.records.node_workers import registration
 from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
 from elastic.records.workers import node_id
-from elastic.roles.etcd_writes import Fold, Put, write_batch, write_puts
+from elastic.roles.etcd_writes import Fold, Put, write_batch
 from elastic.roles.injection_trigger import InjectionTrigger
 from elastic.roles.leader import Leader
 from elastic.roles.worker_feeds import DecisionFeed, HaltFeed, ProgressWriter, write_sync
@@ -146,7 +147,9 @@ class LightNode:
         keys, config, gpus = shard.keys, shard.config, shard.spec.gpus
         self.rk, self.who = RunKeys(keys), node_id(node)
         self.membership, self.lease = join_member(client, keys, config, node, gpus)
-        write_puts(client, [(self.rk.worker(node, lr), worker_info(node, lr).to_json(), self.lease) for lr in range(gpus)])
+        # its workers' registrations, folded into the node's one key (as its agent's relay does)
+        write_batch(client, [], [registration(self.rk, node, lr, worker_info(node, lr), self.lease)
+                                 for lr in range(gpus)], {})
         self.generation = 0
         self.aborted: dict[int, float] = {}
         self.held: dict[int, list[tuple[int, int]]] = {}

@@ -11,7 +11,7 @@ What runs is the project's real code; only the training is simulated. Per W, one
   others keep their watches open as the real agent's do), the agent's `InjectionTrigger` (timed
   by a subclass that notes when each committed step reaches it) and the agent's watch on
   `injections/`. Not simulated: the agent's NodeMetrics endpoint, the worker monitor, processes.
-- workers: each simulated worker registers `workers/<node>/<lr>` on
+- workers: each simulated worker registers in `workers/<node>/all` (through the node's relay) on
   its node's lease and owns the feeds a real ElasticWorker owns (`GenerationFeed`, `HaltFeed`,
   `DecisionFeed`, `ProgressWriter`). The three feeds follow their prefixes through the node's
   relay, as an ElasticWorker's do (the agent watches each prefix once for its node,
@@ -684,7 +684,7 @@ def run_one(
         run = ScaleRun(layout, server=server, run_dir=run_dir, grpc_poll_s=grpc_poll_s, relay=relay,
                        switch_interval_ms=switch_interval_ms)
         out["plan"] = run.plan_figures()
-        run.admin.put(run.rk.config, run.config.to_json())
+        run.admin.put(run.rk.config, run.config.to_packed())
         interrupted = False
         try:
             out.update(run.setup(standby_leaders=standby_leaders))

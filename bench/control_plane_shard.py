@@ -50,6 +50,7 @@ from elastic.coordinator.watch import PrefixWatch, WatchEvent
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.config import ElasticConfig
 from elastic.records.generation import Vote
+from elastic.records.node_workers import registration
 from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
@@ -179,7 +180,7 @@ class SimWorker:
         self.node, self.local_rank = node, local_rank
         client, rk = node.client, node.rk
         info = worker_info(node.node, local_rank, node.incarnation)
-        client.put(rk.worker(node.node, local_rank), info.to_json(), lease=node.lease)
+        put_all(client, node.relay, [], [registration(rk, node.node, local_rank, info, node.lease)])  # as ElasticWorker
         # As an ElasticWorker: its feeds through the node's agent (one watch a prefix a node), or,
         # with --no-relay, each a watch of the worker's own.
         follow = subscriber(client, node.relay.name if node.relay is not None else None)
@@ -273,7 +274,7 @@ def join_member(client: Any, keys: JobKeys, config: ElasticConfig, node: int, gp
 
 
 def worker_info(node: int, local_rank: int, incarnation: int = 0) -> WorkerInfo:
-    """What a simulated worker registers under `workers/<node>/<local_rank>`."""
+    """What a simulated worker registers in `workers/<node>/all`."""
     return WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node * 64 + local_rank}",
                       incarnation=incarnation)
 

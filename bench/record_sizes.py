@@ -2,14 +2,17 @@
 
     .venv/bin/python bench/record_sizes.py [--nodes 64 256 1024 2048] [--gpus-per-node 8]
 
-Every worker watches the generation records (`plan/<g>`) and the halts (`halt/<g>`), so each such
-record is sent once per worker. For a GPT-3 6.7B-shaped model on N nodes x G GPUs (f = 1, one
-microbatch a GPU), the planner's first plan loses its first node; the leader's `replan` gives
-g+1, and `resolve_replay` keeps the microbatches of every intact pipeline, every worker of
-which reports its kept sums. Printed per N: the JSON bytes of the generation record (and of its
-plan, incarnations and replay parts), bytes per node, the time to decode it (what each worker
-pays), the halt record, and the bytes etcd sends for one record to every worker. etcd refuses a
-request over 1.5 MiB (`--max-request-bytes`), so the record must stay under it.
+Every worker follows the generation records (`plan/<g>`) and the halts (`halt/<g>`): its node's
+agent watches each once and hands it to the node's workers (elastic/roles/node_feed.py), so etcd
+sends each such record once per node, and each worker decodes it. For a GPT-3 6.7B-shaped model
+on N nodes x G GPUs (f = 1, one microbatch a GPU), the planner's first plan loses its first
+node; the leader's `replan` gives g+1, and `resolve_replay` keeps the microbatches of every
+intact pipeline, every worker of which reports its kept sums. Printed per N: the JSON bytes of
+the generation record (and of its plan, incarnations and replay parts), what etcd stores of it
+(`to_packed`: zlib), stored bytes per node, the time to unpack and decode it (what each worker
+pays), the halt record, the bytes etcd sends for one record to every node, and what it would
+send unpacked to every worker (without the agents' feed). etcd refuses a request over 1.5 MiB
+(`--max-request-bytes`), so the stored record must stay under it.
 """
 
 from __future__ import annotations
@@ -52,19 +55,20 @@ def measure(nodes: int, gpus: int) -> dict[str, float]:
     resolve_s = time.perf_counter() - t0
     record = GenerationRecord(plan=new, resume_step=100, incarnations={n: 0 for n in range(nodes) if n != lost},
                               lost=[lost], reason=f"lost node {lost}", replay=replay)
-    text = record.to_json()
+    text, stored = record.to_json(), record.to_packed()
     t0 = time.perf_counter()
-    GenerationRecord.from_json(text)
+    GenerationRecord.from_json(stored)
     decode_s = time.perf_counter() - t0
     halt = HaltRecord(abort=True, reason=f"lost node {lost}", at=time.time(), lost=[lost])
     workers = nodes * gpus
     return {
-        "nodes": nodes, "workers": workers, "record_bytes": len(text),
+        "nodes": nodes, "workers": workers, "record_bytes": len(text), "stored_bytes": len(stored),
         "plan_bytes": len(json.dumps(json.loads(text)["plan"])),
         "incarnations_bytes": len(json.dumps(json.loads(text)["incarnations"])),
-        "replay_bytes": len(replay.to_json()), "bytes_per_node": len(text) / nodes,
+        "replay_bytes": len(replay.to_json()), "bytes_per_node": len(stored) / nodes,
         "decode_ms": decode_s * 1e3, "resolve_ms": resolve_s * 1e3, "halt_bytes": len(halt.to_json()),
-        "fanout_mb": len(text) * workers / 1e6, "under_etcd_limit": len(text) < ETCD_MAX_REQUEST,
+        "fanout_mb": len(text) * workers / 1e6, "node_fanout_mb": len(stored) * nodes / 1e6,
+        "under_etcd_limit": len(stored) < ETCD_MAX_REQUEST,
     }
 
 
@@ -73,16 +77,16 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[64, 256, 1024, 2048])
     parser.add_argument("--gpus-per-node", type=int, default=8)
     args = parser.parse_args()
-    print("| nodes | workers | generation record | plan | incarnations | replay | per node | decode | "
-          "resolve_replay | halt | to every worker |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| nodes | workers | generation record | stored (packed) | plan | incarnations | replay | per node | decode | "
+          "resolve_replay | halt | etcd to every node | unpacked, to every worker |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in args.nodes:
         r = measure(n, args.gpus_per_node)
-        assert r["under_etcd_limit"], f"{n} nodes: the record ({r['record_bytes']} B) exceeds etcd's request limit"
-        print(f"| {n} | {r['workers']} | {r['record_bytes'] / 1e3:.1f} KB | {r['plan_bytes'] / 1e3:.1f} KB | "
-              f"{r['incarnations_bytes'] / 1e3:.1f} KB | {r['replay_bytes'] / 1e3:.1f} KB | {r['bytes_per_node']:.0f} B | "
-              f"{r['decode_ms']:.1f} ms | {r['resolve_ms']:.0f} ms | {r['halt_bytes']} B | {r['fanout_mb']:.0f} MB |",
-              flush=True)
+        assert r["under_etcd_limit"], f"{n} nodes: the record ({r['stored_bytes']} B) exceeds etcd's request limit"
+        print(f"| {n} | {r['workers']} | {r['record_bytes'] / 1e3:.1f} KB | {r['stored_bytes'] / 1e3:.1f} KB | "
+              f"{r['plan_bytes'] / 1e3:.1f} KB | {r['incarnations_bytes'] / 1e3:.1f} KB | {r['replay_bytes'] / 1e3:.1f} KB | "
+              f"{r['bytes_per_node']:.0f} B | {r['decode_ms']:.1f} ms | {r['resolve_ms']:.0f} ms | {r['halt_bytes']} B | "
+              f"{r['node_fanout_mb']:.1f} MB | {r['fanout_mb']:.0f} MB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class OperatorJob:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from elastic.coordinator.access import JobAccessError, admit
+        from elastic.coordinator.jsonrecord import unpack_text
         from elastic.coordinator.keys import RunKeys
         from elastic.ops.job_target import OpsError, find_job, open_client, resolve_target
 
@@ -78,7 +79,7 @@ class OperatorJob:
         if value is None or stored is None:
             self.close()
             raise JobError(f"job {self.keys.job} at {target.etcd} is not an elastic run (no config or token)")
-        self.raw = json.loads(value)
+        self.raw = json.loads(unpack_text(value))
         token = args.token or os.environ.get("ELASTIC_JOB_TOKEN") or _token_of_run_dir(args.run_dir)
         try:  # the token record exists, so admit only checks (it never installs ours)
             admit(self.client, self.keys, token)

@@ -1,7 +1,8 @@
 """Plan generations, written with compare-and-swap transactions.
 
 `generation` holds the latest committed generation number g; `plan/<g>` its plan (opaque JSON,
-see templates/plan.py). `publish(plan, expected=g)` writes g+1 and its plan in one transaction
+see templates/plan.py, stored packed: zlib-compressed when large, `jsonrecord.pack_text`; every
+`Generation` here carries it unpacked). `publish(plan, expected=g)` writes g+1 and its plan in one transaction
 that succeeds only if the generation is still g and plan g+1 does not exist: generations are
 strictly increasing, and no generation ever has two plans, whatever the number of concurrent
 writers. Passing the leader's `fence` (LeaderElection.leader_compare()) also rejects a deposed
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .etcd_api import Compare, EtcdClient
+from .jsonrecord import pack_text, unpack_text
 from .keys import JobKeys
 from .watch import Cancelable, Subscribe, WatchEvent, watch_from_now
 
@@ -68,7 +70,7 @@ class Generations:
         value, meta = self.client.get(self.keys.plan(number))
         if value is None or meta is None:
             return None
-        return Generation(number=number, plan=value.decode(), revision=meta.mod_revision)
+        return Generation(number=number, plan=unpack_text(value).decode(), revision=meta.mod_revision)
 
     def publish(self, plan: str, *, expected: int, fence: Compare | None = None) -> Generation:
         """Commit `plan` as generation expected+1, or raise GenerationConflict."""
@@ -86,7 +88,7 @@ class Generations:
             compare.append(fence)
         ok, responses = self.client.transaction(
             compare=compare,
-            success=[txn.put(gen_key, str(new)), txn.put(self.keys.plan(new), plan)],
+            success=[txn.put(gen_key, str(new)), txn.put(self.keys.plan(new), pack_text(plan))],
             failure=[],
         )
         if not ok:
@@ -115,7 +117,7 @@ class Generations:
                 number = int(suffix)
                 if number > last[0]:
                     last[0] = number
-                    on_generation(Generation(number=number, plan=ev.value.decode(), revision=ev.revision))
+                    on_generation(Generation(number=number, plan=unpack_text(ev.value).decode(), revision=ev.revision))
 
         follow = subscribe if subscribe is not None else functools.partial(watch_from_now, self.client)
         return follow(self.keys.plans, handle)

@@ -9,7 +9,11 @@ A field with `metadata=INLINE` writes the fields of its dataclass into the enclo
 0, 2, 3, ..., 9: a run of 16,384 ranks is 2 numbers) and reads runs or plain integers.
 
 `to_json` adds the record's schema version under `"v"`; `from_json` reads a record without one
-as version 1 (what every record was before versions existed) and refuses a newer version. Any
+as version 1 (what every record was before versions existed) and refuses a newer version.
+`to_packed` is the same text as stored in etcd: zlib-compressed (RFC 1950) when it is at least
+`PACK_MIN_BYTES` long. A large record repeats its field names and numbers so often that it packs
+about 9x (a 2,048-node generation record: 161 KB to 18 KB), and such a record is sent to every
+worker. `from_json` reads either form: packed text begins with byte 0x78, JSON never does. Any
 record that cannot be read raises `RecordError` (a ValueError) naming the record type and the
 field, e.g. `SyncReport.last_vote.step: expected int, got str 'x'`.
 
@@ -25,6 +29,7 @@ import functools
 import json
 import types
 import typing
+import zlib
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self, TypeVar, Union
 
@@ -40,6 +45,16 @@ consecutive ones), read from runs or plain integers."""
 
 MAX_RUN = 1 << 24
 """The longest run a record may hold (a malformed one must not make a reader allocate without bound)."""
+
+PACK_MIN_BYTES = 1024
+"""`to_packed` compresses text at least this long: a smaller one gains too little for an operator's
+loss of reading it with etcdctl. A 2-node job's config and generation records are already over it."""
+
+MAX_UNPACKED_BYTES = 256 * 2**20
+"""The most a packed value may unpack to (etcd's values are at most 1.5 MiB; zlib's worst case is ~1000x)."""
+
+_ZLIB_FIRST = 0x78
+"""The first byte of a zlib stream with the default 32 KiB window (RFC 1950's CMF), at any level."""
 
 T = TypeVar("T")
 
@@ -69,14 +84,20 @@ class JsonRecord:
         """The record with its schema version, keys sorted."""
         return json.dumps({VERSION_KEY: self.VERSION, **self.to_dict()}, indent=indent, sort_keys=True)
 
+    def to_packed(self) -> bytes:
+        """`to_json`'s text as stored: zlib-compressed from `PACK_MIN_BYTES` on (`pack_text`)."""
+        return pack_text(self.to_json())
+
     @classmethod
     def from_json(cls, text: str | bytes) -> Self:
-        """The record from `to_json`'s text (or a version-less one of version 1)."""
+        """The record from `to_json`'s text, or `to_packed`'s bytes (or a version-less one of version 1)."""
         name = cls.__name__
         try:
-            data = json.loads(text)
+            data = json.loads(unpack_text(text) if isinstance(text, bytes) else text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RecordError(f"{name}: not valid JSON: {exc}") from None
+        except RecordError as exc:
+            raise RecordError(f"{name}: {exc}") from None
         if not isinstance(data, dict):
             raise RecordError(f"{name}: expected a JSON object, got {type(data).__name__}")
         version = data.pop(VERSION_KEY, 1)
@@ -87,6 +108,29 @@ class JsonRecord:
                 f"{name}.{VERSION_KEY}: schema version {version} is newer than this code reads ({cls.VERSION})"
             )
         return from_data(cls, data)
+
+
+def pack_text(text: str) -> bytes:
+    """`text` encoded, zlib-compressed when it is at least PACK_MIN_BYTES long."""
+    raw = text.encode()
+    return zlib.compress(raw) if len(raw) >= PACK_MIN_BYTES else raw
+
+
+def unpack_text(value: bytes) -> bytes:
+    """What `pack_text` was given, encoded: `value` itself unless it is packed. RecordError for a
+    packed value that is corrupt or would unpack to more than MAX_UNPACKED_BYTES."""
+    if not value or value[0] != _ZLIB_FIRST:
+        return value
+    inflate = zlib.decompressobj()
+    try:
+        out = inflate.decompress(value, MAX_UNPACKED_BYTES)
+    except zlib.error as exc:
+        raise RecordError(f"a packed record is corrupt: {exc}") from None
+    if inflate.unconsumed_tail:
+        raise RecordError(f"a packed record unpacks to more than {MAX_UNPACKED_BYTES} bytes")
+    if not inflate.eof or inflate.unused_data:
+        raise RecordError("a packed record is truncated or has bytes after its end")
+    return out
 
 
 _DERIVED_FROM_DICT = JsonRecord.from_dict.__func__  # type: ignore[attr-defined]

@@ -27,7 +27,8 @@ decisions/ and store/ keys). The table, as `table()` renders it:
 | token | `token` | none | the first launcher (access.py) | CLI, agents | hash of the job token |
 | fatal | `fatal` | none | leader | launcher, status | why the job cannot go on |
 | config | `config` | none | launcher | workers, agents, status, CLI, metrics | ElasticConfig JSON: the job spec |
-| workers | `workers/{node:d}/{local_rank:d}` | node | worker | agent, leader, launcher, status, metrics | WorkerInfo JSON: pid, transfer address |
+| workers | `workers/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-workers); still read | agent, leader, launcher, status, metrics, workers (holder map) | WorkerInfo JSON: pid, transfer address |
+| node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map) | NodeWorkers, packed: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
 | holdings | `holdings/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-holdings); still read | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
 | node-holdings | `holdings/{node:d}/all` | node | agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in) | leader, workers (holder map) | NodeHoldings: what each of the node's workers held at its halt |
 | progress | `progress` | none | world rank 0 | launcher, status, metrics, workers | ProgressRecord of the last committed step |
@@ -154,8 +155,13 @@ SCHEMA: tuple[Family, ...] = (
     _f("fatal", "fatal", "none", "leader", "launcher, status", "why the job cannot go on"),
     _f("config", "config", "none", "launcher", "workers, agents, status, CLI, metrics",
        "ElasticConfig JSON: the job spec"),
-    _f("workers", "workers/{node:d}/{local_rank:d}", "node", "worker", "agent, leader, launcher, status, metrics",
-       "WorkerInfo JSON: pid, transfer address"),
+    _f("workers", "workers/{node:d}/{local_rank:d}", "node",
+       "none since issue 34 (workers fold theirs into node-workers); still read",
+       "agent, leader, launcher, status, metrics, workers (holder map)", "WorkerInfo JSON: pid, transfer address"),
+    _f("node-workers", "workers/{node:d}/all", "node",
+       "agent (its workers' registrations folded; a worker without one folds its own in)",
+       "agent, leader, launcher, status, metrics, workers (holder map)",
+       "NodeWorkers, packed: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation"),
     _f("holdings", "holdings/{node:d}/{local_rank:d}", "node",
        "none since issue 34 (workers fold theirs into node-holdings); still read",
        "leader, workers (holder map)", "[[layer, tp_rank], ...] it held at its halt"),

@@ -67,6 +67,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.jsonrecord import unpack_text
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.prefix_mirror import PrefixMirror
@@ -77,10 +78,11 @@ from elastic.records.checkpoint_failures import SaveFailures, save_failures_pref
 from elastic.records.evals import EvalResult, eval_key
 from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
+from elastic.records.node_workers import worker_infos
 from elastic.records.progress import ProgressRecord
 from elastic.records.recovery_timings import SUMMARY_NODE, RecoveryTimings
 from elastic.records.stragglers import read_stragglers
-from elastic.records.workers import WorkerInfo, node_id
+from elastic.records.workers import node_id
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class NodeMetrics(Collector):
             "plans": PrefixMirror(self.client, self.keys.plans, GenerationRecord.from_json),
             "progress": PrefixMirror(self.client, rk.progress, ProgressRecord.from_json),
             "recoveries": PrefixMirror(self.client, rk.recoveries, RecoveryTimings.from_json),
-            "workers": PrefixMirror(self.client, rk.node_workers(self.node), WorkerInfo.from_json),
+            "workers": PrefixMirror(self.client, rk.node_workers(self.node), worker_infos),
             "members": PrefixMirror(self.client, self.keys.members, lambda v: v),
             "injected": PrefixMirror(self.client, rk.injected(""), lambda v: float(v.decode())),
             "eval": PrefixMirror(self.client, eval_key(self.keys), EvalResult.from_json),
@@ -177,7 +179,7 @@ class NodeMetrics(Collector):
         if self._seq_len is None:
             raw, _ = self.client.get(RunKeys(self.keys).config)
             if raw is not None:
-                self._seq_len = shape_of_spec(json.loads(raw)["spec"]).seq_len
+                self._seq_len = shape_of_spec(json.loads(unpack_text(raw))["spec"]).seq_len
         return self._seq_len
 
     def snapshot(self) -> Snapshot:
@@ -200,7 +202,7 @@ class NodeMetrics(Collector):
             progress=m["progress"].get(""),
             timings=timings,
             injected=m["injected"],
-            workers=list(m["workers"].values()),
+            workers=[info for infos in m["workers"].values() for info in infos],
             nodes_alive=len(m["members"]),
             last_eval=m["eval"].get(""),
             save_failures=sum(r.count for r in m["save_failures"].values()),

@@ -110,7 +110,7 @@ class FailureReport:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerStatus:
-    """A worker registered under `workers/<node>/<local_rank>`."""
+    """A worker registered in `workers/<node>/all` (or, in the older form, `workers/<node>/<local_rank>`)."""
 
     local_rank: int
     """Its device index on the node."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient, KVMetadata
+from elastic.coordinator.jsonrecord import unpack_text
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import NodeIdentity
 from elastic.ops.status import (
@@ -27,11 +28,12 @@ from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.evals import EvalResult, eval_key
 from elastic.records.generation import GenerationRecord
 from elastic.records.job import shape_of_spec
+from elastic.records.node_workers import read_registrations
 from elastic.records.progress import ProgressRecord, read_progress
 from elastic.records.recoveries import generation_fields, recovery_breakdown
 from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.stragglers import StragglerRecord, read_stragglers
-from elastic.records.workers import WorkerInfo, node_of
+from elastic.records.workers import node_of
 from templates.plan import Plan
 
 DEFAULT_WINDOW = 5
@@ -49,7 +51,7 @@ def _key_tail(meta: KVMetadata, prefix: str) -> list[str]:
 
 def _config(client: EtcdClient, rk: RunKeys) -> dict[str, Any] | None:
     value, _ = client.get(rk.config)
-    return json.loads(value) if value is not None else None
+    return json.loads(unpack_text(value)) if value is not None else None
 
 
 def _generations(client: EtcdClient, keys: JobKeys) -> dict[int, GenerationRecord]:
@@ -274,11 +276,9 @@ def _failures(client: EtcdClient, keys: JobKeys) -> dict[int, list[FailureReport
 
 
 def _workers(client: EtcdClient, rk: RunKeys) -> dict[int, list[WorkerStatus]]:
-    """Node -> its workers registered now (`workers/<node>/<local_rank>`), in etcd's key order."""
+    """Node -> its workers registered now (records/node_workers.py: either form), by local rank."""
     workers: dict[int, list[WorkerStatus]] = {}
-    for value, meta in client.get_prefix(rk.workers):
-        node, local_rank = (int(x) for x in _key_tail(meta, rk.workers)[:2])
-        info = WorkerInfo.from_json(value)
+    for (node, local_rank), info in read_registrations(client, rk).items():
         workers.setdefault(node, []).append(WorkerStatus(local_rank=local_rank, pid=info.pid,
                                             transfer_address=info.transfer_address, incarnation=info.incarnation))
     return workers

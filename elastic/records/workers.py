@@ -1,5 +1,5 @@
-"""The workers of a run: their registration (`WorkerInfo`, at `workers/<node>/<local_rank>` on the
-node's lease) and the plan node numbers behind the etcd member ids `node<k>`.
+"""The workers of a run: their registration (`WorkerInfo`, folded into `workers/<node>/all` on the
+node's lease, elastic/records/node_workers.py) and the plan node numbers behind the etcd member ids `node<k>`.
 
 A node's incarnation counts its (re)starts.
 """
@@ -39,7 +39,7 @@ def live_nodes(client: EtcdClient, keys: JobKeys) -> dict[int, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerInfo(JsonRecord):
-    """A worker's registration under `workers/<node>/<local_rank>`."""
+    """A worker's registration, in its node's `workers/<node>/all` (`NodeWorkers`)."""
 
     pid: int
     """Its process id (the launcher counts restarts of survivors from these)."""

@@ -61,6 +61,7 @@ from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.watch import watch_from_now
 from elastic.records.config import ElasticConfig
+from elastic.records.node_workers import read_registrations
 from elastic.records.proc_stat import process_state
 from elastic.records.workers import WorkerInfo, node_id, node_of
 from elastic.roles import cpu_quota
@@ -216,8 +217,7 @@ class Agent:
         infos: list[WorkerInfo] = []
         while not self.done.is_set() and time.monotonic() < deadline:
             try:
-                values = self.client.get_prefix(self.rk.node_workers(self.node))
-                infos = [WorkerInfo.from_json(v) for v, _ in values]
+                infos = list(read_registrations(self.client, self.rk, node=self.node).values())
             except Exception as exc:  # a transient etcd error: try again
                 log.debug("reading the worker registrations: %s", exc)
             infos = [i for i in infos if i.incarnation == self.incarnation and i.pid in self.procs]

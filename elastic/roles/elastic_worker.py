@@ -58,6 +58,7 @@ from elastic.parallel.layout import ParallelLayout
 from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult, append_eval_log, eval_key
 from elastic.records.generation import GenerationRecord, Vote
+from elastic.records.node_workers import registration
 from elastic.records.progress import read_progress
 from elastic.records.recovery_timings import RecoveryTimings
 from elastic.records.stop import STOPPED
@@ -103,16 +104,14 @@ class ElasticWorker:
         torch.set_num_threads(self.spec.threads_per_worker)
         self.trainer = Trainer(self.spec, node=node, local_rank=local_rank)
         self.tls = TlsConfig.from_env()  # mutual TLS of the gRPC shard path, when the environment sets it
-        self.server = ShardServer(
-            ServerConfig(token=token, host=bind_host(), tls=self.tls),
-            provider=lambda layer, tp: self.trainer.export_shard(layer, tp),
-        ).start()
+        self.server = ShardServer(ServerConfig(token=token, host=bind_host(), tls=self.tls),
+                                  provider=lambda layer, tp: self.trainer.export_shard(layer, tp)).start()
         info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation,
                           started=worker_stamps(main_at))
-        client.put(self.rk.worker(node, local_rank), info.to_json(), lease=lease)
         self.lease = lease
         self.relay = relay_from_env()
         """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
+        put_all(client, self.relay, [], [registration(self.rk, node, local_rank, info, lease)])  # one key a node
         self._held_written: list[ShardKey] | None = None  # what it last wrote to its node's holdings/<node>/all
         # The records every worker follows come through the agent, which watches each once for the node.
         follow = subscriber(client, self.relay.name if self.relay is not None else None)

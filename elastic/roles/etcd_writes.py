@@ -3,7 +3,9 @@
 A plain put is (key, value, lease). A fold is one worker's record destined for its node's key
 (issue 34: records a node, not a worker), with the lease the key is written on if any: its
 `RecoveryTimings` at `recoveries/<g>/<node>`, its sync report (a `NodeSyncReports` of one) at
-`sync/<g>/<node>/all`, its holdings (a `NodeHoldings` of one) at `holdings/<node>/all`. The node's agent
+`sync/<g>/<node>/all`, its holdings (a `NodeHoldings` of one) at `holdings/<node>/all`, its
+registration (a `NodeWorkers` of one) at `workers/<node>/all`. A folded record is stored as
+`to_packed` gives it (zlib-compressed when large). The node's agent
 (elastic/roles/node_relay.py) folds its workers' records and writes them with their other puts
 in one transaction; a worker without an agent folds its own in the same way. Both may write the
 same key, so a fold is a compare-and-swap: the transaction holds only if the key still has the
@@ -22,6 +24,7 @@ from functools import reduce
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports
+from elastic.records.node_workers import NodeWorkers
 from elastic.records.recovery_timings import RecoveryTimings
 
 MAX_TXN_OPS = 128
@@ -34,14 +37,14 @@ successful fold of the same key: a node has few writers)."""
 Put = tuple[str, str, int | None]
 """(key, value, lease id or None)."""
 
-Foldable = RecoveryTimings | NodeSyncReports | NodeHoldings
+Foldable = RecoveryTimings | NodeSyncReports | NodeHoldings | NodeWorkers
 """A record that folds into its node's key: `a.fold(b)`, idempotent."""
 
 Fold = tuple[str, Foldable] | tuple[str, Foldable, int | None]
 """(a node's key, one worker's record to fold into it[, the lease the key is written on])."""
 
 FOLD_KINDS: dict[str, type[Foldable]] = {"recovery": RecoveryTimings, "sync": NodeSyncReports,
-                                         "holdings": NodeHoldings}
+                                         "holdings": NodeHoldings, "workers": NodeWorkers}
 """The relay's wire name of each kind of fold."""
 
 
@@ -87,7 +90,7 @@ def write_batch(client: EtcdClient, puts: list[Put], folds: Iterable[Fold], know
         for key, records in by_key.items():
             seen = known.get(key)
             start = records if seen is None else [type(records[0]).from_json(seen), *records]
-            value = reduce(lambda a, b: a.fold(b), start).to_json().encode()  # type: ignore[arg-type]
+            value = reduce(lambda a, b: a.fold(b), start).to_packed()  # type: ignore[arg-type]
             compares.append(client.transactions.version(key) == 0 if seen is None
                             else client.transactions.value(key) == seen)
             ops.append(client.transactions.put(key, value, lease=leases[key]))

@@ -4,7 +4,7 @@ Every worker publishes the shards it holds, folded into its node's `holdings/<no
 (elastic/records/node_holdings.py), when it halts a generation holding other shards than it last
 wrote (most workers hold the same from change to change: no write then), in the transaction of
 its sync report (elastic/roles/worker_feeds.py `write_sync`), and its shard server's address
-under `workers/<node>/<local_rank>`, both on its node's lease (a lost node's keys go with its
+in its registration, folded into `workers/<node>/all` (elastic/records/node_workers.py), both on its node's lease (a lost node's keys go with its
 lease). The leader publishes generation g only after every live worker of g-1 has halted and
 reported, so when g is read these keys say what each live worker holds after its last
 generation: what it serves until it has joined g (and the shards it drops then stay served until
@@ -38,7 +38,7 @@ from elastic.coordinator.keys import RunKeys
 from elastic.parallel.layout import assign_ranks
 from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NODE_KEY
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 
@@ -76,10 +76,8 @@ class HolderMap:
 
     @classmethod
     def _read(cls, client: EtcdClient, rk: RunKeys, revision: int | None) -> HolderMap:
-        addresses = {
-            _worker_of(meta.key): WorkerInfo.from_json(value).transfer_address
-            for value, meta in client.get_prefix(rk.workers, revision=revision)
-        }
+        addresses = {worker: info.transfer_address
+                     for worker, info in read_registrations(client, rk, revision=revision).items()}
         holders = [
             Holder(node=node, local_rank=local_rank, shards=shards, transfer_address=addresses.get((node, local_rank)))
             for (node, local_rank), shards in read_holdings(client, rk, revision=revision).items()
@@ -134,8 +132,3 @@ def read_holdings(
             out[(int(node), int(last))] = tuple(ShardKey(int(layer), int(tp)) for layer, tp in json.loads(value))
     return out
 
-
-def _worker_of(key: bytes) -> tuple[int, int]:
-    """(node, local_rank) of a `.../<node>/<local_rank>` key."""
-    node, local_rank = key.decode().rsplit("/", 2)[-2:]
-    return int(node), int(local_rank)

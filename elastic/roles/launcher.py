@@ -40,6 +40,7 @@ from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest, submit_request
 from elastic.records.job import JobSpec
+from elastic.records.node_workers import read_registrations
 from elastic.records.progress import step_log_path
 from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary
@@ -216,7 +217,7 @@ def _clear_run_dir(spec: JobSpec) -> None:
 def _submit_job(client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, etcd: str, token: str) -> None:
     """Write the job file of the run directory, the job's config and its injection requests."""
     write_job_file(Path(config.spec.run_dir), etcd=etcd, job=keys.job, token=token)
-    client.put(RunKeys(keys).config, config.to_json())
+    client.put(RunKeys(keys).config, config.to_packed())
     for inj in config.injections:
         submit_request(client, keys.root, InjectionRequest.from_injection(inj))
 
@@ -260,8 +261,9 @@ def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: AgentPool
     for node in range(nodes[-1] + 1, nodes[-1] + 1 + spares):  # hot spares: up before generation 1
         pool.spawn(node, 0)
     world = (len(nodes) + spares) * spec.plan.gpus_per_node
-    workers = RunKeys(keys).workers
-    wait_for(lambda: _count(client, workers) >= world, 120.0 * join_s, "workers did not register", pool.agents)
+    rk = RunKeys(keys)
+    wait_for(lambda: len(read_registrations(client, rk)) >= world, 120.0 * join_s, "workers did not register",
+             pool.agents)
     first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
                              published_at=time.time())
     if resume is not None:
@@ -291,9 +293,4 @@ def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
     os.replace(tmp, path)
     return path
 
-
-
-def _count(client: EtcdClient, prefix: str) -> int:
-    """Keys under `prefix` (etcd counts them; no key is returned)."""
-    return int(client.get_prefix_response(prefix, count_only=True).count)
 

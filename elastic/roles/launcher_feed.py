@@ -4,7 +4,7 @@ recoveries (with their breakdown) and worker PIDs, and the run summary built fro
 Nothing here scans per-step history. A `JobFeed` watches five things from the moment it is
 opened: the `eval` key (one put per evaluation, `--eval-every`: a line each), the `progress` key (every put names the steps committed since the previous one, so the
 launcher prints one line a step without reading any per-step key), `plan/` (one key a generation), `workers/` (one key a
-worker) and `recoveries/` (one key a node a generation, folded into one a generation by the leader
+node, elastic/records/node_workers.py) and `recoveries/` (one key a node a generation, folded into one a generation by the leader
 once it is superseded: a delete of a node key is taken in). `poll_progress` only drains what the
 watches delivered; it reads etcd only to report a recovery (the injections carried out). The run summary merges the steps the feed saw with the local step
 logs of the run directory (`read_step_logs`: complete for local agents; the feed is the fallback
@@ -28,11 +28,11 @@ from elastic.records.config import ElasticConfig
 from elastic.records.evals import EvalResult, eval_key, eval_losses, newer, read_eval_logs
 from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
+from elastic.records.node_workers import registrations
 from elastic.records.progress import ProgressRecord, StepResult, read_progress, read_step_logs
 from elastic.records.recoveries import change_words, interrupted, recovery_breakdown, replayed_words
 from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.summary import RunSummary, model_fields
-from elastic.records.workers import WorkerInfo
 
 
 class JobFeed:
@@ -180,10 +180,9 @@ def _take(ev: WatchEvent, rk: RunKeys, progress: Progress, say: Callable[[str], 
             progress.generations[g] = rec = GenerationRecord.from_json(ev.value)
             if g > 1:
                 say(f"elastic run: generation {g}: {rec.reason} (resume at step {rec.resume_step + 1})")
-    elif ev.key.startswith(rk.workers):
-        node, local_rank = (int(x) for x in ev.key.split("/")[-2:])
-        info = WorkerInfo.from_json(ev.value)
-        progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
+    elif ev.key.startswith(rk.workers):  # a node's registrations, or one worker's (records/node_workers.py)
+        for (node, local_rank), info in registrations(rk, [(ev.key, ev.value)]).items():
+            progress.pids.setdefault((node, local_rank, info.incarnation), set()).add(info.pid)
     elif ev.key.startswith(rk.recoveries):
         generation, writer = ev.key[len(rk.recoveries) :].split("/")[:2]  # writer: the node, or "all"
         progress.timings.setdefault(int(generation), {})[writer] = RecoveryTimings.from_json(ev.value)

@@ -42,11 +42,12 @@ from elastic.records.injection_requests import (
     write_status,
 )
 from elastic.records.node_sync import reports_of
+from elastic.records.node_workers import read_registrations
 from elastic.records.progress import read_progress
 from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.records.stragglers import StragglerRecord, read_policy, read_stragglers
 from elastic.records.sync import COMMIT
-from elastic.records.workers import WorkerInfo, live_nodes
+from elastic.records.workers import live_nodes
 from elastic.roles.holders import read_holdings
 from elastic.roles.leader_actions import (
     Answer,
@@ -105,7 +106,7 @@ def read_registered(client: EtcdClient, rk: RunKeys, record: GenerationRecord, m
     for node, inc in sorted(members.items()):
         if record.incarnations.get(node) == inc:
             continue
-        registered = [WorkerInfo.from_json(v) for v, _ in client.get_prefix(rk.node_workers(node))]
+        registered = read_registrations(client, rk, node=node).values()
         out[node] = sum(1 for w in registered if w.incarnation == inc)
     return out
 

@@ -21,7 +21,8 @@ writes its puts itself, in one transaction (`put_all`).
 
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...],
 "folds": [[key, kind, record JSON, lease or null], ...]}` ("folds" optional; kind "recovery",
-"sync" or "holdings": etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`. A connection whose first line is `{"watch": prefix}`
+"sync", "holdings" or "workers": etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`.
+A connection whose first line is `{"watch": prefix}`
 is a worker's feed connection instead (elastic/roles/node_feed.py): the agent's one watch of each
 prefix it asks for feeds it, and it does not count as a worker.
 """

@@ -116,7 +116,7 @@ def test_the_static_check_sees_a_glued_key(tmp_path: Path) -> None:
 
 # -- a real run, watched --------------------------------------------------------------------------
 
-MUST_SEE = {"members", "leader", "generation", "plan", "config", "token", "workers", "node-holdings", "progress",
+MUST_SEE = {"members", "leader", "generation", "plan", "config", "token", "node-workers", "node-holdings", "progress",
             "halt", "node-sync", "ready", "decisions", "recoveries", "recovered", "done", "events", "injections",
             "injection-status",
             "injected", "eval", "metrics", "store", "step-waiters"}

@@ -19,7 +19,7 @@ import grpc
 
 from elastic.coordinator import EtcdConfig, JobKeys, connect
 from elastic.coordinator.keys import RunKeys
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 from elastic.transfer import shard_transfer_pb2 as pb
 from elastic.transfer import shard_transfer_pb2_grpc as pb_grpc
 
@@ -36,11 +36,11 @@ class Flood:
 
     def target(self) -> tuple[str, int] | None:
         """The worker's transfer address and the job's generation now (None: not there yet)."""
-        value, _ = self.client.get(self.rk.worker(self.node, 0))
+        info = read_registrations(self.client, self.rk, node=self.node).get((self.node, 0))
         generation, _ = self.client.get(self.keys.generation)
-        if value is None or generation is None:
+        if info is None or generation is None:
             return None
-        return WorkerInfo.from_json(value).transfer_address, int(generation)
+        return info.transfer_address, int(generation)
 
     def run_thread(self, index: int) -> None:
         kinds = ["held", "held", "held", "missing", "too-many"]

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from elastic.coordinator import EtcdServer
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 
 from .runs import LiveJob, Result, agent_pid, check_same_training, reference_run, tiny_config
 
@@ -50,7 +50,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
     try:
         run.start()
         run.wait_committed(KILL_AT - 1, 120.0)
-        workers = [WorkerInfo.from_json(v).pid for v, _ in run.client.get_prefix(run.rk.node_workers(VICTIM))]
+        workers = [info.pid for info in read_registrations(run.client, run.rk, node=VICTIM).values()]
         victims = [agent_pid(run.job, VICTIM), *workers]
         for pid in victims:  # all at once: no process of the node survives to report anything
             # The agent first, so that it cannot see its worker die and report it. A worker dies

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from elastic.records.injection import parse_injection
+from elastic.records.node_workers import read_registrations
 from elastic.records.summary import RunSummary
-from elastic.records.workers import WorkerInfo
 from elastic.transfer.client import FetchConfig, TransferError, fetch_shards
 from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
@@ -60,8 +60,7 @@ def _cli(*argv: str, env: dict[str, str], timeout: float = 120) -> subprocess.Co
 def _probe_shard_server(job: LiveJob) -> None:
     """A live worker's shard server speaks TLS only: a plain client gets nothing, a TLS client
     with the job's CA but the wrong token is refused by the token check, past the handshake."""
-    value, _ = next(iter(job.client.get_prefix(job.rk.workers)))
-    address = WorkerInfo.from_json(value).transfer_address
+    address = next(iter(read_registrations(job.client, job.rk).values())).transfer_address
     key = ShardKey(0, 0)
     plain = FetchConfig(token=TOKEN, generation=job.generation(), max_attempts=1, stall_timeout_s=5.0)
     with pytest.raises(TransferError) as refused:

@@ -21,7 +21,7 @@ import pytest
 from elastic.coordinator.etcd_server import EtcdServer
 from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 
 from .runs import LiveJob, Result, check_same_training, reference_run, tiny_config
 
@@ -55,8 +55,8 @@ class PeakRss:
         pid = None
         while not self._stop.is_set():
             if pid is None:
-                value, _ = self.job.client.get(self.job.rk.worker(self.node, 0))
-                pid = WorkerInfo.from_json(value).pid if value is not None else None
+                info = read_registrations(self.job.client, self.job.rk, node=self.node).get((self.node, 0))
+                pid = info.pid if info is not None else None
             if pid is not None:
                 try:
                     self.peak = max(self.peak, psutil.Process(pid).memory_info().rss)

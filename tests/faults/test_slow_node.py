@@ -30,9 +30,9 @@ from elastic.coordinator.events import read_events
 from elastic.planning.stragglers import StragglerConfig
 from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import read_requests, read_statuses
+from elastic.records.node_workers import read_registrations
 from elastic.records.stragglers import read_stragglers
 from elastic.records.summary import RunSummary
-from elastic.records.workers import WorkerInfo
 
 from .runs import LiveJob, check_same_training, reference_run, tiny_config
 
@@ -78,8 +78,7 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(3)
-        value, _ = job.client.get(job.rk.worker(1, 0))
-        worker = psutil.Process(WorkerInfo.from_json(value).pid)
+        worker = psutil.Process(read_registrations(job.client, job.rk, node=1)[(1, 0)].pid)
         samples: list[str] = []
         sampling = threading.Event()
 

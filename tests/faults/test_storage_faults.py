@@ -31,7 +31,7 @@ from elastic.engine.checkpoint.load import latest_complete
 from elastic.ops.metrics import NodeMetrics
 from elastic.records.config import ElasticConfig
 from elastic.records.injection import parse_injection
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 from elastic.transfer.shards import ShardKey
 from tests.tmpfs import mounted_tmpfs
 
@@ -199,8 +199,8 @@ def test_a_corrupt_checkpoint_is_skipped_by_the_fallback_with_one_report(
         # long enough for step 9's checkpoint to complete first.
         corrupted.append(flip_bytes(checkpoints, 6, ShardKey(1, 0)))
         for node in (0, 2):
-            for value, _ in job.client.get_prefix(job.rk.node_workers(node)):
-                os.kill(WorkerInfo.from_json(value).pid, signal.SIGKILL)
+            for info in read_registrations(job.client, job.rk, node=node).values():
+                os.kill(info.pid, signal.SIGKILL)
 
     watcher = OnCheckpoint(checkpoints, 6, corrupt_then_kill)
     job.start()

@@ -14,7 +14,7 @@ import pytest
 
 from elastic.coordinator import EtcdServer
 from elastic.coordinator.events import read_events
-from elastic.records.workers import WorkerInfo
+from elastic.records.node_workers import read_registrations
 
 from .runs import LiveJob, tiny_config
 
@@ -30,9 +30,9 @@ def test_a_stopped_worker_is_reported_by_its_agent(etcd_server: EtcdServer, tmp_
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=150.0).start()
     try:
         job.wait_committed(5)
-        value, _ = job.client.get(job.rk.worker(STOPPED_NODE, 0))
-        assert value is not None
-        pid = WorkerInfo.from_json(value).pid
+        info = read_registrations(job.client, job.rk, node=STOPPED_NODE).get((STOPPED_NODE, 0))
+        assert info is not None
+        pid = info.pid
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         while job.generation() < 2:

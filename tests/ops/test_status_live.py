@@ -32,6 +32,7 @@ from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord
 from elastic.records.injection import parse_injection
 from elastic.records.job import JobSpec
+from elastic.records.node_workers import registrations
 from elastic.records.progress import committed_steps
 from elastic.records.summary import RunSummary
 from elastic.roles.launcher import launch_elastic
@@ -179,14 +180,11 @@ def _checked_snapshot(run: LiveRun) -> dict[str, Any] | None:
             ident.devices,
         )
         assert n["lease_granted_s"] == 3 and 0 <= n["lease_remaining_s"] <= 3
-    registered = {}
-    for key, value in workers0:
-        node, rank = (int(x) for x in key.rsplit("/", 2)[-2:])
-        registered[(node, rank)] = json.loads(value)
+    registered = registrations(RunKeys(run.keys), workers0)  # a node's record, or (older form) a worker's own
     shown = {(n["node"], w["local_rank"]): w for n in data["nodes"] for w in n["workers"]}
-    assert shown.keys() == registered.keys()
+    assert shown.keys() == registered.keys() and registered
     for k, w in shown.items():
-        assert (w["pid"], w["transfer_address"]) == (registered[k]["pid"], registered[k]["transfer_address"])
+        assert (w["pid"], w["transfer_address"]) == (registered[k].pid, registered[k].transfer_address)
     _check_plan(data, rec)
     return data
 

@@ -29,6 +29,7 @@ from elastic.records.injection_requests import InjectionRequest, InjectionStatus
 from elastic.records.job import JobSpec
 from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NodeSyncReports
+from elastic.records.node_workers import NodeWorkers
 from elastic.records.optim_config import OptimConfig
 from elastic.records.partial import PartialReport, ReplayRecord
 from elastic.records.prepared_data import PreparedData, ShardInfo, SourceInfo
@@ -66,6 +67,9 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
                                last_reason="[Errno 28] No space left on device", last_at=1000.9),
     SyncReport: SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
     NodeHoldings: NodeHoldings(node=3, held={0: [(0, 0), (1, 0)], 1: [(0, 1), (1, 1)], 5: []}),
+    NodeWorkers: NodeWorkers(node=3, workers={0: WorkerInfo(pid=7, transfer_address="127.0.0.1:9", incarnation=2,
+                                                            started={"main": 1.5}), 4: WorkerInfo(
+        pid=8, transfer_address="127.0.0.1:10", incarnation=2)}),
     NodeSyncReports: NodeSyncReports.of([
         SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=0, partial=PARTIAL),
         *(SyncReport(committed=7, pending=None, last_vote=VOTE, node=3, local_rank=lr) for lr in (1, 2, 3, 5))]),

@@ -3,7 +3,8 @@ one transaction (one revision) where direct puts take one each, with their value
 worker that is late delays a batch by the linger only, and one that is gone not at all; bad requests are refused without
 losing the relay, and a worker whose relay is gone puts directly. Recovery records fold into their
 node's one key, in the same transaction, across batches and beside a worker that writes its own,
-each worker counted once; so do a node's sync reports, with or without a relay."""
+each worker counted once; so do a node's sync reports and its workers' registrations, with or
+without a relay."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import pytest
 
 from elastic.records.node_holdings import node_holdings_key
 from elastic.records.node_sync import reports_of
+from elastic.records.node_workers import node_workers_key, read_registrations, registration
 from elastic.records.recovery_timings import ReconfigTimings, RecoveryTimings
 from elastic.records.sync import SyncReport
+from elastic.records.workers import WorkerInfo
 from elastic.roles.holders import read_holdings
 from elastic.roles.node_relay import NodeRelay, RelayClient, RelayError, put_all
 from elastic.roles.worker_feeds import write_sync
@@ -289,3 +292,55 @@ def test_a_nodes_sync_reports_are_one_key_through_the_relay_or_not(client: Any, 
 
 def _keys(client: Any, prefix: str) -> list[bytes]:
     return [m.key for _, m in client.get_prefix(prefix, keys_only=True)]
+
+
+def test_a_nodes_registrations_are_one_key_through_the_relay_or_not(client: Any, job: str) -> None:
+    """Through the relay, a node's 4 workers register in one transaction, as one key on its lease;
+    without one, 4 workers registering at once (compare-and-swaps) give the same key. A restarted
+    node's first worker replaces its old incarnation's registrations."""
+    from elastic.coordinator.keys import JobKeys, RunKeys
+
+    rk = RunKeys(JobKeys(job))
+    infos = {(n, lr): WorkerInfo(pid=1000 * n + lr, transfer_address=f"127.0.0.1:{2000 + lr}", incarnation=0)
+             for n in (3, 4) for lr in range(4)}
+    lease = client.lease(60)
+    relay = NodeRelay(client, name=_name(), workers=4, linger_s=10.0)
+    try:
+        before = _revision(client)
+        _register(client, rk, relay, {w: i for w, i in infos.items() if w[0] == 3}, lease.id)
+        assert _revision(client) - before == 1 and relay.transactions == 1
+    finally:
+        relay.close()
+    _register(client, rk, None, {w: i for w, i in infos.items() if w[0] == 4}, lease.id)
+    assert [k.decode() for k in _keys(client, rk.workers)] == [node_workers_key(rk, n) for n in (3, 4)]
+    assert read_registrations(client, rk) == infos
+    assert client.get(node_workers_key(rk, 3))[1].lease_id == lease.id, "the registrations go with the node's lease"
+    again = WorkerInfo(pid=9, transfer_address="127.0.0.1:9", incarnation=1)
+    _register(client, rk, None, {(4, 2): again}, lease.id)
+    assert read_registrations(client, rk, node=4) == {(4, 2): again}
+    lease.revoke()
+    assert read_registrations(client, rk) == {}
+
+
+def _register(client: Any, rk: Any, relay: NodeRelay | None, infos: dict[tuple[int, int], WorkerInfo],
+              lease: int) -> None:
+    """Each of `infos` registers at once from its own thread, as ElasticWorker does (`put_all` of
+    its `registration`), through `relay` (None: each writes its own)."""
+    errors: list[BaseException] = []
+
+    def one(node: int, local_rank: int, info: WorkerInfo) -> None:
+        relay_client = None if relay is None else RelayClient(relay.name)
+        try:
+            put_all(client, relay_client, [], [registration(rk, node, local_rank, info, lease)])
+        except BaseException as exc:  # handed to the test
+            errors.append(exc)
+        finally:
+            if relay_client is not None:
+                relay_client.close()
+
+    threads = [threading.Thread(target=one, args=(*w, i)) for w, i in infos.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
