@@ -274,9 +274,14 @@ def join_member(client: Any, keys: JobKeys, config: ElasticConfig, node: int, gp
 
 
 def worker_info(node: int, local_rank: int, incarnation: int = 0) -> WorkerInfo:
-    """What a simulated worker registers in `workers/<node>/all`."""
+    """What a simulated worker registers in `workers/<node>/all`: a real worker's fields, with the
+    five start stamps of `worker_stamps` (wall times, as spread as a warm start's)."""
+    now = time.time()
+    stamps = {"spawned": now - 0.9, "forked": now - 0.85 + local_rank * 0.0013, "main": now - 0.4 + local_rank * 0.011,
+              "registered": now + local_rank * 0.017}
+    stamps["process"] = stamps["forked"]
     return WorkerInfo(pid=os.getpid(), transfer_address=f"127.0.0.1:{20000 + node * 64 + local_rank}",
-                      incarnation=incarnation)
+                      incarnation=incarnation, started=stamps)
 
 
 class SimNode:

@@ -1,13 +1,13 @@
 """Issue 13 part 2: seconds for a generation's group rendezvous at W simulated ranks, on a real etcd.
 
     .venv/bin/python bench/rendezvous_scale.py --world 8 64 256 1024 [--pattern lazy eager nccl] [--repeats 3]
+        [--procs P] [--ranks-per-client N]
 
-Each simulated rank is a thread holding its own `EtcdStore` (the project's real store, all on one
-etcd client, as one process's workers would share a channel) seen through the same
-`PrefixStore(group_prefix(g, None), store)` that `build_groups` hands to the world group, so
-every call crosses torch's C++ -> Python store trampoline as gloo's do. There is no gloo mesh and
-no model: each rank replays the store calls that a gloo world group of W ranks makes, as logged
-from `ProcessGroupGloo` on torch 2.13 (a logging store under 4 and 8 real ranks):
+Each simulated rank is a thread holding its own `EtcdStore` (the project's real store) seen
+through the same `PrefixStore(group_prefix(g, None), store)` that `build_groups` hands to the
+world group, so every call crosses torch's C++ -> Python store trampoline as gloo's do. There is
+no gloo mesh and no model: each rank replays the store calls that a gloo world group of W ranks
+makes, as logged from `ProcessGroupGloo` on torch 2.13 (a logging store under 4 and 8 real ranks):
 
 - `eager` (the default construction): `set(<dev>/<rank>, address)`, then for every rank i,
   itself included, in order: `wait([<dev>/<i>])`, `get(<dev>/<i>)`. W sets and 2 W^2 reads in
@@ -22,25 +22,52 @@ from `ProcessGroupGloo` on torch 2.13 (a logging store under 4 and 8 real ranks)
   the store, and is not simulated. (torch's multi-root initialisation, `ncclCommInitRankScalable`,
   sets one id per root and is not this pattern.)
 
-A rendezvous is timed from the release of all W threads (a barrier) until the last one is done.
-etcd requests come from etcd's own /metrics (`grpc_server_started_total`, every method), read
-before and after, so the figure is what etcd served, not what the client believes it sent.
-Every figure is one Python process on a 2-core machine: W ranks' client-side work (gRPC calls,
-protobuf decoding) is serialised by the GIL where real workers run it in parallel, so the
-seconds here overstate what W processes on W hosts would see.
+How the ranks are spread: `--procs P` (default 1) splits the W ranks into P contiguous blocks
+(ranks [p W / P, (p + 1) W / P) in process p), one OS process each, so P GILs decode gRPC replies
+in parallel instead of one. P = 1 runs the ranks as threads of this process (the figures before
+`--procs` existed); P > 1 starts P children of this file (`--child`, a JSON line protocol on their
+stdin/stdout), all on the same job id and generation, so they meet in the same keys. Every process
+opens its own etcd clients: one for all its ranks by default (`--ranks-per-client 0`), or one per N
+ranks (`--ranks-per-client 8`: one per node of 8 GPUs). A real job has one client per worker
+process, so etcd serves more connections and more Watch streams (each process's shared watch of the
+prefix, `store_waits.py`, receives every put on it) than either setting here.
+
+Timing: with P = 1 a rendezvous is timed from the release of all W threads (a barrier) until the
+last one is done. With P > 1 every child builds its stores and parks its threads on a barrier, says
+it is ready, and the parent sends all of them one release time a little ahead (`time.time()`); each
+child releases its threads then and reports its last rank's finish (`time.time()`), and the figure
+is max(finish) - release. etcd requests come from etcd's own /metrics (`grpc_server_started_total`,
+every method), read before the first release and after the last rendezvous, so the figure is what
+etcd served, not what the clients believe they sent.
+
+What this is not: W hosts. Every figure runs etcd and all P processes on the one machine (two cores
+on the reference machine): etcd, the client-side work of W ranks (gRPC calls, protobuf decoding)
+and the thread switching share those cores, where real workers have a host each. More processes
+than cores lift the GIL, not the CPU limit; the seconds here overstate what W processes on W hosts
+would see. One Python thread stands for each rank: W threads over the P processes, which the
+kernel's pid_max (32,768 on the reference machine) and the user's thread limit must allow. A rank
+process holds about 310 MiB resident (torch imported) at up to 1,024 ranks, and starts in a few
+seconds (outside the timed rendezvous).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: bench/control_plane_scale.py loads this file without
+# putting it in sys.modules, where `dataclass` cannot resolve string annotations.
 
 import argparse
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 import uuid
+from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any
 
+import psutil
 import torch.distributed as dist
 
 from elastic.coordinator import EtcdConfig, EtcdServer, EtcdStore, JobKeys, connect
@@ -48,8 +75,31 @@ from elastic.parallel.groups import group_prefix
 
 PATTERNS = ("eager", "lazy", "nccl")
 _ADDRESS = "x" * 154  # a gloo tcp address record measured on torch 2.13 is 154-186 bytes
-_UNIQUE_ID = b"\x02" * 128  # sizeof(ncclUniqueId)
+_UNIQUE_ID = "\x02" * 128  # sizeof(ncclUniqueId): 128 bytes once encoded
 _METRIC = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\d+)', re.M)
+_STORE_TIMEOUT = timedelta(seconds=120)
+_RELEASE_AHEAD_S = 0.25
+"""How far ahead of now the parent sets the release time of P > 1 processes (one pipe write each)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """The simulated ranks one process runs, and where and how they meet."""
+
+    endpoint: str
+    """The etcd every rank talks to."""
+    job: str
+    """The job id: every process of a rendezvous uses the same one, so the keys are the same."""
+    world: int
+    """Ranks in the whole group, over all processes."""
+    pattern: str
+    """One of PATTERNS (module doc)."""
+    first: int
+    """The first world rank of this process."""
+    last: int
+    """One past the last world rank of this process."""
+    ranks_per_client: int = 0
+    """Ranks sharing one etcd client; 0: one client for all ranks of the process."""
 
 
 def etcd_requests(endpoint: str) -> dict[str, int]:
@@ -61,83 +111,218 @@ def etcd_requests(endpoint: str) -> dict[str, int]:
     return counts
 
 
+def generation_prefix(job: str, generation: int) -> str:
+    """The etcd prefix of generation `generation`'s store, as the runtime names it."""
+    return JobKeys(job).store(f"gen-{generation}")
+
+
 def _rank_calls(store: dist.Store, rank: int, world: int, pattern: str) -> None:
     """The store calls world rank `rank` makes while its gloo world group of `world` connects."""
-    timeout = timedelta(seconds=120)
     if pattern == "nccl":
         if rank == 0:
             store.set("0/unique-id", _UNIQUE_ID)
         else:
-            store.wait(["0/unique-id"], timeout)
+            store.wait(["0/unique-id"], _STORE_TIMEOUT)
             store.get("0/unique-id")
         return
     store.set(f"0/{rank}", _ADDRESS)
     peers = range(world) if pattern == "eager" else sorted({(rank + 1) % world, (rank - 1) % world})
     for peer in peers:
-        store.wait([f"0/{peer}"], timeout)
+        store.wait([f"0/{peer}"], _STORE_TIMEOUT)
         store.get(f"0/{peer}")
 
 
-def _one_rendezvous(
-    client: Any, job: str, generation: int, world: int, pattern: str
-) -> tuple[float, EtcdStore]:
-    """Seconds until all `world` simulated ranks replayed their calls on a fresh generation, and
-    a store of that generation (to drop its keys once the requests were counted)."""
-    keys = JobKeys(job)
-    stores = [
-        EtcdStore(client, keys.store(f"gen-{generation}"), timeout=timedelta(seconds=120))
-        for _ in range(world)
+class _Ranks:
+    """One generation's simulated ranks of one process: a store and a thread each, the threads
+    parked on a barrier until `release()`."""
+
+    def __init__(self, part: Part, clients: list[Any], generation: int) -> None:
+        n = part.last - part.first
+        per = part.ranks_per_client or n
+        prefix = generation_prefix(part.job, generation)
+        self.stores = [EtcdStore(clients[i // per], prefix, timeout=_STORE_TIMEOUT) for i in range(n)]
+        prefixed = [dist.PrefixStore(group_prefix(generation, None), s) for s in self.stores]
+        self.start = threading.Barrier(n + 1)
+        self.errors: list[BaseException] = []
+        self.finished: list[float] = []
+
+        def rank_main(i: int) -> None:
+            self.start.wait()
+            try:
+                _rank_calls(prefixed[i], part.first + i, part.world, part.pattern)
+                self.finished.append(time.time())
+            except BaseException as exc:  # reported by join()
+                self.errors.append(exc)
+
+        self.threads = [threading.Thread(target=rank_main, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def release(self) -> None:
+        self.start.wait()
+
+    def join(self) -> float:
+        """The wall time (`time.time()`) the last rank finished; raises if any rank failed."""
+        for t in self.threads:
+            t.join()
+        for s in self.stores:
+            s.release()
+        if self.errors:
+            raise RuntimeError(f"{len(self.errors)} of {len(self.threads)} simulated ranks failed: "
+                               f"{self.errors[0]!r}")
+        return max(self.finished)
+
+
+def _clients(part: Part) -> list[Any]:
+    """The etcd clients of one process's ranks (`Part.ranks_per_client`)."""
+    n = part.last - part.first
+    per = part.ranks_per_client or n
+    return [connect(EtcdConfig(endpoint=part.endpoint, timeout=60.0)) for _ in range(0, n, per)]
+
+
+class _InProcess:
+    """All ranks as threads of this process (P = 1): the seconds from the release to the last."""
+
+    def __init__(self, part: Part) -> None:
+        self.part, self.clients = part, _clients(part)
+        self.ranks: _Ranks | None = None
+
+    def build(self, generation: int) -> None:
+        self.ranks = _Ranks(self.part, self.clients, generation)
+
+    def run(self) -> float:
+        assert self.ranks is not None, "build() first"
+        self.ranks.release()
+        t0 = time.perf_counter()
+        self.ranks.join()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
+class _Processes:
+    """The ranks spread over child processes (P > 1): max(finish) - release over all of them."""
+
+    def __init__(self, parts: list[Part]) -> None:
+        self.children = [
+            subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(asdict(p))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            for p in parts
+        ]
+
+    def _ask_all(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """Send `message` to every child, then read one answer from each."""
+        for child in self.children:
+            assert child.stdin is not None
+            child.stdin.write(json.dumps(message) + "\n")
+            child.stdin.flush()
+        answers = []
+        for i, child in enumerate(self.children):
+            assert child.stdout is not None
+            line = child.stdout.readline()
+            if not line:
+                raise RuntimeError(f"rank process {i} exited (code {child.wait()}) before answering {message}")
+            answer = json.loads(line)
+            if answer.get("error"):
+                raise RuntimeError(f"rank process {i}: {answer['error']}")
+            answers.append(answer)
+        return answers
+
+    def build(self, generation: int) -> None:
+        self._ask_all({"build": generation})
+
+    def run(self) -> float:
+        release = time.time() + _RELEASE_AHEAD_S
+        answers = self._ask_all({"go": release})
+        return max(a["finished"] for a in answers) - release
+
+    def close(self) -> None:
+        for child in self.children:
+            if child.stdin is not None:
+                child.stdin.close()  # EOF: the child closes its clients and exits
+        for child in self.children:
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def _child(part: Part, commands: IO[str], answers: IO[str]) -> None:
+    """A rank process: `{"build": g}` -> `{"ready": g}` once its threads are parked,
+    `{"go": t}` -> `{"finished": last}` after releasing them at wall time t; EOF ends it."""
+    clients = _clients(part)
+    ranks: _Ranks | None = None
+    try:
+        for line in commands:
+            message = json.loads(line)
+            try:
+                if "build" in message:
+                    ranks = _Ranks(part, clients, int(message["build"]))
+                    answer: dict[str, Any] = {"ready": message["build"]}
+                else:
+                    assert ranks is not None, "go before build"
+                    time.sleep(max(0.0, float(message["go"]) - time.time()))
+                    ranks.release()
+                    answer = {"finished": ranks.join()}
+            except Exception as exc:  # the parent raises it
+                answer = {"error": repr(exc)}
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _parts(endpoint: str, job: str, world: int, pattern: str, procs: int, ranks_per_client: int) -> list[Part]:
+    """`procs` contiguous blocks of the `world` ranks."""
+    return [
+        Part(endpoint=endpoint, job=job, world=world, pattern=pattern, first=p * world // procs,
+             last=(p + 1) * world // procs, ranks_per_client=ranks_per_client)
+        for p in range(procs)
     ]
-    prefixed = [dist.PrefixStore(group_prefix(generation, None), s) for s in stores]
-    start = threading.Barrier(world + 1)
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        start.wait()
-        try:
-            _rank_calls(prefixed[rank], rank, world, pattern)
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {world} simulated ranks failed: {errors[0]!r}")
-    return seconds, stores[0]
 
 
 def rendezvous_seconds(
-    endpoint: str, world: int, *, repeats: int = 1, pattern: str = "lazy"
+    endpoint: str, world: int, *, repeats: int = 1, pattern: str = "lazy", procs: int = 1,
+    ranks_per_client: int = 0,
 ) -> dict[str, Any]:
-    """Time `repeats` generation rendezvous of `world` simulated ranks on the etcd at `endpoint`.
+    """Time `repeats` generation rendezvous of `world` simulated ranks on the etcd at `endpoint`,
+    spread over `procs` processes (module doc), `ranks_per_client` ranks to an etcd client (0:
+    one client a process).
 
     Returns `seconds` (median over repeats), `seconds_all`, `requests_per_rank` (etcd requests
     of all methods per rank and rendezvous, from etcd's /metrics), `requests_by_method` (per
-    rendezvous) and the `world`, `pattern` and `repeats` it ran with. `pattern` is `lazy` (a
-    gloo world group with TORCH_GLOO_LAZY_INIT=1 and its first ring all-reduce), `eager` (the
+    rendezvous) and the `world`, `pattern`, `repeats` and `procs` it ran with. `pattern` is `lazy`
+    (a gloo world group with TORCH_GLOO_LAZY_INIT=1 and its first ring all-reduce), `eager` (the
     full-mesh construction) or `nccl` (NCCL's unique-id exchange); see the module doc.
     """
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     if world < 1 or repeats < 1:
         raise ValueError(f"world and repeats must be >= 1, got {world} and {repeats}")
-    client = connect(EtcdConfig(endpoint=endpoint, timeout=60.0))
+    if not 1 <= procs <= world or ranks_per_client < 0:
+        raise ValueError(f"procs must be in [1, world] and ranks_per_client >= 0, got {procs} and {ranks_per_client}")
     job = f"rdzv-bench-{uuid.uuid4().hex[:8]}"
+    parts = _parts(endpoint, job, world, pattern, procs, ranks_per_client)
+    client = connect(EtcdConfig(endpoint=endpoint, timeout=60.0))  # drops the keys afterwards
+    sim = _InProcess(parts[0]) if procs == 1 else _Processes(parts)
+    times: list[float] = []
     try:
+        sim.build(1)
         before = etcd_requests(endpoint)
-        runs = [_one_rendezvous(client, job, g, world, pattern) for g in range(1, repeats + 1)]
+        for g in range(1, repeats + 1):
+            if g > 1:
+                sim.build(g)
+            times.append(sim.run())
         after = etcd_requests(endpoint)
-        for _, store in runs:
-            store.delete_prefix()
     finally:
+        sim.close()
+        for g in range(1, repeats + 1):
+            client.delete_prefix(generation_prefix(job, g))
         client.close()
-    times = [t for t, _ in runs]
     by_method = {m: (after.get(m, 0) - before.get(m, 0)) / repeats for m in after}
     by_method = {m: n for m, n in by_method.items() if n}
     total = sum(by_method.values())
@@ -145,6 +330,7 @@ def rendezvous_seconds(
         "world": world,
         "pattern": pattern,
         "repeats": repeats,
+        "procs": procs,
         "seconds": sorted(times)[len(times) // 2],
         "seconds_all": [round(t, 4) for t in times],
         "requests_per_rank": total / world,
@@ -159,18 +345,36 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--pattern", choices=PATTERNS, nargs="+", default=["lazy"])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--procs", type=int, nargs="+", default=[1], help="processes the ranks are spread over")
+    parser.add_argument("--ranks-per-client", type=int, default=0,
+                        help="ranks sharing one etcd client (default 0: one client a process)")
     parser.add_argument("--endpoint", help="an etcd to use (default: start a fresh one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a rank process (module doc)
     args = parser.parse_args()
-    print(f"{'pattern':>8} {'W':>6} {'seconds':>9} {'etcd req/rank':>14}  by method (per rendezvous)")
+    if args.child is not None:
+        answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+        os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not reach the protocol
+        _child(Part(**json.loads(args.child)), sys.stdin, answers)
+        return
+    print(f"{'pattern':>8} {'W':>6} {'P':>4} {'seconds':>9} {'etcd core-s':>11} {'etcd req/rank':>14}  "
+          "by method (per rendezvous)")
     with EtcdServer() if args.endpoint is None else _external(args.endpoint) as server:
+        etcd = psutil.Process(server.pid) if isinstance(server, EtcdServer) and server.pid else None
         for pattern in args.pattern:
             for world in args.world:
-                r = rendezvous_seconds(server.endpoint, world, repeats=args.repeats, pattern=pattern)
-                methods = ", ".join(f"{m} {n:g}" for m, n in sorted(r["requests_by_method"].items()))
-                print(
-                    f"{pattern:>8} {world:>6} {r['seconds']:>9.3f} {r['requests_per_rank']:>14.1f}  {methods}",
-                    flush=True,
-                )
+                for procs in args.procs:
+                    cpu0 = sum(etcd.cpu_times()[:2]) if etcd is not None else 0.0
+                    r = rendezvous_seconds(server.endpoint, world, repeats=args.repeats, pattern=pattern,
+                                           procs=procs, ranks_per_client=args.ranks_per_client)
+                    # etcd's own CPU a rendezvous (set-up of the rank processes included): what it
+                    # would take with the ranks' client work on hosts of their own
+                    core_s = (sum(etcd.cpu_times()[:2]) - cpu0) / args.repeats if etcd is not None else float("nan")
+                    methods = ", ".join(f"{m} {n:g}" for m, n in sorted(r["requests_by_method"].items()))
+                    print(
+                        f"{pattern:>8} {world:>6} {procs:>4} {r['seconds']:>9.3f} {core_s:>11.2f} "
+                        f"{r['requests_per_rank']:>14.1f}  {methods}",
+                        flush=True,
+                    )
 
 
 class _external:
@@ -179,7 +383,7 @@ class _external:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
 
-    def __enter__(self) -> _external:
+    def __enter__(self) -> "_external":
         return self
 
     def __exit__(self, *exc: object) -> None:

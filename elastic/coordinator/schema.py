@@ -10,7 +10,10 @@ Pattern fields: `{name}` is one key segment (no '/'); `{name:d}` an integer (`:0
 zero-padded to that width); `{name*}` the rest of the key, which may hold '/'. Leases: "node"
 is the node's membership lease (held by its agent), "leader" the elected leader's lease, "none"
 a key that outlives its writer (the leader deletes a finished generation's halt/, sync/, ready/,
-decisions/ and store/ keys). The table, as `table()` renders it:
+decisions/ and store/ keys). Values: a record written with `JsonRecord.to_packed` (config, plan/,
+and a node's folded records: node-workers, node-holdings, node-sync, recoveries, recovered) is
+zlib-packed when that is shorter (elastic/coordinator/jsonrecord.py); every reader takes both.
+The table, as `table()` renders it:
 
 | family | pattern | lease | writer | readers | meaning |
 | --- | --- | --- | --- | --- | --- |
@@ -28,7 +31,7 @@ decisions/ and store/ keys). The table, as `table()` renders it:
 | fatal | `fatal` | none | leader | launcher, status | why the job cannot go on |
 | config | `config` | none | launcher | workers, agents, status, CLI, metrics | ElasticConfig JSON: the job spec |
 | workers | `workers/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-workers); still read | agent, leader, launcher, status, metrics, workers (holder map) | WorkerInfo JSON: pid, transfer address |
-| node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map) | NodeWorkers, packed: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
+| node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map) | NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
 | holdings | `holdings/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-holdings); still read | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
 | node-holdings | `holdings/{node:d}/all` | node | agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in) | leader, workers (holder map) | NodeHoldings: what each of the node's workers held at its halt |
 | progress | `progress` | none | world rank 0 | launcher, status, metrics, workers | ProgressRecord of the last committed step |
@@ -161,7 +164,7 @@ SCHEMA: tuple[Family, ...] = (
     _f("node-workers", "workers/{node:d}/all", "node",
        "agent (its workers' registrations folded; a worker without one folds its own in)",
        "agent, leader, launcher, status, metrics, workers (holder map)",
-       "NodeWorkers, packed: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation"),
+       "NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation"),
     _f("holdings", "holdings/{node:d}/{local_rank:d}", "node",
        "none since issue 34 (workers fold theirs into node-holdings); still read",
        "leader, workers (holder map)", "[[layer, tp_rank], ...] it held at its halt"),

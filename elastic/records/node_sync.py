@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from elastic.coordinator.jsonrecord import RUNS, JsonRecord, RecordError
+from elastic.coordinator.jsonrecord import RUNS, JsonRecord, RecordError, unpack_text
 from elastic.records.generation import Vote
 from elastic.records.partial import PartialReport
 from elastic.records.sync import SyncReport
@@ -76,10 +76,11 @@ class NodeSyncReports(JsonRecord):
 def reports_of(value: bytes | str) -> list[SyncReport]:
     """The reports a `sync/` value holds: a node's record, or one worker's own report. RecordError
     (a ValueError) when it is neither."""
+    text = unpack_text(value) if isinstance(value, bytes) else value  # RecordError: corrupt packed value
     try:
-        data = json.loads(value)
+        data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RecordError(f"sync report: not valid JSON: {exc}") from None
     if isinstance(data, dict) and "groups" in data:
-        return NodeSyncReports.from_json(value).reports()
-    return [SyncReport.from_json(value)]
+        return NodeSyncReports.from_json(text).reports()
+    return [SyncReport.from_json(text)]

@@ -68,7 +68,7 @@ def fold_generation(client: EtcdClient, rk: RunKeys, g: int) -> int:
         ok, _ = client.transaction(
             compare=[txn.mod(start, end) < int(resp.header.revision) + 1,
                      txn.version(key) == 0 if old is None else txn.value(key) == old],
-            success=[txn.put(key, summary.to_json()), txn.delete(start, range_end=end)],
+            success=[txn.put(key, summary.to_packed()), txn.delete(start, range_end=end)],
             failure=[],
         )
         if ok:

@@ -8,6 +8,7 @@ through `get` and through its watch, from a real etcd.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import zlib
 from typing import Any
@@ -36,6 +37,13 @@ def test_small_text_is_stored_as_it_is_and_large_text_packed() -> None:
     packed = pack_text(large)
     assert packed[0] == 0x78 and len(packed) < len(large) / 2
     assert unpack_text(packed) == large.encode() and unpack_text(small.encode()) == small.encode()
+
+
+def test_text_that_packing_would_not_shorten_is_stored_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    noise = json.dumps({"a": random.Random(0).randbytes(200).hex()})  # hex digits: zlib saves a little
+    assert unpack_text(pack_text(noise)) == noise.encode() and len(pack_text(noise)) < len(noise)
+    monkeypatch.setattr(jsonrecord, "PACK_MIN_BYTES", 1)
+    assert pack_text('{"a": 1}') == b'{"a": 1}', "zlib's framing would make it longer"
 
 
 @pytest.mark.parametrize("nodes", [2, 64, 512])

@@ -6,6 +6,7 @@ way (elastic/records/node_holdings.py)."""
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 
@@ -36,6 +37,7 @@ def test_a_node_record_gives_back_every_workers_report_whatever_the_folding_orde
     whole = NodeSyncReports.of(reports)
     assert whole.reports() == reports
     assert NodeSyncReports.from_json(whole.to_json()) == whole and reports_of(whole.to_json()) == reports
+    assert reports_of(whole.to_packed()) == reports == reports_of(whole.to_json().encode())  # as stored in etcd
     singles = [NodeSyncReports.of([r]) for r in rng.sample(reports, len(reports))]
     folded = singles[0]
     for s in singles[1:]:
@@ -98,6 +100,10 @@ def test_the_holdings_fast_read_is_the_checked_read(seed: int) -> None:
         lr: sorted((rng.randrange(96), rng.randrange(8)) for _ in range(rng.randrange(4))) for lr in range(8)})
     text = record.to_json()
     assert NodeHoldings.from_json(text) == JsonRecord.from_json.__func__(NodeHoldings, text) == record  # type: ignore[attr-defined]
+    packed = record.to_packed()  # as stored in etcd: zlib when that is shorter
+    assert NodeHoldings.from_json(packed) == record and (packed[0] == 0x78) == (len(packed) < len(text))
+    with pytest.raises(RecordError, match="NodeHoldings: a packed record is truncated"):
+        NodeHoldings.from_json(zlib.compress(text.encode())[:-3])
     for bad, message in [(text.replace('"node": ', '"node": "x', 1).replace(', "v"', '", "v"', 1), r"node: expected int"),
                          ('{"held": {"0": [[1, 2.5]]}, "node": 1, "v": 1}', r"held\['0'\]\[0\]\[1\]: expected int"),
                          ('{"held": {}, "node": 1, "v": 2}', r"schema version 2 is newer"),
