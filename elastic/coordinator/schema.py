@@ -30,10 +30,10 @@ The table, as `table()` renders it:
 | token | `token` | none | the first launcher (access.py) | CLI, agents | hash of the job token |
 | fatal | `fatal` | none | leader | launcher, status | why the job cannot go on |
 | config | `config` | none | launcher | workers, agents, status, CLI, metrics | ElasticConfig JSON: the job spec |
-| workers | `workers/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-workers); still read | agent, leader, launcher, status, metrics, workers (holder map) | WorkerInfo JSON: pid, transfer address |
-| node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map) | NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
-| holdings | `holdings/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-holdings); still read | leader, workers (holder map) | [[layer, tp_rank], ...] it held at its halt |
-| node-holdings | `holdings/{node:d}/all` | node | agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in) | leader, workers (holder map) | NodeHoldings: what each of the node's workers held at its halt |
+| workers | `workers/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-workers); still read | agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only) | WorkerInfo JSON: pid, transfer address |
+| node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only) | NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
+| holdings | `holdings/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-holdings); still read | leader, workers (holder map: a gRPC fetch only) | [[layer, tp_rank], ...] it held at its halt |
+| node-holdings | `holdings/{node:d}/all` | node | agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in) | leader, workers (holder map: a gRPC fetch only) | NodeHoldings: what each of the node's workers held at its halt |
 | progress | `progress` | none | world rank 0 | launcher, status, metrics, workers | ProgressRecord of the last committed step |
 | step-waiters | `step-waiters/{name}` | node | agent (InjectionTrigger); launcher (a rejoin at a step) and netns partitioner, leaseless, deleted when done | world rank 0 (ProgressWriter) | someone waits for a step: progress puts at the short interval |
 | stragglers | `stragglers` | none | world rank 0 | leader, status, metrics | StragglerRecord: speed factors and marks |
@@ -160,17 +160,17 @@ SCHEMA: tuple[Family, ...] = (
        "ElasticConfig JSON: the job spec"),
     _f("workers", "workers/{node:d}/{local_rank:d}", "node",
        "none since issue 34 (workers fold theirs into node-workers); still read",
-       "agent, leader, launcher, status, metrics, workers (holder map)", "WorkerInfo JSON: pid, transfer address"),
+       "agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only)", "WorkerInfo JSON: pid, transfer address"),
     _f("node-workers", "workers/{node:d}/all", "node",
        "agent (its workers' registrations folded; a worker without one folds its own in)",
-       "agent, leader, launcher, status, metrics, workers (holder map)",
+       "agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only)",
        "NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation"),
     _f("holdings", "holdings/{node:d}/{local_rank:d}", "node",
        "none since issue 34 (workers fold theirs into node-holdings); still read",
-       "leader, workers (holder map)", "[[layer, tp_rank], ...] it held at its halt"),
+       "leader, workers (holder map: a gRPC fetch only)", "[[layer, tp_rank], ...] it held at its halt"),
     _f("node-holdings", "holdings/{node:d}/all", "node",
        "agent, with the sync reports (its workers' folded, when they changed; a worker without one folds its own in)",
-       "leader, workers (holder map)", "NodeHoldings: what each of the node's workers held at its halt"),
+       "leader, workers (holder map: a gRPC fetch only)", "NodeHoldings: what each of the node's workers held at its halt"),
     _f("progress", "progress", "none", "world rank 0", "launcher, status, metrics, workers",
        "ProgressRecord of the last committed step"),
     _f("step-waiters", "step-waiters/{name}", "node",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, Protocol, TypeVar, overload
@@ -30,7 +30,7 @@ from elastic.engine.graveyard import Graveyard
 from elastic.engine.optim import build_optimizer
 from elastic.engine.replay_sums import step_replay
 from elastic.engine.shard_gather import gather
-from elastic.engine.shard_store import FetchFn, Held, HoldingsFn, ShardState, adopt, shard_bytes
+from elastic.engine.shard_store import FetchFn, Held, ShardState, adopt, shard_bytes
 from elastic.engine.step import KeptGrads, StepReplay, StepTransaction
 from elastic.model.gpt import GPTStage
 from elastic.parallel.abort import AbortSignal
@@ -40,6 +40,7 @@ from elastic.parallel.layout import ParallelLayout
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord
 from elastic.records.recovery_timings import ReconfigTimings
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 
@@ -148,7 +149,7 @@ class GenerationBuilder:
 
     def join(
         self, *, plan: Plan, generation: int, store: torch.distributed.Store, abort: AbortSignal | None,
-        fetch: FetchFn | None, step: int, replay: ReplayRecord | None, holdings: HoldingsFn | None,
+        fetch: FetchFn | None, step: int, replay: ReplayRecord | None, moves: Sequence[ShardMove] | None,
         previous: Generation | None, held: Held, kept: KeptGrads | None,
         serve: Callable[[ShardKey], ShardState], graveyard: Graveyard,
     ) -> Joined:
@@ -168,7 +169,7 @@ class GenerationBuilder:
         groups, skeleton, buffers = self._open(layout, store, abort)
         t1 = time.perf_counter()
         try:
-            fetched, over_group = gather(layout, groups, missing, held, holdings=holdings, fetch=fetch, serve=serve,
+            fetched, over_group = gather(layout, groups, missing, held, moves=moves, fetch=fetch, serve=serve,
                                          device=self.device)
             first_step = step_replay(layout, groups, replay, step, kept=kept, layer_of=self.layer_of,
                                      device=self.device)

@@ -18,7 +18,8 @@ from elastic.parallel.blocks import Block
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.partial import ReplayRecord, split_microbatches
-from elastic.transfer.collective import ShardMove, exchange
+from elastic.transfer.collective import exchange
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
 
 _SUMS_TAG = 8

@@ -6,14 +6,15 @@ a live job, gRPC from holders outside the generation, or for shards that arrived
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from elastic.engine.shard_store import FetchFn, Held, HoldingsFn, ShardState
+from elastic.engine.shard_store import FetchFn, Held, ShardState
 from elastic.parallel.groups import ParallelGroups
-from elastic.parallel.layout import ParallelLayout, assign_ranks
-from elastic.transfer.collective import assign_moves, exchange
+from elastic.parallel.layout import ParallelLayout
+from elastic.transfer.collective import exchange
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
 
 
@@ -23,12 +24,13 @@ def _log(message: str) -> None:
 
 def gather(
     layout: ParallelLayout, groups: ParallelGroups, missing: list[ShardKey], held: Held, *,
-    holdings: HoldingsFn | None, fetch: FetchFn | None, serve: Callable[[ShardKey], ShardState],
+    moves: Sequence[ShardMove] | None, fetch: FetchFn | None, serve: Callable[[ShardKey], ShardState],
     device: torch.device,
 ) -> tuple[dict[ShardKey, ShardState], set[ShardKey]]:
-    """The missing shards: over the collective path first (with `holdings`; `serve` exports what
-    I send), then `fetch`; and which of them came over the process group."""
-    fetched = {} if holdings is None else _exchange(layout, groups, holdings(), serve=serve, device=device)
+    """The missing shards: over the collective path first (`moves`, the same on every worker of
+    the generation; `serve` exports what I send), then `fetch`; and which of them came over the
+    process group."""
+    fetched = {} if moves is None else _exchange(layout, groups, moves, serve=serve, device=device)
     over_group = set(fetched)
     rest = [k for k in missing if k not in fetched]
     if rest and fetch is not None:
@@ -43,23 +45,11 @@ def gather(
 
 
 def _exchange(
-    layout: ParallelLayout, groups: ParallelGroups, holdings: dict[int, list[ShardKey]], *,
+    layout: ParallelLayout, groups: ParallelGroups, moves: Sequence[ShardMove], *,
     serve: Callable[[ShardKey], ShardState], device: torch.device,
 ) -> dict[ShardKey, ShardState]:
     """Send what peers of the generation need from me and receive what I need, over the world
     group (the collective shard path); returns what arrived intact."""
-    needs: dict[int, list[ShardKey]] = {}
-    for w in assign_ranks(layout.plan):
-        first, last = layout.plan.pipelines[w.pipeline].stages[w.stage].layers
-        have = set(holdings.get(w.rank, []))
-        want = [k for k in (ShardKey(layer, w.tp_rank) for layer in range(first, last)) if k not in have]
-        if want:
-            needs[w.rank] = want
-    holders: dict[ShardKey, list[int]] = {}
-    for rank, keys in holdings.items():
-        for k in keys:
-            holders.setdefault(k, []).append(rank)
-    moves = assign_moves(needs, holders)
     if not any(m.src == layout.rank or m.dst == layout.rank for m in moves):
         return {}
     result = exchange(groups.world, rank=layout.rank, moves=moves, export=serve, wait=groups.wait,

@@ -25,9 +25,6 @@ parameter of the layer (CPU tensors), and `step` (0-d int64: the AdamW step coun
 FetchFn = Callable[[list[ShardKey]], dict[ShardKey, ShardState]]
 """Gets the state of shards this worker does not hold from their holders."""
 
-HoldingsFn = Callable[[], dict[int, list[ShardKey]]]
-"""Rank of the new generation -> the shards that worker holds now (the collective path's input:
-every worker must see the same map)."""
 
 HeldShard = dict[str, tuple[nn.Parameter, ParamState]]
 """One held shard: canonical name -> (parameter, its AdamW state)."""

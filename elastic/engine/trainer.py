@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from elastic.engine.device import bind, select_device
 from elastic.engine.eval import eval_due, evaluate
 from elastic.engine.generation import Generation, GenerationBuilder, Part, joined
 from elastic.engine.graveyard import Graveyard
-from elastic.engine.shard_store import FetchFn, HoldingsFn, ShardState, ShardStore
+from elastic.engine.shard_store import FetchFn, ShardState, ShardStore
 from elastic.engine.step import KeptGrads, PreparedStep, StepDiscarded
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
@@ -38,6 +38,7 @@ from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord
 from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
 
@@ -116,7 +117,7 @@ class Trainer:
         fetch: FetchFn | None,
         step: int,
         replay: ReplayRecord | None = None,
-        holdings: HoldingsFn | None = None,
+        moves: Sequence[ShardMove] | None = None,
     ) -> ReconfigTimings:
         """Join generation `generation` of `plan` and make `step` the next step to run.
 
@@ -125,14 +126,14 @@ class Trainer:
         on `store` under the generation's prefix; `abort` (None: plain waits) is the flag
         every cross-worker wait of this generation's steps checks. `replay`: step `step`
         reuses microbatches kept from its interrupted run (elastic/records/partial.py).
-        `holdings`: move shards between the generation's workers over its world group first
-        (every worker of the generation joins that exchange); `fetch` gets the rest (shards held
+        `moves`: shards moved between the generation's workers over its world group first (every
+        worker of the generation is given the same list: elastic/parallel/shard_moves.py); `fetch` gets the rest (shards held
         outside the generation, or that arrived damaged).
         """
         previous = self._current
         new = self._builder.join(
             plan=plan, generation=generation, store=store, abort=abort, fetch=fetch, step=step, replay=replay,
-            holdings=holdings, previous=previous, held=self._shards.held(), kept=self._kept,
+            moves=moves, previous=previous, held=self._shards.held(), kept=self._kept,
             serve=lambda key: self._shards.export(key, copy=False),  # nothing updates them meanwhile
             graveyard=self._graveyard,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic.coordinator.jsonrecord import JsonRecord
+from elastic.parallel.shard_moves import MoveRow
 from elastic.records.partial import ReplayRecord
 from templates.plan import Plan
 
@@ -56,6 +57,11 @@ class GenerationRecord(JsonRecord):
     balanced_for: list[int] = field(default_factory=list)
     """The straggler nodes this plan's microbatch split allows for (`--straggler-policy
     rebalance`, elastic/planning/stragglers.py); empty: the planner's own split."""
+    moves: list[MoveRow] | None = None
+    """The collective shard path's moves into this generation (elastic/parallel/shard_moves.py):
+    (layer, tp rank, sending rank, receiving rank) in this plan's ranks, planned by the leader from
+    the holdings every worker reported; None when that path is not taken (the gRPC shard path, a
+    checkpoint restore, the first generation). Every worker carries out the same list."""
 
     @property
     def replayed_fraction(self) -> float | None:

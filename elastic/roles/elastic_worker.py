@@ -68,7 +68,7 @@ from elastic.roles.abortable_store import AbortableStore
 from elastic.roles.holders import holder_map_reader
 from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import put_all, relay_from_env
-from elastic.roles.shard_sources import Fetch, checkpoint_fetch, holder_fetch, holdings_by_rank
+from elastic.roles.shard_sources import Fetch, checkpoint_fetch, collective_moves, holder_fetch
 from elastic.roles.start_phases import worker_stamps
 from elastic.roles.step_records import StepRecorder
 from elastic.roles.worker_checkpoints import WorkerCheckpoints
@@ -257,7 +257,7 @@ class ElasticWorker:
                  f"{self.trainer.step}: its shards are not the committed state")
         # Every in-flight step of the old generation is resolved: serve the committed state of `generation`.
         self.server.set_generation(generation)
-        # One etcd reading for both shard paths, at the revision that published `generation`.
+        # Read from etcd only if needed (a gRPC fetch), once, at the revision that published `generation`.
         holders = holder_map_reader(self.client, self.rk, revision=self.generations.revision(generation))
         fetch: Fetch | None
         if record.restore_checkpoint is not None:
@@ -282,7 +282,7 @@ class ElasticWorker:
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
             replay=record.replay if record.restore_checkpoint is None else None,
-            holdings=holdings_by_rank(generation, record, holders, spec=self.spec),
+            moves=collective_moves(generation, record, spec=self.spec),
         )
         self._pending_recovery = (seen_at, timings, time.time())
         worker_log(

@@ -14,14 +14,15 @@ whether some shard has no live holder. Two prefix reads per generation change, n
 and no write of their own: a change costs each node one transaction for the reports and
 holdings of all its workers.
 
-Every worker of generation g reads these keys at the etcd revision at which g was published, not
-at "now", so that all of them plan the same collective exchange even if some key changed later
-(a send nobody posts otherwise). When etcd has compacted that revision away (10 s of history by
-default: a very slow reconfiguration), the map is read as it is now.
-
-Both shard paths of `Trainer.start` start from it: the collective exchange by rank of the new
-generation (`HolderMap.by_rank`), the gRPC fetch of the rest by shard-server address
-(`HolderMap.by_address`); `holder_map_reader` lets them share one reading.
+The collective shard path does not read it: the leader plans that path's moves from the
+holdings it read once every report was in, into the generation record
+(elastic/parallel/shard_moves.py), so no worker reads every node's keys at a change (1.1 MB at
+2,048 nodes, read by each of 16,384 workers before). A worker reads the map only when it must
+fetch over gRPC (`HolderMap.by_address`: a shard held only outside the generation, one that
+arrived damaged, or the job's gRPC shard path), at the etcd revision at which g was published,
+not at "now", so that it sees the holders the leader planned with. When etcd has compacted that
+revision away (10 s of history by default: a very slow reconfiguration), the map is read as it
+is now. `holder_map_reader` reads it on first use, once.
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ import grpc
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.keys import RunKeys
-from elastic.parallel.layout import assign_ranks
 from elastic.records.node_holdings import NodeHoldings
 from elastic.records.node_sync import NODE_KEY
 from elastic.records.node_workers import read_registrations
 from elastic.transfer.shards import ShardKey
-from templates.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,14 +82,6 @@ class HolderMap:
             for (node, local_rank), shards in read_holdings(client, rk, revision=revision).items()
         ]
         return cls(holders=tuple(sorted(holders, key=lambda h: (h.node, h.local_rank))))
-
-    def by_rank(self, plan: Plan) -> dict[int, list[ShardKey]]:
-        """Rank in `plan` -> the shards that worker holds (the collective path's input); workers
-        outside the plan are left out."""
-        ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(plan)}
-        return {
-            ranks[(h.node, h.local_rank)]: list(h.shards) for h in self.holders if (h.node, h.local_rank) in ranks
-        }
 
     def by_address(self, *, exclude: str = "") -> dict[str, list[ShardKey]]:
         """Shard-server address -> the shards it serves (`fetch_shards`' holders): every worker

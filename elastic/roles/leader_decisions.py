@@ -35,6 +35,7 @@ generations before g are deleted when g+1 is published, so etcd holds O(workers)
 
 from __future__ import annotations
 
+from elastic.parallel.shard_moves import move_rows, plan_moves, ranked_holdings
 from elastic.planning.stragglers import ACTING
 from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord, HaltRecord
@@ -215,7 +216,10 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     replay = None
     if lost:
         replay = resolve_replay(plan, [(r.node, r.local_rank, r.partial) for r in s.reports], step=resume)
+    moves = None
+    if config.spec.shard_transport == "collective":  # planned here once, not by every worker
+        moves = move_rows(plan_moves(plan, ranked_holdings(plan, s.holdings or {})))
     return (Publish(record=GenerationRecord(
         plan=plan, resume_step=resume, incarnations={n: s.members[n] for n in plan.nodes}, lost=lost,
         joined=joined, drained=drained or [], reason=reason, completed_vote=vote, replay=replay,
-        balanced_for=balanced_for or [])),)
+        balanced_for=balanced_for or [], moves=moves)),)

@@ -1,8 +1,9 @@
 """Where an elastic worker entering a generation gets the shards it lacks: the checkpoint the
 generation restores (resharded when it was written at another tensor-parallel degree), or the
-live holders etcd knows of (elastic/roles/holders.py): by rank of the new generation for the
-collective shard path, by shard-server address for the gRPC one. Each is handed to
-`Trainer.start` as a function it calls with what it misses."""
+live holders: over the generation's world group, the moves its record lists (the collective shard
+path), then over gRPC from the holders etcd knows of (elastic/roles/holders.py), by shard-server
+address, for what those did not bring. `Trainer.start` takes the moves, and the fetch as a
+function it calls with what it misses."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import torch
 
+from elastic.parallel.shard_moves import moves_of
 from elastic.records.generation import GenerationRecord
 from elastic.records.job import JobSpec
 from elastic.roles.holders import HolderMap
 from elastic.roles.worker_log import worker_log
 from elastic.transfer.client import FetchConfig, fetch_shards
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
 
@@ -41,14 +44,13 @@ def checkpoint_fetch(generation: int, record: GenerationRecord, *, spec: JobSpec
     return fetch
 
 
-def holdings_by_rank(
-    generation: int, record: GenerationRecord, holders: Callable[[], HolderMap], *, spec: JobSpec
-) -> Callable[[], dict[int, list[ShardKey]]] | None:
-    """For the collective shard path: rank of `generation` -> the shards it holds now, from
-    the holder map etcd knows (`elastic.roles.holders`); None when that path is not taken."""
+def collective_moves(generation: int, record: GenerationRecord, *, spec: JobSpec) -> list[ShardMove] | None:
+    """For the collective shard path: the moves into `generation`, as its record lists them (the
+    leader planned them: elastic/parallel/shard_moves.py). None when that path is not taken (a
+    record without moves too: what the worker misses then comes over gRPC)."""
     if record.restore_checkpoint is not None or generation == 1 or spec.shard_transport != "collective":
         return None
-    return lambda: holders().by_rank(record.plan)
+    return None if record.moves is None else moves_of(record.moves, record.plan)
 
 
 def holder_fetch(

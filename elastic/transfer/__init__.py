@@ -9,7 +9,8 @@ chunks without pickling (everything else, and the fallback).
 - `wire`: the Fetch stream's data chunks framed by hand (protobuf-identical bytes, fewer copies).
 - `stream`: `ShardStreamParser`, one Fetch reply stream -> verified tensors.
 - `client`: `fetch_shards` (spread, verify, re-fetch) from a holder map the caller gives.
-- `collective`: `assign_moves` (which rank sends which shard to which) and `exchange`: grouped
+- `moves`: `ShardMove` and `assign_moves` (which rank sends which shard to which); no torch.
+- `collective`: `exchange`, which carries moves out: grouped
   point-to-point operations on a generation's communicator (gloo or NCCL, NCCL's rules kept),
   each tensor verified by a vectorised checksum.
 - `codegen`: regenerates the committed gRPC stubs from `proto/shard_transfer.proto`.
@@ -18,6 +19,6 @@ Model-agnostic: it knows tensor names and (layer, tp_rank) keys, nothing of the 
 
 The package exports nothing of its own: import from the module that defines a name
 (`from elastic.transfer.shards import ShardKey`), so every import is an edge that tools and
-tests/test_layers.py can follow. `shards` imports no torch: the control plane (agents, the
+tests/test_layers.py can follow. `shards` and `moves` import no torch: the control plane (agents, the
 leader) imports it without paying for torch.
 """

@@ -2,7 +2,7 @@
 
 The alternative to fetching shards over gRPC (`client.fetch_shards`): every worker of the new
 generation that sends or receives a shard calls `exchange` with the same move list
-(`assign_moves` makes one), and each move `(key, src, dst)` travels as point-to-point operations
+(`elastic.transfer.moves.assign_moves` makes one), and each move `(key, src, dst)` travels as point-to-point operations
 on the communicator (gloo on CPU, NCCL on CUDA; tensors stay on whatever device the caller's
 tensors and `device` name).
 
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic.comm import P2P, Communicator, Handle
+from elastic.transfer.moves import ShardMove
 from elastic.transfer.shard_header import (
     ProtocolError,
     ShardHeader,
@@ -72,18 +73,6 @@ _LENGTH_BYTES = 8
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShardMove:
-    """One shard sent from one worker of the group to another."""
-
-    key: ShardKey
-    """The shard."""
-    src: int
-    """Group rank of the worker that sends it (a holder)."""
-    dst: int
-    """Group rank of the worker that receives it."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class CollectiveResult:
     """What one rank received in an `exchange`, and what it cost."""
 
@@ -97,38 +86,6 @@ class CollectiveResult:
     """Tensor data bytes sent (header frames not counted)."""
     seconds: float
     """Wall time of the whole exchange on this rank."""
-
-
-# ---- assignment -------------------------------------------------------------------------------
-
-
-def assign_moves(
-    needs: Mapping[int, Sequence[ShardKey]], holders: Mapping[ShardKey, Sequence[int]]
-) -> list[ShardMove]:
-    """Pick a sender for every (shard, receiver) pair in `needs`, spreading load over holders.
-
-    `needs`: receiver rank -> shards it must receive; `holders`: shard -> ranks that hold it.
-    (shard, receiver) pairs are placed fewest-candidates-first (then by shard, receiver), each
-    on the candidate that sends fewest shards so far (ties: lowest rank). A receiver is never
-    its own sender; a pair with no other holder is left out (the caller fetches it another
-    way). The result depends only on the contents, not on dict or list order, so every worker
-    computes the same list; it is sorted by (src, dst, key).
-    """
-    held: dict[ShardKey, set[int]] = {}
-    for key, ranks in holders.items():
-        held.setdefault(ShardKey(*key), set()).update(ranks)
-    wanted = sorted({(ShardKey(*key), dst) for dst, keys in needs.items() for key in keys})
-    candidates = {(key, dst): sorted(held.get(key, set()) - {dst}) for key, dst in wanted}
-    load: dict[int, int] = {}
-    moves: list[ShardMove] = []
-    for key, dst in sorted(wanted, key=lambda kd: (len(candidates[kd]), kd)):
-        ranks = candidates[(key, dst)]
-        if not ranks:
-            continue
-        src = min(ranks, key=lambda r: (load.get(r, 0), r))
-        load[src] = load.get(src, 0) + 1
-        moves.append(ShardMove(key=key, src=src, dst=dst))
-    return sorted(moves, key=lambda m: (m.src, m.dst, m.key))
 
 
 def _header_frames(raw: bytes, device: torch.device) -> list[torch.Tensor]:

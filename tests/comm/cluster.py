@@ -30,6 +30,7 @@ from elastic.engine.trainer import Trainer
 from elastic.model.config import GPTConfig
 from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.layout import assign_ranks
+from elastic.parallel.shard_moves import plan_moves
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, resolve_replay
 from elastic.transfer.shards import ShardKey
@@ -200,7 +201,7 @@ class _Job:
         """Shards moved, step 1 (replayed, with `partial`) and step 2, an evaluation."""
         t = self.trainer(w)
         t.start(plan=self.case.plan2, generation=2, store=self.stores[1], abort=AbortSignal(), fetch=None, step=1,
-                replay=self.replay, holdings=lambda: self.holdings)
+                replay=self.replay, moves=plan_moves(self.case.plan2, self.holdings))
         t.commit(t.prepare_step())
         t.commit(t.prepare_step())
         if self.case.evaluate:

@@ -16,6 +16,7 @@ from elastic.comm import Event, Recorder
 from elastic.comm.nccl_model import check
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal, StepAborted
+from elastic.parallel.shard_moves import plan_moves
 from elastic.records.job import JobSpec
 from templates.plan import PipelinePlan, Plan, StagePlan
 from tests.comm.cluster import LAYERS, OPTIM, SHAPE
@@ -58,9 +59,9 @@ def _trainers(tmp_path: Path) -> tuple[list[Trainer], list[Recorder], list[Abort
 
 def _next_generation(trainers: list[Trainer], survivors: list[int]) -> None:
     store = dist.HashStore()
-    holdings = {rank: trainers[node].holdings() for rank, node in enumerate((2, 0, 1))}
+    moves = plan_moves(PLAN2, {rank: trainers[node].holdings() for rank, node in enumerate((2, 0, 1))})
     started = on_threads(3, lambda i: trainers[survivors[i]].start(
-        plan=PLAN2, generation=2, store=store, abort=AbortSignal(), fetch=None, step=1, holdings=lambda: holdings))
+        plan=PLAN2, generation=2, store=store, abort=AbortSignal(), fetch=None, step=1, moves=moves))
     assert all(not isinstance(s, BaseException) for s in started), started
     for _ in range(2):
         done = on_threads(3, lambda i: trainers[survivors[i]].commit(trainers[survivors[i]].prepare_step()))

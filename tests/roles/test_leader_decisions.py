@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic.parallel.layout import assign_ranks
+from elastic.parallel.shard_moves import moves_of
 from elastic.planning.cluster import ClusterSpec, cluster_templates
 from elastic.planning.stragglers import rebalanced
 from elastic.records.config import ElasticConfig
@@ -126,6 +128,28 @@ def test_a_loss_with_every_report_resumes_at_the_furthest_committed_step_over_th
     # 3 nodes cannot form 2 pipelines of 2 nodes: f is relaxed to 0, and only that far.
     assert new.plan.fault_tolerance == 0 and "fault tolerance relaxed from 1 to 0" in new.reason
     assert new.incarnations == dict.fromkeys(survivors, 0)
+
+
+def test_a_loss_publishes_the_moves_that_give_every_rank_its_stage_and_none_for_the_grpc_path() -> None:
+    """The leader plans the collective shard path once, into the record (no worker reads the
+    holder map): after the moves, every worker of the new plan holds its stage."""
+    survivors = [0, 1, 3]  # node 1 (layers 3-6 before) takes layer 2, from node 0
+    reports = [_report(n, 5, vote_of=4) for n in survivors]
+    s = _snapshot(members=dict.fromkeys(survivors, 0), reports=reports, holdings=_holdings(PLAN, survivors))
+    publish = _decide(s)[-1]
+    assert isinstance(publish, Publish) and publish.record.moves is not None
+    new = publish.record.plan
+    held = {w.rank: set(_holdings(PLAN, survivors).get((w.node, w.local_rank), ())) for w in assign_ranks(new)}
+    moves = moves_of(publish.record.moves, new)
+    assert moves, "node 1 lacks layer 2"
+    for m in moves:
+        assert m.key in held[m.src] and m.key not in held[m.dst], m
+        held[m.dst].add(m.key)
+    assert all(held[w.rank] >= set(_holdings(new, [w.node])[(w.node, 0)]) for w in assign_ranks(new))
+    grpc = _config()
+    grpc = dataclasses.replace(grpc, spec=dataclasses.replace(grpc.spec, shard_transport="grpc"))
+    publish = _decide(s, grpc)[-1]
+    assert isinstance(publish, Publish) and publish.record.moves is None
 
 
 def test_a_loss_while_a_spare_is_ready_puts_the_spare_in_the_lost_stage() -> None:

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from elastic.comm import Communicator, Handle, open_communicator
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from elastic.transfer import shard_header
-from elastic.transfer.collective import HEADER_FRAME_BYTES, ShardMove, assign_moves, exchange
+from elastic.transfer.collective import HEADER_FRAME_BYTES, exchange
+from elastic.transfer.moves import ShardMove, assign_moves
 from elastic.transfer.shard_header import (
     CHECKSUM_CHUNK_WORDS,
     ProtocolError,

@@ -21,6 +21,7 @@ import torch
 
 from elastic.coordinator import JobKeys
 from elastic.coordinator.keys import RunKeys
+from elastic.parallel.shard_moves import ranked_holdings
 from elastic.records.summary import RunSummary
 from elastic.records.workers import WorkerInfo
 from elastic.roles.holders import HolderMap, holder_map_reader
@@ -54,7 +55,8 @@ def test_the_holder_map_joins_holdings_with_workers(client: Any, job: str) -> No
     assert known.by_address(exclude="10.0.0.1:7000") == {"10.0.0.2:7000": [ShardKey(1, 0), ShardKey(4, 0)]}
     plan = even_plan(num_layers=6, nodes=[1, 2], num_pipelines=1, global_microbatches=2, microbatch_size=1,
                      fault_tolerance=0)
-    assert known.by_rank(plan) == {0: [ShardKey(1, 0), ShardKey(4, 0)], 1: [ShardKey(2, 0), ShardKey(5, 0)]}
+    by_worker = {(h.node, h.local_rank): h.shards for h in known.holders}
+    assert ranked_holdings(plan, by_worker) == {0: [ShardKey(1, 0), ShardKey(4, 0)], 1: [ShardKey(2, 0), ShardKey(5, 0)]}
 
     # A lost node's keys go with its lease; a reader reads once, and its map is then fixed.
     reader = holder_map_reader(client, rk)
