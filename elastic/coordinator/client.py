@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,6 +175,25 @@ def server_timed_out(exc: BaseException) -> bool:
     return any(text in details for text in _SERVER_TIMEOUTS)
 
 
+BUSY_RETRY_S = 60.0
+"""How long a call that etcd refused as overloaded (`server_busy`) is retried, at least: etcd
+asks for the retry, and the refused request was not applied, so retrying it is always safe."""
+_BUSY_PAUSE_MAX_S = 2.0
+
+
+def server_busy(exc: BaseException) -> bool:
+    """Whether `exc` is etcd refusing a write while it applies its log more than 5,000 entries
+    behind what it committed ("etcdserver: too many requests": UNKNOWN through etcd3,
+    RESOURCE_EXHAUSTED in etcd's own table). 16,384 ranks setting their rendezvous addresses at
+    once met it (bench/rendezvous_scale.py). Retried with a growing, random pause, so that the
+    refused callers do not come back together and keep etcd behind."""
+    if not isinstance(exc, grpc.RpcError) or not callable(getattr(exc, "code", None)):
+        return False
+    if exc.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return False
+    return "too many requests" in (exc.details() or "").lower()
+
+
 def stop_retrying(client: object) -> None:
     """Make `client`'s calls fail at once instead of retrying for `retry_s`: for a process that
     has given etcd up (unreachable past its give-up time) and only tidies up before it exits,
@@ -183,10 +203,11 @@ def stop_retrying(client: object) -> None:
 
 
 def etcd_unreachable(exc: BaseException) -> bool:
-    """Whether `exc` says etcd could not answer right now (unreachable, no quorum, timed out):
+    """Whether `exc` says etcd could not answer right now (unreachable, no quorum, timed out,
+    overloaded):
     what a retried call raises once its retry budget is spent. A caller that can wait longer
     (the leader's loop) tries again later; any other error is an answer."""
-    return isinstance(exc, _RETRIED_ERRORS) or server_timed_out(exc)
+    return isinstance(exc, _RETRIED_ERRORS) or server_timed_out(exc) or server_busy(exc)
 
 
 #: The client's unary calls; `get`, `get_prefix` and friends go through the `*_response` ones.
@@ -212,12 +233,20 @@ class RetryingEtcdClient(etcd3.MultiEndpointEtcd3Client):
 def _retrying(call: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(call)
     def retried(self: RetryingEtcdClient, *args: Any, **kwargs: Any) -> Any:
-        deadline = time.monotonic() + self.retry_s
-        renewed = False
+        start = time.monotonic()
+        deadline = start + self.retry_s
+        renewed, busy = False, 0
         while True:
             try:
                 return call(self, *args, **kwargs)
             except (*_RETRIED_ERRORS, grpc.RpcError) as exc:
+                if server_busy(exc) and self.retry_s > 0:  # refused, not applied: back off and retry
+                    pause = random.uniform(0, min(_BUSY_PAUSE_MAX_S, RETRY_PAUSE_S * 2**busy))
+                    busy += 1
+                    if time.monotonic() + pause > start + max(self.retry_s, BUSY_RETRY_S):
+                        raise
+                    time.sleep(pause)
+                    continue
                 if etcd_unreachable(exc):  # unreachable, or no quorum behind the member
                     if time.monotonic() + RETRY_PAUSE_S > deadline:
                         raise

@@ -62,6 +62,8 @@ class RangeResponse(Protocol):
     """The keys read, in key order (none for `count_only`)."""
     count: int
     """How many keys are in the range, whatever `count_only` says."""
+    more: bool
+    """Whether the range holds more keys than a `limit` let through."""
 
 
 class PutResponse(Protocol):

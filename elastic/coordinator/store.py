@@ -15,7 +15,11 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `FOLD_EVERY`-th delta folds the deltas it saw into the value (one more transaction, guarded,
   skipped if anything changed), so a counter's read stays O(FOLD_EVERY) however often it grows.
 - `get`, `check` and `wait` read `[k, k\\1)`; `set` and `delete_key` write the value and drop the
-  deltas in one transaction. `append` is the exception: a read and a write guarded on it,
+  deltas in one transaction. A `wait` that finds its keys present keeps the values it read, and
+  the same thread's following `get`s of those keys return them without a request, as long as no
+  request was made on the store (or a clone) in between, by any thread: gloo connects to a peer
+  with a `wait` for its address and then a `get` of it, so one costs one request, not two. A
+  value kept this way is never older than anything the thread learnt from the store since. `append` is the exception: a read and a write guarded on it,
   repeated while other writers of the same key get there first.
 - blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
   were seen missing (one watch per prefix shared by a process's waits, on the client's Watch stream,
@@ -25,8 +29,8 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   the timeout passes.
 
 A gloo group costs O(1) requests per rank and connected peer (measured on torch 2.13, see
-`bench/rendezvous_scale.py`): one `set` of its address, then a `wait` + `get` for each peer it
-connects to, i.e. every rank of the group for an eager full mesh, or only the peers it talks to
+`bench/rendezvous_scale.py`): one `set` of its address, then a `wait` (+ a `get` it answers) for
+each peer it connects to, i.e. every rank of the group for an eager full mesh, or only the peers it talks to
 with `TORCH_GLOO_LAZY_INIT=1`.
 
 - a queue `k` (`queue_push`, `queue_pop`, `queue_len`) is one etcd key per item,
@@ -49,6 +53,7 @@ closes that generation's groups (`ParallelGroups.close`). A store is a few hundr
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -75,6 +80,8 @@ _QUEUE = "\x00\x02"
 """Separates a queue key from the unique id of one of its items (inside `[k, k\\1)`, apart from
 the `add` deltas, whose ids are hexadecimal)."""
 _QUEUE_END = "\x00\x03"
+_KEEP_LIMIT = 2 * FOLD_EVERY
+"""Most etcd keys a `wait` reads of one store key (its value and deltas, or a queue's items)."""
 
 _HELD: dict[int, EtcdStore] = {}
 """Every EtcdStore of this process not yet released, by id (module doc: why)."""
@@ -138,6 +145,12 @@ class EtcdStore(dist.Store):
         self._timeout = timeout
         self._family: list[EtcdStore] = [self]
         """This store and its clones: they live and are released together."""
+        self._requests = [0]
+        """etcd requests made on this store and its clones (shared): a kept value is good while
+        it has not moved."""
+        self._kept = threading.local()
+        """Per thread: (`_requests` when kept, {etcd key: value}) of its last `wait` that found
+        every key (module doc)."""
         _HELD[id(self)] = self
 
     # -- torch.distributed.Store API -------------------------------------------------------
@@ -149,10 +162,15 @@ class EtcdStore(dist.Store):
         )
 
     def get(self, key: str) -> bytes:
-        value = self._read(key).value(key)
+        full = self._key(key).encode()
+        value = self._take_kept(full)
+        if value is None:
+            value = self._read(key).value(key)
         while value is None:
             self.wait([key])
-            value = self._read(key).value(key)  # None only if deleted again since the wait
+            value = self._take_kept(full)
+            if value is None:
+                value = self._read(key).value(key)  # None only if deleted again since the wait
         return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -243,11 +261,11 @@ class EtcdStore(dist.Store):
         return any(int(r.response_delete_range.deleted) > 0 for r in responses)
 
     def check(self, keys: list[str]) -> bool:
-        missing, _ = self._missing([self._key(k) for k in keys])
+        missing, _, _ = self._present([self._key(k) for k in keys])
         return not missing
 
     def num_keys(self) -> int:
-        resp = self.client.get_prefix_response(self.prefix, keys_only=True)
+        resp = self._etcd.get_prefix_response(self.prefix, keys_only=True)
         return len({_logical(kv.key) for kv in resp.kvs})
 
     def clone(self) -> EtcdStore:
@@ -271,13 +289,13 @@ class EtcdStore(dist.Store):
     # -- the queue API (module doc) --------------------------------------------------------
 
     def queue_push(self, key: str, value: Any) -> None:
-        self.client.put(f"{self._key(key)}{_QUEUE}{uuid.uuid4().hex}", _as_bytes(value))
+        self._etcd.put(f"{self._key(key)}{_QUEUE}{uuid.uuid4().hex}", _as_bytes(value))
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         deadline = time.monotonic() + self._timeout.total_seconds()
         full, txn = self._key(key), self.client.transactions
         while True:
-            oldest = self.client.get_range_response(
+            oldest = self._etcd.get_range_response(
                 full + _QUEUE, full + _QUEUE_END, sort_order="ascend", sort_target="create", limit=1
             ).kvs
             if oldest:
@@ -292,7 +310,7 @@ class EtcdStore(dist.Store):
 
     def queue_len(self, key: str) -> int:
         full = self._key(key)
-        return int(self.client.get_range_response(full + _QUEUE, full + _QUEUE_END, count_only=True).count)
+        return int(self._etcd.get_range_response(full + _QUEUE, full + _QUEUE_END, count_only=True).count)
 
     def getNumKeys(self) -> int:  # noqa: N802  (the name torch's C++ trampoline calls)
         return self.num_keys()
@@ -326,21 +344,36 @@ class EtcdStore(dist.Store):
 
     def delete_prefix(self) -> None:
         """Remove every key of this store (drop an old generation's rendezvous state)."""
-        self.client.delete_prefix(self.prefix)
+        self._etcd.delete_prefix(self.prefix)
 
     def _key(self, key: str) -> str:
         return self.prefix + key
+
+    @property
+    def _etcd(self) -> EtcdClient:
+        """The client, for a request: the values a `wait` kept are stale from here on."""
+        self._requests[0] += 1  # a lost increment of two threads still moves it
+        return self.client
+
+    def _take_kept(self, full: bytes) -> bytes | None:
+        """The value of `full` that this thread's last `wait` kept, if no request was made on
+        the store since (module doc); None otherwise."""
+        kept = getattr(self._kept, "values", None)
+        if kept is None or kept[0] != self._requests[0]:
+            self._kept.values = None
+            return None
+        return kept[1].pop(full, None)
 
     def _txn(
         self, *, compare: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None
     ) -> tuple[bool, list[TxnResponse]]:
         """One etcd transaction (python3-etcd3 wants every branch as a list)."""
-        ok, responses = self.client.transaction(compare=compare, success=success, failure=failure or [])
+        ok, responses = self._etcd.transaction(compare=compare, success=success, failure=failure or [])
         return bool(ok), responses
 
     def _read(self, key: str) -> _Counter:
         full = self._key(key)
-        resp = self.client.get_range_response(full, full + _END)
+        resp = self._etcd.get_range_response(full, full + _END)
         return _Counter(full, [(kv.value, kv) for kv in resp.kvs])
 
     def _fold(self, full: str, seen: _Counter, key: str) -> bool:
@@ -359,21 +392,31 @@ class EtcdStore(dist.Store):
         )
         return bool(ok)
 
-    def _missing(self, full_keys: list[str]) -> tuple[_KeySet, int]:
-        """The keys of `full_keys` that do not exist, and the etcd revision of those reads."""
+    def _present(self, full_keys: list[str]) -> tuple[_KeySet, int, dict[bytes, bytes]]:
+        """The keys of `full_keys` that do not exist, the etcd revision of those reads, and what
+        `get` would return for those that do (one range read each)."""
         missing: _KeySet = _KeySet()
+        values: dict[bytes, bytes] = {}
         revision = 0
         for k in full_keys:
-            resp = self.client.get_range_response(k, k + _END, count_only=True)
+            resp = self._etcd.get_range_response(k, k + _END, limit=_KEEP_LIMIT)
             revision = max(revision, int(resp.header.revision))
-            if resp.count == 0:
+            if not resp.count:
                 missing.add(k.encode())
-        return missing, revision
+            elif not resp.more:  # a long queue or an unfolded counter: nothing kept
+                try:
+                    value = _Counter(k, [(kv.value, kv) for kv in resp.kvs]).value(k)
+                except ValueError:  # a queue's items, or deltas on a non-integer: not a value
+                    continue
+                if value is not None:
+                    values[k.encode()] = value
+        return missing, revision, values
 
     def _wait_once(self, full_keys: list[str], deadline: float) -> bool:
         """True when all keys exist; False when the deadline passed first."""
-        missing, revision = self._missing(full_keys)
+        missing, revision, values = self._present(full_keys)
         if not missing:
+            self._kept.values = (self._requests[0], values)
             return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -385,5 +428,5 @@ class EtcdStore(dist.Store):
             revision,
             remaining,
             logical=_logical,
-            recheck=lambda: self._missing(full_keys)[0],
+            recheck=lambda: self._present(full_keys)[0],
         )

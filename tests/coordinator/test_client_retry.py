@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
-from elastic.coordinator.client import etcd_unreachable
+from elastic.coordinator.client import _retrying, etcd_unreachable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,37 @@ def test_a_server_side_timeout_counts_as_etcd_out_of_reach() -> None:
     assert etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "context deadline exceeded"))
     assert etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "etcdserver: request timed out"))
     assert etcd_unreachable(etcd3.exceptions.ConnectionTimeoutError())
+    # What 16,384 simulated ranks' rendezvous got from one etcd (bench/rendezvous_scale.py).
+    assert etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "etcdserver: too many requests"))
+    assert etcd_unreachable(_Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "etcdserver: too many requests"))
+    assert not etcd_unreachable(_Answer(grpc.StatusCode.RESOURCE_EXHAUSTED, "grpc: received message larger than max"))
     # Answers, not outages: retrying them cannot help.
     assert not etcd_unreachable(_Answer(grpc.StatusCode.UNKNOWN, "etcdserver: key is not provided"))
     assert not etcd_unreachable(_Answer(grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found"))
     assert not etcd_unreachable(ValueError("context deadline exceeded"))
+
+
+def test_an_overloaded_etcds_refusal_is_retried_with_random_growing_pauses(etcd_server: EtcdServer) -> None:
+    """etcd refused 16,384 ranks' rendezvous writes as "too many requests" (its apply 5,000 entries
+    behind its commits): the write was not applied, so the client retries it, past `retry_s`,
+    with random pauses that grow (a pure unit of the wrapper, around a real client's put)."""
+    client = connect(EtcdConfig(endpoint=etcd_server.endpoint, retry_s=0.05))
+    busy = _Answer(grpc.StatusCode.UNKNOWN, "etcdserver: too many requests")
+    attempts: list[float] = []
+
+    def put(self: object, key: str, value: str) -> object:
+        attempts.append(time.monotonic())
+        if len(attempts) <= 4:
+            raise busy
+        return client.put(key, value)
+
+    _retrying(put)(client, "/busy/k", "v")
+    assert len(attempts) == 5 and client.get("/busy/k")[0] == b"v"
+    pauses = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert max(pauses) <= 0.1 * 2**3 + 0.05, pauses  # at most 0.1 s x 2^n: none waited longer
+
+    attempts.clear()
+    client.retry_s = 0.0  # a client told not to retry (stop_retrying) fails at once
+    with pytest.raises(grpc.RpcError):
+        _retrying(put)(client, "/busy/k", "w")
+    assert len(attempts) == 1
