@@ -96,11 +96,18 @@ class JsonRecord:
         """The record from `to_json`'s text, or `to_packed`'s bytes (or a version-less one of version 1)."""
         name = cls.__name__
         try:
-            data = json.loads(unpack_text(text) if isinstance(text, bytes) else text)
+            data = json.loads(unpack_text(text))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RecordError(f"{name}: not valid JSON: {exc}") from None
         except RecordError as exc:
             raise RecordError(f"{name}: {exc}") from None
+        return cls.from_parsed(data)
+
+    @classmethod
+    def from_parsed(cls, data: Any) -> Self:
+        """The record from `to_json`'s text already parsed (`json.loads`): for a reader that
+        parsed it to tell two record types apart. Takes `data` over (its version key is removed)."""
+        name = cls.__name__
         if not isinstance(data, dict):
             raise RecordError(f"{name}: expected a JSON object, got {type(data).__name__}")
         version = data.pop(VERSION_KEY, 1)
@@ -122,10 +129,14 @@ def pack_text(text: str) -> bytes:
     return packed if len(packed) < len(raw) else raw
 
 
-def unpack_text(value: bytes) -> bytes:
-    """What `pack_text` was given, encoded: `value` itself unless it is packed. RecordError for a
-    packed value that is corrupt or would unpack to more than MAX_UNPACKED_BYTES."""
-    if not value or value[0] != _ZLIB_FIRST:
+@typing.overload
+def unpack_text(value: bytes) -> bytes: ...
+@typing.overload
+def unpack_text(value: str) -> str: ...
+def unpack_text(value: bytes | str) -> bytes | str:
+    """What `pack_text` was given, encoded: `value` itself unless it is packed (text never is).
+    RecordError for a packed value that is corrupt or would unpack to more than MAX_UNPACKED_BYTES."""
+    if isinstance(value, str) or not value or value[0] != _ZLIB_FIRST:
         return value
     inflate = zlib.decompressobj()
     try:

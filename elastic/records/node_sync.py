@@ -76,11 +76,10 @@ class NodeSyncReports(JsonRecord):
 def reports_of(value: bytes | str) -> list[SyncReport]:
     """The reports a `sync/` value holds: a node's record, or one worker's own report. RecordError
     (a ValueError) when it is neither."""
-    text = unpack_text(value) if isinstance(value, bytes) else value  # RecordError: corrupt packed value
     try:
-        data = json.loads(text)
+        data = json.loads(unpack_text(value))  # RecordError: a corrupt packed value
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RecordError(f"sync report: not valid JSON: {exc}") from None
     if isinstance(data, dict) and "groups" in data:
-        return NodeSyncReports.from_json(text).reports()
-    return [SyncReport.from_json(text)]
+        return NodeSyncReports.from_parsed(data).reports()
+    return [SyncReport.from_parsed(data)]  # parsed once
