@@ -15,8 +15,9 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `FOLD_EVERY`-th delta folds the deltas it saw into the value (one more transaction, guarded,
   skipped if anything changed), so a counter's read stays O(FOLD_EVERY) however often it grows.
 - `get`, `check` and `wait` read `[k, k\\1)`; `set` and `delete_key` write the value and drop the
-  deltas in one transaction. A `wait` that finds its keys present keeps the values it read, and
-  the same thread's following `get`s of those keys return them without a request, as long as no
+  deltas in one transaction. A `wait` keeps the values it read of its keys, or that the watch
+  that woke it carried, and the same thread's following `get`s of those keys return them without
+  a request, as long as no
   request was made on the store (or a clone) in between, by any thread: gloo connects to a peer
   with a `wait` for its address and then a `get` of it, so one costs one request, not two. A
   value kept this way is never older than anything the thread learnt from the store since. `append` is the exception: a read and a write guarded on it,
@@ -421,7 +422,7 @@ class EtcdStore(dist.Store):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        return PrefixWaits.wait_for(
+        watched = PrefixWaits.wait_for(
             self.client,
             self.prefix,
             missing,
@@ -430,3 +431,7 @@ class EtcdStore(dist.Store):
             logical=_logical,
             recheck=lambda: self._present(full_keys)[0],
         )
+        if watched is None:
+            return False
+        self._kept.values = (self._requests[0], {**values, **watched})
+        return True

@@ -6,7 +6,9 @@ them in a burst. Here the first waiter of a prefix opens one watch (from its own
 waiters join it while any waiter remains. The watch records the revision of the last put of every
 key it saw, so a waiter that joins late is satisfied by a put it already passed, provided that put
 came after the waiter's own read; a waiter whose read is older than the watch's start re-reads
-once after joining (the caller's `recheck`), which covers the gap. The watch rides the client's
+once after joining (the caller's `recheck`), which covers the gap. A satisfied waiter gets the values of its
+keys' last puts, when the watch saw every put since its read and none of them was a counter's
+delta or a queue's item: the store keeps them for the caller's next `get`. The watch rides the client's
 one Watch stream (`watch_stream.py`) and its events are handled on that stream's thread (a few
 set operations): no stream or thread of its own.
 
@@ -44,6 +46,10 @@ class PrefixWaits:
         self.lock = threading.Lock()
         self.waiters: set[_Waiter] = set()
         self.last_put: dict[bytes, int] = {}
+        self.last_value: dict[bytes, bytes] = {}
+        """The value of each key's last put of the key itself seen."""
+        self.last_part: dict[bytes, int] = {}
+        """The revision of each key's last put of a part seen (a counter's delta, a queue's item)."""
         self.broken = False
         self.users = 0
         # What the client's Watch stream asks of a watch (watch_stream.Watcher):
@@ -63,9 +69,11 @@ class PrefixWaits:
         *,
         logical: Callable[[bytes], bytes],
         recheck: Callable[[], set[bytes]],
-    ) -> bool:
-        """Block until every key of `missing` (seen missing at `revision`) was put, or `timeout`
-        seconds passed (False), or the stream broke (False: the caller retries)."""
+    ) -> dict[bytes, bytes] | None:
+        """Block until every key of `missing` (seen missing at `revision`) was put: then the values
+        of the last puts the watch saw of them (those that put the key itself, not a counter's
+        delta), for the caller's next `get`. None when `timeout` seconds passed first, or the
+        stream broke (the caller retries)."""
         hub = cls._join(client, prefix, revision + 1, logical)
         waiter = _Waiter(set(missing), revision)
         try:
@@ -78,10 +86,11 @@ class PrefixWaits:
                 with hub.lock:
                     waiter.missing &= still
             if not waiter.missing:
-                return True
+                with hub.lock:
+                    return hub._values(missing, revision)
             waiter.done.wait(timeout)
             with hub.lock:
-                return not waiter.missing
+                return None if waiter.missing else hub._values(missing, revision)
         finally:
             with hub.lock:
                 hub.waiters.discard(waiter)
@@ -98,6 +107,16 @@ class PrefixWaits:
                 cls._live[(id(client), prefix)] = hub
             hub.users += 1
             return hub
+
+    def _values(self, keys: set[bytes], revision: int) -> dict[bytes, bytes]:
+        """(Under `lock`.) What `get` returns of `keys`, missing at `revision`, as far as the watch
+        knows it for sure: it saw every put since (it started right after `revision`), and no part
+        of the key was put since (a counter's value is its value plus its deltas: a fold puts a
+        partial sum)."""
+        if self.start_revision > revision + 1:
+            return {}
+        return {k: v for k in keys
+                if (v := self.last_value.get(k)) is not None and self.last_part.get(k, 0) <= revision}
 
     def _leave(self) -> None:
         with PrefixWaits._registry_lock:
@@ -137,6 +156,10 @@ class PrefixWaits:
                 if ev.type == 0:  # PUT (of a value or of an add's delta)
                     key = self.logical(ev.kv.key)
                     self.last_put[key] = int(ev.kv.mod_revision)
+                    if ev.kv.key == key:
+                        self.last_value[key] = bytes(ev.kv.value)
+                    else:
+                        self.last_part[key] = int(ev.kv.mod_revision)
                     for w in self.waiters:
                         w.missing.discard(key)
             for w in self.waiters:

@@ -1,7 +1,8 @@
 """bench/rendezvous_scale.py at 64 ranks, against a real etcd: spreading the ranks over 4
-processes serves etcd the requests one process's threads make (every set exactly; the reads up to
-a re-read a wait makes when it joins a watch opened after its own read; at most one Watch stream a
-process, each process opening its own client), and no key of the rendezvous outlives it."""
+processes serves etcd the requests one process's threads make (every set exactly; a read a wait
+and none for the get after it, up to a re-read and a read more when a wait joins a watch opened
+after its own read; at most one Watch stream a process, each process opening its own client),
+and no key of the rendezvous outlives it."""
 
 from __future__ import annotations
 
@@ -13,17 +14,19 @@ from bench.rendezvous_scale import generation_prefix, rendezvous_seconds
 from elastic.coordinator import EtcdServer
 
 WORLD = 64
-RECHECKS = 4
+RECHECKS = 8
 """Extra Range requests allowed over the floor: a wait whose key was missing re-reads it once when
-the shared watch it joins started after its read (elastic/coordinator/store_waits.py). Runs here saw
-0 or 1, at rest and beside two busy cores."""
+the shared watch it joins started after its read (elastic/coordinator/store_waits.py), and the get
+after it then reads too (that watch may have missed a put: it keeps nothing). Runs here saw 0 or 1
+such waits, at rest and beside two busy cores: up to 4 are allowed."""
 
 
 def _floor(pattern: str) -> dict[str, int]:
-    """The Txn and Range requests of one rendezvous when no wait finds its key missing."""
-    if pattern == "lazy":  # a set each, then a wait (count) + get for both ring neighbours
-        return {"Txn": WORLD, "Range": 4 * WORLD}
-    return {"Txn": 1, "Range": 2 * (WORLD - 1)}  # nccl: rank 0 sets, the others wait + get
+    """The Txn and Range requests of one rendezvous: a wait reads its key once, and the get after
+    it takes the value the wait kept (read, or carried by the watch that woke it)."""
+    if pattern == "lazy":  # a set each, then a wait (a read) + get (none) for both ring neighbours
+        return {"Txn": WORLD, "Range": 2 * WORLD}
+    return {"Txn": 1, "Range": WORLD - 1}  # nccl: rank 0 sets, the others wait + get
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""A `wait` that finds its keys keeps their values for the same thread's following `get`s
-(elastic/coordinator/store.py): gloo's connect (a wait for a peer's address, then a get of it)
-costs etcd one read, as a get alone does (counted on etcd's /metrics, against that reference), and
+"""A `wait` keeps the values of its keys (read, or carried by the watch that woke it) for the same
+thread's following `get`s (elastic/coordinator/store.py): gloo's connect (a wait for a peer's
+address, then a get of it) costs etcd one read, as a get alone does (counted on etcd's /metrics,
+against that reference), a counter's value is never taken from the watch (a fold puts a partial sum), and
 a kept value is never returned once a request on the store, by any thread or clone, came between:
 the get then reads what another client wrote meanwhile."""
 
@@ -79,3 +80,20 @@ def test_a_kept_value_is_dropped_by_any_request_in_between(client: Any, job: str
     writer.add("n", 1)
     reader.wait(["n", "k"])  # a counter's kept value is its sum; one wait keeps both keys
     assert reader.get("n") == b"8" and reader.get("k") == b"5"
+
+
+def test_a_wait_the_watch_woke_keeps_the_value_it_carried_but_not_a_counters(
+    etcd_server: EtcdServer, client: Any, job: str
+) -> None:
+    writer, reader = _stores(client, job)
+
+    def connect(key: str, write: Any) -> bytes:
+        threading.Timer(0.3, write).start()  # after the reader's wait found the key missing
+        reader.wait([key])
+        return reader.get(key)
+
+    value, reads = _reads(etcd_server, lambda: connect("late", lambda: writer.set("late", b"v")))
+    assert value == b"v" and reads == 1, reads  # the wait's read; the get takes the watched value
+    # A counter's put is a delta (a fold puts a partial sum): its value is read, and exact.
+    value, reads = _reads(etcd_server, lambda: connect("n", lambda: writer.add("n", 5)))
+    assert value == b"5" and reads == 2, reads
