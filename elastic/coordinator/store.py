@@ -15,13 +15,13 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `FOLD_EVERY`-th delta folds the deltas it saw into the value (one more transaction, guarded,
   skipped if anything changed), so a counter's read stays O(FOLD_EVERY) however often it grows.
 - `get`, `check` and `wait` read `[k, k\\1)`; `set` and `delete_key` write the value and drop the
-  deltas in one transaction. A `wait` keeps the values it read of its keys, or that the watch
-  that woke it carried, and the same thread's following `get`s of those keys return them without
-  a request, as long as no
+  deltas in one transaction. `append` is the exception: a read and a write guarded on it,
+  repeated while other writers of the same key get there first.
+- a `wait` keeps the values it read of its keys, or that the watch that woke it carried, and the
+  same thread's following `get`s of those keys return them without a request, as long as no
   request was made on the store (or a clone) in between, by any thread: gloo connects to a peer
   with a `wait` for its address and then a `get` of it, so one costs one request, not two. A
-  value kept this way is never older than anything the thread learnt from the store since. `append` is the exception: a read and a write guarded on it,
-  repeated while other writers of the same key get there first.
+  value kept this way is never older than anything the thread learnt from the store since.
 - blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
   were seen missing (one watch per prefix shared by a process's waits, on the client's Watch stream,
   `store_waits.py`), so
@@ -31,8 +31,8 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
 
 A gloo group costs O(1) requests per rank and connected peer (measured on torch 2.13, see
 `bench/rendezvous_scale.py`): one `set` of its address, then a `wait` (+ a `get` it answers) for
-each peer it connects to, i.e. every rank of the group for an eager full mesh, or only the peers it talks to
-with `TORCH_GLOO_LAZY_INIT=1`.
+each peer it connects to, i.e. every rank of the group for an eager full mesh, or only the peers
+it talks to with `TORCH_GLOO_LAZY_INIT=1`.
 
 - a queue `k` (`queue_push`, `queue_pop`, `queue_len`) is one etcd key per item,
   `<prefix>k\\0\\2<unique id>`, popped in the order etcd created them: a push is one put, a pop
@@ -147,8 +147,9 @@ class EtcdStore(dist.Store):
         self._family: list[EtcdStore] = [self]
         """This store and its clones: they live and are released together."""
         self._requests = [0]
-        """etcd requests made on this store and its clones (shared): a kept value is good while
-        it has not moved."""
+        """etcd requests made on this store and its clones (shared, counted under `_count_lock`):
+        a kept value is good while it has not moved."""
+        self._count_lock = threading.Lock()
         self._kept = threading.local()
         """Per thread: (`_requests` when kept, {etcd key: value}) of its last `wait` that found
         every key (module doc)."""
@@ -353,7 +354,8 @@ class EtcdStore(dist.Store):
     @property
     def _etcd(self) -> EtcdClient:
         """The client, for a request: the values a `wait` kept are stale from here on."""
-        self._requests[0] += 1  # a lost increment of two threads still moves it
+        with self._count_lock:
+            self._requests[0] += 1
         return self.client
 
     def _take_kept(self, full: bytes) -> bytes | None:

@@ -138,7 +138,9 @@ def stop_agents(agents: list[Agent]) -> None:
     """Stop `agents` at once (SIGINT), killing those still there after a grace period; close their logs."""
     for a in agents:
         if a.proc.poll() is None:
-            os.kill(a.proc.pid, signal.SIGCONT)  # a hung (stopped) agent cannot act on SIGINT
+            # A hung (stopped) agent cannot act on SIGINT. Through the process object: a forked
+            # agent's exit reaches `poll` only once its zygote reports it, and the pid is gone by then.
+            a.proc.send_signal(signal.SIGCONT)
             a.proc.send_signal(signal.SIGINT)  # stop at once (SIGTERM would ask for a drain: agent.py)
     deadline = time.monotonic() + STOP_GRACE_S
     for a in agents:
