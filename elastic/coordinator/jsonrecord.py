@@ -94,14 +94,7 @@ class JsonRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> Self:
         """The record from `to_json`'s text, or `to_packed`'s bytes (or a version-less one of version 1)."""
-        name = cls.__name__
-        try:
-            data = json.loads(unpack_text(text))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RecordError(f"{name}: not valid JSON: {exc}") from None
-        except RecordError as exc:
-            raise RecordError(f"{name}: {exc}") from None
-        return cls.from_parsed(data)
+        return cls.from_parsed(parse_text(text, cls.__name__))
 
     @classmethod
     def from_parsed(cls, data: Any) -> Self:
@@ -118,6 +111,17 @@ class JsonRecord:
                 f"{name}.{VERSION_KEY}: schema version {version} is newer than this code reads ({cls.VERSION})"
             )
         return from_data(cls, data)
+
+
+def parse_text(text: str | bytes, name: str) -> Any:
+    """`text` (or a packed value) parsed as JSON; RecordError naming `name` when it is not JSON or
+    its packing is corrupt. For a reader that tells record types apart before decoding one."""
+    try:
+        return json.loads(unpack_text(text))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RecordError(f"{name}: not valid JSON: {exc}") from None
+    except RecordError as exc:
+        raise RecordError(f"{name}: {exc}") from None
 
 
 def pack_text(text: str) -> bytes:

@@ -164,15 +164,10 @@ class EtcdStore(dist.Store):
         )
 
     def get(self, key: str) -> bytes:
-        full = self._key(key).encode()
-        value = self._take_kept(full)
-        if value is None:
-            value = self._read(key).value(key)
+        value = self._kept_or_read(key)
         while value is None:
             self.wait([key])
-            value = self._take_kept(full)
-            if value is None:
-                value = self._read(key).value(key)  # None only if deleted again since the wait
+            value = self._kept_or_read(key)  # None only if deleted again since the wait
         return value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -358,14 +353,15 @@ class EtcdStore(dist.Store):
             self._requests[0] += 1
         return self.client
 
-    def _take_kept(self, full: bytes) -> bytes | None:
-        """The value of `full` that this thread's last `wait` kept, if no request was made on
-        the store since (module doc); None otherwise."""
+    def _kept_or_read(self, key: str) -> bytes | None:
+        """`key`'s value as this thread's last `wait` kept it, if no request was made on the store
+        since (module doc), else as read now; None when it is missing."""
         kept = getattr(self._kept, "values", None)
         if kept is None or kept[0] != self._requests[0]:
             self._kept.values = None
-            return None
-        return kept[1].pop(full, None)
+        elif (value := kept[1].pop(self._key(key).encode(), None)) is not None:
+            return value
+        return self._read(key).value(key)
 
     def _txn(
         self, *, compare: list[Compare], success: list[TxnOp], failure: list[TxnOp] | None = None

@@ -14,10 +14,9 @@ Readers (the leader) take both forms, this and a worker's own `SyncReport` at
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
-from elastic.coordinator.jsonrecord import RUNS, JsonRecord, RecordError, unpack_text
+from elastic.coordinator.jsonrecord import RUNS, JsonRecord, parse_text
 from elastic.records.generation import Vote
 from elastic.records.partial import PartialReport
 from elastic.records.sync import SyncReport
@@ -76,10 +75,7 @@ class NodeSyncReports(JsonRecord):
 def reports_of(value: bytes | str) -> list[SyncReport]:
     """The reports a `sync/` value holds: a node's record, or one worker's own report. RecordError
     (a ValueError) when it is neither."""
-    try:
-        data = json.loads(unpack_text(value))  # RecordError: a corrupt packed value
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RecordError(f"sync report: not valid JSON: {exc}") from None
+    data = parse_text(value, "sync report")
     if isinstance(data, dict) and "groups" in data:
         return NodeSyncReports.from_parsed(data).reports()
     return [SyncReport.from_parsed(data)]  # parsed once

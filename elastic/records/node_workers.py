@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.jsonrecord import JsonRecord, RecordError
+from elastic.coordinator.jsonrecord import JsonRecord, parse_text
 from elastic.coordinator.keys import RunKeys
 from elastic.records.node_sync import NODE_KEY
 from elastic.records.workers import WorkerInfo
@@ -85,11 +85,11 @@ def registrations(rk: RunKeys, kvs: Iterable[tuple[str, bytes]]) -> dict[tuple[i
 
 def worker_infos(value: bytes) -> list[WorkerInfo]:
     """The registrations in one value under `workers/<node>/` of either form, without its key
-    (a prefix mirror's parse). RecordError (WorkerInfo's) for a value of neither form."""
-    try:
-        return list(NodeWorkers.from_json(value).workers.values())
-    except RecordError:
-        return [WorkerInfo.from_json(value)]
+    (a prefix mirror's parse, once). RecordError for a value of neither form."""
+    data = parse_text(value, "registration")
+    if isinstance(data, dict) and "workers" in data:
+        return list(NodeWorkers.from_parsed(data).workers.values())
+    return [WorkerInfo.from_parsed(data)]
 
 
 def read_registrations(client: EtcdClient, rk: RunKeys, *, node: int | None = None,

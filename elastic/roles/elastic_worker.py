@@ -282,7 +282,7 @@ class ElasticWorker:
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
             replay=record.replay if record.restore_checkpoint is None else None,
-            moves=collective_moves(generation, record, spec=self.spec),
+            moves=collective_moves(record),
         )
         self._pending_recovery = (seen_at, timings, time.time())
         worker_log(

@@ -44,12 +44,11 @@ def checkpoint_fetch(generation: int, record: GenerationRecord, *, spec: JobSpec
     return fetch
 
 
-def collective_moves(generation: int, record: GenerationRecord, *, spec: JobSpec) -> list[ShardMove] | None:
-    """For the collective shard path: the moves into `generation`, as its record lists them (the
-    leader planned them: elastic/parallel/shard_moves.py). None when that path is not taken (a
-    record without moves too: what the worker misses then comes over gRPC)."""
-    if record.restore_checkpoint is not None or generation == 1 or spec.shard_transport != "collective":
-        return None
+def collective_moves(record: GenerationRecord) -> list[ShardMove] | None:
+    """For the collective shard path: the moves into the generation, as its record lists them (the
+    leader plans them only on that path, after the first generation and never for a checkpoint
+    restore: elastic/parallel/shard_moves.py). None when the record lists none: what the worker
+    misses then comes over gRPC, or from the checkpoint."""
     return None if record.moves is None else moves_of(record.moves, record.plan)
 
 
