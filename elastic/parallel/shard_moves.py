@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from elastic.parallel.layout import assign_ranks
+from elastic.parallel.layout import WorkerCoord, assign_ranks
 from elastic.transfer.moves import ShardMove, assign_moves
 from elastic.transfer.shards import ShardKey
 from templates.plan import Plan
@@ -29,17 +29,23 @@ WorkerHoldings = Mapping[tuple[int, int], Sequence[ShardKey]]
 """(node, local rank) -> the shards that worker holds (what `holdings/` says)."""
 
 
-def ranked_holdings(plan: Plan, holdings: WorkerHoldings) -> dict[int, list[ShardKey]]:
-    """Rank in `plan` -> the shards that worker holds; workers outside the plan are left out."""
-    ranks = {(w.node, w.local_rank): w.rank for w in assign_ranks(plan)}
+def ranked_holdings(
+    plan: Plan, holdings: WorkerHoldings, *, workers: Sequence[WorkerCoord] | None = None
+) -> dict[int, list[ShardKey]]:
+    """Rank in `plan` -> the shards that worker holds; workers outside the plan are left out.
+    `workers`: `assign_ranks(plan)`, if the caller has it (16,384 of them take 30 ms)."""
+    ranks = {(w.node, w.local_rank): w.rank for w in workers or assign_ranks(plan)}
     return {ranks[worker]: list(held) for worker, held in holdings.items() if worker in ranks}
 
 
-def plan_moves(plan: Plan, by_rank: Mapping[int, Sequence[ShardKey]]) -> list[ShardMove]:
+def plan_moves(
+    plan: Plan, by_rank: Mapping[int, Sequence[ShardKey]], *, workers: Sequence[WorkerCoord] | None = None
+) -> list[ShardMove]:
     """The moves that give every rank of `plan` the shards of its stage it lacks, from the ranks
-    of `plan` that hold them (`by_rank`: rank -> shards held); sorted by (src, dst, key)."""
+    of `plan` that hold them (`by_rank`: rank -> shards held); sorted by (src, dst, key).
+    `workers`: as in `ranked_holdings`."""
     needs: dict[int, list[ShardKey]] = {}
-    for w in assign_ranks(plan):
+    for w in workers or assign_ranks(plan):
         first, last = plan.pipelines[w.pipeline].stages[w.stage].layers
         have = set(by_rank.get(w.rank, ()))  # a ShardKey is equal to its plain tuple
         want = [ShardKey(layer, w.tp_rank) for layer in range(first, last) if (layer, w.tp_rank) not in have]

@@ -35,6 +35,7 @@ generations before g are deleted when g+1 is published, so etcd holds O(workers)
 
 from __future__ import annotations
 
+from elastic.parallel.layout import assign_ranks
 from elastic.parallel.shard_moves import move_rows, plan_moves, ranked_holdings
 from elastic.planning.stragglers import ACTING
 from elastic.records.config import ElasticConfig
@@ -218,7 +219,8 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
         replay = resolve_replay(plan, [(r.node, r.local_rank, r.partial) for r in s.reports], step=resume)
     moves = None
     if config.spec.shard_transport == "collective":  # planned here once, not by every worker
-        moves = move_rows(plan_moves(plan, ranked_holdings(plan, s.holdings or {})))
+        workers = assign_ranks(plan)
+        moves = move_rows(plan_moves(plan, ranked_holdings(plan, s.holdings or {}, workers=workers), workers=workers))
     return (Publish(record=GenerationRecord(
         plan=plan, resume_step=resume, incarnations={n: s.members[n] for n in plan.nodes}, lost=lost,
         joined=joined, drained=drained or [], reason=reason, completed_vote=vote, replay=replay,
