@@ -28,9 +28,16 @@ in parallel instead of one. P = 1 runs the ranks as threads of this process (the
 `--procs` existed); P > 1 starts P children of this file (`--child`, a JSON line protocol on their
 stdin/stdout), all on the same job id and generation, so they meet in the same keys. Every process
 opens its own etcd clients: one for all its ranks by default (`--ranks-per-client 0`), or one per N
-ranks (`--ranks-per-client 8`: one per node of 8 GPUs). A real job has one client per worker
-process, so etcd serves more connections and more Watch streams (each process's shared watch of the
-prefix, `store_waits.py`, receives every put on it) than either setting here.
+ranks (`--ranks-per-client 8`: one per node of 8 GPUs), or one a rank (`--ranks-per-client 1`),
+as a real job has (a client per worker process): etcd then serves a connection, and a Watch stream
+for each rank that waited, per rank. A wait watches only its missing keys (`store_waits.py`), so
+a put reaches only the clients waiting on its key, whatever the number of clients; the watch events
+etcd sent are printed beside the requests (`events/rank`, etcd's `etcd_debugging_mvcc_events_total`).
+
+Printed for each rendezvous: its seconds; etcd's CPU seconds for it with the rank processes'
+set-up (`etcd core-s`) and without (`in it`: from the release to the last rank's finish, what
+etcd would spend with the ranks on hosts of their own); etcd requests a rank, by method; and the
+watch events etcd sent, a rank.
 
 Timing: with P = 1 a rendezvous is timed from the release of all W threads (a barrier) until the
 last one is done. With P > 1 every child builds its stores and parks its threads on a barrier, says
@@ -76,7 +83,10 @@ from elastic.parallel.groups import group_prefix
 PATTERNS = ("eager", "lazy", "nccl")
 _ADDRESS = "x" * 154  # a gloo tcp address record measured on torch 2.13 is 154-186 bytes
 _UNIQUE_ID = "\x02" * 128  # sizeof(ncclUniqueId): 128 bytes once encoded
-_METRIC = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\d+)', re.M)
+_METRIC = re.compile(r'^grpc_server_started_total\{[^}]*grpc_method="(\w+)"[^}]*\} (\S+)', re.M)
+EVENTS = "events"
+"""`etcd_requests`' entry for the watch events etcd sent (not a request: kept apart in the figures)."""
+_EVENTS = re.compile(r"^etcd_debugging_mvcc_events_total (\S+)", re.M)
 _STORE_TIMEOUT = timedelta(seconds=120)
 _RELEASE_AHEAD_S = 0.25
 """How far ahead of now the parent sets the release time of P > 1 processes (one pipe write each)."""
@@ -103,11 +113,13 @@ class Part:
 
 
 def etcd_requests(endpoint: str) -> dict[str, int]:
-    """gRPC requests etcd has started since it came up, by method (Range, Put, Txn, Watch, ...)."""
+    """gRPC requests etcd has started since it came up, by method (Range, Put, Txn, Watch, ...),
+    and under `EVENTS` the watch events it has sent."""
     text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
     counts: dict[str, int] = {}
     for method, n in _METRIC.findall(text):
-        counts[method] = counts.get(method, 0) + int(n)
+        counts[method] = counts.get(method, 0) + int(float(n))
+    counts[EVENTS] = sum(int(float(n)) for n in _EVENTS.findall(text))  # 1.2e+06 past a million
     return counts
 
 
@@ -287,7 +299,7 @@ def _parts(endpoint: str, job: str, world: int, pattern: str, procs: int, ranks_
 
 def rendezvous_seconds(
     endpoint: str, world: int, *, repeats: int = 1, pattern: str = "lazy", procs: int = 1,
-    ranks_per_client: int = 0,
+    ranks_per_client: int = 0, etcd_pid: int | None = None,
 ) -> dict[str, Any]:
     """Time `repeats` generation rendezvous of `world` simulated ranks on the etcd at `endpoint`,
     spread over `procs` processes (module doc), `ranks_per_client` ranks to an etcd client (0:
@@ -295,7 +307,10 @@ def rendezvous_seconds(
 
     Returns `seconds` (median over repeats), `seconds_all`, `requests_per_rank` (etcd requests
     of all methods per rank and rendezvous, from etcd's /metrics), `requests_by_method` (per
-    rendezvous) and the `world`, `pattern`, `repeats` and `procs` it ran with. `pattern` is `lazy`
+    rendezvous), `events_per_rank` (watch events etcd sent, per rank and rendezvous), with
+    `etcd_pid` (an etcd of this machine) `etcd_core_s`, etcd's CPU seconds while the ranks
+    rendezvoused (median over repeats; their processes' start and clients' connections left out),
+    and the `world`, `pattern`, `repeats` and `procs` it ran with. `pattern` is `lazy`
     (a gloo world group with TORCH_GLOO_LAZY_INIT=1 and its first ring all-reduce), `eager` (the
     full-mesh construction) or `nccl` (NCCL's unique-id exchange); see the module doc.
     """
@@ -310,13 +325,18 @@ def rendezvous_seconds(
     client = connect(EtcdConfig(endpoint=endpoint, timeout=60.0))  # drops the keys afterwards
     sim = _InProcess(parts[0]) if procs == 1 else _Processes(parts)
     times: list[float] = []
+    etcd = psutil.Process(etcd_pid) if etcd_pid is not None else None
+    core_s: list[float] = []
     try:
         sim.build(1)
         before = etcd_requests(endpoint)
         for g in range(1, repeats + 1):
             if g > 1:
                 sim.build(g)
+            cpu0 = sum(etcd.cpu_times()[:2]) if etcd is not None else 0.0
             times.append(sim.run())
+            if etcd is not None:
+                core_s.append(sum(etcd.cpu_times()[:2]) - cpu0)
         after = etcd_requests(endpoint)
     finally:
         sim.close()
@@ -324,6 +344,7 @@ def rendezvous_seconds(
             client.delete_prefix(generation_prefix(job, g))
         client.close()
     by_method = {m: (after.get(m, 0) - before.get(m, 0)) / repeats for m in after}
+    events = by_method.pop(EVENTS, 0.0)
     by_method = {m: n for m, n in by_method.items() if n}
     total = sum(by_method.values())
     return {
@@ -335,6 +356,8 @@ def rendezvous_seconds(
         "seconds_all": [round(t, 4) for t in times],
         "requests_per_rank": total / world,
         "requests_by_method": by_method,
+        "events_per_rank": events / world,
+        "etcd_core_s": sorted(core_s)[len(core_s) // 2] if core_s else None,
     }
 
 
@@ -356,7 +379,8 @@ def main() -> None:
         os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not reach the protocol
         _child(Part(**json.loads(args.child)), sys.stdin, answers)
         return
-    print(f"{'pattern':>8} {'W':>6} {'P':>4} {'seconds':>9} {'etcd core-s':>11} {'etcd req/rank':>14}  "
+    print(f"{'pattern':>8} {'W':>6} {'P':>4} {'seconds':>9} {'etcd core-s':>11} {'in it':>6} {'etcd req/rank':>14} "
+          f"{'events/rank':>12}  "
           "by method (per rendezvous)")
     with EtcdServer() if args.endpoint is None else _external(args.endpoint) as server:
         etcd = psutil.Process(server.pid) if isinstance(server, EtcdServer) and server.pid else None
@@ -365,14 +389,16 @@ def main() -> None:
                 for procs in args.procs:
                     cpu0 = sum(etcd.cpu_times()[:2]) if etcd is not None else 0.0
                     r = rendezvous_seconds(server.endpoint, world, repeats=args.repeats, pattern=pattern,
-                                           procs=procs, ranks_per_client=args.ranks_per_client)
+                                           procs=procs, ranks_per_client=args.ranks_per_client,
+                                           etcd_pid=etcd.pid if etcd is not None else None)
                     # etcd's own CPU a rendezvous (set-up of the rank processes included): what it
                     # would take with the ranks' client work on hosts of their own
                     core_s = (sum(etcd.cpu_times()[:2]) - cpu0) / args.repeats if etcd is not None else float("nan")
                     methods = ", ".join(f"{m} {n:g}" for m, n in sorted(r["requests_by_method"].items()))
                     print(
                         f"{pattern:>8} {world:>6} {procs:>4} {r['seconds']:>9.3f} {core_s:>11.2f} "
-                        f"{r['requests_per_rank']:>14.1f}  {methods}",
+                        f"{r['etcd_core_s'] if r['etcd_core_s'] is not None else float('nan'):>6.2f} "
+                        f"{r['requests_per_rank']:>14.1f} {r['events_per_rank']:>12.1f}  {methods}",
                         flush=True,
                     )
 

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class Watcher(Protocol):
-    """What the stream needs of a watch (`PrefixWatch`)."""
+    """What the stream needs of a watch (`PrefixWatch`). It watches the keys under `prefix`, or,
+    if it has a `range_end` attribute (bytes), the keys in [`prefix`, `range_end`)."""
 
     prefix: bytes
     prev_kv: bool
@@ -67,15 +68,22 @@ class WatchStream:
     def __init__(self, client: EtcdClient) -> None:
         self._client = client
         self._lock = threading.Lock()
-        self._watchers: list[Watcher] = []
-        """The watches wanted, in the order they were added."""
+        self._watchers: dict[int, Watcher] = {}
+        """The watches wanted, by id(), in the order they were added (a process waiting on many
+        store keys has a watch a key: adding and removing one costs O(1))."""
         self._ids: dict[int, Watcher] = {}
         """The open stream's watch ids (etcd's: unique on the stream, never reused)."""
+        self._wid: dict[int, int] = {}
+        """id() of a watcher -> its watch id in `_ids`."""
         self._pending: collections.deque[Watcher | None] = collections.deque()
         """The creates sent and not yet answered, in order (None: cancelled meanwhile). etcd
         answers a stream's creates in the order they came, each before any event of its watch,
         and chooses the id (this etcd3's protocol has no field for the client to choose it)."""
+        self._pending_ids: collections.Counter[int] = collections.Counter()
+        """id() of each watcher in `_pending`."""
         self._requests: queue.SimpleQueue[Any] | None = None
+        self._compaction_logged = 0
+        """The compaction revision last logged."""
         self._call: Any = None
         self._hung_up = False
         """The open call was cancelled here, because the last watch went: no fail-over."""
@@ -85,7 +93,7 @@ class WatchStream:
     def add(self, watcher: Watcher) -> None:
         """Start delivering to `watcher` (on the open stream at once, or when it opens)."""
         with self._lock:
-            self._watchers.append(watcher)
+            self._watchers[id(watcher)] = watcher
             if self._requests is not None:
                 self._create(watcher)
             if not self._thread.is_alive() and self._thread.ident is None:
@@ -94,12 +102,13 @@ class WatchStream:
     def remove(self, watcher: Watcher) -> None:
         """Stop delivering to `watcher`; with no watch left, hang up."""
         with self._lock:
-            if watcher in self._watchers:
-                self._watchers.remove(watcher)
-            for wid in [wid for wid, w in self._ids.items() if w is watcher]:
+            self._watchers.pop(id(watcher), None)
+            wid = self._wid.pop(id(watcher), None)
+            if wid is not None:
                 del self._ids[wid]
                 self._cancel(wid)
-            self._pending = collections.deque(None if w is watcher else w for w in self._pending)
+            if self._pending_ids.pop(id(watcher), 0):  # cancelled before etcd answered its create
+                self._pending = collections.deque(None if w is watcher else w for w in self._pending)
             if not self._watchers and self._call is not None:
                 self._hung_up = True
                 self._call.cancel()
@@ -108,9 +117,9 @@ class WatchStream:
         """Send `watcher`'s create request on the open stream (holding the lock)."""
         assert self._requests is not None
         self._pending.append(watcher)
-        create = etcdrpc.WatchCreateRequest(
-            key=watcher.prefix, range_end=prefix_range_end(watcher.prefix), prev_kv=watcher.prev_kv
-        )
+        self._pending_ids[id(watcher)] += 1
+        end = getattr(watcher, "range_end", None) or prefix_range_end(watcher.prefix)
+        create = etcdrpc.WatchCreateRequest(key=watcher.prefix, range_end=end, prev_kv=watcher.prev_kv)
         start = watcher.resume_revision()
         if start is not None:
             create.start_revision = start
@@ -129,7 +138,7 @@ class WatchStream:
                     if _streams.get(self._client) is self:
                         del _streams[self._client]
                     return
-                pause = min(w.retry_pause for w in self._watchers)
+                pause = min(w.retry_pause for w in self._watchers.values())
             try:
                 self._serve()
             except grpc.RpcError as exc:
@@ -145,8 +154,10 @@ class WatchStream:
                     self._requests.put(None)  # ends the request iterator
                 self._requests, self._call, self._hung_up = None, None, False
                 self._ids.clear()
+                self._wid.clear()
                 self._pending.clear()
-                watchers = list(self._watchers)
+                self._pending_ids.clear()
+                watchers = list(self._watchers.values())
             for w in watchers:
                 w.disconnected()
             if watchers:
@@ -163,7 +174,7 @@ class WatchStream:
             if not self._watchers:
                 self._hung_up = True
                 call.cancel()
-            for w in self._watchers:
+            for w in self._watchers.values():
                 self._create(w)
         for rs in call:
             with self._lock:
@@ -172,14 +183,24 @@ class WatchStream:
                     if watcher is None:  # cancelled before etcd answered
                         self._cancel(rs.watch_id)
                         continue
+                    self._pending_ids[id(watcher)] -= 1
+                    if not self._pending_ids[id(watcher)]:
+                        del self._pending_ids[id(watcher)]
                     self._ids[rs.watch_id] = watcher
+                    self._wid[id(watcher)] = rs.watch_id
                 watcher = self._ids.get(rs.watch_id)
                 if watcher is None:  # cancelled here; etcd's answers to it may still come
                     continue
                 if rs.compact_revision:
                     # History it had not received yet was compacted: it resumes from what is left.
-                    log.warning("watch on %s lost history up to revision %d", watcher.prefix, rs.compact_revision)
+                    # Logged once a compaction a stream (a process waiting on many store keys has
+                    # a watch a key, and one compaction can reach thousands of them).
+                    if rs.compact_revision > self._compaction_logged:
+                        self._compaction_logged = rs.compact_revision
+                        log.warning("watch on %s lost history up to revision %d (and any other watch of "
+                                    "this stream with it)", watcher.prefix, rs.compact_revision)
                     del self._ids[rs.watch_id]
+                    self._wid.pop(id(watcher), None)
                     watcher.compacted(rs.compact_revision)
                     self._create(watcher)
                     continue

@@ -2,7 +2,7 @@
 processes serves etcd the requests one process's threads make (every set exactly; a read a wait
 and none for the get after it, up to a re-read and a read more when a wait joins a watch opened
 after its own read; at most one Watch stream a process, each process opening its own client),
-and no key of the rendezvous outlives it."""
+a put's watch events reach only the waits on its key, and no key of the rendezvous outlives it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_processes_make_the_requests_threads_make(etcd_server: EtcdServer, clien
         assert floor["Range"] <= by_method["Range"] <= floor["Range"] + RECHECKS, by_method
         assert by_method.get("Watch", 0) <= procs, by_method  # one client, one Watch stream a process
         assert row["requests_per_rank"] == sum(by_method.values()) / WORLD
+        # A put reaches only the watches of its own key: the (at most 2) ring neighbours waiting on
+        # a rank's address, or one watch a process on NCCL's id (not every put to every process).
+        assert row["events_per_rank"] * WORLD <= (2 * WORLD if pattern == "lazy" else procs), row
     one, four = rows[1]["requests_by_method"], rows[4]["requests_by_method"]
     assert abs(one["Range"] - four["Range"]) <= RECHECKS, (one, four)
     bench_jobs = generation_prefix("rdzv-bench-", 1).split("rdzv-bench-")[0] + "rdzv-bench-"

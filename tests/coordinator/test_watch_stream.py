@@ -225,8 +225,8 @@ def test_every_watch_resumes_after_an_etcd_crash(server: EtcdServer, client: Any
 
 def test_store_waits_ride_the_stream_and_survive_an_etcd_crash(server: EtcdServer, client: Any) -> None:
     """12 blocked `EtcdStore.get`s on 3 keys share the client's one stream with its other watch
-    (one watcher for the store's prefix), outlive an etcd SIGKILL and restart, and return what
-    was set after it."""
+    (one watcher a key, shared by its 4 waits), outlive an etcd SIGKILL and restart, and return
+    what was set after it."""
     from datetime import timedelta
 
     from elastic.coordinator import EtcdStore, JobKeys
@@ -238,7 +238,7 @@ def test_store_waits_ride_the_stream_and_survive_an_etcd_crash(server: EtcdServe
     threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, store.get(f"k{i % 3}"))) for i in range(12)]
     for t in threads:
         t.start()
-    wait_for(lambda: _gauges(server) == (1, 2), 10.0, "one stream, and one watcher for 12 waits")
+    wait_for(lambda: _gauges(server) == (1, 4), 10.0, "one stream, and one watcher a key for 12 waits")
     server.stop(kill=True)
     time.sleep(1.0)
     server.start()
