@@ -30,9 +30,10 @@ stdin/stdout), all on the same job id and generation, so they meet in the same k
 opens its own etcd clients: one for all its ranks by default (`--ranks-per-client 0`), or one per N
 ranks (`--ranks-per-client 8`: one per node of 8 GPUs), or one a rank (`--ranks-per-client 1`),
 as a real job has (a client per worker process): etcd then serves a connection, and a Watch stream
-for each rank that waited, per rank. A wait watches only its missing keys (`store_waits.py`), so
-a put reaches only the clients waiting on its key, whatever the number of clients; the watch events
-etcd sent are printed beside the requests (`events/rank`, etcd's `etcd_debugging_mvcc_events_total`).
+for each rank that waited, per rank. A wait watches only its missing keys (`store_waits.py`; a
+client with many waits open shares a watch of the prefix for the rest), so a put reaches only the
+clients waiting on its key, whatever the number of clients; the watch events etcd sent are printed
+beside the requests (`events/rank`, etcd's `etcd_debugging_mvcc_events_total`).
 
 Printed for each rendezvous: its seconds; etcd's CPU seconds for it with the rank processes'
 set-up (`etcd core-s`) and without (`in it`: from the release to the last rank's finish, what

@@ -23,9 +23,9 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   with a `wait` for its address and then a `get` of it, so one costs one request, not two. A
   value kept this way is never older than anything the thread learnt from the store since.
 - blocking calls (`get` of a missing key, `wait`) watch etcd from the revision at which the keys
-  were seen missing (one watch per missing key, shared by a process's waits on it, on the client's
-  Watch stream, `store_waits.py`), so they wake on the write of their own key, rather than on a
-  polling tick or on every write under the prefix, and raise
+  were seen missing (a watch per missing key, shared by a process's waits on it, or of the whole
+  prefix once the client has many waits open, on the client's Watch stream, `store_waits.py`), so
+  they wake on the write itself rather than on a polling tick, and raise
   `torch.distributed.DistStoreError` ("... timeout ...", the word torch's callers match on) when
   the timeout passes.
 
@@ -65,7 +65,7 @@ import torch.distributed as dist
 
 from .client import TRANSIENT_ERRORS
 from .etcd_api import Compare, EtcdClient, TxnOp, TxnResponse
-from .store_waits import KeyWaits
+from .store_waits import wait_for
 
 _DEFAULT_TIMEOUT = timedelta(seconds=300)
 _DELTA = "\x00"
@@ -420,8 +420,9 @@ class EtcdStore(dist.Store):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
-        watched = KeyWaits.wait_for(
-            self.client, missing, revision, remaining, recheck=lambda: self._present(full_keys)[0]
+        watched = wait_for(
+            self.client, self.prefix, missing, revision, remaining, logical=_logical,
+            recheck=lambda: self._present(full_keys)[0],
         )
         if watched is None:
             return False

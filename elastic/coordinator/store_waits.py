@@ -1,22 +1,28 @@
-"""Blocking waits of `EtcdStore`: one etcd watch per (client, store key), shared by its waits.
+"""Blocking waits of `EtcdStore`: shared etcd watches of the missing keys, or of the whole prefix.
 
-A wait that found keys missing at revision R needs the puts after R of those keys, and of nothing
-else. Each missing key gets a watch of exactly its etcd range `[k, k\\1)` (its value, an `add`'s
-deltas, a queue's items), shared by every wait of the process on that key while any remains:
-the first waiter opens it from its own R + 1, later ones join it. A put then wakes only the
-processes waiting on that key. (A watch of the whole store prefix, shared by every wait of a
-process, was cheaper to open but sent every put to every process with any wait open: a 4,096-rank
-lazy gloo rendezvous with a client a rank, as real workers have, made etcd send 1.2 million events,
-286 a rank, for 4,096 puts; bench/README.md.)
+A wait that found keys missing at revision R needs the puts after R of those keys. Two ways to
+watch them, each the cheaper one somewhere:
 
-The watch records the revision of its key's last put, so a waiter that joins late is satisfied by
-a put it already passed, provided that put came after the waiter's own read; a waiter whose read
-is older than the watch's start re-reads once after joining (the caller's `recheck`), which
-covers the gap. A satisfied waiter gets the values of its keys' last puts, when each key's watch
-saw every put since the waiter's read and none of them was a counter's delta or a queue's item:
-the store keeps them for the caller's next `get`. The watches ride the client's one Watch stream
-(`watch_stream.py`) and their events are handled on that stream's thread (a few set operations):
-no stream or thread of their own.
+- **a watch a key**, of exactly its etcd range `[k, k\\1)` (its value, an `add`'s deltas, a queue's
+  items): a put then reaches only the processes waiting on its key. A real job has a process and
+  an etcd client a rank, each waiting on a few keys at a time: a watch of the whole prefix there
+  sends every put to every process with a wait open (a 4,096-rank lazy gloo rendezvous with a
+  client a rank: 1.2 million events, 286 a rank, for 4,096 puts; bench/README.md).
+- **a watch of the whole store prefix**, once the client has `KEY_WATCHES_MAX` key watches open
+  under it: a client serving many waiting ranks at once (the simulations of bench/rendezvous_scale.py
+  hold thousands a client) would otherwise open and cancel a watch for each, and etcd, busy,
+  answers such a stream's creates late (after its history was compacted, at 16,384 ranks), where
+  one watch of the prefix, opened once, costs the client an event a put.
+
+Either watch is shared by every wait of the process on it while any remains: the first waiter
+opens it from its own R + 1, later ones join it. The watch records the revision of the last put
+of every key it saw, so a waiter that joins late is satisfied by a put it already passed, provided
+that put came after the waiter's own read; a waiter whose read is older than the watch's start
+re-reads once after joining (the caller's `recheck`), which covers the gap. A satisfied waiter
+gets the values of its keys' last puts, when the watch saw every put since the waiter's read and
+none of them was a counter's delta or a queue's item: the store keeps them for the caller's next
+`get`. The watches ride the client's one Watch stream (`watch_stream.py`) and their events are
+handled on that stream's thread (a few set operations): no stream or thread of their own.
 
 If the stream breaks (etcd restarting) or a watch's history was compacted, its waiters are woken
 unsatisfied and retry with a new watch.
@@ -26,21 +32,29 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from .etcd_api import EtcdClient
 from .watch_stream import WatchStream, subscribe
 
+KEY_WATCHES_MAX = 16
+"""Key watches a client keeps open under one store prefix; more waiting keys share a watch of the
+prefix (module doc)."""
 _KEY_END = b"\x01"
 """A store key `k`'s etcd keys are `[k, k\\1)` (store.py)."""
 
+_registry_lock = threading.Lock()
+_live: dict[tuple[int, bytes, bool], _Watch] = {}
+"""The open watches: (id(client), the store key or prefix watched, whole prefix?) -> watch."""
+_key_watches: dict[tuple[int, bytes], int] = {}
+"""(id(client), store prefix) -> key watches open under it."""
+
 
 class _Waiter:
-    """One blocked wait: the keys it still misses, across the watches of all of them."""
+    """One blocked wait: the keys it still misses, across the watches it joined."""
 
-    def __init__(self, missing: set[bytes], after: int) -> None:
+    def __init__(self, missing: set[bytes]) -> None:
         self.missing = missing
-        self.after = after
         self.lock = threading.Lock()
         self.done = threading.Event()
 
@@ -55,102 +69,64 @@ class _Waiter:
             return set(self.missing)
 
 
-class KeyWaits:
-    """The shared watch of one store key (module doc); `wait_for` is the whole interface."""
+class _Watch:
+    """One shared watch: of a store key, or of a whole store prefix (module doc)."""
 
-    _live: ClassVar[dict[tuple[int, bytes], KeyWaits]] = {}
-    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self, client: EtcdClient, key: bytes, start_revision: int) -> None:
-        self.client, self.key, self.start_revision = client, key, start_revision
+    def __init__(
+        self, client: EtcdClient, store_prefix: bytes, watched: bytes, whole: bool, start_revision: int,
+        logical: Callable[[bytes], bytes],
+    ) -> None:
+        self.client, self.store_prefix, self.watched, self.whole = client, store_prefix, watched, whole
+        self.start_revision, self.logical = start_revision, logical
         self.lock = threading.Lock()
-        self.waiters: set[_Waiter] = set()
-        self.last_put = 0
-        """The revision of the key's last put seen (of its value or of a part)."""
-        self.last_value: bytes | None = None
-        """The value of the key's last put of the key itself seen."""
-        self.last_part = 0
-        """The revision of the key's last put of a part seen (a counter's delta, a queue's item)."""
+        self.waiting: dict[bytes, set[_Waiter]] = {}
+        """The waiters of each key not yet put."""
+        self.last_put: dict[bytes, int] = {}
+        """The revision of each key's last put seen (of its value or of a part)."""
+        self.last_value: dict[bytes, bytes] = {}
+        """The value of each key's last put of the key itself seen."""
+        self.last_part: dict[bytes, int] = {}
+        """The revision of each key's last put of a part seen (a counter's delta, a queue's item)."""
         self.broken = False
         self.users = 0
         # What the client's Watch stream asks of a watch (watch_stream.Watcher):
-        self.prefix = key
-        self.range_end = key + _KEY_END
+        self.prefix = watched
+        self.range_end = None if whole else watched + _KEY_END
         self.prev_kv = False
         self.retry_pause = 0.1
         self._stream: WatchStream | None = subscribe(client, self)
 
-    @classmethod
-    def wait_for(
-        cls,
-        client: EtcdClient,
-        missing: set[bytes],
-        revision: int,
-        timeout: float,
-        *,
-        recheck: Callable[[], set[bytes]],
-    ) -> dict[bytes, bytes] | None:
-        """Block until every key of `missing` (seen missing at `revision`) was put: then the values
-        of the last puts the watches saw of them (those that put the key itself, not a counter's
-        delta), for the caller's next `get`. None when `timeout` seconds passed first, or a
-        watch broke (the caller retries)."""
-        hubs = [cls._join(client, k, revision + 1) for k in sorted(missing)]
-        waiter = _Waiter(set(missing), revision)
-        try:
-            for hub in hubs:
-                with hub.lock:
-                    if hub.last_put > revision:
-                        waiter.got(hub.key)
-                    else:
-                        hub.waiters.add(waiter)
-            late = {hub.key for hub in hubs if hub.start_revision > revision + 1}
-            if late & waiter.still():
-                still = recheck()  # puts in (revision, start) are not the watches': read them
-                for key in late - still:
-                    waiter.got(key)
-            if not waiter.still():
-                waiter.done.set()
-            waiter.done.wait(timeout)
-            if waiter.still():
-                return None
-            values: dict[bytes, bytes] = {}
-            for hub in hubs:
-                with hub.lock:
-                    if (value := hub._value_since(revision)) is not None:
-                        values[hub.key] = value
-            return values
-        finally:
-            for hub in hubs:
-                with hub.lock:
-                    hub.waiters.discard(waiter)
-                hub._leave()
+    def _add(self, waiter: _Waiter, keys: set[bytes], revision: int) -> None:
+        """(Under `lock`.) `waiter` waits here for `keys`, missing at `revision`."""
+        for key in keys:
+            if self.last_put.get(key, 0) > revision:
+                waiter.got(key)
+            else:
+                self.waiting.setdefault(key, set()).add(waiter)
 
-    @classmethod
-    def _join(cls, client: EtcdClient, key: bytes, start: int) -> KeyWaits:
-        with cls._registry_lock:
-            hub = cls._live.get((id(client), key))
-            if hub is None or hub.broken:
-                hub = cls(client, key, start)
-                cls._live[(id(client), key)] = hub
-            hub.users += 1
-            return hub
+    def _drop(self, waiter: _Waiter, keys: set[bytes]) -> None:
+        """(Under `lock`.)"""
+        for key in keys:
+            if (waiters := self.waiting.get(key)) is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self.waiting[key]
 
-    def _value_since(self, revision: int) -> bytes | None:
-        """(Under `lock`.) What `get` returns of the key, missing at `revision`, as far as the
-        watch knows it for sure: it saw every put since (it started right after `revision`), and
-        no part of the key was put since (a counter's value is its value plus its deltas: a fold
-        puts a partial sum)."""
-        if self.start_revision > revision + 1 or self.last_part > revision:
+    def _value_since(self, key: bytes, revision: int) -> bytes | None:
+        """(Under `lock`.) What `get` returns of `key`, missing at `revision`, as far as the watch
+        knows it for sure: it saw every put since (it started right after `revision`), and no part
+        of the key was put since (a counter's value is its value plus its deltas: a fold puts a
+        partial sum)."""
+        if self.start_revision > revision + 1 or self.last_part.get(key, 0) > revision:
             return None
-        return self.last_value
+        return self.last_value.get(key)
 
     def _leave(self) -> None:
-        with KeyWaits._registry_lock:
+        with _registry_lock:
             self.users -= 1
             if self.users > 0:
                 return
-            if KeyWaits._live.get((id(self.client), self.key)) is self:
-                del KeyWaits._live[(id(self.client), self.key)]
+            _forget(self)
         self._end()
 
     def _end(self) -> None:
@@ -165,8 +141,9 @@ class KeyWaits:
         """No new waiter joins this watch; its waiters wake (those not satisfied retry)."""
         with self.lock:
             self.broken = True
-            for w in self.waiters:
-                w.done.set()
+            for waiters in self.waiting.values():
+                for w in waiters:
+                    w.done.set()
 
     # -- watch_stream.Watcher (called on the stream's thread) --------------------------------
 
@@ -178,18 +155,19 @@ class KeyWaits:
 
     def received(self, events: list[Any]) -> None:
         with self.lock:
-            put = False
+            put: set[bytes] = set()
             for ev in events:
                 if ev.type == 0:  # PUT (of a value or of an add's delta)
-                    put = True
-                    self.last_put = int(ev.kv.mod_revision)
-                    if ev.kv.key == self.key:
-                        self.last_value = bytes(ev.kv.value)
+                    key = self.logical(ev.kv.key)
+                    put.add(key)
+                    self.last_put[key] = int(ev.kv.mod_revision)
+                    if ev.kv.key == key:
+                        self.last_value[key] = bytes(ev.kv.value)
                     else:
-                        self.last_part = int(ev.kv.mod_revision)
-            if put:
-                for w in self.waiters:
-                    w.got(self.key)
+                        self.last_part[key] = int(ev.kv.mod_revision)
+            for key in put:
+                for w in self.waiting.pop(key, ()):
+                    w.got(key)
 
     def compacted(self, revision: int) -> None:
         # Puts it had not received are gone: its waiters re-read and wait again, on a new watch.
@@ -199,3 +177,85 @@ class KeyWaits:
 
     def disconnected(self) -> None:
         self._end()  # etcd (this member) went away: waiters retry, on a new watch
+
+
+def _forget(watch: _Watch) -> None:
+    """(Under `_registry_lock`.) `watch` takes no new waiter."""
+    entry = (id(watch.client), watch.watched, watch.whole)
+    if _live.get(entry) is watch:
+        del _live[entry]
+        if not watch.whole:
+            count = (id(watch.client), watch.store_prefix)
+            _key_watches[count] -= 1
+            if not _key_watches[count]:
+                del _key_watches[count]
+
+
+def _join(
+    client: EtcdClient, prefix: bytes, missing: set[bytes], start: int, logical: Callable[[bytes], bytes]
+) -> list[tuple[_Watch, set[bytes]]]:
+    """The watches that cover `missing` (with the keys each covers), joined or opened from `start`."""
+
+    def joined(watched: bytes, whole: bool) -> _Watch:
+        watch = _live.get((id(client), watched, whole))
+        if watch is None or watch.broken:
+            if watch is not None:
+                _forget(watch)
+            watch = _live[(id(client), watched, whole)] = _Watch(client, prefix, watched, whole, start, logical)
+            if not whole:
+                _key_watches[(id(client), prefix)] = _key_watches.get((id(client), prefix), 0) + 1
+        watch.users += 1
+        return watch
+
+    with _registry_lock:
+        whole = _live.get((id(client), prefix, True))
+        new_keys = [k for k in missing if (id(client), k, False) not in _live]
+        if (whole is None or whole.broken) and (
+            _key_watches.get((id(client), prefix), 0) + len(new_keys) <= KEY_WATCHES_MAX
+        ):
+            return [(joined(k, False), {k}) for k in sorted(missing)]
+        return [(joined(prefix, True), set(missing))]
+
+
+def wait_for(
+    client: EtcdClient,
+    prefix: str,
+    missing: set[bytes],
+    revision: int,
+    timeout: float,
+    *,
+    logical: Callable[[bytes], bytes],
+    recheck: Callable[[], set[bytes]],
+) -> dict[bytes, bytes] | None:
+    """Block until every key of `missing` (etcd keys under the store prefix `prefix`, seen missing at
+    `revision`) was put: then the values of the last puts the watches saw of them (those that put
+    the key itself, not a counter's delta), for the caller's next `get`. None when `timeout`
+    seconds passed first, or a watch broke (the caller retries). `logical` maps an etcd key to
+    the store key it belongs to (a counter's delta to its counter)."""
+    watches = _join(client, prefix.encode(), missing, revision + 1, logical)
+    waiter = _Waiter(set(missing))
+    try:
+        for watch, keys in watches:
+            with watch.lock:
+                watch._add(waiter, keys, revision)
+        late = {k for watch, keys in watches if watch.start_revision > revision + 1 for k in keys}
+        if late & waiter.still():
+            still = recheck()  # puts in (revision, start) are not the watches': read them
+            for key in late - still:
+                waiter.got(key)
+        if waiter.still():
+            waiter.done.wait(timeout)
+        if waiter.still():
+            return None
+        values: dict[bytes, bytes] = {}
+        for watch, keys in watches:
+            with watch.lock:
+                for key in keys:
+                    if (value := watch._value_since(key, revision)) is not None:
+                        values[key] = value
+        return values
+    finally:
+        for watch, keys in watches:
+            with watch.lock:
+                watch._drop(waiter, keys)
+            watch._leave()
