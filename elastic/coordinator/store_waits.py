@@ -76,7 +76,7 @@ class _Watch:
         self, client: EtcdClient, store_prefix: bytes, watched: bytes, whole: bool, start_revision: int,
         logical: Callable[[bytes], bytes],
     ) -> None:
-        self.client, self.store_prefix, self.watched, self.whole = client, store_prefix, watched, whole
+        self.client, self.store_prefix, self.whole = client, store_prefix, whole
         self.start_revision, self.logical = start_revision, logical
         self.lock = threading.Lock()
         self.waiting: dict[bytes, set[_Waiter]] = {}
@@ -89,7 +89,8 @@ class _Watch:
         """The revision of each key's last put of a part seen (a counter's delta, a queue's item)."""
         self.broken = False
         self.users = 0
-        # What the client's Watch stream asks of a watch (watch_stream.Watcher):
+        # What the client's Watch stream asks of a watch (watch_stream.Watcher); `prefix` is also
+        # what this watch is registered under in `_live`:
         self.prefix = watched
         self.range_end = None if whole else watched + _KEY_END
         self.prev_kv = False
@@ -181,7 +182,7 @@ class _Watch:
 
 def _forget(watch: _Watch) -> None:
     """(Under `_registry_lock`.) `watch` takes no new waiter."""
-    entry = (id(watch.client), watch.watched, watch.whole)
+    entry = (id(watch.client), watch.prefix, watch.whole)
     if _live.get(entry) is watch:
         del _live[entry]
         if not watch.whole:
