@@ -106,7 +106,7 @@ def _check_etcd_flags(args: argparse.Namespace) -> None:
     """`--etcd` is a valid endpoint list; `--etcd-members` is odd, in range, and not with `--etcd`
     or `--static` (UsageError)."""
     from elastic.coordinator.client import parse_endpoints
-    from elastic.coordinator.etcd_server import check_member_count
+    from elastic.coordinator.etcd_cluster import check_member_count
 
     try:
         if args.etcd is not None:

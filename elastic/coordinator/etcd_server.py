@@ -23,16 +23,15 @@ is gone; read the current state, then watch from the read's revision + 1 (`watch
     with EtcdServer() as server:
         client = connect(EtcdConfig(endpoint=server.endpoint))
 
-`EtcdCluster` runs N such members as one cluster (`elastic run --etcd-members N`, and tests that
-kill, pause and restart members under a live job); its `endpoint` is the member list.
+`EtcdCluster` (etcd_cluster.py) runs N such members as one cluster.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,7 +42,6 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 
 def find_etcd_binary() -> str:
@@ -70,11 +68,44 @@ def find_etcd_binary() -> str:
     )
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (the source ports of outgoing connections)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free a moment ago."""
+    """A TCP port on `host` that was free a moment ago, picked at random below the kernel's
+    ephemeral range where it can: a port of that range can be taken by any process's outgoing
+    connection between this check and the server's own bind (a test run opens thousands)."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - 16384), low) if low > 2048 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+PORT_TRIES = 4
+"""How many times a first start picks new ports after losing them to another process."""
+
+
+def _lost_port(log_path: Path, offset: int) -> bool:
+    """Whether etcd's log, from byte `offset` on, says it could not bind a port."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(offset)
+            return b"address already in use" in log.read()
+    except OSError:
+        return False
 
 
 _EXEC_DYING_WITH_PARENT = (
@@ -132,6 +163,7 @@ class EtcdServer:
         self._log_path = self.data_dir / "etcd.log"
         self.name = name
         self.extra_args = extra_args
+        self._healthy_once = False
         self.initial_cluster: str | None = None
         """`--initial-cluster` of a member of a larger cluster (None: this member alone)."""
         atexit.register(self.close)
@@ -140,6 +172,11 @@ class EtcdServer:
     def endpoint(self) -> str:
         """`host:port` of the client URL."""
         return f"{self.host}:{self.client_port}"
+
+    @property
+    def served(self) -> bool:
+        """Whether this server has been healthy once (its ports are then known to clients)."""
+        return self._healthy_once
 
     @property
     def pid(self) -> int | None:
@@ -155,9 +192,41 @@ class EtcdServer:
 
     def start(self, *, wait: bool = True) -> EtcdServer:
         """Start etcd (on the same data dir and ports as before, if restarted) and wait until
-        healthy (wait=False: return at once; the members of a new cluster are healthy only together)."""
+        healthy (wait=False: return at once; the members of a new cluster are healthy only together).
+        A first start of a lone server that finds a port taken since it was picked picks new ones
+        (`PORT_TRIES` in all); a restart keeps its ports, which its clients know."""
         if self.running():
             return self
+        for attempt in range(1, PORT_TRIES + 1):
+            offset = self.log_size()
+            self._spawn()
+            if not wait:
+                return self
+            try:
+                self.wait_healthy()
+            except RuntimeError:
+                if self.served or self.initial_cluster is not None or attempt == PORT_TRIES \
+                        or not self.lost_port_since(offset):
+                    raise
+                self.repick_ports()
+                continue
+            return self
+        return self
+
+    def log_size(self) -> int:
+        """Bytes in etcd's log so far."""
+        return self._log_path.stat().st_size if self._log_path.exists() else 0
+
+    def lost_port_since(self, offset: int) -> bool:
+        """Whether this server's etcd exited, since its log had `offset` bytes, on a port another
+        process had taken."""
+        return not self.running() and _lost_port(self._log_path, offset)
+
+    def repick_ports(self) -> None:
+        """New client and peer ports (before a first start only: clients know the old ones)."""
+        self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+
+    def _spawn(self) -> None:
         client_url = f"http://{self.endpoint}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         args = [
@@ -181,9 +250,6 @@ class EtcdServer:
                 _dying_with_parent(args), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        if wait:
-            self.wait_healthy()
-        return self
 
     def wait_healthy(self) -> None:
         """Return once `/health` says true (the member is in a cluster with a leader); TimeoutError
@@ -196,6 +262,7 @@ class EtcdServer:
                 raise RuntimeError(f"etcd exited with {self._proc.returncode}; see {self._log_path}")
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1.0) as resp:
                 if b'"health":"true"' in resp.read():
+                    self._healthy_once = True
                     return
             time.sleep(0.05)
         self.stop()
@@ -226,141 +293,6 @@ class EtcdServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-MAX_MEMBERS = 7
-"""The largest cluster `EtcdCluster` (and `elastic run --etcd-members`) starts."""
-
-
-def check_member_count(members: int) -> None:
-    """ValueError unless `members` is odd and in 1..MAX_MEMBERS (an even count tolerates no more
-    member losses than the odd count below it, and needs a larger quorum)."""
-    if not 1 <= members <= MAX_MEMBERS or members % 2 == 0:
-        raise ValueError(f"etcd members must be odd and in 1..{MAX_MEMBERS}, got {members}")
-
-
-class EtcdCluster:
-    """`members` etcd members on `host` forming one cluster, owned by this process: for `elastic
-    run --etcd-members N` and for tests that kill, stop and restart members under a live job.
-
-    Each member is an `EtcdServer` (`member-<i>/` under `data_dir`, named `m<i>`, its own client
-    and peer ports, the same auto-compaction, parent-death and cleanup guarantees), started with
-    `--initial-cluster` naming all of them. `endpoint` is the client list that `--etcd` takes.
-    `kill`/`restart` SIGKILL a member and start it again on its data dir (it rejoins the
-    cluster); `pause`/`resume` SIGSTOP and SIGCONT it; `leader()` says which member leads now.
-    """
-
-    def __init__(
-        self,
-        members: int = 3,
-        *,
-        host: str = "127.0.0.1",
-        data_dir: str | os.PathLike[str] | None = None,
-        binary: str | None = None,
-        startup_timeout: float = 30.0,
-        auto_compaction: tuple[str, str] | None = AUTO_COMPACTION,
-    ) -> None:
-        check_member_count(members)
-        self._own_dir = data_dir is None
-        self.data_dir = Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix="etcd-cluster-"))
-        self.members = [
-            EtcdServer(host=host, data_dir=self.data_dir / f"member-{i}", binary=binary,
-                       startup_timeout=startup_timeout, auto_compaction=auto_compaction, name=f"m{i}")
-            for i in range(members)
-        ]
-        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        for member in self.members:
-            member.initial_cluster = initial
-        atexit.register(self.close)
-
-    @property
-    def endpoints(self) -> list[str]:
-        """`host:port` of each member's client URL."""
-        return [m.endpoint for m in self.members]
-
-    @property
-    def endpoint(self) -> str:
-        """The client URLs as one `host:port,host:port,...` (what `--etcd` and `EtcdConfig` take)."""
-        return ",".join(self.endpoints)
-
-    def start(self) -> EtcdCluster:
-        """Start every member that is not running and wait until each is healthy."""
-        stopped = [m for m in self.members if not m.running()]
-        for member in stopped:
-            member.start(wait=False)
-        for member in stopped:
-            member.wait_healthy()
-        return self
-
-    def leader(self, timeout: float = 10.0) -> int:
-        """Index of the member that leads the cluster now (asked of the running members over
-        etcd's JSON gateway); TimeoutError if none answers with a leader within `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i, member in enumerate(self.members):
-                status = _member_status(member) if member.running() else None
-                if status is not None and status.get("leader") == status.get("header", {}).get("member_id"):
-                    return i
-            time.sleep(0.05)
-        raise TimeoutError(f"no etcd member leads the cluster after {timeout} s")
-
-    def kill(self, index: int) -> None:
-        """SIGKILL member `index` (its data dir stays, for `restart`)."""
-        self.members[index].stop(kill=True)
-
-    def restart(self, index: int) -> None:
-        """Start a killed member again on its data dir; it rejoins and catches up."""
-        self.members[index].start()
-
-    def pause(self, index: int) -> None:
-        """SIGSTOP member `index`: it holds its connections but answers nothing."""
-        self._signal(index, signal.SIGSTOP)
-
-    def resume(self, index: int) -> None:
-        """SIGCONT a paused member."""
-        self._signal(index, signal.SIGCONT)
-
-    def _signal(self, index: int, sig: signal.Signals) -> None:
-        pid = self.members[index].pid
-        if pid is None:
-            raise ValueError(f"etcd member {index} is not running")
-        os.kill(pid, sig)
-
-    def stop(self, *, timeout: float = 10.0) -> None:
-        """Stop every member (paused ones are continued first, so SIGTERM reaches them; each is
-        killed if it has not stopped within `timeout`); the data directories stay."""
-        for member in self.members:
-            if member.pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(member.pid, signal.SIGCONT)
-            member.stop(timeout=timeout)
-
-    def close(self) -> None:
-        """`stop`, then remove the data directory if this object created it."""
-        self.stop()
-        for member in self.members:
-            member.close()
-        if self._own_dir:
-            shutil.rmtree(self.data_dir, ignore_errors=True)
-
-    def __enter__(self) -> EtcdCluster:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-def _member_status(member: EtcdServer) -> dict[str, Any] | None:
-    """etcd's Maintenance.Status of one member (JSON gateway), or None if it does not answer."""
-    request = urllib.request.Request(f"http://{member.endpoint}/v3/maintenance/status", data=b"{}", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=1.0) as resp:
-            status = json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
-    return status if isinstance(status, dict) else None
 
 
 def _main() -> None:

@@ -33,7 +33,8 @@ from elastic.coordinator.client import EtcdConfig, connect
 from elastic.coordinator.credentials import check_access, config_from_env
 from elastic.coordinator.election import current_leader
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.etcd_server import EtcdCluster, EtcdServer
+from elastic.coordinator.etcd_cluster import EtcdCluster
+from elastic.coordinator.etcd_server import EtcdServer
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.records.config import ElasticConfig

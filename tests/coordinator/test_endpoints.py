@@ -12,7 +12,7 @@ import pytest
 from elastic.cli.main import main
 from elastic.coordinator import EtcdConfig
 from elastic.coordinator.client import parse_endpoints
-from elastic.coordinator.etcd_server import check_member_count
+from elastic.coordinator.etcd_cluster import check_member_count
 from elastic.ops.job_target import resolve_target
 from elastic.roles.launcher import write_job_file
 

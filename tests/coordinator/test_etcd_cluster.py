@@ -15,7 +15,7 @@ import pytest
 
 from elastic.coordinator import EtcdConfig, connect
 from elastic.coordinator.client import etcd_unreachable
-from elastic.coordinator.etcd_server import EtcdCluster
+from elastic.coordinator.etcd_cluster import EtcdCluster
 from elastic.coordinator.lease import KeptLease
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 

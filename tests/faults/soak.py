@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.coordinator.etcd_server import EtcdCluster
+from elastic.coordinator.etcd_cluster import EtcdCluster
 from elastic.coordinator.generations import Generations
 from elastic.records.generation import GenerationRecord
 from elastic.records.injection_requests import InjectionRequest, read_statuses, request_id, submit_request

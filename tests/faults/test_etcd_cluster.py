@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from elastic.coordinator import EtcdConfig, connect
-from elastic.coordinator.etcd_server import EtcdCluster
+from elastic.coordinator.etcd_cluster import EtcdCluster
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
 
 from .runs import LiveJob, Result, check_same_training, reference_run, step_logs, tiny_config

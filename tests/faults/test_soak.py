@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.coordinator.etcd_server import EtcdCluster
+from elastic.coordinator.etcd_cluster import EtcdCluster
 from elastic.records.injection_requests import read_statuses
 
 from .runs import LiveJob, check_same_training, static_reference, step_logs, tiny_config

@@ -18,7 +18,7 @@ import pytest
 from elastic.cli.run_guard import ending
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
 from elastic.coordinator.etcd_api import EtcdClient
-from elastic.coordinator.etcd_server import EtcdCluster
+from elastic.coordinator.etcd_cluster import EtcdCluster
 from elastic.coordinator.events import record_event
 from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys
