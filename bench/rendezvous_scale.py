@@ -1,7 +1,7 @@
 """Issue 13 part 2: seconds for a generation's group rendezvous at W simulated ranks, on a real etcd.
 
     .venv/bin/python bench/rendezvous_scale.py --world 8 64 256 1024 [--pattern lazy eager nccl] [--repeats 3]
-        [--procs P] [--ranks-per-client N]
+        [--procs P] [--ranks-per-client N] [--ranks-per-relay 8]
 
 Each simulated rank is a thread holding its own `EtcdStore` (the project's real store) seen
 through the same `PrefixStore(group_prefix(g, None), store)` that `build_groups` hands to the
@@ -34,6 +34,10 @@ for each rank that waited, per rank. A wait watches only its missing keys (`stor
 client with many waits open shares a watch of the prefix for the rest), so a put reaches only the
 clients waiting on its key, whatever the number of clients; the watch events etcd sent are printed
 beside the requests (`events/rank`, etcd's `etcd_debugging_mvcc_events_total`).
+
+`--ranks-per-relay 8` gives every node of 8 ranks the store relay its agent runs
+(`elastic/coordinator/store_relay.py`, one etcd client and one thread each): the node's sets and
+reads go to etcd as shared transactions, and only a wait's watch is the rank's own.
 
 Printed for each rendezvous: its seconds; etcd's CPU seconds for it with the rank processes'
 set-up (`etcd core-s`) and without (`in it`: from the release to the last rank's finish, what
@@ -79,6 +83,7 @@ import psutil
 import torch.distributed as dist
 
 from elastic.coordinator import EtcdConfig, EtcdServer, EtcdStore, JobKeys, connect
+from elastic.coordinator.store_relay import StoreRelay, StoreRelayClient
 from elastic.parallel.groups import group_prefix
 
 PATTERNS = ("eager", "lazy", "nccl")
@@ -111,6 +116,9 @@ class Part:
     """One past the last world rank of this process."""
     ranks_per_client: int = 0
     """Ranks sharing one etcd client; 0: one client for all ranks of the process."""
+    ranks_per_relay: int = 0
+    """Ranks a node's store relay serves (8: a node of 8 GPUs), each relay with an etcd client of
+    its own, as an agent has; 0: no relay, every rank's requests direct."""
 
 
 def etcd_requests(endpoint: str) -> dict[str, int]:
@@ -149,11 +157,15 @@ class _Ranks:
     """One generation's simulated ranks of one process: a store and a thread each, the threads
     parked on a barrier until `release()`."""
 
-    def __init__(self, part: Part, clients: list[Any], generation: int) -> None:
+    def __init__(self, part: Part, clients: list[Any], generation: int, relays: list[StoreRelay]) -> None:
         n = part.last - part.first
         per = part.ranks_per_client or n
         prefix = generation_prefix(part.job, generation)
-        self.stores = [EtcdStore(clients[i // per], prefix, timeout=_STORE_TIMEOUT) for i in range(n)]
+        node0 = part.first // part.ranks_per_relay if part.ranks_per_relay else 0
+        self.relayed = [StoreRelayClient(relays[(part.first + i) // part.ranks_per_relay - node0].name)
+                        if relays else None for i in range(n)]
+        self.stores = [EtcdStore(clients[i // per], prefix, timeout=_STORE_TIMEOUT, relay=self.relayed[i])
+                       for i in range(n)]
         prefixed = [dist.PrefixStore(group_prefix(generation, None), s) for s in self.stores]
         self.start = threading.Barrier(n + 1)
         self.errors: list[BaseException] = []
@@ -180,6 +192,9 @@ class _Ranks:
             t.join()
         for s in self.stores:
             s.release()
+        for r in self.relayed:
+            if r is not None:
+                r.close()
         if self.errors:
             raise RuntimeError(f"{len(self.errors)} of {len(self.threads)} simulated ranks failed: "
                                f"{self.errors[0]!r}")
@@ -193,15 +208,31 @@ def _clients(part: Part) -> list[Any]:
     return [connect(EtcdConfig(endpoint=part.endpoint, timeout=60.0)) for _ in range(0, n, per)]
 
 
+def _relays(part: Part) -> list[StoreRelay]:
+    """The store relays of the nodes of one process's ranks (`Part.ranks_per_relay`), each with
+    an etcd client of its own."""
+    if not part.ranks_per_relay:
+        return []
+    nodes = range(part.first // part.ranks_per_relay, (part.last - 1) // part.ranks_per_relay + 1)
+    return [StoreRelay(connect(EtcdConfig(endpoint=part.endpoint, timeout=60.0)),
+                       name=f"bench-store-{part.job}-{node}", timeout_s=60.0) for node in nodes]
+
+
+def _close_relays(relays: list[StoreRelay]) -> None:
+    for relay in relays:
+        relay.close()
+        relay.client.close()
+
+
 class _InProcess:
     """All ranks as threads of this process (P = 1): the seconds from the release to the last."""
 
     def __init__(self, part: Part) -> None:
-        self.part, self.clients = part, _clients(part)
+        self.part, self.clients, self.relays = part, _clients(part), _relays(part)
         self.ranks: _Ranks | None = None
 
     def build(self, generation: int) -> None:
-        self.ranks = _Ranks(self.part, self.clients, generation)
+        self.ranks = _Ranks(self.part, self.clients, generation, self.relays)
 
     def run(self) -> float:
         assert self.ranks is not None, "build() first"
@@ -211,6 +242,7 @@ class _InProcess:
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        _close_relays(self.relays)
         for c in self.clients:
             c.close()
 
@@ -266,14 +298,14 @@ class _Processes:
 def _child(part: Part, commands: IO[str], answers: IO[str]) -> None:
     """A rank process: `{"build": g}` -> `{"ready": g}` once its threads are parked,
     `{"go": t}` -> `{"finished": last}` after releasing them at wall time t; EOF ends it."""
-    clients = _clients(part)
+    clients, relays = _clients(part), _relays(part)
     ranks: _Ranks | None = None
     try:
         for line in commands:
             message = json.loads(line)
             try:
                 if "build" in message:
-                    ranks = _Ranks(part, clients, int(message["build"]))
+                    ranks = _Ranks(part, clients, int(message["build"]), relays)
                     answer: dict[str, Any] = {"ready": message["build"]}
                 else:
                     assert ranks is not None, "go before build"
@@ -285,26 +317,28 @@ def _child(part: Part, commands: IO[str], answers: IO[str]) -> None:
             answers.write(json.dumps(answer) + "\n")
             answers.flush()
     finally:
+        _close_relays(relays)
         for c in clients:
             c.close()
 
 
-def _parts(endpoint: str, job: str, world: int, pattern: str, procs: int, ranks_per_client: int) -> list[Part]:
+def _parts(endpoint: str, job: str, world: int, pattern: str, procs: int, ranks_per_client: int,
+           ranks_per_relay: int) -> list[Part]:
     """`procs` contiguous blocks of the `world` ranks."""
     return [
         Part(endpoint=endpoint, job=job, world=world, pattern=pattern, first=p * world // procs,
-             last=(p + 1) * world // procs, ranks_per_client=ranks_per_client)
+             last=(p + 1) * world // procs, ranks_per_client=ranks_per_client, ranks_per_relay=ranks_per_relay)
         for p in range(procs)
     ]
 
 
 def rendezvous_seconds(
     endpoint: str, world: int, *, repeats: int = 1, pattern: str = "lazy", procs: int = 1,
-    ranks_per_client: int = 0, etcd_pid: int | None = None,
+    ranks_per_client: int = 0, ranks_per_relay: int = 0, etcd_pid: int | None = None,
 ) -> dict[str, Any]:
     """Time `repeats` generation rendezvous of `world` simulated ranks on the etcd at `endpoint`,
     spread over `procs` processes (module doc), `ranks_per_client` ranks to an etcd client (0:
-    one client a process).
+    one client a process), `ranks_per_relay` ranks to a node's store relay (0: none).
 
     Returns `seconds` (median over repeats), `seconds_all`, `requests_per_rank` (etcd requests
     of all methods per rank and rendezvous, from etcd's /metrics), `requests_by_method` (per
@@ -319,10 +353,11 @@ def rendezvous_seconds(
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
     if world < 1 or repeats < 1:
         raise ValueError(f"world and repeats must be >= 1, got {world} and {repeats}")
-    if not 1 <= procs <= world or ranks_per_client < 0:
-        raise ValueError(f"procs must be in [1, world] and ranks_per_client >= 0, got {procs} and {ranks_per_client}")
+    if not 1 <= procs <= world or ranks_per_client < 0 or ranks_per_relay < 0:
+        raise ValueError(f"procs must be in [1, world], ranks_per_client and ranks_per_relay >= 0, got {procs}, "
+                         f"{ranks_per_client} and {ranks_per_relay}")
     job = f"rdzv-bench-{uuid.uuid4().hex[:8]}"
-    parts = _parts(endpoint, job, world, pattern, procs, ranks_per_client)
+    parts = _parts(endpoint, job, world, pattern, procs, ranks_per_client, ranks_per_relay)
     client = connect(EtcdConfig(endpoint=endpoint, timeout=60.0))  # drops the keys afterwards
     sim = _InProcess(parts[0]) if procs == 1 else _Processes(parts)
     times: list[float] = []
@@ -353,6 +388,7 @@ def rendezvous_seconds(
         "pattern": pattern,
         "repeats": repeats,
         "procs": procs,
+        "ranks_per_relay": ranks_per_relay,
         "seconds": sorted(times)[len(times) // 2],
         "seconds_all": [round(t, 4) for t in times],
         "requests_per_rank": total / world,
@@ -372,6 +408,8 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="+", default=[1], help="processes the ranks are spread over")
     parser.add_argument("--ranks-per-client", type=int, default=0,
                         help="ranks sharing one etcd client (default 0: one client a process)")
+    parser.add_argument("--ranks-per-relay", type=int, default=0,
+                        help="ranks a node's store relay serves (8: a node of 8 GPUs; default 0: no relay)")
     parser.add_argument("--endpoint", help="an etcd to use (default: start a fresh one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a rank process (module doc)
     args = parser.parse_args()
@@ -391,6 +429,7 @@ def main() -> None:
                     cpu0 = sum(etcd.cpu_times()[:2]) if etcd is not None else 0.0
                     r = rendezvous_seconds(server.endpoint, world, repeats=args.repeats, pattern=pattern,
                                            procs=procs, ranks_per_client=args.ranks_per_client,
+                                           ranks_per_relay=args.ranks_per_relay,
                                            etcd_pid=etcd.pid if etcd is not None else None)
                     # etcd's own CPU a rendezvous (set-up of the rank processes included): what it
                     # would take with the ranks' client work on hosts of their own

@@ -29,6 +29,11 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `torch.distributed.DistStoreError` ("... timeout ...", the word torch's callers match on) when
   the timeout passes.
 
+- with a `relay` (a worker under an agent: $ELASTIC_STORE_RELAY), `set` and the reads of
+  `get`, `check` and `wait` go to the node's store relay, which commits what the node's workers
+  sent meanwhile as one transaction (`store_relay.py`): the requests are then a node's, not a
+  rank's. Anything else, and a request the relay fails, is made directly.
+
 A gloo group costs O(1) requests per rank and connected peer (measured on torch 2.13, see
 `bench/rendezvous_scale.py`): one `set` of its address, then a `wait` (+ a `get` it answers) for
 each peer it connects to, i.e. every rank of the group for an eager full mesh, or only the peers
@@ -54,10 +59,10 @@ closes that generation's groups (`ParallelGroups.close`). A store is a few hundr
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -65,25 +70,26 @@ import torch.distributed as dist
 
 from .client import TRANSIENT_ERRORS
 from .etcd_api import Compare, EtcdClient, TxnOp, TxnResponse
+from .store_keys import (
+    _DELTA,
+    _END,
+    _FOLD_MAX,
+    _KEEP_LIMIT,
+    _MULTI_SET_CHUNK,
+    _QUEUE,
+    _QUEUE_END,
+    FOLD_EVERY,
+    _as_bytes,
+    _Counter,
+    _logical,
+    _note,
+)
+from .store_relay import StoreRelayClient, StoreRelayError
 from .store_waits import wait_for
 
-_DEFAULT_TIMEOUT = timedelta(seconds=300)
-_DELTA = "\x00"
-"""Separates a key from the unique id of one of its `add` deltas (`k\\0<id>` sorts in `[k, k\\1)`)."""
-_END = "\x01"
-FOLD_EVERY = 32
-"""The adder that sees this many deltas of a counter folds them into its value."""
-_FOLD_MAX = 60
-"""Most deltas one fold removes (each costs a compare and a delete; etcd allows 128 txn ops)."""
-_MULTI_SET_CHUNK = 60
-"""Keys a `multi_set` writes per transaction (two operations each)."""
-_QUEUE = "\x00\x02"
-"""Separates a queue key from the unique id of one of its items (inside `[k, k\\1)`, apart from
-the `add` deltas, whose ids are hexadecimal)."""
-_QUEUE_END = "\x00\x03"
-_KEEP_LIMIT = 2 * FOLD_EVERY
-"""Most etcd keys a `wait` reads of one store key (its value and deltas, or a queue's items)."""
+log = logging.getLogger(__name__)
 
+_DEFAULT_TIMEOUT = timedelta(seconds=300)
 _HELD: dict[int, EtcdStore] = {}
 """Every EtcdStore of this process not yet released, by id (module doc: why)."""
 
@@ -91,59 +97,23 @@ _HELD: dict[int, EtcdStore] = {}
 _KeySet = set[bytes]  # `set` means the Store method inside the class body
 
 
-def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
-    if isinstance(value, str):
-        return value.encode()
-    return bytes(value)
-
-
-def _logical(full_key: bytes) -> bytes:
-    """The store key an etcd key belongs to (a delta key belongs to its counter)."""
-    return full_key.split(_DELTA.encode(), 1)[0]
-
-
-class _Counter:
-    """The etcd keys `[k, k\\1)` of one store key, as one read returned them."""
-
-    def __init__(self, full: str, kvs: Sequence[tuple[bytes, Any]]) -> None:
-        self.base: bytes | None = None
-        self.base_mod = 0
-        self.deltas: list[tuple[str, int]] = []
-        own = full.encode()
-        for value, meta in kvs:
-            if meta.key == own:
-                self.base, self.base_mod = bytes(value), int(meta.mod_revision)
-            else:
-                self.deltas.append((meta.key.decode(), int(value)))
-
-    @property
-    def exists(self) -> bool:
-        return self.base is not None or bool(self.deltas)
-
-    def total(self, key: str) -> int:
-        try:
-            base = int(self.base) if self.base is not None else 0
-        except ValueError:
-            raise ValueError(f"store key {key!r} holds {self.base!r}, not an integer: cannot add") from None
-        return base + sum(d for _, d in self.deltas)
-
-    def value(self, key: str) -> bytes | None:
-        """What `get` returns: the value, or the sum once `add` wrote deltas; None if missing."""
-        if not self.deltas:
-            return self.base
-        return str(self.total(key)).encode()
-
-
 class EtcdStore(dist.Store):
     """A c10d Store whose keys live under `prefix` in etcd (module doc: one request a call)."""
 
-    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta = _DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str, *, timeout: timedelta = _DEFAULT_TIMEOUT,
+        relay: StoreRelayClient | None = None,
+    ) -> None:
+        """`relay`: the node's store relay, which sends `set`s and reads in transactions shared
+        with the node's other workers (`store_relay.py`); None: every request direct."""
         super().__init__()
         if not prefix.endswith("/"):
             raise ValueError(f"store prefix must end with '/', got {prefix!r}")
         self.client = client
         self.prefix = prefix
         self._timeout = timeout
+        self._relay = relay
+        self._relay_warned = False
         self._family: list[EtcdStore] = [self]
         """This store and its clones: they live and are released together."""
         self._requests = [0]
@@ -158,7 +128,15 @@ class EtcdStore(dist.Store):
     # -- torch.distributed.Store API -------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
-        full, txn = self._key(key), self.client.transactions
+        full = self._key(key)
+        if self._relay is not None:
+            try:
+                self._relay.set(full, _as_bytes(value))
+                self._count_request()
+                return
+            except StoreRelayError as exc:
+                self._relay_failed(exc)
+        txn = self.client.transactions
         self._txn(
             compare=[], success=[txn.delete(full + _DELTA, full + _END), txn.put(full, _as_bytes(value))]
         )
@@ -349,9 +327,19 @@ class EtcdStore(dist.Store):
     @property
     def _etcd(self) -> EtcdClient:
         """The client, for a request: the values a `wait` kept are stale from here on."""
+        self._count_request()
+        return self.client
+
+    def _count_request(self) -> None:
+        """A request was made on the store (direct or relayed): kept values are stale."""
         with self._count_lock:
             self._requests[0] += 1
-        return self.client
+
+    def _relay_failed(self, exc: StoreRelayError) -> None:
+        """The relay failed a request: this one goes direct (logged once a store)."""
+        if not self._relay_warned:
+            self._relay_warned = True
+            log.warning("%s; the request goes direct", exc)
 
     def _kept_or_read(self, key: str) -> bytes | None:
         """`key`'s value as this thread's last `wait` kept it, if no request was made on the store
@@ -372,6 +360,14 @@ class EtcdStore(dist.Store):
 
     def _read(self, key: str) -> _Counter:
         full = self._key(key)
+        if self._relay is not None:
+            try:
+                _, (read,) = self._relay.read([full])
+                self._count_request()
+                if not read.more:  # else a counter of many deltas: read it whole, directly
+                    return _Counter(full, [(kv.value, kv) for kv in read.kvs])
+            except StoreRelayError as exc:
+                self._relay_failed(exc)
         resp = self._etcd.get_range_response(full, full + _END)
         return _Counter(full, [(kv.value, kv) for kv in resp.kvs])
 
@@ -396,19 +392,20 @@ class EtcdStore(dist.Store):
         `get` would return for those that do (one range read each)."""
         missing: _KeySet = _KeySet()
         values: dict[bytes, bytes] = {}
+        if self._relay is not None:
+            try:
+                revision, reads = self._relay.read(full_keys)
+                self._count_request()
+                for k, read in zip(full_keys, reads, strict=True):
+                    _note(k, read.count, read.more, read.kvs, missing, values)
+                return missing, revision, values
+            except StoreRelayError as exc:
+                self._relay_failed(exc)
         revision = 0
         for k in full_keys:
             resp = self._etcd.get_range_response(k, k + _END, limit=_KEEP_LIMIT)
             revision = max(revision, int(resp.header.revision))
-            if not resp.count:
-                missing.add(k.encode())
-            elif not resp.more:  # a long queue or an unfolded counter: nothing kept
-                try:
-                    value = _Counter(k, [(kv.value, kv) for kv in resp.kvs]).value(k)
-                except ValueError:  # a queue's items, or deltas on a non-integer: not a value
-                    continue
-                if value is not None:
-                    values[k.encode()] = value
+            _note(k, int(resp.count), bool(resp.more), resp.kvs, missing, values)
         return missing, revision, values
 
     def _wait_once(self, full_keys: list[str], deadline: float) -> bool:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.store import EtcdStore
+from elastic.coordinator.store_relay import StoreRelayClient
 from elastic.parallel.abort import AbortSignal
 
 _STORE_SLICE_S = 0.2
@@ -22,8 +23,9 @@ class AbortableStore(EtcdStore):
     aborted: a rendezvous with a peer that died during the reconfiguration does not wait out
     the store timeout."""
 
-    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta, abort: AbortSignal) -> None:
-        super().__init__(client, prefix, timeout=timeout)
+    def __init__(self, client: EtcdClient, prefix: str, *, timeout: timedelta, abort: AbortSignal,
+                 relay: StoreRelayClient | None = None) -> None:
+        super().__init__(client, prefix, timeout=timeout, relay=relay)
         self._abort = abort
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:

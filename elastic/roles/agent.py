@@ -59,6 +59,7 @@ from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
+from elastic.coordinator.store_relay import STORE_RELAY_ENV, StoreRelay
 from elastic.coordinator.watch import watch_from_now
 from elastic.records.config import ElasticConfig
 from elastic.records.node_workers import read_registrations
@@ -151,6 +152,7 @@ class Agent:
         self.metrics: NodeMetrics | None = None
         self.leader: Leader | None = None
         self.relay: NodeRelay | None = None
+        self.store_relay: StoreRelay | None = None
         """Writes what this node's workers report at a generation change as one transaction."""
         self.cpu_group = os.environ.get(cpu_quota.CPU_CGROUP_ENV, "")
         """The node's cgroup CPU quota (`elastic run --node-cpus`): its workers (and the throttle's
@@ -193,6 +195,8 @@ class Agent:
         name = f"elastic-relay-{self.keys.job}-{self.node}.{self.incarnation}-{os.getpid()}"
         self.relay = NodeRelay(self.client, name=name, workers=self.gpus)
         env[RELAY_ENV] = name
+        self.store_relay = StoreRelay(self.client, name=f"{name}.store")  # the rendezvous's sets and reads
+        env[STORE_RELAY_ENV] = self.store_relay.name
         lease = self.membership.lease_id
         assert lease is not None
         for local_rank in range(self.gpus):
@@ -328,6 +332,8 @@ class Agent:
             proc.wait()
         if self.relay is not None:
             self.relay.close()
+        if self.store_relay is not None:
+            self.store_relay.close()
         if self.zygote is not None:
             self.zygote.close()
         self.injections.join(timeout=2.0)  # a partition cut short writes its status on the way out

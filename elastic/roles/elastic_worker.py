@@ -50,6 +50,7 @@ from elastic.coordinator.generations import Generations
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
+from elastic.coordinator.store_relay import store_relay_from_env
 from elastic.engine.eval import eval_due
 from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
@@ -111,6 +112,7 @@ class ElasticWorker:
         self.lease = lease
         self.relay = relay_from_env()
         """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
+        self.store_relay = store_relay_from_env()  # and its store relay: a rendezvous's sets and reads
         put_all(client, self.relay, [], [registration(self.rk, node, local_rank, info, lease)])  # one key a node
         self._held_written: list[ShardKey] | None = None  # what it last wrote to its node's holdings/<node>/all
         # The records every worker follows come through the agent, which watches each once for the node.
@@ -272,12 +274,8 @@ class ElasticWorker:
         timings = self.trainer.start(
             plan=record.plan,
             generation=generation,
-            store=AbortableStore(
-                self.client,
-                self.keys.store(f"gen-{generation}"),
-                timeout=timedelta(seconds=self.timeout),
-                abort=abort,
-            ),
+            store=AbortableStore(self.client, self.keys.store(f"gen-{generation}"), abort=abort,
+                                 timeout=timedelta(seconds=self.timeout), relay=self.store_relay),
             abort=abort,
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,

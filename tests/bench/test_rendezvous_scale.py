@@ -2,7 +2,9 @@
 processes serves etcd the requests one process's threads make (every set exactly; a read a wait
 and none for the get after it, up to a re-read and a read more when a wait joins a watch opened
 after its own read; at most one Watch stream a process, each process opening its own client),
-with a client a rank a put's watch events reach only the waits on its key, and no key of the rendezvous outlives it."""
+with a client a rank a put's watch events reach only the waits on its key, a node's store relay
+makes at most half the requests of its ranks without it (the same run's reference), and no key of
+the rendezvous outlives it."""
 
 from __future__ import annotations
 
@@ -61,3 +63,20 @@ def test_with_a_client_a_rank_a_put_reaches_only_its_waiters(etcd_server: EtcdSe
     prefix a client, every put reached every client with a wait open."""
     own = rendezvous_seconds(etcd_server.endpoint, OWN_WORLD, pattern="lazy", procs=4, ranks_per_client=1)
     assert own["events_per_rank"] <= 2.0, own
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pattern", ["lazy", "nccl"])
+def test_a_node_store_relay_makes_half_the_requests_or_fewer(etcd_server: EtcdServer, pattern: str) -> None:
+    """256 ranks as 32 nodes of 8, a client a rank, with and without a store relay a node
+    (elastic/coordinator/store_relay.py): with it, every set and read is in a node's shared
+    transactions (no Range of a rank's own), and etcd serves at most half the requests."""
+    world = 4 * WORLD
+    rows = {relay: rendezvous_seconds(etcd_server.endpoint, world, pattern=pattern, procs=4, ranks_per_client=1,
+                                      ranks_per_relay=relay) for relay in (0, 8)}
+    direct, relayed = (rows[r]["requests_by_method"] for r in (0, 8))
+    assert rows[8]["ranks_per_relay"] == 8 and "Range" not in relayed, relayed
+    unary = {m: n for m, n in relayed.items() if m != "Watch"}
+    assert set(unary) == {"Txn"}, relayed
+    assert relayed["Txn"] <= (direct["Txn"] + direct["Range"]) / 2, (direct, relayed)

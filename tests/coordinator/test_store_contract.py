@@ -2,7 +2,8 @@
 torch 2.13), restated here, run against four stores: c10d's in-memory `HashStore` and a
 `PrefixStore` over it (the reference: each case must hold on torch's own stores, so a case that
 is wrong fails there first), `EtcdStore` bare, and `EtcdStore` through c10d's C++ `PrefixStore`
-(every call crosses torch's Python-store trampoline).
+(every call crosses torch's Python-store trampoline); and both again with the sets and reads
+relayed by a node's `StoreRelay` (store_relay.py), which must change no answer.
 
 One gap is torch's, not the store's: torch 2.13's trampoline forwards no queue call, so a C++
 `PrefixStore` over any Python store answers `queue_push`, `queue_pop` and `queue_len` with
@@ -13,7 +14,8 @@ strict xfails through the wrapper: they turn into failures the day torch forward
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,8 +23,10 @@ import pytest
 import torch.distributed as dist
 
 from elastic.coordinator import EtcdStore, JobKeys
+from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.store_relay import StoreRelay, StoreRelayClient
 
-KINDS = ("hash", "prefix-hash", "etcd", "prefix-etcd")
+KINDS = ("hash", "prefix-hash", "etcd", "prefix-etcd", "relay-etcd", "prefix-relay-etcd")
 QUEUE_GAP = pytest.mark.xfail(
     raises=NotImplementedError, strict=True,
     reason="torch 2.13's Python-store trampoline forwards no queue call to a Python store",
@@ -30,7 +34,14 @@ QUEUE_GAP = pytest.mark.xfail(
 
 
 def _kinds(*, queues: bool = False) -> list[Any]:
-    return [pytest.param(k, marks=QUEUE_GAP) if queues and k == "prefix-etcd" else k for k in KINDS]
+    return [pytest.param(k, marks=QUEUE_GAP) if queues and k.startswith("prefix-") and k.endswith("etcd") else k for k in KINDS]
+
+
+@pytest.fixture
+def store_relay(client: EtcdClient) -> Iterator[StoreRelay]:
+    relay = StoreRelay(client, name=f"test-store-relay-{uuid.uuid4().hex}")
+    yield relay
+    relay.close()
 
 
 @pytest.fixture
@@ -40,7 +51,8 @@ def make_store(request: pytest.FixtureRequest, job: str) -> Callable[[], dist.St
 
     def make() -> dist.Store:
         if kind.endswith("etcd"):
-            base: dist.Store = EtcdStore(request.getfixturevalue("client"), JobKeys(job).store(kind))
+            relay = StoreRelayClient(request.getfixturevalue("store_relay").name) if "relay" in kind else None
+            base: dist.Store = EtcdStore(request.getfixturevalue("client"), JobKeys(job).store(kind), relay=relay)
         else:
             base = dist.HashStore()
         base.set_timeout(timedelta(seconds=300))

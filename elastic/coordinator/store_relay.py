@@ -1,0 +1,351 @@
+"""A node's store traffic in few etcd transactions: the agent relays its workers' `EtcdStore` sets
+and reads (issue 34: a generation's rendezvous costs etcd requests a node, not a rank).
+
+A gloo rendezvous makes every rank `set` its address, then read each peer's it connects to: three
+etcd requests a rank with a lazy ring (bench/rendezvous_scale.py), 49,000 at 16,384 ranks, and
+etcd's CPU grows with them. The ranks of a node set and read at about the same moment, so the
+agent serves a Unix socket (Linux's abstract namespace, named in $ELASTIC_STORE_RELAY) and writes
+what its workers sent meanwhile as one etcd transaction: group commit. The first request goes out
+at once; the requests that arrive while a transaction is in flight go together in the next one,
+so batching adds no wait of its own. A transaction holds every set of the batch (the value's put
+and the drop of its `add` deltas, `EtcdStore.set`) and then every read (a range `[k, k\\1)` each):
+etcd applies a transaction's operations in order, so every read sees every set of its transaction,
+and the transaction's revision is then that of every read in it, from which a wait that found a key
+missing watches (a read placed before a set of the same transaction would report a revision that
+includes a write it did not see, and its wait would miss that write). A batch with two sets of one key (etcd refuses duplicate keys in a transaction), or more
+operations than `MAX_OPS`, is cut into several transactions, in order.
+
+Only `set` and the reads of `get`, `check` and `wait` go through the relay; `add`, `compare_set`,
+`append`, deletes and queues stay direct, and so does a wait's watch (it watches only its missing
+keys, `store_waits.py`). Every call is answered once its transaction has committed: the contract
+of a direct request. The relay retries a transaction while etcd cannot answer, as the client's own
+calls do; a store whose relay fails (gone, refused, an error of etcd's) makes that request itself,
+as it would with no relay.
+
+Wire: one JSON object a line each way, one request in flight a connection. Request
+`{"set": [key, value]}` or `{"read": [key, ...]}` (keys whole etcd keys, values base64); answer
+`{"revision": R}` to a set, `{"revision": R, "reads": [[count, more, [[key, value, mod_revision],
+...]], ...]}` to a read (each range read as `EtcdStore` makes it, `limit` kvs at most), or
+`{"error": "..."}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from etcd3 import etcdrpc
+
+from .client import etcd_unreachable
+from .etcd_api import EtcdClient
+from .store_keys import _DELTA, _END, _KEEP_LIMIT
+
+log = logging.getLogger(__name__)
+
+STORE_RELAY_ENV = "ELASTIC_STORE_RELAY"
+"""The abstract socket name of this node's store relay (set by the agent for its workers)."""
+
+MAX_OPS = 120
+"""Operations in one transaction at most (etcd's default `--max-txn-ops` is 128)."""
+
+MAX_LINE = 1 << 24
+"""Bytes of one request line at most (a set's value, base64); a connection that sends more is closed."""
+_RETRY_PAUSE_S = 0.05
+
+
+class StoreRelayError(RuntimeError):
+    """The relay did not answer a request (gone, refused, malformed, or etcd's error)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KV:
+    """One key of a relayed read, as `EtcdStore`'s `_Counter` reads it."""
+
+    key: bytes
+    value: bytes
+    mod_revision: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Read:
+    """One relayed range read `[k, k\\1)`: how many keys it holds, whether `limit` cut it, its kvs."""
+
+    count: int
+    more: bool
+    kvs: list[KV]
+
+
+@dataclass(kw_only=True)
+class _Request:
+    conn: socket.socket
+    sets: list[tuple[bytes, bytes]]
+    reads: list[bytes]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise ValueError(f"expected a base64 string, got {text!r}")
+    return base64.b64decode(text, validate=True)
+
+
+def _parse(line: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
+    """(sets, reads) of one request line; ValueError if malformed."""
+    request = json.loads(line)
+    if not isinstance(request, dict) or len(request) != 1:
+        raise ValueError("a request is one of {\"set\": [key, value]} or {\"read\": [key, ...]}")
+    if "set" in request:
+        pair = request["set"]
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"a set is [key, value], got {pair!r}")
+        return [(_unb64(pair[0]), _unb64(pair[1]))], []
+    keys = request.get("read")
+    if not isinstance(keys, list) or not keys:
+        raise ValueError(f"a read is a non-empty list of keys, got {keys!r}")
+    return [], [_unb64(k) for k in keys]
+
+
+class StoreRelay:
+    """The agent's side: one thread that takes its workers' store requests and commits each
+    batch (what arrived while the last one was in flight) as few transactions as etcd allows."""
+
+    def __init__(self, client: EtcdClient, *, name: str, limit: int = _KEEP_LIMIT, timeout_s: float = 30.0) -> None:
+        """`limit`: kvs a read returns at most a key (`EtcdStore`'s); `timeout_s`: of a transaction."""
+        self.client, self.name, self.limit, self.timeout_s = client, name, limit, timeout_s
+        self.transactions = 0
+        """Transactions committed so far."""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + name)
+        self._sock.listen(64)
+        self._sock.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._sock, selectors.EVENT_READ)
+        self._buffers: dict[socket.socket, bytes] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="store-relay", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving; a worker's next request (or one in flight) goes direct."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=10.0)
+
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                batch: list[_Request] = []
+                events = self._selector.select()
+                while events:  # new connections' first requests join this batch if already sent
+                    accepted = [self._ready(key.fileobj, batch) for key, _ in events]  # type: ignore[arg-type]
+                    events = self._selector.select(timeout=0) if any(accepted) else []
+                if batch and not self._closed:
+                    self._commit(batch)
+        finally:
+            for conn in list(self._buffers):
+                conn.close()
+            for sock in (self._sock, self._wake_r, self._wake_w):
+                sock.close()
+            self._selector.close()
+
+    def _ready(self, sock: socket.socket, batch: list[_Request]) -> bool:
+        """Accept every waiting connection (True), or queue the complete request lines a
+        connection sent (False)."""
+        if sock is self._wake_r:
+            return False
+        if sock is self._sock:
+            while True:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError:  # none left (BlockingIOError), or closed
+                    return True
+                conn.setblocking(True)
+                self._buffers[conn] = b""
+                self._selector.register(conn, selectors.EVENT_READ)
+        try:
+            data = sock.recv(1 << 16)
+        except OSError:
+            data = b""
+        if not data:  # that worker is gone
+            self._drop(sock)
+            return False
+        *lines, self._buffers[sock] = (self._buffers[sock] + data).split(b"\n")
+        if len(self._buffers[sock]) > MAX_LINE:  # no request is that long: not a worker of ours
+            with contextlib.suppress(OSError):
+                _answer(sock, {"error": f"a request line over {MAX_LINE} bytes"})
+            self._drop(sock)
+            return False
+        for line in lines:
+            try:
+                sets, reads = _parse(line)
+            except (ValueError, TypeError) as exc:
+                with contextlib.suppress(OSError):
+                    _answer(sock, {"error": f"malformed request: {exc}"})
+                continue
+            batch.append(_Request(conn=sock, sets=sets, reads=reads))
+        return False
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._selector.unregister(sock)
+        del self._buffers[sock]
+        sock.close()
+
+    def _commit(self, batch: list[_Request]) -> None:
+        """Commit `batch` as few transactions as etcd allows, in order; answer each request."""
+        answers: list[dict[str, Any]] = [{} for _ in batch]
+        try:
+            for part in _parts(batch):
+                # every set before every read: a read sees the whole transaction, whose revision
+                # it reports (a wait that finds a key missing watches from there)
+                ops = [op for i in part for op in _set_ops(batch[i].sets)]
+                reads_at = len(ops)
+                ops += [op for i in part for op in _read_ops(batch[i].reads, self.limit)]
+                response = self._txn(etcdrpc.TxnRequest(success=ops))
+                self.transactions += 1
+                results = iter(response.responses[reads_at:])
+                for i in part:
+                    answers[i] = {"revision": int(response.header.revision)}
+                    if batch[i].reads:
+                        answers[i]["reads"] = [_read_json(next(results).response_range) for _ in batch[i].reads]
+        except Exception as exc:  # noqa: BLE001 - every request not yet answered gets it, and goes direct
+            log.warning("store relay %s: a transaction of %d requests failed: %s", self.name, len(batch), exc)
+            answers = [a or {"error": f"{type(exc).__name__}: {exc}"} for a in answers]
+        for request, answer in zip(batch, answers, strict=True):
+            with contextlib.suppress(OSError):  # that worker is gone
+                _answer(request.conn, answer)
+
+
+    def _txn(self, request: Any) -> Any:
+        """One transaction, retried while etcd cannot answer (as the client's own calls are),
+        for `timeout_s` at most."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return etcdrpc.KVStub(self.client.channel).Txn(
+                    request, self.timeout_s, credentials=self.client.call_credentials, metadata=self.client.metadata,
+                )
+            except Exception as exc:
+                if not etcd_unreachable(exc) or time.monotonic() + _RETRY_PAUSE_S > deadline:
+                    raise
+                time.sleep(_RETRY_PAUSE_S)
+
+
+def _parts(batch: Sequence[_Request]) -> list[list[int]]:
+    """`batch`'s requests cut into runs, in order, that one transaction each can hold."""
+    parts: list[list[int]] = [[]]
+    ops, keys = 0, set[bytes]()
+    for i, request in enumerate(batch):
+        mine = 2 * len(request.sets) + len(request.reads)
+        set_keys = {k for k, _ in request.sets}
+        if parts[-1] and (ops + mine > MAX_OPS or set_keys & keys):
+            parts.append([])
+            ops, keys = 0, set[bytes]()
+        parts[-1].append(i)
+        ops += mine
+        keys |= set_keys
+    return parts
+
+
+def _set_ops(sets: list[tuple[bytes, bytes]]) -> list[Any]:
+    ops = []
+    for key, value in sets:
+        ops.append(etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key + _DELTA.encode(),
+                                                                                     range_end=key + _END.encode())))
+        ops.append(etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key, value=value)))
+    return ops
+
+
+def _read_ops(keys: list[bytes], limit: int) -> list[Any]:
+    return [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k, range_end=k + _END.encode(), limit=limit))
+            for k in keys]
+
+
+def _read_json(resp: Any) -> list[Any]:
+    return [int(resp.count), bool(resp.more), [[_b64(kv.key), _b64(kv.value), int(kv.mod_revision)] for kv in resp.kvs]]
+
+
+def _answer(conn: socket.socket, answer: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(answer).encode() + b"\n")
+
+
+class StoreRelayClient:
+    """A worker's side: one connection to its node's store relay, opened on first use, one
+    request at a time (a store's threads take turns)."""
+
+    def __init__(self, name: str, *, timeout_s: float = 60.0) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self._conn: socket.socket | None = None
+        self._buffer = b""
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: bytes) -> int:
+        """Set etcd key `key` (and drop its `add` deltas); the revision of the write."""
+        return int(self._ask({"set": [_b64(key.encode()), _b64(value)]})["revision"])
+
+    def read(self, keys: Sequence[str]) -> tuple[int, list[Read]]:
+        """(the revision of the reads, each key's range read `[k, k\\1)`) in one transaction."""
+        answer = self._ask({"read": [_b64(k.encode()) for k in keys]})
+        try:
+            reads = [Read(count=int(count), more=bool(more),
+                          kvs=[KV(key=_unb64(k), value=_unb64(v), mod_revision=int(m)) for k, v, m in kvs])
+                     for count, more, kvs in answer["reads"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StoreRelayError(f"store relay {self.name!r}: malformed answer: {exc}") from None
+        if len(reads) != len(keys):
+            raise StoreRelayError(f"store relay {self.name!r}: {len(reads)} reads for {len(keys)} keys")
+        return int(answer["revision"]), reads
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            try:
+                if self._conn is None:
+                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    conn.settimeout(self.timeout_s)
+                    conn.connect("\0" + self.name)
+                    self._conn, self._buffer = conn, b""
+                self._conn.sendall(json.dumps(request).encode() + b"\n")
+                while b"\n" not in self._buffer:
+                    chunk = self._conn.recv(1 << 16)
+                    if not chunk:
+                        raise OSError("the relay closed the connection")
+                    self._buffer += chunk
+                line, self._buffer = self._buffer.split(b"\n", 1)
+                answer = json.loads(line)
+            except (OSError, ValueError) as exc:
+                self._drop()
+                raise StoreRelayError(f"store relay {self.name!r}: {exc}") from None
+        if not isinstance(answer, dict) or "error" in answer or "revision" not in answer:
+            error = answer.get("error") if isinstance(answer, dict) else answer
+            raise StoreRelayError(f"store relay {self.name!r}: {error}")
+        return answer
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def store_relay_from_env() -> StoreRelayClient | None:
+    """This worker's store relay client, if its agent runs one ($ELASTIC_STORE_RELAY)."""
+    name = os.environ.get(STORE_RELAY_ENV)
+    return StoreRelayClient(name) if name else None
