@@ -75,6 +75,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import IO, Any
@@ -83,7 +84,7 @@ import psutil
 import torch.distributed as dist
 
 from elastic.coordinator import EtcdConfig, EtcdServer, EtcdStore, JobKeys, connect
-from elastic.coordinator.store_relay import StoreRelay, StoreRelayClient
+from elastic.coordinator.store_relay import LINGER_S, StoreRelay, StoreRelayClient
 from elastic.parallel.groups import group_prefix
 
 PATTERNS = ("eager", "lazy", "nccl")
@@ -119,6 +120,12 @@ class Part:
     ranks_per_relay: int = 0
     """Ranks a node's store relay serves (8: a node of 8 GPUs), each relay with an etcd client of
     its own, as an agent has; 0: no relay, every rank's requests direct."""
+    relay_linger_s: float = LINGER_S
+    """How long a relay's batch waits for more requests (`StoreRelay`'s `linger_s`)."""
+    lockstep: int = 0
+    """Ranks of a node (that many consecutive ranks) that pass a barrier of their own before each
+    store call, so that they call together, as a node's processes on their own cores do; 0: every
+    rank runs free (lazy and eager only: NCCL's rank 0 makes fewer calls than the others)."""
 
 
 def etcd_requests(endpoint: str) -> dict[str, int]:
@@ -137,8 +144,10 @@ def generation_prefix(job: str, generation: int) -> str:
     return JobKeys(job).store(f"gen-{generation}")
 
 
-def _rank_calls(store: dist.Store, rank: int, world: int, pattern: str) -> None:
-    """The store calls world rank `rank` makes while its gloo world group of `world` connects."""
+def _rank_calls(store: dist.Store, rank: int, world: int, pattern: str,
+                together: Callable[[], object] = lambda: None) -> None:
+    """The store calls world rank `rank` makes while its gloo world group of `world` connects
+    (`together()` before each, lazy and eager only: `Part.lockstep`)."""
     if pattern == "nccl":
         if rank == 0:
             store.set("0/unique-id", _UNIQUE_ID)
@@ -146,9 +155,11 @@ def _rank_calls(store: dist.Store, rank: int, world: int, pattern: str) -> None:
             store.wait(["0/unique-id"], _STORE_TIMEOUT)
             store.get("0/unique-id")
         return
+    together()
     store.set(f"0/{rank}", _ADDRESS)
     peers = range(world) if pattern == "eager" else sorted({(rank + 1) % world, (rank - 1) % world})
     for peer in peers:
+        together()
         store.wait([f"0/{peer}"], _STORE_TIMEOUT)
         store.get(f"0/{peer}")
 
@@ -170,11 +181,19 @@ class _Ranks:
         self.start = threading.Barrier(n + 1)
         self.errors: list[BaseException] = []
         self.finished: list[float] = []
+        nodes: dict[int, threading.Barrier] = {}
+        if part.lockstep:
+            for rank in range(part.first, part.last):
+                node = rank // part.lockstep
+                if node not in nodes:
+                    nodes[node] = threading.Barrier(min(part.last, (node + 1) * part.lockstep) - rank)
 
         def rank_main(i: int) -> None:
             self.start.wait()
+            node = nodes.get((part.first + i) // part.lockstep) if part.lockstep else None
             try:
-                _rank_calls(prefixed[i], part.first + i, part.world, part.pattern)
+                _rank_calls(prefixed[i], part.first + i, part.world, part.pattern,
+                            node.wait if node is not None else lambda: None)
                 self.finished.append(time.time())
             except BaseException as exc:  # reported by join()
                 self.errors.append(exc)
@@ -215,7 +234,8 @@ def _relays(part: Part) -> list[StoreRelay]:
         return []
     nodes = range(part.first // part.ranks_per_relay, (part.last - 1) // part.ranks_per_relay + 1)
     return [StoreRelay(connect(EtcdConfig(endpoint=part.endpoint, timeout=60.0)),
-                       name=f"bench-store-{part.job}-{node}", timeout_s=60.0) for node in nodes]
+                       name=f"bench-store-{part.job}-{node}", timeout_s=60.0, linger_s=part.relay_linger_s)
+            for node in nodes]
 
 
 def _close_relays(relays: list[StoreRelay]) -> None:
@@ -323,18 +343,20 @@ def _child(part: Part, commands: IO[str], answers: IO[str]) -> None:
 
 
 def _parts(endpoint: str, job: str, world: int, pattern: str, procs: int, ranks_per_client: int,
-           ranks_per_relay: int) -> list[Part]:
+           ranks_per_relay: int, relay_linger_s: float, lockstep: int) -> list[Part]:
     """`procs` contiguous blocks of the `world` ranks."""
     return [
         Part(endpoint=endpoint, job=job, world=world, pattern=pattern, first=p * world // procs,
-             last=(p + 1) * world // procs, ranks_per_client=ranks_per_client, ranks_per_relay=ranks_per_relay)
+             last=(p + 1) * world // procs, ranks_per_client=ranks_per_client, ranks_per_relay=ranks_per_relay,
+             relay_linger_s=relay_linger_s, lockstep=lockstep)
         for p in range(procs)
     ]
 
 
 def rendezvous_seconds(
     endpoint: str, world: int, *, repeats: int = 1, pattern: str = "lazy", procs: int = 1,
-    ranks_per_client: int = 0, ranks_per_relay: int = 0, etcd_pid: int | None = None,
+    ranks_per_client: int = 0, ranks_per_relay: int = 0, relay_linger_s: float = LINGER_S, lockstep: int = 0,
+    etcd_pid: int | None = None,
 ) -> dict[str, Any]:
     """Time `repeats` generation rendezvous of `world` simulated ranks on the etcd at `endpoint`,
     spread over `procs` processes (module doc), `ranks_per_client` ranks to an etcd client (0:
@@ -357,7 +379,10 @@ def rendezvous_seconds(
         raise ValueError(f"procs must be in [1, world], ranks_per_client and ranks_per_relay >= 0, got {procs}, "
                          f"{ranks_per_client} and {ranks_per_relay}")
     job = f"rdzv-bench-{uuid.uuid4().hex[:8]}"
-    parts = _parts(endpoint, job, world, pattern, procs, ranks_per_client, ranks_per_relay)
+    if lockstep < 0 or (lockstep and pattern == "nccl"):
+        raise ValueError(f"lockstep must be >= 0, and 0 with the nccl pattern, got {lockstep} with {pattern}")
+    parts = _parts(endpoint, job, world, pattern, procs, ranks_per_client, ranks_per_relay, relay_linger_s,
+                   lockstep)
     client = connect(EtcdConfig(endpoint=endpoint, timeout=60.0))  # drops the keys afterwards
     sim = _InProcess(parts[0]) if procs == 1 else _Processes(parts)
     times: list[float] = []
@@ -389,6 +414,8 @@ def rendezvous_seconds(
         "repeats": repeats,
         "procs": procs,
         "ranks_per_relay": ranks_per_relay,
+        "relay_linger_s": relay_linger_s,
+        "lockstep": lockstep,
         "seconds": sorted(times)[len(times) // 2],
         "seconds_all": [round(t, 4) for t in times],
         "requests_per_rank": total / world,
@@ -410,6 +437,10 @@ def main() -> None:
                         help="ranks sharing one etcd client (default 0: one client a process)")
     parser.add_argument("--ranks-per-relay", type=int, default=0,
                         help="ranks a node's store relay serves (8: a node of 8 GPUs; default 0: no relay)")
+    parser.add_argument("--relay-linger-ms", type=float, default=LINGER_S * 1e3,
+                        help="how long a relay's batch waits for more requests (default: the runtime's)")
+    parser.add_argument("--lockstep", type=int, default=0,
+                        help="N consecutive ranks (a node) make each store call together (lazy, eager; default 0)")
     parser.add_argument("--endpoint", help="an etcd to use (default: start a fresh one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a rank process (module doc)
     args = parser.parse_args()
@@ -430,6 +461,8 @@ def main() -> None:
                     r = rendezvous_seconds(server.endpoint, world, repeats=args.repeats, pattern=pattern,
                                            procs=procs, ranks_per_client=args.ranks_per_client,
                                            ranks_per_relay=args.ranks_per_relay,
+                                           relay_linger_s=args.relay_linger_ms / 1e3,
+                                           lockstep=args.lockstep if pattern != "nccl" else 0,
                                            etcd_pid=etcd.pid if etcd is not None else None)
                     # etcd's own CPU a rendezvous (set-up of the rank processes included): what it
                     # would take with the ranks' client work on hosts of their own

@@ -58,6 +58,9 @@ STORE_RELAY_ENV = "ELASTIC_STORE_RELAY"
 MAX_OPS = 120
 """Operations in one transaction at most (etcd's default `--max-txn-ops` is 128)."""
 
+LINGER_S = 0.002
+"""How long a batch waits for more requests after its first, unless every open connection has
+sent one (a node's ranks make the same store calls at about the same moment)."""
 MAX_LINE = 1 << 24
 """Bytes of one request line at most (a set's value, base64); a connection that sends more is closed."""
 _RETRY_PAUSE_S = 0.05
@@ -122,9 +125,12 @@ class StoreRelay:
     """The agent's side: one thread that takes its workers' store requests and commits each
     batch (what arrived while the last one was in flight) as few transactions as etcd allows."""
 
-    def __init__(self, client: EtcdClient, *, name: str, limit: int = _KEEP_LIMIT, timeout_s: float = 30.0) -> None:
-        """`limit`: kvs a read returns at most a key (`EtcdStore`'s); `timeout_s`: of a transaction."""
+    def __init__(self, client: EtcdClient, *, name: str, limit: int = _KEEP_LIMIT, timeout_s: float = 30.0,
+                 linger_s: float = LINGER_S) -> None:
+        """`limit`: kvs a read returns at most a key (`EtcdStore`'s); `timeout_s`: of a transaction;
+        `linger_s`: how long a batch waits for more after its first request (module doc)."""
         self.client, self.name, self.limit, self.timeout_s = client, name, limit, timeout_s
+        self.linger_s = linger_s
         self.transactions = 0
         """Transactions committed so far."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -151,10 +157,14 @@ class StoreRelay:
         try:
             while not self._closed:
                 batch: list[_Request] = []
-                events = self._selector.select()
-                while events:  # new connections' first requests join this batch if already sent
-                    accepted = [self._ready(key.fileobj, batch) for key, _ in events]  # type: ignore[arg-type]
-                    events = self._selector.select(timeout=0) if any(accepted) else []
+                self._take(self._selector.select(), batch)
+                deadline = time.monotonic() + self.linger_s
+                # every open connection has a request in: nothing more can come; else linger
+                while batch and len({id(r.conn) for r in batch}) < len(self._buffers) and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._take(self._selector.select(timeout=remaining), batch)
                 if batch and not self._closed:
                     self._commit(batch)
         finally:
@@ -163,6 +173,12 @@ class StoreRelay:
             for sock in (self._sock, self._wake_r, self._wake_w):
                 sock.close()
             self._selector.close()
+
+    def _take(self, events: list[tuple[selectors.SelectorKey, int]], batch: list[_Request]) -> None:
+        """Serve `events`; new connections' first requests join `batch` if already sent."""
+        while events:
+            accepted = [self._ready(key.fileobj, batch) for key, _ in events]  # type: ignore[arg-type]
+            events = self._selector.select(timeout=0) if any(accepted) else []
 
     def _ready(self, sock: socket.socket, batch: list[_Request]) -> bool:
         """Accept every waiting connection (True), or queue the complete request lines a
