@@ -5,15 +5,18 @@ A gloo rendezvous makes every rank `set` its address, then read each peer's it c
 etcd requests a rank with a lazy ring (bench/rendezvous_scale.py), 49,000 at 16,384 ranks, and
 etcd's CPU grows with them. The ranks of a node set and read at about the same moment, so the
 agent serves a Unix socket (Linux's abstract namespace, named in $ELASTIC_STORE_RELAY) and writes
-what its workers sent meanwhile as one etcd transaction: group commit. The first request goes out
-at once; the requests that arrive while a transaction is in flight go together in the next one,
-so batching adds no wait of its own. A transaction holds every set of the batch (the value's put
-and the drop of its `add` deltas, `EtcdStore.set`) and then every read (a range `[k, k\\1)` each):
-etcd applies a transaction's operations in order, so every read sees every set of its transaction,
-and the transaction's revision is then that of every read in it, from which a wait that found a key
-missing watches (a read placed before a set of the same transaction would report a revision that
-includes a write it did not see, and its wait would miss that write). A batch with two sets of one key (etcd refuses duplicate keys in a transaction), or more
-operations than `MAX_OPS`, is cut into several transactions, in order.
+what its workers sent together as one etcd transaction: group commit. A batch is what arrived
+while the last transaction was in flight, plus what arrives within `LINGER_S` (2 ms) of its first
+request; it goes at once when every open connection has a request in it (no more can come).
+
+A batch is written as one transaction of its sets (the value's put and the drop of its `add`
+deltas, as `EtcdStore.set`), then read as one transaction of its reads (a range `[k, k\\1)` each):
+every read sees every set of its batch, and reports the revision it read at, from which a wait that
+found a key missing watches. A transaction of reads alone is served like a range read, beside
+etcd's apply loop; reads inside a transaction that also writes would be applied in that loop, one
+at a time with every write (the first version did so: 4.5x fewer requests at 16,384 ranks, 12 %
+less etcd CPU). A batch with two sets of one key (etcd refuses duplicate keys in a transaction), or
+more operations than `MAX_OPS`, is cut into several, in order.
 
 Only `set` and the reads of `get`, `check` and `wait` go through the relay; `add`, `compare_set`,
 `append`, deletes and queues stay direct, and so does a wait's watch (it watches only its missing
@@ -227,18 +230,20 @@ class StoreRelay:
         answers: list[dict[str, Any]] = [{} for _ in batch]
         try:
             for part in _parts(batch):
-                # every set before every read: a read sees the whole transaction, whose revision
-                # it reports (a wait that finds a key missing watches from there)
-                ops = [op for i in part for op in _set_ops(batch[i].sets)]
-                reads_at = len(ops)
-                ops += [op for i in part for op in _read_ops(batch[i].reads, self.limit)]
-                response = self._txn(etcdrpc.TxnRequest(success=ops))
-                self.transactions += 1
-                results = iter(response.responses[reads_at:])
+                # the sets, then the reads: each read sees every set of its batch, and reports the
+                # revision it read at (a wait that finds a key missing watches from there)
+                sets = [op for i in part for op in _set_ops(batch[i].sets)]
+                reads = [op for i in part for op in _read_ops(batch[i].reads, self.limit)]
+                written = self._txn(sets).header.revision if sets else 0
+                read = self._txn(reads) if reads else None
+                results = iter(read.responses if read is not None else [])
                 for i in part:
-                    answers[i] = {"revision": int(response.header.revision)}
                     if batch[i].reads:
-                        answers[i]["reads"] = [_read_json(next(results).response_range) for _ in batch[i].reads]
+                        assert read is not None
+                        answers[i] = {"revision": int(read.header.revision),
+                                      "reads": [_read_json(next(results).response_range) for _ in batch[i].reads]}
+                    else:
+                        answers[i] = {"revision": int(written)}
         except Exception as exc:  # noqa: BLE001 - every request not yet answered gets it, and goes direct
             log.warning("store relay %s: a transaction of %d requests failed: %s", self.name, len(batch), exc)
             answers = [a or {"error": f"{type(exc).__name__}: {exc}"} for a in answers]
@@ -247,15 +252,18 @@ class StoreRelay:
                 _answer(request.conn, answer)
 
 
-    def _txn(self, request: Any) -> Any:
-        """One transaction, retried while etcd cannot answer (as the client's own calls are),
-        for `timeout_s` at most."""
+    def _txn(self, ops: list[Any]) -> Any:
+        """One transaction of `ops`, retried while etcd cannot answer (as the client's own calls
+        are), for `timeout_s` at most."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                return etcdrpc.KVStub(self.client.channel).Txn(
-                    request, self.timeout_s, credentials=self.client.call_credentials, metadata=self.client.metadata,
+                response = etcdrpc.KVStub(self.client.channel).Txn(
+                    etcdrpc.TxnRequest(success=ops), self.timeout_s, credentials=self.client.call_credentials,
+                    metadata=self.client.metadata,
                 )
+                self.transactions += 1
+                return response
             except Exception as exc:
                 if not etcd_unreachable(exc) or time.monotonic() + _RETRY_PAUSE_S > deadline:
                     raise
