@@ -126,7 +126,7 @@ def _parse(line: bytes) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
 
 class StoreRelay:
     """The agent's side: one thread that takes its workers' store requests and commits each
-    batch (what arrived while the last one was in flight) as few transactions as etcd allows."""
+    batch (module doc) as a transaction of its sets and one of its reads."""
 
     def __init__(self, client: EtcdClient, *, name: str, limit: int = _KEEP_LIMIT, timeout_s: float = 30.0,
                  linger_s: float = LINGER_S) -> None:
@@ -134,8 +134,8 @@ class StoreRelay:
         `linger_s`: how long a batch waits for more after its first request (module doc)."""
         self.client, self.name, self.limit, self.timeout_s = client, name, limit, timeout_s
         self.linger_s = linger_s
-        self.transactions = 0
-        """Transactions committed so far."""
+        self.requests = 0
+        """etcd requests made so far (transactions, and range reads of a batch's only read)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + name)
         self._sock.listen(64)
@@ -226,7 +226,7 @@ class StoreRelay:
         sock.close()
 
     def _commit(self, batch: list[_Request]) -> None:
-        """Commit `batch` as few transactions as etcd allows, in order; answer each request."""
+        """Commit `batch` (its sets, then its reads; cut where etcd needs it), answer each request."""
         answers: list[dict[str, Any]] = [{} for _ in batch]
         try:
             for part in _parts(batch):
@@ -234,14 +234,13 @@ class StoreRelay:
                 # revision it read at (a wait that finds a key missing watches from there)
                 sets = [op for i in part for op in _set_ops(batch[i].sets)]
                 reads = [op for i in part for op in _read_ops(batch[i].reads, self.limit)]
-                written = self._txn(sets).header.revision if sets else 0
-                read = self._txn(reads) if reads else None
-                results = iter(read.responses if read is not None else [])
+                written = self._call("Txn", etcdrpc.TxnRequest(success=sets)).header.revision if sets else 0
+                ranges, revision = self._read(reads)
+                results = iter(ranges)
                 for i in part:
                     if batch[i].reads:
-                        assert read is not None
-                        answers[i] = {"revision": int(read.header.revision),
-                                      "reads": [_read_json(next(results).response_range) for _ in batch[i].reads]}
+                        answers[i] = {"revision": revision,
+                                      "reads": [_read_json(next(results)) for _ in batch[i].reads]}
                     else:
                         answers[i] = {"revision": int(written)}
         except Exception as exc:  # noqa: BLE001 - every request not yet answered gets it, and goes direct
@@ -251,18 +250,27 @@ class StoreRelay:
             with contextlib.suppress(OSError):  # that worker is gone
                 _answer(request.conn, answer)
 
+    def _read(self, reads: list[Any]) -> tuple[list[Any], int]:
+        """(each range's answer, the revision they read at): a transaction of `reads`, or the one
+        range read itself (what a store makes without a relay, which etcd serves for less)."""
+        if not reads:
+            return [], 0
+        if len(reads) == 1:
+            one = self._call("Range", reads[0].request_range)
+            return [one], int(one.header.revision)
+        txn = self._call("Txn", etcdrpc.TxnRequest(success=reads))
+        return [r.response_range for r in txn.responses], int(txn.header.revision)
 
-    def _txn(self, ops: list[Any]) -> Any:
-        """One transaction of `ops`, retried while etcd cannot answer (as the client's own calls
-        are), for `timeout_s` at most."""
+    def _call(self, method: str, request: Any) -> Any:
+        """One etcd KV call (`Txn`, `Range`), retried while etcd cannot answer (as the client's
+        own calls are), for `timeout_s` at most."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                response = etcdrpc.KVStub(self.client.channel).Txn(
-                    etcdrpc.TxnRequest(success=ops), self.timeout_s, credentials=self.client.call_credentials,
-                    metadata=self.client.metadata,
+                response = getattr(etcdrpc.KVStub(self.client.channel), method)(
+                    request, self.timeout_s, credentials=self.client.call_credentials, metadata=self.client.metadata,
                 )
-                self.transactions += 1
+                self.requests += 1
                 return response
             except Exception as exc:
                 if not etcd_unreachable(exc) or time.monotonic() + _RETRY_PAUSE_S > deadline:
@@ -271,7 +279,8 @@ class StoreRelay:
 
 
 def _parts(batch: Sequence[_Request]) -> list[list[int]]:
-    """`batch`'s requests cut into runs, in order, that one transaction each can hold."""
+    """`batch`'s requests cut into runs, in order, whose sets one transaction can hold (and reads
+    another)."""
     parts: list[list[int]] = [[]]
     ops, keys = 0, set[bytes]()
     for i, request in enumerate(batch):

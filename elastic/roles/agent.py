@@ -334,7 +334,7 @@ class Agent:
             self.relay.close()
         if self.store_relay is not None:
             self.store_relay.close()
-            log.warning("%s: the store relay committed %d transactions", self.who, self.store_relay.transactions)
+            log.warning("%s: the store relay made %d etcd requests", self.who, self.store_relay.requests)
         if self.zygote is not None:
             self.zygote.close()
         self.injections.join(timeout=2.0)  # a partition cut short writes its status on the way out

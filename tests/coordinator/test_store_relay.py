@@ -106,7 +106,7 @@ def test_what_arrives_during_a_transaction_is_the_next_one(
     assert [direct.get(f"addr/{r}") for r in range(RANKS)] == [f"host-{r}".encode() for r in range(RANKS)]
     if relayed:
         assert (sets, reads) == (2, 2)
-        assert relay is not None and relay.transactions == 4
+        assert relay is not None and relay.requests == 4
     else:
         assert (sets, reads) == (RANKS, RANKS)
 
@@ -120,7 +120,7 @@ def test_a_second_set_of_a_key_and_a_bad_line(own_etcd: EtcdServer, clients: lis
         revisions = _held_then_released(own_etcd, [lambda: first.set(PREFIX + "x", b"0"),
                                                    lambda: first.set(key, b"1"), lambda: second.set(key, b"2")])
         assert _requests(own_etcd) - before == 3  # the x put alone, then k twice: cut in two
-        assert relay.transactions == 3
+        assert relay.requests == 3
         last = max(revisions[1:])
         assert EtcdStore(clients[0], PREFIX).get("k") == (b"1" if revisions[1] == last else b"2")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
@@ -146,7 +146,7 @@ def test_a_read_sees_the_sets_of_its_batch(own_etcd: EtcdServer, clients: list[E
         got = _held_then_released(own_etcd, [lambda: first.set("x", "0"), lambda: reader.get("k"),
                                              lambda: writer.set("k", "v")])
         assert got[1] == b"v"
-        assert relay.transactions == 3  # x alone; then the batch's set, then its read
+        assert relay.requests == 3  # x alone; then the batch's set, then its read
     finally:
         relay.close()
 
@@ -155,16 +155,16 @@ def test_a_store_whose_relay_is_gone_goes_direct(own_etcd: EtcdServer, clients: 
     relay = StoreRelay(clients[-1], name=_name())
     store = EtcdStore(clients[0], PREFIX, timeout=timedelta(seconds=10), relay=StoreRelayClient(relay.name))
     store.set("a", "1")
-    assert relay.transactions == 1
+    assert relay.requests == 1
     relay.close()
     with pytest.raises(StoreRelayError):
         StoreRelayClient(relay.name).read([PREFIX + "a"])
     store.set("b", "2")  # the relay is gone: this one is direct
     assert store.get("a") == b"1" and store.get("b") == b"2"
-    assert relay.transactions == 1
+    assert relay.requests == 1
     again = StoreRelay(clients[-1], name=relay.name)  # the agent's relay back under its name
     try:
         store.set("c", "3")
-        assert again.transactions == 1 and store.get("c") == b"3"
+        assert again.requests == 1 and store.get("c") == b"3"
     finally:
         again.close()
