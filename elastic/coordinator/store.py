@@ -29,7 +29,7 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   `torch.distributed.DistStoreError` ("... timeout ...", the word torch's callers match on) when
   the timeout passes.
 
-- with a `relay` (a worker under an agent: $ELASTIC_STORE_RELAY), `set` and the reads of
+- with a `relay` (a worker under an agent that runs one: `ELASTIC_STORE_RELAY=1`), `set` and the reads of
   `get`, `check` and `wait` go to the node's store relay, which commits what the node's workers
   sent meanwhile as one transaction (`store_relay.py`): the requests are then a node's, not a
   rank's. Anything else, and a request the relay fails, is made directly.

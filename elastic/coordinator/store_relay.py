@@ -4,7 +4,7 @@ and reads (issue 34: a generation's rendezvous costs etcd requests a node, not a
 A gloo rendezvous makes every rank `set` its address, then read each peer's it connects to: three
 etcd requests a rank with a lazy ring (bench/rendezvous_scale.py), 49,000 at 16,384 ranks, and
 etcd's CPU grows with them. The ranks of a node set and read at about the same moment, so the
-agent serves a Unix socket (Linux's abstract namespace, named in $ELASTIC_STORE_RELAY) and writes
+agent serves a Unix socket (Linux's abstract namespace, named in $ELASTIC_STORE_RELAY_SOCKET) and writes
 what its workers sent together as one etcd transaction: group commit. A batch is what arrived
 while the last transaction was in flight, plus what arrives within `LINGER_S` (2 ms) of its first
 request; it goes at once when every open connection has a request in it (no more can come).
@@ -24,6 +24,16 @@ keys, `store_waits.py`). Every call is answered once its transaction has committ
 of a direct request. The relay retries a transaction while etcd cannot answer, as the client's own
 calls do; a store whose relay fails (gone, refused, an error of etcd's) makes that request itself,
 as it would with no relay.
+
+When it pays (bench/README.md, "A store relay a node"): when a node's ranks make their calls
+together, as processes on cores of their own do after the same generation record. Simulated with
+a node's 8 ranks passing a barrier before each call (`rendezvous_scale.py --lockstep 8`), a lazy
+rendezvous of 16,384 ranks made 0.7 etcd requests a rank instead of 3.0, and etcd spent 6.1
+core-seconds instead of 9.7. With the simulation's 16,384 threads running free on 2 cores, a
+node's calls spread over far more than the linger, a batch is mostly one request, the relay's
+one thread a node serialises them, and the same rendezvous was slower and cost etcd more. Which
+of the two a cluster's nodes are like is not measured here, so the relay is off unless asked for
+(`ELASTIC_STORE_RELAY=1`).
 
 Wire: one JSON object a line each way, one request in flight a connection. Request
 `{"set": [key, value]}` or `{"read": [key, ...]}` (keys whole etcd keys, values base64); answer
@@ -55,7 +65,10 @@ from .store_keys import _DELTA, _END, _KEEP_LIMIT
 
 log = logging.getLogger(__name__)
 
-STORE_RELAY_ENV = "ELASTIC_STORE_RELAY"
+STORE_RELAY_SWITCH = "ELASTIC_STORE_RELAY"
+"""`1` in an agent's environment (`ELASTIC_STORE_RELAY=1 elastic run ...`): the agent runs a store
+relay for its workers. Off by default: module doc, "When it pays"."""
+STORE_RELAY_ENV = "ELASTIC_STORE_RELAY_SOCKET"
 """The abstract socket name of this node's store relay (set by the agent for its workers)."""
 
 MAX_OPS = 120

@@ -59,7 +59,7 @@ from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
 from elastic.coordinator.netaddr import bind_host
-from elastic.coordinator.store_relay import STORE_RELAY_ENV, StoreRelay
+from elastic.coordinator.store_relay import STORE_RELAY_ENV, STORE_RELAY_SWITCH, StoreRelay
 from elastic.coordinator.watch import watch_from_now
 from elastic.records.config import ElasticConfig
 from elastic.records.node_workers import read_registrations
@@ -195,8 +195,10 @@ class Agent:
         name = f"elastic-relay-{self.keys.job}-{self.node}.{self.incarnation}-{os.getpid()}"
         self.relay = NodeRelay(self.client, name=name, workers=self.gpus)
         env[RELAY_ENV] = name
-        self.store_relay = StoreRelay(self.client, name=f"{name}.store")  # the rendezvous's sets and reads
-        env[STORE_RELAY_ENV] = self.store_relay.name
+        env.pop(STORE_RELAY_ENV, None)
+        if os.environ.get(STORE_RELAY_SWITCH) == "1":  # the rendezvous's sets and reads, a node's together
+            self.store_relay = StoreRelay(self.client, name=f"{name}.store")
+            env[STORE_RELAY_ENV] = self.store_relay.name
         lease = self.membership.lease_id
         assert lease is not None
         for local_rank in range(self.gpus):

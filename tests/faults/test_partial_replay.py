@@ -3,10 +3,12 @@ SIGSTOPped mid-step costs only the microbatches of its own pipeline. The pipelin
 node finishes its microbatches, its workers keep their gradient sums through the re-plan, and
 the new generation computes the rest; the lost node's layers move over the new generation's
 gloo group. The final state is bit-identical to the failure-free run's, to the same failure with
-the whole step replayed (partial replay off), and to shards moved over gRPC."""
+the whole step replayed (partial replay off), to shards moved over gRPC, and with every node's
+store calls relayed by its agent (`ELASTIC_STORE_RELAY=1`)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,3 +56,13 @@ def test_whole_step_replay_over_grpc_gives_the_same_state(reference: Reference, 
     (rec,) = summary.recoveries
     assert rec["kept_microbatches"] == [] and rec["replayed_fraction"] == 1.0, rec
     assert rec["bytes_moved"] > 0 and rec["bytes_moved_collective"] == 0, rec
+
+
+def test_the_store_relay_changes_nothing(reference: Reference, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELASTIC_STORE_RELAY", "1")  # the agents read it; their workers get the socket
+    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, inject=("kill:node=2,step=8",))
+    check_same_training(summary, state, reference)
+    assert max_rel_diff(state, reference[1]) == 0.0
+    made = [int(m) for log in (tmp_path / "logs").glob("agent*.log")
+            for m in re.findall(r"the store relay made (\d+) etcd requests", log.read_text())]
+    assert len(made) >= 3 and all(n > 0 for n in made), made  # the survivors' relays served both generations
