@@ -70,8 +70,8 @@ def test_with_a_client_a_rank_a_put_reaches_only_its_waiters(etcd_server: EtcdSe
 @pytest.mark.parametrize("pattern", ["lazy", "nccl"])
 def test_a_node_store_relay_makes_half_the_requests_or_fewer(etcd_server: EtcdServer, pattern: str) -> None:
     """256 ranks as 32 nodes of 8, a client a rank, with and without a store relay a node
-    (elastic/coordinator/store_relay.py): with it, every set and read is in a node's shared
-    transactions (no Range of a rank's own), and etcd serves at most half the requests. A node's
+    (elastic/coordinator/store_relay.py): with it, a node's sets and reads go to etcd together,
+    and etcd serves at most half the requests. A node's
     ranks make each call together (`lockstep`, lazy only), as processes on cores of their own
     would: here 1,024 threads share 2 cores and would spread a node's calls over more than the
     relay's linger."""
@@ -80,7 +80,7 @@ def test_a_node_store_relay_makes_half_the_requests_or_fewer(etcd_server: EtcdSe
     rows = {relay: rendezvous_seconds(etcd_server.endpoint, world, pattern=pattern, procs=4, ranks_per_client=1,
                                       ranks_per_relay=relay, lockstep=lockstep) for relay in (0, 8)}
     direct, relayed = (rows[r]["requests_by_method"] for r in (0, 8))
-    assert rows[8]["ranks_per_relay"] == 8 and "Range" not in relayed, relayed
+    assert rows[8]["ranks_per_relay"] == 8, rows[8]
     unary = {m: n for m, n in relayed.items() if m != "Watch"}
-    assert set(unary) == {"Txn"}, relayed
-    assert relayed["Txn"] <= (direct["Txn"] + direct["Range"]) / 2, (direct, relayed)
+    assert set(unary) <= {"Txn", "Range"}, relayed  # a batch's lone read is a range read
+    assert sum(unary.values()) <= (direct["Txn"] + direct["Range"]) / 2, (direct, relayed)
