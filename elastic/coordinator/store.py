@@ -30,9 +30,9 @@ Every call is one etcd request whatever the contention (no compare-and-swap retr
   the timeout passes.
 
 - with a `relay` (a worker under an agent that runs one: `ELASTIC_STORE_RELAY=1`), `set` and the reads of
-  `get`, `check` and `wait` go to the node's store relay, which commits what the node's workers
-  sent meanwhile as one transaction (`store_relay.py`): the requests are then a node's, not a
-  rank's. Anything else, and a request the relay fails, is made directly.
+  `get`, `check` and `wait` go to the node's store relay, which sends what the node's workers
+  sent together in shared requests (`store_relay.py`): when a node's ranks call together, the
+  requests are a node's, not a rank's. Anything else, and a request the relay fails, is direct.
 
 A gloo group costs O(1) requests per rank and connected peer (measured on torch 2.13, see
 `bench/rendezvous_scale.py`): one `set` of its address, then a `wait` (+ a `get` it answers) for
