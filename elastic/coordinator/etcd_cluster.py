@@ -59,9 +59,7 @@ class EtcdCluster:
                        startup_timeout=startup_timeout, auto_compaction=auto_compaction, name=f"m{i}")
             for i in range(members)
         ]
-        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        for member in self.members:
-            member.initial_cluster = initial
+        self._name_peers()
         atexit.register(self.close)
 
     @property
@@ -103,6 +101,10 @@ class EtcdCluster:
             member.stop(kill=True)
             shutil.rmtree(member.data_dir / "data", ignore_errors=True)
             member.repick_ports()
+        self._name_peers()
+
+    def _name_peers(self) -> None:
+        """Give every member the `--initial-cluster` naming all members at their peer URLs."""
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for member in self.members:
             member.initial_cluster = initial

@@ -61,6 +61,7 @@ from etcd3 import etcdrpc
 
 from .client import etcd_unreachable
 from .etcd_api import EtcdClient
+from .local_socket import connect_abstract, send_line
 from .store_keys import _DELTA, _END, _KEEP_LIMIT
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ class StoreRelay:
         *lines, self._buffers[sock] = (self._buffers[sock] + data).split(b"\n")
         if len(self._buffers[sock]) > MAX_LINE:  # no request is that long: not a worker of ours
             with contextlib.suppress(OSError):
-                _answer(sock, {"error": f"a request line over {MAX_LINE} bytes"})
+                send_line(sock, {"error": f"a request line over {MAX_LINE} bytes"})
             self._drop(sock)
             return False
         for line in lines:
@@ -228,7 +229,7 @@ class StoreRelay:
                 sets, reads = _parse(line)
             except (ValueError, TypeError) as exc:
                 with contextlib.suppress(OSError):
-                    _answer(sock, {"error": f"malformed request: {exc}"})
+                    send_line(sock, {"error": f"malformed request: {exc}"})
                 continue
             batch.append(_Request(conn=sock, sets=sets, reads=reads))
         return False
@@ -261,7 +262,7 @@ class StoreRelay:
             answers = [a or {"error": f"{type(exc).__name__}: {exc}"} for a in answers]
         for request, answer in zip(batch, answers, strict=True):
             with contextlib.suppress(OSError):  # that worker is gone
-                _answer(request.conn, answer)
+                send_line(request.conn, answer)
 
     def _read(self, reads: list[Any]) -> tuple[list[Any], int]:
         """(each range's answer, the revision they read at): a transaction of `reads`, or the one
@@ -326,10 +327,6 @@ def _read_json(resp: Any) -> list[Any]:
     return [int(resp.count), bool(resp.more), [[_b64(kv.key), _b64(kv.value), int(kv.mod_revision)] for kv in resp.kvs]]
 
 
-def _answer(conn: socket.socket, answer: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(answer).encode() + b"\n")
-
-
 class StoreRelayClient:
     """A worker's side: one connection to its node's store relay, opened on first use, one
     request at a time (a store's threads take turns)."""
@@ -365,11 +362,8 @@ class StoreRelayClient:
         with self._lock:
             try:
                 if self._conn is None:
-                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    conn.settimeout(self.timeout_s)
-                    conn.connect("\0" + self.name)
-                    self._conn, self._buffer = conn, b""
-                self._conn.sendall(json.dumps(request).encode() + b"\n")
+                    self._conn, self._buffer = connect_abstract(self.name, self.timeout_s), b""
+                send_line(self._conn, request)
                 while b"\n" not in self._buffer:
                     chunk = self._conn.recv(1 << 16)
                     if not chunk:

@@ -33,6 +33,7 @@ import socket
 import threading
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.local_socket import connect_abstract, send_line
 from elastic.coordinator.watch import Cancelable, OnEvents, Subscribe, WatchEvent, watch_from_now
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class FeedConnection:
             assert self._conn is not None
             self._subs[prefix] = sub
             try:
-                self._conn.sendall(json.dumps({"watch": prefix}).encode() + b"\n")
+                send_line(self._conn, {"watch": prefix})
             except OSError:
                 del self._subs[prefix]
                 raise
@@ -209,14 +210,8 @@ class FeedConnection:
         return sub
 
     def _connect(self) -> None:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.settimeout(self.timeout_s)
-            conn.connect("\0" + self.relay)
-            conn.settimeout(None)
-        except BaseException:
-            conn.close()
-            raise
+        conn = connect_abstract(self.relay, self.timeout_s)
+        conn.settimeout(None)
         self._conn = conn
         threading.Thread(target=self._read, args=(conn,), name="feed-read", daemon=True).start()
 

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.local_socket import connect_abstract, send_line
 from elastic.roles.etcd_writes import FOLD_KINDS, Fold, Put, fold_kind, fold_lease, write_batch
 from elastic.roles.node_feed import FeedHub, Outlet, watch_request
 
@@ -182,7 +183,7 @@ class NodeRelay:
                                           None if lease is None else int(lease))
                                          for k, kind, v, lease in request.get("folds", [])]
                 except (ValueError, TypeError, KeyError, AttributeError) as exc:  # a RecordError is a ValueError
-                    _answer(conn, {"error": f"malformed request: {exc}"})
+                    send_line(conn, {"error": f"malformed request: {exc}"})
                     continue
                 with self._cond:
                     self._pending.append(_Pending(conn, puts, folds))
@@ -227,11 +228,7 @@ class NodeRelay:
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
             for p in batch:
                 with contextlib.suppress(OSError):  # that worker is gone
-                    _answer(p.conn, answer)
-
-
-def _answer(conn: socket.socket, answer: dict[str, object]) -> None:
-    conn.sendall(json.dumps(answer).encode() + b"\n")
+                    send_line(p.conn, answer)
 
 
 class RelayClient:
@@ -248,14 +245,11 @@ class RelayClient:
         with self._lock:
             try:
                 if self._conn is None:
-                    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    conn.settimeout(self.timeout_s)
-                    conn.connect("\0" + self.name)
-                    self._conn = conn
+                    self._conn = connect_abstract(self.name, self.timeout_s)
                 request: dict[str, object] = {"puts": puts}
                 if folds:
                     request["folds"] = [[f[0], fold_kind(f[1]), f[1].to_json(), fold_lease(f)] for f in folds]
-                self._conn.sendall(json.dumps(request).encode() + b"\n")
+                send_line(self._conn, request)
                 answer = json.loads(_read_line(self._conn))
             except (OSError, ValueError) as exc:
                 self._close_locked()
