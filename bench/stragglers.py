@@ -4,7 +4,8 @@ failure-free rate of the same job (issue 33).
     .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --repeats 3
     .venv/bin/python bench/stragglers.py --nodes 4 --global-batch 32 --device-memory-gib 0.03 --node-cpus 0.4 --sides off,rebalance,auto --repeats 3
     .venv/bin/python bench/stragglers.py --nodes 2 --global-batch 16 --repeats 3
-    .venv/bin/python bench/stragglers.py --model small --nodes 4 --global-batch 32 --device-memory-gib 1 --repeats 3  # 2x2, 6.4 s a step here
+    .venv/bin/python bench/stragglers.py --model small --nodes 4 --global-batch 32 --device-memory-gib 1 --steps 210 --repeats 1 --run-timeout 5400  # 2x2, 16.6 s a step here
+    .venv/bin/python bench/stragglers.py ... --sides auto --free-from RUN_DIR  # a finished failure-free run as the reference
 
 Each run is `elastic run` (its own etcd, f = 1) for `--steps` steps. In every side but `free`,
 `elastic inject slow --factor F --steps N --at-step A` throttles the last node with real
@@ -78,7 +79,7 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{side}: inject slow failed: {asked.stdout}{asked.stderr}")
                 time.sleep(0.5)
-        out, _ = job.communicate(timeout=600)
+        out, _ = job.communicate(timeout=args.run_timeout)
     finally:
         if job.poll() is None:
             job.kill()
@@ -94,6 +95,13 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
             "slow_at": slow[0]["time"] if slow else None,
             "generations": [line for line in out.splitlines() if "generation" in line
                             and ("rebalance" in line or "spare" in line or "drained" in line)]}
+
+
+def load_free(run_dir: Path) -> dict[str, object]:
+    """A finished failure-free run (`run_side(..., "free", ...)`'s dict) read back from its run dir."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"side": "free", "times": summary["step_committed_at"], "loss": summary["losses"][-1], "slow_at": None,
+            "generations": [], "from": str(run_dir)}
 
 
 def figures(run: dict[str, object], free: dict[str, object], slow_at: int, slow_steps: int) -> tuple[float, ...] | None:
@@ -128,13 +136,20 @@ def main() -> int:
                         help="the throttle's burner holds the node's share of the cores (module doc)")
     parser.add_argument("--node-cpus", type=float, default=None,
                         help="elastic run --node-cpus: each node capped at this many cores (module doc)")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--run-timeout", type=float, default=600,
+                        help="seconds one elastic run may take (small on 4 nodes: 17 s a step here, 210 steps)")
+    parser.add_argument("--free-from", type=Path, default=None,
+                        help="the run dir of a finished failure-free run of the same job (`elastic run` with the "
+                             "same flags, --straggler-policy report --checkpoint-every 0 --run-dir DIR), used as every "
+                             "repeat's reference instead of a new one: a long model's sides can go in turns")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="every run so far, rewritten after each run (a long bench keeps what it measured)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-stragglers-"))
     rows: dict[str, list[tuple[float, ...]]] = {}
     raw = []
     for r in range(args.repeats):
-        free = run_side(args, "free", root / "free")
+        free = load_free(args.free_from) if args.free_from is not None else run_side(args, "free", root / "free")
         raw.append({k: v for k, v in free.items() if k != "times"})
         for side in args.sides.split(","):
             run = run_side(args, side, root / side)
@@ -144,6 +159,9 @@ def main() -> int:
                   f"{run['generations']}", flush=True)
             if got is not None:
                 rows.setdefault(side, []).append(got)
+            if args.json is not None:
+                args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                                             "runs": raw}, indent=1))
     cap = f", each node capped at {args.node_cpus:g} cores" if args.node_cpus is not None else ""
     print(f"\n{args.model}, {args.nodes} nodes{cap}, global batch {args.global_batch}, node {args.nodes - 1} at 1/{args.factor:g} "
           f"speed for {args.slow_steps} steps from step {args.slow_at}; median of {args.repeats}")
@@ -153,8 +171,6 @@ def main() -> int:
         cells = " | ".join(f"{statistics.median(v[i] for v in vals):.2f}x ({', '.join(f'{v[i]:.2f}' for v in vals)})"
                            for i in range(3))
         print(f"| {side} | {cells} |")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": raw}, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     return 0
 
