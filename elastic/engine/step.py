@@ -271,9 +271,9 @@ class StepTransaction:
         offset = self.layout.microbatch_offset
         return tuple(range(offset, offset + self.layout.num_microbatches))
 
-    def prepare(self, step: int, *, halt: bool = False) -> PreparedStep:
+    def prepare(self, step: int, *, halt: bool | Callable[[], bool] = False) -> PreparedStep:
         """Run step `step` up to, not including, the optimizer update; `halt`: vote to stop
-        the generation after this step.
+        the generation after this step (a callable is asked right before the vote).
 
         StepAborted when the generation's abort flag was set during the step, StepDiscarded on
         any other failure, NonFiniteStep on a non-finite gradient anywhere; in these cases
@@ -356,7 +356,7 @@ class StepTransaction:
         """Prepare and commit step `step` back to back (the non-elastic path)."""
         return self.commit(self.prepare(step))
 
-    def _forward_backward_reduce(self, step: int, *, halt: bool) -> GradStats:
+    def _forward_backward_reduce(self, step: int, *, halt: bool | Callable[[], bool]) -> GradStats:
         layout = self.layout
         total_mbs = layout.plan.global_microbatches
         replay = self._replaying(step)

@@ -79,7 +79,7 @@ def finalize_grads(
     loss_sum: torch.Tensor | float,
     grad_clip: float,
     ok: bool = True,
-    halt: bool = False,
+    halt: bool | Callable[[], bool] = False,
     reducer: BucketReducer | None = None,
     phases: StepPhases | Callable[[], StepPhases] = _UNMEASURED,
 ) -> GradStats:
@@ -92,7 +92,8 @@ def finalize_grads(
     Collective over every bucket group of mine and then the world group; every wait goes
     through `groups.wait` (StepAborted when the generation's abort flag is set); a failure of
     the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
-    this worker's wish to stop after this step, summed into the vote. `reducer`: the step's
+    this worker's wish to stop after this step, summed into the vote; a callable is asked right
+    before the vote, so a halt requested while the step computed stops the job after this step. `reducer`: the step's
     BucketReducer when some buckets were launched during the backward (default: a new one).
     `phases`: this worker's forward, backward and wait seconds of the step (or what reads them,
     right before the vote: an accelerator's timing events are waited for then); the vote carries
@@ -134,7 +135,8 @@ def finalize_grads(
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64, device=device)
     failed = (~torch.isfinite(loss_t)).to(torch.float64) if ok else torch.ones((), dtype=torch.float64, device=device)
     nodes = layout.plan.nodes
-    flags = torch.tensor([1.0 if halt else 0.0], dtype=torch.float64)
+    wish = halt() if callable(halt) else halt
+    flags = torch.tensor([1.0 if wish else 0.0], dtype=torch.float64)
     stats = torch.cat([torch.stack([sq, loss_t, failed]), torch.cat([flags, _phase_slots(layout, phases)]).to(device)])
     try:
         groups.wait(groups.world.all_reduce(stats))

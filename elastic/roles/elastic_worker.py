@@ -7,12 +7,13 @@ completes, without asking etcd. World rank 0 hands the step to the progress writ
 pipeline's first worker appends it to its local step log. The job's last step alone waits for
 the leader's decision (`ready/`, `decisions/`). A watcher on generations and one on halts set
 the generation's AbortSignal when the leader halts g with abort or publishes g+1, which frees a
-step blocked on a dead or stopped peer; a boundary halt (a join, a drain) is voted into the
-next step, after which every worker stops. A halted worker writes its sync report (what it
-committed, and a step whose vote was cut short here) and waits for g+1, whose record says
-which step to resume at and, for a worker whose vote was cut short, the vote to complete it
-with. At the boundary the worker moves to the newest generation that includes it: it lets its
-ShardServer serve that generation (its committed state), then `Trainer.start` keeps the shards
+step blocked on a dead or stopped peer; a boundary halt (a join, a drain) goes into the vote of
+the step in flight (each worker looks right before its vote), after which every worker stops. A
+halted worker writes its sync report (what it committed, and a step whose vote was cut short
+here) and waits for g+1, whose record says which step to resume at and, for a worker whose vote
+was cut short, the vote to complete it with. At the boundary the worker moves to the newest
+generation that includes it: it lets its ShardServer serve that generation (its committed
+state), then `Trainer.start` keeps the shards
 it holds, fetches the missing ones from live holders (or from the checkpoint the leader names)
 and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
 without it, naming it in `drained`) serves its committed shards to the survivors until a newer
@@ -304,7 +305,8 @@ class ElasticWorker:
                 return False
             skipped = None
             try:
-                prepared = self.trainer.prepare_step(halt=halt is not None and step != last)
+                prepared = self.trainer.prepare_step(  # the halt is read right before the vote, within this iteration
+                    halt=lambda: step != last and self.halts.requested(generation) is not None)  # noqa: B023
             except NonFiniteStep as exc:  # every worker that saw the vote agrees: skip the step
                 worker_log(f"step {step} of generation {generation}: SKIPPED, {exc}")
                 skipped, prepared = exc, None

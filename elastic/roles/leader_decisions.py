@@ -28,8 +28,8 @@ when membership changes. "Reports" below: every live worker of g has written its
 | straggler under `auto`, a spare or a drop estimated cheaper | AskDrain (once per incarnation): the drain rows above carry it out |
 | nothing of the above | nothing |
 
-A join or a drain never throws away a step's work: the boundary halt is voted into the next
-step and g+1 starts after it. A drained node's incarnation is never taken back in. Keys of
+A join or a drain never throws away a step's work: the boundary halt is voted into the step in
+flight (each worker reads it right before its vote) and g+1 starts after that step. A drained node's incarnation is never taken back in. Keys of
 generations before g are deleted when g+1 is published, so etcd holds O(workers) of them.
 """
 

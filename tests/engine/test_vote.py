@@ -120,6 +120,23 @@ def test_a_halt_voted_by_one_worker_is_agreed_by_all(tmp_path: Path) -> None:
     assert [p.halt for p in second] == [True, True], "every worker stops after the same step"
 
 
+def test_a_halt_asked_for_while_the_step_computes_stops_after_that_step(tmp_path: Path) -> None:
+    """A worker's halt wish is asked right before its vote, not when the step starts: a halt that
+    arrives during the step (here: at rank 1's first forward) stops every worker after this step,
+    not after the next one. The reference: the same wish, never raised, votes no halt."""
+    trainers = _pair(tmp_path, [None, None])
+    asked = threading.Event()
+    quiet = _both(lambda r: trainers[r].prepare_step(halt=asked.is_set))
+    assert [p.halt for p in quiet] == [False, False]
+    _both(lambda r: trainers[r].commit(quiet[r]))
+    hook = trainers[1].module.register_forward_hook(lambda *_: asked.set())
+    try:
+        during = _both(lambda r: trainers[r].prepare_step(halt=asked.is_set if r == 1 else False))
+    finally:
+        hook.remove()
+    assert [p.halt for p in during] == [True, True], "the halt that came during the step ends it"
+
+
 def test_every_worker_learns_every_nodes_phases_from_the_vote(tmp_path: Path) -> None:
     """Each node's forward, backward and wait seconds travel in the vote: both workers see the same
     figures for both nodes, each node's own (its schedule did forward and backward passes), and a
