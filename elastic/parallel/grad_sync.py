@@ -92,9 +92,8 @@ def finalize_grads(
     Collective over every bucket group of mine and then the world group; every wait goes
     through `groups.wait` (StepAborted when the generation's abort flag is set); a failure of
     the vote's wait raises VoteInterrupted with the gradients reduced and unclipped. `halt`:
-    this worker's wish to stop after this step, summed into the vote; a callable is asked right
-    before the vote, so a halt requested while the step computed stops the job after this step. `reducer`: the step's
-    BucketReducer when some buckets were launched during the backward (default: a new one).
+    this worker's wish to stop after this step, summed into the vote (a callable is asked right
+    then). `reducer`: the step's BucketReducer if buckets were launched in the backward (else new).
     `phases`: this worker's forward, backward and wait seconds of the step (or what reads them,
     right before the vote: an accelerator's timing events are waited for then); the vote carries
     three slots per plan node (tensor-parallel rank 0 fills its node's), 24 bytes a node, and
