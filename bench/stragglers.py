@@ -86,22 +86,21 @@ def run_side(args: argparse.Namespace, side: str, run_dir: Path) -> dict[str, ob
             job.wait()
     if job.returncode != 0:
         raise SystemExit(f"{side}: elastic run exited {job.returncode}:\n{out[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
     lines = subprocess.run([*ELASTIC, "events", "--run-dir", str(run_dir), "--json"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.splitlines() if side != "free" else []
     events = [json.loads(line) for line in lines if line.strip()]
     slow = [e for e in events if e.get("kind") == "injection"]
-    return {"side": side, "times": summary["step_committed_at"], "loss": summary["losses"][-1],
-            "slow_at": slow[0]["time"] if slow else None,
+    return {**read_run(run_dir, side), "slow_at": slow[0]["time"] if slow else None,
             "generations": [line for line in out.splitlines() if "generation" in line
                             and ("rebalance" in line or "spare" in line or "drained" in line)]}
 
 
-def load_free(run_dir: Path) -> dict[str, object]:
-    """A finished failure-free run (`run_side(..., "free", ...)`'s dict) read back from its run dir."""
+def read_run(run_dir: Path, side: str = "free") -> dict[str, object]:
+    """A finished run's commit times and final loss, from its summary; as is, a failure-free
+    run's whole record (`--free-from`)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"side": "free", "times": summary["step_committed_at"], "loss": summary["losses"][-1], "slow_at": None,
-            "generations": [], "from": str(run_dir)}
+    return {"side": side, "times": summary["step_committed_at"], "loss": summary["losses"][-1], "slow_at": None,
+            "generations": []}
 
 
 def figures(run: dict[str, object], free: dict[str, object], slow_at: int, slow_steps: int) -> tuple[float, ...] | None:
@@ -149,7 +148,7 @@ def main() -> int:
     rows: dict[str, list[tuple[float, ...]]] = {}
     raw = []
     for r in range(args.repeats):
-        free = load_free(args.free_from) if args.free_from is not None else run_side(args, "free", root / "free")
+        free = read_run(args.free_from) if args.free_from is not None else run_side(args, "free", root / "free")
         raw.append({k: v for k, v in free.items() if k != "times"})
         for side in args.sides.split(","):
             run = run_side(args, side, root / side)

@@ -162,8 +162,8 @@ class Trainer:
 
     def prepare_step(self, *, halt: bool | Callable[[], bool] = False) -> PreparedStep:
         """Run step `self.step` up to the optimizer update (`halt`: vote to stop the generation
-        after it; a callable is asked right before the vote); StepAborted or StepDiscarded leave the state unchanged and the gradients
-        cleared, VoteCutShort leaves the step `pending`."""
+        after it; a callable is asked right before the vote); StepAborted or StepDiscarded leave
+        the state unchanged and the gradients cleared, VoteCutShort leaves the step `pending`."""
         transaction = joined(self._current).transaction
         if self._prepared is not None:
             raise RuntimeError(f"step {self._prepared.step} is prepared: commit or discard it first")

@@ -13,9 +13,8 @@ halted worker writes its sync report (what it committed, and a step whose vote w
 here) and waits for g+1, whose record says which step to resume at and, for a worker whose vote
 was cut short, the vote to complete it with. At the boundary the worker moves to the newest
 generation that includes it: it lets its ShardServer serve that generation (its committed
-state), then `Trainer.start` keeps the shards
-it holds, fetches the missing ones from live holders (or from the checkpoint the leader names)
-and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
+state), then `Trainer.start` keeps the shards it holds, fetches the missing ones from live
+holders (or from the checkpoint the leader names) and builds the new groups. A worker whose node was drained (`elastic drain`: a generation
 without it, naming it in `drained`) serves its committed shards to the survivors until a newer
 generation has committed a step, then reports itself done and exits 0. A worker of a hot spare
 (`elastic run --spares`, or a node back while the plan has all its nodes) waits outside every

@@ -29,8 +29,9 @@ when membership changes. "Reports" below: every live worker of g has written its
 | nothing of the above | nothing |
 
 A join or a drain never throws away a step's work: the boundary halt is voted into the step in
-flight (each worker reads it right before its vote) and g+1 starts after that step. A drained node's incarnation is never taken back in. Keys of
-generations before g are deleted when g+1 is published, so etcd holds O(workers) of them.
+flight (each worker reads it right before its vote) and g+1 starts after that step. A drained
+node's incarnation is never taken back in. Keys of generations before g are deleted when g+1 is
+published, so etcd holds O(workers) of them.
 """
 
 from __future__ import annotations
