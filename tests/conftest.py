@@ -54,6 +54,7 @@ def client(etcd_server: EtcdServer) -> Iterator[Any]:
 PARALLEL_SAFE = frozenset({
     "tests/comm/test_real_paths.py", "tests/engine/test_equivalence.py", "tests/engine/test_memory_model.py",
     "tests/model/test_model.py", "tests/model/test_tensor_parallel.py", "tests/transfer/test_collective.py",
+    "tests/bench/test_nccl_smoke.py", "tests/comm/test_abandon.py",
 })
 """Slow modules that start no job, etcd or timed fault: compute and gloo on threads or processes
 of their own, with no deadline nearer than their timeouts."""
@@ -61,6 +62,7 @@ of their own, with no deadline nearer than their timeouts."""
 
 PURE_UNITS = (
     "tests/templates/", "tests/planning/", "tests/sim/", "tests/records/", "tests/comm/test_nccl_model.py",
+    "tests/comm/test_opening.py",
     "tests/engine/test_schedule.py", "tests/engine/test_blocks.py", "tests/engine/test_optim.py",
     "tests/engine/test_layout.py", "tests/engine/test_partial_plan.py", "tests/engine/test_eval_unit.py",
     "tests/engine/test_transaction.py", "tests/engine/test_grad_sync.py", "tests/engine/test_vote.py",

@@ -1,5 +1,5 @@
 """A communicator: one real `torch.distributed.ProcessGroup` of one generation, posted to the way
-NCCL needs it.
+NCCL needs it (`elastic/comm/opening.py` makes one).
 
 NCCL's rules, which every caller of this module follows (and `nccl_model.check` proves on the
 recorded logs of CPU runs):
@@ -7,19 +7,26 @@ recorded logs of CPU runs):
 - A communicator runs its operations in posting order, on one stream per rank: an operation
   waits for every operation posted before it on the same communicator.
 - An ungrouped send or receive completes only when the peer reaches the matching operation
-  (large messages are not buffered), and an ungrouped point-to-point operation runs on a
-  two-rank communicator that torch creates lazily, inside the first call, as a blocking
-  rendezvous with the peer. So point-to-point operations are posted in groups (`post`): one
-  NCCL group (`ncclGroupStart/End`, torch's coalescing) on the communicator itself, whose
-  operations all progress together, in any order within the group.
+  (large messages are not buffered). On a communicator connected eagerly (the default, blocking
+  mode: `opening.py`) it runs on the group's own NCCL communicator, in the group's one queue;
+  on one created lazily (non-blocking mode) torch makes a two-rank communicator for the pair
+  inside the first call, as a blocking rendezvous with the peer. Either way it is
+  deadlock-prone, so point-to-point operations are posted in groups (`post`): one NCCL group
+  (`ncclGroupStart/End`, torch's coalescing) on the communicator itself, whose operations all
+  progress together, in any order within the group.
 - Every member posts the communicator's collectives in the same order. Tags are ignored:
   the n-th send from A to B matches B's n-th receive from A.
-- Creating a communicator is a blocking rendezvous of all its members: `open_communicator`
-  creates it at once (NCCL: bound to the device, connected eagerly), in one order every member
-  follows.
+- One thread posts to a communicator: torch keeps a group's coalescing state per group, NCCL
+  its group depth per thread, so two threads posting one communicator could nest one's
+  operations into the other's group.
+- Creating a communicator is a blocking rendezvous of all its members, in one order every
+  member follows.
 - `work.wait()` does not block the host on NCCL (it makes the current stream wait), so a step
-  cannot be abandoned by leaving a wait: an abort must abort the communicators (`abort`), which
-  this module makes safe by creating NCCL communicators non-blocking.
+  cannot be abandoned by leaving a wait: an abort must abort the communicators (`abort`). The
+  backend's abort runs on a thread of its own (it may block, and raise, on a communicator whose
+  kernels wait for a dead peer): the thread that makes the abort goes on at once, and an error
+  is logged, never raised. A communicator is never shut down with work pending (a shutdown
+  would wait for it): `shutdown` aborts such a one instead.
 
 With gloo (CPU) the same calls run each operation on its own (gloo has no groups), and gloo's
 `abort` changes nothing (torch 2.13): an aborted gloo communicator only refuses new posts, and
@@ -32,7 +39,6 @@ A communicator with a `Recorder` logs every creation, post, wait, abort and shut
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,34 +48,10 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from elastic.comm.device import bind_thread
 from elastic.comm.record import Op, Recorder
 
 log = logging.getLogger(__name__)
-
-NCCL_ENV: dict[str, str] = {
-    # Communicators are created non-blocking, so that `abort` (ncclCommAbort) never hangs on a
-    # communicator whose operations wait for a dead peer.
-    "TORCH_NCCL_USE_COMM_NONBLOCKING": "1",
-    # On a collective's timeout the watchdog aborts the communicators and does not kill the
-    # process (the default tears the process down: one lost peer would end every survivor).
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
-    # The heartbeat monitor kills a process whose watchdog seems stuck (an abort in progress).
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-    # No flight-recorder dump to disk when an abandoned operation times out.
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-    # `wait()` stays a stream wait: a host wait is done abortably by the caller.
-    "TORCH_NCCL_BLOCKING_WAIT": "0",
-}
-"""The NCCL watchdog and communicator settings of a worker: explicit, so that no survivor is
-killed by the watchdog when a peer fails (values set in the environment win)."""
-
-
-def apply_nccl_env() -> None:
-    """Set NCCL_ENV in this process's environment (a value already set is kept). torch reads
-    these when a NCCL process group is constructed: call before the first one."""
-    for key, value in NCCL_ENV.items():
-        os.environ.setdefault(key, value)
-
 
 class CommAborted(RuntimeError):
     """A post on a communicator that was aborted (its generation was given up)."""
@@ -96,7 +78,7 @@ class P2P:
 class Handle:
     """Operations posted together: complete when all of them are."""
 
-    __slots__ = ("_works", "_recorder", "ids", "host_blocking")
+    __slots__ = ("_works", "_recorder", "ids", "host_blocking", "done")
 
     def __init__(
         self, works: Sequence[dist.Work], recorder: Recorder | None, ids: tuple[int, ...], *, host_blocking: bool = True
@@ -108,6 +90,8 @@ class Handle:
         self.host_blocking = host_blocking
         """Whether `wait` blocks the host until the operations are done (gloo); False on NCCL,
         whose `wait` only makes the current stream wait."""
+        self.done = not self._works
+        """Whether a wait on the operations returned (they are no longer pending)."""
 
     def wait(self) -> None:
         """Wait for every operation (NCCL: the current stream waits; the host does not) and log it."""
@@ -118,9 +102,14 @@ class Handle:
         """`wait` without logging it (an abortable waiter logs for its caller: `note_waited`)."""
         for work in self._works:
             work.wait()
+        self.done = True
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+    def pending(self) -> bool:
+        """Whether the operations may still be queued: never waited for, and not complete."""
+        return not self.done and not self.is_completed()
 
     def note_waited(self, *, abandoned: bool = False) -> None:
         """Log a wait on these operations in the calling lane; `abandoned`: the caller gave up
@@ -129,16 +118,23 @@ class Handle:
             self._recorder.wait(self.ids, abandoned=abandoned)
 
 
+_PRUNE_AT = 64
+"""A communicator forgets the handles it posted that are done once it keeps this many."""
+
+
 class Communicator:
     """One process group of one generation, with the calls that respect NCCL's rules (module doc)."""
 
     def __init__(
         self, group: dist.ProcessGroup, *, name: str, members: Sequence[int], backend: str,
-        device: torch.device, recorder: Recorder | None = None, native: Any = None,
+        device: torch.device, recorder: Recorder | None = None, native: Any = None, eager: bool = True,
+        abort_join_s: float = 60.0,
     ) -> None:
         """Use `group` (a `dist.ProcessGroup`, or a backend object torch accepts as one) as the
         communicator `name`; `members`: each member's world rank, by rank in the group.
-        `native`: the backend object behind `group` (gloo's close needs it)."""
+        `native`: the backend object behind `group` (gloo's close needs it). `eager`: NCCL
+        connects it at creation (ungrouped point-to-point operations then run on its own queue),
+        as the recording says; `abort_join_s`: how long `shutdown` waits for a backend abort."""
         self.group = group
         self.name = name
         self.members = tuple(members)
@@ -147,17 +143,23 @@ class Communicator:
         self.backend = backend
         self.device = device
         self.recorder = recorder
+        self.eager = eager
         self._native = native if native is not None else group
         self._lock = threading.Lock()
         self._aborted = False
         self._closed = False
+        self._posted: list[Handle] = []
+        self._abort_thread: threading.Thread | None = None
+        self._abort_join_s = abort_join_s
+        self.abort_error: BaseException | None = None
+        """What the backend's abort raised (logged; the communicator counts as aborted)."""
         self.connected: set[int] = set()
         """Peers a point-to-point operation was posted to (gloo connects lazily: the first post
         to a peer may block while it connects)."""
         if len(self.members) != self.size:
             raise ValueError(f"communicator {name}: {len(self.members)} members named for a group of {self.size}")
         if recorder is not None:
-            recorder.create(name, self.members, self.rank)
+            recorder.create(name, self.members, self.rank, eager=eager)
 
     @property
     def aborted(self) -> bool:
@@ -188,18 +190,19 @@ class Communicator:
         if coalesce:
             works = [self.group._end_coalescing(self.device)]
         self.connected.update(op.peer for op in ops)
-        return Handle(works, self.recorder, recorded, host_blocking=self.backend != "nccl")
+        return self._posted_handle(works, recorded)
 
     def post_ungrouped(self, op: P2P) -> Handle:
-        """One point-to-point operation outside any group. On NCCL it runs on a two-rank
-        communicator created lazily, inside this call, as a blocking rendezvous with the peer,
-        and it completes only when the peer reaches the matching operation: deadlock-prone
-        (module doc). Kept for the tests that show why `post` exists."""
+        """One point-to-point operation outside any group. On NCCL it completes only when the
+        peer reaches the matching operation, behind everything posted before it on this
+        communicator (connected eagerly) or after a rendezvous with the peer that creates their
+        pair's communicator inside this call (connected lazily): deadlock-prone (module doc).
+        Kept for the tests that show why `post` exists."""
         self._check_open()
         recorded = self._record([op], grouped=False)
         work = self._p2p(op)
         self.connected.add(op.peer)
-        return Handle([work], self.recorder, recorded, host_blocking=self.backend != "nccl")
+        return self._posted_handle([work], recorded)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         """Post an all-reduce of `tensor` in place."""
@@ -207,7 +210,7 @@ class Communicator:
         recorded = self._record_collective("all_reduce", tensor.numel() * tensor.element_size())
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         assert work is not None
-        return Handle([work], self.recorder, recorded, host_blocking=self.backend != "nccl")
+        return self._posted_handle([work], recorded)
 
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> Handle:
         """Post an all-gather of every rank's `tensor` into `parts` (one per rank)."""
@@ -215,14 +218,20 @@ class Communicator:
         recorded = self._record_collective("all_gather", tensor.numel() * tensor.element_size())
         work = dist.all_gather(parts, tensor, group=self.group, async_op=True)
         assert work is not None
-        return Handle([work], self.recorder, recorded, host_blocking=self.backend != "nccl")
+        return self._posted_handle([work], recorded)
+
+    def pending(self) -> int:
+        """How many posted groups of operations may still be queued (never waited for, not complete)."""
+        with self._lock:
+            return sum(h.pending() for h in self._posted)
 
     # ---- the end -------------------------------------------------------------------------
 
     def abort(self) -> None:
-        """Give the communicator up: no post is accepted from now on; NCCL aborts its
-        communicators (non-blocking: never hangs), which ends their pending operations with an
-        error and frees their memory. gloo has no abort that works (module doc): its pending
+        """Give the communicator up: no post is accepted from now on. NCCL aborts its
+        communicators (`ncclCommAbort`: their pending operations end with an error, their memory
+        is freed) on a thread of its own, so the caller never blocks on it; what it raises is
+        logged and kept in `abort_error`. gloo has no abort that works (module doc): its pending
         operations end when `shutdown` closes it. Idempotent; safe from any thread."""
         with self._lock:
             if self._aborted:
@@ -231,25 +240,63 @@ class Communicator:
         if self.recorder is not None:
             self.recorder.add("abort", comm=self.name)
         if self.backend == "nccl":
-            self.group.abort()
+            self._abort_thread = threading.Thread(target=self._abort_backend, name=f"abort {self.name}", daemon=True)
+            self._abort_thread.start()
 
     def shutdown(self) -> bool:
         """Release the communicator's connections once nobody uses it any more: NCCL shuts it
-        down (or it was aborted already); gloo closes its connections (`_close_gloo`), which
-        also fails any operation still pending on it. True when closed. Idempotent."""
+        down, or waits (up to `abort_join_s`) for its abort; gloo closes its connections
+        (`_close_gloo`), which also fails any operation still pending on it. A communicator
+        with work still pending is aborted first: NCCL's shutdown would wait for that work,
+        which a dead peer or an abandoned step never completes. True when closed. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return True
+            pending = 0 if self._aborted else sum(h.pending() for h in self._posted)
+        if pending:
+            log.warning("communicator %s: shut down with %d group(s) of operations pending: aborted instead",
+                        self.name, pending)
+            self.abort()
         with self._lock:
             if self._closed:
                 return True
             self._closed = True
+            self._posted.clear()
         if self.recorder is not None:
             self.recorder.add("shutdown", comm=self.name)
         if self.backend == "nccl":
-            if not self._aborted:
-                self.group.shutdown()
-            return True
+            return self._end_nccl()
         return _close_gloo(self._native)
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _end_nccl(self) -> bool:
+        if not self._aborted:
+            self.group.shutdown()
+            return True
+        thread = self._abort_thread
+        if thread is not None:
+            thread.join(self._abort_join_s)
+            if thread.is_alive():
+                log.warning("communicator %s: its abort has not returned after %.0f s", self.name, self._abort_join_s)
+                return False
+        return True
+
+    def _abort_backend(self) -> None:
+        bind_thread(self.device)
+        try:
+            self.group.abort()
+        except Exception as exc:  # the generation is given up all the same: nothing waits on it
+            self.abort_error = exc
+            log.warning("communicator %s: the backend's abort raised %s: %s", self.name, type(exc).__name__, exc)
+
+    def _posted_handle(self, works: Sequence[dist.Work], recorded: tuple[int, ...]) -> Handle:
+        handle = Handle(works, self.recorder, recorded, host_blocking=self.backend != "nccl")
+        with self._lock:
+            if len(self._posted) >= _PRUNE_AT:
+                self._posted = [h for h in self._posted if h.pending()]
+            self._posted.append(handle)
+        return handle
 
     def _check_open(self) -> None:
         if self._aborted or self._closed:
@@ -277,50 +324,6 @@ class Communicator:
         op = Op(id=self.recorder.next_id(), kind=kind, nbytes=nbytes)
         self.recorder.post(self.name, [op], grouped=False)
         return (op.id,)
-
-
-def open_communicator(
-    store: dist.Store, *, name: str, members: Sequence[int], rank: int, backend: str, device: torch.device,
-    timeout: timedelta, recorder: Recorder | None = None,
-) -> Communicator:
-    """Create communicator `name` of `members` (world ranks, by group rank) as group rank `rank`,
-    on `store` (a prefix of its own): a rendezvous of every member (blocks until all joined).
-
-    The result is a real `dist.ProcessGroup` with the backend registered for `device`, as
-    `torch.distributed.new_group` makes one, but without the default group (which a live process
-    cannot re-create for a later generation). NCCL: non-blocking (NCCL_ENV), bound to `device`
-    and connected at once, so no operation creates a communicator lazily. gloo connects each
-    pair at creation, or on first use with TORCH_GLOO_LAZY_INIT=1.
-    """
-    size = len(members)
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} outside communicator {name} of {size} members")
-    group = dist.ProcessGroup(store, rank, size)
-    native: Any
-    if backend == "gloo":
-        native = dist.ProcessGroupGloo(store, rank, size, timeout)
-        kind = dist.ProcessGroup.BackendType.GLOO
-    elif backend == "nccl":
-        apply_nccl_env()
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # the constructor takes the timeout only through Options
-        config = getattr(options, "config", None)
-        if config is not None and hasattr(config, "blocking"):
-            config.blocking = 0  # non-blocking: ncclCommAbort never hangs (also TORCH_NCCL_USE_COMM_NONBLOCKING)
-        native = dist.ProcessGroupNCCL(store, rank, size, options)
-        kind = dist.ProcessGroup.BackendType.NCCL
-    else:
-        raise ValueError(f"unsupported backend {backend!r} (gloo or nccl)")
-    # Private API: the public way (`new_group`) needs the default group, which this project
-    # never creates (module doc); this is what torch's own `_new_process_group_helper` does.
-    group._set_default_backend(kind)
-    group._register_backend(device, kind, native)
-    comm = Communicator(group, name=name, members=members, backend=backend, device=device, recorder=recorder,
-                        native=native)
-    if backend == "nccl":
-        group.bound_device_id = device
-        native.eager_connect_single_device(device)  # the rendezvous happens here, not in a first operation
-    return comm
 
 
 # ---- gloo's close --------------------------------------------------------------------------

@@ -28,9 +28,16 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+SIDE_STREAM_PRIORITY = -1
+"""The priority of a side stream: high. torch hands streams out of a pool per priority, round
+robin, so a stream of the default priority can be one that another user holds, ProcessGroupNCCL's
+among them (its options ask for low priority: `opening.py`). A high-priority stream never is."""
+
+
 def side_stream(device: torch.device) -> Any:
-    """A new stream on `device` (CUDA), None on CPU."""
-    return torch.cuda.Stream(device=device) if device.type == "cuda" else None
+    """A stream of `device` for one thread's waits (CUDA; high priority, so never one of NCCL's
+    streams: SIDE_STREAM_PRIORITY), None on CPU."""
+    return torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY) if device.type == "cuda" else None
 
 
 @contextlib.contextmanager

@@ -11,9 +11,15 @@ order. The model plays all lanes of all workers against each other under NCCL's 
   receive is active too: no message is buffered. Tags are ignored: the n-th send from A to B
   meets B's n-th receive from A (a pair whose tags or sizes differ is reported: it would move
   the wrong bytes).
-- An ungrouped point-to-point operation runs on a two-rank communicator of its own, created
-  at the pair's first ungrouped operation as a blocking rendezvous: the posting lane waits
-  until the peer reaches its own first ungrouped operation with it.
+- An ungrouped point-to-point operation on a communicator connected eagerly (its creation says
+  `eager`: NCCL's eager connect, the runtime's default) is one unit on that communicator's
+  queue, behind everything posted before it. On one connected lazily it runs on a two-rank
+  communicator of its own, created at the pair's first ungrouped operation as a blocking
+  rendezvous: the posting lane waits until the peer reaches its own first ungrouped operation
+  with it.
+- One lane posts to a communicator: a communicator posted from two lanes of a worker is
+  reported (torch keeps its coalescing state per group, NCCL its group depth per thread: two
+  threads posting one communicator can nest one's operations into the other's group).
 - A collective completes when every member's head unit is that collective; members whose
   heads are different collectives are reported.
 - Creating a communicator is a blocking rendezvous of all its members.
@@ -22,7 +28,10 @@ order. The model plays all lanes of all workers against each other under NCCL's 
   A wait the caller abandoned (its generation was aborted) does not block.
 - `await` blocks until the same worker's `signal` of that name.
 - An abort ends every pending operation of that rank on the communicator and its pairs;
-  posting on an aborted communicator is reported. A shutdown waits until nothing is pending.
+  posting on an aborted communicator is reported. A shutdown waits until nothing is pending,
+  and a communicator shut down (not aborted) while operations of its are pending, never waited
+  for or abandoned, is reported: torch's shutdown waits for them, which an abandoned step's
+  operations never end.
   Both take effect where they stand in the worker's log (its real order across lanes: a wait is
   logged once it returned), only after every event logged before them has run; a post logged
   after an abort is one made on an aborted communicator.
@@ -30,6 +39,16 @@ order. The model plays all lanes of all workers against each other under NCCL's 
 The model stops when nothing can move. Every lane at its end and nothing pending (outside
 aborted communicators) is a pass; otherwise `Report` names each stuck lane, the event it is
 stuck at and what the peers' heads hold.
+
+What it assumes, and what it does not cover:
+- One interleaving of each worker's threads: the order the log has. A worker's lanes hand work
+  to each other only through the logged signals, waits and the log's own order (for an abort or
+  a shutdown); a race that another interleaving of the same threads would lose is not explored.
+- Streams as lanes: a lane's operations are issued in its order, and a wait blocks the lane
+  until they are complete (stricter than NCCL, whose wait blocks the stream, not the host).
+  Kernels of one stream on different communicators, and compute, are not modelled.
+- Sizes: a pair of different sizes is reported, not played out; NCCL's channels, chunking,
+  buffering of small messages and timeouts are not modelled (no operation is buffered).
 """
 
 from __future__ import annotations
@@ -127,6 +146,9 @@ class _Model:
                 if e.kind in ("abort", "shutdown") and e.comm is not None:
                     self.ended_at.setdefault((worker, e.comm), i)
         self.pc = {lane: 0 for lane in self.lanes}
+        self.eager = {e.comm for events in logs.values() for e in events if e.kind == "create" and e.eager}
+        """Communicators connected at creation: an ungrouped operation joins their own queue."""
+        self.retired_pending: set[tuple[Worker, str]] = set()
         self.members: dict[str, dict[int, Worker]] = {}
         self.sizes: dict[str, int] = {}
         for worker, events in logs.items():
@@ -145,6 +167,22 @@ class _Model:
         self.shut: set[tuple[Worker, str]] = set()
         self.problems: list[str] = []
         self.events = sum(len(v) for v in self.lanes.values())
+        self._check_lanes(logs)
+
+    def _check_lanes(self, logs: Mapping[Any, Sequence[Event]]) -> None:
+        """Report every communicator a worker posts to from more than one lane (module doc)."""
+        posting: dict[tuple[Worker, str], list[str]] = {}
+        for worker, events in logs.items():
+            for e in events:
+                if e.kind == "post" and e.comm is not None:
+                    lanes = posting.setdefault((worker, e.comm), [])
+                    if e.lane not in lanes:
+                        lanes.append(e.lane)
+        for (worker, comm), lanes in posting.items():
+            if len(lanes) > 1:
+                self.problems.append(
+                    f"worker {worker}: {comm} is posted from {len(lanes)} lanes {lanes}: torch keeps its coalescing "
+                    "state per group and NCCL its group depth per thread, so one thread posts a communicator")
 
     # ---- lanes ---------------------------------------------------------------------------
 
@@ -203,9 +241,7 @@ class _Model:
             assert e.comm is not None
             if not self._all_before_ran(worker, e):
                 return False
-            if (worker, e.comm) not in self.aborted and any(
-                units for q, units in self.queues.items() if q.worker == worker and q.comm == e.comm
-            ):
+            if (worker, e.comm) not in self.aborted and not self._drained(worker, e.comm):
                 return False
             self.shut.add((worker, e.comm))
         else:
@@ -221,6 +257,18 @@ class _Model:
             done += 1
         self.prefix[worker] = done
         return done >= self.seq[(worker, id(e))]
+
+    def _drained(self, worker: Worker, comm: str) -> bool:
+        """Whether nothing of `worker` is pending on `comm` (its pairs included); the first time
+        something is, it is reported: a live communicator retired with work pending (module doc)."""
+        pending = [o for q, units in self.queues.items() if q.worker == worker and q.comm == comm
+                   for u in units for o in u.active()]
+        if pending and (worker, comm) not in self.retired_pending:
+            self.retired_pending.add((worker, comm))
+            self.problems.append(
+                f"worker {worker}: {comm} shut down (not aborted) with operations pending: "
+                f"{', '.join(map(str, pending))} (torch's shutdown waits for them: abort it instead)")
+        return not pending
 
     def _rendezvous(self, worker: Worker, comm: str, pair: tuple[int, int] | None, members: set[Worker]) -> bool:
         """Arrive at the creation of `comm` (or its `pair`); True once every member arrived."""
@@ -244,7 +292,7 @@ class _Model:
             self.problems.append(f"worker {worker}: {e} on a communicator it never created")
             return True
         pair = None
-        if not e.grouped and len(e.ops) == 1 and e.ops[0].p2p:
+        if not e.grouped and len(e.ops) == 1 and e.ops[0].p2p and e.comm not in self.eager:
             me, peer = self.rank_of[(e.comm, worker)], e.ops[0].peer
             assert peer is not None
             pair = (min(me, peer), max(me, peer))

@@ -94,6 +94,10 @@ class Event:
     """A signal's or await's name."""
     rank: int | None = None
     """A creation's: the recording worker's own rank in the communicator."""
+    eager: bool = False
+    """A creation's: the communicator is connected at once (NCCL's eager connect), so an
+    ungrouped point-to-point operation runs on its own queue; False: on a two-rank communicator
+    of the pair, created lazily at the pair's first such operation."""
 
     def __str__(self) -> str:
         if self.kind == "post":
@@ -127,8 +131,8 @@ class Recorder:
         with self._lock:
             self.events.append(event)
 
-    def create(self, comm: str, members: Sequence[int], rank: int) -> None:
-        self.add("create", comm=comm, members=tuple(members), rank=rank)
+    def create(self, comm: str, members: Sequence[int], rank: int, *, eager: bool = False) -> None:
+        self.add("create", comm=comm, members=tuple(members), rank=rank, eager=eager)
 
     def post(self, comm: str, ops: Sequence[Op], *, grouped: bool) -> None:
         self.add("post", comm=comm, ops=tuple(ops), grouped=grouped)

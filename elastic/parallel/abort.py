@@ -15,9 +15,11 @@ NCCL (CUDA) is the other way round: `wait()` returns at once (the current stream
 step's waits are made inline, and the host blocks only where it reads a value back
 (`fetch`: the vote, a loss, an evaluation), which polls a CUDA event abortably. A dead peer
 leaves kernels spinning on the GPU that no flag can stop: a hard abort therefore runs the
-generation's abort callbacks (`on_hard`), which abort its communicators (non-blocking, so the
-abort itself cannot hang; elastic/comm/communicator.py); the kernels then end and the streams
-drain.
+generation's abort callbacks (`on_hard`), which abort its communicators (the backend's abort on a
+thread of its own, so the caller cannot hang on it; elastic/comm/communicator.py); the kernels
+then end and the streams drain. A callback that raises is logged, not raised, and a wait that
+ends in an error once the abort is set (NCCL's backend error after the abort) is abandonment:
+StepAborted, like every other wait of an aborted step.
 
 An abort is hard (every wait raises) or local (`set(reason, local=True)`): a failure outside
 this worker's pipeline. A local abort lets the waits of the step's own pipeline (point-to-point
@@ -31,6 +33,7 @@ others waiting for longer than that.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -43,6 +46,8 @@ from elastic.comm import Handle, current_lane, lane_as
 from elastic.comm.device import to_host
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 _ABORT_POLL_S = 0.002
 """How often a waiting caller checks the abort flag while the operation is pending."""
@@ -98,13 +103,17 @@ class AbortSignal:
 
     def on_hard(self, callback: Callable[[], None]) -> None:
         """Call `callback` once when the abort becomes hard (at once if it is already): the
-        generation's communicators abort there. Runs on the thread that makes it hard."""
+        generation's communicators abort there. Runs on the thread that makes it hard; what it
+        raises is logged, never raised there (that thread may be a control-plane feed's)."""
         with self._lock:
             now = self._hard_done
             if not now:
                 self._on_hard.append(callback)
         if now:
-            callback()
+            try:
+                callback()
+            except Exception:
+                log.exception("an abort callback failed (%s); the step is abandoned all the same", self._reason)
 
     def _run_hard_callbacks(self) -> None:
         with self._lock:
@@ -113,7 +122,10 @@ class AbortSignal:
             self._hard_done = True
             callbacks, self._on_hard = self._on_hard, []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # the step is abandoned all the same: the flag is set, every wait ends
+                log.exception("an abort callback failed (%s); the step is abandoned all the same", self._reason)
 
     def is_set(self) -> bool:
         return self._event.is_set()
@@ -166,26 +178,30 @@ def wait_work(work: Handle, abort: AbortSignal | None, *, local: bool = False) -
 
     With `abort=None`, or on NCCL (whose wait does not block the host: module doc), this is
     `work.wait()`. An error of the operation itself (a peer reset the connection, the group
-    timed out) propagates as raised by the wait.
+    timed out) propagates as raised by the wait, unless the abort is set by then: the error is
+    the abort's doing (NCCL's `wait` raises a backend error once its communicator was aborted,
+    gloo's once the group was closed), and the step is abandoned (StepAborted), not crashed.
     """
-    if abort is None or not work.host_blocking:
-        if abort is not None and (abort.is_hard() if local else abort.is_set()):
-            work.note_waited(abandoned=True)
-            _raise_aborted(abort)
+    if abort is None:
         work.wait()
         return
     stop = abort.is_hard if local else abort.is_set
     if stop():
         work.note_waited(abandoned=True)
         _raise_aborted(abort)
-    if work.is_completed():  # collectives report completion asynchronously: no thread hop
-        work.wait()
-        return
     try:
-        _on_waiter(work.complete, abort, stop)
+        if not work.host_blocking or work.is_completed():  # NCCL; or done already: no thread hop
+            work.complete()
+        else:
+            _on_waiter(work.complete, abort, stop)
     except StepAborted:
         work.note_waited(abandoned=True)
         raise
+    except Exception as exc:
+        if not abort.is_set():
+            raise
+        work.note_waited(abandoned=True)
+        raise StepAborted(f"step aborted: {abort.reason} (the wait ended with {type(exc).__name__}: {exc})") from exc
     work.note_waited()
 
 

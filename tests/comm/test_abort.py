@@ -5,6 +5,8 @@ keeps NCCL's rules. A generation replaced without an abort is retired the same w
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import time
 from pathlib import Path
@@ -114,6 +116,40 @@ def test_a_generation_replaced_without_an_abort_is_retired_unaborted(tmp_path: P
     logs = {n: recorders[n].snapshot() for n in range(4)}
     assert not any(e.kind == "abort" for n in survivors for e in logs[n])
     report = check(logs)
+    assert report.ok, report.describe()
+    for t in trainers:
+        t.shutdown()
+
+
+def test_an_abort_callback_that_raises_is_logged_and_the_step_abandoned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A callback of the abort that raises (NCCL's abort can, after waiting out its timeout) is
+    logged on the thread that made the abort hard, the callbacks after it still run, and every
+    survivor's step ends in StepAborted, not in the callback's error; the job goes on."""
+    trainers, recorders, aborts = _trainers(tmp_path)
+    survivors = [0, 1, 2]
+    ran: list[int] = []
+
+    def broken() -> None:
+        raise RuntimeError("the backend's abort timed out")
+
+    for n in survivors:
+        aborts[n].on_hard(broken)
+        aborts[n].on_hard(functools.partial(ran.append, n))
+    lose_node_3 = threading.Timer(0.3, lambda: [aborts[n].set("lost node(s) [3]") for n in survivors])
+    with caplog.at_level(logging.ERROR, logger="elastic.parallel.abort"):
+        lose_node_3.start()
+        outcomes = on_threads(3, lambda i: trainers[survivors[i]].prepare_step())
+        lose_node_3.join(10)  # a step ends once its flag is set, maybe before the callbacks ran
+    assert all(isinstance(o, StepAborted) for o in outcomes), outcomes
+    assert sorted(ran) == survivors
+    failed = [r for r in caplog.records if "abort callback failed" in r.getMessage()]
+    assert len(failed) == 3 and all("the backend's abort timed out" in (r.exc_text or "") for r in failed), failed
+    assert all(trainers[n].groups.world.aborted for n in survivors)
+    _next_generation(trainers, survivors)
+    _wait_for_shutdowns(recorders, survivors)
+    report = check({n: recorders[n].snapshot() for n in range(4)})
     assert report.ok, report.describe()
     for t in trainers:
         t.shutdown()

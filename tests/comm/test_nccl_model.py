@@ -7,10 +7,12 @@ communicator and operations left pending."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from elastic.comm import P2P, Communicator, Event, Handle, Op, Recorder
+from elastic.comm import NONBLOCKING_ENV, P2P, Communicator, Event, Handle, Op, Recorder
 from elastic.comm.nccl_model import check
 from elastic.parallel.blocks import Block, CombineProgram
 from elastic.parallel.exchange import TreeBucket, TreeExchange
@@ -112,12 +114,20 @@ def old_shard_exchange(pairs: list[tuple[int, int]]) -> object:
     return body
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
 @pytest.mark.parametrize("pairs", [TWO_WAY, ROTATION], ids=["two-way", "rotation"])
-def test_the_old_shard_exchange_deadlocks(pairs: list[tuple[int, int]]) -> None:
+def test_the_old_shard_exchange_deadlocks(
+    pairs: list[tuple[int, int]], eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In both NCCL modes (elastic/comm/opening.py): connected eagerly, each rank's receives wait
+    behind its own sends on the group's one queue; lazily, each rank blocks creating its pair's
+    communicator with the next, who creates with the next."""
+    monkeypatch.setenv(NONBLOCKING_ENV, "0" if eager else "1")
     report = check(_run(max(max(p) for p in pairs) + 1, old_shard_exchange(pairs)))
     assert report.deadlock, report.describe()
-    if pairs == ROTATION:  # each rank blocks creating its pair with the next, who creates with the next
-        assert {s.worker for s in report.stuck if "pair communicator" in s.why} == {0, 1, 2}, report.describe()
+    if pairs == ROTATION:
+        why = "earlier unit(s) [[send(" if eager else "pair communicator"
+        assert {s.worker for s in report.stuck if why in s.why} == {0, 1, 2}, report.describe()
 
 
 def shard(key: ShardKey) -> dict[str, torch.Tensor]:
@@ -187,3 +197,57 @@ def test_a_post_after_an_abort_fails_and_a_pending_operation_is_reported() -> No
     assert not any(e.kind == "post" for e in logs[1]), "a refused post is not logged"
     report = check(logs)
     assert any("left pending" in p for p in report.problems), report.describe()
+
+
+# ---- the two rules of issue 60 ------------------------------------------------------------------
+
+
+def test_a_communicator_posted_from_two_lanes_is_reported() -> None:
+    """Rank 0 posts its two all-reduces from two threads, one after the other (gloo runs it);
+    NCCL's group state would be shared by two threads. From one thread the same passes."""
+
+    def body(two_lanes: bool) -> object:
+        def run(rank: int, comm: Communicator) -> None:
+            first = comm.all_reduce(torch.ones(4))
+            if rank == 0 and two_lanes:
+                out: list[Handle] = []
+                t = threading.Thread(target=lambda: out.append(comm.all_reduce(torch.ones(4))), name="helper")
+                t.start()
+                t.join()
+                second = out[0]
+            else:
+                second = comm.all_reduce(torch.ones(4))
+            first.wait()
+            second.wait()
+
+        return run
+
+    report = check(_run(2, body(True)))
+    assert any("posted from 2 lanes" in p and "'helper'" in p for p in report.problems), report.describe()
+    assert check(_run(2, body(False))).ok
+
+
+def _ungrouped_after_a_collective(rank: int, comm: Communicator) -> None:
+    """Rank 0: an all-reduce, then an ungrouped send; rank 1: the ungrouped receive first."""
+    if rank == 0:
+        handles = [comm.all_reduce(torch.ones(4)), comm.post_ungrouped(P2P("send", torch.ones(4), 1))]
+    else:
+        handles = [comm.post_ungrouped(P2P("recv", torch.empty(4), 0)), comm.all_reduce(torch.ones(4))]
+    for h in handles:
+        h.wait()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "lazy"])
+def test_an_ungrouped_operation_on_an_eager_group_queues_behind_its_collectives(
+    eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Connected eagerly, the receive is rank 1's head on the group's queue and rank 0's head is
+    the all-reduce: a deadlock. Connected lazily, the pair runs on a communicator of its own and
+    nothing waits (the rule of before, which the eager connect makes wrong)."""
+    monkeypatch.setenv(NONBLOCKING_ENV, "0" if eager else "1")
+    report = check(_run(2, _ungrouped_after_a_collective))
+    if eager:
+        assert report.deadlock, report.describe()
+        assert any("recv(peer 0" in s.why and "all_reduce" in s.why for s in report.stuck), report.describe()
+    else:
+        assert report.ok, report.describe()

@@ -286,10 +286,11 @@ def signal_other_thread(pid: int, sig: int) -> int:
 
 
 def agent_pid(job: str, node: int) -> int:
-    """PID of the agent process of `node` in `job`, found by its command line."""
+    """PID of the agent process of `node` in `job`, found by its command line (an agent started
+    another way, as torchrun starts one with its settings in the environment, is not it)."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if ("elastic.roles.agent" in cmd and cmd[cmd.index("--job") + 1] == job
-                and cmd[cmd.index("--node") + 1] == str(node)):
+        if ("elastic.roles.agent" in cmd and "--job" in cmd[:-1] and "--node" in cmd[:-1]
+                and cmd[cmd.index("--job") + 1] == job and cmd[cmd.index("--node") + 1] == str(node)):
             return int(proc.pid)
     raise AssertionError(f"no agent process for node {node} of job {job}")
