@@ -140,6 +140,11 @@ def register(subparsers: Any) -> None:
                         "nodes sharing this host run as separate devices (e.g. 0.4 for 4 nodes on 2 cores, which leaves "
                         "0.4 core to etcd and the agents; needs a writable cgroup cpu controller, i.e. root; "
                         "default: no cap)")
+    # ---- activation recomputation (elastic/model/gpt.py) ----
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="what every stage's backward recomputes instead of keeping: none (default), "
+                        "selective (the attention core) or full (each block from its input); the gradients are "
+                        "the same, bit for bit")
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "

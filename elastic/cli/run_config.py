@@ -140,6 +140,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
             eval_every=args.eval_every,
             eval_batches=_eval_batches(args),
             shape=shape,
+            recompute=args.recompute,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

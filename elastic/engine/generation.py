@@ -223,7 +223,8 @@ class GenerationBuilder:
                               abort=abort, recorder=self.recorder)
         first, last = layout.layers
         with torch.device("meta"):
-            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False)
+            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False,
+                                recompute=self.spec.recompute)
         buffers = _Background(lambda: StepTransaction.buffers_for(
             skeleton, layout=layout, layer_of=self.layer_of, device=self.device), self.device)
         return groups, skeleton, buffers
@@ -241,7 +242,8 @@ class GenerationBuilder:
         """
         first, last = layout.layers
         if not held and not fetched:
-            module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device)
+            module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device,
+                              recompute=self.spec.recompute)
             optimizer = build_optimizer(module, self.spec.optim)
         else:
             module = skeleton

@@ -13,6 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""What a stage's backward recomputes (model/gpt.py): nothing, the attention core, each block."""
+
+
+def check_recompute(mode: str) -> str:
+    """`mode` if it is one of RECOMPUTE_MODES, else a clear ValueError."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute mode is one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    return mode
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:

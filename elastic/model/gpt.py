@@ -4,6 +4,14 @@ Planning layers: 0 = embedding (tokens + learned positions), 1..n_layer = transf
 (pre-LayerNorm attention and 4x GELU MLP), n_layer+1 = final LayerNorm + output head.
 Parameter names are canonical (`embed.*`, `blocks.<k>.*`, `head.*`) whatever stage holds them.
 Tensor parallelism splits attention heads, the MLP's hidden width and the vocabulary.
+
+Activation recomputation (`recompute`, per stage): `none` keeps every activation the backward
+needs; `selective` keeps the attention core's input (q, k, v) and runs the core (scores, softmax,
+dropout, the product with v) again in the backward (Korthikanti et al., 2022); `full` keeps only
+each block's input and runs the whole block again (its tensor-parallel all-reduces with it).
+Both use torch's non-reentrant checkpoint. Dropout masks depend only on (seed, key, site)
+(model/dropout.py), so the recomputed forward draws the same masks and the gradients are the
+same, bit for bit, in every mode.
 """
 
 from __future__ import annotations
@@ -13,8 +21,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from elastic.model.config import GPTConfig
+from elastic.model.config import RECOMPUTE_MODES, GPTConfig, check_recompute
 from elastic.model.dropout import apply_dropout, dropout_mask
 from elastic.model.init import full_initial_value, shard_tensor
 from elastic.model.tensor_parallel import TensorParallel
@@ -25,6 +34,13 @@ from elastic.model.tp_layers import (
     sharded_parameter,
     vocab_parallel_cross_entropy,
 )
+
+__all__ = ["RECOMPUTE_MODES", "GPTStage", "check_recompute"]
+
+
+def _recomputing(mode: str, wanted: str) -> bool:
+    """Whether to checkpoint here: `mode` is `wanted` and autograd records (not in evaluation)."""
+    return mode == wanted and torch.is_grad_enabled()
 
 
 class LayerNorm(nn.Module):
@@ -59,9 +75,9 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention; this rank computes n_head / tp of the heads."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str) -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none") -> None:
         super().__init__()
-        self.cfg, self.tp, self.site = cfg, tp, site
+        self.cfg, self.tp, self.site, self.recompute = cfg, tp, site, recompute
         self.local_heads = tp.divide(cfg.n_head, "n_head")
         # Full qkv rows are laid out head-major, (n_head, 3, head_dim), so a contiguous row slice
         # holds the q, k and v of this rank's heads.
@@ -69,24 +85,33 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        qkv = self.qkv(x)  # (batch, seq, 3 x local width)
+        if _recomputing(self.recompute, "selective"):
+            y = checkpoint(self.core, qkv, key, use_reentrant=False)
+        else:
+            y = self.core(qkv, key)
+        return self.proj(y)
+
+    def core(self, qkv: torch.Tensor, key: int) -> torch.Tensor:
+        """The attention core: this rank's heads' softmax(q k^T / sqrt(d)) v, dropout included;
+        what `selective` recomputation runs again (module doc)."""
+        batch, seq, _ = qkv.shape
         hd = self.cfg.head_dim
-        qkv = self.qkv(x).view(batch, seq, self.local_heads, 3, hd)  # (batch, seq, heads, 3, head_dim)
+        qkv = qkv.view(batch, seq, self.local_heads, 3, hd)  # (batch, seq, heads, 3, head_dim)
         q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))  # each (batch, heads, seq, head_dim)
         p = self.cfg.dropout if self.training else 0.0
         if p == 0.0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)  # (batch, heads, seq, seq)
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=qkv.device).tril()
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
             full = dropout_mask(
-                (batch, self.cfg.n_head, seq, seq), p, seed=self.cfg.init_seed, key=key, site=f"{self.site}.attn", device=x.device
+                (batch, self.cfg.n_head, seq, seq), p, seed=self.cfg.init_seed, key=key, site=f"{self.site}.attn", device=qkv.device
             )
             heads = slice(self.tp.rank * self.local_heads, (self.tp.rank + 1) * self.local_heads)
             y = (probs * full[:, heads].to(probs.dtype)) @ v
-        y = y.transpose(1, 2).reshape(batch, seq, self.local_heads * hd)  # (batch, seq, local width)
-        return self.proj(y)
+        return y.transpose(1, 2).reshape(batch, seq, self.local_heads * hd)  # (batch, seq, local width)
 
 
 class MLP(nn.Module):
@@ -104,11 +129,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block (planning layers 1..n_layer)."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str) -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none") -> None:
         super().__init__()
         self.cfg, self.site = cfg, site
         self.ln1 = LayerNorm(cfg.d_model, tp=tp)
-        self.attn = Attention(cfg, tp=tp, site=site)
+        self.attn = Attention(cfg, tp=tp, site=site, recompute=recompute)
         self.ln2 = LayerNorm(cfg.d_model, tp=tp)
         self.mlp = MLP(cfg, tp=tp)
 
@@ -147,10 +172,13 @@ class GPTStage(nn.Module):
         tp: TensorParallel | None = None,
         device: torch.device | str | None = None,
         initialise: bool = True,
+        recompute: str = "none",
     ) -> None:
         """`initialise=False` leaves the parameters unset (for a caller that fills every one,
-        e.g. built under `torch.device("meta")` and then given kept or fetched tensors)."""
+        e.g. built under `torch.device("meta")` and then given kept or fetched tensors);
+        `recompute`: what the backward recomputes (module doc)."""
         super().__init__()
+        self.recompute = check_recompute(recompute)
         last = cfg.num_layers if last is None else last
         if not 0 <= first < last <= cfg.num_layers:
             raise ValueError(f"stage layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
@@ -159,7 +187,8 @@ class GPTStage(nn.Module):
         cfg.check_tensor_parallel(self.tp.size)
         self.embed = Embedding(cfg, tp=self.tp) if first == 0 else None
         block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
-        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}") for k in block_ids})
+        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute)
+                                     for k in block_ids})
         self.head = Head(cfg, tp=self.tp) if last == cfg.num_layers else None
         if initialise:
             self._initialise()
@@ -177,7 +206,7 @@ class GPTStage(nn.Module):
         if self.embed is not None:
             x = self.embed(x, key)
         for block in self.blocks.values():
-            x = block(x, key)
+            x = checkpoint(block, x, key, use_reentrant=False) if _recomputing(self.recompute, "full") else block(x, key)
         if self.head is not None:
             x = self.head(x)
         return x

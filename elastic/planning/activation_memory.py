@@ -31,9 +31,10 @@ class Saved:
     """Elements per token the loss holds at its peak beyond them (the head), for `head_bytes`."""
 
 
-def layer_saved(cfg: GPTConfig, index: int, tp: int = 1) -> Saved:
-    """What planning layer `index` keeps per microbatch on one of `tp` ranks (measured on this
-    model: saved-tensor hooks over one layer, fp32 and bf16 autocast).
+def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none") -> Saved:
+    """What planning layer `index` keeps per microbatch on one of `tp` ranks under `recompute`
+    (model/gpt.py; measured on this model: saved-tensor hooks over one layer, fp32 and bf16
+    autocast).
 
     A block keeps in the compute dtype its two LayerNorm outputs (the column-parallel inputs) and
     its sharded q/k/v, attention output, MLP input and GELU output: 2d + 12d / tp elements; in
@@ -42,16 +43,25 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1) -> Saved:
     attention probabilities are kept instead: 2 x n_head x seq / tp elements (an estimate). The
     head keeps its fp32 input and statistics and the LayerNorm output; the embedding its token
     ids (int64) and the mask of ids outside this rank's vocabulary shard.
+
+    Recomputation changes only the blocks. `selective` drops what the attention core keeps for
+    itself: the log-sum-exp of fused attention, or with dropout the probabilities (its input q, k,
+    v and its output stay: the projections keep them). `full` keeps only the block's fp32 input
+    (4d bytes); the block's activations live again, one block at a time, while its backward runs
+    (`recompute_workspace`).
     """
     d, kind = cfg.d_model, cfg.layer_kind(index)
+    if kind == "block" and recompute == "full":
+        return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d, cast_params=0)
     if kind == "embedding":
         return Saved(elements_per_token=0.0, bytes_per_token=8 + 1, cast_params=0)
     if kind == "head":
         return Saved(elements_per_token=float(d), bytes_per_token=4.0 * (d + 2), cast_params=cfg.vocab_size // tp * d,
                      workspace_per_token=cfg.vocab_size / tp)
     heads = cfg.n_head / tp
-    attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 else 0.0
-    fused = 0.0 if cfg.dropout > 0 else 4.0 * heads
+    core = recompute != "selective"  # the attention core's own activations are kept
+    attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 and core else 0.0
+    fused = 4.0 * heads if cfg.dropout == 0 and core else 0.0
     return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + fused,
                  cast_params=12 * d * d // tp)
 
@@ -73,3 +83,15 @@ def head_bytes(cfg: GPTConfig, *, tokens: int, tp: int = 1, element_bytes: int =
     """Bytes of the head's loss at its peak for one microbatch of `tokens` tokens."""
     return int(tokens * layer_saved(cfg, cfg.num_layers - 1, tp).workspace_per_token) * loss_bytes_per_element(
         element_bytes)
+
+
+def recompute_workspace(cfg: GPTConfig, layers: tuple[int, int], *, tp: int, recompute: str, tokens: int,
+                        element_bytes: int) -> int:
+    """Bytes that live again while a `full` stage's backward recomputes a block: one block's
+    activations without recomputation, for one microbatch (0 in the other modes, or without a
+    block in `layers`)."""
+    first, last = layers
+    blocks = [i for i in range(first, last) if cfg.layer_kind(i) == "block"]
+    if recompute != "full" or not blocks:
+        return 0
+    return saved_bytes(layer_saved(cfg, blocks[0], tp), tokens=tokens, element_bytes=element_bytes)

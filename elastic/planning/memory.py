@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from elastic.model.config import GPTConfig
-from elastic.planning.activation_memory import head_bytes, layer_saved, saved_bytes
+from elastic.planning.activation_memory import head_bytes, layer_saved, recompute_workspace, saved_bytes
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB
 from elastic.planning.footprint import (
     AUTOCAST_DEVICE_TYPES,
@@ -65,6 +65,7 @@ def worker_memory(
     microbatches: int | Sequence[int] = 1,
     pipeline: int = 0,
     tp_rank: int = 0,
+    recompute: str = "none",
 ) -> MemoryEstimate:
     """The memory of one worker holding planning layers [first, last) of `cfg`.
 
@@ -76,7 +77,9 @@ def worker_memory(
     holder sums (a step without replay). `partial_replay`: the engine keeps a copy of its sums
     when a step is abandoned (only with more than one pipeline). `compute_dtype`: the forward's
     dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere). `tp_rank`: rank 0 also
-    measures its slices of the gradient norm in the exchange.
+    measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
+    backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
+    activations living again during its backward (`recompute_workspace`).
     """
     first, last = layers
     if not 0 <= first < last <= cfg.num_layers:
@@ -90,12 +93,13 @@ def worker_memory(
     state = state_bytes([layer_elements(cfg, i, tp) for i in range(first, last)], share, device_type)
     tokens = microbatch_size * cfg.seq_len
     element = compute_dtype.itemsize
-    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp), tokens=tokens, element_bytes=element)
+    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp, recompute), tokens=tokens, element_bytes=element)
                          for i in range(first, last))
+    workspace = recompute_workspace(cfg, layers, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element)
     if last < cfg.num_layers:  # a non-last stage keeps its output (in the wire's dtype) until its backward
         per_microbatch += tokens * cfg.d_model * element
     head = head_bytes(cfg, tokens=tokens, tp=tp, element_bytes=element) if last == cfg.num_layers else 0
-    return MemoryEstimate(params_and_state=state.total, activations=in_flight * per_microbatch, head=head,
+    return MemoryEstimate(params_and_state=state.total, activations=in_flight * per_microbatch + workspace, head=head,
                           reserve=reserve_bytes(device_type), state=state)
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastic.model.config import PRESETS, GPTConfig, get_preset
-from elastic.model.gpt import GPTStage
+from elastic.model.gpt import RECOMPUTE_MODES, GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.blocks import Block, CombineProgram, decompose
@@ -194,18 +194,23 @@ def _saved(stage: GPTStage, x: torch.Tensor, dtype: torch.dtype) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index", range(CFG.num_layers))
-def test_activation_counts_are_what_autograd_saves(dtype: torch.dtype, index: int) -> None:
+def test_activation_counts_are_what_autograd_saves(dtype: torch.dtype, index: int, recompute: str) -> None:
     """Each layer's saved bytes, in fp32 and under bf16 autocast (the CPU's, which casts these
     layers' matmuls and attention as CUDA's does; CUDA's fused attention kernels may keep a few
-    bytes per token more or less than the CPU's)."""
+    bytes per token more or less than the CPU's), in every recompute mode: `full` keeps a block's
+    input alone."""
     torch.manual_seed(0)
-    stage = GPTStage(CFG, first=index, last=index + 1)
+    stage = GPTStage(CFG, first=index, last=index + 1, recompute=recompute)
     shape = (2, CFG.seq_len)
     x = torch.randint(0, CFG.vocab_size, shape) if index == 0 else torch.randn(*shape, CFG.d_model, requires_grad=True)
-    expected = saved_bytes(layer_saved(CFG, index), tokens=2 * CFG.seq_len, element_bytes=dtype.itemsize)
+    expected = saved_bytes(layer_saved(CFG, index, recompute=recompute), tokens=2 * CFG.seq_len,
+                           element_bytes=dtype.itemsize)
     assert _saved(stage, x, dtype) == expected
+    if recompute == "full" and CFG.layer_kind(index) == "block":
+        assert expected == x.numel() * x.element_size()
 
 
 def test_worker_memory_parts() -> None:
