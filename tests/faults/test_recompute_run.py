@@ -18,7 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 STEPS = 10
 RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "tiny", "--nodes", "4", "--gpus-per-node", "2",
        "--fault-tolerance", "1", "--global-batch", "8", "--microbatch", "1", "--steps", str(STEPS), "--device", "cpu",
-       "--checkpoint-every", "0", "--inject", "kill:node=3,step=9"]
+       "--checkpoint-every", "0", "--inject", "kill:node=3,step=9", "--lease-ttl", "15"]
+"""The kill is seen by the node's own monitor, not by its lease: a long lease keeps a stall of
+this machine's disk under etcd (fdatasync of 5-13 s seen here, issue 56) from fencing the
+survivors, which is not what this test is about."""
 
 
 def _run(run_dir: Path, mode: str) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
