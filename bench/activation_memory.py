@@ -29,6 +29,7 @@ from elastic.model import TensorParallel
 from elastic.model.config import RECOMPUTE_MODES, GPTConfig, get_preset
 from elastic.model.gpt import GPTStage
 from elastic.planning.activation_memory import layer_saved, saved_bytes
+from elastic.planning.profiler import forward_counting_saved
 
 MIB = 1 << 20
 
@@ -37,20 +38,10 @@ def measure(cfg: GPTConfig, tp: TensorParallel, mode: str, dtype: torch.dtype, m
     """Bytes of the distinct non-parameter storages one block's forward saves on this rank."""
     stage = GPTStage(cfg, first=1, last=2, tp=tp, recompute=mode)
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
     x = torch.randn(microbatch, cfg.seq_len, cfg.d_model, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
-        "cpu", dtype=dtype, enabled=dtype != torch.float32
-    ):
-        stage(x, dropout_key=0)
-    return sum(storages.values())
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        _, saved = forward_counting_saved(lambda: stage(x, dropout_key=0), params)
+    return saved
 
 
 def measure_tp(cfg: GPTConfig, degree: int, mode: str, dtype: torch.dtype, microbatch: int) -> list[int]:

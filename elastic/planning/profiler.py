@@ -170,7 +170,7 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
     saved = 0
     for run in range(conf.warmup + conf.repeats):
         stage.zero_grad(set_to_none=True)
-        elapsed, (out, saved) = _timed(conf.device, lambda: _forward_counting_saved(forward, params))
+        elapsed, (out, saved) = _timed(conf.device, lambda: forward_counting_saved(forward, params))
         upstream = torch.randn_like(out)
         back, _ = _timed(conf.device, functools.partial(out.backward, upstream))
         if run >= conf.warmup:
@@ -188,7 +188,7 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
     )
 
 
-def _forward_counting_saved(
+def forward_counting_saved(
     forward: Callable[[], torch.Tensor], params: set[int]
 ) -> tuple[torch.Tensor, int]:
     """Run `forward`, counting the bytes of the distinct non-parameter storages autograd saves."""

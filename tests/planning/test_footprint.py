@@ -38,6 +38,7 @@ from elastic.planning.footprint import (
 )
 from elastic.planning.memory import worker_memory
 from elastic.planning.planner_figures import holder_figures, planner_figures
+from elastic.planning.profiler import forward_counting_saved
 from elastic.planning.sum_tree import combine_scratch, disjoint_scratch, tree_blocks, tree_scratch
 from templates.cost import StageCosts
 
@@ -179,19 +180,9 @@ CFG = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=4, d_model=128)
 def _saved(stage: GPTStage, x: torch.Tensor, dtype: torch.dtype) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in `stage`'s forward."""
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
-        "cpu", dtype=dtype, enabled=dtype != torch.float32
-    ):
-        stage(x, dropout_key=0)
-    return sum(storages.values())
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        _, saved = forward_counting_saved(lambda: stage(x, dropout_key=0), params)
+    return saved
 
 
 @pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
