@@ -55,6 +55,9 @@ class Case:
     """The failure comes in the middle of step 1 (aborts, kept sums, a replayed step)."""
     evaluate: bool = False
     """Evaluate after each generation's steps (every pipeline forwards held-out microbatches)."""
+    recompute: str = "none"
+    """What every stage's backward recomputes (model/gpt.py): `full` posts a block's
+    tensor-parallel all-reduces again inside the backward."""
 
 
 @dataclass
@@ -95,7 +98,7 @@ def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatch
 
 def random_case(seed: int) -> Case:
     """A case drawn from `seed`: plans of up to 4 nodes (8 workers with TP 2), a failure of one
-    pipeline's nodes or of none, spares, partial replay, evaluation."""
+    pipeline's nodes or of none, spares, partial replay, evaluation, a recompute mode."""
     rng = random.Random(seed)
     tp = rng.choice((1, 1, 2))
     nodes = list(range(rng.randint(1, 4 if tp == 1 else 3)))
@@ -109,8 +112,9 @@ def random_case(seed: int) -> Case:
     spares = list(range(len(nodes), len(nodes) + rng.randint(0, 1 if len(survivors) < 4 else 0)))
     plan2 = random_plan(rng, survivors + spares, tp=tp, microbatches=plan1.global_microbatches)
     partial = bool(failed) and rng.random() < 0.6
-    return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial,
-                evaluate=rng.random() < 0.3)
+    evaluate = rng.random() < 0.3
+    return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
+                recompute=rng.choice(("none", "none", "selective", "full")))
 
 
 Worker = tuple[int, int]
@@ -130,7 +134,8 @@ class _Job:
         self.case, self.timeout_s = case, timeout_s
         tp = case.plan1.gpus_per_node
         self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
-                            device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3)
+                            device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3,
+                            recompute=case.recompute)
         self.workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
         self.recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in self.workers}
         self.trainers: dict[Worker, Trainer] = {}

@@ -17,6 +17,7 @@ WANTED = frozenset({
     *(f"microbatches={m}" for m in range(1, 9)),  # of a pipeline of 2+ stages
     "heterogeneous plan", "tp=2", "vote", "evaluation", "full-state gather", "partial replay",
     "kept sums moved", "two-way shard moves", "shard rotation", "spare takes a stage",
+    "recompute selective", "recompute full with tp=2",  # full reposts TP all-reduces in the backward
 })
 
 
@@ -34,6 +35,8 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("evaluation")
     if case.partial:
         out.add("partial replay")
+    if case.recompute != "none":
+        out.add(f"recompute {case.recompute}" + (" with tp=2" if case.plan1.gpus_per_node > 1 else ""))
     if set(case.plan2.nodes) - set(case.plan1.nodes):
         out.add("spare takes a stage")
     sends: set[tuple[int, int]] = set()
