@@ -143,7 +143,6 @@ class Communicator:
         self.backend = backend
         self.device = device
         self.recorder = recorder
-        self.eager = eager
         self._native = native if native is not None else group
         self._lock = threading.Lock()
         self._aborted = False
@@ -223,7 +222,7 @@ class Communicator:
     def pending(self) -> int:
         """How many posted groups of operations may still be queued (never waited for, not complete)."""
         with self._lock:
-            return sum(h.pending() for h in self._posted)
+            return self._count_pending()
 
     # ---- the end -------------------------------------------------------------------------
 
@@ -252,7 +251,7 @@ class Communicator:
         with self._lock:
             if self._closed:
                 return True
-            pending = 0 if self._aborted else sum(h.pending() for h in self._posted)
+            pending = 0 if self._aborted else self._count_pending()
         if pending:
             log.warning("communicator %s: shut down with %d group(s) of operations pending: aborted instead",
                         self.name, pending)
@@ -289,6 +288,10 @@ class Communicator:
         except Exception as exc:  # the generation is given up all the same: nothing waits on it
             self.abort_error = exc
             log.warning("communicator %s: the backend's abort raised %s: %s", self.name, type(exc).__name__, exc)
+
+    def _count_pending(self) -> int:
+        """`pending`, with the lock held by the caller."""
+        return sum(h.pending() for h in self._posted)
 
     def _posted_handle(self, works: Sequence[dist.Work], recorded: tuple[int, ...]) -> Handle:
         handle = Handle(works, self.recorder, recorded, host_blocking=self.backend != "nccl")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from elastic.model.config import RECOMPUTE_MODES, GPTConfig, check_recompute
+from elastic.model.config import GPTConfig, check_recompute
 from elastic.model.dropout import apply_dropout, dropout_mask
 from elastic.model.init import full_initial_value, shard_tensor
 from elastic.model.tensor_parallel import TensorParallel
@@ -34,8 +34,6 @@ from elastic.model.tp_layers import (
     sharded_parameter,
     vocab_parallel_cross_entropy,
 )
-
-__all__ = ["RECOMPUTE_MODES", "GPTStage", "check_recompute"]
 
 
 def _recomputing(mode: str, wanted: str) -> bool:

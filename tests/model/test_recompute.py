@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from elastic.model import TensorParallel
-from elastic.model.config import GPTConfig
-from elastic.model.gpt import RECOMPUTE_MODES, GPTStage
+from elastic.model.config import RECOMPUTE_MODES, GPTConfig
+from elastic.model.gpt import GPTStage
 from tests.comm.support import gloo_comms, on_threads
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.model.config import PRESETS, GPTConfig, get_preset
-from elastic.model.gpt import RECOMPUTE_MODES, GPTStage
+from elastic.model.config import PRESETS, RECOMPUTE_MODES, GPTConfig, get_preset
+from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.parallel.blocks import Block, CombineProgram, decompose
