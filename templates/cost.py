@@ -14,6 +14,13 @@ A stage is a contiguous layer range [i, j) run by one node of G devices, tensor-
   workers' budget: G x (device memory - the device's reserve - the engine's fixed per-worker
   buffers, `memory.worker_bytes`).
 
+Activation recomputation (`recompute`): under a mode a stage keeps its layers' activations as
+the mode keeps them (`LayerProfile.under`), runs their recomputed forward again in the backward
+(its seconds, and under `full` the forward's TP all-reduces again) and holds, once, the largest
+workspace a layer's rerun brings back to life. With "auto" each stage takes the fastest mode
+that fits, the one keeping more on ties (none, selective, full): a stage's mode depends on
+(i, j, k) alone, so the choice stays inside the same DP.
+
 A stage's cost therefore depends on (i, j, k) only, which is what makes an exact DP over layer
 suffixes and stage counts possible. The iteration time of a pipeline running m microbatches
 is sum(stage times) + (m - 1) * max(stage times).
@@ -22,10 +29,11 @@ is sum(stage times) + (m - 1) * max(stage times).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from templates.profile import WEIGHT_BYTES, Profile
+from templates.profile import PLANNED_RECOMPUTE, RECOMPUTE_MODES, WEIGHT_BYTES, Profile
 
 
 def pipeline_time(stage_times: Sequence[float], microbatches: int) -> float:
@@ -33,15 +41,50 @@ def pipeline_time(stage_times: Sequence[float], microbatches: int) -> float:
     return float(sum(stage_times)) + (microbatches - 1) * float(max(stage_times))
 
 
+@dataclass(frozen=True)
+class _Mode:
+    """One recomputation mode's (L+1, L+1) arrays over stages [i, j)."""
+
+    time_last: np.ndarray
+    time_mid: np.ndarray
+    static: np.ndarray
+    act: np.ndarray
+    act_mid: np.ndarray
+
+    def time(self, k: int) -> np.ndarray:
+        return self.time_last if k == 1 else self.time_mid
+
+    def memory(self, k: int) -> np.ndarray:
+        return self.static + k * (self.act if k == 1 else self.act_mid)
+
+
+def _range_sums(values: np.ndarray) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return prefix[None, :] - prefix[:, None]  # (i, j): sum of values[i:j]
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """(i, j): max of values[i:j] (0 where empty)."""
+    n = len(values) + 1
+    out = np.zeros((n, n))
+    for i in range(len(values)):
+        out[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return out
+
+
 class StageCosts:
     """Stage times and memory for every layer range and position, as numpy arrays."""
 
-    def __init__(self, profile: Profile, gpus_per_node: int) -> None:
+    def __init__(self, profile: Profile, gpus_per_node: int, recompute: str = "none") -> None:
         if gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
+        if recompute not in PLANNED_RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {recompute!r}")
         self.profile = profile
         self.gpus_per_node = gpus_per_node
         self.num_layers = profile.num_layers
+        self.modes: tuple[str, ...] = RECOMPUTE_MODES if recompute == "auto" else (recompute,)
+        """The modes a stage may take, in order of preference on ties."""
         dev = profile.device
         self.worker_bytes = float(gpus_per_node) * profile.memory.worker_bytes
         """The G workers' fixed buffers (work buffers: no stage is without them)."""
@@ -49,53 +92,67 @@ class StageCosts:
         """Bytes for the stage's layers: G devices' budget less the workers' fixed buffers."""
         layers = profile.layers
         grad_per_weight_byte = profile.memory.grad_bytes_per_param / WEIGHT_BYTES
-
-        compute = np.array([(ly.forward + ly.backward) / gpus_per_node for ly in layers], dtype=np.float64)
-        compute += np.array(
-            [ly.tp_allreduces * dev.allreduce_time(ly.output_bytes, gpus_per_node) for ly in layers]
-        )
         state = np.array([ly.param_bytes * (1.0 + grad_per_weight_byte) + ly.optimizer_bytes for ly in layers])
-        static = state + np.array([float(ly.workspace_bytes) for ly in layers])
-        act = np.array([float(ly.activation_bytes) for ly in layers], dtype=np.float64)
-        p2p = np.array([2.0 * dev.p2p_time(ly.output_bytes) for ly in layers], dtype=np.float64)
-
-        def range_sums(values: np.ndarray) -> np.ndarray:
-            prefix = np.concatenate([[0.0], np.cumsum(values)])
-            return prefix[None, :] - prefix[:, None]  # (i, j): sum of values[i:j]
-
         n = self.num_layers + 1
-        valid = np.triu(np.ones((n, n), dtype=bool), k=1)  # i < j
-        self._valid = valid
-        self._time_last = np.where(valid, range_sums(compute), np.inf)
-        # A non-last stage [i, j) sends the output of layer j - 1.
-        self._time_mid = self._time_last + np.concatenate([[0.0], p2p])[None, :]
-        self._static = np.where(valid, range_sums(static), np.inf)
-        self._state = range_sums(state)
-        self._act = np.where(valid, range_sums(act), np.inf)
-        # A non-last stage [i, j) keeps the output of layer j - 1 per microbatch in flight.
-        self._act_mid = self._act + np.concatenate([[0.0], [float(ly.output_bytes) for ly in layers]])[None, :]
+        self._valid = np.triu(np.ones((n, n), dtype=bool), k=1)  # i < j
+        self._state = _range_sums(state)
+        self._arrays = {mode: self._mode(mode, state) for mode in self.modes}
+
+    def _mode(self, mode: str, state: np.ndarray) -> _Mode:
+        layers, dev, g = self.profile.layers, self.profile.device, self.gpus_per_node
+        under = [ly.under(mode) for ly in layers]
+        compute = np.array([(ly.forward + ly.backward + u.extra) / g for ly, u in zip(layers, under, strict=True)])
+        compute += np.array([(ly.tp_allreduces + u.allreduces) * dev.allreduce_time(ly.output_bytes, g)
+                             for ly, u in zip(layers, under, strict=True)])
+        static = _range_sums(state + np.array([float(ly.workspace_bytes) for ly in layers]))
+        static = static + _range_max(np.array([float(u.workspace_bytes) for u in under]))
+        act = np.where(self._valid, _range_sums(np.array([float(u.activation_bytes) for u in under])), np.inf)
+        p2p = np.array([2.0 * dev.p2p_time(ly.output_bytes) for ly in layers], dtype=np.float64)
+        time_last = np.where(self._valid, _range_sums(compute), np.inf)
+        return _Mode(
+            time_last=time_last,
+            # A non-last stage [i, j) sends the output of layer j - 1 ...
+            time_mid=time_last + np.concatenate([[0.0], p2p])[None, :],
+            static=np.where(self._valid, static, np.inf),
+            act=act,
+            # ... and keeps it per microbatch in flight.
+            act_mid=act + np.concatenate([[0.0], [float(ly.output_bytes) for ly in layers]])[None, :],
+        )
 
     def costs(self, k: int) -> np.ndarray:
-        """(L+1, L+1) array: time of stage [i, j) placed k-th from the end; inf if it cannot be."""
-        base = self._time_last if k == 1 else self._time_mid
-        fits = self._static + k * (self._act if k == 1 else self._act_mid) <= self.capacity
-        return np.where(fits & self._valid, base, np.inf)
+        """(L+1, L+1) array: time of stage [i, j) placed k-th from the end in its fastest mode
+        that fits; inf if none does."""
+        out = np.full(self._valid.shape, np.inf)
+        for arrays in self._arrays.values():
+            out = np.minimum(out, np.where(arrays.memory(k) <= self.capacity, arrays.time(k), np.inf))
+        return out
 
     def candidate_times(self) -> np.ndarray:
         """Every distinct finite stage time any (i, j, k) can take, sorted ascending."""
-        last_fits = self._static + self._act <= self.capacity  # k = 1 is the loosest for each
-        mid_fits = self._static + 2 * self._act_mid <= self.capacity
-        values = np.concatenate([self._time_last[last_fits], self._time_mid[mid_fits]])
-        return np.unique(values[np.isfinite(values)])
+        values = []
+        for arrays in self._arrays.values():
+            last_fits = arrays.memory(1) <= self.capacity  # k = 1 is the loosest for each
+            mid_fits = arrays.memory(2) <= self.capacity
+            values += [arrays.time_last[last_fits], arrays.time_mid[mid_fits]]
+        joined = np.concatenate(values)
+        return np.unique(joined[np.isfinite(joined)])
+
+    def stage_mode(self, first: int, last: int, k: int) -> str:
+        """The mode of stage [first, last) placed k-th from the end: the fastest that fits, the
+        first of `modes` on ties (the first that fits least badly when none fits)."""
+        fitting = [m for m in self.modes if self._arrays[m].memory(k)[first, last] <= self.capacity]
+        if not fitting:
+            return min(self.modes, key=lambda m: float(self._arrays[m].memory(k)[first, last]))
+        return min(fitting, key=lambda m: float(self._arrays[m].time(k)[first, last]))
 
     def stage_time(self, first: int, last: int, k: int) -> float:
-        """Time of stage [first, last) placed k-th from the end (ignores memory)."""
-        return float((self._time_last if k == 1 else self._time_mid)[first, last])
+        """Time of stage [first, last) placed k-th from the end, in its mode."""
+        return float(self._arrays[self.stage_mode(first, last, k)].time(k)[first, last])
 
     def stage_memory(self, first: int, last: int, k: int) -> float:
-        """Bytes stage [first, last) needs when placed k-th from the end (beside the workers'
-        fixed buffers, which `capacity` leaves out)."""
-        return float(self._static[first, last] + k * (self._act if k == 1 else self._act_mid)[first, last])
+        """Bytes stage [first, last) needs when placed k-th from the end, in its mode (beside the
+        workers' fixed buffers, which `capacity` leaves out)."""
+        return float(self._arrays[self.stage_mode(first, last, k)].memory(k)[first, last])
 
     def state_bytes(self, first: int, last: int) -> float:
         """The planner's parameter-and-state bytes of stage [first, last): weights, optimizer
@@ -115,3 +172,7 @@ class StageCosts:
                 return None
             times.append(self.stage_time(first, last, k))
         return times
+
+    def layout_modes(self, bounds: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """The mode of each stage of a layout given as [(first, last), ...]."""
+        return tuple(self.stage_mode(first, last, len(bounds) - s) for s, (first, last) in enumerate(bounds))

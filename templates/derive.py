@@ -10,20 +10,40 @@ TP all-reduce) are counted in the compute dtype (`compute_bytes` per element: 4 
 under bf16 autocast, which then also keeps a bf16 copy of the matmul weights per microbatch),
 beside the bytes that stay fp32 whatever it is. What the engine keeps
 for gradients and their exchange is the profile's `memory` (a default here; the caller that
-knows the cluster replaces it).
+knows the cluster replaces it). A layer that recomputation changes describes each mode
+(`RecomputeCounts`): what it keeps under it and the forward FLOPs its backward runs again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from templates.profile import DeviceProfile, LayerProfile, Profile
+from templates.profile import DeviceProfile, LayerProfile, Profile, RecomputeCost
 
 BYTES_PER_ELEMENT = 4
 """fp32: weights and moments, and activations and stage outputs unless told otherwise."""
 ADAMW_STATE_PER_PARAM = 2
 """exp_avg and exp_avg_sq, one fp32 each."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeCounts:
+    """One planning layer under one recomputation mode."""
+
+    saved_elements_per_token: float
+    """Elements kept per token in the compute dtype under the mode."""
+    flops_per_token: float
+    """Forward FLOPs per token the backward runs again."""
+    saved_bytes_per_token: float = 0.0
+    """Bytes kept per token whatever the compute dtype."""
+    cast_params: int = 0
+    """Weight elements autocast copies and keeps under the mode."""
+    allreduces: int = 0
+    """Tensor-parallel all-reduces of the output the rerun adds per microbatch."""
+    relive: bool = False
+    """Whether the layer's activations (as kept without recomputation) live again while its
+    backward reruns it (full recomputation)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +70,8 @@ class LayerCounts:
     (autocast's copies: none when the compute dtype is fp32)."""
     workspace_bytes_per_token: float = 0.0
     """Transient bytes per token at the layer's peak beyond what it keeps (the head's loss)."""
+    recompute: Mapping[str, RecomputeCounts] = field(default_factory=dict)
+    """The layer under each recomputation mode that changes it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,20 +126,32 @@ def derive_profile(
         raise ValueError(f"compute_bytes must be >= 1, got {compute_bytes}")
     tokens = seq_len * microbatch_size
     out = []
+
+    def kept(elements: float, fp32_bytes: float, cast_params: int) -> int:
+        cast = cast_params * compute_bytes if compute_bytes < BYTES_PER_ELEMENT else 0
+        return int(tokens * (elements * compute_bytes + fp32_bytes)) + cast
+
     for layer in layers:
         forward = layer.flops_per_token * tokens / device.flops_per_second
-        cast = layer.cast_params * compute_bytes if compute_bytes < BYTES_PER_ELEMENT else 0
-        saved = tokens * (layer.saved_elements_per_token * compute_bytes + layer.saved_bytes_per_token)
+        activation = kept(layer.saved_elements_per_token, layer.saved_bytes_per_token, layer.cast_params)
+        modes = {
+            mode: RecomputeCost(
+                activation_bytes=kept(c.saved_elements_per_token, c.saved_bytes_per_token, c.cast_params),
+                extra=c.flops_per_token * tokens / device.flops_per_second, allreduces=c.allreduces,
+                workspace_bytes=activation if c.relive else 0)
+            for mode, c in layer.recompute.items()
+        }
         out.append(
             LayerProfile(
                 forward=forward,
                 backward=2.0 * forward,
                 param_bytes=layer.params * BYTES_PER_ELEMENT,
                 optimizer_bytes=layer.params * BYTES_PER_ELEMENT * ADAMW_STATE_PER_PARAM,
-                activation_bytes=int(saved) + cast,
+                activation_bytes=activation,
                 output_bytes=layer.output_elements_per_token * tokens * compute_bytes,
                 tp_allreduces=layer.tp_allreduces,
                 workspace_bytes=int(layer.workspace_bytes_per_token * tokens),
+                recompute=modes,
             )
         )
     kinds = ", ".join(f"{kind} x{sum(1 for ly in layers if ly.kind == kind)}" for kind in _kinds(layers))

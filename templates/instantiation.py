@@ -164,7 +164,8 @@ def build_plan(
     counts = split_microbatches(templates, global_microbatches)
     pipelines = []
     for group, template, count in zip(groups, templates, counts, strict=True):
-        stages = tuple(StagePlan(node=node, layers=rng) for node, rng in zip(group, template.stages, strict=True))
+        stages = tuple(StagePlan(node=node, layers=rng, recompute=mode)
+                       for node, rng, mode in zip(group, template.stages, template.stage_modes, strict=True))
         pipelines.append(PipelinePlan(stages=stages, microbatches=count, iteration_time=template.time_for(count)))
     return Plan(
         num_layers=tset.num_layers,

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from templates.profile import RECOMPUTE_MODES
+
 SCHEMA_VERSION = 1
 
 
@@ -26,6 +28,9 @@ class StagePlan:
     """Id of the node that runs this stage."""
     layers: tuple[int, int]
     """Half-open layer range [first, last+1)."""
+    recompute: str = "none"
+    """What the stage's backward recomputes instead of keeping (the planner's choice, or the
+    job's forced mode): "none", "selective" or "full"; plans written before read as "none"."""
 
     @property
     def first(self) -> int:
@@ -37,7 +42,7 @@ class StagePlan:
         return self.layers[1]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "layers": [self.layers[0], self.layers[1]]}
+        return {"node": self.node, "layers": [self.layers[0], self.layers[1]], "recompute": self.recompute}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +156,8 @@ class Plan:
             pipelines = tuple(
                 PipelinePlan(
                     stages=tuple(
-                        StagePlan(node=_int(s["node"], "node"), layers=_range(s["layers"]))
+                        StagePlan(node=_int(s["node"], "node"), layers=_range(s["layers"]),
+                                  recompute=s.get("recompute", "none"))
                         for s in p["stages"]
                     ),
                     microbatches=_int(p["microbatches"], "microbatches"),
@@ -224,6 +230,9 @@ def _validate(plan: Plan) -> None:
                     f"[0, {plan.num_layers}) contiguously, in order, each non-empty"
                 )
             expected_first = last
+            if stage.recompute not in RECOMPUTE_MODES:
+                raise PlanError(f"pipeline {p} stage {s} recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
+                                f"got {stage.recompute!r}")
             if stage.node in seen:
                 raise PlanError(f"node {stage.node} appears more than once in the plan")
             if stage.node < 0:

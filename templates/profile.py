@@ -11,6 +11,11 @@ nothing of the engine: these figures come as numbers, from `elastic/planning/pla
 Activation bytes are in the compute dtype the profile was taken or derived for. `source` says
 whether the numbers were measured on a device or derived from FLOP/byte counts.
 
+Activation recomputation: a layer's `recompute` maps a mode ("selective", "full") to what the
+layer keeps under it and what it runs again in its backward (`RecomputeCost`). A mode a layer
+does not name leaves it as it is (the embedding and the head; every layer of a profile written
+before the modes existed, so the planner keeps everything there).
+
 Files written before the memory figures existed read with the old model: one fp32 gradient per
 parameter (`grad_bytes_per_param` 4), no reserve, no fixed buffers, no workspace.
 """
@@ -19,7 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +33,45 @@ PROFILE_VERSION = 1
 SOURCES = ("measured", "derived")
 WEIGHT_BYTES = 4
 """Bytes of one parameter's master weight (fp32): `param_bytes` / WEIGHT_BYTES parameters."""
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""What a stage's backward recomputes instead of keeping, cheapest in memory last (the engine's
+`elastic.model.config.RECOMPUTE_MODES`); the planner picks one per stage, or is told one."""
+PLANNED_RECOMPUTE = (*RECOMPUTE_MODES, "auto")
+"""What the planner may be told: one mode for every stage, or "auto" (its choice per stage)."""
 
 
 class ProfileError(ValueError):
     """A profile that is malformed or inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecomputeCost:
+    """One layer under one recomputation mode, for one microbatch on one device."""
+
+    activation_bytes: int
+    """Bytes kept from forward to backward under the mode (instead of `activation_bytes`)."""
+    extra: float
+    """Seconds of forward run again in the backward."""
+    allreduces: int = 0
+    """Tensor-parallel all-reduces of `output_bytes` the rerun adds (full: the forward's)."""
+    workspace_bytes: int = 0
+    """Bytes that live again while the layer's backward reruns it (full: its activations); a
+    stage counts the largest of its layers', once."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"activation_bytes": self.activation_bytes, "extra": self.extra, "allreduces": self.allreduces,
+                "workspace_bytes": self.workspace_bytes}
+
+    @classmethod
+    def from_dict(cls, data: Any, mode: str) -> RecomputeCost:
+        if not isinstance(data, dict):
+            raise ProfileError(f"recompute {mode!r} must be a JSON object, got {type(data).__name__}")
+        try:
+            return cls(activation_bytes=_int(data["activation_bytes"], "activation_bytes"),
+                       extra=_num(data["extra"], "extra"), allreduces=_int(data.get("allreduces", 0), "allreduces"),
+                       workspace_bytes=_int(data.get("workspace_bytes", 0), "workspace_bytes"))
+        except KeyError as exc:
+            raise ProfileError(f"recompute {mode!r} is missing field {exc.args[0]!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,9 +95,18 @@ class LayerProfile:
     workspace_bytes: int = 0
     """Transient bytes at the layer's peak beyond what it keeps, for one microbatch, counted once
     per stage whatever its microbatches in flight (the head: its fp32 loss over the logits)."""
+    recompute: Mapping[str, RecomputeCost] = field(default_factory=dict)
+    """Per recomputation mode other than "none", the layer under it; a mode absent here leaves
+    the layer as it is."""
+
+    def under(self, mode: str) -> RecomputeCost:
+        """The layer under `mode` ("none": as it is, nothing run again)."""
+        cost = self.recompute.get(mode)
+        return cost if cost is not None else RecomputeCost(activation_bytes=self.activation_bytes, extra=0.0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        modes = {"recompute": {m: c.to_dict() for m, c in self.recompute.items()}} if self.recompute else {}
+        return modes | {
             "forward": self.forward,
             "backward": self.backward,
             "param_bytes": self.param_bytes,
@@ -216,6 +266,7 @@ class Profile:
                     output_bytes=_int(layer["output_bytes"], "output_bytes"),
                     tp_allreduces=_int(layer.get("tp_allreduces", 0), "tp_allreduces"),
                     workspace_bytes=_int(layer.get("workspace_bytes", 0), "workspace_bytes"),
+                    recompute=_modes(layer.get("recompute", {})),
                 )
                 for layer in data["layers"]
             )
@@ -248,6 +299,12 @@ class Profile:
         except OSError as exc:
             raise ProfileError(f"cannot read profile {str(path)!r}: {exc.strerror}") from None
         return cls.from_json(text)
+
+
+def _modes(data: Any) -> dict[str, RecomputeCost]:
+    if not isinstance(data, dict):
+        raise ProfileError(f"a layer's recompute must be a JSON object, got {type(data).__name__}")
+    return {str(mode): RecomputeCost.from_dict(cost, str(mode)) for mode, cost in data.items()}
 
 
 def _int(value: Any, name: str) -> int:
@@ -294,3 +351,9 @@ def _validate(profile: Profile) -> None:
                      "workspace_bytes"):
             if getattr(layer, name) < 0:
                 raise ProfileError(f"layer {i} {name} must be >= 0, got {getattr(layer, name)}")
+        for mode, cost in layer.recompute.items():
+            if mode not in RECOMPUTE_MODES[1:]:
+                raise ProfileError(f"layer {i} recompute mode must be one of {RECOMPUTE_MODES[1:]}, got {mode!r}")
+            if min(cost.activation_bytes, cost.allreduces, cost.workspace_bytes) < 0 or not (
+                    math.isfinite(cost.extra) and cost.extra >= 0):
+                raise ProfileError(f"layer {i} recompute {mode!r} figures must be >= 0, got {cost}")

@@ -44,6 +44,13 @@ class PipelineTemplate:
     """Cost of each stage per microbatch (seconds), position terms included."""
     microbatches: int
     """The microbatch count the layout was optimised for."""
+    recompute: tuple[str, ...] = ()
+    """What each stage's backward recomputes (`templates.cost`); empty: "none" everywhere."""
+
+    @property
+    def stage_modes(self) -> tuple[str, ...]:
+        """The recomputation mode of each stage."""
+        return self.recompute or ("none",) * len(self.stages)
 
     @property
     def bottleneck(self) -> float:
@@ -61,7 +68,8 @@ class PipelineTemplate:
     def to_dict(self) -> dict[str, object]:
         return {
             "nodes": self.num_nodes,
-            "stages": [{"layers": [first, last]} for first, last in self.stages],
+            "stages": [{"layers": [first, last], "recompute": mode}
+                       for (first, last), mode in zip(self.stages, self.stage_modes, strict=True)],
             "stage_times": list(self.stage_times),
             "microbatches": self.microbatches,
             "iteration_time": self.iteration_time,
@@ -135,7 +143,8 @@ def search_templates(costs: StageCosts, microbatches: Mapping[int, int]) -> dict
         times = costs.layout_times(bounds)
         assert times is not None, "the DP returned a layout that does not fit memory"
         templates[n] = PipelineTemplate(
-            num_nodes=n, stages=tuple(bounds), stage_times=tuple(times), microbatches=microbatches[n]
+            num_nodes=n, stages=tuple(bounds), stage_times=tuple(times), microbatches=microbatches[n],
+            recompute=costs.layout_modes(bounds),
         )
     return templates
 

@@ -35,6 +35,8 @@ class TemplateSet:
     """n0: the fewest nodes that can hold the model."""
     max_nodes: int
     """n_max: the largest pipeline considered."""
+    recompute: str = "none"
+    """What the stages were allowed to recompute ("auto": each template's stages chose)."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
 
@@ -66,8 +68,10 @@ def build_templates(
     fault_tolerance: int,
     global_microbatches: int,
     max_nodes: int | None = None,
+    recompute: str = "none",
 ) -> TemplateSet:
-    """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes."""
+    """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes, each
+    stage recomputing as `recompute` says ("auto": the planner's choice per stage)."""
     if num_nodes < 1:
         raise PlanningError(f"the cluster needs at least 1 node, got {num_nodes}")
     if fault_tolerance < 0:
@@ -77,7 +81,7 @@ def build_templates(
             f"{global_microbatches} microbatches cannot feed the {fault_tolerance + 1} pipelines "
             f"fault tolerance {fault_tolerance} needs"
         )
-    costs = StageCosts(profile, gpus_per_node)
+    costs = StageCosts(profile, gpus_per_node, recompute)
     feasible = feasible_stage_counts(costs, profile.num_layers)
     if not feasible:
         budget = profile.device.budget_bytes - profile.memory.worker_bytes
@@ -100,5 +104,6 @@ def build_templates(
         gpus_per_node=gpus_per_node,
         min_nodes=n0,
         max_nodes=n_max,
+        recompute=recompute,
         templates=search_templates(costs, shares),
     )

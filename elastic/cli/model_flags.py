@@ -11,7 +11,23 @@ import argparse
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.model.config import SHAPE_FIELDS, GPTConfig, config_from_dict, get_preset, read_config_file
+from elastic.model.config import (
+    PLANNED_RECOMPUTE,
+    SHAPE_FIELDS,
+    GPTConfig,
+    config_from_dict,
+    get_preset,
+    read_config_file,
+)
+
+
+def add_recompute_flag(parser: Any) -> None:
+    """`--recompute auto|none|selective|full`: what the planner lets each stage's backward
+    recompute (templates/cost.py; `run` also runs it, model/gpt.py)."""
+    parser.add_argument("--recompute", choices=PLANNED_RECOMPUTE, default="auto",
+                        help="activation recomputation: auto (default: per stage, the fastest mode that fits), or on "
+                        "every stage none, selective (the attention core) or full (each block from its input); the "
+                        "gradients are the same, bit for bit")
 
 
 def add_shape_flags(parser: Any) -> None:

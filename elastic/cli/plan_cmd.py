@@ -3,18 +3,21 @@
 Without `--profile` the profile is derived from the preset's FLOP and byte counts on a nominal
 device (`--device-tflops`, `--device-memory-gib`), so the command answers instantly. `--device
 cuda` plans for CUDA workers: bf16 activations (autocast), a reserve for the context and the
-communicators, and by default the memory of this machine's GPU when it has one.
+communicators, and by default the memory of this machine's GPU when it has one. `--recompute
+auto` (the default) lets each stage trade its activations for recomputation where that is
+faster or needed to fit; the table marks such stages "+selective" or "+full".
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_shape_flags, model_from_flags
-from elastic.model.config import PRESETS, GPTConfig, describe_model
+from elastic.cli.model_flags import add_recompute_flag, add_shape_flags, model_from_flags
+from elastic.model.config import PRESETS, RECOMPUTE_MODES, GPTConfig, describe_model
 from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
@@ -25,6 +28,7 @@ from elastic.planning.cluster import (
 )
 from elastic.planning.footprint import DEVICE_TYPES
 from templates.plan import Plan
+from templates.search import PipelineTemplate
 from templates.template_set import TemplateSet
 
 
@@ -53,6 +57,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--device", choices=DEVICE_TYPES, default="cpu",
                         help="device type the workers compute on (cuda: bf16 activations, a reserve per device)")
+    add_recompute_flag(parser)
     parser.set_defaults(func=_run)
 
 
@@ -76,6 +81,7 @@ def _run(args: argparse.Namespace) -> int:
             device_memory_gib=_memory_gib(args),
             shape=cfg,
             device_type=args.device,
+            recompute=args.recompute,
         )
         tset = cluster_templates(spec)
         plan = initial_plan(spec, tset)
@@ -105,8 +111,22 @@ def _as_json(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: 
     }
 
 
-def _ranges(stages: Any) -> str:
-    return " ".join(f"[{a},{b})" for a, b in stages)
+def _mark(mode: str) -> str:
+    """A stage's recomputation after its layers: nothing for "none", else "+selective" / "+full"."""
+    return "" if mode == "none" else f"+{mode}"
+
+
+def _ranges(template: PipelineTemplate) -> str:
+    return " ".join(f"[{a},{b}){_mark(m)}" for (a, b), m in zip(template.stages, template.stage_modes, strict=True))
+
+
+def _recompute_summary(plan: Plan) -> str:
+    """How many of the plan's stages recompute what ("+mode" marks them below)."""
+    modes = collections.Counter(st.recompute for pipe in plan.pipelines for st in pipe.stages)
+    if set(modes) == {"none"}:
+        return "every stage keeps its activations"
+    counts = ", ".join(f"{modes[m]} {m}" for m in RECOMPUTE_MODES if modes[m])
+    return f"stages of the plan: {counts} (marked +selective / +full below; unmarked stages keep everything)"
 
 
 def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: Plan) -> str:
@@ -116,17 +136,18 @@ def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan:
         f"cluster: {args.nodes} nodes x {args.gpus_per_node} devices, f = {args.fault_tolerance}, "
         f"global batch {args.global_batch} = {plan.global_microbatches} microbatches of {args.microbatch}",
         f"templates for n in [{tset.min_nodes}, {tset.max_nodes}] (n0 = {tset.min_nodes}: fewest nodes that hold the model)",
+        f"recompute {args.recompute}: {_recompute_summary(plan)}",
         "",
         f"{'nodes':>5}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  stages (layers)",
     ]
     for n in tset.sizes:
         t = tset.templates[n]
         lines.append(
-            f"{n:>5}  {t.microbatches:>5}  {t.bottleneck:>15.6g}  {t.iteration_time:>12.6g}  {_ranges(t.stages)}"
+            f"{n:>5}  {t.microbatches:>5}  {t.bottleneck:>15.6g}  {t.iteration_time:>12.6g}  {_ranges(t)}"
         )
     lines += ["", f"plan: {len(plan.pipelines)} pipelines, estimated iteration time {plan.iteration_time:.6g} s", ""]
     lines.append(f"{'pipe':>4}  {'nodes':>5}  {'mbs':>5}  {'iteration s':>12}  node:[layers)")
     for p, pipe in enumerate(plan.pipelines):
-        stages = " ".join(f"{st.node}:[{st.first},{st.last})" for st in pipe.stages)
+        stages = " ".join(f"{st.node}:[{st.first},{st.last}){_mark(st.recompute)}" for st in pipe.stages)
         lines.append(f"{p:>4}  {len(pipe.stages):>5}  {pipe.microbatches:>5}  {pipe.iteration_time:>12.6g}  {stages}")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_shape_flags, model_for_data
+from elastic.cli.model_flags import add_recompute_flag, add_shape_flags, model_for_data
 from elastic.cli.run_config import (
     build_plan,
     check_flags,
@@ -29,7 +29,7 @@ from elastic.cli.run_config import (
     spares_config,
 )
 from elastic.cli.run_resume import resume_config, resume_defaults
-from elastic.model.config import PRESETS, describe_model
+from elastic.model.config import PRESETS, RECOMPUTE_MODES, describe_model
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS
 from elastic.planning.stragglers import POLICIES
 
@@ -141,10 +141,7 @@ def register(subparsers: Any) -> None:
                         "0.4 core to etcd and the agents; needs a writable cgroup cpu controller, i.e. root; "
                         "default: no cap)")
     # ---- activation recomputation (elastic/model/gpt.py) ----
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                        help="what every stage's backward recomputes instead of keeping: none (default), "
-                        "selective (the attention core) or full (each block from its input); the gradients are "
-                        "the same, bit for bit")
+    add_recompute_flag(parser)
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "
@@ -180,6 +177,14 @@ def _unwind_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _recomputing(spec: JobSpec) -> str:
+    """", recomputing full on 2 of 4 stages" when some stage recomputes (the plan's choice or
+    the forced mode), else nothing."""
+    stages = [spec.stage_recompute(st.recompute) for pipe in spec.plan.pipelines for st in pipe.stages]
+    modes = [f"{mode} on {stages.count(mode)} of {len(stages)} stages" for mode in RECOMPUTE_MODES[1:] if mode in stages]
+    return f", recomputing {' and '.join(modes)}" if modes else ""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -231,7 +236,7 @@ def _run_job(args: argparse.Namespace) -> int:
     check_held_out(spec)
     guard = guard_run(run_dir, embedded_etcd=args.etcd is None and not args.static,  # run dir in use: exit 2
                       local_agents=not args.static and args.agents == "local")
-    shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines)
+    shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines) + _recomputing(spec)
     print(
         f"elastic run: {describe_model(args.model, cfg)}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
         f"global batch {plan.global_batch}, run dir {run_dir}",

@@ -58,6 +58,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
             device_memory_gib=_memory_gib(args),
             device_type=_device_type(args),
             shape=shape,
+            recompute=args.recompute,
         )
         return initial_plan(spec, cluster_templates(spec))
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
@@ -196,6 +197,7 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             device_memory_gib=_memory_gib(args),
             device_type=_device_type(args),
             shape=spec.model_config,
+            recompute=spec.recompute,
         )
         stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
                                      steps=args.straggler_steps)

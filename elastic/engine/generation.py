@@ -186,7 +186,7 @@ class GenerationBuilder:
         t3 = time.perf_counter()
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
-            f"tp {layout.tp_rank}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
+            f"tp {layout.tp_rank}{_recomputes(module.recompute)}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
             f"({shard_bytes(fetched)} B) in {t2 - t1:.3f} s, groups in {t1 - t0:.3f} s, stage in "
             f"{t3 - t2:.3f} s{_replayed(step, first_step)}"
         )
@@ -224,10 +224,14 @@ class GenerationBuilder:
         first, last = layout.layers
         with torch.device("meta"):
             skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False,
-                                recompute=self.spec.recompute)
+                                recompute=self._recompute(layout))
         buffers = _Background(lambda: StepTransaction.buffers_for(
             skeleton, layout=layout, layer_of=self.layer_of, device=self.device), self.device)
         return groups, skeleton, buffers
+
+    def _recompute(self, layout: ParallelLayout) -> str:
+        """What my stage's backward recomputes: the job's forced mode, or what the plan says."""
+        return self.spec.stage_recompute(layout.plan.pipelines[layout.pipeline].stages[layout.stage].recompute)
 
     def _stage(
         self, layout: ParallelLayout, groups: ParallelGroups, skeleton: GPTStage, needed: list[ShardKey],
@@ -243,7 +247,7 @@ class GenerationBuilder:
         first, last = layout.layers
         if not held and not fetched:
             module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device,
-                              recompute=self.spec.recompute)
+                              recompute=self._recompute(layout))
             optimizer = build_optimizer(module, self.spec.optim)
         else:
             module = skeleton
@@ -282,6 +286,11 @@ class GenerationBuilder:
             replay=replay,
             accum=accum,
         )
+
+
+def _recomputes(mode: str) -> str:
+    """" recompute full" in a worker's generation line when its stage recomputes, else nothing."""
+    return "" if mode == "none" else f" recompute {mode}"
 
 
 def _replayed(step: int, replay: StepReplay | None) -> str:

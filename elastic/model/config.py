@@ -13,8 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-"""What a stage's backward recomputes (model/gpt.py): nothing, the attention core, each block."""
+# What a stage's backward recomputes (model/gpt.py): nothing, the attention core, each block;
+# or, for a job, "auto": what the planner chose for each stage (templates/cost.py).
+from templates.profile import PLANNED_RECOMPUTE as PLANNED_RECOMPUTE
+from templates.profile import RECOMPUTE_MODES as RECOMPUTE_MODES
 
 
 def check_recompute(mode: str) -> str:
@@ -98,8 +100,12 @@ class GPTConfig:
         if kind == "head":
             return 2.0 * d * self.vocab_size
         matmul = 2.0 * (3 * d * d + d * d + 2 * d * self.d_ff)
-        attention = 2.0 * 2 * self.seq_len * d  # scores + weighted sum, full (non-causal) count
-        return matmul + attention
+        return matmul + self.core_flops_per_token()
+
+    def core_flops_per_token(self) -> float:
+        """Forward FLOPs per token of a block's attention core (scores and weighted sum, full
+        non-causal count): what `selective` recomputation runs again."""
+        return 2.0 * 2 * self.seq_len * self.d_model
 
     def with_overrides(self, **changes: object) -> GPTConfig:
         return replace(self, **changes)  # type: ignore[arg-type]

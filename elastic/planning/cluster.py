@@ -20,10 +20,10 @@ from elastic.model.config import GPTConfig, describe_model, get_preset
 from elastic.planning.activation_memory import compute_bytes, layer_saved, loss_bytes_per_element
 from elastic.planning.footprint import DEVICE_TYPES, reserve_bytes
 from elastic.planning.planner_figures import planner_figures
-from templates.derive import DeviceSpeed, LayerCounts, derive_profile
+from templates.derive import DeviceSpeed, LayerCounts, RecomputeCounts, derive_profile
 from templates.instantiation import instantiate
 from templates.plan import Plan
-from templates.profile import MemoryModel, Profile
+from templates.profile import PLANNED_RECOMPUTE, MemoryModel, Profile
 from templates.template_set import TemplateSet, build_templates
 
 DEFAULT_TFLOPS = 100.0
@@ -86,9 +86,14 @@ class ClusterSpec:
     device_type: str = "cpu"
     """The device type the workers compute on: "cuda" plans activations in bf16 (autocast) and
     reserves the context and communicators' memory; "cpu" plans them in fp32, with no reserve."""
+    recompute: str = "auto"
+    """What the stages' backward recomputes: "auto" lets the planner choose per stage (the
+    fastest mode that fits), a mode forces it on every stage (`templates.cost`)."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
+        if self.recompute not in PLANNED_RECOMPUTE:
+            raise ValueError(f"--recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {self.recompute!r}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
         for flag, value in (
@@ -154,12 +159,24 @@ def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCou
     logits in fp32 at its peak (`workspace_bytes_per_token`); the embedding keeps the token ids.
     Tensor-parallel all-reduces per microbatch: 4 per block (2 forward, 2 backward), 1 for the
     vocabulary-parallel embedding, 1 for the head's input gradient.
+
+    Recomputation changes the blocks: `selective` keeps all but the attention core's own
+    activations and runs the core's FLOPs again; `full` keeps the block's input, runs its whole
+    forward again (with its 2 forward all-reduces), and its activations live again meanwhile.
     """
     d = cfg.d_model
     out = []
     for i in range(cfg.num_layers):
         kind = cfg.layer_kind(i)
         saved = layer_saved(cfg, i)
+        modes = {} if kind != "block" else {
+            mode: RecomputeCounts(
+                saved_elements_per_token=kept.elements_per_token, saved_bytes_per_token=kept.bytes_per_token,
+                cast_params=kept.cast_params, flops_per_token=flops, allreduces=2 if mode == "full" else 0,
+                relive=mode == "full")
+            for mode, flops in (("selective", cfg.core_flops_per_token()), ("full", cfg.layer_flops_per_token(i)))
+            for kept in [layer_saved(cfg, i, recompute=mode)]
+        }
         out.append(
             LayerCounts(
                 kind=kind,
@@ -171,6 +188,7 @@ def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCou
                 saved_bytes_per_token=saved.bytes_per_token,
                 cast_params=saved.cast_params,
                 workspace_bytes_per_token=saved.workspace_per_token * loss_bytes_per_element(compute_bytes),
+                recompute=modes,
             )
         )
     return out
@@ -236,6 +254,7 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> Tem
         fault_tolerance=spec.fault_tolerance,
         global_microbatches=spec.global_microbatches,
         max_nodes=max_nodes,
+        recompute=spec.recompute,
     )
 
 

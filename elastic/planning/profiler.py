@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import statistics
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -30,13 +31,13 @@ from typing import TypeVar
 import torch
 
 from elastic.model.config import GPTConfig
-from elastic.model.gpt import GPTStage
+from elastic.model.gpt import Block, GPTStage
 from elastic.planning.activation_memory import head_bytes
 from elastic.planning.footprint import GradShare, reserve_bytes, state_bytes_per_param
 from elastic.planning.memory import compute_dtype, device_memory_bytes
 from elastic.planning.planner_figures import planner_figures
 from templates.derive import ADAMW_STATE_PER_PARAM, DeviceSpeed, LayerCounts, derive_profile
-from templates.profile import LayerProfile, MemoryModel, Profile
+from templates.profile import LayerProfile, MemoryModel, Profile, RecomputeCost
 
 _T = TypeVar("_T")
 
@@ -101,7 +102,7 @@ def measure_profile(name: str, cfg: GPTConfig, counts: list[LayerCounts], conf: 
     notes = (
         f"measured on {conf.device} ({torch.get_num_threads()} threads), {_precision(conf.device)}, median of "
         f"{conf.repeats}; backward timed separately; optimizer = AdamW fp32 moments (8 B/param); activations = "
-        f"tensors saved for backward; link costs are defaults, not measured"
+        f"tensors saved for backward; recomputation: what each mode keeps, counted the same way, and the attention core and the block forward it reruns; link costs are defaults, not measured"
     )
     return Profile(
         model=name,
@@ -177,6 +178,7 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
             fwd.append(elapsed)
             bwd.append(back)
     param_bytes = sum(p.numel() * p.element_size() for p in stage.parameters())
+    modes = _recompute_costs(cfg, index, conf, x, forward=statistics.median(fwd), saved=saved)
     return LayerProfile(
         forward=statistics.median(fwd),
         backward=statistics.median(bwd),
@@ -185,7 +187,37 @@ def _measure_layer(cfg: GPTConfig, index: int, tp_allreduces: int, conf: Profile
         activation_bytes=saved,
         output_bytes=conf.microbatch * cfg.seq_len * cfg.d_model * compute_dtype(conf.device).itemsize,
         tp_allreduces=tp_allreduces,
+        recompute=modes,
     )
+
+
+def _recompute_costs(cfg: GPTConfig, index: int, conf: ProfilerConfig, x: torch.Tensor, *, forward: float,
+                     saved: int) -> dict[str, RecomputeCost]:
+    """A block under `selective` and `full`: what it keeps (counted as for `none`), and what its
+    backward runs again: the attention core, timed alone (median of the repeats), or the block's
+    measured `forward` with its two forward all-reduces; under `full` its `saved` activations
+    live again meanwhile."""
+    if cfg.layer_kind(index) != "block":
+        return {}
+    out = {}
+    for mode in ("selective", "full"):
+        stage = GPTStage(cfg, first=index, last=index + 1, device=conf.device, recompute=mode)
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        with _autocast(conf.device):
+            _, kept = forward_counting_saved(lambda: stage(x, dropout_key=index), params)  # noqa: B023
+        extra = forward if mode == "full" else _core_seconds(stage, x, index, conf)
+        out[mode] = RecomputeCost(activation_bytes=kept, extra=extra, allreduces=2 if mode == "full" else 0,
+                                  workspace_bytes=saved if mode == "full" else 0)
+    return out
+
+
+def _core_seconds(stage: GPTStage, x: torch.Tensor, key: int, conf: ProfilerConfig) -> float:
+    """Median seconds of the attention core's forward of `stage`'s one block on `x`'s microbatch."""
+    (block,) = (typing.cast(Block, b) for b in stage.blocks.values())
+    with torch.no_grad(), _autocast(conf.device):
+        qkv = block.attn.qkv(block.ln1(x))
+        times = [_timed(conf.device, lambda: block.attn.core(qkv, key))[0] for _ in range(conf.warmup + conf.repeats)]
+    return statistics.median(times[conf.warmup:])
 
 
 def forward_counting_saved(

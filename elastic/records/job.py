@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.coordinator.jsonrecord import JsonRecord, from_data
-from elastic.model.config import GPTConfig, check_recompute, get_preset
+from elastic.model.config import PLANNED_RECOMPUTE, GPTConfig, get_preset
 from elastic.records.optim_config import OptimConfig
 from templates.plan import Plan
 
@@ -62,10 +62,11 @@ class JobSpec(JsonRecord):
     (elastic/records/partial.py). Costs one copy of each worker's gradient sums per step."""
     collective_timeout_s: float = 120.0
     """Timeout of every collective and transfer, so no worker waits forever on a dead peer."""
-    recompute: str = "none"
-    """What every stage's backward recomputes (`elastic run --recompute`, model/gpt.py): "none",
-    "selective" (the attention core) or "full" (each block from its input). The gradients are
-    the same, bit for bit, in every mode."""
+    recompute: str = "auto"
+    """What the stages' backward recomputes (`elastic run --recompute`, model/gpt.py): "auto"
+    (default: each stage as its plan says, the planner's choice), or forced on every stage:
+    "none", "selective" (the attention core) or "full" (each block from its input). The
+    gradients are the same, bit for bit, in every mode."""
     # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
     eval_every: int = 0
     """Compute the validation loss after every this many committed steps and after the last
@@ -89,7 +90,8 @@ class JobSpec(JsonRecord):
             )
         if self.threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
-        check_recompute(self.recompute)
+        if self.recompute not in PLANNED_RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {self.recompute!r}")
         if self.shard_transport not in ("collective", "grpc"):
             raise ValueError(f"shard_transport must be 'collective' or 'grpc', got {self.shard_transport!r}")
         if self.eval_every < 0 or self.eval_batches < 1:
@@ -99,6 +101,10 @@ class JobSpec(JsonRecord):
     def model_config(self) -> GPTConfig:
         """The model's shape: `shape`, or the preset's."""
         return self.shape if self.shape is not None else get_preset(self.model)
+
+    def stage_recompute(self, planned: str) -> str:
+        """What a stage whose plan says `planned` recomputes: the forced mode, or `planned`."""
+        return planned if self.recompute == "auto" else self.recompute
 
     @property
     def world_size(self) -> int:

@@ -82,7 +82,8 @@ class PlanBook:
     def _templates(self, profile: Profile, f: int) -> TemplateSet:
         c = self.cluster
         return build_templates(
-            profile, gpus_per_node=c.gpus_per_node, num_nodes=c.nodes, fault_tolerance=f, global_microbatches=self.mbs
+            profile, gpus_per_node=c.gpus_per_node, num_nodes=c.nodes, fault_tolerance=f, global_microbatches=self.mbs,
+            recompute=c.recompute,
         )
 
     def layers_bytes(self, first: int, last: int) -> int:

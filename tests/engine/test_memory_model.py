@@ -13,9 +13,12 @@ resizes breaks this test until the memory model says so too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +91,14 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def trained(model: str, plan: Plan, run_dir: Path) -> dict[tuple[int, int], Trainer]:
+def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto",
+            around: Callable[[Trainer], AbstractContextManager[object]] | None = None) -> dict[tuple[int, int], Trainer]:
     """Every worker of `plan` after one real step, each a Trainer on a thread of this process
     (one gloo world on a HashStore), with the partial-replay copy of its sums made as an
-    abandoned step makes it (`StepTransaction._keep_partial` -> `accum.snapshot()`)."""
-    spec = JobSpec(model=model, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu")
+    abandoned step makes it (`StepTransaction._keep_partial` -> `accum.snapshot()`); the step
+    runs inside `around(trainer)` on the worker's thread when given."""
+    spec = JobSpec(model=model, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu",
+                   recompute=recompute)
     store = dist.HashStore()
     out: dict[tuple[int, int], Trainer | BaseException] = {}
 
@@ -100,7 +106,8 @@ def trained(model: str, plan: Plan, run_dir: Path) -> dict[tuple[int, int], Trai
         try:
             trainer = Trainer(spec, node=node, local_rank=local_rank)
             trainer.start(plan=plan, generation=0, store=store, abort=None, fetch=None, step=0)
-            trainer.train(1)
+            with around(trainer) if around is not None else contextlib.nullcontext():
+                trainer.train(1)
             transaction = None if trainer._current is None else trainer._current.transaction
             assert transaction is not None
             if transaction.keep_partial:

@@ -7,23 +7,42 @@ import itertools
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from templates.profile import WEIGHT_BYTES, DeviceProfile, LayerProfile, MemoryModel, Profile
+from templates.profile import (
+    RECOMPUTE_MODES,
+    WEIGHT_BYTES,
+    DeviceProfile,
+    LayerProfile,
+    MemoryModel,
+    Profile,
+    RecomputeCost,
+)
 
 SLOW_OR_FILTERED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 """Health checks to waive: a loaded 2-core machine is slow, and assume() rejects unfit clusters."""
 
 
 @st.composite
+def recompute_costs(draw: st.DrawFn, activation: int) -> dict[str, RecomputeCost]:
+    """Some of the recomputation modes, each keeping at most `activation` bytes."""
+    modes = draw(st.sets(st.sampled_from(RECOMPUTE_MODES[1:])))
+    return {m: RecomputeCost(activation_bytes=draw(st.integers(0, activation)), extra=draw(st.floats(0.0, 2.0)),
+                             allreduces=draw(st.integers(0, 2)), workspace_bytes=draw(st.sampled_from([0, 0, 9, 40])))
+            for m in sorted(modes)}
+
+
+@st.composite
 def layer_profiles(draw: st.DrawFn) -> LayerProfile:
+    activation = draw(st.integers(0, 60))
     return LayerProfile(
         forward=draw(st.floats(0.01, 2.0)),
         backward=draw(st.floats(0.01, 4.0)),
         param_bytes=draw(st.integers(0, 100)),
         optimizer_bytes=draw(st.integers(0, 200)),
-        activation_bytes=draw(st.integers(0, 60)),
+        activation_bytes=activation,
         output_bytes=draw(st.integers(0, 50)),
         tp_allreduces=draw(st.integers(0, 4)),
         workspace_bytes=draw(st.sampled_from([0, 0, 0, 7, 30])),
+        recompute=draw(recompute_costs(activation)),
     )
 
 
@@ -62,33 +81,52 @@ def capacity(profile: Profile, gpus: int) -> float:
     return gpus * (profile.device.memory_bytes - profile.device.reserve_bytes - profile.memory.worker_bytes)
 
 
-def stage_cost(profile: Profile, gpus: int, first: int, last: int, k: int) -> tuple[float, float]:
-    """(time, memory) of stage [first, last) placed k-th from the end, summed layer by layer."""
+def stage_cost(profile: Profile, gpus: int, first: int, last: int, k: int, mode: str = "none") -> tuple[float, float]:
+    """(time, memory) of stage [first, last) placed k-th from the end, recomputing as `mode`
+    says, summed layer by layer."""
     dev = profile.device
     layers = profile.layers[first:last]
-    time = sum((ly.forward + ly.backward) / gpus for ly in layers)
-    time += sum(ly.tp_allreduces * dev.allreduce_time(ly.output_bytes, gpus) for ly in layers)
+    under = [ly.recompute.get(mode) for ly in layers]
+    time = sum((ly.forward + ly.backward + (u.extra if u else 0.0)) / gpus for ly, u in zip(layers, under, strict=True))
+    time += sum((ly.tp_allreduces + (u.allreduces if u else 0)) * dev.allreduce_time(ly.output_bytes, gpus)
+                for ly, u in zip(layers, under, strict=True))
     if k > 1:
         time += 2 * dev.p2p_time(layers[-1].output_bytes)
-    memory = sum(layer_state(ly, profile.memory) + ly.workspace_bytes + k * ly.activation_bytes for ly in layers)
+    memory = sum(layer_state(ly, profile.memory) + ly.workspace_bytes + k * (u.activation_bytes if u else ly.activation_bytes)
+                 for ly, u in zip(layers, under, strict=True))
+    memory += max(u.workspace_bytes if u else 0 for u in under)  # one layer's rerun at a time
     if k > 1:  # a non-last stage keeps its output per microbatch in flight
         memory += k * layers[-1].output_bytes
     return time, memory
 
 
-def exhaustive_best(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
-    """Least 1F1B iteration time over every split into `stages` stages that fits memory."""
-    num_layers = profile.num_layers
+def best_stage(profile: Profile, gpus: int, first: int, last: int, k: int,
+               modes: tuple[str, ...] = ("none",)) -> tuple[float, str] | None:
+    """(time, mode) of the fastest of `modes` in which stage [first, last) fits at k, the first
+    on ties; None when none fits."""
     room = capacity(profile, gpus)
+    fitting = [(stage_cost(profile, gpus, first, last, k, m)[0], i, m) for i, m in enumerate(modes)
+               if stage_cost(profile, gpus, first, last, k, m)[1] <= room]
+    if not fitting:
+        return None
+    time, _, mode = min(fitting)
+    return time, mode
+
+
+def exhaustive_best(profile: Profile, gpus: int, stages: int, microbatches: int,
+                    modes: tuple[str, ...] = ("none",)) -> float | None:
+    """Least 1F1B iteration time over every split into `stages` stages that fits memory, each
+    stage in the fastest of `modes` that fits."""
+    num_layers = profile.num_layers
     best = None
     for cuts in itertools.combinations(range(1, num_layers), stages - 1):
         bounds = (0, *cuts, num_layers)
         times = []
         for s in range(stages):
-            time, memory = stage_cost(profile, gpus, bounds[s], bounds[s + 1], stages - s)
-            if memory > room:
+            found = best_stage(profile, gpus, bounds[s], bounds[s + 1], stages - s, modes)
+            if found is None:
                 break
-            times.append(time)
+            times.append(found[0])
         else:
             value = sum(times) + (microbatches - 1) * max(times)
             if best is None or value < best:

@@ -79,8 +79,13 @@ def test_table_and_measured_profile_file(tmp_path: Path, capsys: pytest.CaptureF
          "leaves nothing beside the 1 GiB reserve of a cuda device"),
         (
             ["plan", "--model", "gpt3-6.7b", "--nodes", "4", "--gpus-per-node", "8", "--fault-tolerance", "3",
-             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "20"],
+             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "20", "--recompute", "none"],
             "fault tolerance 3 needs 4 pipelines of at least 3 nodes = 12 nodes, but the cluster has 4",
+        ),
+        (  # recomputation fits the model in fewer nodes, not yet in one
+            ["plan", "--model", "gpt3-6.7b", "--nodes", "4", "--gpus-per-node", "8", "--fault-tolerance", "3",
+             "--global-batch", "64", "--microbatch", "8", "--device-memory-gib", "20"],
+            "fault tolerance 3 needs 4 pipelines of at least 2 nodes = 8 nodes, but the cluster has 4",
         ),
     ],
 )

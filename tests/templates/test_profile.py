@@ -9,7 +9,7 @@ import pytest
 
 from elastic.cli.main import main
 from elastic.model.config import get_preset
-from elastic.planning.cluster import gpt_layer_counts
+from elastic.planning.cluster import ClusterSpec, cluster_profile, gpt_layer_counts
 from templates.cost import StageCosts
 from templates.derive import DeviceSpeed, derive_profile
 from templates.profile import MemoryModel, Profile, ProfileError
@@ -99,6 +99,16 @@ def test_measured_profile_of_tiny_feeds_the_planner(tmp_path: Path, capsys: pyte
     blocks = profile.layers[1:-1]
     # A block saves far more than its output for backward (attention scores, MLP inputs).
     assert all(b.activation_bytes > 4 * b.output_bytes for b in blocks)
+    # Each block under each recomputation mode: the memory model's bytes, measured times.
+    derived = cluster_profile(ClusterSpec(model="tiny", nodes=1, global_batch=1, microbatch=1))
+    for measured, counted in zip(blocks, derived.layers[1:-1], strict=True):
+        assert set(measured.recompute) == {"selective", "full"}
+        for mode in ("selective", "full"):
+            assert measured.recompute[mode].activation_bytes == counted.recompute[mode].activation_bytes
+            assert measured.recompute[mode].allreduces == counted.recompute[mode].allreduces
+        assert 0 < measured.recompute["selective"].extra < measured.recompute["full"].extra == measured.forward
+        assert measured.recompute["full"].workspace_bytes == measured.activation_bytes
+    assert not profile.layers[0].recompute and not profile.layers[-1].recompute
     capsys.readouterr()
     code = main(
         ["plan", "--model", "tiny", "--nodes", "4", "--fault-tolerance", "1", "--global-batch", "8",

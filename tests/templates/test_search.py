@@ -7,9 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from templates.cost import StageCosts
-from templates.profile import DeviceProfile, LayerProfile, Profile
+from templates.profile import PLANNED_RECOMPUTE, RECOMPUTE_MODES, DeviceProfile, LayerProfile, Profile
 from templates.search import search_templates
-from tests.templates.helpers import SLOW_OR_FILTERED, capacity, exhaustive_best, profiles, stage_cost
+from tests.templates.helpers import (
+    SLOW_OR_FILTERED,
+    best_stage,
+    capacity,
+    exhaustive_best,
+    profiles,
+    stage_cost,
+)
 
 
 @pytest.mark.timeout(120)
@@ -18,12 +25,16 @@ from tests.templates.helpers import SLOW_OR_FILTERED, capacity, exhaustive_best,
     profile=profiles(max_layers=10),
     gpus=st.sampled_from([1, 2, 4]),
     microbatches=st.lists(st.integers(1, 16), min_size=6, max_size=6),
+    recompute=st.sampled_from(PLANNED_RECOMPUTE),
 )
-def test_templates_equal_exhaustive_search(profile: Profile, gpus: int, microbatches: list[int]) -> None:
+def test_templates_equal_exhaustive_search(profile: Profile, gpus: int, microbatches: list[int], recompute: str) -> None:
+    """Exact for every recomputation setting: one mode forced on every stage, or each stage's
+    fastest mode that fits ("auto"), against trying every split and every stage's every mode."""
     shares = {n: microbatches[n - 1] for n in range(1, 7)}
-    found = search_templates(StageCosts(profile, gpus), shares)
+    modes = RECOMPUTE_MODES if recompute == "auto" else (recompute,)
+    found = search_templates(StageCosts(profile, gpus, recompute), shares)
     for n, m in shares.items():
-        reference = exhaustive_best(profile, gpus, n, m)
+        reference = exhaustive_best(profile, gpus, n, m, modes)
         if reference is None:
             assert n not in found, f"{n} stages: search found a layout, exhaustive search found none"
             continue
@@ -34,9 +45,11 @@ def test_templates_equal_exhaustive_search(profile: Profile, gpus: int, microbat
         assert bounds[0][0] == 0 and bounds[-1][1] == profile.num_layers
         assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
         for s, (a, b) in enumerate(bounds):
-            time, memory = stage_cost(profile, gpus, a, b, n - s)
+            time, memory = stage_cost(profile, gpus, a, b, n - s, template.stage_modes[s])
             assert memory <= capacity(profile, gpus)
             assert template.stage_times[s] == pytest.approx(time, rel=1e-9, abs=1e-12)
+            best = best_stage(profile, gpus, a, b, n - s, modes)
+            assert best is not None and time == pytest.approx(best[0], rel=1e-9, abs=1e-12)
 
 def _one_best_subplan(profile: Profile, gpus: int, stages: int, microbatches: int) -> float | None:
     """Oobleck-style DP: one locally best sub-layout per (layer suffix, stages). Not exact."""

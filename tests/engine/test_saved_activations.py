@@ -1,0 +1,112 @@
+"""What autograd saves in a real `Trainer` step equals the memory model's activation figure, to
+the byte, in every recomputation mode and tensor-parallel degree (issue 54).
+
+Each worker of a one-stage plan runs one real step (tests/engine/test_memory_model.py's
+`trained`: Trainers on threads, one gloo world) with the public saved-tensor hooks installed on
+its training thread. Every forward of the stage is one microbatch: the hooks count, per forward,
+the distinct storages autograd keeps (parameters aside: they are state, not activations). Each
+microbatch's count must equal the sum over the stage's planning layers of
+`activation_memory.layer_saved` for the mode and the degree, which is the figure the planner's
+memory check (`worker_memory`, and through `gpt_layer_counts` the templates) multiplies by the
+microbatches in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.engine.trainer import Trainer
+from elastic.model.config import RECOMPUTE_MODES, get_preset
+from elastic.planning.activation_memory import layer_saved, saved_bytes
+from elastic.planning.cluster import ClusterSpec, cluster_profile
+from tests.engine.test_memory_model import pipelines, trained
+
+
+def modelled(model: str, *, tp: int, recompute: str, tokens: int) -> int:
+    """The memory model's activation bytes of one microbatch of a whole-model stage (fp32)."""
+    cfg = get_preset(model)
+    return sum(saved_bytes(layer_saved(cfg, i, tp, recompute), tokens=tokens, element_bytes=4)
+               for i in range(cfg.num_layers))
+
+
+def counting(per_forward: list[int]) -> object:
+    """An `around` for `trained`: count what autograd saves in each forward of the trainer's stage."""
+
+    @contextlib.contextmanager
+    def around(trainer: Trainer) -> Iterator[None]:
+        params = {p.untyped_storage().data_ptr() for p in trainer.module.parameters()}
+        current: dict[int, int] = {}
+
+        def starts(*_: object) -> None:
+            current.clear()
+
+        def ends(*_: object) -> None:
+            per_forward.append(sum(current.values()))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                current[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        before = trainer.module.register_forward_pre_hook(starts)
+        after = trainer.module.register_forward_hook(ends)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            before.remove()
+            after.remove()
+
+    return around
+
+
+def measured(model: str, *, tp: int, recompute: str, microbatches: int, run_dir: Path) -> dict[int, list[int]]:
+    """Per tensor-parallel rank, the bytes each microbatch's forward saved in one real step."""
+    cfg = get_preset(model)
+    plan = pipelines(cfg.num_layers, [microbatches], mbs=1, tp=tp)
+    counts: dict[int, list[int]] = {rank: [] for rank in range(tp)}
+    arounds = {rank: counting(counts[rank]) for rank in range(tp)}
+    trained(model, plan, run_dir, recompute=recompute,
+            around=lambda trainer: arounds[trainer.layout.tp_rank](trainer))  # type: ignore[operator]
+    return counts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
+def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int) -> None:
+    cfg = get_preset("tiny")
+    counts = measured("tiny", tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path)
+    expected = modelled("tiny", tp=tp, recompute=recompute, tokens=cfg.seq_len)
+    for rank, per_forward in counts.items():
+        assert per_forward == [expected] * 2, f"tensor-parallel rank {rank}"
+
+
+@pytest.mark.timeout(120)
+def test_the_planner_profile_carries_each_modes_figure() -> None:
+    """The planner's layers under each mode (`gpt_layer_counts` -> the derived profile) are the
+    same figures at TP 1: what this file measures is what the templates plan with."""
+    spec = ClusterSpec(model="tiny", nodes=1, global_batch=2, microbatch=1)
+    profile = cluster_profile(spec)
+    for mode in RECOMPUTE_MODES:
+        planned = sum(layer.under(mode).activation_bytes for layer in profile.layers)
+        assert planned == modelled("tiny", tp=1, recompute=mode, tokens=get_preset("tiny").seq_len)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["small", "gpt2-124m"])
+def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) -> None:
+    """small and gpt2-124m (sequence 1024), every mode, TP 1 and 2: one microbatch each."""
+    cfg = get_preset(model)
+    for tp in (1, 2):
+        for recompute in RECOMPUTE_MODES:
+            counts = measured(model, tp=tp, recompute=recompute, microbatches=1, run_dir=tmp_path / f"{tp}-{recompute}")
+            expected = modelled(model, tp=tp, recompute=recompute, tokens=cfg.seq_len)
+            assert counts == {rank: [expected] for rank in range(tp)}, (tp, recompute)
