@@ -142,6 +142,10 @@ def register(subparsers: Any) -> None:
                         "default: no cap)")
     # ---- activation recomputation (elastic/model/gpt.py) ----
     add_recompute_flag(parser)
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="split the activations between the tensor-parallel regions (LayerNorms, residual, "
+                        "dropout) along the sequence, and what crosses between stages with them (default: on with "
+                        "--gpus-per-node > 1); the same function, summed in another order (within 1e-5)")
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "
@@ -181,10 +185,11 @@ def _unwind_on_sigterm() -> None:
 
 def _recomputing(spec: JobSpec) -> str:
     """", recomputing full on 2 of 4 stages" when some stage recomputes (the plan's choice or
-    the forced mode), else nothing."""
+    the forced mode), and ", sequence-parallel" when the stages are; else nothing."""
     stages = [spec.stage_recompute(st.recompute) for pipe in spec.plan.pipelines for st in pipe.stages]
     modes = [f"{mode} on {stages.count(mode)} of {len(stages)} stages" for mode in RECOMPUTE_MODES[1:] if mode in stages]
-    return f", recomputing {' and '.join(modes)}" if modes else ""
+    sp = ", sequence-parallel" if spec.sequence_parallel_on else ""
+    return (f", recomputing {' and '.join(modes)}" if modes else "") + sp
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -142,6 +142,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
             eval_batches=_eval_batches(args),
             shape=shape,
             recompute=args.recompute,
+            sequence_parallel=args.sequence_parallel,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

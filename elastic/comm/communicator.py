@@ -219,6 +219,17 @@ class Communicator:
         assert work is not None
         return self._posted_handle([work], recorded)
 
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        """Post a reduce-scatter (sum) of every rank's `tensor` into `output`: rank r gets the sum
+        of chunk r of the first dimension (`output` is 1/size of `tensor`)."""
+        self._check_open()
+        recorded = self._record_collective("reduce_scatter", tensor.numel() * tensor.element_size())
+        # torch 2.13 names it reduce_scatter_single (reduce_scatter_tensor, deprecated, before)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = reduce_scatter(output, tensor, group=self.group, async_op=True)
+        assert work is not None
+        return self._posted_handle([work], recorded)
+
     def pending(self) -> int:
         """How many posted groups of operations may still be queued (never waited for, not complete)."""
         with self._lock:

@@ -51,7 +51,7 @@ class Op:
     id: int
     """Unique within the recorder: what a wait names."""
     kind: str
-    """"send", "recv", or a collective ("all_reduce", "all_gather", "barrier")."""
+    """"send", "recv", or a collective ("all_reduce", "all_gather", "reduce_scatter", "barrier")."""
     peer: int | None = None
     """Peer's rank in the communicator (point-to-point only)."""
     nbytes: int = 0

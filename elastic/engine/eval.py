@@ -21,7 +21,7 @@ import torch
 
 from elastic.data.dataset import TokenDataset
 from elastic.engine.device import compute_precision, wire_dtype
-from elastic.parallel.executor import MicrobatchResult, StageSpec, run_schedule
+from elastic.parallel.executor import MicrobatchResult, StageSpec, boundary_shape, run_schedule
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.schedule import forward_only
@@ -76,7 +76,8 @@ def _run_share(
     """Forward this pipeline's held-out microbatches through my stage; local index -> loss (on a
     last stage)."""
     spec = StageSpec(rank=layout.rank, prev_rank=layout.prev_rank, next_rank=layout.next_rank,
-                     act_shape=(batch_size, dataset.seq_len, d_model), act_dtype=wire_dtype(device))
+                     act_shape=boundary_shape(module, batch_size, dataset.seq_len, d_model),
+                     act_dtype=wire_dtype(device))
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -224,7 +224,8 @@ class GenerationBuilder:
         first, last = layout.layers
         with torch.device("meta"):
             skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False,
-                                recompute=self._recompute(layout))
+                                recompute=self._recompute(layout),
+                              sequence_parallel=self.spec.sequence_parallel_on)
         buffers = _Background(lambda: StepTransaction.buffers_for(
             skeleton, layout=layout, layer_of=self.layer_of, device=self.device), self.device)
         return groups, skeleton, buffers
@@ -247,7 +248,8 @@ class GenerationBuilder:
         first, last = layout.layers
         if not held and not fetched:
             module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device,
-                              recompute=self._recompute(layout))
+                              recompute=self._recompute(layout),
+                              sequence_parallel=self.spec.sequence_parallel_on)
             optimizer = build_optimizer(module, self.spec.optim)
         else:
             module = skeleton

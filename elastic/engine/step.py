@@ -41,7 +41,7 @@ from elastic.parallel.blocks import Block, decompose
 from elastic.parallel.bucket_reducer import BucketReducer, plan_blocks
 from elastic.parallel.buckets import accum_buckets, bucket_layout
 from elastic.parallel.exchange import TreeExchange
-from elastic.parallel.executor import MicrobatchResult, StageSpec, run_schedule
+from elastic.parallel.executor import MicrobatchResult, StageSpec, boundary_shape, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import GradStats, VoteInterrupted, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
@@ -219,7 +219,7 @@ class StepTransaction:
             rank=layout.rank,
             prev_rank=layout.prev_rank,
             next_rank=layout.next_rank,
-            act_shape=(plan.microbatch_size, dataset.seq_len, d_model),
+            act_shape=boundary_shape(module, plan.microbatch_size, dataset.seq_len, d_model),
             act_dtype=wire_dtype(device),
         )
         self.pending: int | None = None

@@ -1,9 +1,16 @@
-"""The four differentiable tensor-parallel collectives, each a no-op on a group of size 1.
+"""The differentiable tensor-parallel collectives, each a no-op on a group of size 1.
 
     copy_to_tp      forward: identity          backward: all-reduce (sum)
     reduce_from_tp  forward: all-reduce (sum)  backward: identity
     gather_from_tp  forward: all-gather (last dim)  backward: keep own slice
     scatter_to_tp   forward: keep own slice (last dim)  backward: all-gather
+
+and, for sequence parallelism (activations of shape (batch, seq, ...) split along seq):
+
+    gather_seq          forward: all-gather (seq)      backward: reduce-scatter (seq)
+    reduce_scatter_seq  forward: reduce-scatter (seq)  backward: all-gather (seq)
+    seq_parallel_linear forward: all-gather (seq), then the column-parallel linear; it keeps
+                        only the local sequence shard, and gathers it again in the backward
 
 Every tensor-parallel layer is built from these; they take the group explicitly.
 """
@@ -13,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from elastic.model.tensor_parallel import TensorParallel
 
@@ -32,6 +40,22 @@ def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def _own_slice_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     width = tp.divide(x.shape[-1], "last dimension")
     return x[..., tp.rank * width : (tp.rank + 1) * width].contiguous()
+
+
+def _all_gather_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(batch, seq / tp, ...) on each rank -> (batch, seq, ...), rank r's shard at r."""
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    tp.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """(batch, seq, ...) partial sums on each rank -> rank r's sequence shard of their sum."""
+    shard = tp.divide(x.shape[1], "sequence length")
+    seq_first = x.transpose(0, 1).contiguous()  # the collective splits the first dimension
+    out = torch.empty((shard, *seq_first.shape[1:]), dtype=x.dtype, device=x.device)
+    tp.reduce_scatter(out, seq_first)
+    return out.transpose(0, 1).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -77,6 +101,50 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather_last(grad, ctx.tp), None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return _all_gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_seq(grad, ctx.tp), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_seq(grad, ctx.tp), None
+
+
+class _SeqParallelLinear(torch.autograd.Function):
+    """y = gather_seq(x) W^T + b, keeping x's sequence shard (not the gathered input) for the
+    backward, which gathers it again to form W's gradient (Korthikanti et al., 2022)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                tp: TensorParallel) -> torch.Tensor:
+        ctx.tp, ctx.has_bias = tp, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_all_gather_seq(x, tp), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = _reduce_scatter_seq(grad @ weight.to(grad.dtype), ctx.tp).to(x.dtype)
+        full = _all_gather_seq(x, ctx.tp).to(grad.dtype)
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_w = (flat.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        grad_b = flat.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, sum the gradients backward."""
     return x if tp.size == 1 else _CopyToTP.apply(x, tp)
@@ -95,3 +163,22 @@ def gather_from_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def scatter_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Keep this rank's last-dimension slice (forward); all-gather the gradient (backward)."""
     return x if tp.size == 1 else _ScatterToTP.apply(x, tp)
+
+
+def gather_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Leave a sequence-parallel region: all-gather the sequence (forward), reduce-scatter (backward)."""
+    return x if tp.size == 1 else _GatherSeq.apply(x, tp)
+
+
+def reduce_scatter_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Enter a sequence-parallel region from partial sums: reduce-scatter the sequence (forward),
+    all-gather (backward)."""
+    return x if tp.size == 1 else _ReduceScatterSeq.apply(x, tp)
+
+
+def seq_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        tp: TensorParallel) -> torch.Tensor:
+    """The column-parallel linear of a sequence-parallel input shard (module doc)."""
+    if tp.size == 1:
+        return F.linear(x, weight, bias)
+    return _SeqParallelLinear.apply(x, weight, bias, tp)

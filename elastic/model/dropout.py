@@ -22,8 +22,15 @@ def dropout_mask(
     return keep.to(torch.float32) / (1.0 - p)
 
 
-def apply_dropout(x: torch.Tensor, p: float, *, seed: int, key: int, site: str, training: bool) -> torch.Tensor:
-    """Dropout of a replicated activation (the whole tensor is the full activation)."""
+def apply_dropout(
+    x: torch.Tensor, p: float, *, seed: int, key: int, site: str, training: bool, seq_shard: tuple[int, int] = (0, 1)
+) -> torch.Tensor:
+    """Dropout of a replicated activation (the whole tensor is the full activation), or with
+    `seq_shard` = (rank, shards) of shard `rank` of a (batch, seq, ...) activation split along
+    the sequence (sequence parallelism): the full mask's rows of that shard."""
     if not training or p == 0.0:
         return x
-    return x * dropout_mask(tuple(x.shape), p, seed=seed, key=key, site=site, device=x.device).to(x.dtype)
+    rank, shards = seq_shard
+    shape = (x.shape[0], x.shape[1] * shards, *x.shape[2:])
+    mask = dropout_mask(shape, p, seed=seed, key=key, site=site, device=x.device)
+    return x * mask[:, rank * x.shape[1]:(rank + 1) * x.shape[1]].to(x.dtype)

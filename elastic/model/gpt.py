@@ -12,6 +12,15 @@ each block's input and runs the whole block again (its tensor-parallel all-reduc
 Both use torch's non-reentrant checkpoint. Dropout masks depend only on (seed, key, site)
 (model/dropout.py), so the recomputed forward draws the same masks and the gradients are the
 same, bit for bit, in every mode.
+
+Sequence parallelism (`sequence_parallel`, with tensor parallelism; Korthikanti et al., 2022):
+between the tensor-parallel regions (the LayerNorms, the residual stream and its dropout) each
+rank holds 1/tp of the sequence. The embedding reduce-scatters its vocabulary-parallel lookups
+along the sequence, each column-parallel layer all-gathers its input shard, each row-parallel
+layer reduce-scatters its output, and the stage's output (what crosses to the next stage) is
+the rank's shard: (batch, seq / tp, d_model). A replicated parameter used on a shard (LayerNorm
+weights and biases, row-parallel biases, positions) sums its gradient over the ranks. The same
+function as without it (masks of the full activation, sliced), summed in another order.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from elastic.model.collectives import copy_to_tp
 from elastic.model.config import GPTConfig, check_recompute
 from elastic.model.dropout import apply_dropout, dropout_mask
 from elastic.model.init import full_initial_value, shard_tensor
@@ -42,45 +52,64 @@ def _recomputing(mode: str, wanted: str) -> bool:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension; replicated on every tensor-parallel rank."""
+    """LayerNorm over the last dimension; replicated on every tensor-parallel rank (with
+    `sequence_parallel`, applied to the rank's sequence shard: its gradients are summed over
+    the ranks)."""
 
-    def __init__(self, dim: int, *, tp: TensorParallel) -> None:
+    def __init__(self, dim: int, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.weight = sharded_parameter((dim,), None, tp)
         self.bias = sharded_parameter((dim,), None, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps=1e-5)
+        weight: torch.Tensor = self.weight
+        bias: torch.Tensor = self.bias
+        if self.sequence_parallel:
+            weight, bias = copy_to_tp(weight, self.tp), copy_to_tp(bias, self.tp)
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+def _seq_shard(tp: TensorParallel, sequence_parallel: bool) -> tuple[int, int]:
+    """(rank, shards) of the sequence a rank holds between tensor-parallel regions."""
+    return (tp.rank, tp.size) if sequence_parallel else (0, 1)
 
 
 class Embedding(nn.Module):
     """Planning layer 0: vocab-parallel token embedding + learned positions."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp=tp)
+        self.cfg, self.tp, self.sequence_parallel = cfg, tp, sequence_parallel
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
         self.wpe = sharded_parameter((cfg.seq_len, cfg.d_model), None, tp)
 
     def forward(self, tokens: torch.Tensor, key: int) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds the model's seq_len={self.cfg.seq_len}")
-        x = self.wte(tokens) + self.wpe[:seq]  # (batch, seq, d_model)
-        return apply_dropout(x, self.cfg.dropout, seed=self.cfg.init_seed, key=key, site="embed", training=self.training)
+        positions = self.wpe[:seq]
+        shard = _seq_shard(self.tp, self.sequence_parallel)
+        if self.sequence_parallel:  # this rank's positions; their gradient summed over the ranks
+            width = self.tp.divide(seq, "sequence length")
+            positions = copy_to_tp(positions, self.tp)[shard[0] * width:(shard[0] + 1) * width]
+        x = self.wte(tokens) + positions  # (batch, seq [/ tp], d_model)
+        return apply_dropout(x, self.cfg.dropout, seed=self.cfg.init_seed, key=key, site="embed", training=self.training,
+                             seq_shard=shard)
 
 
 class Attention(nn.Module):
     """Causal self-attention; this rank computes n_head / tp of the heads."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none") -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none",
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.tp, self.site, self.recompute = cfg, tp, site, recompute
         self.local_heads = tp.divide(cfg.n_head, "n_head")
         # Full qkv rows are laid out head-major, (n_head, 3, head_dim), so a contiguous row slice
         # holds the q, k and v of this rank's heads.
-        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp=tp)
-        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp)
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
         qkv = self.qkv(x)  # (batch, seq, 3 x local width)
@@ -115,10 +144,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU MLP of 4x width; the hidden width is split across tensor-parallel ranks."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp=tp)
-        self.proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp=tp)
+        self.fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp=tp, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -127,27 +156,32 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block (planning layers 1..n_layer)."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none") -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none",
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.site = cfg, site
-        self.ln1 = LayerNorm(cfg.d_model, tp=tp)
-        self.attn = Attention(cfg, tp=tp, site=site, recompute=recompute)
-        self.ln2 = LayerNorm(cfg.d_model, tp=tp)
-        self.mlp = MLP(cfg, tp=tp)
+        self.shard = _seq_shard(tp, sequence_parallel)
+        self.ln1 = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.attn = Attention(cfg, tp=tp, site=site, recompute=recompute, sequence_parallel=sequence_parallel)
+        self.ln2 = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.mlp = MLP(cfg, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        p, seed, training = self.cfg.dropout, self.cfg.init_seed, self.training
-        x = x + apply_dropout(self.attn(self.ln1(x), key), p, seed=seed, key=key, site=f"{self.site}.res1", training=training)
-        return x + apply_dropout(self.mlp(self.ln2(x)), p, seed=seed, key=key, site=f"{self.site}.res2", training=training)
+        p, seed, training, shard = self.cfg.dropout, self.cfg.init_seed, self.training, self.shard
+        x = x + apply_dropout(self.attn(self.ln1(x), key), p, seed=seed, key=key, site=f"{self.site}.res1",
+                              training=training, seq_shard=shard)
+        return x + apply_dropout(self.mlp(self.ln2(x)), p, seed=seed, key=key, site=f"{self.site}.res2",
+                                 training=training, seq_shard=shard)
 
 
 class Head(nn.Module):
     """Last planning layer: final LayerNorm + untied output projection (vocab-sharded logits)."""
 
-    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel) -> None:
+    def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.ln_f = LayerNorm(cfg.d_model, tp=tp)
-        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp=tp, bias=False)
+        self.ln_f = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp=tp, bias=False,
+                                            sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))  # (batch, seq, vocab / tp)
@@ -171,10 +205,13 @@ class GPTStage(nn.Module):
         device: torch.device | str | None = None,
         initialise: bool = True,
         recompute: str = "none",
+        sequence_parallel: bool = False,
     ) -> None:
         """`initialise=False` leaves the parameters unset (for a caller that fills every one,
         e.g. built under `torch.device("meta")` and then given kept or fetched tensors);
-        `recompute`: what the backward recomputes (module doc)."""
+        `recompute`: what the backward recomputes; `sequence_parallel`: split the activations
+        between the tensor-parallel regions along the sequence (module doc; nothing to split
+        without tensor parallelism)."""
         super().__init__()
         self.recompute = check_recompute(recompute)
         last = cfg.num_layers if last is None else last
@@ -183,11 +220,17 @@ class GPTStage(nn.Module):
         self.cfg, self.first, self.last = cfg, first, last
         self.tp = tp or TensorParallel.single()
         cfg.check_tensor_parallel(self.tp.size)
-        self.embed = Embedding(cfg, tp=self.tp) if first == 0 else None
+        sp = self.sequence_parallel = sequence_parallel and self.tp.size > 1
+        if sp:
+            self.tp.divide(cfg.seq_len, "seq_len")
+        self.seq_shards = self.tp.size if sp else 1
+        """Shards of the sequence a stage's input and output activations are split into."""
+        self.embed = Embedding(cfg, tp=self.tp, sequence_parallel=sp) if first == 0 else None
         block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
-        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute)
+        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute,
+                                                   sequence_parallel=sp)
                                      for k in block_ids})
-        self.head = Head(cfg, tp=self.tp) if last == cfg.num_layers else None
+        self.head = Head(cfg, tp=self.tp, sequence_parallel=sp) if last == cfg.num_layers else None
         if initialise:
             self._initialise()
         if device is not None:

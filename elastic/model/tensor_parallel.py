@@ -47,6 +47,11 @@ class TensorParallel:
         assert self.group is not None
         self._complete(self.group.all_gather(parts, x))
 
+    def reduce_scatter(self, output: torch.Tensor, x: torch.Tensor) -> None:
+        """Sum every rank's `x` and keep chunk `rank` of its first dimension in `output`, and wait."""
+        assert self.group is not None
+        self._complete(self.group.reduce_scatter(output, x))
+
     def _complete(self, work: Handle) -> None:
         if self.wait is None:
             work.wait()

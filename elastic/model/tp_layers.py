@@ -3,6 +3,12 @@
 Each parameter carries two attributes used by initialisation, checkpointing and shard transfer:
 `tp_dim` (the dimension split across tensor-parallel ranks, or None when replicated) and
 `full_shape` (its unsharded shape).
+
+With `sequence_parallel` (Korthikanti et al., 2022) the activations between the tensor-parallel
+regions are split along the sequence: a column-parallel layer all-gathers its input shard (and
+keeps only the shard for its backward), a row-parallel layer reduce-scatters its output instead
+of all-reducing it, and a replicated parameter used on a shard (a row-parallel bias) has its
+gradient summed over the ranks (`copy_to_tp`), each rank having seen only its tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from elastic.model.collectives import copy_to_tp, gather_from_tp, reduce_from_tp
+from elastic.model.collectives import (
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    seq_parallel_linear,
+)
 from elastic.model.tensor_parallel import TensorParallel
 
 
@@ -32,46 +44,61 @@ def sharded_parameter(full_shape: tuple[int, ...], tp_dim: int | None, tp: Tenso
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: each rank computes a slice of the outputs.
 
-    Input is replicated across ranks; output is this rank's slice unless `gather_output`.
+    Input is replicated across ranks (with `sequence_parallel`: this rank's sequence shard,
+    all-gathered here); output is this rank's slice unless `gather_output`.
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True, gather_output: bool = False
+        self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True, gather_output: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.weight = sharded_parameter((out_features, in_features), 0, tp)
         self.bias = sharded_parameter((out_features,), 0, tp) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        if self.sequence_parallel:
+            y = seq_parallel_linear(x, self.weight, self.bias, self.tp)
+        else:
+            y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns: each rank takes a slice of the inputs.
 
-    Partial products are summed across ranks; the bias is added once, after the sum.
+    Partial products are summed across ranks (with `sequence_parallel`: reduce-scattered along
+    the sequence); the bias is added once, after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel
         self.weight = sharded_parameter((out_features, in_features), 1, tp)
         self.bias = sharded_parameter((out_features,), None, tp) if bias else None
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x_shard, self.weight), self.tp)
+        partial = F.linear(x_shard, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_seq(partial, self.tp)
+            return y if self.bias is None else y + copy_to_tp(self.bias, self.tp)
+        y = reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the vocabulary split across ranks; lookups are summed across ranks."""
+    """Token embedding with the vocabulary split across ranks; lookups are summed across ranks
+    (with `sequence_parallel`: reduce-scattered along the sequence)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, tp: TensorParallel) -> None:
+    def __init__(self, vocab_size: int, dim: int, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.tp = tp
+        self.sequence_parallel = sequence_parallel
         self.weight = sharded_parameter((vocab_size, dim), 0, tp)
         self.vocab_start = tp.rank * self.weight.shape[0]
 
@@ -80,7 +107,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (batch, seq, dim)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.tp)
+        return reduce_scatter_seq(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -27,6 +27,13 @@ _ACT_TAG = 0
 _GRAD_TAG = 1
 
 
+def boundary_shape(module: torch.nn.Module, batch: int, seq: int, d_model: int) -> tuple[int, int, int]:
+    """Shape of one microbatch's activation `module` (a stage) sends and receives: the
+    sequence split into the stage's `seq_shards` under sequence parallelism (model/gpt.py)."""
+    shards = int(getattr(module, "seq_shards", 1))
+    return (batch, seq // shards, d_model)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageSpec:
     """Where a stage sits in its pipeline and what flows across its links."""
@@ -38,7 +45,8 @@ class StageSpec:
     next_rank: int | None
     """World-group rank of the next stage's worker with my TP rank; None on the last stage."""
     act_shape: tuple[int, ...]
-    """Shape of one microbatch's activation sent between stages: (batch, seq, d_model)."""
+    """Shape of one microbatch's activation sent between stages: (batch, seq, d_model), or with
+    sequence parallelism this rank's shard, (batch, seq / tp, d_model) (`boundary_shape`)."""
     act_dtype: torch.dtype = torch.float32
     """Dtype of activations and their gradients on the wire."""
 

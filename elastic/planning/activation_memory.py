@@ -31,10 +31,11 @@ class Saved:
     """Elements per token the loss holds at its peak beyond them (the head), for `head_bytes`."""
 
 
-def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none") -> Saved:
-    """What planning layer `index` keeps per microbatch on one of `tp` ranks under `recompute`
-    (model/gpt.py; measured on this model: saved-tensor hooks over one layer, fp32 and bf16
-    autocast).
+def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none",
+                sequence_parallel: bool = False) -> Saved:
+    """What planning layer `index` keeps per microbatch on one of `tp` ranks under `recompute`,
+    sequence-parallel or not (model/gpt.py; measured on this model: saved-tensor hooks over one
+    layer, fp32 and bf16 autocast, and over a real Trainer step).
 
     A block keeps in the compute dtype its two LayerNorm outputs (the column-parallel inputs) and
     its sharded q/k/v, attention output, MLP input and GELU output: 2d + 12d / tp elements; in
@@ -49,19 +50,33 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
     v and its output stay: the projections keep them). `full` keeps only the block's fp32 input
     (4d bytes); the block's activations live again, one block at a time, while its backward runs
     (`recompute_workspace`).
+
+    Sequence parallelism (with tp > 1) splits what the LayerNorms and the residual stream keep
+    along the sequence: the fp32 inputs and statistics by tp; and each column-parallel layer
+    keeps its input shard as it came (the LayerNorm's fp32 output, d / tp per token) instead of
+    the gathered input, so under autocast the qkv, MLP-input and head weights are not copied
+    (their rerun in the backward casts in place: only the row-parallel weights' copies are kept).
     """
     d, kind = cfg.d_model, cfg.layer_kind(index)
+    sp = tp if sequence_parallel and tp > 1 else 0  # 0: not sequence-parallel
+    shard = sp or 1  # what the sequence-parallel regions are divided by
     if kind == "block" and recompute == "full":
-        return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d, cast_params=0)
+        return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d / shard, cast_params=0)
     if kind == "embedding":
         return Saved(elements_per_token=0.0, bytes_per_token=8 + 1, cast_params=0)
     if kind == "head":
+        if sp:
+            return Saved(elements_per_token=0.0, bytes_per_token=4.0 * (2 * d + 2) / sp, cast_params=0,
+                         workspace_per_token=cfg.vocab_size / tp)
         return Saved(elements_per_token=float(d), bytes_per_token=4.0 * (d + 2), cast_params=cfg.vocab_size // tp * d,
                      workspace_per_token=cfg.vocab_size / tp)
     heads = cfg.n_head / tp
     core = recompute != "selective"  # the attention core's own activations are kept
     attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 and core else 0.0
     fused = 4.0 * heads if cfg.dropout == 0 and core else 0.0
+    if sp:  # the LayerNorm outputs in fp32, sharded; only attn.proj's and mlp.proj's weights copied
+        return Saved(elements_per_token=12.0 * d / tp + attention, bytes_per_token=4.0 * (4 * d + 4) / sp + fused,
+                     cast_params=5 * d * d // tp)
     return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + fused,
                  cast_params=12 * d * d // tp)
 
@@ -86,7 +101,7 @@ def head_bytes(cfg: GPTConfig, *, tokens: int, tp: int = 1, element_bytes: int =
 
 
 def recompute_workspace(cfg: GPTConfig, layers: tuple[int, int], *, tp: int, recompute: str, tokens: int,
-                        element_bytes: int) -> int:
+                        element_bytes: int, sequence_parallel: bool = False) -> int:
     """Bytes that live again while a `full` stage's backward recomputes a block: one block's
     activations without recomputation, for one microbatch (0 in the other modes, or without a
     block in `layers`)."""
@@ -94,4 +109,5 @@ def recompute_workspace(cfg: GPTConfig, layers: tuple[int, int], *, tp: int, rec
     blocks = [i for i in range(first, last) if cfg.layer_kind(i) == "block"]
     if recompute != "full" or not blocks:
         return 0
-    return saved_bytes(layer_saved(cfg, blocks[0], tp), tokens=tokens, element_bytes=element_bytes)
+    return saved_bytes(layer_saved(cfg, blocks[0], tp, sequence_parallel=sequence_parallel), tokens=tokens,
+                       element_bytes=element_bytes)

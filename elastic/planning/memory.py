@@ -66,6 +66,7 @@ def worker_memory(
     pipeline: int = 0,
     tp_rank: int = 0,
     recompute: str = "none",
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """The memory of one worker holding planning layers [first, last) of `cfg`.
 
@@ -79,7 +80,8 @@ def worker_memory(
     dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere). `tp_rank`: rank 0 also
     measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
     backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
-    activations living again during its backward (`recompute_workspace`).
+    activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
+    the stages split the sequence between the tensor-parallel regions (and send their shard).
     """
     first, last = layers
     if not 0 <= first < last <= cfg.num_layers:
@@ -93,11 +95,12 @@ def worker_memory(
     state = state_bytes([layer_elements(cfg, i, tp) for i in range(first, last)], share, device_type)
     tokens = microbatch_size * cfg.seq_len
     element = compute_dtype.itemsize
-    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp, recompute), tokens=tokens, element_bytes=element)
-                         for i in range(first, last))
-    workspace = recompute_workspace(cfg, layers, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element)
+    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp, recompute, sequence_parallel), tokens=tokens,
+                                     element_bytes=element) for i in range(first, last))
+    workspace = recompute_workspace(cfg, layers, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,
+                                    sequence_parallel=sequence_parallel)
     if last < cfg.num_layers:  # a non-last stage keeps its output (in the wire's dtype) until its backward
-        per_microbatch += tokens * cfg.d_model * element
+        per_microbatch += tokens * cfg.d_model * element // (tp if sequence_parallel else 1)
     head = head_bytes(cfg, tokens=tokens, tp=tp, element_bytes=element) if last == cfg.num_layers else 0
     return MemoryEstimate(params_and_state=state.total, activations=in_flight * per_microbatch + workspace, head=head,
                           reserve=reserve_bytes(device_type), state=state)

@@ -67,6 +67,10 @@ class JobSpec(JsonRecord):
     (default: each stage as its plan says, the planner's choice), or forced on every stage:
     "none", "selective" (the attention core) or "full" (each block from its input). The
     gradients are the same, bit for bit, in every mode."""
+    sequence_parallel: bool | None = None
+    """Split the activations between the tensor-parallel regions along the sequence
+    (`elastic run --sequence-parallel/--no-sequence-parallel`, model/gpt.py); None (default): on
+    where the plan is tensor-parallel. The same function as without it, summed in another order."""
     # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
     eval_every: int = 0
     """Compute the validation loss after every this many committed steps and after the last
@@ -101,6 +105,11 @@ class JobSpec(JsonRecord):
     def model_config(self) -> GPTConfig:
         """The model's shape: `shape`, or the preset's."""
         return self.shape if self.shape is not None else get_preset(self.model)
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Whether the stages run sequence-parallel: asked for (or by default) and tensor-parallel."""
+        return self.plan.gpus_per_node > 1 and self.sequence_parallel is not False
 
     def stage_recompute(self, planned: str) -> str:
         """What a stage whose plan says `planned` recomputes: the forced mode, or `planned`."""

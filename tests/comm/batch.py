@@ -23,13 +23,14 @@ from tests.comm.patterns import features
 
 
 @functools.cache
-def _reference(tp: int, microbatches: int, root: Path) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    return reference_shards(tp, microbatches, root / f"ref-tp{tp}-m{microbatches}")
+def _reference(tp: int, microbatches: int, sp: bool, root: Path) -> dict[ShardKey, dict[str, torch.Tensor]]:
+    return reference_shards(tp, microbatches, root / f"ref-tp{tp}-m{microbatches}-sp{sp:d}", sequence_parallel=sp)
 
 
 def differences(case: Case, outcome: Outcome, root: Path) -> list[str]:
     """Where the shards every worker holds after the job differ from the one-process run's."""
-    want = _reference(case.plan1.gpus_per_node, case.plan1.global_microbatches, root)
+    want = _reference(case.plan1.gpus_per_node, case.plan1.global_microbatches,
+                      case.sequence_parallel and case.plan1.gpus_per_node > 1, root)
     held = {key for mine in outcome.shards.values() for key in mine}
     if held != set(want):
         return [f"shards held {sorted(held)}, want {sorted(want)}"]

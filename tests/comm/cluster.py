@@ -58,6 +58,9 @@ class Case:
     recompute: str = "none"
     """What every stage's backward recomputes (model/gpt.py): `full` posts a block's
     tensor-parallel all-reduces again inside the backward."""
+    sequence_parallel: bool = True
+    """With TP 2, whether the stages run sequence-parallel (model/gpt.py): all-gathers and
+    reduce-scatters instead of all-reduces, shards of the sequence between stages."""
 
 
 @dataclass
@@ -98,7 +101,8 @@ def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatch
 
 def random_case(seed: int) -> Case:
     """A case drawn from `seed`: plans of up to 4 nodes (8 workers with TP 2), a failure of one
-    pipeline's nodes or of none, spares, partial replay, evaluation, a recompute mode."""
+    pipeline's nodes or of none, spares, partial replay, evaluation, a recompute mode, sequence
+    parallelism on or off."""
     rng = random.Random(seed)
     tp = rng.choice((1, 1, 2))
     nodes = list(range(rng.randint(1, 4 if tp == 1 else 3)))
@@ -114,7 +118,7 @@ def random_case(seed: int) -> Case:
     partial = bool(failed) and rng.random() < 0.6
     evaluate = rng.random() < 0.3
     return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
-                recompute=rng.choice(("none", "none", "selective", "full")))
+                recompute=rng.choice(("none", "none", "selective", "full")), sequence_parallel=rng.random() < 0.5)
 
 
 Worker = tuple[int, int]
@@ -135,7 +139,7 @@ class _Job:
         tp = case.plan1.gpus_per_node
         self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
                             device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3,
-                            recompute=case.recompute)
+                            recompute=case.recompute, sequence_parallel=case.sequence_parallel)
         self.workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
         self.recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in self.workers}
         self.trainers: dict[Worker, Trainer] = {}
@@ -226,13 +230,15 @@ class _Job:
         _on_threads([(run, w) for w in workers], self.timeout_s)
 
 
-def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 3) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    """Every shard after `steps` steps of one pipeline of one stage on one node (`tp` workers):
-    what any plan, failure and replay must end with, bit for bit (the step's summation tree)."""
+def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 3,
+                     sequence_parallel: bool = True) -> dict[ShardKey, dict[str, torch.Tensor]]:
+    """Every shard after `steps` steps of one pipeline of one stage on one node (`tp` workers,
+    sequence-parallel or not): what any plan, failure and replay must end with, bit for bit
+    (the step's summation tree)."""
     plan = Plan(num_layers=LAYERS, microbatch_size=1, gpus_per_node=tp, fault_tolerance=0,
                 pipelines=(PipelinePlan(stages=(StagePlan(node=0, layers=(0, LAYERS)),), microbatches=microbatches),))
     spec = JobSpec(model="tiny", shape=SHAPE, plan=plan, steps=4, run_dir=str(run_dir), optim=OPTIM, device="cpu",
-                   eval_every=100, eval_batches=3)
+                   eval_every=100, eval_batches=3, sequence_parallel=sequence_parallel)
     store = dist.HashStore()
     out: dict[ShardKey, dict[str, torch.Tensor]] = {}
     lock = threading.Lock()

@@ -18,6 +18,7 @@ WANTED = frozenset({
     "heterogeneous plan", "tp=2", "vote", "evaluation", "full-state gather", "partial replay",
     "kept sums moved", "two-way shard moves", "shard rotation", "spare takes a stage",
     "recompute selective", "recompute full with tp=2",  # full reposts TP all-reduces in the backward
+    "sequence parallel with tp=2", "reduce-scatter", "recompute full with sequence parallel",
 })
 
 
@@ -37,6 +38,10 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("partial replay")
     if case.recompute != "none":
         out.add(f"recompute {case.recompute}" + (" with tp=2" if case.plan1.gpus_per_node > 1 else ""))
+    if case.sequence_parallel and case.plan1.gpus_per_node > 1:
+        out.add("sequence parallel with tp=2")
+        if case.recompute == "full":
+            out.add("recompute full with sequence parallel")  # the backward gathers and scatters again
     if set(case.plan2.nodes) - set(case.plan1.nodes):
         out.add("spare takes a stage")
     sends: set[tuple[int, int]] = set()
@@ -45,8 +50,10 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
             if e.kind == "create" and e.comm is not None and not e.comm.endswith("/world"):
                 out.add(f"group of {len(e.members)}")
             for op in e.ops:
-                if op.kind == "all_gather":
+                if op.kind == "all_gather" and not (case.sequence_parallel and case.plan1.gpus_per_node > 1):
                     out.add("full-state gather")
+                if op.kind == "reduce_scatter":
+                    out.add("reduce-scatter")
                 if op.kind == "all_reduce" and op.nbytes == 32:
                     out.add("vote")
                 if e.comm == "g2/world" and op.kind == "send" and op.nbytes == FRAME:

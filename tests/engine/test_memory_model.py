@@ -91,14 +91,14 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto",
+def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", sequence_parallel: bool | None = None,
             around: Callable[[Trainer], AbstractContextManager[object]] | None = None) -> dict[tuple[int, int], Trainer]:
     """Every worker of `plan` after one real step, each a Trainer on a thread of this process
     (one gloo world on a HashStore), with the partial-replay copy of its sums made as an
     abandoned step makes it (`StepTransaction._keep_partial` -> `accum.snapshot()`); the step
     runs inside `around(trainer)` on the worker's thread when given."""
     spec = JobSpec(model=model, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu",
-                   recompute=recompute)
+                   recompute=recompute, sequence_parallel=sequence_parallel)
     store = dist.HashStore()
     out: dict[tuple[int, int], Trainer | BaseException] = {}
 

@@ -1,5 +1,6 @@
 """What autograd saves in a real `Trainer` step equals the memory model's activation figure, to
-the byte, in every recomputation mode and tensor-parallel degree (issue 54).
+the byte, in every recomputation mode and tensor-parallel degree, with sequence parallelism on
+and off (issue 54).
 
 Each worker of a one-stage plan runs one real step (tests/engine/test_memory_model.py's
 `trained`: Trainers on threads, one gloo world) with the public saved-tensor hooks installed on
@@ -21,16 +22,20 @@ import pytest
 import torch
 
 from elastic.engine.trainer import Trainer
+from elastic.model import TensorParallel
 from elastic.model.config import RECOMPUTE_MODES, get_preset
+from elastic.model.gpt import GPTStage
 from elastic.planning.activation_memory import layer_saved, saved_bytes
 from elastic.planning.cluster import ClusterSpec, cluster_profile
+from elastic.planning.profiler import forward_counting_saved
+from tests.comm.support import gloo_comms, on_threads
 from tests.engine.test_memory_model import pipelines, trained
 
 
-def modelled(model: str, *, tp: int, recompute: str, tokens: int) -> int:
+def modelled(model: str, *, tp: int, recompute: str, tokens: int, sp: bool = False) -> int:
     """The memory model's activation bytes of one microbatch of a whole-model stage (fp32)."""
     cfg = get_preset(model)
-    return sum(saved_bytes(layer_saved(cfg, i, tp, recompute), tokens=tokens, element_bytes=4)
+    return sum(saved_bytes(layer_saved(cfg, i, tp, recompute, sp), tokens=tokens, element_bytes=4)
                for i in range(cfg.num_layers))
 
 
@@ -66,24 +71,29 @@ def counting(per_forward: list[int]) -> object:
     return around
 
 
-def measured(model: str, *, tp: int, recompute: str, microbatches: int, run_dir: Path) -> dict[int, list[int]]:
+def measured(model: str, *, tp: int, recompute: str, microbatches: int, run_dir: Path,
+             sp: bool = False) -> dict[int, list[int]]:
     """Per tensor-parallel rank, the bytes each microbatch's forward saved in one real step."""
     cfg = get_preset(model)
     plan = pipelines(cfg.num_layers, [microbatches], mbs=1, tp=tp)
     counts: dict[int, list[int]] = {rank: [] for rank in range(tp)}
     arounds = {rank: counting(counts[rank]) for rank in range(tp)}
-    trained(model, plan, run_dir, recompute=recompute,
+    trained(model, plan, run_dir, recompute=recompute, sequence_parallel=sp,
             around=lambda trainer: arounds[trainer.layout.tp_rank](trainer))  # type: ignore[operator]
     return counts
 
 
+LAYOUTS = [(1, False), (2, False), (2, True)]
+"""(tensor-parallel degree, sequence parallelism): nothing to split at TP 1."""
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "sp"), LAYOUTS)
 @pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
-def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int) -> None:
+def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int, sp: bool) -> None:
     cfg = get_preset("tiny")
-    counts = measured("tiny", tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path)
-    expected = modelled("tiny", tp=tp, recompute=recompute, tokens=cfg.seq_len)
+    counts = measured("tiny", tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path, sp=sp)
+    expected = modelled("tiny", tp=tp, recompute=recompute, tokens=cfg.seq_len, sp=sp)
     for rank, per_forward in counts.items():
         assert per_forward == [expected] * 2, f"tensor-parallel rank {rank}"
 
@@ -103,10 +113,44 @@ def test_the_planner_profile_carries_each_modes_figure() -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", ["small", "gpt2-124m"])
 def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) -> None:
-    """small and gpt2-124m (sequence 1024), every mode, TP 1 and 2: one microbatch each."""
+    """small and gpt2-124m (sequence 1024), every mode, TP 1 and 2, sequence parallelism on and
+    off: one microbatch each."""
     cfg = get_preset(model)
-    for tp in (1, 2):
+    for tp, sp in LAYOUTS:
         for recompute in RECOMPUTE_MODES:
-            counts = measured(model, tp=tp, recompute=recompute, microbatches=1, run_dir=tmp_path / f"{tp}-{recompute}")
-            expected = modelled(model, tp=tp, recompute=recompute, tokens=cfg.seq_len)
-            assert counts == {rank: [expected] for rank in range(tp)}, (tp, recompute)
+            counts = measured(model, tp=tp, recompute=recompute, microbatches=1, run_dir=tmp_path / f"{tp}-{sp}-{recompute}",
+                              sp=sp)
+            expected = modelled(model, tp=tp, recompute=recompute, tokens=cfg.seq_len, sp=sp)
+            assert counts == {rank: [expected] for rank in range(tp)}, (tp, sp, recompute)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", range(get_preset("tiny").num_layers))
+def test_each_sequence_parallel_layer_saves_what_the_model_counts(dtype: torch.dtype, index: int) -> None:
+    """Layer by layer at TP 2 with sequence parallelism (ranks as threads over real gloo
+    communicators), in fp32 and under bf16 autocast (where the column-parallel layers keep
+    their fp32 input shard and no weight copy)."""
+    cfg = get_preset("tiny")
+    comms = gloo_comms(2, name=f"sp-saved-{index}-{dtype}")
+
+    def saved(rank: int) -> int:
+        torch.manual_seed(0)
+        tp = TensorParallel(group=comms[rank], rank=rank, size=2)
+        stage = GPTStage(cfg, first=index, last=index + 1, tp=tp, sequence_parallel=True)
+        shape = (2, cfg.seq_len // (1 if index == 0 else 2))
+        x = (torch.randint(0, cfg.vocab_size, shape) if index == 0
+             else torch.randn(*shape, cfg.d_model, requires_grad=True))
+        params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            _, count = forward_counting_saved(lambda: stage(x, dropout_key=0), params)
+        return count
+
+    try:
+        counts = on_threads(2, saved)
+    finally:
+        for c in comms:
+            c.shutdown()
+    expected = saved_bytes(layer_saved(cfg, index, 2, sequence_parallel=True), tokens=2 * cfg.seq_len,
+                           element_bytes=dtype.itemsize)
+    assert counts == [expected, expected]
