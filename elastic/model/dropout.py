@@ -33,4 +33,6 @@ def apply_dropout(
     rank, shards = seq_shard
     shape = (x.shape[0], x.shape[1] * shards, *x.shape[2:])
     mask = dropout_mask(shape, p, seed=seed, key=key, site=site, device=x.device)
-    return x * mask[:, rank * x.shape[1]:(rank + 1) * x.shape[1]].to(x.dtype)
+    if shards > 1:  # a copy of the rows: the backward keeps it, not the whole mask
+        mask = mask[:, rank * x.shape[1]:(rank + 1) * x.shape[1]].clone()
+    return x * mask.to(x.dtype)

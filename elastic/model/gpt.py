@@ -131,13 +131,15 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)  # (batch, heads, seq, seq)
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=qkv.device).tril()
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            # -inf above the diagonal, added (an addition keeps nothing for its backward)
+            causal = torch.full((seq, seq), float("-inf"), dtype=scores.dtype, device=qkv.device).triu(1)
+            probs = (scores + causal).softmax(dim=-1)
             full = dropout_mask(
                 (batch, self.cfg.n_head, seq, seq), p, seed=self.cfg.init_seed, key=key, site=f"{self.site}.attn", device=qkv.device
             )
             heads = slice(self.tp.rank * self.local_heads, (self.tp.rank + 1) * self.local_heads)
-            y = (probs * full[:, heads].to(probs.dtype)) @ v
+            mask = full[:, heads].clone() if self.tp.size > 1 else full  # the backward keeps my heads' only
+            y = (probs * mask.to(probs.dtype)) @ v
         return y.transpose(1, 2).reshape(batch, seq, self.local_heads * hd)  # (batch, seq, local width)
 
 

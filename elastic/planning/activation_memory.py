@@ -41,9 +41,12 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
     its sharded q/k/v, attention output, MLP input and GELU output: 2d + 12d / tp elements; in
     fp32 its input and the residual after attention (2d), the LayerNorms' mean and rstd (4) and,
     when attention runs fused (no dropout), its log-sum-exp (n_head / tp). With dropout the
-    attention probabilities are kept instead: 2 x n_head x seq / tp elements (an estimate). The
+    attention core keeps instead its probabilities, their dropout mask and the masked product:
+    3 x n_head x seq / tp elements in the compute dtype (as CPU autocast runs it; CUDA's keeps
+    the first two in fp32, 4 more bytes each), and each residual dropout its fp32 mask (d). The
     head keeps its fp32 input and statistics and the LayerNorm output; the embedding its token
-    ids (int64) and the mask of ids outside this rank's vocabulary shard.
+    ids (int64), the mask of ids outside this rank's vocabulary shard and, with dropout, its
+    fp32 dropout mask.
 
     Recomputation changes only the blocks. `selective` drops what the attention core keeps for
     itself: the log-sum-exp of fused attention, or with dropout the probabilities (its input q, k,
@@ -60,10 +63,11 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
     d, kind = cfg.d_model, cfg.layer_kind(index)
     sp = tp if sequence_parallel and tp > 1 else 0  # 0: not sequence-parallel
     shard = sp or 1  # what the sequence-parallel regions are divided by
+    dropped = 4.0 * d / shard if cfg.dropout > 0 else 0.0  # a residual-stream dropout's fp32 mask
     if kind == "block" and recompute == "full":
         return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d / shard, cast_params=0)
     if kind == "embedding":
-        return Saved(elements_per_token=0.0, bytes_per_token=8 + 1, cast_params=0)
+        return Saved(elements_per_token=0.0, bytes_per_token=8 + 1 + dropped, cast_params=0)
     if kind == "head":
         if sp:
             return Saved(elements_per_token=0.0, bytes_per_token=4.0 * (2 * d + 2) / sp, cast_params=0,
@@ -72,12 +76,16 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
                      workspace_per_token=cfg.vocab_size / tp)
     heads = cfg.n_head / tp
     core = recompute != "selective"  # the attention core's own activations are kept
-    attention = 2.0 * heads * cfg.seq_len if cfg.dropout > 0 and core else 0.0
+    # With dropout the core keeps its softmax, its dropout mask and the masked product per head
+    # and key, in the compute dtype (CPU autocast; CUDA's keeps the first two in fp32); fused
+    # attention (no dropout) only its log-sum-exp.
+    attention = 3.0 * heads * cfg.seq_len if cfg.dropout > 0 and core else 0.0
     fused = 4.0 * heads if cfg.dropout == 0 and core else 0.0
+    extra = fused + 2 * dropped  # and the two residual dropouts' masks
     if sp:  # the LayerNorm outputs in fp32, sharded; only attn.proj's and mlp.proj's weights copied
-        return Saved(elements_per_token=12.0 * d / tp + attention, bytes_per_token=4.0 * (4 * d + 4) / sp + fused,
+        return Saved(elements_per_token=12.0 * d / tp + attention, bytes_per_token=4.0 * (4 * d + 4) / sp + extra,
                      cast_params=5 * d * d // tp)
-    return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + fused,
+    return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + extra,
                  cast_params=12 * d * d // tp)
 
 

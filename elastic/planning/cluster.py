@@ -24,7 +24,7 @@ from templates.derive import DeviceSpeed, LayerCounts, RecomputeCounts, derive_p
 from templates.instantiation import instantiate
 from templates.plan import Plan
 from templates.profile import PLANNED_RECOMPUTE, MemoryModel, Profile
-from templates.template_set import TemplateSet, build_templates
+from templates.template_set import PlanningError, TemplateSet, build_templates
 
 DEFAULT_TFLOPS = 100.0
 """Nominal achieved TFLOP/s of one device for derived profiles."""
@@ -259,7 +259,16 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> Tem
 
 
 def initial_plan(spec: ClusterSpec, tset: TemplateSet) -> Plan:
-    """The fastest plan over nodes 0..N-1 with at least f+1 pipelines."""
-    return instantiate(
-        tset, list(range(spec.nodes)), global_microbatches=spec.global_microbatches, fault_tolerance=spec.fault_tolerance
-    )
+    """The fastest plan over nodes 0..N-1 with at least f+1 pipelines. With `auto`
+    recomputation, a plan that recomputes somewhere gives way to the best plan without any
+    recomputation when that one is predicted as fast (recomputation buys nothing there)."""
+    nodes = list(range(spec.nodes))
+    plan = instantiate(tset, nodes, global_microbatches=spec.global_microbatches, fault_tolerance=spec.fault_tolerance)
+    if tset.recompute != "auto" or all(st.recompute == "none" for pipe in plan.pipelines for st in pipe.stages):
+        return plan
+    try:
+        plain = instantiate(cluster_templates(dataclasses.replace(spec, recompute="none")), nodes,
+                            global_microbatches=spec.global_microbatches, fault_tolerance=spec.fault_tolerance)
+    except PlanningError:  # nothing fits without recomputation
+        return plan
+    return plain if plain.iteration_time <= plan.iteration_time * (1 + 1e-9) else plan

@@ -1,6 +1,6 @@
 """bench/activation_memory.py and bench/recompute_cost.py on tiny shapes, so that they cannot rot:
-the first holds every recompute mode's saved bytes (TP 1 and 2, fp32 and bf16) equal to the
-memory model's and exits 0 only then; the second runs each mode once and reports a ratio per mode."""
+the first holds every recompute mode's saved bytes (TP 1 and 2, sequence parallelism off and on,
+fp32 and bf16, with and without dropout) equal to the memory model's and exits 0 only then; the second runs each mode once and reports a ratio per mode."""
 
 from __future__ import annotations
 
@@ -17,13 +17,16 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 
 @pytest.mark.timeout(120)
-def test_activation_memory_equals_the_model_on_tiny(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dropout", ["0", "0.1"])
+def test_activation_memory_equals_the_model_on_tiny(tmp_path: Path, dropout: str) -> None:
     out = tmp_path / "am.json"
     proc = subprocess.run([sys.executable, "-m", "bench.activation_memory", "--model", "tiny", "--seq-len", "64",
-                           "--json", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=110)
+                           "--dropout", dropout, "--json", str(out)], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=110)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 12 and all(r["equal"] for r in rows)
+    assert len(rows) == 18 and all(r["equal"] for r in rows)
+    assert {(r["tp"], r["sequence_parallel"]) for r in rows} == {(1, False), (2, False), (2, True)}
 
 
 @pytest.mark.slow

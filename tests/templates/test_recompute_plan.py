@@ -8,6 +8,9 @@ Trainer step, is tests/engine/test_saved_activations.py."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +25,8 @@ from templates.template_set import PlanningError
 from tests.templates.helpers import SLOW_OR_FILTERED, profiles
 
 pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=SLOW_OR_FILTERED)
@@ -134,3 +139,27 @@ def test_profiles_and_plans_carry_the_modes_and_refuse_bad_ones() -> None:
         for stage in pipe["stages"]:
             del stage["recompute"]
     assert {st.recompute for p in Plan.from_dict(data).pipelines for st in p.stages} == {"none"}
+
+
+def test_as_fast_without_recomputation_is_chosen_without_it() -> None:
+    """gpt3-6.7b, 64 nodes x 1 CUDA device, f = 1: recomputation lets a pipeline of 9-12 nodes
+    exist, but no plan with one is faster than the best plan without: that plan is chosen."""
+    auto, none = _spec(device_type="cuda"), _spec(device_type="cuda", recompute="none")
+    tset = cluster_templates(auto)
+    assert any("full" in t.stage_modes for t in tset.templates.values())
+    assert initial_plan(auto, tset) == initial_plan(none, cluster_templates(none))
+
+
+def test_the_planning_bench_reports_both_predictions(tmp_path: Path) -> None:
+    out = tmp_path / "planning.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.recompute_planning", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["gpus_per_node"], r["device"], r["f"], r["recompute"]): r for r in rows}
+    for (gpus, device, f, mode), row in by.items():
+        if mode == "auto":
+            base = by[(gpus, device, f, "none")]
+            assert row["plan"] is not None
+            assert base["plan"] is None or row["step_s"] <= base["step_s"] * (1 + 1e-9)
+    assert by[(1, "cpu", 4, "none")]["plan"] is None and by[(8, "cuda", 1, "auto")]["stages"] == {"none": 64}
