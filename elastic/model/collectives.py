@@ -11,6 +11,8 @@ and, for sequence parallelism (activations of shape (batch, seq, ...) split alon
     reduce_scatter_seq  forward: reduce-scatter (seq)  backward: all-gather (seq)
     seq_parallel_linear forward: all-gather (seq), then the column-parallel linear; it keeps
                         only the local sequence shard, and gathers it again in the backward
+    copy_params_to_tp   forward: the parameters themselves  backward: one all-reduce (sum) of
+                        all their gradients together (replicated parameters used on a shard)
 
 Every tensor-parallel layer is built from these; they take the group explicitly.
 """
@@ -143,6 +145,26 @@ class _SeqParallelLinear(torch.autograd.Function):
         grad_w = (flat.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
         grad_b = flat.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
+
+
+class _CopyParamsToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tp: TensorParallel, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.tp = tp
+        return tuple(p.view_as(p) for p in params)  # the parameters' own storage: nothing kept
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        ctx.tp.all_reduce(flat)
+        parts = flat.split([g.numel() for g in grads])
+        return (None, *(part.view_as(g) for part, g in zip(parts, grads, strict=True)))
+
+
+def copy_params_to_tp(tp: TensorParallel, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Replicated parameters for use on this rank's part of the data: their gradients are summed
+    over the ranks, all in one all-reduce (module doc)."""
+    return params if tp.size == 1 else _CopyParamsToTP.apply(tp, *params)
 
 
 def copy_to_tp(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from elastic.model.collectives import copy_to_tp
+from elastic.model.collectives import copy_params_to_tp, copy_to_tp
 from elastic.model.config import GPTConfig, check_recompute
 from elastic.model.dropout import apply_dropout, dropout_mask
 from elastic.model.init import full_initial_value, shard_tensor
@@ -53,20 +53,18 @@ def _recomputing(mode: str, wanted: str) -> bool:
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dimension; replicated on every tensor-parallel rank (with
-    `sequence_parallel`, applied to the rank's sequence shard: its gradients are summed over
-    the ranks)."""
+    sequence parallelism applied to the rank's sequence shard: its owner passes stand-ins whose
+    gradients are summed over the ranks)."""
 
-    def __init__(self, dim: int, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
+    def __init__(self, dim: int, *, tp: TensorParallel) -> None:
         super().__init__()
-        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.weight = sharded_parameter((dim,), None, tp)
         self.bias = sharded_parameter((dim,), None, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight: torch.Tensor = self.weight
-        bias: torch.Tensor = self.bias
-        if self.sequence_parallel:
-            weight, bias = copy_to_tp(weight, self.tp), copy_to_tp(bias, self.tp)
+    def forward(self, x: torch.Tensor, params: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`params`: (weight, bias) to use instead of the parameters themselves (their
+        sequence-parallel stand-ins, `copy_params_to_tp`)."""
+        weight, bias = params if params is not None else (self.weight, self.bias)
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
 
 
@@ -111,13 +109,14 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key: int, proj_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`proj_bias`: the output projection's bias to use instead of its own (`RowParallelLinear`)."""
         qkv = self.qkv(x)  # (batch, seq, 3 x local width)
         if _recomputing(self.recompute, "selective"):
             y = checkpoint(self.core, qkv, key, use_reentrant=False)
         else:
             y = self.core(qkv, key)
-        return self.proj(y)
+        return self.proj(y, proj_bias)
 
     def core(self, qkv: torch.Tensor, key: int) -> torch.Tensor:
         """The attention core: this rank's heads' softmax(q k^T / sqrt(d)) v, dropout included;
@@ -151,8 +150,9 @@ class MLP(nn.Module):
         self.fc = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp=tp, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(cfg.d_ff, cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, proj_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`proj_bias`: the output projection's bias to use instead of its own (`RowParallelLinear`)."""
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"), proj_bias)
 
 
 class Block(nn.Module):
@@ -163,16 +163,26 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.site = cfg, site
         self.shard = _seq_shard(tp, sequence_parallel)
-        self.ln1 = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.ln1 = LayerNorm(cfg.d_model, tp=tp)
         self.attn = Attention(cfg, tp=tp, site=site, recompute=recompute, sequence_parallel=sequence_parallel)
-        self.ln2 = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.ln2 = LayerNorm(cfg.d_model, tp=tp)
         self.mlp = MLP(cfg, tp=tp, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
         p, seed, training, shard = self.cfg.dropout, self.cfg.init_seed, self.training, self.shard
-        x = x + apply_dropout(self.attn(self.ln1(x), key), p, seed=seed, key=key, site=f"{self.site}.res1",
-                              training=training, seq_shard=shard)
-        return x + apply_dropout(self.mlp(self.ln2(x)), p, seed=seed, key=key, site=f"{self.site}.res2",
+        ln1: tuple[torch.Tensor, torch.Tensor] | None = None
+        ln2: tuple[torch.Tensor, torch.Tensor] | None = None
+        bias1 = bias2 = None
+        if self.sequence_parallel:  # the replicated parameters used on my shard: one gradient sum
+            assert self.attn.proj.bias is not None and self.mlp.proj.bias is not None
+            w1, b1, bias1, w2, b2, bias2 = copy_params_to_tp(
+                self.tp, self.ln1.weight, self.ln1.bias, self.attn.proj.bias, self.ln2.weight, self.ln2.bias,
+                self.mlp.proj.bias)
+            ln1, ln2 = (w1, b1), (w2, b2)
+        x = x + apply_dropout(self.attn(self.ln1(x, ln1), key, bias1), p, seed=seed, key=key,
+                              site=f"{self.site}.res1", training=training, seq_shard=shard)
+        return x + apply_dropout(self.mlp(self.ln2(x, ln2), bias2), p, seed=seed, key=key, site=f"{self.site}.res2",
                                  training=training, seq_shard=shard)
 
 
@@ -181,12 +191,14 @@ class Head(nn.Module):
 
     def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.ln_f = LayerNorm(cfg.d_model, tp=tp, sequence_parallel=sequence_parallel)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.ln_f = LayerNorm(cfg.d_model, tp=tp)
         self.lm_head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, tp=tp, bias=False,
                                             sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))  # (batch, seq, vocab / tp)
+        params = copy_params_to_tp(self.tp, self.ln_f.weight, self.ln_f.bias) if self.sequence_parallel else None
+        return self.lm_head(self.ln_f(x, params))  # (batch, seq, vocab / tp)
 
 
 class GPTStage(nn.Module):

@@ -82,11 +82,15 @@ class RowParallelLinear(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), 1, tp)
         self.bias = sharded_parameter((out_features,), None, tp) if bias else None
 
-    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_shard: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`bias`: a stand-in for the bias (with `sequence_parallel`: one whose gradient the
+        caller sums over the ranks, `copy_params_to_tp`); by default the bias itself."""
         partial = F.linear(x_shard, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_seq(partial, self.tp)
-            return y if self.bias is None else y + copy_to_tp(self.bias, self.tp)
+            if self.bias is None:
+                return y
+            return y + (bias if bias is not None else copy_to_tp(self.bias, self.tp))
         y = reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
