@@ -71,12 +71,24 @@ def _use(comm: Communicator, numel: int = 1 << 20) -> bool:
     return bool(torch.all(fetch(tensor, None) == 1.0))
 
 
+def sequence_collectives(comm: Communicator) -> bool:
+    """Sequence parallelism's collectives (model/collectives.py): a reduce-scatter (the name this
+    torch gives it) and an all-gather of one rank, each its input back."""
+    x = torch.arange(8.0, device=comm.device)
+    out = torch.empty_like(x)
+    wait_work(comm.reduce_scatter(out, x), None)
+    parts = [torch.empty_like(x)]
+    wait_work(comm.all_gather(parts, x), None)
+    return bool(torch.equal(fetch(out, None), fetch(x, None)) and torch.equal(fetch(parts[0], None), fetch(x, None)))
+
+
 def first_use(backend: str, device: torch.device) -> dict[str, Any]:
     start = time.perf_counter()
     comm = _open("smoke/first", backend, device)
     opened = time.perf_counter()
     ok = _use(comm)
     out = {"open_s": opened - start, "first_use_s": time.perf_counter() - opened, "result_ok": ok,
+           "sequence_collectives_ok": sequence_collectives(comm),
            "bound_device": str(comm.group.bound_device_id), "group_name": comm.group.group_name,
            "group_desc": comm.group.group_desc}
     comm.shutdown()
@@ -180,6 +192,7 @@ def checks(mode: str, device: torch.device, r: dict[str, Any]) -> list[dict[str,
          not cuda or r["streams"]["side_stream_priority"] == min(r["streams"]["priority_range"])),
         (7, "the group carries its name", first["group_name"] == "smoke/first"),
         (8, "every generation made, used and retired", all(g["ok"] for g in r["generations"]["rows"])),
+        (9, "sequence parallelism's reduce-scatter and all-gather", first["sequence_collectives_ok"]),
     ]
     return [{"mode": mode, "risk": risk, "what": what, "ok": bool(ok)} for risk, what, ok in out]
 

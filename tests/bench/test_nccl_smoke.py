@@ -25,7 +25,7 @@ def test_nccl_smoke_runs_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] and set(result["modes"]) == {"blocking", "nonblocking"}
-    assert {c["risk"] for c in result["checks"]} == {1, 2, 3, 4, 6, 7, 8}
+    assert {c["risk"] for c in result["checks"]} == {1, 2, 3, 4, 6, 7, 8, 9}
     for mode, got in result["modes"].items():
         assert got["mode_env"] == {"blocking": "0", "nonblocking": "1"}[mode]
         rows = got["generations"]["rows"]
