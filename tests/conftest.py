@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 
 from elastic.coordinator import EtcdConfig, EtcdServer, connect
+from elastic.coordinator.etcd_server import NO_FSYNC_ENV
 from elastic.roles.zygote import ZYGOTE_ENV, warm_enabled
 from elastic.roles.zygote_client import Zygote
+
+os.environ.setdefault(NO_FSYNC_ENV, "1")
+"""Every etcd the suite starts, here or in its `elastic run` subprocesses, skips fsync: a stall
+of this machine's disk (5-13 s seen) must not fence the nodes of a test about something else.
+A test about a slow disk under etcd sets it to 0 for its own etcd."""
 
 
 @pytest.fixture(scope="session", autouse=True)
