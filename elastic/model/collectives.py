@@ -33,22 +33,17 @@ def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
-def _all_gather_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, tp: TensorParallel, *, dim: int) -> torch.Tensor:
+    """Every rank's `x`, concatenated along `dim` in rank order (the last dimension's shards,
+    or with dim 1 the sequence's: (batch, seq / tp, ...) -> (batch, seq, ...))."""
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     tp.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
 
 
 def _own_slice_last(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     width = tp.divide(x.shape[-1], "last dimension")
     return x[..., tp.rank * width : (tp.rank + 1) * width].contiguous()
-
-
-def _all_gather_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """(batch, seq / tp, ...) on each rank -> (batch, seq, ...), rank r's shard at r."""
-    parts = [torch.empty_like(x) for _ in range(tp.size)]
-    tp.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=1)
 
 
 def _reduce_scatter_seq(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -85,7 +80,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         ctx.tp = tp
-        return _all_gather_last(x, tp)
+        return _all_gather(x, tp, dim=-1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -100,14 +95,14 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_last(grad, ctx.tp), None
+        return _all_gather(grad, ctx.tp, dim=-1), None
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         ctx.tp = tp
-        return _all_gather_seq(x, tp)
+        return _all_gather(x, tp, dim=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -122,7 +117,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather_seq(grad, ctx.tp), None
+        return _all_gather(grad, ctx.tp, dim=1), None
 
 
 class _SeqParallelLinear(torch.autograd.Function):
@@ -134,13 +129,13 @@ class _SeqParallelLinear(torch.autograd.Function):
                 tp: TensorParallel) -> torch.Tensor:
         ctx.tp, ctx.has_bias = tp, bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_all_gather_seq(x, tp), weight, bias)
+        return F.linear(_all_gather(x, tp, dim=1), weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
         grad_x = _reduce_scatter_seq(grad @ weight.to(grad.dtype), ctx.tp).to(x.dtype)
-        full = _all_gather_seq(x, ctx.tp).to(grad.dtype)
+        full = _all_gather(x, ctx.tp, dim=1).to(grad.dtype)
         flat = grad.reshape(-1, grad.shape[-1])
         grad_w = (flat.t() @ full.reshape(-1, full.shape[-1])).to(weight.dtype)
         grad_b = flat.sum(dim=0).to(weight.dtype) if ctx.has_bias else None

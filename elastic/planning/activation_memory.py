@@ -89,6 +89,12 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
                  cast_params=12 * d * d // tp)
 
 
+def rerun_allreduces(recompute: str) -> int:
+    """Tensor-parallel all-reduces a block's backward adds under `recompute`: `full` reruns the
+    forward's two (`selective`'s attention core has none)."""
+    return 2 if recompute == "full" else 0
+
+
 def saved_bytes(saved: Saved, *, tokens: int, element_bytes: int) -> int:
     """Bytes `saved` amounts to for one microbatch of `tokens` tokens in `element_bytes` elements."""
     cast = saved.cast_params * element_bytes if element_bytes < WEIGHT_BYTES else 0

@@ -17,7 +17,12 @@ import math
 from dataclasses import dataclass
 
 from elastic.model.config import GPTConfig, describe_model, get_preset
-from elastic.planning.activation_memory import compute_bytes, layer_saved, loss_bytes_per_element
+from elastic.planning.activation_memory import (
+    compute_bytes,
+    layer_saved,
+    loss_bytes_per_element,
+    rerun_allreduces,
+)
 from elastic.planning.footprint import DEVICE_TYPES, reserve_bytes
 from elastic.planning.planner_figures import planner_figures
 from templates.derive import DeviceSpeed, LayerCounts, RecomputeCounts, derive_profile
@@ -169,14 +174,6 @@ def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCou
     for i in range(cfg.num_layers):
         kind = cfg.layer_kind(i)
         saved = layer_saved(cfg, i)
-        modes = {} if kind != "block" else {
-            mode: RecomputeCounts(
-                saved_elements_per_token=kept.elements_per_token, saved_bytes_per_token=kept.bytes_per_token,
-                cast_params=kept.cast_params, flops_per_token=flops, allreduces=2 if mode == "full" else 0,
-                relive=mode == "full")
-            for mode, flops in (("selective", cfg.core_flops_per_token()), ("full", cfg.layer_flops_per_token(i)))
-            for kept in [layer_saved(cfg, i, recompute=mode)]
-        }
         out.append(
             LayerCounts(
                 kind=kind,
@@ -188,9 +185,22 @@ def gpt_layer_counts(cfg: GPTConfig, *, compute_bytes: int = 4) -> list[LayerCou
                 saved_bytes_per_token=saved.bytes_per_token,
                 cast_params=saved.cast_params,
                 workspace_bytes_per_token=saved.workspace_per_token * loss_bytes_per_element(compute_bytes),
-                recompute=modes,
+                recompute=_block_modes(cfg, i) if kind == "block" else {},
             )
         )
+    return out
+
+
+def _block_modes(cfg: GPTConfig, index: int) -> dict[str, RecomputeCounts]:
+    """Block `index` under `selective` (the attention core's FLOPs run again) and `full` (the
+    block's forward, its all-reduces with it; its activations live again meanwhile)."""
+    out = {}
+    for mode, flops in (("selective", cfg.core_flops_per_token()), ("full", cfg.layer_flops_per_token(index))):
+        kept = layer_saved(cfg, index, recompute=mode)
+        out[mode] = RecomputeCounts(
+            saved_elements_per_token=kept.elements_per_token, saved_bytes_per_token=kept.bytes_per_token,
+            cast_params=kept.cast_params, flops_per_token=flops, allreduces=rerun_allreduces(mode),
+            relive=mode == "full")
     return out
 
 

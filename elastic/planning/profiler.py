@@ -32,7 +32,7 @@ import torch
 
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import Block, GPTStage
-from elastic.planning.activation_memory import head_bytes
+from elastic.planning.activation_memory import head_bytes, rerun_allreduces
 from elastic.planning.footprint import GradShare, reserve_bytes, state_bytes_per_param
 from elastic.planning.memory import compute_dtype, device_memory_bytes
 from elastic.planning.planner_figures import planner_figures
@@ -206,7 +206,7 @@ def _recompute_costs(cfg: GPTConfig, index: int, conf: ProfilerConfig, x: torch.
         with _autocast(conf.device):
             _, kept = forward_counting_saved(lambda: stage(x, dropout_key=index), params)  # noqa: B023
         extra = forward if mode == "full" else _core_seconds(stage, x, index, conf)
-        out[mode] = RecomputeCost(activation_bytes=kept, extra=extra, allreduces=2 if mode == "full" else 0,
+        out[mode] = RecomputeCost(activation_bytes=kept, extra=extra, allreduces=rerun_allreduces(mode),
                                   workspace_bytes=saved if mode == "full" else 0)
     return out
 
