@@ -164,8 +164,10 @@ def build_plan(
     counts = split_microbatches(templates, global_microbatches)
     pipelines = []
     for group, template, count in zip(groups, templates, counts, strict=True):
-        stages = tuple(StagePlan(node=node, layers=rng, recompute=mode)
-                       for node, rng, mode in zip(group, template.stages, template.stage_modes, strict=True))
+        chunks = template.chunks or ((),) * len(group)
+        stages = tuple(StagePlan(node=node, layers=rng, recompute=mode, chunks=ranges)
+                       for node, rng, mode, ranges in zip(group, template.stages, template.stage_modes, chunks,
+                                                          strict=True))
         pipelines.append(PipelinePlan(stages=stages, microbatches=count, iteration_time=template.time_for(count)))
     return Plan(
         num_layers=tset.num_layers,

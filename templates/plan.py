@@ -31,18 +31,40 @@ class StagePlan:
     recompute: str = "none"
     """What the stage's backward recomputes instead of keeping (the planner's choice, or the
     job's forced mode): "none", "selective" or "full"; plans written before read as "none"."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """Under the interleaved schedule (v > 1 model chunks per node): the half-open layer range
+    of each chunk, chunk c of stage s being virtual stage c * p + s of its p-stage pipeline;
+    `layers` is chunk 0's. Empty: one chunk, `layers` (v = 1)."""
 
     @property
     def first(self) -> int:
+        """The first layer of chunk 0 (with v > 1 the node holds more: `held`)."""
         return self.layers[0]
 
     @property
     def last(self) -> int:
-        """One past the stage's last layer."""
+        """One past chunk 0's last layer (with v > 1 the node holds more: `held`)."""
         return self.layers[1]
 
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The layer range of each of the node's chunks, chunk 0 first."""
+        return self.chunks or (self.layers,)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """Every layer the node holds, ascending."""
+        return tuple(sorted(layer for first, last in self.ranges for layer in range(first, last)))
+
+    def holds(self, layer: int) -> bool:
+        return any(first <= layer < last for first, last in self.ranges)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"node": self.node, "layers": [self.layers[0], self.layers[1]], "recompute": self.recompute}
+        out: dict[str, Any] = {"node": self.node, "layers": [self.layers[0], self.layers[1]],
+                               "recompute": self.recompute}
+        if self.chunks:
+            out["chunks"] = [[first, last] for first, last in self.chunks]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,12 +82,23 @@ class PipelinePlan:
     def nodes(self) -> tuple[int, ...]:
         return tuple(s.node for s in self.stages)
 
+    @property
+    def virtual_stages(self) -> int:
+        """v: model chunks per node (1: plain 1F1B; more: the interleaved schedule)."""
+        return len(self.stages[0].ranges)
+
+    @property
+    def virtual_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The layer range of each virtual stage, in order: chunk c of stage s is number c * p + s."""
+        return tuple(st.ranges[c] for c in range(self.virtual_stages) for st in self.stages)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "nodes": list(self.nodes),
             "stages": [s.to_dict() for s in self.stages],
             "microbatches": self.microbatches,
             "iteration_time": self.iteration_time,
+            "virtual_stages": self.virtual_stages,
         }
 
 
@@ -157,7 +190,8 @@ class Plan:
                 PipelinePlan(
                     stages=tuple(
                         StagePlan(node=_int(s["node"], "node"), layers=_range(s["layers"]),
-                                  recompute=s.get("recompute", "none"))
+                                  recompute=s.get("recompute", "none"),
+                                  chunks=tuple(_range(c) for c in _list(s.get("chunks", []), "chunks")))
                         for s in p["stages"]
                     ),
                     microbatches=_int(p["microbatches"], "microbatches"),
@@ -195,6 +229,12 @@ def _int(value: Any, name: str) -> int:
     return value
 
 
+def _list(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise PlanError(f"{name} must be a list, got {value!r}")
+    return value
+
+
 def _range(value: Any) -> tuple[int, int]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise PlanError(f"layers must be [first, last+1], got {value!r}")
@@ -221,15 +261,18 @@ def _validate(plan: Plan) -> None:
             raise PlanError(f"pipeline {p} has {pipe.microbatches} microbatches; each needs at least 1")
         if not pipe.stages:
             raise PlanError(f"pipeline {p} has no stages")
+        _check_chunks(p, pipe)
         expected_first = 0
-        for s, stage in enumerate(pipe.stages):
-            first, last = stage.layers
+        for k, (first, last) in enumerate(pipe.virtual_ranges):
             if first != expected_first or last <= first:
+                where = f"stage {k}" if pipe.virtual_stages == 1 else (
+                    f"virtual stage {k} (stage {k % len(pipe.stages)} chunk {k // len(pipe.stages)})")
                 raise PlanError(
-                    f"pipeline {p} stage {s} holds layers [{first}, {last}); stages must cover "
+                    f"pipeline {p} {where} holds layers [{first}, {last}); stages must cover "
                     f"[0, {plan.num_layers}) contiguously, in order, each non-empty"
                 )
             expected_first = last
+        for s, stage in enumerate(pipe.stages):
             if stage.recompute not in RECOMPUTE_MODES:
                 raise PlanError(f"pipeline {p} stage {s} recompute must be one of {', '.join(RECOMPUTE_MODES)}, "
                                 f"got {stage.recompute!r}")
@@ -240,6 +283,25 @@ def _validate(plan: Plan) -> None:
             seen.add(stage.node)
         if expected_first != plan.num_layers:
             raise PlanError(f"pipeline {p} covers layers [0, {expected_first}) but the model has {plan.num_layers}")
+
+
+def describe_ranges(ranges: tuple[tuple[int, int], ...]) -> str:
+    """A stage's layers as people read them: "[0,3)", or "[0,2)+[4,6)" for two chunks."""
+    return "+".join(f"[{first},{last})" for first, last in ranges)
+
+
+def _check_chunks(p: int, pipe: PipelinePlan) -> None:
+    """Every stage of an interleaved pipeline has the same number of chunks, chunk 0 its `layers`."""
+    v = pipe.virtual_stages
+    for s, stage in enumerate(pipe.stages):
+        if stage.chunks and stage.chunks[0] != stage.layers:
+            raise PlanError(f"pipeline {p} stage {s}: chunk 0 {list(stage.chunks[0])} is not its layers "
+                            f"{list(stage.layers)}")
+        if len(stage.ranges) != v:
+            raise PlanError(f"pipeline {p} stage {s} has {len(stage.ranges)} chunks, stage 0 has {v}: "
+                            "every stage of a pipeline holds the same number")
+    if v > 1 and len(pipe.stages) < 2:
+        raise PlanError(f"pipeline {p} has one stage and {v} chunks: interleaving needs at least 2 stages")
 
 
 def even_plan(

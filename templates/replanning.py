@@ -71,7 +71,7 @@ def replan(
         raise PlanningError("node ids must be distinct")
     mbs = current.global_microbatches if global_microbatches is None else global_microbatches
     f = current.fault_tolerance if fault_tolerance is None else fault_tolerance
-    held = {st.node: st.layers for pipe in current.pipelines for st in pipe.stages}
+    held = {st.node: st.ranges for pipe in current.pipelines for st in pipe.stages}
     lost = sorted(set(held) - set(live))
     _check_survivors(current, set(live), lost)
 
@@ -105,13 +105,13 @@ def _check_survivors(current: Plan, live: set[int], lost: list[int]) -> None:
     held = np.zeros(current.num_layers + 1, dtype=np.int64)  # live holders per layer, as differences
     for pipe in current.pipelines:
         for st in pipe.stages:
-            if st.node in live:
-                held[st.first] += 1
-                held[st.last] -= 1
+            for first, last in st.ranges if st.node in live else ():
+                held[first] += 1
+                held[last] -= 1
     if np.cumsum(held)[:-1].min() > 0:
         return
     for layer in range(current.num_layers):  # the first layer without one, named with its holders
-        holders = [st.node for pipe in current.pipelines for st in pipe.stages if st.first <= layer < st.last]
+        holders = [st.node for pipe in current.pipelines for st in pipe.stages if st.holds(layer)]
         if not any(node in live for node in holders):
             raise PlanningError(
                 f"layer {layer} has no surviving holder: lost nodes {lost} held all its replicas "
@@ -208,21 +208,23 @@ class _Builder:
     """Turns node groups into a plan, ordering each group's nodes to fetch the fewest bytes."""
 
     def __init__(
-        self, tset: TemplateSet, held: dict[int, tuple[int, int]], prefix: np.ndarray, mbs: int, f: int
+        self, tset: TemplateSet, held: dict[int, tuple[tuple[int, int], ...]], prefix: np.ndarray, mbs: int, f: int
     ) -> None:
         self.tset, self.held, self.prefix, self.mbs, self.f = tset, held, prefix, mbs, f
 
-    def fetch(self, node: int, layers: tuple[int, int]) -> int:
-        first, last = layers
-        total = int(self.prefix[last] - self.prefix[first])
-        if node not in self.held:
-            return total
-        a, b = self.held[node]
-        lo, hi = max(first, a), min(last, b)
-        return total - (int(self.prefix[hi] - self.prefix[lo]) if lo < hi else 0)
+    def fetch(self, node: int, ranges: tuple[tuple[int, int], ...]) -> int:
+        """Bytes `node` lacks of the layers in `ranges` (its chunks)."""
+        total = 0
+        for first, last in ranges:
+            total += int(self.prefix[last] - self.prefix[first])
+            for a, b in self.held.get(node, ()):
+                lo, hi = max(first, a), min(last, b)
+                total -= int(self.prefix[hi] - self.prefix[lo]) if lo < hi else 0
+        return total
 
     def order(self, group: list[int]) -> list[int]:
-        stages = self.tset.template(len(group)).stages
+        template = self.tset.template(len(group))
+        stages = template.chunks or tuple((rng,) for rng in template.stages)
         old = sorted((n for n in group if n in self.held), key=lambda n: (self.held[n][0], n))
         new = sorted(n for n in group if n not in self.held)
         if not new:  # the only option
@@ -233,5 +235,5 @@ class _Builder:
     def build(self, groups: list[list[int]]) -> tuple[Plan, dict[int, int]]:
         ordered = [self.order(g) for g in groups]
         plan = build_plan(self.tset, ordered, global_microbatches=self.mbs, fault_tolerance=self.f)
-        fetch = {st.node: self.fetch(st.node, st.layers) for pipe in plan.pipelines for st in pipe.stages}
+        fetch = {st.node: self.fetch(st.node, st.ranges) for pipe in plan.pipelines for st in pipe.stages}
         return plan, fetch

@@ -46,6 +46,14 @@ class PipelineTemplate:
     """The microbatch count the layout was optimised for."""
     recompute: tuple[str, ...] = ()
     """What each stage's backward recomputes (`templates.cost`); empty: "none" everywhere."""
+    chunks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Interleaved (templates/interleave.py): each stage's chunk ranges, chunk 0 being its
+    `stages` entry; empty: one chunk per stage (v = 1)."""
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: model chunks per node."""
+        return len(self.chunks[0]) if self.chunks else 1
 
     @property
     def stage_modes(self) -> tuple[str, ...]:
@@ -69,7 +77,9 @@ class PipelineTemplate:
         return {
             "nodes": self.num_nodes,
             "stages": [{"layers": [first, last], "recompute": mode}
-                       for (first, last), mode in zip(self.stages, self.stage_modes, strict=True)],
+                       | ({"chunks": [list(r) for r in self.chunks[s]]} if self.chunks else {})
+                       for s, ((first, last), mode) in enumerate(zip(self.stages, self.stage_modes, strict=True))],
+            "virtual_stages": self.virtual_stages,
             "stage_times": list(self.stage_times),
             "microbatches": self.microbatches,
             "iteration_time": self.iteration_time,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from templates.cost import StageCosts
+from templates.interleave import interleave_template
 from templates.profile import Profile
 from templates.search import PipelineTemplate, feasible_stage_counts, search_templates
 
@@ -37,6 +38,8 @@ class TemplateSet:
     """n_max: the largest pipeline considered."""
     recompute: str = "none"
     """What the stages were allowed to recompute ("auto": each template's stages chose)."""
+    virtual_stages: int = 1
+    """v forced on every template of 2 or more nodes (templates/interleave.py); 1: plain 1F1B."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
 
@@ -69,9 +72,13 @@ def build_templates(
     global_microbatches: int,
     max_nodes: int | None = None,
     recompute: str = "none",
+    virtual_stages: int = 1,
 ) -> TemplateSet:
     """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes, each
-    stage recomputing as `recompute` says ("auto": the planner's choice per stage)."""
+    stage recomputing as `recompute` says ("auto": the planner's choice per stage), with
+    `virtual_stages` model chunks per node where the pipeline has 2 or more nodes."""
+    if virtual_stages < 1:
+        raise PlanningError(f"virtual stages must be >= 1, got {virtual_stages}")
     if num_nodes < 1:
         raise PlanningError(f"the cluster needs at least 1 node, got {num_nodes}")
     if fault_tolerance < 0:
@@ -105,5 +112,7 @@ def build_templates(
         min_nodes=n0,
         max_nodes=n_max,
         recompute=recompute,
-        templates=search_templates(costs, shares),
+        virtual_stages=virtual_stages,
+        templates={n: interleave_template(t, profile, virtual_stages)
+                   for n, t in search_templates(costs, shares).items()},
     )

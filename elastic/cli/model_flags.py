@@ -30,6 +30,26 @@ def add_recompute_flag(parser: Any) -> None:
                         "gradients are the same, bit for bit")
 
 
+def virtual_stages_arg(text: str) -> int:
+    """`--virtual-stages` value: "auto" (0) or a count >= 1."""
+    if text == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 1, got {value}")
+    return value
+
+
+def add_schedule_flag(parser: Any) -> None:
+    """`--virtual-stages N|auto`: model chunks per node, the interleaved schedule (elastic/parallel/interleaved.py)."""
+    parser.add_argument("--virtual-stages", type=virtual_stages_arg, default=0, metavar="N|auto",
+                        help="model chunks per node in every pipeline of 2 or more nodes: N > 1 runs the "
+                        "interleaved 1F1B schedule, 1 plain 1F1B; auto (default) lets the planner choose (for now: 1)")
+
+
 def add_shape_flags(parser: Any) -> None:
     """Add `--model-config FILE` and one flag per field of SHAPE_FIELDS (`--n-layer`, ...)."""
     group = parser.add_argument_group(

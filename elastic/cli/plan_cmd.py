@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_recompute_flag, add_shape_flags, model_from_flags
+from elastic.cli.model_flags import add_recompute_flag, add_schedule_flag, add_shape_flags, model_from_flags
 from elastic.model.config import PRESETS, RECOMPUTE_MODES, GPTConfig, describe_model
 from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
@@ -27,7 +27,7 @@ from elastic.planning.cluster import (
     memory_gib,
 )
 from elastic.planning.footprint import DEVICE_TYPES
-from templates.plan import Plan
+from templates.plan import Plan, describe_ranges
 from templates.search import PipelineTemplate
 from templates.template_set import TemplateSet
 
@@ -58,6 +58,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", choices=DEVICE_TYPES, default="cpu",
                         help="device type the workers compute on (cuda: bf16 activations, a reserve per device)")
     add_recompute_flag(parser)
+    add_schedule_flag(parser)
     parser.set_defaults(func=_run)
 
 
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
             shape=cfg,
             device_type=args.device,
             recompute=args.recompute,
+            virtual_stages=args.virtual_stages,
         )
         tset = cluster_templates(spec)
         plan = initial_plan(spec, tset)
@@ -117,7 +119,18 @@ def _mark(mode: str) -> str:
 
 
 def _ranges(template: PipelineTemplate) -> str:
-    return " ".join(f"[{a},{b}){_mark(m)}" for (a, b), m in zip(template.stages, template.stage_modes, strict=True))
+    chunks = template.chunks or tuple((rng,) for rng in template.stages)
+    return " ".join(f"{describe_ranges(rs)}{_mark(m)}" for rs, m in zip(chunks, template.stage_modes, strict=True))
+
+
+def _schedule_summary(args: argparse.Namespace, plan: Plan) -> str:
+    """The schedule of each pipeline: plain 1F1B, or interleaved with v chunks per node."""
+    asked = "auto" if args.virtual_stages == 0 else str(args.virtual_stages)
+    vs = [p.virtual_stages for p in plan.pipelines]
+    if all(v == 1 for v in vs):
+        return f"virtual stages {asked}: plain 1F1B in every pipeline"
+    return (f"virtual stages {asked}: interleaved 1F1B, v per pipeline {vs} (a node's chunks are joined by +; "
+            "chunk c of stage s is virtual stage c*p+s)")
 
 
 def _recompute_summary(plan: Plan) -> str:
@@ -137,17 +150,20 @@ def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan:
         f"global batch {args.global_batch} = {plan.global_microbatches} microbatches of {args.microbatch}",
         f"templates for n in [{tset.min_nodes}, {tset.max_nodes}] (n0 = {tset.min_nodes}: fewest nodes that hold the model)",
         f"recompute {args.recompute}: {_recompute_summary(plan)}",
+        _schedule_summary(args, plan),
         "",
-        f"{'nodes':>5}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  stages (layers)",
+        f"{'nodes':>5}  {'v':>2}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  stages (layers)",
     ]
     for n in tset.sizes:
         t = tset.templates[n]
         lines.append(
-            f"{n:>5}  {t.microbatches:>5}  {t.bottleneck:>15.6g}  {t.iteration_time:>12.6g}  {_ranges(t)}"
+            f"{n:>5}  {t.virtual_stages:>2}  {t.microbatches:>5}  {t.bottleneck:>15.6g}  {t.iteration_time:>12.6g}  "
+            f"{_ranges(t)}"
         )
     lines += ["", f"plan: {len(plan.pipelines)} pipelines, estimated iteration time {plan.iteration_time:.6g} s", ""]
-    lines.append(f"{'pipe':>4}  {'nodes':>5}  {'mbs':>5}  {'iteration s':>12}  node:[layers)")
+    lines.append(f"{'pipe':>4}  {'nodes':>5}  {'v':>2}  {'mbs':>5}  {'iteration s':>12}  node:[layers)")
     for p, pipe in enumerate(plan.pipelines):
-        stages = " ".join(f"{st.node}:[{st.first},{st.last}){_mark(st.recompute)}" for st in pipe.stages)
-        lines.append(f"{p:>4}  {len(pipe.stages):>5}  {pipe.microbatches:>5}  {pipe.iteration_time:>12.6g}  {stages}")
+        stages = " ".join(f"{st.node}:{describe_ranges(st.ranges)}{_mark(st.recompute)}" for st in pipe.stages)
+        lines.append(f"{p:>4}  {len(pipe.stages):>5}  {pipe.virtual_stages:>2}  {pipe.microbatches:>5}  "
+                     f"{pipe.iteration_time:>12.6g}  {stages}")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_recompute_flag, add_shape_flags, model_for_data
+from elastic.cli.model_flags import add_recompute_flag, add_schedule_flag, add_shape_flags, model_for_data
 from elastic.cli.run_config import (
     build_plan,
     check_flags,
@@ -142,6 +142,11 @@ def register(subparsers: Any) -> None:
                         "default: no cap)")
     # ---- activation recomputation (elastic/model/gpt.py) ----
     add_recompute_flag(parser)
+    add_schedule_flag(parser)
+    parser.add_argument("--scatter-gather", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --gpus-per-node > 1, each tensor-parallel rank sends 1/t of every activation and "
+                        "gradient between stages and the receiving node all-gathers it (default: on; bit-identical; "
+                        "under sequence parallelism the boundary is already split)")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="split the activations between the tensor-parallel regions (LayerNorms, residual, "
                         "dropout) along the sequence, and what crosses between stages with them (default: on with "
@@ -185,11 +190,15 @@ def _unwind_on_sigterm() -> None:
 
 def _recomputing(spec: JobSpec) -> str:
     """", recomputing full on 2 of 4 stages" when some stage recomputes (the plan's choice or
-    the forced mode), and ", sequence-parallel" when the stages are; else nothing."""
+    the forced mode), ", sequence-parallel" when the stages are, ", interleaved v=2" when a
+    pipeline runs chunks, ", scatter/gather" when boundaries travel in parts; else nothing."""
     stages = [spec.stage_recompute(st.recompute) for pipe in spec.plan.pipelines for st in pipe.stages]
     modes = [f"{mode} on {stages.count(mode)} of {len(stages)} stages" for mode in RECOMPUTE_MODES[1:] if mode in stages]
     sp = ", sequence-parallel" if spec.sequence_parallel_on else ""
-    return (f", recomputing {' and '.join(modes)}" if modes else "") + sp
+    vs = sorted({p.virtual_stages for p in spec.plan.pipelines if p.virtual_stages > 1})
+    interleaved = f", interleaved v={'/'.join(map(str, vs))}" if vs else ""
+    split = ", scatter/gather" if spec.boundary_split > 1 else ""
+    return (f", recomputing {' and '.join(modes)}" if modes else "") + sp + interleaved + split
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -59,6 +59,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
             device_type=_device_type(args),
             shape=shape,
             recompute=args.recompute,
+            virtual_stages=args.virtual_stages,
         )
         return initial_plan(spec, cluster_templates(spec))
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
@@ -143,6 +144,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
             shape=shape,
             recompute=args.recompute,
             sequence_parallel=args.sequence_parallel,
+            scatter_gather=args.scatter_gather,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -199,6 +201,7 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             device_type=_device_type(args),
             shape=spec.model_config,
             recompute=spec.recompute,
+            virtual_stages=args.virtual_stages,
         )
         stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
                                      steps=args.straggler_steps)

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_recompute_flag, add_shape_flags, model_from_flags
+from elastic.cli.model_flags import add_recompute_flag, add_schedule_flag, add_shape_flags, model_from_flags
 from elastic.model.config import PRESETS
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_NETWORK_GBPS, DEFAULT_TFLOPS, ClusterSpec
 from elastic.sim.config import RecoveryCosts
@@ -66,6 +66,7 @@ def register(subparsers: Any) -> None:
                      "as `elastic run --straggler-policy rebalance`), auto (also swap it for a free spare); with slow "
                      "nodes in the trace the table also shows 'elastic (stragglers off)'")
     add_recompute_flag(job)
+    add_schedule_flag(job)
     job.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS, help="per-node NIC bandwidth, Gbit/s")
     rec = parser.add_argument_group("recovery costs")
     defaults = RecoveryCosts()
@@ -114,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
             profile_path=args.profile,
             shape=cfg,
             recompute=args.recompute,
+            virtual_stages=args.virtual_stages,
         )
         costs = RecoveryCosts(
             detect_s=args.detect_s,

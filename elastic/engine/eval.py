@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from elastic.data.dataset import TokenDataset
-from elastic.engine.device import compute_precision, wire_dtype
-from elastic.parallel.executor import MicrobatchResult, StageSpec, boundary_shape, run_schedule
+from elastic.engine.device import compute_precision
+from elastic.engine.stage_links import stage_actions, stage_spec
+from elastic.parallel.executor import MicrobatchResult, run_schedule
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
-from elastic.parallel.schedule import forward_only
 
 
 def eval_due(committed: int, *, every: int, steps: int) -> bool:
@@ -75,9 +75,7 @@ def _run_share(
 ) -> MicrobatchResult:
     """Forward this pipeline's held-out microbatches through my stage; local index -> loss (on a
     last stage)."""
-    spec = StageSpec(rank=layout.rank, prev_rank=layout.prev_rank, next_rank=layout.next_rank,
-                     act_shape=boundary_shape(module, batch_size, dataset.seq_len, d_model),
-                     act_dtype=wire_dtype(device))
+    spec = stage_spec(layout, module, batch=batch_size, seq_len=dataset.seq_len, d_model=d_model, device=device)
     cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +84,7 @@ def _run_share(
             cache[m] = dataset.held_out_batch(range(k * batch_size, (k + 1) * batch_size))
         return cache[m]
 
-    actions = forward_only(num_stages=layout.num_stages, stage=layout.stage, microbatches=len(mine))
+    actions = stage_actions(layout, len(mine), train=False)
     was_training = module.training
     module.eval()  # no dropout
     try:

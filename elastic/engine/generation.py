@@ -158,8 +158,7 @@ class GenerationBuilder:
         `serve` exports them to peers) and its kept gradient sums (`kept`). The new groups go to
         `graveyard` if the join fails after they are built."""
         layout = self._layout(plan, generation, step, previous)
-        first, last = layout.layers
-        needed = [ShardKey(layer, layout.tp_rank) for layer in range(first, last)]
+        needed = [ShardKey(layer, layout.tp_rank) for layer in layout.stage_plan.held]
         missing = [k for k in needed if k not in held]
 
         t0 = time.perf_counter()
@@ -221,9 +220,8 @@ class GenerationBuilder:
         timeout = timedelta(seconds=self.spec.collective_timeout_s)
         groups = build_groups(layout, store, timeout=timeout, backend=backend_for(self.device), device=self.device,
                               abort=abort, recorder=self.recorder)
-        first, last = layout.layers
         with torch.device("meta"):
-            skeleton = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, initialise=False,
+            skeleton = GPTStage(self.cfg, chunks=layout.stage_plan.ranges, tp=groups.tp, initialise=False,
                                 recompute=self._recompute(layout),
                               sequence_parallel=self.spec.sequence_parallel_on)
         buffers = _Background(lambda: StepTransaction.buffers_for(
@@ -245,9 +243,8 @@ class GenerationBuilder:
         replaced by a kept tensor (the same object, with its AdamW state) or a fetched one
         (adopted as it is when it already has the parameter's device and dtype).
         """
-        first, last = layout.layers
         if not held and not fetched:
-            module = GPTStage(self.cfg, first=first, last=last, tp=groups.tp, device=self.device,
+            module = GPTStage(self.cfg, chunks=layout.stage_plan.ranges, tp=groups.tp, device=self.device,
                               recompute=self._recompute(layout),
                               sequence_parallel=self.spec.sequence_parallel_on)
             optimizer = build_optimizer(module, self.spec.optim)
@@ -287,6 +284,7 @@ class GenerationBuilder:
             keep_partial=self.spec.partial_replay,
             replay=replay,
             accum=accum,
+            split=self.spec.boundary_split,
         )
 
 

@@ -46,10 +46,10 @@ def step_replay(
                 f"generation {layout.generation} counts on this worker's kept sums of step {step}, "
                 f"but it keeps {None if mine is None else (mine.step, list(mine.microbatches))}"
             )
-    first, last = layout.layers
+    stage = layout.stage_plan
     sums: Sums = {}
     for block, named in ({} if mine is None else mine.grads).items():
-        held = {n: t for n, t in named.items() if first <= layer_of(n) < last}
+        held = {n: t for n, t in named.items() if stage.holds(layer_of(n))}
         if held:
             sums.setdefault(block, {}).update(held)
     for block, named in _moved_sums(layout, groups, replay, mine, layer_of=layer_of, device=device).items():

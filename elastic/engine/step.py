@@ -34,20 +34,20 @@ import torch
 from elastic.comm import Handle
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
-from elastic.engine.device import compute_precision, wire_dtype
+from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
+from elastic.engine.stage_links import stage_actions, stage_spec, tp_gather
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.blocks import Block, decompose
 from elastic.parallel.bucket_reducer import BucketReducer, plan_blocks
 from elastic.parallel.buckets import accum_buckets, bucket_layout
 from elastic.parallel.exchange import TreeExchange
-from elastic.parallel.executor import MicrobatchResult, StageSpec, boundary_shape, run_schedule
+from elastic.parallel.executor import MicrobatchResult, run_schedule
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import GradStats, VoteInterrupted, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.parallel.phase_clock import PhaseClock, StepPhases
-from elastic.parallel.schedule import one_f_one_b
 from elastic.records.partial import PartialReport, ReplayRecord, split_microbatches
 from elastic.records.progress import StepResult
 from templates.plan import Plan
@@ -192,9 +192,11 @@ class StepTransaction:
         keep_partial: bool = False,
         replay: StepReplay | None = None,
         accum: GradAccumulator | None = None,
+        split: int = 1,
     ) -> None:
         """`accum`: gradient buffers allocated beforehand for this stage's parameters and
-        buckets (`StepTransaction.buffers_for`); attached here."""
+        buckets (`StepTransaction.buffers_for`); attached here. `split`: parts each boundary
+        tensor travels in (scatter/gather, `JobSpec.boundary_split`)."""
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
@@ -212,20 +214,18 @@ class StepTransaction:
         self.plan_blocks = plan_blocks(layout)
         """World rank -> the blocks its pipeline computes in a step without replay."""
         plan = layout.plan
-        self.actions = one_f_one_b(
-            num_stages=layout.num_stages, stage=layout.stage, microbatches=layout.num_microbatches
-        )
-        self.spec = StageSpec(
-            rank=layout.rank,
-            prev_rank=layout.prev_rank,
-            next_rank=layout.next_rank,
-            act_shape=boundary_shape(module, plan.microbatch_size, dataset.seq_len, d_model),
-            act_dtype=wire_dtype(device),
-        )
+        self.actions = stage_actions(layout, layout.num_microbatches)
+        self.spec = stage_spec(layout, module, batch=plan.microbatch_size, seq_len=dataset.seq_len, d_model=d_model,
+                               device=device, split=split)
+        self.interleaved = self.spec.chunks > 1
+        """v > 1: the last backward is not where the last buckets finish (chunks finish in turn),
+        so buckets are launched together after the schedule, in the global order."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
-        self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
-        """Whether each step copies its sums after the schedule (useless with one pipeline)."""
+        self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1 and all(
+            p.virtual_stages == 1 for p in layout.plan.pipelines)
+        """Whether each step copies its sums after the schedule (useless with one pipeline; not
+        yet with interleaved pipelines, whose failed steps replay whole)."""
         self.replay = replay
         """The generation's first step, when only part of it is computed here."""
         self.partial: KeptGrads | None = None
@@ -382,9 +382,7 @@ class StepTransaction:
         clock = PhaseClock(self.device) if replay is None else None
         try:
             if mbs:
-                actions = self.actions if replay is None else one_f_one_b(
-                    num_stages=layout.num_stages, stage=layout.stage, microbatches=len(mbs)
-                )
+                actions = self.actions if replay is None else stage_actions(layout, len(mbs))
                 result = run_schedule(
                     self.module,
                     actions,
@@ -398,9 +396,10 @@ class StepTransaction:
                     loss_scale=1.0 / total_mbs,
                     dropout_key=lambda m: dropout_key(step, mbs[m]),
                     autocast=lambda: compute_precision(self.device),
-                    before_final_backward=reducer.arm if replay is None else None,
+                    before_final_backward=reducer.arm if replay is None and not self.interleaved else None,
                     before_backward=lambda m: self.accum.leaf(mbs[m]),
                     clock=clock,
+                    gather=tp_gather(self.groups) if self.spec.split > 1 else None,
                 )
                 losses = result
         except BaseException:
@@ -419,7 +418,7 @@ class StepTransaction:
             loss_sum += replay.loss_sum
             ok = replay.finite
         elif replay is None and self.keep_partial:
-            self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.layers, tp_rank=layout.tp_rank,
+            self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.stage_plan.layers, tp_rank=layout.tp_rank,
                                        grads={}, loss_sum=0.0, finite=True)
             self._loss = loss_sum
         return finalize_grads(

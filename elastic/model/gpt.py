@@ -26,6 +26,7 @@ function as without it (masks of the full activation, sliced), summed in another
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -220,18 +221,26 @@ class GPTStage(nn.Module):
         initialise: bool = True,
         recompute: str = "none",
         sequence_parallel: bool = False,
+        chunks: Sequence[tuple[int, int]] = (),
     ) -> None:
         """`initialise=False` leaves the parameters unset (for a caller that fills every one,
         e.g. built under `torch.device("meta")` and then given kept or fetched tensors);
         `recompute`: what the backward recomputes; `sequence_parallel`: split the activations
         between the tensor-parallel regions along the sequence (module doc; nothing to split
-        without tensor parallelism)."""
+        without tensor parallelism); `chunks`: the layer ranges of an interleaved stage's model
+        chunks (instead of `first` and `last`), each run alone by `forward(..., chunk=c)`."""
         super().__init__()
         self.recompute = check_recompute(recompute)
         last = cfg.num_layers if last is None else last
-        if not 0 <= first < last <= cfg.num_layers:
-            raise ValueError(f"stage layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
-        self.cfg, self.first, self.last = cfg, first, last
+        self.ranges = tuple(chunks) or ((first, last),)
+        """The layer range of each model chunk (one without interleaving)."""
+        for lo, hi in self.ranges:
+            if not 0 <= lo < hi <= cfg.num_layers:
+                raise ValueError(f"stage layers [{lo}, {hi}) are not a non-empty range of [0, {cfg.num_layers})")
+        held = sorted(layer for lo, hi in self.ranges for layer in range(lo, hi))
+        if len(set(held)) != len(held):
+            raise ValueError(f"model chunks {list(self.ranges)} overlap")
+        self.cfg, self.first, self.last = cfg, self.ranges[0][0], self.ranges[0][1]
         self.tp = tp or TensorParallel.single()
         cfg.check_tensor_parallel(self.tp.size)
         sp = self.sequence_parallel = sequence_parallel and self.tp.size > 1
@@ -239,12 +248,12 @@ class GPTStage(nn.Module):
             self.tp.divide(cfg.seq_len, "seq_len")
         self.seq_shards = self.tp.size if sp else 1
         """Shards of the sequence a stage's input and output activations are split into."""
-        self.embed = Embedding(cfg, tp=self.tp, sequence_parallel=sp) if first == 0 else None
-        block_ids = range(max(first, 1) - 1, min(last, cfg.n_layer + 1) - 1)
+        self.embed = Embedding(cfg, tp=self.tp, sequence_parallel=sp) if held[0] == 0 else None
+        block_ids = [layer - 1 for layer in held if 1 <= layer <= cfg.n_layer]
         self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute,
                                                    sequence_parallel=sp)
                                      for k in block_ids})
-        self.head = Head(cfg, tp=self.tp, sequence_parallel=sp) if last == cfg.num_layers else None
+        self.head = Head(cfg, tp=self.tp, sequence_parallel=sp) if held[-1] == cfg.num_layers - 1 else None
         if initialise:
             self._initialise()
         if device is not None:
@@ -256,13 +265,16 @@ class GPTStage(nn.Module):
                 full = full_initial_value(name, param.full_shape, self.cfg)  # type: ignore[attr-defined]
                 param.copy_(shard_tensor(full, param.tp_dim, self.tp.rank, self.tp.size))  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, *, dropout_key: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, dropout_key: int | None = None, chunk: int = 0) -> torch.Tensor:
+        """Run model chunk `chunk`'s layers (the whole stage without interleaving)."""
         key = dropout_key if dropout_key is not None else int(torch.randint(0, 2**62, ()).item())
-        if self.embed is not None:
+        lo, hi = self.ranges[chunk]
+        if lo == 0 and self.embed is not None:
             x = self.embed(x, key)
-        for block in self.blocks.values():
+        for k in range(max(lo, 1) - 1, min(hi, self.cfg.n_layer + 1) - 1):
+            block = self.blocks[str(k)]
             x = checkpoint(block, x, key, use_reentrant=False) if _recomputing(self.recompute, "full") else block(x, key)
-        if self.head is not None:
+        if hi == self.cfg.num_layers and self.head is not None:
             x = self.head(x)
         return x
 

@@ -10,10 +10,22 @@ abortable wait in the runtime), and peers are addressed by their rank inside the
 
 Losses stay on the device: a last stage adds them up in float64 as it goes, and the caller
 reads the sum once, in the step's vote (no host sync per microbatch).
+
+Under the interleaved schedule (elastic/parallel/interleaved.py) a stage runs v model chunks:
+every action names its chunk, the links form a ring (chunk c of the last stage feeds chunk
+c + 1 of the first), and only chunk 0 of the first stage reads tokens and chunk v - 1 of the
+last computes losses.
+
+Scatter/gather (Megatron, 2021): with tensor parallelism the t ranks of a stage hold the same
+boundary activation (and the same input gradient), so each sends only its 1/t part
+(`StageSpec.split`, `part`) and the receiving node rebuilds the whole with one all-gather in
+its tensor-parallel group (`gather`): pipeline bytes fall t-fold, the result is bit-identical.
+Under sequence parallelism the boundary is already one shard per rank and travels as it is.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +37,9 @@ from elastic.parallel.schedule import TRANSFERS, Action, Op, coalesce
 
 _ACT_TAG = 0
 _GRAD_TAG = 1
+
+Slot = tuple[int, int]
+"""(chunk, microbatch): one chunk's pass over one microbatch."""
 
 
 def boundary_shape(module: torch.nn.Module, batch: int, seq: int, d_model: int) -> tuple[int, int, int]:
@@ -49,6 +64,26 @@ class StageSpec:
     sequence parallelism this rank's shard, (batch, seq / tp, d_model) (`boundary_shape`)."""
     act_dtype: torch.dtype = torch.float32
     """Dtype of activations and their gradients on the wire."""
+    chunks: int = 1
+    """v: model chunks of the stage; with more than one, the first stage's `prev_rank` and the
+    last stage's `next_rank` close the ring (module doc)."""
+    first_stage: bool | None = None
+    """Whether this is the pipeline's first stage (None: it is when `prev_rank` is None)."""
+    last_stage: bool | None = None
+    """Whether this is the pipeline's last stage (None: it is when `next_rank` is None)."""
+    split: int = 1
+    """Parts each boundary tensor is cut into on the wire (scatter/gather: the tensor-parallel
+    degree; 1: whole tensors)."""
+    part: int = 0
+    """The part this rank sends and receives (its tensor-parallel rank)."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.prev_rank is None if self.first_stage is None else self.first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.next_rank is None if self.last_stage is None else self.last_stage
 
 
 @dataclass
@@ -72,6 +107,10 @@ Post = Callable[[Sequence[P2P]], Handle]
 Inputs = Callable[[int], torch.Tensor]
 """Local microbatch index -> tensor (token ids on a first stage, targets on a last stage)."""
 
+Gather = Callable[[torch.Tensor], torch.Tensor]
+"""This rank's part of a boundary tensor (flat) -> the whole (flat), by an all-gather in the
+tensor-parallel group (scatter/gather)."""
+
 
 def run_schedule(
     module: torch.nn.Module,
@@ -91,6 +130,7 @@ def run_schedule(
     before_final_backward: Callable[[], None] | None = None,
     before_backward: Callable[[int], None] | None = None,
     clock: PhaseClock | None = None,
+    gather: Gather | None = None,
 ) -> MicrobatchResult:
     """Execute `actions` for one step. Gradients accumulate into `module`'s parameters.
 
@@ -106,16 +146,20 @@ def run_schedule(
     `before_backward`: called with the microbatch of each backward right before it (a gradient
     accumulator learns where in the step's summation tree the gradients go).
     `clock`: times each forward and backward (elastic/parallel/phase_clock.py).
+    `gather`: rebuilds a boundary tensor from this rank's part (needed when `spec.split` > 1).
     """
-    if spec.prev_rank is None and tokens is None:
+    if spec.is_first_stage and tokens is None:
         raise ValueError("a first stage needs token inputs")
-    if spec.next_rank is None and targets is None:
+    if spec.is_last_stage and targets is None:
         raise ValueError("a last stage needs targets")
+    if spec.split > 1 and gather is None:
+        raise ValueError("boundary tensors split in parts need a gather")
+    final = next((a for a in reversed(actions) if a.op is Op.BACKWARD), None)
     run = _StageRun(
         module=module, spec=spec, wait=wait, post=post or group.post, device=device,
         tokens=tokens, targets=targets, loss_scale=loss_scale, dropout_key=dropout_key, autocast=autocast,
         forward_only=forward_only, before_final_backward=before_final_backward, before_backward=before_backward,
-        final_backward=next((a.mb for a in reversed(actions) if a.op is Op.BACKWARD), None), clock=clock,
+        final_backward=None if final is None else (final.chunk, final.mb), clock=clock, gather=gather,
     )
     for step in coalesce(actions):
         if step[0].op in TRANSFERS:
@@ -154,97 +198,102 @@ class _StageRun:
     """No backward follows: inputs and outputs are dropped once forwarded and sent."""
     before_final_backward: Callable[[], None] | None = None
     """Called right before the backward of `final_backward`."""
-    final_backward: int | None = None
-    """The microbatch of the schedule's last backward."""
+    final_backward: tuple[int, int] | None = None
+    """(chunk, microbatch) of the schedule's last backward."""
     before_backward: Callable[[int], None] | None = None
     """Called with the microbatch of each backward right before it."""
     clock: PhaseClock | None = None
     """Times each computation, when given."""
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Microbatch -> received activation (requires grad), until its input gradient is sent."""
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Microbatch -> its output (a last stage: its scaled loss), until its backward."""
-    out_grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Microbatch -> received gradient of its output, until its backward."""
+    gather: Gather | None = None
+    """Rebuilds a boundary tensor from this rank's part (scatter/gather)."""
+    inputs: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    """(chunk, microbatch) -> received activation (requires grad), until its input gradient is sent."""
+    outputs: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    """(chunk, microbatch) -> its output (the last: its scaled loss), until its backward."""
+    out_grads: dict[Slot, torch.Tensor] = field(default_factory=dict)
+    """(chunk, microbatch) -> received gradient of its output, until its backward."""
     result: MicrobatchResult = field(default_factory=MicrobatchResult)
     """Losses of the microbatches finished so far."""
 
-    @property
-    def first(self) -> bool:
-        return self.spec.prev_rank is None
+    def first(self, chunk: int) -> bool:
+        """Whether `chunk` is the pipeline's first virtual stage (it reads tokens)."""
+        return self.spec.is_first_stage and chunk == 0
 
-    @property
-    def last(self) -> bool:
-        return self.spec.next_rank is None
+    def last(self, chunk: int) -> bool:
+        """Whether `chunk` is the pipeline's last virtual stage (it computes losses)."""
+        return self.spec.is_last_stage and chunk == self.spec.chunks - 1
 
     def do(self, action: Action) -> None:
         """Run one computation of the schedule."""
         if self.clock is None:
-            _HANDLERS[action.op](self, action.mb)
+            _HANDLERS[action.op](self, (action.chunk, action.mb))
             return
         with self.clock.timed(action.op.value):
-            _HANDLERS[action.op](self, action.mb)
+            _HANDLERS[action.op](self, (action.chunk, action.mb))
 
     def transfer(self, actions: Sequence[Action]) -> None:
         """Post `actions` (consecutive transfers) as one group, wait for it, and keep what arrived."""
         ops: list[P2P] = []
         arrivals: list[tuple[Action, torch.Tensor]] = []
         for a in actions:
-            if a.op is Op.RECV_ACT:
-                assert self.spec.prev_rank is not None
+            slot = (a.chunk, a.mb)
+            if a.op in (Op.RECV_ACT, Op.RECV_GRAD):
+                peer = self.spec.prev_rank if a.op is Op.RECV_ACT else self.spec.next_rank
+                assert peer is not None
                 buf = self._buffer()
-                ops.append(P2P("recv", buf, self.spec.prev_rank, _ACT_TAG))
-                arrivals.append((a, buf))
-            elif a.op is Op.RECV_GRAD:
-                assert self.spec.next_rank is not None
-                buf = self._buffer()
-                ops.append(P2P("recv", buf, self.spec.next_rank, _GRAD_TAG))
+                ops.append(P2P("recv", buf, peer, _ACT_TAG if a.op is Op.RECV_ACT else _GRAD_TAG))
                 arrivals.append((a, buf))
             elif a.op is Op.SEND_ACT:
                 assert self.spec.next_rank is not None
-                out = self.outputs.pop(a.mb) if self.forward_only else self.outputs[a.mb]
-                ops.append(P2P("send", out.detach().contiguous(), self.spec.next_rank, _ACT_TAG))
+                out = self.outputs.pop(slot) if self.forward_only else self.outputs[slot]
+                ops.append(P2P("send", self._part(out.detach()), self.spec.next_rank, _ACT_TAG))
             else:
                 assert a.op is Op.SEND_GRAD and self.spec.prev_rank is not None
-                x = self.inputs.pop(a.mb)
+                x = self.inputs.pop(slot)
                 assert x.grad is not None, f"rank {self.spec.rank}: no input gradient for microbatch {a.mb}"
-                ops.append(P2P("send", x.grad.contiguous(), self.spec.prev_rank, _GRAD_TAG))
+                ops.append(P2P("send", self._part(x.grad), self.spec.prev_rank, _GRAD_TAG))
         self.wait(self.post(ops))
         for a, buf in arrivals:
+            whole = self._whole(buf)
             if a.op is Op.RECV_ACT:
-                self.inputs[a.mb] = buf.requires_grad_(not self.forward_only)
+                self.inputs[(a.chunk, a.mb)] = whole.requires_grad_(not self.forward_only)
             else:
-                self.out_grads[a.mb] = buf
+                self.out_grads[(a.chunk, a.mb)] = whole
 
-    def forward(self, m: int) -> None:
-        """Forward microbatch `m`; on a last stage, its loss (recorded, then scaled for the backward)."""
-        if self.first and self.tokens is not None:
+    def forward(self, slot: Slot) -> None:
+        """Forward a chunk of a microbatch; on the last virtual stage, its loss (recorded, then
+        scaled for the backward)."""
+        chunk, m = slot
+        if self.first(chunk) and self.tokens is not None:
             x = self.tokens(m).to(self.device)
         else:
-            x = self.inputs.pop(m) if self.forward_only else self.inputs[m]
+            x = self.inputs.pop(slot) if self.forward_only else self.inputs[slot]
+        extra = {"chunk": chunk} if self.spec.chunks > 1 else {}
+        last = self.last(chunk)
         with self.autocast():  # type: ignore[attr-defined]
-            out = self.module(x, dropout_key=self.dropout_key(m))
-            if self.last:
+            out = self.module(x, dropout_key=self.dropout_key(m), **extra)
+            if last:
                 assert self.targets is not None
                 loss = self.module.loss(out, self.targets(m).to(self.device))  # type: ignore[operator]
-        if self.last:
+        if last:
             self.result.losses[m] = loss.detach()
             if not self.forward_only:
-                self.outputs[m] = loss.to(torch.promote_types(loss.dtype, torch.float32)) * self.loss_scale
+                self.outputs[slot] = loss.to(torch.promote_types(loss.dtype, torch.float32)) * self.loss_scale
         else:
-            self.outputs[m] = out.to(self.spec.act_dtype)
+            self.outputs[slot] = out.to(self.spec.act_dtype)
 
-    def backward(self, m: int) -> None:
-        """Backward microbatch `m`: from its scaled loss on a last stage, else from its output gradient."""
-        out = self.outputs.pop(m)
-        if m == self.final_backward and self.before_final_backward is not None:
+    def backward(self, slot: Slot) -> None:
+        """Backward a chunk of a microbatch: from its scaled loss on the last virtual stage, else
+        from its output gradient."""
+        out = self.outputs.pop(slot)
+        if slot == self.final_backward and self.before_final_backward is not None:
             self.before_final_backward()
         if self.before_backward is not None:
-            self.before_backward(m)
-        if self.last:
+            self.before_backward(slot[1])
+        if self.last(slot[0]):
             out.backward()
         else:
-            torch.autograd.backward(out, grad_tensors=self.out_grads.pop(m))
+            torch.autograd.backward(out, grad_tensors=self.out_grads.pop(slot))
 
     def finish(self) -> MicrobatchResult:
         """The step's losses (every transfer was waited for in its group)."""
@@ -254,10 +303,27 @@ class _StageRun:
         return self.result
 
     def _buffer(self) -> torch.Tensor:
-        return torch.empty(self.spec.act_shape, dtype=self.spec.act_dtype, device=self.device)
+        if self.spec.split == 1:
+            return torch.empty(self.spec.act_shape, dtype=self.spec.act_dtype, device=self.device)
+        numel = math.prod(self.spec.act_shape) // self.spec.split
+        return torch.empty(numel, dtype=self.spec.act_dtype, device=self.device)
+
+    def _part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What this rank sends of a boundary tensor: all of it, or its part (scatter/gather)."""
+        flat = tensor.contiguous()
+        if self.spec.split == 1:
+            return flat
+        return flat.view(-1).chunk(self.spec.split)[self.spec.part]
+
+    def _whole(self, received: torch.Tensor) -> torch.Tensor:
+        """A received boundary tensor: as it came, or rebuilt from every rank's part."""
+        if self.spec.split == 1:
+            return received
+        assert self.gather is not None
+        return self.gather(received).view(self.spec.act_shape)
 
 
-_HANDLERS: dict[Op, Callable[[_StageRun, int], None]] = {
+_HANDLERS: dict[Op, Callable[[_StageRun, Slot], None]] = {
     Op.FORWARD: _StageRun.forward,
     Op.BACKWARD: _StageRun.backward,
 }

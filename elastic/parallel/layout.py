@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from elastic.parallel import plan_ranks
 from elastic.parallel.plan_ranks import GradBucket
-from templates.plan import Plan, PlanError
+from templates.plan import Plan, PlanError, StagePlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,9 +114,10 @@ class ParallelLayout:
         return len(self.plan.pipelines[self.pipeline].stages)
 
     @property
-    def layers(self) -> tuple[int, int]:
-        """Half-open range of planning layers this worker holds."""
-        return self.plan.pipelines[self.pipeline].stages[self.stage].layers
+    def stage_plan(self) -> StagePlan:
+        """My stage in the plan: its layers (`layers` without interleaving; every chunk's
+        `ranges`, all of them `held`, with it)."""
+        return self.plan.pipelines[self.pipeline].stages[self.stage]
 
     @property
     def is_first_stage(self) -> bool:

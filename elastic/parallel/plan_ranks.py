@@ -44,18 +44,18 @@ def holders(plan: Plan, layer: int, tp_rank: int) -> tuple[int, ...]:
     out = []
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
-            if stage.first <= layer < stage.last:
+            if stage.holds(layer):
                 out.append(rank_of(plan, p, s, tp_rank))
     return tuple(sorted(out))
 
 
 def buckets_of(plan: Plan, pipeline: int, stage: int, tp_rank: int) -> tuple[GradBucket, ...]:
-    """The layers of (pipeline, stage) grouped into gradient buckets at `tp_rank`, ascending."""
-    first, last = plan.pipelines[pipeline].stages[stage].layers
+    """The layers of (pipeline, stage) grouped into gradient buckets at `tp_rank`, ascending (a
+    bucket never spans two chunks of an interleaved stage: its layers are consecutive)."""
     out: list[GradBucket] = []
-    for layer in range(first, last):
+    for layer in plan.pipelines[pipeline].stages[stage].held:
         ranks = holders(plan, layer, tp_rank)
-        if out and out[-1].ranks == ranks:
+        if out and out[-1].ranks == ranks and out[-1].layers[-1] == layer - 1:
             out[-1] = GradBucket(layers=out[-1].layers + (layer,), ranks=ranks)
         else:
             out.append(GradBucket(layers=(layer,), ranks=ranks))

@@ -41,13 +41,15 @@ TRANSFERS = frozenset({Op.RECV_ACT, Op.SEND_ACT, Op.RECV_GRAD, Op.SEND_GRAD})
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule, on microbatch `mb` (index inside the pipeline)."""
+    """One step of a stage's schedule, on microbatch `mb` (index inside the pipeline) and, under
+    the interleaved schedule, model chunk `chunk` of the stage (elastic/parallel/interleaved.py)."""
 
     op: Op
     mb: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.op.value}({self.mb})"
+        return f"{self.op.value}({self.mb})" if self.chunk == 0 else f"{self.op.value}({self.mb}@{self.chunk})"
 
 
 def one_f_one_b(*, num_stages: int, stage: int, microbatches: int) -> list[Action]:
@@ -127,66 +129,85 @@ def simulate(schedules: Sequence[Sequence[Action]]) -> list[tuple[int, Action]]:
     """Run the stage schedules of one pipeline against each other.
 
     Sends are buffered (never block) and receives block until the matching send happened, as
-    in the executor. Returns the global order of executed (stage, action); raises ScheduleError
-    on deadlock, on a receive that would get a different microbatch than it expects, on a
-    forward/backward whose input is missing, or on leftover undelivered messages.
+    in the executor. Links are a ring under interleaving: chunk c of the last stage sends its
+    activation to chunk c + 1 of the first. Each ordered pair of stages is one FIFO channel for
+    both kinds of message (NCCL matches the n-th send to the n-th receive whatever it carries).
+    Returns the global order of executed (stage, action); raises ScheduleError on deadlock, on
+    a receive that would get a different message than it expects, on a forward/backward whose
+    input is missing, or on leftover undelivered messages.
     """
+    run = _Simulation(schedules)
     n = len(schedules)
-    # Channels: activations flow s -> s+1, gradients s+1 -> s. FIFO per channel, like p2p.
-    acts: list[deque[int]] = [deque() for _ in range(n)]  # acts[s]: messages into stage s
-    grads: list[deque[int]] = [deque() for _ in range(n)]  # grads[s]: messages into stage s
-    pc = [0] * n
-    have_input: list[set[int]] = [set() for _ in range(n)]
-    have_out_grad: list[set[int]] = [set() for _ in range(n)]
-    forwarded: list[set[int]] = [set() for _ in range(n)]
-    order: list[tuple[int, Action]] = []
-
-    def try_step(s: int) -> bool:
-        a = schedules[s][pc[s]]
-        if a.op is Op.RECV_ACT:
-            if not acts[s]:
-                return False
-            got = acts[s].popleft()
-            if got != a.mb:
-                raise ScheduleError(f"stage {s} expected activation {a.mb} but the next one is {got}")
-            have_input[s].add(a.mb)
-        elif a.op is Op.RECV_GRAD:
-            if not grads[s]:
-                return False
-            got = grads[s].popleft()
-            if got != a.mb:
-                raise ScheduleError(f"stage {s} expected gradient {a.mb} but the next one is {got}")
-            have_out_grad[s].add(a.mb)
-        elif a.op is Op.FORWARD:
-            if s > 0 and a.mb not in have_input[s]:
-                raise ScheduleError(f"stage {s} runs forward({a.mb}) before receiving its input")
-            forwarded[s].add(a.mb)
-        elif a.op is Op.BACKWARD:
-            if a.mb not in forwarded[s]:
-                raise ScheduleError(f"stage {s} runs backward({a.mb}) before forward({a.mb})")
-            if s < n - 1 and a.mb not in have_out_grad[s]:
-                raise ScheduleError(f"stage {s} runs backward({a.mb}) before receiving its gradient")
-        elif a.op is Op.SEND_ACT:
-            if s == n - 1:
-                raise ScheduleError(f"last stage {s} sends an activation")
-            acts[s + 1].append(a.mb)
-        elif a.op is Op.SEND_GRAD:
-            if s == 0:
-                raise ScheduleError("first stage sends a gradient")
-            grads[s - 1].append(a.mb)
-        pc[s] += 1
-        order.append((s, a))
-        return True
-
-    while any(pc[s] < len(schedules[s]) for s in range(n)):
+    while any(run.pc[s] < len(schedules[s]) for s in range(n)):
         progressed = False
         for s in range(n):
-            while pc[s] < len(schedules[s]) and try_step(s):
+            while run.pc[s] < len(schedules[s]) and run.step(s):
                 progressed = True
         if not progressed:
-            stuck = {s: str(schedules[s][pc[s]]) for s in range(n) if pc[s] < len(schedules[s])}
+            stuck = {s: str(schedules[s][run.pc[s]]) for s in range(n) if run.pc[s] < len(schedules[s])}
             raise ScheduleError(f"deadlock: stages blocked at {stuck}")
-    left = [s for s in range(n) if acts[s] or grads[s]]
+    left = sorted({dst for (_, dst), queue in run.channels.items() if queue})
     if left:
         raise ScheduleError(f"messages never received by stages {left}")
-    return order
+    return run.order
+
+
+class _Simulation:
+    """The state of `simulate`: each stage's position and what it received and computed."""
+
+    def __init__(self, schedules: Sequence[Sequence[Action]]) -> None:
+        self.schedules, n = schedules, len(schedules)
+        self.v = 1 + max((a.chunk for actions in schedules for a in actions), default=0)
+        self.channels: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
+        self.pc = [0] * n
+        self.have_input: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.have_out_grad: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.forwarded: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.order: list[tuple[int, Action]] = []
+
+    def receive(self, s: int, src: int, want: tuple[str, int, int]) -> bool:
+        queue = self.channels.get((src, s))
+        if not queue:
+            return False
+        got = queue.popleft()
+        if got != want:
+            raise ScheduleError(f"stage {s} expected {want[0]} {want[2]}@{want[1]} from stage {src} but the "
+                                f"next message is {got[0]} {got[2]}@{got[1]}")
+        return True
+
+    def step(self, s: int) -> bool:
+        """Run stage `s`'s next action; False when it is a receive with nothing to receive yet."""
+        n = len(self.schedules)
+        a = self.schedules[s][self.pc[s]]
+        key = (a.chunk, a.mb)
+        first, last = s == 0 and a.chunk == 0, s == n - 1 and a.chunk == self.v - 1
+        if a.op in (Op.RECV_ACT, Op.SEND_GRAD) and first:
+            raise ScheduleError(f"first stage {s} runs {a}")
+        if a.op in (Op.RECV_GRAD, Op.SEND_ACT) and last:
+            raise ScheduleError(f"last stage {s} runs {a}")
+        if a.op is Op.RECV_ACT:
+            if not self.receive(s, (s - 1) % n, ("act", a.chunk, a.mb)):
+                return False
+            self.have_input[s].add(key)
+        elif a.op is Op.RECV_GRAD:
+            if not self.receive(s, (s + 1) % n, ("grad", a.chunk, a.mb)):
+                return False
+            self.have_out_grad[s].add(key)
+        elif a.op is Op.FORWARD:
+            if not first and key not in self.have_input[s]:
+                raise ScheduleError(f"stage {s} runs {a} before receiving its input")
+            self.forwarded[s].add(key)
+        elif a.op is Op.BACKWARD:
+            if key not in self.forwarded[s]:
+                raise ScheduleError(f"stage {s} runs {a} before its forward")
+            if not last and key not in self.have_out_grad[s]:
+                raise ScheduleError(f"stage {s} runs {a} before receiving its gradient")
+        elif a.op is Op.SEND_ACT:
+            dst = (s + 1) % n
+            self.channels.setdefault((s, dst), deque()).append(("act", a.chunk + (dst == 0), a.mb))
+        else:
+            dst = (s - 1) % n
+            self.channels.setdefault((s, dst), deque()).append(("grad", a.chunk - (s == 0), a.mb))
+        self.pc[s] += 1
+        self.order.append((s, a))
+        return True

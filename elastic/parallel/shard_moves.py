@@ -46,9 +46,8 @@ def plan_moves(
     `workers`: as in `ranked_holdings`."""
     needs: dict[int, list[ShardKey]] = {}
     for w in workers or assign_ranks(plan):
-        first, last = plan.pipelines[w.pipeline].stages[w.stage].layers
         have = set(by_rank.get(w.rank, ()))  # a ShardKey is equal to its plain tuple
-        want = [ShardKey(layer, w.tp_rank) for layer in range(first, last) if (layer, w.tp_rank) not in have]
+        want = [ShardKey(layer, w.tp_rank) for layer in plan.pipelines[w.pipeline].stages[w.stage].held if (layer, w.tp_rank) not in have]
         if want:
             needs[w.rank] = want
     wanted = {k for keys in needs.values() for k in keys}

@@ -94,11 +94,16 @@ class ClusterSpec:
     recompute: str = "auto"
     """What the stages' backward recomputes: "auto" lets the planner choose per stage (the
     fastest mode that fits), a mode forces it on every stage (`templates.cost`)."""
+    virtual_stages: int = 0
+    """v, model chunks per node of pipelines of 2 or more nodes (`--virtual-stages`): a count
+    forces it (templates/interleave.py); 0 (auto) is the planner's choice, for now v = 1."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
         if self.recompute not in PLANNED_RECOMPUTE:
             raise ValueError(f"--recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {self.recompute!r}")
+        if self.virtual_stages < 0:
+            raise ValueError(f"--virtual-stages must be auto or >= 1, got {self.virtual_stages}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
         for flag, value in (
@@ -265,6 +270,7 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> Tem
         global_microbatches=spec.global_microbatches,
         max_nodes=max_nodes,
         recompute=spec.recompute,
+        virtual_stages=max(spec.virtual_stages, 1),
     )
 
 

@@ -71,6 +71,10 @@ class JobSpec(JsonRecord):
     """Split the activations between the tensor-parallel regions along the sequence
     (`elastic run --sequence-parallel/--no-sequence-parallel`, model/gpt.py); None (default): on
     where the plan is tensor-parallel. The same function as without it, summed in another order."""
+    scatter_gather: bool = True
+    """With tensor parallelism and no sequence parallelism, each rank sends 1/t of every
+    stage-boundary tensor and the receiving node all-gathers it (`elastic run
+    --no-scatter-gather` sends whole tensors; elastic/parallel/executor.py). Bit-identical."""
     # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
     eval_every: int = 0
     """Compute the validation loss after every this many committed steps and after the last
@@ -110,6 +114,13 @@ class JobSpec(JsonRecord):
     def sequence_parallel_on(self) -> bool:
         """Whether the stages run sequence-parallel: asked for (or by default) and tensor-parallel."""
         return self.plan.gpus_per_node > 1 and self.sequence_parallel is not False
+
+    @property
+    def boundary_split(self) -> int:
+        """Parts each stage-boundary tensor travels in (scatter/gather): the tensor-parallel
+        degree, or 1 (off, no tensor parallelism, or already split by sequence parallelism)."""
+        on = self.scatter_gather and not self.sequence_parallel_on
+        return self.plan.gpus_per_node if on else 1
 
     def stage_recompute(self, planned: str) -> str:
         """What a stage whose plan says `planned` recomputes: the forced mode, or `planned`."""

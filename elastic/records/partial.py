@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from elastic.coordinator.jsonrecord import JsonRecord
-from templates.plan import Plan
+from templates.plan import Plan, StagePlan
 
 FINISH_FROM = 1 / 3
 """Fraction of a step after which pipelines that lost no node finish their microbatches when a
@@ -154,9 +154,9 @@ def split_microbatches(plan: Plan, microbatches: Sequence[int]) -> list[tuple[in
     return out
 
 
-def _stage_layers(plan: Plan) -> dict[int, tuple[int, int]]:
-    """Each node's layers [first, last) in `plan`."""
-    return {stage.node: (stage.first, stage.last) for pipe in plan.pipelines for stage in pipe.stages}
+def _stage_layers(plan: Plan) -> dict[int, StagePlan]:
+    """Each node's stage in `plan` (its layers: `StagePlan.holds`)."""
+    return {stage.node: stage for pipe in plan.pipelines for stage in pipe.stages}
 
 
 def _first_holders(plan: Plan) -> list[int]:
@@ -164,7 +164,8 @@ def _first_holders(plan: Plan) -> list[int]:
     out = [-1] * plan.num_layers
     for pipe in reversed(plan.pipelines):
         for st in pipe.stages:
-            out[st.first : st.last] = [st.node] * (st.last - st.first)
+            for first, last in st.ranges:
+                out[first:last] = [st.node] * (last - first)
     return out
 
 
@@ -203,9 +204,9 @@ def resolve_replay(
                               "at the same tensor-parallel rank")
             continue
         for node, local_rank, r in group:
-            first, last = layers_of[node]
+            stage = layers_of[node]
             moved_sums.extend([layer, r.tp_rank, node, local_rank, first_holder[layer], r.tp_rank]
-                              for layer in range(r.layers[0], r.layers[1]) if not first <= layer < last)
+                              for layer in range(r.layers[0], r.layers[1]) if not stage.holds(layer))
         kept.update(mbs)
         sets.append((mbs, nodes))
     return ReplayRecord(step=step, total=new_plan.global_microbatches, tp=tp,

@@ -71,7 +71,7 @@ def node_list(nodes: list[int]) -> str:
 def surviving_holders_cover(plan: Plan, live: set[int]) -> bool:
     """Whether every layer of `plan` has a holder among `live` nodes."""
     return all(
-        any(st.node in live for pipe in plan.pipelines for st in pipe.stages if st.first <= layer < st.last)
+        any(st.node in live for pipe in plan.pipelines for st in pipe.stages if st.holds(layer))
         for layer in range(plan.num_layers)
     )
 

@@ -36,8 +36,9 @@ from elastic.records.partial import ReplayRecord, resolve_replay
 from elastic.transfer.shards import ShardKey
 from templates.plan import PipelinePlan, Plan, StagePlan
 
-SHAPE = GPTConfig(vocab_size=256, seq_len=8, n_layer=2, n_head=2, d_model=16)
-"""4 planning layers (up to 4 stages), a few thousand parameters: a step takes milliseconds."""
+SHAPE = GPTConfig(vocab_size=256, seq_len=8, n_layer=4, n_head=2, d_model=16)
+"""6 planning layers (up to 4 stages, or 3 stages of 2 chunks, 2 of 3), a few thousand
+parameters: a step takes milliseconds."""
 LAYERS = SHAPE.num_layers
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, eps=1e-6)
 
@@ -61,6 +62,9 @@ class Case:
     sequence_parallel: bool = True
     """With TP 2, whether the stages run sequence-parallel (model/gpt.py): all-gathers and
     reduce-scatters instead of all-reduces, shards of the sequence between stages."""
+    scatter_gather: bool = True
+    """With TP 2 and no sequence parallelism, whether each rank sends half of every boundary
+    tensor and the receiving node all-gathers it (elastic/parallel/executor.py)."""
 
 
 @dataclass
@@ -76,8 +80,10 @@ class Outcome:
 
 def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatches: int | None = None) -> Plan:
     """Every node of `nodes` in some pipeline: 1-4 pipelines of random depths (at most 4 stages),
-    random contiguous layer splits, random microbatch counts (1-8 each; 1-4 with tensor
-    parallelism, whose collectives per microbatch make a case slow), or `microbatches` split."""
+    each of 2 stages or more interleaved with 2 or 3 chunks per stage half the time (as many as
+    the layers allow), random contiguous layer splits, random microbatch counts (1-8 each; 1-4
+    with tensor parallelism, whose collectives per microbatch make a case slow), or `microbatches`
+    split."""
     nodes = list(nodes)
     rng.shuffle(nodes)
     count = rng.randint(1, min(4, len(nodes), microbatches or 4))
@@ -88,11 +94,14 @@ def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatch
     pipelines = []
     start = 0
     for p, depth in enumerate(depths):
-        cuts = sorted(rng.sample(range(1, LAYERS), depth - 1))
+        v = rng.choice([c for c in (1, 1, 2, 3) if depth * c <= LAYERS]) if depth > 1 else 1
+        cuts = sorted(rng.sample(range(1, LAYERS), depth * v - 1))
         bounds = [0, *cuts, LAYERS]
         members = nodes[start : start + depth]
         start += depth
-        stages = tuple(StagePlan(node=n, layers=(bounds[i], bounds[i + 1])) for i, n in enumerate(members))
+        chunks = [tuple((bounds[c * depth + i], bounds[c * depth + i + 1]) for c in range(v)) for i in range(depth)]
+        stages = tuple(StagePlan(node=n, layers=chunks[i][0], chunks=chunks[i] if v > 1 else ())
+                       for i, n in enumerate(members))
         most = 8 if tp == 1 else 4
         mbs = rng.randint(1, most) if microbatches is None else max(1, microbatches // count + (p < microbatches % count))
         pipelines.append(PipelinePlan(stages=stages, microbatches=mbs))
@@ -118,7 +127,8 @@ def random_case(seed: int) -> Case:
     partial = bool(failed) and rng.random() < 0.6
     evaluate = rng.random() < 0.3
     return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
-                recompute=rng.choice(("none", "none", "selective", "full")), sequence_parallel=rng.random() < 0.5)
+                recompute=rng.choice(("none", "none", "selective", "full")), sequence_parallel=rng.random() < 0.5,
+                scatter_gather=rng.random() < 0.7)
 
 
 Worker = tuple[int, int]
@@ -139,7 +149,8 @@ class _Job:
         tp = case.plan1.gpus_per_node
         self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
                             device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3,
-                            recompute=case.recompute, sequence_parallel=case.sequence_parallel)
+                            recompute=case.recompute, sequence_parallel=case.sequence_parallel,
+                            scatter_gather=case.scatter_gather)
         self.workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
         self.recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in self.workers}
         self.trainers: dict[Worker, Trainer] = {}

@@ -19,6 +19,8 @@ WANTED = frozenset({
     "kept sums moved", "two-way shard moves", "shard rotation", "spare takes a stage",
     "recompute selective", "recompute full with tp=2",  # full reposts TP all-reduces in the backward
     "sequence parallel with tp=2", "reduce-scatter", "recompute full with sequence parallel",
+    "interleaved v=2", "interleaved v=3", "interleaved beside another depth", "re-plan changes v",
+    "interleaved with tp=2", "scatter/gather with tp=2", "interleaved partial failure",
 })
 
 
@@ -42,6 +44,7 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("sequence parallel with tp=2")
         if case.recompute == "full":
             out.add("recompute full with sequence parallel")  # the backward gathers and scatters again
+    out |= _schedules(case)
     if set(case.plan2.nodes) - set(case.plan1.nodes):
         out.add("spare takes a stage")
     sends: set[tuple[int, int]] = set()
@@ -64,6 +67,26 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("two-way shard moves")
     if any((b, c) in sends and (c, a) in sends and len({a, b, c}) == 3 for a, b in sends for _, c in sends):
         out.add("shard rotation")
+    return out
+
+
+def _schedules(case: Case) -> set[str]:
+    """The interleaved schedule's patterns and scatter/gather's."""
+    out = set()
+    tp = case.plan1.gpus_per_node
+    for plan in (case.plan1, case.plan2):
+        vs = [p.virtual_stages for p in plan.pipelines]
+        out |= {f"interleaved v={v}" for v in vs if v > 1}
+        if any(v > 1 for v in vs) and len({len(p.stages) for p in plan.pipelines}) > 1:
+            out.add("interleaved beside another depth")
+        if any(v > 1 for v in vs) and tp > 1:
+            out.add("interleaved with tp=2")
+    if case.partial and any(p.virtual_stages > 1 for p in case.plan1.pipelines):
+        out.add("interleaved partial failure")
+    if ({p.virtual_stages for p in case.plan1.pipelines} != {p.virtual_stages for p in case.plan2.pipelines}):
+        out.add("re-plan changes v")
+    if tp > 1 and case.scatter_gather and not case.sequence_parallel:
+        out.add("scatter/gather with tp=2")
     return out
 
 

@@ -5,6 +5,7 @@ keeps NCCL's rules. A generation replaced without an abort is retired the same w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -21,10 +22,14 @@ from elastic.parallel.abort import AbortSignal, StepAborted
 from elastic.parallel.shard_moves import plan_moves
 from elastic.records.job import JobSpec
 from templates.plan import PipelinePlan, Plan, StagePlan
-from tests.comm.cluster import LAYERS, OPTIM, SHAPE
+from tests.comm.cluster import OPTIM
+from tests.comm.cluster import SHAPE as SIX_LAYERS
 from tests.comm.support import on_threads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SHAPE = dataclasses.replace(SIX_LAYERS, n_layer=2)
+LAYERS = SHAPE.num_layers
 
 PLAN1 = Plan(num_layers=LAYERS, microbatch_size=1, gpus_per_node=1, fault_tolerance=1, pipelines=(
     PipelinePlan(stages=(StagePlan(node=0, layers=(0, 2)), StagePlan(node=1, layers=(2, 4))), microbatches=4),

@@ -57,7 +57,7 @@ def test_every_holder_of_a_layout_bucket_cuts_it_alike() -> None:
     per_rank = []
     for rank in range(len(assign_ranks(plan))):
         layout = ParallelLayout.for_rank(plan, 0, rank)
-        first, last = layout.layers
+        first, last = layout.stage_plan.layers
         mine = [n for n in SIZES if first <= LAYER_OF(n) < last]
         per_rank.append(bucket_layout(mine, layout, LAYER_OF, SIZES))
     seen: dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[str, ...]]]] = {}

@@ -61,7 +61,7 @@ def test_holders_and_buckets_follow_the_layer_splits() -> None:
         counting = [
             ly.rank
             for ly in by_rank
-            if ly.layers[0] <= layer < ly.layers[1] and ly.counts_layer_for_norm(layer)
+            if ly.stage_plan.holds(layer) and ly.counts_layer_for_norm(layer)
         ]
         assert len(counting) == 1
 

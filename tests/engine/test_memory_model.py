@@ -131,7 +131,7 @@ def modelled(model: str, plan: Plan, trainer: Trainer) -> MemoryEstimate:
     """The memory model's count for `trainer`'s worker, from the plan and the shape alone."""
     layout = trainer.layout
     return worker_memory(
-        get_preset(model), layers=layout.layers, microbatch_size=plan.microbatch_size, in_flight=1,
+        get_preset(model), layers=layout.stage_plan.layers, microbatch_size=plan.microbatch_size, in_flight=1,
         tp=plan.gpus_per_node, holders=len(plan.pipelines), partial_replay=trainer.spec.partial_replay,
         microbatches=[p.microbatches for p in plan.pipelines], pipeline=layout.pipeline, tp_rank=layout.tp_rank,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from elastic.transfer.shards import ShardKey
+from templates.plan import StagePlan
 
 
 class LayoutLike(Protocol):
@@ -18,7 +19,7 @@ class LayoutLike(Protocol):
     def tp_rank(self) -> int: ...
 
     @property
-    def layers(self) -> tuple[int, int]: ...
+    def stage_plan(self) -> StagePlan: ...
 
     def holders(self, layer: int, tp_rank: int | None = None) -> tuple[int, ...]: ...
 
@@ -27,6 +28,5 @@ def checkpoint_writer_shards(layout: LayoutLike) -> list[ShardKey]:
     """The shards this worker writes: those of its stage for which it is the holder of the
     lowest-numbered pipeline. Ranks are dealt pipeline by pipeline, so that holder is the one
     with the lowest global rank; every (layer, tp_rank) gets exactly one writer."""
-    first, last = layout.layers
     t = layout.tp_rank
-    return [ShardKey(layer, t) for layer in range(first, last) if layout.holders(layer, t)[0] == layout.rank]
+    return [ShardKey(layer, t) for layer in layout.stage_plan.held if layout.holders(layer, t)[0] == layout.rank]
