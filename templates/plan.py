@@ -313,9 +313,12 @@ def even_plan(
     microbatch_size: int,
     gpus_per_node: int = 1,
     fault_tolerance: int = 0,
+    virtual_stages: int = 1,
 ) -> Plan:
     """A simple hand-built plan: nodes dealt into `num_pipelines` pipelines as evenly as
-    possible, layers split evenly over each pipeline's stages, microbatches split evenly."""
+    possible, layers split evenly over each pipeline's stages (over its p * v virtual stages,
+    chunk c of stage s holding virtual stage c * p + s, in pipelines of 2 or more stages),
+    microbatches split evenly."""
     if num_pipelines < 1 or num_pipelines > len(nodes):
         raise PlanError(f"cannot form {num_pipelines} pipelines from {len(nodes)} nodes")
     if global_microbatches < num_pipelines:
@@ -329,8 +332,13 @@ def even_plan(
             raise PlanError(f"a pipeline of {depth} stages cannot split {num_layers} layers")
         members = node_list[start : start + depth]
         start += depth
-        bounds = [round(i * num_layers / depth) for i in range(depth + 1)]
-        stages = tuple(StagePlan(node=n, layers=(bounds[i], bounds[i + 1])) for i, n in enumerate(members))
+        v = virtual_stages if depth > 1 else 1
+        if depth * v > num_layers:
+            raise PlanError(f"a pipeline of {depth} stages x {v} chunks cannot split {num_layers} layers")
+        bounds = [round(i * num_layers / (depth * v)) for i in range(depth * v + 1)]
+        ranges = [tuple((bounds[c * depth + i], bounds[c * depth + i + 1]) for c in range(v)) for i in range(depth)]
+        stages = tuple(StagePlan(node=n, layers=ranges[i][0], chunks=ranges[i] if v > 1 else ())
+                       for i, n in enumerate(members))
         mbs = global_microbatches // num_pipelines + (1 if p < global_microbatches % num_pipelines else 0)
         pipelines.append(PipelinePlan(stages=stages, microbatches=mbs))
     return Plan(

@@ -197,7 +197,8 @@ def _recomputing(spec: JobSpec) -> str:
     sp = ", sequence-parallel" if spec.sequence_parallel_on else ""
     vs = sorted({p.virtual_stages for p in spec.plan.pipelines if p.virtual_stages > 1})
     interleaved = f", interleaved v={'/'.join(map(str, vs))}" if vs else ""
-    split = ", scatter/gather" if spec.boundary_split > 1 else ""
+    deep = any(len(p.stages) > 1 for p in spec.plan.pipelines)
+    split = ", scatter/gather" if spec.boundary_split > 1 and deep else ""
     return (f", recomputing {' and '.join(modes)}" if modes else "") + sp + interleaved + split
 
 

@@ -80,7 +80,7 @@ class KeptGrads:
     microbatches: tuple[int, ...]
     """Global microbatch indices the sums hold (this pipeline's share of the step)."""
     layers: tuple[int, int]
-    """Planning layers [first, last) of the stage the sums belong to."""
+    """Planning layers [first, last) of the stage the sums belong to (chunk 0's when interleaved)."""
     tp_rank: int
     """Tensor-parallel rank of the stage."""
     grads: dict[Block, dict[str, torch.Tensor]]
@@ -90,9 +90,12 @@ class KeptGrads:
     """This worker's share of the step's loss (non-zero on a last stage's TP rank 0 only)."""
     finite: bool
     """Whether every loss of these microbatches was finite."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """Under interleaving, each chunk's layer range; empty: `layers`."""
 
     def report(self) -> PartialReport:
-        return PartialReport(step=self.step, microbatches=self.microbatches, layers=self.layers, tp_rank=self.tp_rank)
+        return PartialReport(step=self.step, microbatches=self.microbatches, layers=self.layers, tp_rank=self.tp_rank,
+                             chunks=self.chunks)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,10 +225,8 @@ class StepTransaction:
         so buckets are launched together after the schedule, in the global order."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
-        self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1 and all(
-            p.virtual_stages == 1 for p in layout.plan.pipelines)
-        """Whether each step copies its sums after the schedule (useless with one pipeline; not
-        yet with interleaved pipelines, whose failed steps replay whole)."""
+        self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
+        """Whether each step copies its sums after the schedule (useless with one pipeline)."""
         self.replay = replay
         """The generation's first step, when only part of it is computed here."""
         self.partial: KeptGrads | None = None
@@ -418,7 +419,8 @@ class StepTransaction:
             loss_sum += replay.loss_sum
             ok = replay.finite
         elif replay is None and self.keep_partial:
-            self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.stage_plan.layers, tp_rank=layout.tp_rank,
+            self._finished = KeptGrads(step=step, microbatches=mbs, layers=layout.stage_plan.layers,
+                                       chunks=layout.stage_plan.chunks, tp_rank=layout.tp_rank,
                                        grads={}, loss_sum=0.0, finite=True)
             self._loss = loss_sum
         return finalize_grads(

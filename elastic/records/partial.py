@@ -52,9 +52,19 @@ class PartialReport(JsonRecord):
     microbatches: tuple[int, ...]
     """Global microbatch indices whose gradients the sums hold (its pipeline's, all finished)."""
     layers: tuple[int, int]
-    """The planning layers [first, last) the sums cover."""
+    """The planning layers [first, last) the sums cover (chunk 0's, under interleaving)."""
     tp_rank: int
     """Their tensor-parallel rank."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """Under interleaving, the layer range of each chunk the sums cover; empty: `layers`."""
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return self.chunks or (self.layers,)
+
+    def held(self) -> list[int]:
+        """Every layer the sums cover, ascending."""
+        return sorted(layer for first, last in self.ranges for layer in range(first, last))
 
 
 def to_runs(values: Sequence[int]) -> list[list[int]]:
@@ -191,8 +201,8 @@ def resolve_replay(
     recomputed: list[str] = []
     moved_sums: list[list[int]] = []
     for mbs, group in sorted(by_set.items()):
-        covered = {(layer, r.tp_rank) for _, _, r in group for layer in range(r.layers[0], r.layers[1])}
-        count = sum(r.layers[1] - r.layers[0] for _, _, r in group)  # == len(shards) only if none twice
+        covered = {(layer, r.tp_rank) for _, _, r in group for layer in r.held()}
+        count = sum(len(r.held()) for _, _, r in group)  # == len(shards) only if none twice
         if count != len(shards) or covered != shards or not kept.isdisjoint(mbs):
             continue  # a pipeline that lost a worker: its sums are incomplete
         nodes = sorted({node for node, _, _ in group})
@@ -206,7 +216,7 @@ def resolve_replay(
         for node, local_rank, r in group:
             stage = layers_of[node]
             moved_sums.extend([layer, r.tp_rank, node, local_rank, first_holder[layer], r.tp_rank]
-                              for layer in range(r.layers[0], r.layers[1]) if not stage.holds(layer))
+                              for layer in r.held() if not stage.holds(layer))
         kept.update(mbs)
         sets.append((mbs, nodes))
     return ReplayRecord(step=step, total=new_plan.global_microbatches, tp=tp,

@@ -46,11 +46,12 @@ def run_elastic(
     timeout_s: float = 150.0,
     partial_replay: bool = True,
     shard_transport: str = "collective",
+    virtual_stages: int = 1,
 ) -> Result:
     """Train tiny on `nodes` nodes dealt into `pipelines` multi-stage pipelines, with faults."""
     config = tiny_config(run_dir, nodes=nodes, pipelines=pipelines, steps=steps, fault_tolerance=fault_tolerance,
                          checkpoint_every=checkpoint_every, partial_replay=partial_replay,
-                         shard_transport=shard_transport)
+                         shard_transport=shard_transport, virtual_stages=virtual_stages)
     config = dataclasses.replace(config, injections=tuple(parse_injection(i) for i in inject))
     summary = launch_elastic(config, quiet=True, timeout_s=timeout_s)
     return summary, load_final_state(config.spec)
@@ -89,17 +90,20 @@ def check_same_training(
 def tiny_config(
     run_dir: Path, *, nodes: int, pipelines: int, steps: int, fault_tolerance: int = 1, lease_ttl: int = 3,
     checkpoint_every: int = 5, partial_replay: bool = True, shard_transport: str = "collective",
-    global_microbatches: int = 4,
+    global_microbatches: int = 4, virtual_stages: int = 1,
 ) -> ElasticConfig:
     """tiny on `nodes` nodes dealt into `pipelines` pipelines (global batch 8 in microbatches of 2,
-    unless `global_microbatches` says otherwise: `static_reference` has 4)."""
+    unless `global_microbatches` says otherwise: `static_reference` has 4), `virtual_stages`
+    chunks per node (the re-plans' too)."""
     plan = even_plan(num_layers=6, nodes=list(range(nodes)), num_pipelines=pipelines,
-                     global_microbatches=global_microbatches, microbatch_size=2, fault_tolerance=fault_tolerance)
+                     global_microbatches=global_microbatches, microbatch_size=2, fault_tolerance=fault_tolerance,
+                     virtual_stages=virtual_stages)
     spec = JobSpec(model="tiny", plan=plan, steps=steps, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    collective_timeout_s=60.0, partial_replay=partial_replay,
                    shard_transport=shard_transport)
     cluster = ClusterSpec(
-        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=2 * global_microbatches, microbatch=2
+        model="tiny", nodes=nodes, fault_tolerance=fault_tolerance, global_batch=2 * global_microbatches, microbatch=2,
+        virtual_stages=virtual_stages,
     )
     # These runs count generations and recoveries: a straggler mark on a loaded test machine must
     # not add one (the straggler policies have tests of their own, test_stragglers*.py).

@@ -1,0 +1,106 @@
+"""`elastic run --virtual-stages 2` on real processes (issue 53): tiny with 6 blocks (8 planning
+layers), 4 nodes, node 3 SIGKILLed at step 9.
+
+- 2 pipelines of 2 nodes (f = 1), interleaved: recovery without restart ends bit for bit as the
+  plain 1F1B run through the same failure (the step's summation tree does not depend on the
+  schedule), and as the interleaved run without the failure.
+- One pipeline of 4 nodes (f = 0), interleaved: the lost node's layers have no replica, so the
+  job falls back to its checkpoint (written by an interleaved layout, restored into a 3-node one)
+  and still ends bit for bit the same.
+- TP 2 without sequence parallelism: interleaved with scatter/gather through the failure ends
+  bit for bit as plain 1F1B sending whole tensors without a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults.runs import check_same_training, max_rel_diff, run_elastic
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+STEPS = 10
+RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "tiny", "--n-layer", "6", "--nodes", "4",
+       "--global-batch", "8", "--microbatch", "1", "--steps", str(STEPS), "--device", "cpu", "--lease-ttl", "30"]
+"""A long lease: a failure is seen by the node's own monitor (tests/faults/test_recompute_run.py)."""
+KILL = ("--inject", "kill:node=3,step=9")
+TWO_BY_TWO = ("--fault-tolerance", "1", "--device-memory-gib", "0.03", "--checkpoint-every", "0")
+"""The budget at which the planner lays 2 pipelines of 2 nodes."""
+ONE_BY_FOUR = ("--device-memory-gib", "0.02", "--checkpoint-every", "4")
+"""The budget at which it lays one pipeline of 4 nodes; checkpoints for the fallback."""
+TP2 = ("--gpus-per-node", "2", "--no-sequence-parallel", "--fault-tolerance", "1", "--device-memory-gib", "0.018",
+       "--checkpoint-every", "0")
+"""TP 2 halves each device's share: at this budget the planner lays 2 pipelines of 2 nodes again."""
+
+Result = tuple[dict[str, object], dict[str, torch.Tensor], str]
+
+
+def _run(run_dir: Path, *extra: str) -> Result:
+    final = run_dir / "final_state.pt"
+    cmd = [*RUN, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json"),
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_committed"] == STEPS and summary["worker_restarts"] == 0
+    lost = [r["lost_nodes"] for r in summary["recoveries"]]
+    assert lost == ([[3]] if KILL[1] in extra else []), lost
+    return summary, torch.load(final), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Result:
+    """2 x 2 pipelines, plain 1F1B, node 3 killed at step 9."""
+    return _run(tmp_path_factory.mktemp("plain"), *TWO_BY_TWO, "--virtual-stages", "1", *KILL)
+
+
+def _same(got: Result, want: Result, what: str) -> None:
+    assert got[0]["losses"] == want[0]["losses"], what
+    assert got[1].keys() == want[1].keys()
+    differ = [name for name in got[1] if not torch.equal(got[1][name], want[1][name])]
+    assert not differ, f"{what}: final parameters differ in {differ}"
+
+
+def test_two_interleaved_pipelines_recover_bit_for_bit(plain: Result, tmp_path: Path) -> None:
+    assert "interleaved" not in plain[2].splitlines()[0]
+    failed = _run(tmp_path / "kill", *TWO_BY_TWO, "--virtual-stages", "2", *KILL)
+    assert "2-stage x 4 mb + 2-stage x 4 mb, interleaved v=2" in failed[2].splitlines()[0], failed[2][:300]
+    _same(failed, plain, "interleaved, node 3 killed")
+    _same(_run(tmp_path / "clean", *TWO_BY_TWO, "--virtual-stages", "2"), plain, "interleaved, no failure")
+
+
+def test_one_interleaved_pipeline_falls_back_to_its_checkpoint(plain: Result, tmp_path: Path) -> None:
+    got = _run(tmp_path, *ONE_BY_FOUR, "--virtual-stages", "2", *KILL)
+    assert "4-stage x 8 mb, interleaved v=2" in got[2].splitlines()[0], got[2][:300]
+    assert got[0]["recoveries"][0]["restore_checkpoint"] is not None
+    _same(got, plain, "one interleaved pipeline, checkpoint fallback")
+
+
+def test_tensor_parallel_scatter_gather_through_a_failure(tmp_path: Path) -> None:
+    whole = _run(tmp_path / "whole", *TP2, "--virtual-stages", "1", "--no-scatter-gather")
+    split = _run(tmp_path / "split", *TP2, "--virtual-stages", "2", *KILL)
+    assert "interleaved v=2, scatter/gather" in split[2].splitlines()[0], split[2][:300]
+    _same(split, whole, "TP 2: interleaved with scatter/gather vs plain with whole tensors")
+
+
+def test_partial_replay_with_interleaved_pipelines(tmp_path: Path) -> None:
+    """2 pipelines x 2 stages x 2 chunks (tiny's 6 layers), node 2 SIGKILLed in step 8: the
+    pipeline that lost no node keeps its sums (one per chunk's layers), the step's rest is
+    replayed, and the state equals the failure-free run bit for bit."""
+    reference = run_elastic(tmp_path / "clean", nodes=4, pipelines=2, virtual_stages=2, steps=12)
+    summary, state = run_elastic(tmp_path / "kill", nodes=4, pipelines=2, virtual_stages=2, steps=12,
+                                 inject=("kill:node=2,step=8",))
+    check_same_training(summary, state, reference, steps=12)
+    assert max_rel_diff(state, reference[1]) == 0.0
+    (rec,) = summary.recoveries
+    assert rec["lost_nodes"] == [2] and rec["restore_checkpoint"] is None
+    print(f"kept {rec['kept_microbatches']}, replayed {rec['replayed_fraction']}")
+    # As in test_partial_replay.py: the fault lands in step 8's schedule (microbatches 0-1 kept)
+    # or, rarely, in its vote (step 9 replayed whole).
+    assert (rec["kept_microbatches"], rec["replayed_fraction"]) in (([0, 1], 0.5), ([], 1.0)), rec
