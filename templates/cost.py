@@ -23,7 +23,8 @@ that fits, the one keeping more on ties (none, selective, full): a stage's mode 
 
 A stage's cost therefore depends on (i, j, k) only, which is what makes an exact DP over layer
 suffixes and stage counts possible. The iteration time of a pipeline running m microbatches
-is sum(stage times) + (m - 1) * max(stage times).
+is sum(stage times) + (m - 1) * max(stage times); interleaved over v chunks per stage, see
+`pipeline_time` and templates/interleave.py.
 """
 
 from __future__ import annotations
@@ -36,9 +37,19 @@ import numpy as np
 from templates.profile import PLANNED_RECOMPUTE, RECOMPUTE_MODES, WEIGHT_BYTES, Profile
 
 
-def pipeline_time(stage_times: Sequence[float], microbatches: int) -> float:
-    """1F1B iteration time: all stages once (fill + drain) plus m - 1 rounds of the slowest."""
-    return float(sum(stage_times)) + (microbatches - 1) * float(max(stage_times))
+def pipeline_time(stage_times: Sequence[float], microbatches: int, chunks: int = 1) -> float:
+    """1F1B iteration time: all stages once (fill + drain) plus m - 1 rounds of the slowest.
+
+    Interleaved over v = `chunks` chunks per stage (elastic/parallel/interleaved.py; a stage's
+    time is its chunks' together): the fill and drain shrink v-fold, sum / v + (m - 1 / v) *
+    max, and where p does not divide m each of the m' - m microbatches that pad the last group
+    still costs (v - 1) / v of a round of the slowest."""
+    total, slowest = float(sum(stage_times)), float(max(stage_times))
+    if chunks == 1:
+        return total + (microbatches - 1) * slowest
+    p = len(stage_times)
+    padding = -(-microbatches // p) * p - microbatches
+    return total / chunks + (microbatches - 1 / chunks) * slowest + padding * (chunks - 1) / chunks * slowest
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,23 @@ class StageCosts:
         """The planner's parameter-and-state bytes of stage [first, last): weights, optimizer
         state, gradient and exchange buffers, and its G workers' fixed buffers."""
         return float(self._state[first, last]) + self.worker_bytes
+
+    def chunk_time(self, first: int, last: int, mode: str, *, last_virtual: bool) -> float:
+        """Time of layers [first, last) as one chunk of an interleaved stage in `mode`: the
+        transfers of its output and gradient unless it is the pipeline's last virtual stage."""
+        return float(self._arrays[mode].time(1 if last_virtual else 2)[first, last])
+
+    def chunks_memory(self, ranges: Sequence[tuple[int, int]], mode: str, in_flight: Sequence[int],
+                      last_virtual: bool) -> float:
+        """Bytes a node holding the chunks `ranges` needs in `mode` with `in_flight[c]`
+        microbatches of chunk c in flight (beside the workers' fixed buffers); `last_virtual`:
+        its last chunk is the pipeline's last virtual stage (it keeps no output)."""
+        arrays, total = self._arrays[mode], 0.0
+        for c, (first, last) in enumerate(ranges):
+            mid = not (last_virtual and c == len(ranges) - 1)
+            total += float(arrays.static[first, last]) + in_flight[c] * float(
+                (arrays.act_mid if mid else arrays.act)[first, last])
+        return total
 
     def stage_fits(self, first: int, last: int, k: int) -> bool:
         return self.stage_memory(first, last, k) <= self.capacity

@@ -50,10 +50,18 @@ class PipelineTemplate:
     """Interleaved (templates/interleave.py): each stage's chunk ranges, chunk 0 being its
     `stages` entry; empty: one chunk per stage (v = 1)."""
 
+    plain_stage_times: tuple[float, ...] = ()
+    """Interleaved: the stage times of the same template at v = 1 (what `plain_time_for`
+    compares against); empty: `stage_times`."""
+
     @property
     def virtual_stages(self) -> int:
         """v: model chunks per node."""
         return len(self.chunks[0]) if self.chunks else 1
+
+    def plain_time_for(self, microbatches: int) -> float:
+        """The 1F1B time of the template before interleaving, for `microbatches`."""
+        return pipeline_time(self.plain_stage_times or self.stage_times, microbatches)
 
     @property
     def stage_modes(self) -> tuple[str, ...]:
@@ -70,8 +78,8 @@ class PipelineTemplate:
         return self.time_for(self.microbatches)
 
     def time_for(self, microbatches: int) -> float:
-        """1F1B time of this layout for `microbatches` microbatches."""
-        return pipeline_time(self.stage_times, microbatches)
+        """1F1B time of this layout for `microbatches` microbatches (interleaved 1F1B with v > 1)."""
+        return pipeline_time(self.stage_times, microbatches, self.virtual_stages)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -80,6 +88,7 @@ class PipelineTemplate:
                        | ({"chunks": [list(r) for r in self.chunks[s]]} if self.chunks else {})
                        for s, ((first, last), mode) in enumerate(zip(self.stages, self.stage_modes, strict=True))],
             "virtual_stages": self.virtual_stages,
+            "plain_iteration_time": self.plain_time_for(self.microbatches),
             "stage_times": list(self.stage_times),
             "microbatches": self.microbatches,
             "iteration_time": self.iteration_time,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from templates.cost import StageCosts
-from templates.interleave import interleave_template
+from templates.interleave import best_interleaving
 from templates.profile import Profile
 from templates.search import PipelineTemplate, feasible_stage_counts, search_templates
 
@@ -39,7 +39,8 @@ class TemplateSet:
     recompute: str = "none"
     """What the stages were allowed to recompute ("auto": each template's stages chose)."""
     virtual_stages: int = 1
-    """v forced on every template of 2 or more nodes (templates/interleave.py); 1: plain 1F1B."""
+    """v forced on every template of 2 or more nodes where it fits (templates/interleave.py);
+    1: plain 1F1B; 0 (auto): each template's fastest v."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
 
@@ -76,9 +77,10 @@ def build_templates(
 ) -> TemplateSet:
     """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes, each
     stage recomputing as `recompute` says ("auto": the planner's choice per stage), with
-    `virtual_stages` model chunks per node where the pipeline has 2 or more nodes."""
-    if virtual_stages < 1:
-        raise PlanningError(f"virtual stages must be >= 1, got {virtual_stages}")
+    `virtual_stages` model chunks per node where the pipeline has 2 or more nodes (0: the
+    fastest that fits, per template)."""
+    if virtual_stages < 0:
+        raise PlanningError(f"virtual stages must be >= 1, or 0 (auto), got {virtual_stages}")
     if num_nodes < 1:
         raise PlanningError(f"the cluster needs at least 1 node, got {num_nodes}")
     if fault_tolerance < 0:
@@ -113,6 +115,6 @@ def build_templates(
         max_nodes=n_max,
         recompute=recompute,
         virtual_stages=virtual_stages,
-        templates={n: interleave_template(t, profile, virtual_stages)
+        templates={n: best_interleaving(t, costs, virtual_stages)
                    for n, t in search_templates(costs, shares).items()},
     )

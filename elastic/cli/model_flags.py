@@ -47,7 +47,8 @@ def add_schedule_flag(parser: Any) -> None:
     """`--virtual-stages N|auto`: model chunks per node, the interleaved schedule (elastic/parallel/interleaved.py)."""
     parser.add_argument("--virtual-stages", type=virtual_stages_arg, default=0, metavar="N|auto",
                         help="model chunks per node in every pipeline of 2 or more nodes: N > 1 runs the "
-                        "interleaved 1F1B schedule, 1 plain 1F1B; auto (default) lets the planner choose (for now: 1)")
+                        "interleaved 1F1B schedule where the layers and memory allow, 1 plain 1F1B; auto (default) lets the planner "
+                        "choose per pipeline size the fastest v that fits")
 
 
 def add_shape_flags(parser: Any) -> None:

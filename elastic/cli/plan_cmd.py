@@ -152,13 +152,14 @@ def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan:
         f"recompute {args.recompute}: {_recompute_summary(plan)}",
         _schedule_summary(args, plan),
         "",
-        f"{'nodes':>5}  {'v':>2}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  stages (layers)",
+        f"{'nodes':>5}  {'v':>2}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  {'vs v=1':>6}  "
+        "stages (layers)",
     ]
     for n in tset.sizes:
         t = tset.templates[n]
         lines.append(
             f"{n:>5}  {t.virtual_stages:>2}  {t.microbatches:>5}  {t.bottleneck:>15.6g}  {t.iteration_time:>12.6g}  "
-            f"{_ranges(t)}"
+            f"{t.iteration_time / t.plain_time_for(t.microbatches):>6.3f}  {_ranges(t)}"
         )
     lines += ["", f"plan: {len(plan.pipelines)} pipelines, estimated iteration time {plan.iteration_time:.6g} s", ""]
     lines.append(f"{'pipe':>4}  {'nodes':>5}  {'v':>2}  {'mbs':>5}  {'iteration s':>12}  node:[layers)")

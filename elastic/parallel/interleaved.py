@@ -5,12 +5,19 @@ c * p + s, so a microbatch passes every stage v times, and the bubble shrinks fr
 of a step to (p - 1) / (v * m) at the price of v times as many transfers.
 
 The order of the computations follows Megatron-core's schedule table. Microbatches go in groups
-of p (the last group smaller when p does not divide m); a stage runs the forwards of a group
-chunk by chunk, and the backwards of a group in the same order with the chunks reversed. Stage s
-warms up with (p - s - 1) * 2 + (v - 1) * p forwards (all of them when m = p), then alternates
-one forward and one backward, then drains the backwards. The first stage thus holds up to
-(v - 1) * p + 2 (p - 1) + 1 chunk-microbatches' activations, more than 1F1B's p: the memory the
-interleaving costs.
+of p; a stage runs the forwards of a group chunk by chunk, and the backwards of a group in the
+same order with the chunks reversed. Stage s warms up with (p - s - 1) * 2 + (v - 1) * p
+forwards (all of them when m = p), then alternates one forward and one backward, then drains
+the backwards. The first stage thus holds up to (v - 1) * p + 2 (p - 1) + 1 chunk-microbatches'
+activations, more than 1F1B's p: the memory the interleaving costs.
+
+Where p does not divide m, the schedule is the one for m' = ceil(m / p) * p microbatches with
+the missing m' - m left out on every stage (as Megatron-core pads its last group): the order of
+what remains is a valid order of the full schedule, so it cannot deadlock, and it holds no more
+in flight. The missing microbatches still cost (v - 1) / v of their slot each: with stages of
+equal time t (forward and backward) a step takes t (m + (p - 1) / v + (m' - m)(v - 1) / v), the
+formula of `templates.cost.pipeline_time`, which tests/engine/test_schedule.py checks against
+this schedule played out. For m < p, m' = p.
 
 Transfers are placed as Megatron posts them: each slot (a warm-up forward, a steady forward
 and backward, a cool-down backward) is followed by one run of transfers that sends the slot's
@@ -23,9 +30,7 @@ With v = 1 this is `one_f_one_b`, which is kept as it is.
 
 from __future__ import annotations
 
-import functools
-
-from elastic.parallel.schedule import Action, Op, ScheduleError, one_f_one_b, simulate
+from elastic.parallel.schedule import Action, Op, one_f_one_b
 
 
 def chunk_table(*, num_stages: int, microbatches: int, chunks: int) -> list[tuple[int, int]]:
@@ -39,33 +44,12 @@ def chunk_table(*, num_stages: int, microbatches: int, chunks: int) -> list[tupl
 
 
 def warmup_count(*, num_stages: int, stage: int, microbatches: int, chunks: int) -> int:
-    """Forwards stage `stage` runs before its first backward: Megatron's count, and where a
-    last group of r < p microbatches shortens the ring's lag, (v - 1) * r more, or as many more
-    as the pipeline needs not to deadlock (`simulate` decides; p = 2, m = 3 needs v)."""
-    return _warmups(num_stages, microbatches, chunks)[stage]
-
-
-@functools.lru_cache(maxsize=256)
-def _warmups(p: int, m: int, v: int) -> tuple[int, ...]:
-    total = m * v
-    if m == p:
-        return (total,) * p
-    base = [(p - s - 1) * 2 + (v - 1) * p for s in range(p)]
-    rest = m % p if m > p else 0
-    extra = (v - 1) * rest
-    while True:
-        counts = tuple(min(b + extra, total) for b in base)
-        if rest == 0 or _runs(p, m, v, counts):
-            return counts
-        extra += 1
-
-
-def _runs(p: int, m: int, v: int, counts: tuple[int, ...]) -> bool:
-    try:
-        simulate([_actions(p, s, m, v, counts[s]) for s in range(p)])
-    except ScheduleError:
-        return False
-    return True
+    """Forwards stage `stage` runs before its first backward, for m a multiple of p (Megatron's
+    count; all of them when m = p)."""
+    total = microbatches * chunks
+    if microbatches == num_stages:
+        return total
+    return min((num_stages - stage - 1) * 2 + (chunks - 1) * num_stages, total)
 
 
 def interleaved(*, num_stages: int, stage: int, microbatches: int, chunks: int) -> list[Action]:
@@ -79,8 +63,10 @@ def interleaved(*, num_stages: int, stage: int, microbatches: int, chunks: int) 
         raise ValueError(f"stage {stage} outside a pipeline of {num_stages} stages (interleaving needs 2 or more)")
     if microbatches < 1:
         raise ValueError(f"a pipeline needs at least one microbatch, got {microbatches}")
-    warm = warmup_count(num_stages=num_stages, stage=stage, microbatches=microbatches, chunks=chunks)
-    return _actions(num_stages, stage, microbatches, chunks, warm)
+    padded = -(-microbatches // num_stages) * num_stages
+    warm = warmup_count(num_stages=num_stages, stage=stage, microbatches=padded, chunks=chunks)
+    actions = _actions(num_stages, stage, padded, chunks, warm)
+    return [a for a in actions if a.mb < microbatches]
 
 
 def _actions(num_stages: int, stage: int, microbatches: int, chunks: int, warm: int) -> list[Action]:

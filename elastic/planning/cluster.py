@@ -96,7 +96,8 @@ class ClusterSpec:
     fastest mode that fits), a mode forces it on every stage (`templates.cost`)."""
     virtual_stages: int = 0
     """v, model chunks per node of pipelines of 2 or more nodes (`--virtual-stages`): a count
-    forces it (templates/interleave.py); 0 (auto) is the planner's choice, for now v = 1."""
+    forces it where it fits (templates/interleave.py); 0 (auto, the default) is the planner's
+    choice per template, the fastest v that fits."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
@@ -270,7 +271,7 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> Tem
         global_microbatches=spec.global_microbatches,
         max_nodes=max_nodes,
         recompute=spec.recompute,
-        virtual_stages=max(spec.virtual_stages, 1),
+        virtual_stages=spec.virtual_stages,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.parallel.interleaved import chunk_table, interleaved, warmup_count
+from templates.cost import pipeline_time
 from elastic.parallel.schedule import (
     Action,
     Op,
@@ -93,10 +94,23 @@ def test_interleaved_runs_every_chunk_of_every_microbatch_once(stages: int, chun
         bwd = [(a.mb, a.chunk) for a in actions if a.op is Op.BACKWARD]
         assert fwd == table  # Megatron's table: groups of p microbatches, chunk by chunk
         assert bwd == [(mb, chunks - 1 - c) for mb, c in table]
-        warm = warmup_count(num_stages=stages, stage=s, microbatches=mbs, chunks=chunks)
-        assert peak_in_flight(actions) == min(warm + 1, mbs * chunks)
-        if mbs % stages == 0 and mbs > stages:  # Megatron's count where it applies
+        padded = -(-mbs // stages) * stages  # the schedule of m' = ceil(m / p) * p, thinned
+        warm = warmup_count(num_stages=stages, stage=s, microbatches=padded, chunks=chunks)
+        assert peak_in_flight(actions) <= min(warm + 1, padded * chunks)
+        assert peak_in_flight(actions) <= (chunks - 1) * stages + 2 * (stages - 1) + 1  # Megatron's bound
+        if padded > stages:
             assert warm == (stages - s - 1) * 2 + (chunks - 1) * stages
+
+
+@pytest.mark.parametrize(("stages", "chunks", "mbs"), INTERLEAVED)
+def test_the_planners_step_time_is_the_schedules(stages: int, chunks: int, mbs: int) -> None:
+    """`templates.cost.pipeline_time` (what the planner predicts) equals the schedule played with
+    stages of equal time, m a multiple of p or not (1F1B too)."""
+    played = _makespan([interleaved(num_stages=stages, stage=s, microbatches=mbs, chunks=chunks)
+                        for s in range(stages)], 1.0 / chunks)
+    assert pipeline_time([2.0] * stages, mbs, chunks) == pytest.approx(played)
+    plain = _makespan([one_f_one_b(num_stages=stages, stage=s, microbatches=mbs) for s in range(stages)], 1.0)
+    assert pipeline_time([2.0] * stages, mbs) == pytest.approx(plain)
 
 
 def test_interleaving_shrinks_the_bubble_in_simulated_time() -> None:
