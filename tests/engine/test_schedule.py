@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from elastic.parallel.interleaved import chunk_table, interleaved, warmup_count
-from templates.cost import pipeline_time
 from elastic.parallel.schedule import (
     Action,
     Op,
@@ -13,6 +12,7 @@ from elastic.parallel.schedule import (
     one_f_one_b,
     simulate,
 )
+from templates.cost import pipeline_time
 from tests.engine.schedules import peak_in_flight, pipeline_schedule
 
 pytestmark = pytest.mark.timeout(60)
