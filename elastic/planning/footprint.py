@@ -256,14 +256,17 @@ def worker_work_bytes(device_type: str = "cpu") -> int:
     return (NORM_BYTES * NORM_CHUNK if device_type in CHUNKED_DEVICE_TYPES else 0) + STEP_COUNT_BYTES
 
 
-def state_bytes(layer_elements: Sequence[int], share: GradShare, device_type: str = "cpu") -> StateBytes:
+def state_bytes(layer_elements: Sequence[int], share: GradShare, device_type: str = "cpu",
+                *, chunks: Sequence[Sequence[int]] = ()) -> StateBytes:
     """What a worker on a `device_type` device keeps for layers holding `layer_elements`
     parameters each (its shards, ascending layers, all with the same holders: one layout bucket)
-    in the tree `share`."""
+    in the tree `share`; interleaved, `chunks` instead: each chunk's layers, a layout bucket of
+    its own (buckets never span two chunks: elastic/parallel/plan_ranks.py)."""
     p = share.pipelines
     weights = moments = gradients = exchange = 0
     work = worker_work_bytes(device_type) + (LOSS_BYTES if share.snapshot else 0)
-    for n in bucket_runs(layer_elements):
+    runs = [n for group in (chunks or [layer_elements]) for n in bucket_runs(group)]
+    for n in runs:
         padded = -(-n // p) * p
         weights += WEIGHT_BYTES * n
         moments += MOMENT_BYTES * n

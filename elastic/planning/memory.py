@@ -67,8 +67,11 @@ def worker_memory(
     tp_rank: int = 0,
     recompute: str = "none",
     sequence_parallel: bool = False,
+    chunks: Sequence[tuple[int, int]] = (),
+    chunks_in_flight: Sequence[int] = (),
 ) -> MemoryEstimate:
-    """The memory of one worker holding planning layers [first, last) of `cfg`.
+    """The memory of one worker holding planning layers [first, last) of `cfg` (or, interleaved,
+    the layer ranges `chunks`, with `chunks_in_flight[c]` microbatches of chunk c in flight).
 
     `in_flight`: microbatches whose activations the schedule holds at once (1F1B: the stage's
     distance from its pipeline's end, at most the microbatches it runs). `holders`: pipelines
@@ -83,26 +86,34 @@ def worker_memory(
     activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
     the stages split the sequence between the tensor-parallel regions (and send their shard).
     """
-    first, last = layers
-    if not 0 <= first < last <= cfg.num_layers:
-        raise ValueError(f"layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
+    ranges = tuple(chunks) or (layers,)
+    for first, last in ranges:
+        if not 0 <= first < last <= cfg.num_layers:
+            raise ValueError(f"layers [{first}, {last}) are not a non-empty range of [0, {cfg.num_layers})")
+    counts = tuple(chunks_in_flight) or (in_flight,) * len(ranges)
+    if len(counts) != len(ranges):
+        raise ValueError(f"{len(counts)} in-flight counts for {len(ranges)} chunks")
     if microbatch_size < 1 or in_flight < 1 or holders < 1:
         raise ValueError(f"microbatch_size {microbatch_size}, in_flight {in_flight}, holders {holders}: each must be >= 1")
     split = [microbatches] * holders if isinstance(microbatches, int) else list(microbatches)
     if len(split) != holders:
         raise ValueError(f"{len(split)} microbatch counts for {holders} holders")
     share = GradShare.of_split(split, me=pipeline, partial_replay=partial_replay, tp_rank=tp_rank)
-    state = state_bytes([layer_elements(cfg, i, tp) for i in range(first, last)], share, device_type)
+    held = sorted(i for first, last in ranges for i in range(first, last))
+    state = state_bytes([], share, device_type, chunks=[[layer_elements(cfg, i, tp) for i in range(first, last)]
+                                                          for first, last in ranges])
     tokens = microbatch_size * cfg.seq_len
     element = compute_dtype.itemsize
-    per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp, recompute, sequence_parallel), tokens=tokens,
-                                     element_bytes=element) for i in range(first, last))
-    workspace = recompute_workspace(cfg, layers, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,
-                                    sequence_parallel=sequence_parallel)
-    if last < cfg.num_layers:  # a non-last stage keeps its output (in the wire's dtype) until its backward
-        per_microbatch += tokens * cfg.d_model * element // (tp if sequence_parallel else 1)
-    head = head_bytes(cfg, tokens=tokens, tp=tp, element_bytes=element) if last == cfg.num_layers else 0
-    return MemoryEstimate(params_and_state=state.total, activations=in_flight * per_microbatch + workspace, head=head,
+    activations = max(recompute_workspace(cfg, rng, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,
+                                          sequence_parallel=sequence_parallel) for rng in ranges)
+    for (first, last), count in zip(ranges, counts, strict=True):
+        per_microbatch = sum(saved_bytes(layer_saved(cfg, i, tp, recompute, sequence_parallel), tokens=tokens,
+                                         element_bytes=element) for i in range(first, last))
+        if last < cfg.num_layers:  # a non-last (virtual) stage keeps its output (the wire's dtype) until its backward
+            per_microbatch += tokens * cfg.d_model * element // (tp if sequence_parallel else 1)
+        activations += count * per_microbatch
+    head = head_bytes(cfg, tokens=tokens, tp=tp, element_bytes=element) if held[-1] == cfg.num_layers - 1 else 0
+    return MemoryEstimate(params_and_state=state.total, activations=activations, head=head,
                           reserve=reserve_bytes(device_type), state=state)
 
 

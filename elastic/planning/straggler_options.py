@@ -64,7 +64,7 @@ class Options:
 
 def step_time(plan: Plan, stage_times: Mapping[int, float]) -> float:
     """The slowest pipeline's 1F1B time of `plan` at `stage_times` (node -> seconds a microbatch)."""
-    return max(pipeline_time([stage_times[s.node] for s in pipe.stages], pipe.microbatches)
+    return max(pipeline_time([stage_times[s.node] for s in pipe.stages], pipe.microbatches, pipe.virtual_stages)
                for pipe in plan.pipelines)
 
 
@@ -99,9 +99,9 @@ def _drop(tset: TemplateSet, plan: Plan, stage_times: Mapping[int, float], node:
                      fault_tolerance=plan.fault_tolerance).plan
     except PlanningError:
         return None
-    per_layer = {s.node: stage_times[s.node] / max(s.layers[1] - s.layers[0], 1)
+    per_layer = {s.node: stage_times[s.node] / max(len(s.held), 1)
                  for pipe in plan.pipelines for s in pipe.stages if s.node != node}
-    times = {s.node: per_layer[s.node] * max(s.layers[1] - s.layers[0], 1) for pipe in new.pipelines for s in pipe.stages}
+    times = {s.node: per_layer[s.node] * max(len(s.held), 1) for pipe in new.pipelines for s in pipe.stages}
     return Option(kind="drop", node=node, plan=new, step_s=step_time(new, times))
 
 

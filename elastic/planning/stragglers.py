@@ -98,7 +98,7 @@ def node_work(plan: Plan) -> dict[int, NodeWork]:
         last = len(pipe.stages) - 1
         for s, stage in enumerate(pipe.stages):
             position: Position = "whole" if last == 0 else "first" if s == 0 else "last" if s == last else "middle"
-            layers = stage.layers[1] - stage.layers[0]
+            layers = len(stage.held)
             out[stage.node] = NodeWork(work=float(max(layers, 1) * pipe.microbatches), position=position)
     return out
 
@@ -227,7 +227,8 @@ def template_stage_times(tset: TemplateSet, plan: Plan) -> dict[int, float]:
     for pipe in plan.pipelines:
         try:
             template = tset.template(len(pipe.stages))
-            times = list(template.stage_times) if tuple(s.layers for s in pipe.stages) == template.stages else []
+            same = tuple(s.ranges for s in pipe.stages) == (template.chunks or tuple((r,) for r in template.stages))
+            times = list(template.stage_times) if same else []
         except PlanningError:  # no template of that size
             times = []
         out.update({s.node: times[i] if times else 1.0 for i, s in enumerate(pipe.stages)})
@@ -249,19 +250,24 @@ def rebalanced(plan: Plan, stage_times: Mapping[int, float]) -> Rebalance:
     known = [t for t in stage_times.values() if t > 0]
     default = statistics.median(known) if known else 1.0
     times = [[stage_times.get(s.node, default) for s in pipe.stages] for pipe in plan.pipelines]
-    counts = split_microbatches([_Timed(t) for t in times], plan.global_microbatches)
-    pipelines = tuple(dataclasses.replace(pipe, microbatches=count, iteration_time=pipeline_time(t, count))
+    chunks = [pipe.virtual_stages for pipe in plan.pipelines]
+    counts = split_microbatches([_Timed(t, v) for t, v in zip(times, chunks, strict=True)], plan.global_microbatches)
+    pipelines = tuple(dataclasses.replace(pipe, microbatches=count,
+                                          iteration_time=pipeline_time(t, count, pipe.virtual_stages))
                       for pipe, t, count in zip(plan.pipelines, times, counts, strict=True))
     new = dataclasses.replace(plan, pipelines=pipelines, iteration_time=max(p.iteration_time for p in pipelines))
-    unchanged = max(pipeline_time(t, pipe.microbatches) for pipe, t in zip(plan.pipelines, times, strict=True))
+    unchanged = max(pipeline_time(t, pipe.microbatches, pipe.virtual_stages)
+                    for pipe, t in zip(plan.pipelines, times, strict=True))
     return Rebalance(plan=new, step_s=new.iteration_time, unchanged_s=unchanged)
 
 
 @dataclass(frozen=True)
 class _Timed:
-    """A pipeline's 1F1B time for m microbatches, as `split_microbatches` asks it."""
+    """A pipeline's 1F1B time (interleaved over `chunks`) for m microbatches, as
+    `split_microbatches` asks it."""
 
     stage_times: list[float]
+    chunks: int = 1
 
     def time_for(self, microbatches: int) -> float:
-        return pipeline_time(self.stage_times, microbatches)
+        return pipeline_time(self.stage_times, microbatches, self.chunks)

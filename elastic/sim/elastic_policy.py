@@ -158,7 +158,7 @@ class ElasticPolicy:
         the same instantiation, each spare fetching the whole stage of the node it replaces."""
         start = time.perf_counter()
         new = substitute(plan, swap)
-        fetch = {spare: self.book.layers_bytes(*st.layers)
+        fetch = {spare: self.book.stage_bytes(st)
                  for pipe in plan.pipelines for st in pipe.stages for old, spare in swap.items() if st.node == old}
         measured = time.perf_counter() - start
         found = Replan(plan=new, fetch_bytes=fetch, strategy="spare", gpus_per_node=plan.gpus_per_node)

@@ -29,7 +29,7 @@ def replay_s(tset: TemplateSet, plan: Plan, factors: Mapping[int, float], count:
     """Seconds `plan` takes to compute `count` microbatches spread as the runtime does (each
     pipeline's 1F1B time over its stage times, slow nodes' factors included; idle ones 0)."""
     times = slow_stage_times(tset, plan, factors)
-    return max((pipeline_time([times[st.node] for st in pipe.stages], m)
+    return max((pipeline_time([times[st.node] for st in pipe.stages], m, pipe.virtual_stages)
                 for pipe, m in zip(plan.pipelines, plan.spread(count), strict=True) if m > 0), default=0.0)
 
 

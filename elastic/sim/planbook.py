@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from elastic.planning.cluster import ClusterSpec
 from templates.instantiation import build_plan, instantiate, split_microbatches
-from templates.plan import Plan
+from templates.plan import Plan, StagePlan
 from templates.profile import Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
 
@@ -89,6 +89,10 @@ class PlanBook:
     def layers_bytes(self, first: int, last: int) -> int:
         """Weights plus AdamW state of layers [first, last): what a node fetches to hold them."""
         return sum(self.profile.layer_bytes(i) for i in range(first, last))
+
+    def stage_bytes(self, stage: StagePlan) -> int:
+        """Weights plus AdamW state of every layer a stage holds (each of its chunks)."""
+        return sum(self.layers_bytes(first, last) for first, last in stage.ranges)
 
     @property
     def model_bytes(self) -> int:

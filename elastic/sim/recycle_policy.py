@@ -181,4 +181,4 @@ def _slot_times(book: PlanBook, plan: Plan) -> list[list[float]]:
 
 def _stage_bytes(book: PlanBook, plan: Plan, stage: int) -> int:
     """Weights + AdamW state of stage `stage` of `plan`'s (identical) pipelines."""
-    return book.layers_bytes(*plan.pipelines[0].stages[stage].layers)
+    return book.stage_bytes(plan.pipelines[0].stages[stage])

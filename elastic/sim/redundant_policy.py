@@ -189,5 +189,5 @@ def _stage_bytes(book: PlanBook, plan: Plan, node: int) -> int:
     for pipe in plan.pipelines:
         for st in pipe.stages:
             if st.node == node:
-                return book.layers_bytes(st.first, st.last)
+                return book.stage_bytes(st)
     return 0

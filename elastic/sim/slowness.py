@@ -35,7 +35,8 @@ def slow_step_s(tset: TemplateSet, plan: Plan, factors: Mapping[int, float]) -> 
     if not factors:
         return plan.iteration_time  # the same formula over the same stage times, without the walk
     times = slow_stage_times(tset, plan, factors)
-    return max(pipeline_time([times[st.node] for st in pipe.stages], pipe.microbatches) for pipe in plan.pipelines)
+    return max(pipeline_time([times[st.node] for st in pipe.stages], pipe.microbatches, pipe.virtual_stages)
+               for pipe in plan.pipelines)
 
 
 def resplit(tset: TemplateSet, plan: Plan, factors: Mapping[int, float]) -> Rebalance:

@@ -131,7 +131,8 @@ def modelled(model: str, plan: Plan, trainer: Trainer) -> MemoryEstimate:
     """The memory model's count for `trainer`'s worker, from the plan and the shape alone."""
     layout = trainer.layout
     return worker_memory(
-        get_preset(model), layers=layout.stage_plan.layers, microbatch_size=plan.microbatch_size, in_flight=1,
+        get_preset(model), layers=layout.stage_plan.layers, chunks=layout.stage_plan.chunks,
+        microbatch_size=plan.microbatch_size, in_flight=1,
         tp=plan.gpus_per_node, holders=len(plan.pipelines), partial_replay=trainer.spec.partial_replay,
         microbatches=[p.microbatches for p in plan.pipelines], pipeline=layout.pipeline, tp_rank=layout.tp_rank,
     )
@@ -189,6 +190,17 @@ def test_a_multi_stage_plan_counts_each_stage(tmp_path: Path) -> None:
     plan = even_plan(num_layers=TINY, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=8, microbatch_size=2)
     totals = assert_same_bytes("tiny", plan, tmp_path)
     assert len(set(totals.values())) == 2  # the two stages differ, the two pipelines do not
+
+
+@pytest.mark.timeout(120)
+def test_interleaved_stages_count_every_chunk(tmp_path: Path) -> None:
+    """Two pipelines of two stages, two chunks per stage (issue 53): each worker holds two
+    layer ranges, whose buckets break between them."""
+    plan = even_plan(num_layers=TINY, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=8, microbatch_size=2,
+                     virtual_stages=2)
+    assert plan.pipelines[0].virtual_stages == 2
+    totals = assert_same_bytes("tiny", plan, tmp_path)
+    assert len(set(totals.values())) == 2
 
 
 def planner_state_bytes(model: str, *, nodes: int, fault_tolerance: int, global_batch: int, mbs: int) -> float:
