@@ -30,11 +30,12 @@ RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "tiny", "--n-layer
        "--global-batch", "8", "--microbatch", "1", "--steps", str(STEPS), "--device", "cpu", "--lease-ttl", "30"]
 """A long lease: a failure is seen by the node's own monitor (tests/faults/test_recompute_run.py)."""
 KILL = ("--inject", "kill:node=3,step=9")
-TWO_BY_TWO = ("--fault-tolerance", "1", "--device-memory-gib", "0.03", "--checkpoint-every", "0")
-"""The budget at which the planner lays 2 pipelines of 2 nodes."""
-ONE_BY_FOUR = ("--device-memory-gib", "0.02", "--checkpoint-every", "4")
-"""The budget at which it lays one pipeline of 4 nodes; checkpoints for the fallback."""
-TP2 = ("--gpus-per-node", "2", "--no-sequence-parallel", "--fault-tolerance", "1", "--device-memory-gib", "0.018",
+TWO_BY_TWO = ("--fault-tolerance", "1", "--device-memory-gib", "0.04", "--checkpoint-every", "0")
+"""The budget at which the planner lays 2 pipelines of 2 nodes, with room for 2 chunks' in-flight
+activations per node (the default budget lays 4 one-node pipelines)."""
+ONE_BY_FOUR = ("--device-memory-gib", "0.025", "--checkpoint-every", "4")
+"""The budget at which it lays one pipeline of 4 nodes, 2 chunks each; checkpoints for the fallback."""
+TP2 = ("--gpus-per-node", "2", "--no-sequence-parallel", "--fault-tolerance", "1", "--device-memory-gib", "0.022",
        "--checkpoint-every", "0")
 """TP 2 halves each device's share: at this budget the planner lays 2 pipelines of 2 nodes again."""
 
