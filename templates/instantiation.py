@@ -186,9 +186,17 @@ class _SizeSearch:
         self.sizes = np.array(tset.sizes, dtype=np.int64)
         temps = [tset.templates[int(n)] for n in self.sizes]
         self.bottleneck = np.array([t.bottleneck for t in temps])
-        self.rest = np.array([sum(t.stage_times) - t.bottleneck for t in temps])
+        chunks = np.array([t.virtual_stages for t in temps], dtype=np.float64)
+        # time_for(m) >= rest + m * bottleneck (equal under 1F1B; interleaved, the padding of a
+        # last group of fewer than p microbatches comes on top): what the bound relaxes.
+        self.rest = np.array([sum(t.stage_times) - t.bottleneck for t in temps]) / chunks
         self.num_nodes = num_nodes
         self.microbatches = microbatches
+        m = np.arange(1, microbatches + 1, dtype=np.int64)
+        padding = -(-m[None, :] // self.sizes[:, None]) * self.sizes[:, None] - m[None, :]
+        self.times = (self.rest[:, None] + m[None, :] * self.bottleneck[:, None]
+                      + padding * ((chunks - 1) / chunks * self.bottleneck)[:, None])
+        """times[t, m - 1]: template t's `time_for(m)` (`templates.cost.pipeline_time`), rising in m."""
         self.need = need
         most_pipelines = num_nodes // int(self.sizes.min())
         # With enough microbatches for any pipeline count, only "at least need" matters: cap the
@@ -204,8 +212,7 @@ class _SizeSearch:
         return float(np.min(self.rest + per_node * self.sizes * self.bottleneck))
 
     def candidate_times(self) -> np.ndarray:
-        m = np.arange(1, self.microbatches + 1, dtype=np.float64)
-        return np.unique((self.rest[:, None] + m[None, :] * self.bottleneck[:, None]).ravel())
+        return np.unique(self.times.ravel())
 
     def feasible(self, targets: np.ndarray) -> np.ndarray:
         """Whether each target iteration time is reachable (one DP for all targets)."""
@@ -235,8 +242,8 @@ class _SizeSearch:
 
     def _caps(self, targets: np.ndarray) -> np.ndarray:
         """caps[t, q]: the most microbatches template t takes within targets[q] (0 to M)."""
-        caps = np.floor((targets[:, None] * (1 + _EPS) - self.rest[None, :]) / self.bottleneck[None, :] + _EPS)
-        return np.clip(caps, 0, self.microbatches).astype(np.int64).T  # (templates, Q)
+        limit = targets * (1 + _EPS) + _EPS * self.bottleneck.max(initial=0.0)
+        return np.stack([np.searchsorted(row, limit, side="right") for row in self.times]).astype(np.int64)
 
     def _knapsack(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """best[v, q, p]: most microbatches P pipelines on exactly v nodes can take in targets[q]."""

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from templates.cost import StageCosts
 from templates.instantiation import instantiate, split_microbatches
+from templates.interleave import in_flight
 from templates.plan import Plan
 from templates.profile import Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
@@ -23,11 +24,15 @@ def check_plan(plan: Plan, tset: TemplateSet, nodes: list[int], microbatches: in
     costs = StageCosts(tset.profile, tset.gpus_per_node)
     for pipe in plan.pipelines:
         assert pipe.microbatches >= 1
-        covered = [layer for stage in pipe.stages for layer in range(stage.first, stage.last)]
+        covered = [layer for first, last in pipe.virtual_ranges for layer in range(first, last)]
         assert covered == list(range(tset.num_layers)), "each layer once, in order"
         depth = len(pipe.stages)
         for s, stage in enumerate(pipe.stages):
-            assert costs.stage_fits(stage.first, stage.last, depth - s), "stage exceeds memory"
+            if pipe.virtual_stages == 1:
+                assert costs.stage_fits(stage.first, stage.last, depth - s), "stage exceeds memory"
+            else:  # each chunk's in-flight activations as the interleaved schedule holds them
+                held = in_flight(depth, s, pipe.virtual_stages)
+                assert costs.chunks_memory(stage.ranges, stage.recompute, held, s == depth - 1) <= costs.capacity
     assert plan.iteration_time == pytest.approx(max(p.iteration_time for p in plan.pipelines))
 
 
@@ -59,14 +64,18 @@ def best_over_multisets(tset: TemplateSet, num_nodes: int, microbatches: int, f:
     total=st.integers(1, 8),
     f=st.integers(0, 2),
     extra=st.integers(0, 12),
+    virtual=st.sampled_from([1, 0, 2]),
 )
 def test_plans_valid_optimal_and_exist_for_every_cluster_size(
-    profile: Profile, gpus: int, total: int, f: int, extra: int
+    profile: Profile, gpus: int, total: int, f: int, extra: int, virtual: int
 ) -> None:
+    """`virtual`: templates of 2+ nodes interleaved (0: each at its fastest v, 2: forced where it
+    fits); the search over template multisets must stay exact under their step times too."""
     microbatches = total + extra  # enough for any pipeline count
     try:
         tset = build_templates(
-            profile, gpus_per_node=gpus, num_nodes=total, fault_tolerance=f, global_microbatches=microbatches
+            profile, gpus_per_node=gpus, num_nodes=total, fault_tolerance=f, global_microbatches=microbatches,
+            virtual_stages=virtual,
         )
     except PlanningError:
         assume(False)
