@@ -42,14 +42,14 @@ TP2 = ("--gpus-per-node", "2", "--no-sequence-parallel", "--fault-tolerance", "1
 Result = tuple[dict[str, object], dict[str, torch.Tensor], str]
 
 
-def _run(run_dir: Path, *extra: str) -> Result:
+def _run(run_dir: Path, *extra: str, committed: int = STEPS) -> Result:
     final = run_dir / "final_state.pt"
     cmd = [*RUN, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json"),
            *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps_committed"] == STEPS and summary["worker_restarts"] == 0
+    assert summary["steps_committed"] == committed and summary["worker_restarts"] == 0
     lost = [r["lost_nodes"] for r in summary["recoveries"]]
     assert lost == ([[3]] if KILL[1] in extra else []), lost
     return summary, torch.load(final), proc.stdout
@@ -105,3 +105,25 @@ def test_partial_replay_with_interleaved_pipelines(tmp_path: Path) -> None:
     # As in test_partial_replay.py: the fault lands in step 8's schedule (microbatches 0-1 kept)
     # or, rarely, in its vote (step 9 replayed whole).
     assert (rec["kept_microbatches"], rec["replayed_fraction"]) in (([0, 1], 0.5), ([], 1.0)), rec
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 2), (2, 1)])
+def test_resume_between_plain_and_interleaved(plain: Result, tmp_path: Path, before: int, after: int) -> None:
+    """A checkpoint of a v = `before` run resumed at v = `after` ends as the uninterrupted plain
+    run, bit for bit: checkpoints hold layers, whoever held them in whichever chunk."""
+    first = tmp_path / "first"
+    _run_partly(first, 6, *TWO_BY_TWO[:-2], "--checkpoint-every", "3", "--virtual-stages", str(before))
+    got = _run(tmp_path / "resumed", *TWO_BY_TWO, "--virtual-stages", str(after), "--resume", str(first),
+               committed=STEPS - 6)
+    if after > 1:
+        assert "interleaved v=2" in got[2].splitlines()[0], got[2][:300]
+    assert got[0]["losses"][-1] == plain[0]["losses"][-1]
+    differ = [name for name in got[1] if not torch.equal(got[1][name], plain[1][name])]
+    assert not differ, f"v={before} -> v={after}: final parameters differ in {differ}"
+
+
+def _run_partly(run_dir: Path, steps: int, *extra: str) -> None:
+    cmd = [*RUN[:RUN.index("--steps")], "--steps", str(steps), *RUN[RUN.index("--steps") + 2:],
+           "--run-dir", str(run_dir), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
