@@ -79,6 +79,7 @@ from elastic.roles.worker_log import worker_log
 from elastic.transfer.server import ServerConfig, ShardServer
 from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
+from templates.plan import describe_ranges
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -285,7 +286,7 @@ class ElasticWorker:
         self._pending_recovery = (seen_at, timings, time.time())
         worker_log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
-            f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
+            f"layers {describe_ranges(layout.stage_plan.ranges)}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
             f"groups and stage {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
         )
         return layout
