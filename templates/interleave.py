@@ -95,13 +95,12 @@ def interleave_template(template: PipelineTemplate, costs: StageCosts, chunks: i
 def best_interleaving(template: PipelineTemplate, costs: StageCosts, virtual_stages: int) -> PipelineTemplate:
     """`template` at the fastest v that fits (module doc); `virtual_stages` 0: any of
     1..MAX_CHUNKS, else that one (or 1 when it cannot be)."""
-    options = range(1, MAX_CHUNKS + 1) if virtual_stages == 0 else (1, virtual_stages)
-    best = template
+    if virtual_stages == 1:
+        return template
+    options = range(2, MAX_CHUNKS + 1) if virtual_stages == 0 else (virtual_stages,)
+    best, m = template, template.microbatches
     for v in options:
         candidate = interleave_template(template, costs, v)
-        if candidate is None or v == 1:
-            continue
-        m = template.microbatches
-        if virtual_stages != 0 or candidate.time_for(m) < best.time_for(m) * (1 - 1e-9):
+        if candidate is not None and (virtual_stages != 0 or candidate.time_for(m) < best.time_for(m) * (1 - 1e-9)):
             best = candidate
     return best
