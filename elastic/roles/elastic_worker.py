@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import connect
+from elastic.coordinator.client import connect, put_through_stall
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
@@ -79,6 +79,7 @@ from elastic.roles.worker_log import worker_log
 from elastic.transfer.server import ServerConfig, ShardServer
 from elastic.transfer.shards import ShardKey
 from elastic.transfer.tls import TlsConfig
+from templates.plan import describe_ranges
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
@@ -285,7 +286,7 @@ class ElasticWorker:
         self._pending_recovery = (seen_at, timings, time.time())
         worker_log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "
-            f"layers {layout.layers}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
+            f"layers {describe_ranges(layout.stage_plan.ranges)}, transfer {timings.transfer_s:.3f} s ({timings.bytes_fetched} B), "
             f"groups and stage {timings.rebuild_s:.3f} s, resuming at step {self.trainer.step}"
         )
         return layout
@@ -366,7 +367,8 @@ class ElasticWorker:
     def _last_step_decided(self, generation: int, step: int, layout: ParallelLayout) -> bool:
         """The job's last step commits only on the leader's word: no worker may finish the job
         while a peer replays it. True for "commit"."""
-        self.client.put(self.rk.ready(generation, step, layout.rank), str(time.time()))
+        # an etcd stall (issue 56) is waited out, as the decision is
+        put_through_stall(self.client, self.rk.ready(generation, step, layout.rank), str(time.time()), self.timeout * 4)
         decision = self.decisions.wait(generation, step, self.timeout * 4)
         if decision != COMMIT:
             worker_log(f"step {step} of generation {generation}: aborted by the leader")
