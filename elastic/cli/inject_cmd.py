@@ -1,4 +1,5 @@
-"""`elastic inject {kill,hang,slow,partition} --node N`: a fault for a running elastic job.
+"""`elastic inject {kill,hang,slow,partition} --node N`: a fault for a running elastic job
+(`elastic inject etcd-stall --run-dir DIR --seconds S`: the job's etcd stopped, etcd_stall.py).
 
 The request goes into the job's etcd (`injections/<id>`, see elastic/records/injection_requests.py); the
 agent of the node's current incarnation carries it out at once, or while `--at-step S` is in
@@ -20,7 +21,7 @@ from typing import Any
 
 from elastic.cli.main import UsageError
 
-KINDS = ("kill", "hang", "slow", "partition")
+KINDS = ("kill", "hang", "slow", "partition", "etcd-stall")
 _DONE_STATES = ("done", "refused", "fenced")
 
 
@@ -171,10 +172,13 @@ def register(subparsers: Any) -> None:
         "etcd: kill (SIGKILL its workers), hang (SIGSTOP workers and agent: its lease expires), slow "
         "(SIGSTOP/SIGCONT duty cycle: steps take about FACTOR times longer, and no failure is declared), "
         "partition (keepalives and peer traffic stop for SECONDS; the healed node finds itself fenced and "
-        "leaves). Needs the job token.",
+        "leaves), etcd-stall (SIGSTOP the job's own etcd, or member --etcd-member of it, for SECONDS, then "
+        "SIGCONT; needs --run-dir). Needs the job token.",
     )
     parser.add_argument("kind", choices=KINDS, help="the fault")
-    parser.add_argument("--node", type=int, required=True, help="plan node to hit (a live member)")
+    parser.add_argument("--node", type=int, default=None, help="plan node to hit (a live member; not for etcd-stall)")
+    parser.add_argument("--etcd-member", type=int, default=0, metavar="I",
+                        help="etcd-stall: which member of the job's etcd cluster to stop (default 0)")
     parser.add_argument(
         "--at-step",
         type=int,
@@ -184,7 +188,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--seconds", type=float, default=None,
-        help="slow: how long (default 10); partition: how long (default 2 x lease TTL + 1; must exceed the TTL)",
+        help="slow: how long (default 10); partition: how long (default 2 x lease TTL + 1; must exceed the TTL); "
+        "etcd-stall: how long etcd stays stopped",
     )
     parser.add_argument(
         "--steps", type=int, default=None, metavar="N",
@@ -205,6 +210,12 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from elastic.records.injection_requests import InjectionRequest, request_id, submit_request
 
+    if args.kind == "etcd-stall":
+        from elastic.cli.etcd_stall import run_stall
+
+        return run_stall(args)
+    if args.node is None:
+        raise UsageError(f"{args.kind} needs --node N")
     if args.node < 0:
         raise UsageError(f"--node must be >= 0, got {args.node}")
     if args.at_step is not None and args.at_step < 1:

@@ -210,6 +210,20 @@ def etcd_unreachable(exc: BaseException) -> bool:
     return isinstance(exc, _RETRIED_ERRORS) or server_timed_out(exc) or server_busy(exc)
 
 
+def put_through_stall(client: Any, key: str, value: str, within_s: float) -> None:
+    """Put `key`, trying again while etcd does not answer (a stall past the client's retries),
+    for up to `within_s` seconds; the last error after that."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            client.put(key, value)
+            return
+        except Exception as exc:
+            if not etcd_unreachable(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(RETRY_PAUSE_S)
+
+
 #: The client's unary calls; `get`, `get_prefix` and friends go through the `*_response` ones.
 _UNARY_CALLS = (
     "get_response", "get_prefix_response", "get_range_response", "get_all_response",

@@ -37,18 +37,22 @@ class LeaderElection:
     """Campaign for leadership of one job until `resign()`; `on_change(leader_id)` on every change."""
 
     def __init__(self, client: EtcdClient, keys: JobKeys, candidate_id: str, *, ttl: int = 5,
-                 on_change: Callable[[str | None], None] | None = None) -> None:
+                 on_change: Callable[[str | None], None] | None = None,
+                 on_lost: Callable[[], None] | None = None) -> None:
         self.client = client
         self.keys = keys
         self.candidate_id = check_name("candidate id", candidate_id)
         self.ttl = ttl
         self._on_change = on_change
+        self._on_lost = on_lost
+        """Runs (on the lease's thread) when the campaign's lease expired while this process lived."""
         self._is_leader = threading.Event()
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._lease: KeptLease | None = None
         self._watch: PrefixWatch | None = None
         self._thread: threading.Thread | None = None
+        self._resigned = False
 
     def start(self) -> LeaderElection:
         self._lease = KeptLease(self.client, self.ttl, on_lost=self._lease_lost, name="leader")
@@ -78,6 +82,7 @@ class LeaderElection:
 
     def resign(self) -> None:
         """Give up leadership (the key goes with the lease) and stop campaigning."""
+        self._resigned = True
         self._stop.set()
         self._changed.set()
         if self._watch is not None:
@@ -102,6 +107,24 @@ class LeaderElection:
         self._is_leader.clear()
         self._stop.set()
         self._changed.set()
+        if self._on_lost is not None:
+            self._on_lost()
+
+    def recampaign(self) -> bool:
+        """Campaign again on a fresh lease after the last one expired while this candidate lived
+        (etcd stalled past the TTL: every lease expired at once). False: the lease was not lost,
+        or the candidate resigned."""
+        lease = self._lease
+        if lease is None or not lease.lost.is_set() or self._resigned:
+            return False
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._stop.clear()
+        self._lease = KeptLease(self.client, self.ttl, on_lost=self._lease_lost, name="leader")
+        self._thread = threading.Thread(target=self._campaign, name="election", daemon=True)
+        self._thread.start()
+        log.warning("%s: campaigning again on a new lease (the last one expired)", self.candidate_id)
+        return True
 
     def _campaign(self) -> None:
         assert self._lease is not None

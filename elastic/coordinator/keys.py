@@ -63,6 +63,13 @@ class JobKeys:
     def suspect(self, node_id: str, incarnation: int, reporter: str) -> str:
         return self.key("suspects", check_name("node id", node_id), incarnation, check_name("reporter", reporter))
 
+    def probe(self, node_id: str, incarnation: int) -> str:
+        return self.key("probes", check_name("node id", node_id), incarnation)
+
+    @property
+    def suspicion(self) -> str:
+        return self.key("suspicion")
+
     @property
     def leader(self) -> str:
         return self.key("leader")

@@ -40,6 +40,7 @@ class KeptLease:
         self.lost = threading.Event()
         self.lost_reason = ""
         self._on_lost = on_lost
+        self.name = name
         self._stop = threading.Event()
         # lease_id: keep an existing lease alive (one another process granted) instead of a new one.
         self.id: int = lease_id if lease_id is not None else client.lease(ttl).id
@@ -73,7 +74,9 @@ class KeptLease:
                 return
 
     def _give_up(self, reason: str) -> None:
-        log.warning("lease %x lost: %s", self.id, reason)
+        if self._stop.is_set():  # stopped while a refresh was in flight: no one holds this lease any more
+            return
+        log.warning("lease %x (%s) lost: %s", self.id, self.name, reason)
         self.lost_reason = reason
         self.lost.set()
         if self._on_lost is not None:

@@ -165,12 +165,45 @@ class Membership:
                                name=f"member-{self.identity.node_id}", lease_id=meta.lease_id,
                                give_up_s=self.config.give_up_s)
 
+    def rejoin(self) -> int | None:
+        """After our lease expired while this node lived (etcd stalled past the TTL): register
+        the same identity under a new lease, unless someone recorded this incarnation failed
+        (`failed/<node>/<inc>`: a leader's probe found it dead and the job moved on) or the key
+        is another's. Returns the new lease id, or None: the node stays fenced. One transaction,
+        so a leader that records the failure after it revokes the new lease (`report_failure`)."""
+        old = self.lease
+        lease = KeptLease(self.client, self.config.ttl, interval=self.config.interval, on_lost=self._lost,
+                          name=f"member-{self.identity.node_id}", give_up_s=self.config.give_up_s)
+        key = self.keys.member(self.identity.node_id)
+        failed = self.keys.failure(self.identity.node_id, self.identity.incarnation)
+        txn = self.client.transactions
+        try:
+            ok, _ = self.client.transaction(
+                compare=[txn.create(key) == 0, txn.version(failed) == 0],
+                success=[txn.put(key, self.identity.to_json(), lease=lease.id)],
+                failure=[],
+            )
+        except Exception:
+            lease.stop_refreshing()  # a try that etcd did not answer leaves no kept lease behind
+            raise
+        if not ok:
+            lease.revoke()
+            return None
+        self.lease = lease
+        self.lost.clear()
+        record_event(self.client, self.keys, who=self.identity.node_id, kind="rejoined",
+                     incarnation=self.identity.incarnation, old_lease=old.id if old is not None else None,
+                     lease=lease.id)
+        return lease.id
+
     @property
     def lost_reason(self) -> str:
         """Why this member counts itself lost ("lease expired", "etcd unreachable for N s"), or ""."""
         return self.lease.lost_reason if self.lease is not None else ""
 
     def _lost(self) -> None:
+        if self.lease is not None and not self.lease.lost.is_set():
+            return  # a replaced lease (an earlier registration, a try etcd answered late) ended: not ours
         log.warning("%s: this node is lost (%s)", self.identity.node_id, self.lost_reason)
         self.lost.set()
         if self._on_self_lost is not None:

@@ -20,6 +20,8 @@ The table, as `table()` renders it:
 | members | `members/{node_id}` | node | agent (Membership) | leader, launcher, rendezvous, status, metrics | NodeIdentity JSON of a live node |
 | failed | `failed/{node_id}/{incarnation:d}` | none | a member that saw the failure | leader, status | a failure report (who saw it, when, why) |
 | suspects | `suspects/{node_id}/{incarnation:d}/{reporter}` | none | a worker whose collective failed | leader (Membership) | a suspicion raised by a collective error |
+| probes | `probes/{node_id}/{incarnation:d}` | none | agent | leader (SuspectGuard) | host:port of the node incarnation's liveness probe (elastic/coordinator/probe.py) |
+| suspicion | `suspicion` | none | leader (SuspectGuard) | status, metrics, events | SuspicionRecord: the latest lease expiries, the probes' answers, the decision |
 | leader | `leader` | leader | the elected leader (Election) | candidates, status | the leader's id |
 | generation | `generation` | none | leader (Generations.publish) | workers, agents, launcher, status | the latest generation number (decimal) |
 | plan | `plan/{generation:012d}` | none | leader (Generations.publish) | workers, agents, launcher, status, events, metrics | GenerationRecord JSON, written once |
@@ -141,6 +143,10 @@ SCHEMA: tuple[Family, ...] = (
        "a failure report (who saw it, when, why)"),
     _f("suspects", "suspects/{node_id}/{incarnation:d}/{reporter}", "none", "a worker whose collective failed",
        "leader (Membership)", "a suspicion raised by a collective error"),
+    _f("probes", "probes/{node_id}/{incarnation:d}", "none", "agent", "leader (SuspectGuard)",
+       "host:port of the node incarnation's liveness probe (elastic/coordinator/probe.py)"),
+    _f("suspicion", "suspicion", "none", "leader (SuspectGuard)", "status, metrics, events",
+       "SuspicionRecord: the latest lease expiries, the probes' answers, the decision"),
     _f("leader", "leader", "leader", "the elected leader (Election)", "candidates, status", "the leader's id"),
     _f("generation", "generation", "none", "leader (Generations.publish)", WORKERS,
        "the latest generation number (decimal)"),

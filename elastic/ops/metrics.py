@@ -36,6 +36,7 @@ so a metrics server started late (or restarted) reports the same numbers:
 | elastic_checkpoint_save_failures_total | counter | | checkpoint saves of the job that failed (a full or failing disk), each counted once |
 | elastic_spares | gauge | | of those, hot spares: live members the latest generation does not include (elastic/planning/spares.py) |
 | elastic_node_spare | gauge | | 1 while this endpoint's node is a hot spare, else 0 |
+| elastic_suspects_cleared_total | counter | | nodes whose lease expired but whose agent answered the leader's probe, so they kept their place (the `suspicion` key, elastic/roles/leader_suspects.py) |
 | elastic_node_busy_seconds | gauge | | this node's compute seconds a step, forward plus backward (median of the last 5; the `stragglers` key, read at scrape time) |
 | elastic_node_forward_seconds | gauge | | of those, its forward passes' (median of the last 5; elastic/parallel/phase_clock.py) |
 | elastic_node_backward_seconds | gauge | | of those, its backward passes' (median of the last 5) |
@@ -82,6 +83,7 @@ from elastic.records.node_workers import worker_infos
 from elastic.records.progress import ProgressRecord
 from elastic.records.recovery_timings import SUMMARY_NODE, RecoveryTimings
 from elastic.records.stragglers import read_stragglers
+from elastic.records.suspicion import SuspicionRecord
 from elastic.records.workers import node_id
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,7 @@ class NodeMetrics(Collector):
             "injected": PrefixMirror(self.client, rk.injected(""), lambda v: float(v.decode())),
             "eval": PrefixMirror(self.client, eval_key(self.keys), EvalResult.from_json),
             "save_failures": PrefixMirror(self.client, save_failures_prefix(self.keys), SaveFailures.from_json),
+            "suspicion": PrefixMirror(self.client, self.keys.suspicion, SuspicionRecord.from_json),
         }
         self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         bound_host, bound_port = self._server.server_address[:2]
@@ -156,6 +159,13 @@ class NodeMetrics(Collector):
         else:
             self.client.put(metrics_key(self.keys, self.node), value)
         return self
+
+    def relet(self, lease: int) -> None:
+        """Publish the address again on `lease`: the node registered again after its lease
+        expired while it lived (an etcd stall), and the old key went with the old lease."""
+        self.lease = lease
+        if self.address is not None:
+            self.client.put(metrics_key(self.keys, self.node), json.dumps({"address": self.address}), lease=lease)
 
     def stop(self) -> None:
         """Stop serving and watching, and withdraw the published address (if it is still ours)."""
@@ -211,7 +221,9 @@ class NodeMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
         spares = spare_members(self._mirrors["members"].items(), self._mirrors["plans"].items())
-        snap = replace(snap, spares=len(spares), node_spare=self.node in spares)
+        suspicion = self._mirrors["suspicion"].items().get("")
+        snap = replace(snap, spares=len(spares), node_spare=self.node in spares,
+                       suspects_cleared=0 if suspicion is None else suspicion.cleared_total)
         yield from families(snap, job=self.keys.job, node=self.node)
         yield from self._speed()
 

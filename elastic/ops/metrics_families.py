@@ -68,6 +68,8 @@ def families(snap: Snapshot, *, job: str, node: int) -> Iterator[Metric]:
                               value=snap.checkpoint_save_failures)
     yield gauge("elastic_spares", "Hot spares: live members the latest generation does not include.", snap.spares)
     yield gauge("elastic_node_spare", "1 while this node is a hot spare.", float(snap.node_spare))
+    yield CounterMetricFamily("elastic_suspects_cleared", "Nodes whose lease expired that answered the leader's probe.",
+                              value=snap.suspects_cleared)
     if snap.eval_loss is not None and snap.eval_step is not None:
         yield gauge("elastic_eval_loss", "Latest validation loss on the held-out split.", snap.eval_loss)
         yield gauge("elastic_eval_step", "Steps committed when the latest validation loss was computed.",

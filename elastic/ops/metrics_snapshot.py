@@ -89,6 +89,8 @@ class Snapshot:
     """elastic_spares."""
     node_spare: bool = False
     """elastic_node_spare."""
+    suspects_cleared: int = 0
+    """elastic_suspects_cleared_total."""
 
 
 def recovery_of(

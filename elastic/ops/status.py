@@ -11,6 +11,10 @@ This file holds the snapshot's records (`JobStatus` and its parts) and its JSON 
     state               "starting" (no generation yet) | "running" | "finished" (every step
                         committed and every worker of the last plan done) | "failed" (the leader gave up)
     fatal               the leader's reason for giving up, or null
+    suspicion           the leader's latest verdict on nodes whose lease expired, or null:
+                        {at, suspects, answered, silent, mass, stalled, decision, probe_s,
+                        cleared_total} (elastic/records/suspicion.py); decision "kept",
+                        "control-plane stall: no change" or "lost"
     leader              member id of the elected leader, or null
     generation          latest generation number (0 before the first is published)
     generation_reason   why that generation exists ("start", "lost [2]", ...), or null
@@ -235,6 +239,7 @@ class JobStatus:
     spares: list[int] = field(default_factory=list)
     stragglers: dict[str, Any] | None = None
     ended: dict[str, Any] | None = None
+    suspicion: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

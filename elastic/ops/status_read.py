@@ -33,6 +33,7 @@ from elastic.records.progress import ProgressRecord, read_progress
 from elastic.records.recoveries import generation_fields, recovery_breakdown
 from elastic.records.recovery_timings import RecoveryTimings, workers_reported
 from elastic.records.stragglers import StragglerRecord, read_stragglers
+from elastic.records.suspicion import read_suspicion
 from elastic.records.workers import node_of
 from templates.plan import Plan
 
@@ -151,9 +152,16 @@ def read_status(client: EtcdClient, keys: JobKeys, *, etcd: str, window: int = D
         last_eval=_last_eval(client, keys),
         checkpoint_failures=_checkpoint_failures(client, keys),
         spares=[n.node for n in nodes if n.role == "spare"],
+        suspicion=_suspicion(client, keys),
         stragglers=None if speeds is None else {
             "policy": speeds.policy, "threshold": speeds.threshold, "step": speeds.step, "marked": sorted(speeds.marked)},
     )
+
+
+def _suspicion(client: EtcdClient, keys: JobKeys) -> dict[str, Any] | None:
+    """The leader's latest verdict on expired leases (elastic/records/suspicion.py), or None."""
+    record = read_suspicion(client, keys)
+    return None if record is None else record.to_dict()
 
 
 def _with_speeds(nodes: list[NodeStatus], speeds: StragglerRecord | None) -> list[NodeStatus]:

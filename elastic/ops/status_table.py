@@ -61,6 +61,11 @@ def render_table(status: JobStatus) -> str:
     ]
     if s.ended is not None:
         lines.insert(0, _ended_line(s.ended))
+    if s.suspicion is not None:
+        v = s.suspicion
+        lines.append(f"leases expired for nodes {v['suspects']}: answered the probe {v['answered']}, silent "
+                     f"{v['silent']}{' (mass suspicion)' if v['mass'] else ''}: {v['decision']}; "
+                     f"{v['cleared_total']} cleared by probe")
     if s.last_eval is not None:
         e = s.last_eval
         lines.append(f"validation loss {e['loss']:.4f} after step {e['step']} ({e['batches']} held-out batches, "

@@ -58,7 +58,7 @@ from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.membership import Membership, MembershipConfig, NodeIdentity
 from elastic.coordinator.monitor import WorkerMonitor
-from elastic.coordinator.netaddr import bind_host
+from elastic.coordinator.probe import ProbeServer
 from elastic.coordinator.store_relay import STORE_RELAY_ENV, STORE_RELAY_SWITCH, StoreRelay
 from elastic.coordinator.watch import watch_from_now
 from elastic.records.config import ElasticConfig
@@ -68,6 +68,7 @@ from elastic.records.workers import WorkerInfo, node_id, node_of
 from elastic.roles import cpu_quota
 from elastic.roles.agent_injections import NodeInjections
 from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, Preemption
+from elastic.roles.agent_rejoin import campaign_again, keep_place
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
 from elastic.roles.start_phases import start_phases
 from elastic.roles.zygote import SPAWNED_AT_ENV
@@ -127,9 +128,14 @@ class Agent:
         self.gpus, self.run_dir, self.threads = spec.plan.gpus_per_node, str(spec.run_dir), spec.threads_per_worker
         ttl = self.config.lease_ttl
         self.who = node_id(node)
-        identity = NodeIdentity(
-            node_id=self.who, incarnation=incarnation, address=f"{bind_host()}:0", devices=self.gpus
-        )
+        self.procs: dict[int, subprocess.Popen[bytes] | WarmProcess] = {}
+        self.exit_code: int | None = None
+        self.injections = NodeInjections(self)
+        """The fault injections addressed to this node incarnation."""
+        self.probe = ProbeServer(self._probe_answer).start()
+        """Answers the leader's liveness probe (the second witness of a lease expiry) at the member's address."""
+        identity = NodeIdentity(node_id=self.who, incarnation=incarnation, address=self.probe.address,
+                                devices=self.gpus)
         try:
             give_up = float(os.environ.get(ETCD_GIVE_UP_ENV, ETCD_GIVE_UP_S))
         except ValueError:
@@ -137,15 +143,11 @@ class Agent:
         self.membership = Membership(self.client, self.keys, identity,
                                      config=MembershipConfig(ttl=ttl, give_up_s=give_up),
                                      on_self_lost=self._on_lease_lost)
-        self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl)
-        self.procs: dict[int, subprocess.Popen[bytes] | WarmProcess] = {}
-        self.exit_code: int | None = None
+        self.election = LeaderElection(self.client, self.keys, self.who, ttl=ttl, on_lost=self._recampaign)
         self.done = threading.Event()
         self.lock = threading.Lock()
         """Held while the node's fate is decided (finished, failed, fenced)."""
         self._finished: set[int] = set()
-        self.injections = NodeInjections(self)
-        """The fault injections addressed to this node incarnation."""
         self.preemption = Preemption(self)
         """What a SIGTERM does: ask for a drain of this node."""
         self.monitor: WorkerMonitor | None = None
@@ -165,6 +167,9 @@ class Agent:
             self.membership.adopt()
         else:
             self.membership.join()
+        # Outlives the lease: a leader elected after an etcd stall (every member key gone) still
+        # finds where to probe this node.
+        self.client.put(self.keys.probe(self.who, self.incarnation), self.probe.address)
         self._start_metrics()
         trigger = self.injections.open()
         self._spawn_workers()
@@ -264,10 +269,33 @@ class Agent:
                 self.fail(f"worker pid {stopped} is stopped (hung)")
                 return
 
+    def _probe_answer(self) -> dict[str, object] | None:
+        """The probe's answer: this incarnation, and whether all its workers run (None while an
+        emulated partition cuts the node off: a partitioned node is not reached)."""
+        if self.injections.partitioned:
+            return None
+        procs = list(self.procs.values())
+        alive = self.exit_code is None and bool(procs) and all(p.poll() is None for p in procs)
+        return {"node_id": self.who, "incarnation": self.incarnation, "alive": alive}
+
+    def _recampaign(self) -> None:
+        """The election's lease expired while this agent lives: campaign again (on a thread of its
+        own; this runs on the lease's)."""
+        if self.exit_code is None and not (self.injections.hanging or self.injections.partitioned):
+            threading.Thread(target=campaign_again, args=(self,), name="recampaign", daemon=True).start()
+
     def _on_lease_lost(self) -> None:
-        """Our lease expired while we could not refresh it (the job has fenced this node out), or
-        etcd stayed unreachable past the give-up time: stop the workers and leave."""
+        """Our lease expired while we could not refresh it: keep our place if the node lives
+        (elastic/roles/agent_rejoin.py); else (the job has fenced this node out), or when etcd stayed unreachable
+        past the give-up time, stop the workers and leave."""
         reason = self.membership.lost_reason or "lease expired"
+        if reason == "lease expired" and self.leader is not None:
+            self.leader.guard.note_stall()  # what the leader (if this agent leads next) records
+        try:
+            if reason == "lease expired" and keep_place(self):
+                return
+        except Exception:  # the fencing below must run whatever went wrong
+            log.exception("%s: keeping its place failed", self.who)
         log.warning("%s (incarnation %d): %s, the node is fenced; leaving", self.who, self.incarnation, reason)
         if reason.startswith("etcd unreachable"):
             stop_retrying(self.client)  # the tidying-up calls below would each wait out the retries
@@ -323,6 +351,7 @@ class Agent:
             log.warning("%s: no metrics endpoint: %s", self.who, exc)
 
     def _shutdown(self) -> None:
+        self.probe.stop()
         if self.metrics is not None:
             self.metrics.stop()
         if self.monitor is not None:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from elastic.coordinator.access import JobAccessError, admit
-from elastic.coordinator.client import connect
+from elastic.coordinator.client import connect, put_through_stall
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
@@ -367,7 +367,8 @@ class ElasticWorker:
     def _last_step_decided(self, generation: int, step: int, layout: ParallelLayout) -> bool:
         """The job's last step commits only on the leader's word: no worker may finish the job
         while a peer replays it. True for "commit"."""
-        self.client.put(self.rk.ready(generation, step, layout.rank), str(time.time()))
+        # an etcd stall (issue 56) is waited out, as the decision is
+        put_through_stall(self.client, self.rk.ready(generation, step, layout.rank), str(time.time()), self.timeout * 4)
         decision = self.decisions.wait(generation, step, self.timeout * 4)
         if decision != COMMIT:
             worker_log(f"step {step} of generation {generation}: aborted by the leader")

@@ -136,7 +136,7 @@ def launch_elastic(
         admit(client, keys, token)
         feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
         feeds.append(feed)
-        _submit_job(client, keys, config, etcd=etcd_endpoint, token=token)
+        _submit_job(client, keys, config, etcd=etcd_endpoint, token=token, etcd_pids=_etcd_pids(server))
         _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares)
         _announce(say, config, job=job, etcd=etcd_endpoint)
         loop = RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
@@ -215,9 +215,18 @@ def _clear_run_dir(spec: JobSpec) -> None:
         stale.unlink(missing_ok=True)  # a previous run's step logs would enter this run's summary
 
 
-def _submit_job(client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, etcd: str, token: str) -> None:
+def _etcd_pids(server: EtcdServer | EtcdCluster | None) -> list[int]:
+    """The PIDs of the etcd the launcher started (member order), for `elastic inject etcd-stall`."""
+    if server is None:
+        return []
+    members = server.members if isinstance(server, EtcdCluster) else [server]
+    return [pid for m in members if (pid := m.pid) is not None]
+
+
+def _submit_job(client: EtcdClient, keys: JobKeys, config: ElasticConfig, *, etcd: str, token: str,
+                etcd_pids: list[int] | None = None) -> None:
     """Write the job file of the run directory, the job's config and its injection requests."""
-    write_job_file(Path(config.spec.run_dir), etcd=etcd, job=keys.job, token=token)
+    write_job_file(Path(config.spec.run_dir), etcd=etcd, job=keys.job, token=token, etcd_pids=etcd_pids)
     client.put(RunKeys(keys).config, config.to_packed())
     for inj in config.injections:
         submit_request(client, keys.root, InjectionRequest.from_injection(inj))
@@ -276,8 +285,9 @@ def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: AgentPool
 JOB_FILE = "job.json"
 
 
-def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
-    """Write `<run_dir>/job.json` ({"etcd", "etcd_endpoints", "job", "token"}, mode 0600): how the
+def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str, etcd_pids: list[int] | None = None) -> Path:
+    """Write `<run_dir>/job.json` ({"etcd", "etcd_endpoints", "job", "token"}, and "etcd_pids" of
+    the etcd it started itself, member order; mode 0600): how the
     operator CLI (`elastic status --run-dir`, `elastic inject`, ...) finds a running local job.
     `etcd` is the endpoint list as `--etcd` takes it (what older readers read), `etcd_endpoints`
     the same list as a JSON list.
@@ -290,6 +300,8 @@ def write_job_file(run_dir: Path, *, etcd: str, job: str, token: str) -> Path:
     with os.fdopen(fd, "w") as out:
         record: dict[str, Any] = {"etcd": etcd, "job": job, "token": token}
         record["etcd_endpoints"] = [m.strip() for m in etcd.split(",")]  # ha: the list, for readers that want one
+        if etcd_pids:
+            record["etcd_pids"] = etcd_pids  # `elastic inject etcd-stall` signals these
         json.dump(record, out)
     os.replace(tmp, path)
     return path

@@ -1,7 +1,9 @@
 """The leader's loop, inside the elected agent: the one file of the leader that touches etcd.
 
 Each round (woken by a change under members/, workers/, sync/, ready/, injections/ or the stop
-key, or every second) reads what a decision needs into one `Snapshot` (roles/leader_snapshot.py:
+key, or every second) reads what a decision needs into one `Snapshot` (the members through
+`SuspectGuard`, roles/leader_suspects.py: a node whose lease expired is removed only when its
+probe does not answer either) (roles/leader_snapshot.py:
 O(nodes) keys, never a per-step key), asks `decide_round` (roles/leader_decisions.py, pure; its
 module doc is the table of cases: lost, join, drain, spare, straggler, fallback, stop, last
 step) for the round's writes (roles/leader_actions.py), and carries them out in that order,
@@ -47,7 +49,6 @@ from elastic.records.progress import read_progress
 from elastic.records.stop import StopRequest, read_stop, stop_key
 from elastic.records.stragglers import StragglerRecord, read_policy, read_stragglers
 from elastic.records.sync import COMMIT
-from elastic.records.workers import live_nodes
 from elastic.roles.holders import read_holdings
 from elastic.roles.leader_actions import (
     Answer,
@@ -65,6 +66,7 @@ from elastic.roles.leader_actions import (
 from elastic.roles.leader_decisions import decide_round
 from elastic.roles.leader_replan import FallbackImpossible, fallback_plan, restore_dir, verified_checkpoint
 from elastic.roles.leader_snapshot import Snapshot, live_workers
+from elastic.roles.leader_suspects import NoLongerLeader, SuspectGuard
 from elastic.roles.leader_sync import sync_reports
 from elastic.roles.recovery_summary import fold_generation
 from templates.template_set import TemplateSet
@@ -149,6 +151,9 @@ class Leader:
         """(node, incarnation) of the stragglers this leader asked to drain (once each)."""
         self._sync: PrefixMirror | None = None
         """The sync reports while leading, decoded as they come (`sync_reports`)."""
+        self.guard = SuspectGuard(client, keys, who=who, fault_tolerance=config.cluster.fault_tolerance,
+                                  ttl=config.lease_ttl, fence=election.leader_compare)
+        """The second witness of a lease expiry (roles/leader_suspects.py)."""
         self.rounds = 0
         """Rounds run so far (for benchmarks and tests)."""
         self.finished = threading.Event()
@@ -181,12 +186,13 @@ class Leader:
                     self._close_mirror()
                     continue
                 if not watches:
+                    self.guard.reset()
                     watches = [PrefixWatch(self.client, p, self._on_events) for p in prefixes]
                 self._wake.clear()
                 try:
                     self._round()
                     self.rounds += 1
-                except (GenerationConflict, NotLeader) as exc:
+                except (GenerationConflict, NotLeader, NoLongerLeader) as exc:
                     log.warning("leader %s: %s", self.who, exc)
                 except FallbackImpossible as exc:
                     log.error("leader %s: %s", self.who, exc)
@@ -240,7 +246,7 @@ class Leader:
             return None
         g, record = current
         client, rk, last = self.client, self.rk, self.config.spec.steps - 1
-        members = live_nodes(client, self.keys)
+        members = self.guard.members(record)  # suspects that answered their probe count live
         now = time.time()
         lost = any(members.get(n) != inc for n, inc in record.incarnations.items())
         halt, _ = client.get(rk.halt(g))

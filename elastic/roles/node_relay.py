@@ -19,6 +19,11 @@ once the transaction has committed: a report is as durable as a direct put. With
 (torchrun's workers, which have no agent of ours), or when the agent does not answer, a worker
 writes its puts itself, in one transaction (`put_all`).
 
+An etcd stall can let the node's lease expire while the node lives: the agent registers again
+under a new lease and `relet`s it here (elastic/roles/agent_rejoin.py). The keys the relay wrote
+on the old lease are written again on the new one, later requests naming the old lease go on the
+new one, and a batch that etcd refused for its lost lease waits for the relet (`RELET_WAIT_S`).
+
 Wire: one JSON object a line each way. Request `{"puts": [[key, value, lease or null], ...],
 "folds": [[key, kind, record JSON, lease or null], ...]}` ("folds" optional; kind "recovery",
 "sync", "holdings" or "workers": etcd_writes.FOLD_KINDS), answer `{"ok": true}` or `{"error": "..."}`.
@@ -59,6 +64,15 @@ KNOWN_KEYS = 64
 generation; an older one is read again if it is ever folded into)."""
 
 
+RELET_WAIT_S = 10.0
+"""How long a batch naming a lease that etcd lost waits for the agent to register again under a
+new one (`relet`: an etcd stall let the lease expire while the node lived) before its workers
+get the error."""
+
+LEASE_GONE = "requested lease not found"
+"""etcd's answer to a write on a lease it no longer has."""
+
+
 class RelayError(RuntimeError):
     """The relay did not take the puts (gone, refused, or its transaction failed)."""
 
@@ -93,6 +107,10 @@ class NodeRelay:
         self._hub_lock = threading.Lock()
         self._known: dict[str, bytes | None] = {}
         """Folded key -> the value this relay last wrote or read there."""
+        self._leases: dict[int, int] = {}
+        """A lease the node lost while it lived -> the lease it registered under again (`relet`)."""
+        self._leased: dict[str, tuple[bytes, int]] = {}
+        """Key written on a lease -> (the value last written, that lease): what `relet` writes again."""
         threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
         threading.Thread(target=self._flush_loop, name="relay-flush", daemon=True).start()
 
@@ -212,23 +230,80 @@ class NodeRelay:
                     self._cond.wait()
             return None
 
+    def relet(self, old: int, new: int) -> int:
+        """The node re-registered under lease `new` after `old` expired while it lived (an etcd
+        stall, elastic/coordinator/membership.py `rejoin`): write again every key this relay
+        wrote on `old` (its workers' registrations and holdings went with the lease), on `new`,
+        and put later requests naming `old` on `new` (the workers were started with `old`).
+        Returns how many keys it wrote again."""
+        with self._cond:
+            again = {k: v for k, (v, lease) in self._leased.items() if lease == old}
+        if again:  # values as written (a packed record is not text)
+            ops = [self.client.transactions.put(k, v, lease=new) for k, v in again.items()]
+            self.client.transaction(compare=[], success=ops, failure=[])
+        with self._cond:  # then the batches that wait for the new lease go on (`_write`)
+            for lost, now in list(self._leases.items()):
+                if now == old:
+                    self._leases[lost] = new
+            self._leases[old] = new
+            for key, value in again.items():
+                self._leased[key] = (value, new)
+                self._known[key] = value
+            self._cond.notify_all()
+        return len(again)
+
+    def _lease(self, lease: int | None) -> int | None:
+        return None if lease is None else self._leases.get(lease, lease)
+
+    def _remember(self, puts: list[Put], folds: list[Fold]) -> None:
+        """Keep the last value of each key written on a lease (for `relet`)."""
+        for key, value, lease in puts:
+            if lease is not None:
+                self._leased[key] = (value.encode(), lease)
+        for fold in folds:
+            on, known = fold_lease(fold), self._known.get(fold[0])
+            if on is not None and known is not None:
+                self._leased[fold[0]] = (known, on)
+
     def _flush_loop(self) -> None:
         while (batch := self._batch()) is not None:
-            puts = [put for p in batch for put in p.puts]
-            folds = [fold for p in batch for fold in p.folds]
-            try:
-                self.transactions += write_batch(self.client, puts, folds, self._known)
-                while len(self._known) > KNOWN_KEYS:
-                    del self._known[next(iter(self._known))]
-                answer: dict[str, object] = {"ok": True}
-            except Exception as exc:  # noqa: BLE001 - handed to each worker, which then puts directly
-                self._known.clear()  # a fold may have landed before the error: read keys again
-                log.warning("relay %s: a transaction of %d puts and %d folds failed: %s", self.name, len(puts),
-                            len(folds), exc)
-                answer = {"error": f"{type(exc).__name__}: {exc}"}
+            answer = self._write(batch)
             for p in batch:
                 with contextlib.suppress(OSError):  # that worker is gone
                     send_line(p.conn, answer)
+
+    def _write(self, batch: list[_Pending]) -> dict[str, object]:
+        """Write one batch as one transaction: the workers' answer. A lease it names that etcd no
+        longer knows (it expired in an etcd stall while the node lived) is waited for: the agent
+        registers again and `relet`s it, up to `RELET_WAIT_S`; then the batch goes on the new one."""
+        deadline = time.monotonic() + RELET_WAIT_S
+        while True:
+            with self._cond:
+                puts = [(k, v, self._lease(lease)) for p in batch for k, v, lease in p.puts]
+                folds: list[Fold] = [(f[0], f[1], self._lease(fold_lease(f))) for p in batch for f in p.folds]
+            try:
+                self.transactions += write_batch(self.client, puts, folds, self._known)
+                with self._cond:
+                    self._remember(puts, folds)
+                while len(self._known) > KNOWN_KEYS:
+                    del self._known[next(iter(self._known))]
+                return {"ok": True}
+            except Exception as exc:  # noqa: BLE001 - handed to each worker, which then puts directly
+                self._known.clear()  # a fold may have landed before the error: read keys again
+                named = {lease for *_, lease in puts if lease is not None} | {
+                    lease for f in folds if (lease := fold_lease(f)) is not None}
+                if LEASE_GONE in str(exc) and named and self._relet_within(named, deadline):
+                    continue
+                log.warning("relay %s: a transaction of %d puts and %d folds failed: %s", self.name, len(puts),
+                            len(folds), exc)
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def _relet_within(self, leases: set[int], deadline: float) -> bool:
+        """Whether one of `leases` is `relet` (to a lease not in `leases`) before `deadline`."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._closed or any(self._leases.get(lease, lease) not in leases for lease in leases),
+                timeout=max(0.0, deadline - time.monotonic())) and not self._closed
 
 
 class RelayClient:

@@ -2,15 +2,17 @@
 
 3 nodes, a 2-stage pipeline (nodes 0, 1) and a 1-stage one (node 2). At step 8 the test
 SIGKILLs node 1's agent and worker together (PIDs from etcd's `workers/1/` and the agent's
-command line): nobody is left to report the failure, so only the lease expiry reveals it. The
-survivors stay up (same PIDs), the leader re-plans onto nodes 0 and 2, node 0 fetches the layers
-it now needs from node 2, and the run ends where the failure-free run ends (losses and final
-parameters within 1e-5, every step committed once).
+command line): nobody is left to report the failure, so only the lease expiry reveals it, and
+the leader's probe of the suspect, refused at once, confirms it. The survivors stay up (same
+PIDs), the leader re-plans onto nodes 0 and 2, node 0 fetches the layers it now needs from node
+2, and the run ends where the failure-free run ends (losses and final parameters within 1e-5,
+every step committed once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -36,7 +38,7 @@ class Outcome:
     reference: Result
     result: Result
     victim_pids: list[int]
-    failure_reported: bool
+    failure_reports: list[dict[str, object]]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,8 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outcome]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         result = run.result()
-        reported = any(True for _ in run.client.get_prefix(run.keys.failed))
-        yield Outcome(reference, result, victims, reported)
+        reports = [json.loads(value) for value, _ in run.client.get_prefix(run.keys.failed)]
+        yield Outcome(reference, result, victims, reports)
     finally:
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
@@ -81,8 +83,10 @@ def test_survivors_recover_to_the_failure_free_result(outcome: Outcome) -> None:
 
 
 def test_the_loss_was_found_by_lease_expiry(outcome: Outcome) -> None:
-    # Nobody of node 1 was left to revoke its lease or write `failed/`: etcd's expiry did it.
-    assert not outcome.failure_reported
+    # Nobody of node 1 was left to revoke its lease or report its failure: etcd's expiry made it
+    # a suspect, and the leader's probe, refused, recorded it failed (elastic/roles/leader_suspects.py).
+    assert outcome.failure_reports and all("no answer to the probe" in str(r["reason"])
+                                           for r in outcome.failure_reports), outcome.failure_reports
     assert len(outcome.victim_pids) == 2
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in outcome.victim_pids)

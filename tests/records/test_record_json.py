@@ -40,6 +40,7 @@ from elastic.records.run_end import RunEnd
 from elastic.records.stop import StopRequest
 from elastic.records.stragglers import Mark, PolicyOverride, StragglerRecord
 from elastic.records.summary import RunSummary
+from elastic.records.suspicion import STALL, SuspicionRecord
 from elastic.records.sync import SyncReport
 from elastic.records.workers import WorkerInfo
 from templates.plan import even_plan
@@ -110,6 +111,8 @@ EXAMPLES: dict[type[JsonRecord], JsonRecord] = {
                                      marked={3: Mark(since_step=62, since=1004.4, factor=1.76)},
                                      phases={3: [0.021, 0.043, 0.002]}),
     PolicyOverride: PolicyOverride(policy="auto", threshold=None, steps=20, at=1010.0),
+    SuspicionRecord: SuspicionRecord(at=1012.5, suspects=[0, 1, 2, 3], answered=[0, 1, 2, 3], silent=[], mass=True,
+                                     stalled=True, decision=STALL, probe_s=0.012, cleared_total=4),
 }
 """A realistic instance of every JsonRecord type of the project."""
 

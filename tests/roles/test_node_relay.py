@@ -4,7 +4,7 @@ worker that is late delays a batch by the linger only, and one that is gone not 
 losing the relay, and a worker whose relay is gone puts directly. Recovery records fold into their
 node's one key, in the same transaction, across batches and beside a worker that writes its own,
 each worker counted once; so do a node's sync reports and its workers' registrations, with or
-without a relay."""
+without a relay. A put on a lease that an etcd stall took waits for the agent's new lease."""
 
 from __future__ import annotations
 
@@ -123,6 +123,38 @@ def test_leases_go_through(client: Any, job: str) -> None:
         assert client.get(f"/{job}/held")[0] == b"x"
         client.revoke_lease(lease.id)
         assert client.get(f"/{job}/held")[0] is None  # it went with the lease, as a direct put's would
+    finally:
+        relay.close()
+
+
+def test_a_put_on_a_lease_lost_in_a_stall_waits_for_the_new_one(client: Any, job: str) -> None:
+    """The node's lease expired while it lived (an etcd stall): a worker's put naming it waits
+    until the agent registers again (`relet`) and lands on the new lease, with the keys written
+    on the old one; with no relet it fails after RELET_WAIT_S (monkeypatched short)."""
+    old, new = client.lease(30), client.lease(30)
+    relay = NodeRelay(client, name=_name(), workers=1)
+    try:
+        RelayClient(relay.name).put([(f"/{job}/registered", "r", old.id)])
+        client.revoke_lease(old.id)  # what the stall did
+        threading.Timer(0.3, relay.relet, args=(old.id, new.id)).start()
+        RelayClient(relay.name).put([(f"/{job}/held", "x", old.id)])  # answered once relet
+        for key, value in ((f"/{job}/registered", b"r"), (f"/{job}/held", b"x")):
+            got, meta = client.get(key)
+            assert got == value and meta.lease_id == new.id, key
+    finally:
+        relay.close()
+
+
+def test_a_put_on_a_lease_never_relet_fails(client: Any, job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import elastic.roles.node_relay as node_relay
+
+    monkeypatch.setattr(node_relay, "RELET_WAIT_S", 0.3)
+    gone = client.lease(30)
+    client.revoke_lease(gone.id)
+    relay = NodeRelay(client, name=_name(), workers=1)
+    try:
+        with pytest.raises(RelayError, match="lease not found"):
+            RelayClient(relay.name).put([(f"/{job}/held", "x", gone.id)])
     finally:
         relay.close()
 
