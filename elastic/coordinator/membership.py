@@ -237,11 +237,13 @@ class Membership:
             return False
         if node_id == self.identity.node_id and self.lease is not None:
             self.lease.stop_refreshing()
-        self.client.revoke_lease(meta.lease_id)
+        # the report before the revoke: a leader that sees the key go already finds why (and
+        # does not take the node for a suspect to probe, roles/leader_suspects.py)
         self.client.put(
             self.keys.failure(node_id, ident.incarnation),
             json.dumps({"reporter": self.identity.node_id, "reason": reason, "time": time.time()}),
         )
+        self.client.revoke_lease(meta.lease_id)
         record_event(self.client, self.keys, who=self.identity.node_id, kind="failure",
                      node=node_id, incarnation=ident.incarnation, reason=reason)
         return True

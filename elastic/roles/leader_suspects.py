@@ -5,7 +5,8 @@ fdatasync or a SIGSTOPped etcd lets every lease of the job expire at once, healt
 So the leader's round reads the members through `SuspectGuard.members` instead of as they stand:
 
 - a node of the generation whose member key is gone *with* a failure report of its own
-  (`failed/<node>/<inc>`: its monitor saw a worker die, the fast path) is lost at once;
+  (`failed/<node>/<inc>`: its monitor saw a worker die, the fast path) is lost at once, also
+  when the report lands while the node is being probed (the monitor revokes the lease first);
 - a node whose key went *without* one (its lease expired) is a *suspect*: the guard probes its
   agent directly (elastic/coordinator/probe.py, deadline `PROBE_DEADLINE_S`). A suspect that
   answers alive keeps its place, as if its key were there (its agent registers again under a new
@@ -182,6 +183,8 @@ class SuspectGuard:
         if mass and len(answered) < len(suspects):  # a control-plane fault: ask the silent ones again
             answered |= self._ask({n: inc for n, inc in suspects.items() if n not in answered})
         took = time.monotonic() - now
+        suspects = self._not_reported_since(suspects)
+        answered &= set(suspects)
         since = max(self._stalled_at or 0.0, self._took_office)
         cut_off = {n for n in answered if now - max(self._first_seen[n], since) > self.rejoin_s}
         answered -= cut_off
@@ -200,6 +203,20 @@ class SuspectGuard:
             self._first_seen.pop(n, None)
             self._verdict.pop(n, None)
         return {n: suspects[n] for n in answered}
+
+    def _not_reported_since(self, suspects: dict[int, int]) -> dict[int, int]:
+        """The suspects whose own failure report has not landed while they were probed.
+
+        A node's monitor reports a crash by revoking the node's lease and then writing
+        `failed/<node>/<inc>` (Membership.report_failure): a round between the two sees a
+        suspect, and its agent, not yet aware of its worker's exit, may even answer alive. Such a
+        node is lost as a reported failure, at once: neither kept nor recorded failed by the probe
+        (its own report, with its reason, stands)."""
+        reported = {n for n, inc in suspects.items() if self._reported(n, inc)}
+        for n in reported:
+            self._first_seen.pop(n, None)
+            self._verdict.pop(n, None)
+        return {n: inc for n, inc in suspects.items() if n not in reported}
 
     def _record_failure(self, node: int, incarnation: int, reason: str, took: float) -> None:
         """`failed/<node>/<inc>` (refuses its re-registration), and the lease of a registration

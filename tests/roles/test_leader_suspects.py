@@ -150,3 +150,39 @@ def test_a_suspect_that_answers_but_never_registers_again_is_lost_after_the_grac
     assert client.get(keys.failure(node_id(3), 0))[0] is None
     record = read_suspicion(client, keys)
     assert record is not None and record.silent == [2] and record.decision == LOST, record
+
+
+class ReportsWhileProbed(Answers):
+    """The probe of a node whose monitor is reporting its crash: `Membership.report_failure`
+    revoked the lease, the round saw a suspect, and the report's `failed/` key lands while the
+    agent is asked; the agent (its worker's exit not yet seen) answers alive, or not at all."""
+
+    def __init__(self, client: Any, keys: JobKeys, node: int, *, answers: bool) -> None:
+        super().__init__(set(NODES) if answers else set(NODES) - {node})
+        self.client, self.keys, self.node = client, keys, node
+
+    def __call__(self, address: str, deadline_s: float) -> ProbeAnswer | None:
+        if address == _address(self.node):
+            self.client.put(self.keys.failure(node_id(self.node), 0), REPORT)
+        return super().__call__(address, deadline_s)
+
+
+REPORT = '{"reporter": "node1", "reason": "worker pid 1234 exited with code -9"}'
+
+
+@pytest.mark.parametrize("answers", [True, False], ids=["answers-alive", "silent"])
+def test_a_failure_reported_during_the_probe_is_lost_as_reported(
+    client: Any, job: str, members: dict[int, Membership], answers: bool
+) -> None:
+    """The monitor's fast path races the guard: lease revoked first, report written after. The
+    node is lost at once as its own report says: not kept on a stale answer (nor counted as
+    cleared by the probe), and its report is not overwritten by the probe's verdict."""
+    keys = JobKeys(job)
+    probe = ReportsWhileProbed(client, keys, 1, answers=answers)
+    guard = _guard(client, keys, probe)
+    _expire(client, members, [1])  # report_failure's revoke; its put comes while the probe runs
+    assert guard.members(RECORD) == {0: 0, 2: 0, 3: 0}
+    assert probe.asked == [_address(1)] and guard.cleared == 0
+    assert client.get(keys.failure(node_id(1), 0))[0] == REPORT.encode()
+    assert read_suspicion(client, keys) is None  # no verdict of the probe's: the node reported itself
+    assert guard.members(RECORD) == {0: 0, 2: 0, 3: 0} and probe.asked == [_address(1)]  # and stays lost
