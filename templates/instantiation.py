@@ -19,8 +19,10 @@ from typing import Protocol
 
 import numpy as np
 
+from templates.counted_knapsack import Counted, least_target
 from templates.flat_knapsack import FlatKnapsack
 from templates.plan import PipelinePlan, Plan, StagePlan
+from templates.search import PipelineTemplate
 from templates.template_set import PlanningError, TemplateSet
 
 _EPS = 1e-9
@@ -49,7 +51,22 @@ def instantiate(
 def choose_sizes(
     tset: TemplateSet, num_nodes: int, *, global_microbatches: int, fault_tolerance: int
 ) -> list[int]:
-    """Pipeline sizes (descending) of the fastest template multiset covering `num_nodes` nodes."""
+    """Pipeline sizes (descending) of the fastest template multiset covering `num_nodes` nodes
+    (remembered in `tset.memo`: the same inputs give the same sizes)."""
+    key = (num_nodes, global_microbatches, fault_tolerance)
+    found = tset.memo.get(key)
+    if found is None:
+        try:
+            found = tuple(_fastest_sizes(tset, num_nodes, global_microbatches, fault_tolerance))
+        except PlanningError as exc:
+            found = str(exc)
+        tset.memo.put(key, found)
+    if isinstance(found, str):
+        raise PlanningError(found)
+    return list(found)
+
+
+def _fastest_sizes(tset: TemplateSet, num_nodes: int, global_microbatches: int, fault_tolerance: int) -> list[int]:
     need = fault_tolerance + 1
     if fault_tolerance < 0:
         raise PlanningError(f"fault tolerance must be >= 0, got {fault_tolerance}")
@@ -66,6 +83,23 @@ def choose_sizes(
             f"({missing} missing)"
         )
     search = _SizeSearch(tset, num_nodes, global_microbatches, need)
+    if search.capped:
+        sizes = _ladder_sizes(search)
+    else:  # fewer microbatches than some covers have pipelines: counted_knapsack.py
+        problem = Counted(sizes=search.sizes, num_nodes=num_nodes, need=need, microbatches=global_microbatches)
+        layers = least_target(problem, search.candidate_times(), search.caps_at)
+        sizes = None if layers is None else layers.sizes()
+    if sizes is None:
+        raise PlanningError(
+            f"{num_nodes} nodes cannot be split exactly into {need} or more pipelines of the available "
+            f"template sizes {tset.sizes} with at most {global_microbatches} pipelines"
+        )
+    return sorted(sizes, reverse=True)
+
+
+def _ladder_sizes(search: _SizeSearch) -> list[int] | None:
+    """The sizes of the least reachable target by `search.feasible` (None if none is): the
+    search for counts capped at f + 1, and, on any input, the reference for counted_knapsack.py."""
     candidates = search.candidate_times()
     # Bracket the answer first: a relaxation bound, then a geometric ladder of targets above it
     # up to the slowest candidate (feasible there, or nowhere).
@@ -73,10 +107,7 @@ def choose_sizes(
     ladder = np.append(bound * (1 + _LADDER), candidates[-1])
     reached = search.feasible(ladder)
     if not reached.any():
-        raise PlanningError(
-            f"{num_nodes} nodes cannot be split exactly into {need} or more pipelines of the available "
-            f"template sizes {tset.sizes} with at most {global_microbatches} pipelines"
-        )
+        return None
     # A many-way search: each round probes up to _PROBES targets in one vectorised DP.
     # Invariant: candidates[hi] is feasible and the answer lies in [lo, hi].
     first = int(np.argmax(reached))
@@ -92,8 +123,7 @@ def choose_sizes(
             lo = int(probes[first - 1]) + 1 if first > 0 else lo
         else:
             lo = int(probes[-1]) + 1
-    sizes = search.sizes_for(float(candidates[hi]))
-    return sorted(sizes, reverse=True)
+    return search.sizes_for(float(candidates[hi]))
 
 
 class Timed(Protocol):
@@ -111,9 +141,12 @@ def split_microbatches(templates: Sequence[Timed], total: int) -> list[int]:
     # microbatches stay under gives those counts at once; the heap then hands out the rest, as it
     # would have. Identical pipelines (the same object) are counted once.
     counts = _below(templates, total - len(templates))
+    left = total - sum(counts)
+    if not left:
+        return counts
     heap = [(t.time_for(c + 1), p) for p, (t, c) in enumerate(zip(templates, counts, strict=True))]
     heapq.heapify(heap)
-    for _ in range(total - sum(counts)):
+    for _ in range(left):
         _, p = heapq.heappop(heap)
         counts[p] += 1
         heapq.heappush(heap, (templates[p].time_for(counts[p] + 1), p))
@@ -123,9 +156,9 @@ def split_microbatches(templates: Sequence[Timed], total: int) -> list[int]:
 def _below(templates: Sequence[Timed], extra: int) -> list[int]:
     """1 + the m >= 2 with time_for(m) < theta, per pipeline, for a theta under which at most
     `extra` such m lie in all (found by bisection; times must increase with m)."""
-    distinct = {id(t): t for t in templates}
-    if extra <= len(templates) or not distinct:
+    if extra <= len(templates) or not templates:
         return [1] * len(templates)
+    distinct = {id(t): t for t in templates}
     copies: dict[int, int] = {}
     for t in templates:
         copies[id(t)] = copies.get(id(t), 0) + 1
@@ -162,13 +195,21 @@ def build_plan(
     """A plan whose pipeline p runs the template of len(groups[p]) on groups[p] (stage order)."""
     templates = [tset.template(len(group)) for group in groups]
     counts = split_microbatches(templates, global_microbatches)
-    pipelines = []
-    for group, template, count in zip(groups, templates, counts, strict=True):
-        chunks = template.chunks or ((),) * len(group)
-        stages = tuple(StagePlan(node=node, layers=rng, recompute=mode, chunks=ranges)
-                       for node, rng, mode, ranges in zip(group, template.stages, template.stage_modes, chunks,
-                                                          strict=True))
-        pipelines.append(PipelinePlan(stages=stages, microbatches=count, iteration_time=template.time_for(count)))
+    pipelines = [PipelinePlan(stages=template_stages(template, group), microbatches=count,
+                              iteration_time=template.time_for(count))
+                 for group, template, count in zip(groups, templates, counts, strict=True)]
+    return plan_of(tset, pipelines, fault_tolerance=fault_tolerance)
+
+
+def template_stages(template: PipelineTemplate, group: Sequence[int]) -> tuple[StagePlan, ...]:
+    """The stages of `template` run by the nodes of `group`, in stage order."""
+    chunks = template.chunks or ((),) * len(group)
+    return tuple(StagePlan(node=node, layers=rng, recompute=mode, chunks=ranges)
+                 for node, rng, mode, ranges in zip(group, template.stages, template.stage_modes, chunks, strict=True))
+
+
+def plan_of(tset: TemplateSet, pipelines: Sequence[PipelinePlan], *, fault_tolerance: int) -> Plan:
+    """The plan of these pipelines of `tset`'s model, as slow as its slowest pipeline."""
     return Plan(
         num_layers=tset.num_layers,
         microbatch_size=tset.profile.microbatch_size,
@@ -239,6 +280,10 @@ class _SizeSearch:
     def finals(self) -> list[int]:
         """Pipeline-count states that satisfy f + 1 <= P <= M."""
         return [self.pdim - 1] if self.capped else list(range(self.need, self.pdim))
+
+    def caps_at(self, target: float) -> np.ndarray:
+        """caps[t]: the most microbatches template t takes within `target`."""
+        return self._caps(np.array([target]))[:, 0]
 
     def _caps(self, targets: np.ndarray) -> np.ndarray:
         """caps[t, q]: the most microbatches template t takes within targets[q] (0 to M)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from templates.profile import RECOMPUTE_MODES
@@ -78,8 +79,10 @@ class PipelinePlan:
     iteration_time: float = 0.0
     """Estimated time of one step of this pipeline (seconds; 0 when unknown)."""
 
-    @property
+    @cached_property
     def nodes(self) -> tuple[int, ...]:
+        """The nodes in stage order (computed once: plans are frozen, and re-planning at
+        thousands of nodes asks often)."""
         return tuple(s.node for s in self.stages)
 
     @property
@@ -91,6 +94,34 @@ class PipelinePlan:
     def virtual_ranges(self) -> tuple[tuple[int, int], ...]:
         """The layer range of each virtual stage, in order: chunk c of stage s is number c * p + s."""
         return tuple(st.ranges[c] for c in range(self.virtual_stages) for st in self.stages)
+
+    @cached_property
+    def layout(self) -> tuple[tuple[tuple[int, int], str, tuple[tuple[int, int], ...]], ...]:
+        """(layers, recompute, chunks) of each stage: what the pipeline runs, whoever runs it
+        (computed once)."""
+        return tuple((st.layers, st.recompute, st.chunks) for st in self.stages)
+
+    @cached_property
+    def sound_layers(self) -> int:
+        """The layers [0, n) its virtual stages cover contiguously, in order, each non-empty, if
+        every stage holds the same number of chunks (chunk 0 its `layers`; 2 or more stages if
+        more than one), names a known recompute mode and a node id >= 0 no other stage has; -1
+        if not (`Plan` validation then says what is wrong). Computed once: a re-plan keeps most
+        pipelines as they were, and validating them again would cost per node."""
+        stages = self.stages
+        v = len(stages[0].ranges) if stages else 0
+        if not stages or (v > 1 and len(stages) < 2) or len(set(self.nodes)) != len(stages):
+            return -1
+        for st in stages:
+            if st.recompute not in RECOMPUTE_MODES or st.node < 0 or len(st.ranges) != v or (
+                    st.chunks and st.chunks[0] != st.layers):
+                return -1
+        covered = 0
+        for first, last in self.virtual_ranges:
+            if first != covered or last <= first:
+                return -1
+            covered = last
+        return covered
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -145,9 +176,9 @@ class Plan:
     def global_batch(self) -> int:
         return self.global_microbatches * self.microbatch_size
 
-    @property
+    @cached_property
     def nodes(self) -> tuple[int, ...]:
-        """All nodes of the plan, sorted."""
+        """All nodes of the plan, sorted (computed once)."""
         return tuple(sorted(n for p in self.pipelines for n in p.nodes))
 
     def microbatch_offset(self, pipeline: int) -> int:
@@ -255,6 +286,8 @@ def _validate(plan: Plan) -> None:
             f"plan has {len(plan.pipelines)} pipelines; fault tolerance {plan.fault_tolerance} needs at least "
             f"{plan.fault_tolerance + 1}"
         )
+    if _sound(plan):
+        return
     seen: set[int] = set()
     for p, pipe in enumerate(plan.pipelines):
         if pipe.microbatches < 1:
@@ -283,6 +316,19 @@ def _validate(plan: Plan) -> None:
             seen.add(stage.node)
         if expected_first != plan.num_layers:
             raise PlanError(f"pipeline {p} covers layers [0, {expected_first}) but the model has {plan.num_layers}")
+
+
+def _sound(plan: Plan) -> bool:
+    """Whether every pipeline is sound (`PipelinePlan.sound_layers`, cached) over all the layers,
+    has a microbatch, and no node is in two pipelines: a valid plan, known without a pass over
+    its stages when the re-planner kept its pipelines. The stage-by-stage checks run only when
+    this says no, to name the first thing wrong."""
+    nodes: list[int] = []
+    for pipe in plan.pipelines:
+        if pipe.microbatches < 1 or pipe.sound_layers != plan.num_layers:
+            return False
+        nodes.extend(pipe.nodes)
+    return len(set(nodes)) == len(nodes)
 
 
 def describe_ranges(ranges: tuple[tuple[int, int], ...]) -> str:

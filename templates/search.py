@@ -22,7 +22,8 @@ Ties are broken deterministically: the smallest B first, then the smallest cut i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -53,6 +54,8 @@ class PipelineTemplate:
     plain_stage_times: tuple[float, ...] = ()
     """Interleaved: the stage times of the same template at v = 1 (what `plain_time_for`
     compares against); empty: `stage_times`."""
+    _times: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """`time_for` per microbatch count asked so far."""
 
     @property
     def virtual_stages(self) -> int:
@@ -62,6 +65,12 @@ class PipelineTemplate:
     def plain_time_for(self, microbatches: int) -> float:
         """The 1F1B time of the template before interleaving, for `microbatches`."""
         return pipeline_time(self.plain_stage_times or self.stage_times, microbatches)
+
+    @cached_property
+    def layout(self) -> tuple[tuple[tuple[int, int], str, tuple[tuple[int, int], ...]], ...]:
+        """(layers, recompute, chunks) of each stage, as `templates.plan.PipelinePlan.layout`
+        reads a pipeline built from it (computed once)."""
+        return tuple(zip(self.stages, self.stage_modes, self.chunks or ((),) * self.num_nodes, strict=True))
 
     @property
     def stage_modes(self) -> tuple[str, ...]:
@@ -78,8 +87,12 @@ class PipelineTemplate:
         return self.time_for(self.microbatches)
 
     def time_for(self, microbatches: int) -> float:
-        """1F1B time of this layout for `microbatches` microbatches (interleaved 1F1B with v > 1)."""
-        return pipeline_time(self.stage_times, microbatches, self.virtual_stages)
+        """1F1B time of this layout for `microbatches` microbatches (interleaved 1F1B with v > 1);
+        remembered, as every split and re-plan asks the same few counts of the same templates."""
+        seconds = self._times.get(microbatches)
+        if seconds is None:
+            seconds = self._times[microbatches] = pipeline_time(self.stage_times, microbatches, self.virtual_stages)
+        return seconds
 
     def to_dict(self) -> dict[str, object]:
         return {

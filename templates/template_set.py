@@ -10,6 +10,7 @@ microbatch count it actually gets.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,39 @@ from templates.search import PipelineTemplate, feasible_stage_counts, search_tem
 
 class PlanningError(ValueError):
     """No template or plan satisfies the request; the message says what is missing."""
+
+
+SizesKey = tuple[int, int, int]
+"""(nodes, global microbatches, fault tolerance): what an instantiation's sizes depend on,
+beside the templates."""
+
+
+class SizesMemo:
+    """The pipeline sizes (or the PlanningError message) of the most recent instantiations.
+
+    A leader re-plans with one template set for its whole life, and node counts come back (a
+    node fails, returns, another fails): the knapsack answer for a count it has seen is kept
+    instead of recomputed. Bounded, least recently used out first.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[SizesKey, tuple[int, ...] | str] = OrderedDict()
+
+    def get(self, key: SizesKey) -> tuple[int, ...] | str | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: SizesKey, value: tuple[int, ...] | str) -> None:
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +77,9 @@ class TemplateSet:
     1: plain 1F1B; 0 (auto): each template's fastest v."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
+    memo: SizesMemo = field(default_factory=SizesMemo, init=False, repr=False, compare=False)
+    """Instantiation sizes already computed from these templates (`choose_sizes`); a copy
+    (`dataclasses.replace`) starts with none."""
 
     @property
     def num_layers(self) -> int:

@@ -107,20 +107,6 @@ class Handle:
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
-    def split(self, first: Sequence[int]) -> tuple[Handle, Handle]:
-        """The operations at indices `first` (in the order posted) and the rest, as two handles,
-        so that a host-blocking (gloo) caller may wait for some now (the receives its next
-        computation reads) and the rest later (its sends: a gloo send completes only once the
-        peer posted the receive). Coalesced operations (NCCL) complete together: (self, an empty
-        handle); so do recorded ones (a recording is of what NCCL would run: one wait on the
-        group, abandoned as a whole when its generation is aborted)."""
-        if not self.host_blocking or self._recorder is not None:
-            return self, Handle((), None, ())
-        chosen = set(first)
-        now = [w for i, w in enumerate(self._works) if i in chosen]
-        rest = [w for i, w in enumerate(self._works) if i not in chosen]
-        return Handle(now, self._recorder, self.ids), Handle(rest, None, ())
-
     def pending(self) -> bool:
         """Whether the operations may still be queued: never waited for, and not complete."""
         return not self.done and not self.is_completed()

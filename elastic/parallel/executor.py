@@ -1,13 +1,8 @@
 """Run one stage's schedule: forward and backward passes, and the point-to-point transfers.
 
 The transfers are posted in groups (`schedule.coalesce`): each run of consecutive transfer
-actions is one group of operations on the generation's world communicator, posted at once. Its
-receives are waited for before the next computation; on gloo its sends only before the next
-group is posted (`Handle.split`): a gloo send completes only once the peer has posted the
-matching receive, so waiting for it at once would hold this stage until its neighbour finished
-its own computation, coupling the stages of a pipeline slot by slot (the interleaved schedule,
-with v times the transfers, lost most of its gain to that). On NCCL the group is one and its
-wait only makes the stream wait, as before. Activations travel on tag 0 and gradients on tag 1
+actions is one group of operations on the generation's world communicator, posted at once and
+waited for before the next computation. Activations travel on tag 0 and gradients on tag 1
 (gloo matches by tag; NCCL ignores tags, and each direction of a link carries one kind only, so
 the order alone pairs them). Every wait goes through the `wait` callable the caller gives (an
 abortable wait in the runtime), and peers are addressed by their rank inside the world group
@@ -219,9 +214,6 @@ class _StageRun:
     """(chunk, microbatch) -> received gradient of its output, until its backward."""
     result: MicrobatchResult = field(default_factory=MicrobatchResult)
     """Losses of the microbatches finished so far."""
-    sends: list[tuple[Handle, list[P2P]]] = field(default_factory=list)
-    """Sends posted but not yet waited for, with their operations (which keep the sent
-    tensors alive): waited for before the next group is posted, and at the end."""
 
     def first(self, chunk: int) -> bool:
         """Whether `chunk` is the pipeline's first virtual stage (it reads tokens)."""
@@ -260,14 +252,7 @@ class _StageRun:
                 x = self.inputs.pop(slot)
                 assert x.grad is not None, f"rank {self.spec.rank}: no input gradient for microbatch {a.mb}"
                 ops.append(P2P("send", self._part(x.grad), self.spec.prev_rank, _GRAD_TAG))
-        self._settle_sends()
-        handle = self.post(ops)
-        if len(arrivals) == len(ops):
-            self.wait(handle)
-        else:  # wait for the receives now, for the sends after the next computation (module doc)
-            now, later = handle.split([i for i, op in enumerate(ops) if op.kind == "recv"])
-            self.wait(now)
-            self.sends.append((later, ops))
+        self.wait(self.post(ops))
         for a, buf in arrivals:
             whole = self._whole(buf)
             if a.op is Op.RECV_ACT:
@@ -310,16 +295,8 @@ class _StageRun:
         else:
             torch.autograd.backward(out, grad_tensors=self.out_grads.pop(slot))
 
-    def _settle_sends(self) -> None:
-        """Wait for the sends posted before the last computation (their peers have long posted
-        the receives: this rarely blocks)."""
-        while self.sends:
-            handle, _ = self.sends.pop(0)
-            self.wait(handle)
-
     def finish(self) -> MicrobatchResult:
-        """The step's losses, once every transfer is done."""
-        self._settle_sends()
+        """The step's losses (every transfer was waited for in its group)."""
         assert not self.outputs and not self.out_grads, (
             f"rank {self.spec.rank}: schedule left unfinished microbatches"
         )

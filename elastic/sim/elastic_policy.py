@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from elastic.planning.spares import substitute
@@ -76,11 +77,10 @@ class ElasticPolicy:
         self.stragglers = stragglers
         """What the leader does about slow nodes (elastic/sim/slowness.py STRAGGLER_POLICIES)."""
         self.name = name
-
-    @property
-    def tset(self) -> TemplateSet:
-        """The runtime's templates, whose stage times the slow nodes' factors multiply."""
-        return self.book.elastic
+        self.tset: TemplateSet = dataclasses.replace(book.elastic)
+        """The leader's templates, whose stage times the slow nodes' factors multiply: a copy of
+        the book's, so that its memory of instantiations (`TemplateSet.memo`) starts empty, as a
+        leader's does, and a re-plan over a node count is charged the knapsack the first time."""
 
     def assumptions(self) -> list[str]:
         c, cl = self.costs, self.book.cluster
@@ -169,7 +169,7 @@ class ElasticPolicy:
         found: Replan | None = None
         for f in range(self.book.f, -1, -1):
             try:
-                found = replan(self.book.elastic, plan, live, global_microbatches=self.book.mbs, fault_tolerance=f)
+                found = replan(self.tset, plan, live, global_microbatches=self.book.mbs, fault_tolerance=f)
                 break
             except PlanningError:
                 continue

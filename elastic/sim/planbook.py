@@ -20,9 +20,12 @@ from dataclasses import dataclass, replace
 
 from elastic.planning.cluster import ClusterSpec
 from templates.instantiation import build_plan, instantiate, split_microbatches
-from templates.plan import Plan, StagePlan
+from templates.plan import PipelinePlan, Plan, StagePlan
 from templates.profile import Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
+
+_PIPELINES_KEPT = 1 << 16
+"""Homogeneous pipelines `PlanBook` remembers before it starts afresh (a few per node and kind)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,12 +81,13 @@ class PlanBook:
         self._best: dict[int, float | None] = {}
         self._shapes: dict[tuple[str, int], Shape | None] = {}
         self._splits: dict[tuple[str, int], Plan] = {}
+        self._pipelines: dict[tuple[str, int, float, tuple[int, ...]], PipelinePlan] = {}
 
     def _templates(self, profile: Profile, f: int) -> TemplateSet:
         c = self.cluster
         return build_templates(
             profile, gpus_per_node=c.gpus_per_node, num_nodes=c.nodes, fault_tolerance=f, global_microbatches=self.mbs,
-            recompute=c.recompute,
+            recompute=c.recompute, virtual_stages=c.virtual_stages,
         )
 
     def layers_bytes(self, first: int, last: int) -> int:
@@ -144,10 +148,22 @@ class PlanBook:
             self._splits[key] = plan
             return plan
         like = self._splits[key]  # the same layout and split over other node ids
-        ids = iter(ordered)
-        pipes = tuple(replace(pipe, stages=tuple(replace(st, node=next(ids)) for st in pipe.stages))
-                      for pipe in like.pipelines)
+        pipes = tuple(self._pipeline(kind, pipe, tuple(ordered[p * shape.depth : (p + 1) * shape.depth]))
+                      for p, pipe in enumerate(like.pipelines))
         return replace(like, pipelines=pipes)
+
+    def _pipeline(self, kind: str, like: PipelinePlan, nodes: tuple[int, ...]) -> PipelinePlan:
+        """`like` (a pipeline of the `kind` template of its depth) run by `nodes`. Remembered: a
+        failure shifts the later pipelines by one node and a return shifts them back, so the same
+        node groups come again and again, and a pipeline made before is already validated."""
+        key = (kind, like.microbatches, like.iteration_time, nodes)
+        found = self._pipelines.get(key)
+        if found is None:
+            if len(self._pipelines) >= _PIPELINES_KEPT:
+                self._pipelines.clear()
+            stages = tuple(replace(st, node=node) for st, node in zip(like.stages, nodes, strict=True))
+            found = self._pipelines[key] = replace(like, stages=stages)
+        return found
 
     def _tset(self, kind: str) -> TemplateSet:
         if kind == "flat":

@@ -9,7 +9,7 @@ from elastic.planning.stragglers import template_stage_times
 from elastic.sim.config import RecoveryCosts
 from elastic.sim.pace import Stretch
 from elastic.sim.planbook import PlanBook
-from elastic.sim.reroute import rerouted_step_s
+from elastic.sim.reroute import Rerouting
 from elastic.sim.result import PolicyResult, Segment, add_segment
 from elastic.sim.slowness import note_speed
 from elastic.sim.trace import MEMBERSHIP, Trace, TraceEvent
@@ -139,8 +139,8 @@ class _State:
     """Places whose node failed."""
     place_of: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Node -> the place it runs (idle nodes have none)."""
-    holder: dict[tuple[int, int], int] = field(default_factory=dict)
-    """Place -> the node that runs it, or ran it last if it is a hole."""
+    rerouting: Rerouting = field(init=False)
+    """The plan's step as holes and slow nodes change it."""
     factors: dict[int, float] = field(default_factory=dict)
     """Slow nodes -> factor."""
     running: bool = True
@@ -149,7 +149,7 @@ class _State:
     def __post_init__(self) -> None:
         self.place_of = {st.node: (p, s) for p, pipe in enumerate(self.plan.pipelines)
                          for s, st in enumerate(pipe.stages)}
-        self.holder = {place: node for node, place in self.place_of.items()}
+        self.rerouting = Rerouting(self.base, [pipe.microbatches for pipe in self.plan.pipelines])
 
     def fill(self, node: int) -> tuple[int, int]:
         """Put `node` in a failed place: the stage with the most holes, then the lowest pipeline."""
@@ -160,14 +160,17 @@ class _State:
         place = min(h for h in self.holes if h[1] == stage)
         self.holes.remove(place)
         self.place_of[node] = place
-        self.holder[place] = node
         return place
 
     def step_s(self, hidden: float) -> float | None:
-        times: list[list[float | None]] = [
-            [None if (p, s) in self.holes else t * self.factors.get(self.holder[(p, s)], 1.0)
-             for s, t in enumerate(row)] for p, row in enumerate(self.base)]
-        return rerouted_step_s(self.base, times, [pipe.microbatches for pipe in self.plan.pipelines], hidden=hidden)
+        """`rerouted_step_s` over the holes and the slow nodes' places (the others at their
+        template time)."""
+        changed: dict[tuple[int, int], float | None] = dict.fromkeys(self.holes)
+        for node, factor in self.factors.items():
+            place = self.place_of.get(node)  # a running node's, never a hole
+            if place is not None:
+                changed[place] = self.base[place[0]][place[1]] * factor
+        return self.rerouting.step_s(changed, hidden=hidden)
 
     def segment(self, start_s: float, live: int, step: float) -> Segment:
         return Segment(start_s=start_s, live=live, used=len(self.place_of), pipelines=len(self.plan.pipelines),

@@ -76,10 +76,12 @@ class Marks:
     def replanned(self, nodes: Collection[int], factors: Mapping[int, float], *, start_s: float,
                   step_s: float) -> None:
         """A new plan over `nodes` starts training at `start_s` at `step_s` a step (module doc)."""
-        self.marked &= set(nodes)
+        members = set(nodes)
+        self.marked &= members
         self.due = {}
         self.review_at = None
-        for node in sorted(nodes):
+        # Only a slow or a marked node gets a due entry: the others need no visit.
+        for node in sorted(members.intersection(factors) | self.marked):
             slow = factors.get(node, 1.0) >= self.threshold
             if slow and node not in self.marked:
                 self.due[node] = (start_s + self.detect_steps * step_s, True)

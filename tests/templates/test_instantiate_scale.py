@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from templates.cost import pipeline_time
 from templates.instantiation import Timed, choose_sizes, split_microbatches
 from templates.search import PipelineTemplate
-from templates.template_set import TemplateSet
+from templates.template_set import SizesMemo, TemplateSet
 from tests.templates.helpers import SLOW_OR_FILTERED
 
 
@@ -32,6 +32,7 @@ class _Templates:
         self.templates = templates
         self.sizes = sorted(templates)
         self.min_nodes = self.sizes[0]
+        self.memo = SizesMemo()
 
 
 @st.composite
