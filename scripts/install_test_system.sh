@@ -16,3 +16,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         fi
     done
 fi
+# tests/faults/test_etcd_stall.py's slow-disk case (soak) delays etcd's fdatasync with strace's
+# fault injection (issue 56); it skips, naming strace, where it is missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v strace >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q strace >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q strace >/dev/null 2>&1; } \
+        || echo "install_test_system.sh: could not apt-get install strace (the slow-disk soak test needs it)" >&2
+fi

@@ -119,8 +119,12 @@ def test_bad_token_join_is_refused(outcome: Outcome) -> None:
 
 def test_bad_token_join_writes_nothing(outcome: Outcome) -> None:
     before, after = outcome.keys_before, outcome.keys_after
+    # The leader may record etcd's restart as a control-plane stall meanwhile (issue 56): its
+    # `suspicion` record and `suspects` event are the leader's, not the intruder's.
+    stall = {k for k in after if k.endswith("/suspicion") or ("/events/" in k and '"suspects"' in str(after[k]))}
+    after = {k: v for k, v in after.items() if k not in stall or k in before}
     assert after.keys() <= before.keys(), f"keys added: {sorted(after.keys() - before.keys())}"
-    assert {k for k in after if after[k] != before[k]} == set()
+    assert {k for k in after if after[k] != before[k] and k not in stall} == set()
     # The run may have ended by now: its agents leave, and their leased keys go with them.
     leased = tuple(outcome.run.leased_prefixes())
     assert all(k.startswith(leased) for k in before.keys() - after.keys())
