@@ -13,7 +13,7 @@ So the leader's round reads the members through `SuspectGuard.members` instead o
   lease, Membership.rejoin); one that does not answer is recorded failed (`failed/<node>/<inc>`,
   which also refuses its re-registration; written under the leader's fence, as after an etcd
   stall two agents may each lead for a round: `NoLongerLeader` ends the round) and lost as before.
-- A suspect that answers but has not registered again `rejoin_s` (default: the TTL) after it
+- A suspect that answers but has not registered again `rejoin_s` (default: two TTLs, so that a starved machine's late re-registration is no loss) after it
   turned suspect, after the leader's own etcd requests last stalled, and after the leader took
   office, is lost too: it lives
   but cannot reach etcd (a one-way partition), and a node cut off from the control plane cannot
@@ -81,7 +81,7 @@ class SuspectGuard:
         self.fault_tolerance, self.ttl, self.deadline_s = fault_tolerance, ttl, deadline_s
         self.window_s = window_s if window_s is not None else 2.0 * ttl
         """Suspicions this close together count as one wave (mass suspicion)."""
-        self.rejoin_s = rejoin_s if rejoin_s is not None else ttl
+        self.rejoin_s = rejoin_s if rejoin_s is not None else 2.0 * ttl
         """How long a suspect that answers may take to register again once etcd answers the leader."""
         self._prober = prober
         self._addresses: dict[int, tuple[int, str]] = {}

@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "deploy" / "netns" / "launch.py"
 STEPS = 8
 PARTITION = {"node": 2, "step": 3, "seconds": 6}
-LONG_STEPS = 400
+LONG_STEPS = 600
 """Steps of the one-way run: even at 0.05 s a step (an idle machine), training goes on well past
 the node's loss after the one-way cut at step 4: its lease expires within the TTL (6 s), and a
-node that answers the leader's probe but cannot reach etcd is lost another TTL later
+node that answers the leader's probe but cannot reach etcd is lost two TTLs later
 (elastic/roles/leader_suspects.py)."""
 SICK_STEPS = 40
 """Steps of the sick-link run: the job all but stalls while the link is sick (about a step in 4 s
@@ -48,8 +48,8 @@ SICK = {"node": 2, "step": 3, "seconds": 20, "delay": 50, "loss": 1}
 """Longer than the lease TTL (LONG_TTL): a lease kept over the sick link is what is shown; and
 longer than two of the job's steps over it (4-9 s each, docs/operating.md), so that a step is
 committed while it is sick (9 s once saw none, on a loaded machine)."""
-ONE_WAY = {"node": 2, "step": 4, "seconds": 18, "mode": "oneway"}
-"""Longer than two TTLs and the leader's rounds: the loss is detected while the cut lasts."""
+ONE_WAY = {"node": 2, "step": 4, "seconds": 26, "mode": "oneway"}
+"""Longer than three TTLs and the leader's rounds: the loss is detected while the cut lasts."""
 
 
 def _netns_works() -> bool:
