@@ -16,6 +16,8 @@ from templates.profile import (
     Profile,
     RecomputeCost,
 )
+from templates.search import PipelineTemplate
+from templates.template_set import SizesMemo
 
 SLOW_OR_FILTERED = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 """Health checks to waive: a loaded 2-core machine is slow, and assume() rejects unfit clusters."""
@@ -132,3 +134,13 @@ def exhaustive_best(profile: Profile, gpus: int, stages: int, microbatches: int,
             if best is None or value < best:
                 best = value
     return best
+
+
+class FakeTemplates:
+    """What `choose_sizes` reads of a TemplateSet: its templates by node count, and a memo."""
+
+    def __init__(self, templates: dict[int, PipelineTemplate]) -> None:
+        self.templates = templates
+        self.sizes = sorted(templates)
+        self.min_nodes = self.sizes[0]
+        self.memo = SizesMemo()

@@ -22,16 +22,7 @@ from templates.instantiation import _ladder_sizes, _SizeSearch, choose_sizes
 from templates.search import PipelineTemplate
 from templates.template_set import PlanningError, SizesMemo, TemplateSet
 from tests.templates.helpers import SLOW_OR_FILTERED
-
-
-class _Templates:
-    """What `choose_sizes` reads of a TemplateSet."""
-
-    def __init__(self, templates: dict[int, PipelineTemplate]) -> None:
-        self.templates = templates
-        self.sizes = sorted(templates)
-        self.min_nodes = self.sizes[0]
-        self.memo = SizesMemo()
+from tests.templates.helpers import FakeTemplates as _Templates
 
 
 def _template(n: int, times: tuple[float, ...], chunks: int) -> PipelineTemplate:

@@ -21,18 +21,9 @@ from hypothesis import strategies as st
 from templates.cost import pipeline_time
 from templates.instantiation import Timed, choose_sizes, split_microbatches
 from templates.search import PipelineTemplate
-from templates.template_set import SizesMemo, TemplateSet
+from templates.template_set import TemplateSet
 from tests.templates.helpers import SLOW_OR_FILTERED
-
-
-class _Templates:
-    """What `choose_sizes` reads of a TemplateSet."""
-
-    def __init__(self, templates: dict[int, PipelineTemplate]) -> None:
-        self.templates = templates
-        self.sizes = sorted(templates)
-        self.min_nodes = self.sizes[0]
-        self.memo = SizesMemo()
+from tests.templates.helpers import FakeTemplates as _Templates
 
 
 @st.composite
