@@ -6,7 +6,8 @@ So the leader's round reads the members through `SuspectGuard.members` instead o
 
 - a node of the generation whose member key is gone *with* a failure report of its own
   (`failed/<node>/<inc>`: its monitor saw a worker die, the fast path) is lost at once, also
-  when the report lands while the node is being probed (the monitor revokes the lease first);
+  when the report lands while the node is being probed (the monitor now writes it before it
+  revokes the lease, so that is rare);
 - a node whose key went *without* one (its lease expired) is a *suspect*: the guard probes its
   agent directly (elastic/coordinator/probe.py, deadline `PROBE_DEADLINE_S`). A suspect that
   answers alive keeps its place, as if its key were there (its agent registers again under a new
@@ -207,11 +208,12 @@ class SuspectGuard:
     def _not_reported_since(self, suspects: dict[int, int]) -> dict[int, int]:
         """The suspects whose own failure report has not landed while they were probed.
 
-        A node's monitor reports a crash by revoking the node's lease and then writing
-        `failed/<node>/<inc>` (Membership.report_failure): a round between the two sees a
-        suspect, and its agent, not yet aware of its worker's exit, may even answer alive. Such a
-        node is lost as a reported failure, at once: neither kept nor recorded failed by the probe
-        (its own report, with its reason, stands)."""
+        Membership.report_failure writes `failed/<node>/<inc>` before it revokes the lease, so
+        a round normally finds the report before it probes. A report that lands while the probe
+        runs (one written before that order was fixed, or by any other writer of `failed/`) is
+        honoured the same way: the node is lost as reported, at once, neither kept nor recorded
+        failed by the probe (its own report, with its reason, stands); its agent, not yet aware
+        of its worker's exit, may even have answered alive."""
         reported = {n for n, inc in suspects.items() if self._reported(n, inc)}
         for n in reported:
             self._first_seen.pop(n, None)
