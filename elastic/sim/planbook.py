@@ -87,7 +87,7 @@ class PlanBook:
         c = self.cluster
         return build_templates(
             profile, gpus_per_node=c.gpus_per_node, num_nodes=c.nodes, fault_tolerance=f, global_microbatches=self.mbs,
-            recompute=c.recompute,
+            recompute=c.recompute, virtual_stages=c.virtual_stages,
         )
 
     def layers_bytes(self, first: int, last: int) -> int:

@@ -183,7 +183,7 @@ def test_a_failure_carries_the_survivors_slowness_into_the_new_plan(book8: PlanB
     times = list(book8.elastic.template(3).stage_times)
     times[pipe.nodes.index(1)] *= 2
     slowest = max(pipeline_time(times if p is pipe else book8.elastic.template(len(p.stages)).stage_times,
-                                p.microbatches) for p in new.pipelines)
+                                p.microbatches, p.virtual_stages) for p in new.pipelines)
     assert res.segments[-1].iteration_s == pytest.approx(slowest) and slowest > new.iteration_time
 
 
