@@ -1,0 +1,159 @@
+"""Who owns which slice of a layer's optimizer state when it is sharded (issue 55).
+
+A layer is held by one node in each of the plan's P pipelines. Sharded, its AdamW state (per
+tensor-parallel rank: every rank of a node owns the same slice of its own shard) is cut into
+S = P // (f + 1) contiguous slices of the flattened layer, and each slice is owned by P // S or
+P // S + 1 of the holders, never fewer than f + 1. The owners of one slice are in different
+pipelines by construction, and in different failure domains (the hosts of `domains`) where the
+holders allow it. Any f lost nodes leave every slice an owner; losing every owner of one slice
+needs f + 1 nodes, which with full replicas (S = 1) would need all P.
+
+After a re-plan `layer_owners(..., previous=...)` keeps each surviving holder on the slice that
+overlaps most what it owned, so `slice_moves` lists only the element ranges a new owner lacks,
+each from a live old owner; `SliceLost` names a slice none of whose owners lived.
+
+Pure: no torch, nothing of elastic; the planner's memory model, the simulator and the engine
+share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from templates.plan import Plan
+
+
+class SliceLost(RuntimeError):
+    """Every owner of a slice of a layer's optimizer state was lost: only a checkpoint has it."""
+
+    def __init__(self, layer: int, index: int, slices: int, owners: Sequence[int]) -> None:
+        super().__init__(f"layer {layer}, optimizer slice {index + 1} of {slices}: every owner lost "
+                         f"(nodes {', '.join(map(str, owners))})")
+        self.layer, self.index, self.slices, self.owners = layer, index, slices, tuple(owners)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceOwnership:
+    """One layer's slices: `owners[j]`, the nodes owning slice j (sorted)."""
+
+    layer: int
+    owners: tuple[tuple[int, ...], ...]
+
+    @property
+    def slices(self) -> int:
+        return len(self.owners)
+
+    def slice_of(self, node: int) -> int | None:
+        """The slice `node` owns, None when it owns none (it does not hold the layer)."""
+        return next((j for j, nodes in enumerate(self.owners) if node in nodes), None)
+
+    def bounds(self, index: int, numel: int) -> tuple[int, int]:
+        """Elements [start, stop) of slice `index` of a flattened layer of `numel` elements."""
+        return slice_bounds(numel, self.slices, index)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceMove:
+    """Elements [start, stop) of `layer`'s flattened optimizer state that `node` lacks, from `source`."""
+
+    layer: int
+    node: int
+    start: int
+    stop: int
+    source: int
+
+
+def slice_count(holders: int, fault_tolerance: int) -> int:
+    """S = holders // (f + 1), at least 1 (fewer than f + 1 holders: one slice, owned by all)."""
+    if holders < 1 or fault_tolerance < 0:
+        raise ValueError(f"need holders >= 1 and f >= 0, got {holders} and {fault_tolerance}")
+    return max(1, holders // (fault_tolerance + 1))
+
+
+def slice_bounds(numel: int, slices: int, index: int) -> tuple[int, int]:
+    """Elements [start, stop) of slice `index` of `slices` even contiguous slices of `numel`."""
+    if not 0 <= index < slices:
+        raise ValueError(f"slice {index} of {slices}")
+    return index * numel // slices, (index + 1) * numel // slices
+
+
+def layer_holders(plan: Plan, layer: int) -> list[int]:
+    """The node holding `layer` in each pipeline, in pipeline order."""
+    holders = [st.node for pipe in plan.pipelines for st in pipe.stages if st.holds(layer)]
+    if not holders:
+        raise ValueError(f"no stage of the plan holds layer {layer}")
+    return holders
+
+
+def layer_owners(plan: Plan, layer: int, *, domains: Mapping[int, str] | None = None,
+                 previous: SliceOwnership | None = None) -> SliceOwnership:
+    """The slices of `layer` under `plan` and their owners (see the module's docs); with
+    `previous` (the layer's ownership before a re-plan), each surviving holder keeps the slice
+    that overlaps most what it owned."""
+    holders = layer_holders(plan, layer)
+    slices = slice_count(len(holders), plan.fault_tolerance)
+    domain = {n: (domains or {}).get(n, f"node{n}") for n in holders}
+    base, extra = divmod(len(holders), slices)
+    owners: list[list[int]] = [[] for _ in range(slices)]
+
+    def room(j: int) -> bool:
+        full = sum(len(o) > base for o in owners)
+        return len(owners[j]) < base or (len(owners[j]) == base and full < extra)
+
+    def spread(j: int, node: int) -> tuple[int, int, int]:  # fewer of its domain, fewer owners, lower index
+        return sum(domain[o] == domain[node] for o in owners[j]), len(owners[j]), j
+
+    kept = {n: previous.slice_of(n) for n in holders} if previous is not None else {}
+    for node, had in kept.items():
+        if had is not None and previous is not None:
+            j = min((j for j in range(slices) if room(j)),
+                    key=lambda j: (-_overlap(previous, had, slices, j), *spread(j, node)))  # noqa: B023
+            owners[j].append(node)
+    for node in sorted((n for n in holders if kept.get(n) is None), key=lambda n: (domain[n], holders.index(n))):
+        owners[min((j for j in range(slices) if room(j)), key=lambda j: spread(j, node))].append(node)
+    return SliceOwnership(layer=layer, owners=tuple(tuple(sorted(o)) for o in owners))
+
+
+def _overlap(previous: SliceOwnership, had: int, slices: int, j: int) -> int:
+    """How much of slice `had` of `previous` slice j of `slices` covers (in 2**40ths of the layer)."""
+    old, new = previous.bounds(had, 1 << 40), slice_bounds(1 << 40, slices, j)
+    return max(0, min(old[1], new[1]) - max(old[0], new[0]))
+
+
+def plan_owners(plan: Plan, *, domains: Mapping[int, str] | None = None,
+                previous: Mapping[int, SliceOwnership] | None = None) -> dict[int, SliceOwnership]:
+    """`layer_owners` of every layer of the plan, by layer."""
+    prev = previous or {}
+    return {layer: layer_owners(plan, layer, domains=domains, previous=prev.get(layer))
+            for layer in range(plan.num_layers)}
+
+
+def lost_slices(owned: Mapping[int, SliceOwnership], lost: Collection[int]) -> list[SliceLost]:
+    """The slices every owner of which is in `lost`."""
+    dead = set(lost)
+    return [SliceLost(o.layer, j, o.slices, nodes) for o in owned.values()
+            for j, nodes in enumerate(o.owners) if set(nodes) <= dead]
+
+
+def slice_moves(old: SliceOwnership, new: SliceOwnership, *, numel: int,
+                live: Collection[int]) -> list[SliceMove]:
+    """The element ranges each owner under `new` lacks (what it owned under `old` it keeps),
+    cut at `old`'s slice bounds, each from the lowest-numbered live old owner. Raises SliceLost
+    for a needed range no live node owned."""
+    alive = set(live)
+    moves: list[SliceMove] = []
+    for j, nodes in enumerate(new.owners):
+        start, stop = new.bounds(j, numel)
+        for node in nodes:
+            mine = old.slice_of(node)
+            for i, holders in enumerate(old.owners):
+                lo, hi = old.bounds(i, numel)
+                lo, hi = max(lo, start), min(hi, stop)
+                if lo >= hi or i == mine:
+                    continue
+                sources = sorted(alive.intersection(holders))
+                if not sources:
+                    raise SliceLost(old.layer, i, old.slices, holders)
+                moves.append(SliceMove(layer=new.layer, node=node, start=lo, stop=hi, source=sources[0]))
+    return moves
