@@ -90,43 +90,73 @@ def layer_owners(plan: Plan, layer: int, *, domains: Mapping[int, str] | None = 
                  previous: SliceOwnership | None = None) -> SliceOwnership:
     """The slices of `layer` under `plan` and their owners (see the module's docs); with
     `previous` (the layer's ownership before a re-plan), each surviving holder keeps the slice
-    that overlaps most what it owned."""
+    that overlaps most what it owned. O(P x S) for P holders and S slices."""
     holders = layer_holders(plan, layer)
-    slices = slice_count(len(holders), plan.fault_tolerance)
+    fill = _Filler(holders=len(holders), slices=slice_count(len(holders), plan.fault_tolerance))
     domain = {n: (domains or {}).get(n, f"node{n}") for n in holders}
-    base, extra = divmod(len(holders), slices)
-    owners: list[list[int]] = [[] for _ in range(slices)]
-
-    def room(j: int) -> bool:
-        full = sum(len(o) > base for o in owners)
-        return len(owners[j]) < base or (len(owners[j]) == base and full < extra)
-
-    def spread(j: int, node: int) -> tuple[int, int, int]:  # fewer of its domain, fewer owners, lower index
-        return sum(domain[o] == domain[node] for o in owners[j]), len(owners[j]), j
-
-    kept = {n: previous.slice_of(n) for n in holders} if previous is not None else {}
-    for node, had in kept.items():
-        if had is not None and previous is not None:
-            j = min((j for j in range(slices) if room(j)),
-                    key=lambda j: (-_overlap(previous, had, slices, j), *spread(j, node)))  # noqa: B023
-            owners[j].append(node)
-    for node in sorted((n for n in holders if kept.get(n) is None), key=lambda n: (domain[n], holders.index(n))):
-        owners[min((j for j in range(slices) if room(j)), key=lambda j: spread(j, node))].append(node)
-    return SliceOwnership(layer=layer, owners=tuple(tuple(sorted(o)) for o in owners))
+    had = {n: j for j, nodes in enumerate(previous.owners) for n in nodes} if previous is not None else {}
+    for node in (n for n in holders if n in had):
+        assert previous is not None
+        fill.add(node, domain[node], _overlaps(previous, had[node], fill.slices))
+    order = sorted((i, n) for i, n in enumerate(holders) if n not in had)
+    for _, node in sorted(order, key=lambda item: (domain[item[1]], item[0])):
+        fill.add(node, domain[node], {})
+    return SliceOwnership(layer=layer, owners=tuple(tuple(sorted(o)) for o in fill.owners))
 
 
-def _overlap(previous: SliceOwnership, had: int, slices: int, j: int) -> int:
-    """How much of slice `had` of `previous` slice j of `slices` covers (in 2**40ths of the layer)."""
-    old, new = previous.bounds(had, 1 << 40), slice_bounds(1 << 40, slices, j)
-    return max(0, min(old[1], new[1]) - max(old[0], new[0]))
+class _Filler:
+    """Slices filled one owner at a time: each gets P // S owners, P % S of them one more."""
+
+    def __init__(self, *, holders: int, slices: int) -> None:
+        self.slices = slices
+        self.base, self.extra = divmod(holders, slices)
+        self.owners: list[list[int]] = [[] for _ in range(slices)]
+        self.domains: list[dict[str, int]] = [{} for _ in range(slices)]
+        self.full = 0  # slices with base + 1 owners
+
+    def room(self, j: int) -> bool:
+        size = len(self.owners[j])
+        return size < self.base or (size == self.base and self.full < self.extra)
+
+    def add(self, node: int, domain: str, first: Mapping[int, int]) -> None:
+        """Give `node` the slice with room that has the most `first[j]` (0 where absent), then
+        the fewest owners of its domain, the fewest owners, the lowest j."""
+        j = min((j for j in range(self.slices) if self.room(j)),
+                key=lambda j: (-first.get(j, 0), self.domains[j].get(domain, 0), len(self.owners[j]), j))
+        self.full += len(self.owners[j]) == self.base
+        self.owners[j].append(node)
+        self.domains[j][domain] = self.domains[j].get(domain, 0) + 1
+
+
+def _overlaps(previous: SliceOwnership, had: int, slices: int) -> dict[int, int]:
+    """Slice j of `slices` -> how much of slice `had` of `previous` it covers (in 2**40ths of
+    the layer), for the j that cover any."""
+    whole = 1 << 40
+    lo, hi = previous.bounds(had, whole)
+    out: dict[int, int] = {}
+    for j in range(lo * slices // whole, min(slices, hi * slices // whole + 1)):
+        start, stop = slice_bounds(whole, slices, j)
+        if min(hi, stop) > max(lo, start):
+            out[j] = min(hi, stop) - max(lo, start)
+    return out
 
 
 def plan_owners(plan: Plan, *, domains: Mapping[int, str] | None = None,
                 previous: Mapping[int, SliceOwnership] | None = None) -> dict[int, SliceOwnership]:
     """`layer_owners` of every layer of the plan, by layer."""
     prev = previous or {}
-    return {layer: layer_owners(plan, layer, domains=domains, previous=prev.get(layer))
-            for layer in range(plan.num_layers)}
+    out: dict[int, SliceOwnership] = {}
+    done: dict[tuple[tuple[int, ...], SliceOwnership | None], SliceOwnership] = {}
+    for layer in range(plan.num_layers):  # layers with the same holders and history: the same owners
+        key = (tuple(layer_holders(plan, layer)), _unlabelled(prev.get(layer)))
+        if key not in done:
+            done[key] = layer_owners(plan, layer, domains=domains, previous=prev.get(layer))
+        out[layer] = SliceOwnership(layer=layer, owners=done[key].owners)
+    return out
+
+
+def _unlabelled(own: SliceOwnership | None) -> SliceOwnership | None:
+    return None if own is None else SliceOwnership(layer=-1, owners=own.owners)
 
 
 def lost_slices(owned: Mapping[int, SliceOwnership], lost: Collection[int]) -> list[SliceLost]:

@@ -12,6 +12,7 @@ from templates.optim_slices import (
     SliceLost,
     SliceOwnership,
     layer_holders,
+    layer_owners,
     lost_slices,
     plan_owners,
     slice_bounds,
@@ -142,3 +143,14 @@ def test_slice_bounds_tile_the_layer() -> None:
         assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     with pytest.raises(ValueError):
         slice_count(0, 1)
+
+
+def test_plan_owners_equals_each_layer_asked_alone() -> None:
+    """plan_owners computes once per distinct holder set: the same as asking layer by layer."""
+    plan, later = _plan(6, 2, 1), _plan(5, 2, 1, nodes=[0, 1, 2, 3, 4, 5, 6, 7, 10, 11])
+    before = plan_owners(plan, domains={n: f"host{n % 3}" for n in plan.nodes})
+    for p, prev in ((plan, None), (later, before)):
+        got = plan_owners(p, domains={n: f"host{n % 3}" for n in p.nodes}, previous=prev)
+        assert got == {layer: layer_owners(p, layer, domains={n: f"host{n % 3}" for n in p.nodes},
+                                           previous=None if prev is None else prev[layer])
+                       for layer in range(p.num_layers)}
