@@ -92,14 +92,20 @@ def layer_owners(plan: Plan, layer: int, *, domains: Mapping[int, str] | None = 
     `previous` (the layer's ownership before a re-plan), each surviving holder keeps the slice
     that overlaps most what it owned. O(P x S) for P holders and S slices."""
     holders = layer_holders(plan, layer)
-    fill = _Filler(holders=len(holders), slices=slice_count(len(holders), plan.fault_tolerance))
-    domain = {n: (domains or {}).get(n, f"node{n}") for n in holders}
+    slices = slice_count(len(holders), plan.fault_tolerance)
+    given = domains or {}
+    if previous is None and len({given.get(n, f"node{n}") for n in holders}) == len(holders):
+        # every holder a domain of its own, nothing to keep: the greedy fill below is round robin
+        order = [n for _, _, n in sorted((given.get(n, ""), i, n) for i, n in enumerate(holders))]
+        return SliceOwnership(layer=layer, owners=tuple(tuple(sorted(order[j::slices])) for j in range(slices)))
+    fill = _Filler(holders=len(holders), slices=slices)
+    domain = {n: given.get(n, f"node{n}") for n in holders}
     had = {n: j for j, nodes in enumerate(previous.owners) for n in nodes} if previous is not None else {}
     for node in (n for n in holders if n in had):
         assert previous is not None
         fill.add(node, domain[node], _overlaps(previous, had[node], fill.slices))
-    order = sorted((i, n) for i, n in enumerate(holders) if n not in had)
-    for _, node in sorted(order, key=lambda item: (domain[item[1]], item[0])):
+    rest = sorted((given.get(n, ""), i, n) for i, n in enumerate(holders) if n not in had)
+    for _, _, node in rest:
         fill.add(node, domain[node], {})
     return SliceOwnership(layer=layer, owners=tuple(tuple(sorted(o)) for o in fill.owners))
 

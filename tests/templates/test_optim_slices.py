@@ -154,3 +154,18 @@ def test_plan_owners_equals_each_layer_asked_alone() -> None:
         assert got == {layer: layer_owners(p, layer, domains={n: f"host{n % 3}" for n in p.nodes},
                                            previous=None if prev is None else prev[layer])
                        for layer in range(p.num_layers)}
+
+
+@pytest.mark.parametrize("pipelines", range(1, 13))
+def test_the_round_robin_shortcut_is_the_greedy_fill(pipelines: int) -> None:
+    """Holders each in a domain of their own and nothing to keep: layer_owners' round robin
+    gives what the general greedy fill gives."""
+    from templates.optim_slices import _Filler
+
+    for f in range(min(pipelines, 4)):
+        plan = _plan(pipelines, 1, f)
+        holders = layer_holders(plan, 0)
+        fill = _Filler(holders=len(holders), slices=slice_count(len(holders), f))
+        for n in holders:
+            fill.add(n, f"d{n}", {})
+        assert layer_owners(plan, 0).owners == tuple(tuple(sorted(o)) for o in fill.owners)
