@@ -91,8 +91,15 @@ def layer_owners(plan: Plan, layer: int, *, domains: Mapping[int, str] | None = 
     """The slices of `layer` under `plan` and their owners (see the module's docs); with
     `previous` (the layer's ownership before a re-plan), each surviving holder keeps the slice
     that overlaps most what it owned. O(P x S) for P holders and S slices."""
-    holders = layer_holders(plan, layer)
-    slices = slice_count(len(holders), plan.fault_tolerance)
+    return owners_among(layer_holders(plan, layer), layer=layer, fault_tolerance=plan.fault_tolerance,
+                        domains=domains, previous=previous)
+
+
+def owners_among(holders: Sequence[int], *, layer: int, fault_tolerance: int,
+                 domains: Mapping[int, str] | None = None,
+                 previous: SliceOwnership | None = None) -> SliceOwnership:
+    """`layer_owners` for a layer whose holders (one a pipeline, in pipeline order) are known."""
+    slices = slice_count(len(holders), fault_tolerance)
     given = domains or {}
     if previous is None and len({given.get(n, f"node{n}") for n in holders}) == len(holders):
         # every holder a domain of its own, nothing to keep: the greedy fill below is round robin

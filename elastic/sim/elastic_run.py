@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from elastic.sim.copies import CopyWatch
 from elastic.sim.pace import Stretch
 from elastic.sim.partial_replay import cut, lost_microbatches, replay_s
 from elastic.sim.result import PolicyResult, add_segment, segment_of
@@ -62,6 +63,9 @@ class ElasticRun:
         self.pending: Pending | None = None
         """The replay step of the last partial replay (until it ends, its lost seconds may be undone)."""
         self.res.segments.append(segment_of(0.0, len(self.live), first))
+        self.watch = CopyWatch()
+        """Each failure's window until the re-plan's copies are in place (issue 55's trade)."""
+        self.res.copies = self.watch.counts
 
     @property
     def reacts(self) -> bool:
@@ -96,6 +100,8 @@ class ElasticRun:
         wait_s, replay = self._settle(ev, t) if self.base is not None else (0.0, self.book.mbs)
         swap: dict[int, int] = {}
         if ev.event == "fail":
+            if self.base is not None and ev.node in self.base.nodes:
+                self.watch.failure(self.base, ev.node, t)
             self.live.discard(ev.node)
             res.failures += 1
             self.marks.drop(ev.node)
@@ -118,6 +124,8 @@ class ElasticRun:
         resume = t + wait_s + planning_s + fetch / self.costs.transfer_bytes_per_s(self.book.cluster) \
             + self.costs.rebuild_s
         res.reconfigurations += 1
+        if ev.event == "fail":
+            self.watch.protected(resume)
         self._start(new.plan, new.plan, resume, replanned=True, replay=replay, horizon_s=horizon_s)
 
     def _settle(self, ev: TraceEvent, t: float) -> tuple[float, int]:

@@ -37,6 +37,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{p['recovery_s']:>10.1f} {p['checkpoint_s']:>8.1f} {p['lost_s']:>8.1f} "
             f"{p['reconfigurations']:>6} {p['restarts']:>8}  {_note(p)}"
         )
+    lines += _copies_lines(report, hours)
     lines += [
         "",
         "effective = samples / failure-free samples of the initial plan over the whole time;",
@@ -49,6 +50,24 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"  {p['policy']}:")
         lines += [f"    - {a}" for a in p["assumptions"]]
     return "\n".join(lines)
+
+
+def _copies_lines(report: dict[str, Any], hours: float) -> list[str]:
+    """The elastic policy's last-copy losses, full replicas beside sharded optimizer slices
+    (elastic/sim/copies.py), with the losses expected at the trace's per-node failure rate."""
+    rate = report["trace"]["failures"] / max(1e-9, hours * 3600 * report["cluster"]["nodes"])  # per node-second
+    out = []
+    for p in report["policies"]:
+        c = p.get("copies")
+        if c is None:
+            continue
+        out.append(
+            f"last copies ({p['policy']}): every holder of a layer lost {c['layers_lost']} time(s) with full replicas "
+            f"(exposed {c['layer_exposure_node_s'] / 3600:.3g} node-h, expected {c['layer_exposure_node_s'] * rate:.3g}); "
+            f"every owner of an optimizer slice {c['slices_lost']} time(s) if sharded with f+1 owners "
+            f"(exposed {c['slice_exposure_node_s'] / 3600:.3g} node-h, expected {c['slice_exposure_node_s'] * rate:.3g}): "
+            "each would be a checkpoint fallback")
+    return out
 
 
 def _note(p: dict[str, Any]) -> str:

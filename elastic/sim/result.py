@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.sim.copies import CopyLosses
 from templates.plan import Plan
 
 _EPS = 1e-9
@@ -87,6 +88,9 @@ class PolicyResult:
     """Each configuration the policy ran, in order."""
     infeasible: str = ""
     """Why the policy cannot run this job at all ('' if it can)."""
+    copies: CopyLosses | None = None
+    """The elastic policy's last-copy losses and exposure, full replicas beside sharded
+    optimizer slices (elastic/sim/copies.py); None for the other policies."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +112,7 @@ class PolicyResult:
             "stalled_at": self.stalled_at,
             "infeasible": self.infeasible,
             "segments": [s.to_dict() for s in self.segments],
+            **({"copies": self.copies.to_dict()} if self.copies is not None else {}),
         }
 
 
