@@ -106,7 +106,9 @@ def test_measured_profile_of_tiny_feeds_the_planner(tmp_path: Path, capsys: pyte
         for mode in ("selective", "full"):
             assert measured.recompute[mode].activation_bytes == counted.recompute[mode].activation_bytes
             assert measured.recompute[mode].allreduces == counted.recompute[mode].allreduces
-        assert 0 < measured.recompute["selective"].extra < measured.recompute["full"].extra == measured.forward
+        # times measured under whatever load the machine has: positive, never compared (a
+        # loaded CI machine timed selective's part above the whole forward once)
+        assert measured.recompute["selective"].extra > 0 and measured.recompute["full"].extra == measured.forward
         assert measured.recompute["full"].workspace_bytes == measured.activation_bytes
     assert not profile.layers[0].recompute and not profile.layers[-1].recompute
     capsys.readouterr()
