@@ -48,9 +48,11 @@ class SliceOwnership:
         """The slice `node` owns, None when it owns none (it does not hold the layer)."""
         return next((j for j, nodes in enumerate(self.owners) if node in nodes), None)
 
-    def bounds(self, index: int, numel: int) -> tuple[int, int]:
-        """Elements [start, stop) of slice `index` of a flattened layer of `numel` elements."""
-        return slice_bounds(numel, self.slices, index)
+    def bounds(self, index: int, sizes: Sequence[int]) -> tuple[int, int]:
+        """Elements [start, stop) of slice `index` of the flattened layer whose parameters (in
+        canonical order) have `sizes` elements (`aligned_cuts`)."""
+        cuts = aligned_cuts(sizes, self.slices)
+        return cuts[index], cuts[index + 1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,33 @@ def slice_count(holders: int, fault_tolerance: int) -> int:
     if holders < 1 or fault_tolerance < 0:
         raise ValueError(f"need holders >= 1 and f >= 0, got {holders} and {fault_tolerance}")
     return max(1, holders // (fault_tolerance + 1))
+
+
+ALIGN = 64
+"""Slice cuts fall on multiples of 64 elements of the parameter they cut. torch's fused AdamW
+kernel on CPU computes a tensor's vectorised body and its tail with different roundings: on this
+project's AVX2 machine, updating a tensor in pieces cut at multiples of 4 elements changed
+bits, at multiples of 8 it did not. An element must sit at the same place of the kernel's
+vectors whoever updates it (an owner of its slice, or a holder of the whole layer) for every
+plan to stay bit-identical; 64 covers AVX-512's 16 lanes with room for unrolling."""
+
+
+def aligned_cuts(sizes: Sequence[int], slices: int, *, align: int = ALIGN) -> list[int]:
+    """The slices + 1 cut points of a flattened layer whose parameters have `sizes` elements:
+    slice j is [cuts[j], cuts[j + 1]). Each even split point moves down to the nearest multiple
+    of `align` counted from the start of the parameter it falls in (a slice may be empty)."""
+    if slices < 1 or align < 1 or any(n < 0 for n in sizes):
+        raise ValueError(f"need slices >= 1, align >= 1 and sizes >= 0, got {slices}, {align}, {list(sizes)}")
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    numel = starts[-1]
+    cuts = [0]
+    for j in range(1, slices):
+        point = j * numel // slices
+        first = max(i for i in range(len(sizes)) if starts[i] <= point) if sizes else 0
+        cuts.append(max(cuts[-1], starts[first] + (point - starts[first]) // align * align))
+    return [*cuts, numel]
 
 
 def slice_bounds(numel: int, slices: int, index: int) -> tuple[int, int]:
@@ -145,7 +174,7 @@ def _overlaps(previous: SliceOwnership, had: int, slices: int) -> dict[int, int]
     """Slice j of `slices` -> how much of slice `had` of `previous` it covers (in 2**40ths of
     the layer), for the j that cover any."""
     whole = 1 << 40
-    lo, hi = previous.bounds(had, whole)
+    lo, hi = slice_bounds(whole, previous.slices, had)
     out: dict[int, int] = {}
     for j in range(lo * slices // whole, min(slices, hi * slices // whole + 1)):
         start, stop = slice_bounds(whole, slices, j)
@@ -179,7 +208,7 @@ def lost_slices(owned: Mapping[int, SliceOwnership], lost: Collection[int]) -> l
             for j, nodes in enumerate(o.owners) if set(nodes) <= dead]
 
 
-def slice_moves(old: SliceOwnership, new: SliceOwnership, *, numel: int,
+def slice_moves(old: SliceOwnership, new: SliceOwnership, *, sizes: Sequence[int],
                 live: Collection[int]) -> list[SliceMove]:
     """The element ranges each owner under `new` lacks (what it owned under `old` it keeps),
     cut at `old`'s slice bounds, each from the lowest-numbered live old owner. Raises SliceLost
@@ -187,11 +216,11 @@ def slice_moves(old: SliceOwnership, new: SliceOwnership, *, numel: int,
     alive = set(live)
     moves: list[SliceMove] = []
     for j, nodes in enumerate(new.owners):
-        start, stop = new.bounds(j, numel)
+        start, stop = new.bounds(j, sizes)
         for node in nodes:
             mine = old.slice_of(node)
             for i, holders in enumerate(old.owners):
-                lo, hi = old.bounds(i, numel)
+                lo, hi = old.bounds(i, sizes)
                 lo, hi = max(lo, start), min(hi, stop)
                 if lo >= hi or i == mine:
                     continue

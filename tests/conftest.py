@@ -71,7 +71,7 @@ of their own, with no deadline nearer than their timeouts."""
 PURE_UNITS = (
     "tests/templates/", "tests/planning/", "tests/sim/", "tests/records/", "tests/comm/test_nccl_model.py",
     "tests/comm/test_opening.py",
-    "tests/engine/test_schedule.py", "tests/engine/test_blocks.py", "tests/engine/test_optim.py",
+    "tests/engine/test_schedule.py", "tests/engine/test_blocks.py", "tests/engine/test_optim.py", "tests/engine/test_adamw_slices.py",
     "tests/engine/test_layout.py", "tests/engine/test_partial_plan.py", "tests/engine/test_eval_unit.py",
     "tests/engine/test_transaction.py", "tests/engine/test_grad_sync.py", "tests/engine/test_vote.py",
     "tests/engine/test_device.py", "tests/engine/test_rebuild.py", "tests/coordinator/test_jsonrecord.py",

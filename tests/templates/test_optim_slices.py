@@ -9,8 +9,10 @@ import random
 import pytest
 
 from templates.optim_slices import (
+    ALIGN,
     SliceLost,
     SliceOwnership,
+    aligned_cuts,
     layer_holders,
     layer_owners,
     lost_slices,
@@ -21,7 +23,8 @@ from templates.optim_slices import (
 )
 from templates.plan import Plan, even_plan
 
-NUMEL = 1001  # not a multiple of any slice count: uneven bounds are exercised
+SIZES = (768, 1001, 3, 192, 4096)
+"""A layer's parameters' sizes: cuts fall inside parameters and on 64-element grids of their own."""
 
 
 def _plan(pipelines: int, stages: int, f: int, nodes: list[int] | None = None) -> Plan:
@@ -90,16 +93,16 @@ def test_owners_of_a_slice_are_in_different_domains_where_the_holders_allow(seed
 def _replay(old: SliceOwnership, new: SliceOwnership, live: list[int]) -> int:
     """Apply `slice_moves` to element-tagged arrays; every new owner must end with exactly its
     slice. The elements moved."""
-    have = {n: dict.fromkeys(range(*old.bounds(j, NUMEL)), True)
+    have = {n: dict.fromkeys(range(*old.bounds(j, SIZES)), True)
             for j, nodes in enumerate(old.owners) for n in nodes if n in live}
     moved = 0
-    for m in slice_moves(old, new, numel=NUMEL, live=live):
+    for m in slice_moves(old, new, sizes=SIZES, live=live):
         assert all(e in have[m.source] for e in range(m.start, m.stop)), m
         have.setdefault(m.node, {}).update(dict.fromkeys(range(m.start, m.stop), True))
         moved += m.stop - m.start
     for j, nodes in enumerate(new.owners):
         for n in nodes:
-            assert set(range(*new.bounds(j, NUMEL))) <= set(have.get(n, {})), (n, j)
+            assert set(range(*new.bounds(j, SIZES))) <= set(have.get(n, {})), (n, j)
     return moved
 
 
@@ -121,7 +124,7 @@ def test_a_replan_moves_only_what_new_owners_lack_and_less_than_a_fresh_assignme
         assert moved <= _replay(before[layer], fresh[layer], survivors)
         if kept[layer].slices == before[layer].slices:  # same cut: only a survivor changing slice moves
             own = kept[layer]
-            sizes = [own.bounds(j, NUMEL)[1] - own.bounds(j, NUMEL)[0] for j in range(own.slices)]
+            sizes = [own.bounds(j, SIZES)[1] - own.bounds(j, SIZES)[0] for j in range(own.slices)]
             assert moved == sum(sizes[j] for j, nodes in enumerate(own.owners)
                                 for n in nodes if before[layer].slice_of(n) != j)
 
@@ -133,13 +136,13 @@ def test_moves_need_a_live_old_owner() -> None:
     survivors = [n for n in plan.nodes if n not in gone]
     after = plan_owners(_plan(2, 1, 1, nodes=survivors), previous=before)
     with pytest.raises(SliceLost, match="layer 0, optimizer slice 1 of 2"):
-        slice_moves(before[0], after[0], numel=NUMEL, live=survivors)
+        slice_moves(before[0], after[0], sizes=SIZES, live=survivors)
 
 
 def test_slice_bounds_tile_the_layer() -> None:
     for slices in range(1, 9):
-        bounds = [slice_bounds(NUMEL, slices, j) for j in range(slices)]
-        assert bounds[0][0] == 0 and bounds[-1][1] == NUMEL
+        bounds = [slice_bounds(1001, slices, j) for j in range(slices)]
+        assert bounds[0][0] == 0 and bounds[-1][1] == 1001
         assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     with pytest.raises(ValueError):
         slice_count(0, 1)
@@ -169,3 +172,18 @@ def test_the_round_robin_shortcut_is_the_greedy_fill(pipelines: int) -> None:
         for n in holders:
             fill.add(n, f"d{n}", {})
         assert layer_owners(plan, 0).owners == tuple(tuple(sorted(o)) for o in fill.owners)
+
+
+@pytest.mark.parametrize("sizes", [SIZES, (5,), (64, 64), (1, 1, 1, 1), (130, 7, 500), ()])
+def test_aligned_cuts_sit_on_each_parameters_grid_next_to_the_even_split(sizes: tuple[int, ...]) -> None:
+    starts = list(itertools.accumulate(sizes, initial=0))
+    numel = starts[-1]
+    for slices in range(1, 10):
+        cuts = aligned_cuts(sizes, slices)
+        assert len(cuts) == slices + 1 and cuts[0] == 0 and cuts[-1] == numel
+        assert all(a <= b for a, b in itertools.pairwise(cuts))
+        for j, c in enumerate(cuts[1:-1], start=1):
+            param = max(i for i in range(len(sizes)) if starts[i] <= c) if sizes else 0
+            assert (c - starts[param]) % ALIGN == 0 or c == numel
+            even = j * numel // slices
+            assert c <= even and (even - c < ALIGN or c == cuts[j - 1])
