@@ -13,7 +13,6 @@ layers), 4 nodes, node 3 SIGKILLed at step 9.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.cli_runs import CliResult, run_cli, same_bits
 from tests.faults.runs import check_same_training, max_rel_diff, run_elastic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -39,20 +39,11 @@ TP2 = ("--gpus-per-node", "2", "--no-sequence-parallel", "--fault-tolerance", "1
        "--checkpoint-every", "0")
 """TP 2 halves each device's share: at this budget the planner lays 2 pipelines of 2 nodes again."""
 
-Result = tuple[dict[str, object], dict[str, torch.Tensor], str]
+Result = CliResult
 
 
 def _run(run_dir: Path, *extra: str, committed: int = STEPS) -> Result:
-    final = run_dir / "final_state.pt"
-    cmd = [*RUN, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json"),
-           *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps_committed"] == committed and summary["worker_restarts"] == 0
-    lost = [r["lost_nodes"] for r in summary["recoveries"]]
-    assert lost == ([[3]] if KILL[1] in extra else []), lost
-    return summary, torch.load(final), proc.stdout
+    return run_cli([*RUN, *extra], run_dir, committed=committed, lost=[[3]] if KILL[1] in extra else [], timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +52,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Result:
     return _run(tmp_path_factory.mktemp("plain"), *TWO_BY_TWO, "--virtual-stages", "1", *KILL)
 
 
-def _same(got: Result, want: Result, what: str) -> None:
-    assert got[0]["losses"] == want[0]["losses"], what
-    assert got[1].keys() == want[1].keys()
-    differ = [name for name in got[1] if not torch.equal(got[1][name], want[1][name])]
-    assert not differ, f"{what}: final parameters differ in {differ}"
+_same = same_bits
 
 
 def test_two_interleaved_pipelines_recover_bit_for_bit(plain: Result, tmp_path: Path) -> None:

@@ -10,13 +10,13 @@ restarted; the failure run ends as the failure-free one.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.faults.cli_runs import CliResult, run_cli, same_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -34,20 +34,12 @@ AUTO_MIXED = ("--device-memory-gib", "0.012")
 """A budget at which `auto` plans 2 pipelines of 2 stages, the first stage of each under `full`
 and the second under `none` (the default budget plans 4 one-node pipelines, none recomputing)."""
 
-Result = tuple[dict[str, object], dict[str, torch.Tensor]]
+Result = CliResult
 
 
 def _run(run_dir: Path, mode: str, *extra: str) -> Result:
-    final = run_dir / "final_state.pt"
-    cmd = [*RUN, "--recompute", mode, "--run-dir", str(run_dir), "--final-state", str(final),
-           "--summary", str(run_dir / "summary.json"), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=130)
-    assert proc.returncode == 0, f"{mode}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps_committed"] == STEPS and summary["worker_restarts"] == 0
-    lost = [r["lost_nodes"] for r in summary["recoveries"]]
-    assert lost == ([[3]] if KILL[1] in extra else []), lost
-    return summary, torch.load(final)
+    return run_cli([*RUN, "--recompute", mode, *extra], run_dir, committed=STEPS,
+                   lost=[[3]] if KILL[1] in extra else [], timeout=130)
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +54,7 @@ def sequence_parallel(tmp_path_factory: pytest.TempPathFactory) -> Result:
     return _run(tmp_path_factory.mktemp("sp-none"), "none", *KILL)
 
 
-def _same(got: Result, want: Result, what: str) -> None:
-    assert got[0]["losses"] == want[0]["losses"], what
-    assert got[1].keys() == want[1].keys()
-    differ = [name for name in got[1] if not torch.equal(got[1][name], want[1][name])]
-    assert not differ, f"{what}: final parameters differ in {differ}"
+_same = same_bits
 
 
 @pytest.mark.parametrize(("mode", "extra"), [("selective", ()), ("full", ()), ("auto", AUTO_MIXED)])
