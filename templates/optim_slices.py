@@ -18,6 +18,7 @@ share it.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -209,23 +210,50 @@ def lost_slices(owned: Mapping[int, SliceOwnership], lost: Collection[int]) -> l
 
 
 def slice_moves(old: SliceOwnership, new: SliceOwnership, *, sizes: Sequence[int],
-                live: Collection[int]) -> list[SliceMove]:
+                live: Collection[int], sent: dict[int, int] | None = None) -> list[SliceMove]:
     """The element ranges each owner under `new` lacks (what it owned under `old` it keeps),
-    cut at `old`'s slice bounds, each from the lowest-numbered live old owner. Raises SliceLost
-    for a needed range no live node owned."""
+    cut at `old`'s slice bounds, each from the live old owner that has sent the fewest elements
+    so far (`sent`, updated: pass one dict for every layer of a change; ties: the
+    lowest-numbered). Raises SliceLost for a needed range no live node owned. O(P log S + moves)."""
     alive = set(live)
+    old_cuts, new_cuts = aligned_cuts(sizes, old.slices), aligned_cuts(sizes, new.slices)
+    had = {n: i for i, nodes in enumerate(old.owners) for n in nodes}
+    sent = {} if sent is None else sent
     moves: list[SliceMove] = []
     for j, nodes in enumerate(new.owners):
-        start, stop = new.bounds(j, sizes)
+        start, stop = new_cuts[j], new_cuts[j + 1]
         for node in nodes:
-            mine = old.slice_of(node)
-            for i, holders in enumerate(old.owners):
-                lo, hi = old.bounds(i, sizes)
-                lo, hi = max(lo, start), min(hi, stop)
-                if lo >= hi or i == mine:
+            for i in range(max(0, bisect_right(old_cuts, start) - 1), old.slices):
+                lo, hi = max(old_cuts[i], start), min(old_cuts[i + 1], stop)
+                if old_cuts[i] >= stop:
+                    break
+                if lo >= hi or had.get(node) == i:
                     continue
-                sources = sorted(alive.intersection(holders))
+                sources = alive.intersection(old.owners[i])
                 if not sources:
-                    raise SliceLost(old.layer, i, old.slices, holders)
-                moves.append(SliceMove(layer=new.layer, node=node, start=lo, stop=hi, source=sources[0]))
+                    raise SliceLost(old.layer, i, old.slices, old.owners[i])
+                source = min(sources, key=lambda n: (sent.get(n, 0), n))
+                sent[source] = sent.get(source, 0) + hi - lo
+                moves.append(SliceMove(layer=new.layer, node=node, start=lo, stop=hi, source=source))
     return moves
+
+
+def plan_slice_moves(old: Plan, new: Plan, *, lost: Collection[int], sizes: Mapping[int, Sequence[int]],
+                     domains: Mapping[int, str] | None = None,
+                     previous: Mapping[int, SliceOwnership] | None = None,
+                     ) -> tuple[dict[int, SliceOwnership], list[SliceMove]]:
+    """A generation change's optimizer-state part: the new plan's owners (kept close to the old
+    ones: `previous`, default the old plan's own) and the moves that give every new owner its
+    slice, from old owners that are not in `lost`. Raises SliceLost, naming the slice, when
+    every owner of one was lost: only a checkpoint has it. `sizes[layer]`: the element counts of
+    the layer's parameters, canonical order."""
+    before = dict(previous) if previous is not None else plan_owners(old, domains=domains)
+    dead = set(lost)
+    gone = lost_slices(before, dead)
+    if gone:
+        raise gone[0]
+    after = plan_owners(new, domains=domains, previous=before)
+    live, sent = set(old.nodes) - dead, dict[int, int]()
+    moves = [m for layer in range(new.num_layers)
+             for m in slice_moves(before[layer], after[layer], sizes=sizes[layer], live=live, sent=sent)]
+    return after, moves

@@ -17,6 +17,7 @@ from templates.optim_slices import (
     layer_owners,
     lost_slices,
     plan_owners,
+    plan_slice_moves,
     slice_bounds,
     slice_count,
     slice_moves,
@@ -187,3 +188,57 @@ def test_aligned_cuts_sit_on_each_parameters_grid_next_to_the_even_split(sizes: 
             assert (c - starts[param]) % ALIGN == 0 or c == numel
             even = j * numel // slices
             assert c <= even and (even - c < ALIGN or c == cuts[j - 1])
+
+
+@pytest.mark.parametrize(("pipelines", "stages", "f", "seed"),
+                         [(4, 1, 1, 0), (4, 2, 1, 1), (6, 2, 1, 2), (8, 1, 1, 3), (8, 2, 3, 4), (6, 1, 2, 5)])
+def test_a_generation_change_gives_every_new_owner_its_slice_from_live_old_owners(
+        pipelines: int, stages: int, f: int, seed: int) -> None:
+    rng = random.Random(seed)
+    plan = _plan(pipelines, stages, f)
+    before = plan_owners(plan)
+    sizes = {layer: SIZES for layer in range(plan.num_layers)}
+    while True:
+        lost = set(rng.sample(list(plan.nodes), stages * rng.randint(1, max(1, f))))
+        if not lost_slices(before, lost):
+            break
+    survivors = [n for n in plan.nodes if n not in lost]
+    new_plan = _plan(len(survivors) // stages, stages, min(f, len(survivors) // stages - 1), nodes=survivors)
+    after, moves = plan_slice_moves(plan, new_plan, lost=lost, sizes=sizes)
+    assert after == plan_owners(new_plan, previous=before)
+    for layer in range(plan.num_layers):
+        have = {n: set(range(*before[layer].bounds(j, SIZES)))
+                for j, nodes in enumerate(before[layer].owners) for n in nodes if n not in lost}
+        for m in (m for m in moves if m.layer == layer):
+            assert m.source not in lost and set(range(m.start, m.stop)) <= have[m.source], m
+            have.setdefault(m.node, set()).update(range(m.start, m.stop))
+        for j, nodes in enumerate(after[layer].owners):
+            for n in nodes:
+                assert set(range(*after[layer].bounds(j, SIZES))) <= have.get(n, set()), (layer, n, j)
+
+
+def test_a_generation_change_that_lost_every_owner_of_a_slice_names_it() -> None:
+    plan = _plan(4, 1, 1)
+    before = plan_owners(plan)
+    lost = set(before[0].owners[1])
+    survivors = [n for n in plan.nodes if n not in lost]
+    with pytest.raises(SliceLost, match=r"^layer 0, optimizer slice 2 of 2: every owner lost \(nodes "):
+        plan_slice_moves(plan, _plan(2, 1, 1, nodes=survivors), lost=lost,
+                         sizes={layer: SIZES for layer in range(plan.num_layers)})
+
+
+def test_moves_spread_over_the_live_owners() -> None:
+    """Eight one-stage pipelines lose one node: where an old slice has several live owners and
+    new owners need parts of it in several layers, more than one of them sends."""
+    plan = _plan(8, 1, 3)
+    before = plan_owners(plan)
+    lost = {before[0].owners[0][0]}
+    survivors = [n for n in plan.nodes if n not in lost]
+    _, moves = plan_slice_moves(plan, _plan(7, 1, 1, nodes=survivors), lost=lost,
+                                sizes={layer: SIZES for layer in range(plan.num_layers)})
+    by_slice: dict[int, set[int]] = {}  # one-stage pipelines: every layer has the same owners
+    for m in moves:
+        old = before[m.layer]
+        i = next(i for i in range(old.slices) if old.bounds(i, SIZES)[0] <= m.start < old.bounds(i, SIZES)[1])
+        by_slice.setdefault(i, set()).add(m.source)
+    assert any(len(sources) > 1 for sources in by_slice.values()), by_slice
