@@ -52,9 +52,9 @@ class CopyWatch:
     lost: set[int] = field(default_factory=set)
     until: float = 0.0
     """When the copies of the last re-plan are in place."""
-    _last: tuple[float, int, int] | None = None
+    _last: tuple[float, int, int] | None = field(default=None, init=False)
     """The last failure's (time, nodes holding a last layer copy, nodes owning a last slice)."""
-    _tables: _Tables = field(default_factory=lambda: _Tables())
+    _tables: _Tables = field(default_factory=lambda: _Tables(), init=False)
 
     def failure(self, plan: Plan, node: int, t: float) -> None:
         """`node` of `plan` (the plan that runs) fails at `t`. Within the last failure's
