@@ -61,6 +61,9 @@ class _Mode:
     static: np.ndarray
     act: np.ndarray
     act_mid: np.ndarray
+    rerun: np.ndarray
+    """(i, j): the largest workspace a layer of [i, j) brings back to life when it reruns its
+    forward in this mode (included in `static`)."""
 
     def time(self, k: int) -> np.ndarray:
         return self.time_last if k == 1 else self.time_mid
@@ -115,8 +118,8 @@ class StageCosts:
         compute = np.array([(ly.forward + ly.backward + u.extra) / g for ly, u in zip(layers, under, strict=True)])
         compute += np.array([(ly.tp_allreduces + u.allreduces) * dev.allreduce_time(ly.output_bytes, g)
                              for ly, u in zip(layers, under, strict=True)])
-        static = _range_sums(state + np.array([float(ly.workspace_bytes) for ly in layers]))
-        static = static + _range_max(np.array([float(u.workspace_bytes) for u in under]))
+        rerun = _range_max(np.array([float(u.workspace_bytes) for u in under]))
+        static = _range_sums(state + np.array([float(ly.workspace_bytes) for ly in layers])) + rerun
         act = np.where(self._valid, _range_sums(np.array([float(u.activation_bytes) for u in under])), np.inf)
         p2p = np.array([2.0 * dev.p2p_time(ly.output_bytes) for ly in layers], dtype=np.float64)
         time_last = np.where(self._valid, _range_sums(compute), np.inf)
@@ -128,6 +131,7 @@ class StageCosts:
             act=act,
             # ... and keeps it per microbatch in flight.
             act_mid=act + np.concatenate([[0.0], [float(ly.output_bytes) for ly in layers]])[None, :],
+            rerun=rerun,
         )
 
     def costs(self, k: int) -> np.ndarray:
@@ -179,13 +183,16 @@ class StageCosts:
                       last_virtual: bool) -> float:
         """Bytes a node holding the chunks `ranges` needs in `mode` with `in_flight[c]`
         microbatches of chunk c in flight (beside the workers' fixed buffers); `last_virtual`:
-        its last chunk is the pipeline's last virtual stage (it keeps no output)."""
-        arrays, total = self._arrays[mode], 0.0
+        its last chunk is the pipeline's last virtual stage (it keeps no output). A rerun's
+        workspace lives only during its chunk's backward, and a node runs one backward at a time:
+        the largest over the chunks counts, once."""
+        arrays, total, rerun = self._arrays[mode], 0.0, 0.0
         for c, (first, last) in enumerate(ranges):
             mid = not (last_virtual and c == len(ranges) - 1)
-            total += float(arrays.static[first, last]) + in_flight[c] * float(
+            total += float(arrays.static[first, last] - arrays.rerun[first, last]) + in_flight[c] * float(
                 (arrays.act_mid if mid else arrays.act)[first, last])
-        return total
+            rerun = max(rerun, float(arrays.rerun[first, last]))
+        return total + rerun
 
     def stage_fits(self, first: int, last: int, k: int) -> bool:
         return self.stage_memory(first, last, k) <= self.capacity

@@ -84,3 +84,24 @@ def test_a_node_that_cannot_hold_the_chunks_in_flight_keeps_v_1() -> None:
     assert refused, "the budget should leave some template without room for 2 chunks"
     assert all(templates.templates[n].virtual_stages == 1 for n in refused)
     assert best_interleaving(base.templates[base.sizes[0]], costs, 1) is base.templates[base.sizes[0]]
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_chunks_memory_counts_each_chunks_bytes_and_one_rerun_workspace(mode: str) -> None:
+    """A node's chunks against the profile, layer by layer: each chunk's weights, gradients,
+    moments, layer workspace and in-flight activations (its output too unless it is the last
+    virtual stage), plus the largest workspace a rerun brings back, once: a node runs one
+    chunk's backward at a time."""
+    profile = cluster_templates(ClusterSpec(model="gpt2-124m", nodes=4, global_batch=8, microbatch=1)).profile
+    costs = StageCosts(profile, 1, mode)
+    grad = profile.memory.grad_bytes_per_param / 4
+    for ranges, in_flight_, last in [(((1, 4), (7, 10)), (3, 1), False), (((0, 3), (6, 9), (10, 14)), (2, 2, 1), True)]:
+        want, rerun = 0.0, 0.0
+        for c, (first, last_layer) in enumerate(ranges):
+            layers = profile.layers[first:last_layer]
+            want += sum(ly.param_bytes * (1 + grad) + ly.optimizer_bytes + ly.workspace_bytes for ly in layers)
+            keeps_output = not (last and c == len(ranges) - 1)
+            want += in_flight_[c] * (sum(ly.under(mode).activation_bytes for ly in layers)
+                                     + (layers[-1].output_bytes if keeps_output else 0))
+            rerun = max(rerun, *(ly.under(mode).workspace_bytes for ly in layers))
+        assert costs.chunks_memory(ranges, mode, in_flight_, last) == pytest.approx(want + rerun, rel=1e-12)
