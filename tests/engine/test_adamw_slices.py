@@ -46,19 +46,29 @@ def _sliced_step(params: list[tuple[str, torch.nn.Parameter]], moments: dict[str
             start += p.numel()
 
 
-@pytest.mark.parametrize("slices", [2, 3, 4, 5, 8])
-def test_slices_cut_on_the_grid_update_bit_identically(slices: int) -> None:
+def _whole_and_sliced(cuts: list[int] | None, slices: int = 1) -> tuple[
+        list[tuple[str, torch.nn.Parameter]], MasterAdamW, list[tuple[str, torch.nn.Parameter]],
+        dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Three steps of the same layer and gradients, whole by `MasterAdamW` and slice by slice at
+    `cuts` (default: `aligned_cuts` into `slices`): (whole layer, its optimizer, sliced layer,
+    its moments)."""
     whole, pieces = _layer(0), _layer(0)
     opt = MasterAdamW(whole, betas=BETAS, eps=EPS, weight_decay=DECAY)
     opt.lr = LR
     moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in pieces}
-    cuts = aligned_cuts([p.numel() for _, p in pieces], slices)
+    at = cuts if cuts is not None else aligned_cuts([p.numel() for _, p in pieces], slices)
     for step in (1, 2, 3):
         grads = _grads(step)
         for name, p in whole:
             p.grad = grads[name].clone()
         opt.step()
-        _sliced_step(pieces, moments, grads, cuts, step)
+        _sliced_step(pieces, moments, grads, at, step)
+    return whole, opt, pieces, moments
+
+
+@pytest.mark.parametrize("slices", [2, 3, 4, 5, 8])
+def test_slices_cut_on_the_grid_update_bit_identically(slices: int) -> None:
+    whole, opt, pieces, moments = _whole_and_sliced(None, slices)
     for (name, a), (_, b) in zip(whole, pieces, strict=True):
         assert torch.equal(a, b), name
         assert torch.equal(opt.state[name].exp_avg, moments[name][0]), name
@@ -68,18 +78,8 @@ def test_slices_cut_on_the_grid_update_bit_identically(slices: int) -> None:
 def test_the_reference_cuts_off_the_grid_change_bits_where_the_kernel_has_vector_tails() -> None:
     """What the grid prevents: pieces of 4 elements (AVX2's kernel runs 8 floats at a time)
     round differently from the whole update. Skipped on a CPU whose kernel shows no difference."""
-    whole, pieces = _layer(0), _layer(0)
-    opt = MasterAdamW(whole, betas=BETAS, eps=EPS, weight_decay=DECAY)
-    opt.lr = LR
-    moments = {name: (torch.zeros_like(p), torch.zeros_like(p)) for name, p in pieces}
-    total = sum(p.numel() for _, p in pieces)
-    cuts = [*range(0, 4096, 4), total]  # the first 4,096 elements in pieces of 4
-    for step in (1, 2, 3):
-        grads = _grads(step)
-        for name, p in whole:
-            p.grad = grads[name].clone()
-        opt.step()
-        _sliced_step(pieces, moments, grads, cuts, step)
+    total = sum(shape[0] * (shape[1] if len(shape) > 1 else 1) for shape in SHAPES.values())
+    whole, _, pieces, _ = _whole_and_sliced([*range(0, 4096, 4), total])  # the first 4,096 elements in 4s
     differing = sum(int((a != b).sum()) for (_, a), (_, b) in zip(whole, pieces, strict=True))
     if differing == 0:
         pytest.skip("this CPU's fused AdamW rounds 4-element pieces as the whole: nothing to show")
