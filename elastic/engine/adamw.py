@@ -25,6 +25,7 @@ in a different order). On a device without the kernel the per-operation form run
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -67,9 +68,14 @@ class MasterAdamW:
         eps: float,
         weight_decay: float,
         state: dict[str, ParamState] | None = None,
+        owned: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """`state`: existing state to adopt by name (kept or fetched shards); the other
-        parameters start from zero moments."""
+        parameters start from zero moments. `owned` (the sharded optimizer, issue 55): per
+        parameter, elements [start, stop) of its flattened tensor that this worker updates and
+        keeps moments of (`optim_shards.owned_ranges`); a parameter not named is updated whole.
+        The other elements are left as they are (the owners' updates arrive by
+        `optim_shards.gather_params`)."""
         self.params = sorted(named_params, key=lambda kv: kv[0])
         for name, p in self.params:
             if p.dtype != torch.float32:
@@ -83,10 +89,24 @@ class MasterAdamW:
             raise ValueError(f"optimizer state for unknown parameters {unknown[:3]}")
         self._step_counts: dict[torch.device, torch.Tensor] = {}
         """Per device, the step count tensor the fused kernel reads (refilled per call)."""
-        self.state: dict[str, ParamState] = {
-            name: given.get(name) or ParamState(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            for name, p in self.params
+        self.owned: dict[str, tuple[int, int]] = {
+            name: _checked_range(name, owned[name], p.numel()) for name, p in self.params if owned and name in owned
         }
+        self.state: dict[str, ParamState] = {}
+        for name, p in self.params:
+            size = self.owned[name][1] - self.owned[name][0] if name in self.owned else None
+            st = given.get(name) or ParamState(
+                exp_avg=torch.zeros_like(p) if size is None else p.new_zeros(size),
+                exp_avg_sq=torch.zeros_like(p) if size is None else p.new_zeros(size))
+            if st.exp_avg.numel() != (p.numel() if size is None else size):
+                raise ValueError(f"optimizer state of {name} has {st.exp_avg.numel()} elements, this worker "
+                                 f"updates {p.numel() if size is None else size} of it")
+            self.state[name] = st
+
+    def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The part of parameter `name`'s tensor (or gradient) that this worker updates."""
+        span = self.owned.get(name)
+        return t if span is None else t.view(-1)[span[0] : span[1]]
 
     @staticmethod
     def decays(p: torch.Tensor) -> bool:
@@ -106,11 +126,14 @@ class MasterAdamW:
             st = self.state[name]
             st.step += 1
             decay = self.weight_decay if self.decays(p) else 0.0
+            if st.exp_avg.numel() == 0:
+                continue
+            part, g = self._view(name, p), self._view(name, g)
             if p.device.type not in FUSED_DEVICES:
-                self._step_one(p, g, st, decay)
+                self._step_one(part, g, st, decay)
                 continue
             batch = batches.setdefault((decay, st.step, p.device), _Batch())
-            batch.params.append(p)
+            batch.params.append(part)
             batch.grads.append(g)
             batch.exp_avgs.append(st.exp_avg)
             batch.exp_avg_sqs.append(st.exp_avg_sq)
@@ -139,3 +162,10 @@ class MasterAdamW:
     def zero_grad(self) -> None:
         for _, p in self.params:
             p.grad = None
+
+
+def _checked_range(name: str, span: tuple[int, int], numel: int) -> tuple[int, int]:
+    start, stop = span
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"owned range [{start}, {stop}) of {name} is not within its {numel} elements")
+    return start, stop

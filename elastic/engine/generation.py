@@ -28,6 +28,7 @@ from elastic.engine.adamw import MasterAdamW, ParamState
 from elastic.engine.device import backend_for, bind
 from elastic.engine.graveyard import Graveyard
 from elastic.engine.optim import build_optimizer
+from elastic.engine.optim_shards import gather_plan, owned_ranges
 from elastic.engine.replay_sums import step_replay
 from elastic.engine.shard_gather import gather
 from elastic.engine.shard_store import FetchFn, Held, ShardState, adopt, shard_bytes
@@ -247,7 +248,7 @@ class GenerationBuilder:
             module = GPTStage(self.cfg, chunks=layout.stage_plan.ranges, tp=groups.tp, device=self.device,
                               recompute=self._recompute(layout),
                               sequence_parallel=self.spec.sequence_parallel_on)
-            optimizer = build_optimizer(module, self.spec.optim)
+            optimizer = build_optimizer(module, self.spec.optim, owned=self._owned(layout, module))
         else:
             module = skeleton
             states: dict[str, ParamState] = {}
@@ -258,12 +259,18 @@ class GenerationBuilder:
                 else:
                     param, states[name] = adopt(key, name, meta, fetched[key], self.device)
                 _set_parameter(module, name, param)
-            optimizer = build_optimizer(module, self.spec.optim, state=states)
+            optimizer = build_optimizer(module, self.spec.optim, state=states, owned=self._owned(layout, module))
         module.train()
         served: Held = {k: {} for k in needed}
         for name, param in optimizer.params:
             served[ShardKey(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
         return module, optimizer, served
+
+    def _owned(self, layout: ParallelLayout, module: GPTStage) -> dict[str, tuple[int, int]] | None:
+        """The elements of each parameter my optimizer updates when it is sharded (else None)."""
+        if not self.spec.sharded_optimizer:
+            return None
+        return owned_ranges(layout, {n: p.numel() for n, p in module.named_parameters()}, self.layer_of)
 
     def _transaction(
         self, layout: ParallelLayout, groups: ParallelGroups, module: GPTStage, optimizer: MasterAdamW,
@@ -285,6 +292,8 @@ class GenerationBuilder:
             replay=replay,
             accum=accum,
             split=self.spec.boundary_split,
+            gather=gather_plan(layout, {n: p.numel() for n, p in module.named_parameters()}, self.layer_of)
+            if self.spec.sharded_optimizer else None,
         )
 
 

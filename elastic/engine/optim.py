@@ -10,6 +10,8 @@ update, so a replayed or migrated step needs no scheduler state.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from elastic.engine.adamw import MasterAdamW, ParamState
@@ -19,10 +21,13 @@ __all__ = ["OptimConfig", "build_optimizer", "lr_at"]
 
 
 def build_optimizer(
-    module: torch.nn.Module, cfg: OptimConfig, *, state: dict[str, ParamState] | None = None
+    module: torch.nn.Module, cfg: OptimConfig, *, state: dict[str, ParamState] | None = None,
+    owned: Mapping[str, tuple[int, int]] | None = None,
 ) -> MasterAdamW:
     """AdamW over `module`'s parameters (fp32: they are the master weights), keyed by name;
-    `state` (by name) is adopted as it is, the rest starts from zero moments."""
+    `state` (by name) is adopted as it is, the rest starts from zero moments. `owned`: the
+    sharded optimizer's ranges (`MasterAdamW`)."""
     return MasterAdamW(
-        list(module.named_parameters()), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, state=state
+        list(module.named_parameters()), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, state=state,
+        owned=owned,
     )

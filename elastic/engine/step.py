@@ -36,6 +36,7 @@ from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
+from elastic.engine.optim_shards import GatherGroup, gather_params
 from elastic.engine.stage_links import stage_actions, stage_spec, tp_gather
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.blocks import Block, decompose
@@ -196,10 +197,12 @@ class StepTransaction:
         replay: StepReplay | None = None,
         accum: GradAccumulator | None = None,
         split: int = 1,
+        gather: list[GatherGroup] | None = None,
     ) -> None:
         """`accum`: gradient buffers allocated beforehand for this stage's parameters and
         buckets (`StepTransaction.buffers_for`); attached here. `split`: parts each boundary
-        tensor travels in (scatter/gather, `JobSpec.boundary_split`)."""
+        tensor travels in (scatter/gather, `JobSpec.boundary_split`). `gather`: the sharded
+        optimizer's gather (`optim_shards.gather_plan`); None when it is not sharded."""
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
@@ -223,6 +226,10 @@ class StepTransaction:
         self.interleaved = self.spec.chunks > 1
         """v > 1: the last backward is not where the last buckets finish (chunks finish in turn),
         so buckets are launched together after the schedule, in the global order."""
+        self.gather = gather
+        self.behind = False
+        """Sharded: a step committed here since the last gather, so the parameters outside my
+        slices are one update behind (`sync`)."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
         self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
@@ -332,6 +339,7 @@ class StepTransaction:
         self.optimizer.lr = lr
         self.accum.write_grads()
         self.optimizer.step()
+        self.behind = self.gather is not None
         self.discard()
         self.partial = None
         if self.replay is not None and self.replay.step <= prepared.step:
@@ -345,6 +353,14 @@ class StepTransaction:
             generation=self.layout.generation,
             committed_at=time.time(),
         )
+
+    def sync(self) -> None:
+        """Sharded: bring every parameter up to the last commit (the gather, collective over
+        the holders of my layers; idempotent, so a failed one is repeated). Nothing to do
+        unsharded, or when nothing committed since the last."""
+        if self.gather is not None and self.behind:
+            gather_params(self.gather, dict(self.module.named_parameters()), self.groups)
+            self.behind = False
 
     def discard(self) -> None:
         """Drop any gradients of a step, pending or not (state unchanged)."""
@@ -369,6 +385,7 @@ class StepTransaction:
                 cache[m] = self._microbatch(step, mbs[m])
             return cache[m]
 
+        self.sync()
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         if self.exchange.abandoned:
             self.exchange = TreeExchange(device=self.device, recorder=self.groups.recorder)

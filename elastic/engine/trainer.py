@@ -232,9 +232,10 @@ class Trainer:
         """The validation loss of the committed parameters over `spec.eval_batches` held-out
         microbatches (elastic/engine/eval.py); collective over the generation's world group.
         Only between steps: never while a step is prepared or pending."""
-        joined(self._current)
+        current = joined(self._current)
         if self._prepared is not None or self.pending is not None:
             raise RuntimeError(f"step {self.step} is prepared or pending: evaluate between steps only")
+        current.transaction.sync()
         return evaluate(self.module, layout=self.layout, groups=self.groups, dataset=self.dataset,
                         batches=self.spec.eval_batches, batch_size=self.spec.plan.microbatch_size,
                         d_model=self.cfg.d_model, device=self.device)
@@ -261,7 +262,9 @@ class Trainer:
     # ---- outputs -------------------------------------------------------------------------
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Full fp32 parameters of my stage (collective over my tensor-parallel group)."""
+        """Full fp32 parameters of my stage (collective over my tensor-parallel group, and with
+        the optimizer sharded over the holders of my layers: every worker calls it)."""
+        joined(self._current).transaction.sync()
         return full_state_dict(self.module, self.groups.tp)
 
     def shutdown(self) -> None:

@@ -47,6 +47,8 @@ from typing import Protocol
 
 from elastic.model.config import GPTConfig
 from elastic.planning.sum_tree import Block, combine_scratch, tree_blocks, tree_levels
+from templates.optim_slices import plan_owners
+from templates.plan import Plan
 
 WEIGHT_BYTES = 4
 """Bytes of one master weight (fp32, `engine/adamw.py`)."""
@@ -257,11 +259,12 @@ def worker_work_bytes(device_type: str = "cpu") -> int:
 
 
 def state_bytes(layer_elements: Sequence[int], share: GradShare, device_type: str = "cpu",
-                *, chunks: Sequence[Sequence[int]] = ()) -> StateBytes:
+                *, chunks: Sequence[Sequence[int]] = (), moment_elements: int | None = None) -> StateBytes:
     """What a worker on a `device_type` device keeps for layers holding `layer_elements`
     parameters each (its shards, ascending layers, all with the same holders: one layout bucket)
     in the tree `share`; interleaved, `chunks` instead: each chunk's layers, a layout bucket of
-    its own (buckets never span two chunks: elastic/parallel/plan_ranks.py)."""
+    its own (buckets never span two chunks: elastic/parallel/plan_ranks.py). `moment_elements`:
+    with the optimizer sharded, the elements of its slices (`sharded_moment_elements`)."""
     p = share.pipelines
     weights = moments = gradients = exchange = 0
     work = worker_work_bytes(device_type) + (LOSS_BYTES if share.snapshot else 0)
@@ -273,7 +276,37 @@ def state_bytes(layer_elements: Sequence[int], share: GradShare, device_type: st
         gradients += GRAD_BYTES * (padded * share.copies + n * share.levels)
         exchange += GRAD_BYTES * padded // p * share.peer_blocks
         work += bucket_work_bytes(n, share, device_type)
+    if moment_elements is not None:
+        moments = MOMENT_BYTES * moment_elements
     return StateBytes(weights=weights, moments=moments, gradients=gradients, exchange=exchange, work=work)
+
+
+def layer_param_sizes(cfg: GPTConfig, index: int, tp: int = 1) -> list[int]:
+    """The elements of each parameter of planning layer `index` on one of `tp` ranks, in name
+    order (the order the sharded optimizer cuts a layer in, `templates.optim_slices`); they add
+    up to `layer_elements`."""
+    cfg.check_tensor_parallel(tp)
+    d, f, v, kind = cfg.d_model, cfg.d_ff, cfg.vocab_size // tp, cfg.layer_kind(index)
+    if kind == "embedding":
+        return [cfg.seq_len * d, v * d]  # embed.wpe, embed.wte.weight
+    if kind == "head":
+        return [v * d, d, d]  # head.lm_head.weight, head.ln_f.bias, head.ln_f.weight
+    # attn.proj (bias replicated), attn.qkv, ln1, ln2, mlp.fc, mlp.proj (bias replicated): biases first
+    return [d, d * d // tp, 3 * d // tp, 3 * d * d // tp, d, d, d, d, f // tp, f * d // tp, d, d * f // tp]
+
+
+def sharded_moment_elements(cfg: GPTConfig, plan: Plan, *, node: int, layers: Sequence[int], tp: int = 1) -> int:
+    """The optimizer elements a sharded worker on `node` keeps for `layers` under `plan`: its
+    slice of each (`templates.optim_slices.plan_owners`, cut by `aligned_cuts`)."""
+    owners = plan_owners(plan)
+    total = 0
+    for layer in layers:
+        j = owners[layer].slice_of(node)
+        if j is None:
+            raise ValueError(f"node {node} does not hold layer {layer}")
+        lo, hi = owners[layer].bounds(j, layer_param_sizes(cfg, layer, tp))
+        total += hi - lo
+    return total
 
 
 def layer_elements(cfg: GPTConfig, index: int, tp: int = 1) -> int:

@@ -69,6 +69,7 @@ def worker_memory(
     sequence_parallel: bool = False,
     chunks: Sequence[tuple[int, int]] = (),
     chunks_in_flight: Sequence[int] = (),
+    moment_elements: int | None = None,
 ) -> MemoryEstimate:
     """The memory of one worker holding planning layers [first, last) of `cfg` (or, interleaved,
     the layer ranges `chunks`, with `chunks_in_flight[c]` microbatches of chunk c in flight).
@@ -85,6 +86,8 @@ def worker_memory(
     backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
     activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
     the stages split the sequence between the tensor-parallel regions (and send their shard).
+    `moment_elements`: the optimizer is sharded, and keeps moments of this many elements
+    (`footprint.sharded_moment_elements`).
     """
     ranges = tuple(chunks) or (layers,)
     for first, last in ranges:
@@ -101,7 +104,8 @@ def worker_memory(
     share = GradShare.of_split(split, me=pipeline, partial_replay=partial_replay, tp_rank=tp_rank)
     held = sorted(i for first, last in ranges for i in range(first, last))
     state = state_bytes([], share, device_type, chunks=[[layer_elements(cfg, i, tp) for i in range(first, last)]
-                                                          for first, last in ranges])
+                                                          for first, last in ranges],
+                        moment_elements=moment_elements)
     tokens = microbatch_size * cfg.seq_len
     element = compute_dtype.itemsize
     activations = max(recompute_workspace(cfg, rng, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,

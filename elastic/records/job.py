@@ -21,6 +21,10 @@ device is base + local rank). The launcher sets it for each simulated node it st
 host (node * workers per node), so no two nodes share a GPU; unset (0) for one node per host."""
 
 
+SHARD_OPTIMIZER = ("off", "on", "auto")
+"""`JobSpec.shard_optimizer`'s values."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec(JsonRecord):
     """A training job: model, plan, data, optimizer and where results go."""
@@ -75,6 +79,12 @@ class JobSpec(JsonRecord):
     """With tensor parallelism and no sequence parallelism, each rank sends 1/t of every
     stage-boundary tensor and the receiving node all-gathers it (`elastic run
     --no-scatter-gather` sends whole tensors; elastic/parallel/executor.py). Bit-identical."""
+    shard_optimizer: str = "auto"
+    """Shard AdamW's moments across each layer's holders, f + 1 copies of every slice
+    (`elastic run --shard-optimizer off|on|auto`, issue 55, elastic/engine/optim_shards.py):
+    each holder keeps (f + 1) / P of a layer's moments and updates only its slice, and the
+    other parameters reach it at the start of the next step. Bit-identical to "off". "auto"
+    (default) is off for now."""
     # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
     eval_every: int = 0
     """Compute the validation loss after every this many committed steps and after the last
@@ -102,6 +112,8 @@ class JobSpec(JsonRecord):
             raise ValueError(f"recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {self.recompute!r}")
         if self.shard_transport not in ("collective", "grpc"):
             raise ValueError(f"shard_transport must be 'collective' or 'grpc', got {self.shard_transport!r}")
+        if self.shard_optimizer not in SHARD_OPTIMIZER:
+            raise ValueError(f"shard_optimizer must be one of {', '.join(SHARD_OPTIMIZER)}, got {self.shard_optimizer!r}")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ValueError(f"need eval_every >= 0 and eval_batches >= 1, got {self.eval_every} and {self.eval_batches}")
 
@@ -121,6 +133,11 @@ class JobSpec(JsonRecord):
         degree, or 1 (off, no tensor parallelism, or already split by sequence parallelism)."""
         on = self.scatter_gather and not self.sequence_parallel_on
         return self.plan.gpus_per_node if on else 1
+
+    @property
+    def sharded_optimizer(self) -> bool:
+        """Whether the optimizer's moments are sharded (`shard_optimizer` resolved)."""
+        return self.shard_optimizer == "on"
 
     def stage_recompute(self, planned: str) -> str:
         """What a stage whose plan says `planned` recomputes: the forced mode, or `planned`."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import threading
 import types
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from elastic.engine.trainer import Trainer
 from elastic.model.config import get_preset
 from elastic.planning.cluster import ClusterSpec, cluster_profile
+from elastic.planning.footprint import sharded_moment_elements
 from elastic.planning.memory import MemoryEstimate, worker_memory
 from elastic.records.job import JobSpec
 from templates.cost import StageCosts
@@ -92,13 +94,14 @@ def _filled(cell: Any) -> bool:
 
 
 def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", sequence_parallel: bool | None = None,
-            around: Callable[[Trainer], AbstractContextManager[object]] | None = None) -> dict[tuple[int, int], Trainer]:
+            around: Callable[[Trainer], AbstractContextManager[object]] | None = None,
+            shard_optimizer: str = "off") -> dict[tuple[int, int], Trainer]:
     """Every worker of `plan` after one real step, each a Trainer on a thread of this process
     (one gloo world on a HashStore), with the partial-replay copy of its sums made as an
     abandoned step makes it (`StepTransaction._keep_partial` -> `accum.snapshot()`); the step
     runs inside `around(trainer)` on the worker's thread when given."""
     spec = JobSpec(model=model, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu",
-                   recompute=recompute, sequence_parallel=sequence_parallel)
+                   recompute=recompute, sequence_parallel=sequence_parallel, shard_optimizer=shard_optimizer)
     store = dist.HashStore()
     out: dict[tuple[int, int], Trainer | BaseException] = {}
 
@@ -130,18 +133,23 @@ def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", s
 def modelled(model: str, plan: Plan, trainer: Trainer) -> MemoryEstimate:
     """The memory model's count for `trainer`'s worker, from the plan and the shape alone."""
     layout = trainer.layout
+    held = [i for first, last in layout.stage_plan.ranges for i in range(first, last)]
+    sharded = sharded_moment_elements(get_preset(model), plan, node=layout.node, layers=held, tp=plan.gpus_per_node)
     return worker_memory(
         get_preset(model), layers=layout.stage_plan.layers, chunks=layout.stage_plan.chunks,
         microbatch_size=plan.microbatch_size, in_flight=1,
         tp=plan.gpus_per_node, holders=len(plan.pipelines), partial_replay=trainer.spec.partial_replay,
         microbatches=[p.microbatches for p in plan.pipelines], pipeline=layout.pipeline, tp_rank=layout.tp_rank,
+        moment_elements=sharded if trainer.spec.sharded_optimizer else None,
     )
 
 
-def assert_same_bytes(model: str, plan: Plan, run_dir: Path) -> dict[tuple[int, int], int]:
-    """Every worker's engine bytes equal the model's; the engine's bytes by worker."""
+def assert_same_bytes(model: str, plan: Plan, run_dir: Path, *, shard_optimizer: str = "off",
+                      moments_out: dict[tuple[int, int], int] | None = None) -> dict[tuple[int, int], int]:
+    """Every worker's engine bytes equal the model's; the engine's bytes by worker (and its
+    moments' bytes into `moments_out`)."""
     totals = {}
-    for key, trainer in trained(model, plan, run_dir).items():
+    for key, trainer in trained(model, plan, run_dir, shard_optimizer=shard_optimizer).items():
         found = engine_bytes(trainer)
         engine = sum(nbytes for nbytes, _ in found.values())
         estimate = modelled(model, plan, trainer)
@@ -155,6 +163,8 @@ def assert_same_bytes(model: str, plan: Plan, run_dir: Path) -> dict[tuple[int, 
         assert (estimate.state.weights, estimate.state.moments) == (weights, moments), detail
         assert engine == estimate.params_and_state, detail
         totals[key] = engine
+        if moments_out is not None:
+            moments_out[key] = moments
     return totals
 
 
@@ -237,3 +247,20 @@ def test_the_planner_counts_what_the_engine_allocates(tmp_path: Path, model: str
 @pytest.mark.timeout(180)
 def test_small_two_holders_engine_bytes_equal_the_model(tmp_path: Path) -> None:
     assert_same_bytes("small", pipelines(get_preset("small").num_layers, [2, 2], mbs=1), tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("pipes", "tp"), [(4, 1), (8, 1), (4, 2)])
+def test_sharded_optimizer_bytes_equal_the_model(tmp_path: Path, pipes: int, tp: int) -> None:
+    """Issue 55: with the optimizer sharded at f = 1, every worker's bytes still equal the model's,
+    and its moments are (f + 1) / P of the unsharded ones (half at P = 4, a quarter at P = 8) up
+    to the cuts' 64-element grid."""
+    plan = dataclasses.replace(pipelines(TINY, [2] * pipes, mbs=1, tp=tp), fault_tolerance=1)
+    full: dict[tuple[int, int], int] = {}
+    sharded: dict[tuple[int, int], int] = {}
+    assert_same_bytes("tiny", plan, tmp_path / "off", moments_out=full)
+    assert_same_bytes("tiny", plan, tmp_path / "on", shard_optimizer="on", moments_out=sharded)
+    for key, moments in sharded.items():
+        share = moments / full[key]
+        print(f"worker {key}: moments {moments} B sharded, {full[key]} B whole: {share:.4f}")
+        assert abs(share - 2 / pipes) < 0.01, (key, share)

@@ -1,0 +1,138 @@
+"""The sharded optimizer's part of a worker's stage (issue 55): which elements it updates, and the
+gather that brings it every other owner's updates.
+
+A layer's AdamW state is cut into the slices of `templates.optim_slices` (`plan_owners`: a pure
+function of the plan), each owned by f + 1 or more of the layer's holders in different
+pipelines. The flattened layer is its parameters in name order (the order of
+`aligned_cuts`' sizes), at this worker's tensor-parallel rank; every rank of a node owns the
+same slice of its own shard. An owner keeps moments of its slice only and updates only its
+slice's parameters (`MasterAdamW(owned=...)`): the commit stays local, so a step still commits
+everywhere or changes nothing.
+
+The other parameters are one update behind until the next step begins: `gather_params` sends
+each slice's updated parameters from its owners to the holders that do not own it. Each owner
+of a slice sends an even share of it (split by element, in owner order), so f + 1 owners send
+a slice's bytes once between them. The gather is idempotent (it copies committed values), so
+one cut short by a failure is simply repeated. It posts one group per gradient bucket's holder
+set, in descending layer order: the exchange's one global order, so every communicator sees the
+same sequence of groups on every holder (NCCL's rules, elastic/comm/communicator.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from elastic.comm import P2P
+from elastic.parallel.groups import ParallelGroups
+from elastic.parallel.layout import ParallelLayout
+from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
+
+GATHER_TAG = 1 << 24
+"""Tags of the gather's messages start here: apart from the exchange's (2 x layer, 2 x layer + 1)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of parameter `name` (flattened) sent to or received from `peer`
+    (the holder's index in its bucket's communicator)."""
+
+    kind: str
+    name: str
+    start: int
+    stop: int
+    peer: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherGroup:
+    """The pieces of one bucket holder set's gather, in posting order (both sides list them alike)."""
+
+    ranks: tuple[int, ...]
+    tag: int
+    pieces: tuple[Piece, ...]
+
+
+def layer_params(sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> dict[int, list[str]]:
+    """Layer -> its parameters' names in name order (the order slices are cut in)."""
+    out: dict[int, list[str]] = {}
+    for name in sorted(sizes):
+        out.setdefault(layer_of(name), []).append(name)
+    return out
+
+
+def _spans(names: list[str], sizes: Mapping[str, int], lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
+    """Elements [lo, hi) of the flattened layer of `names`, as (name, start, stop) per parameter."""
+    offset = 0
+    for name in names:
+        a, b = max(lo, offset), min(hi, offset + sizes[name])
+        if a < b:
+            yield name, a - offset, b - offset
+        offset += sizes[name]
+
+
+def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int],
+                 owners: Mapping[int, SliceOwnership] | None = None) -> dict[str, tuple[int, int]]:
+    """Per parameter of my stage (`sizes`: name -> elements), the elements I update: my node's
+    slice of its layer, cut where `aligned_cuts` cuts; (0, 0) for a parameter my slice misses."""
+    owned = plan_owners(layout.plan) if owners is None else owners
+    out: dict[str, tuple[int, int]] = {}
+    for layer, names in layer_params(sizes, layer_of).items():
+        own = owned[layer]
+        j = own.slice_of(layout.node)
+        if j is None:
+            raise ValueError(f"node {layout.node} holds layer {layer} but owns none of its optimizer slices")
+        lo, hi = own.bounds(j, [sizes[n] for n in names])
+        out.update(dict.fromkeys(names, (0, 0)))
+        out.update({name: (a, b) for name, a, b in _spans(names, sizes, lo, hi)})
+    return out
+
+
+def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int],
+                owners: Mapping[int, SliceOwnership] | None = None) -> list[GatherGroup]:
+    """My part of the gather: per bucket holder set of mine (descending layer order), the pieces
+    I send (my share of my slice, to each holder that does not own it) and receive."""
+    owned = plan_owners(layout.plan) if owners is None else owners
+    by_layer = layer_params(sizes, layer_of)
+    node_of = {w.rank: w.node for w in layout.workers}
+    out: list[GatherGroup] = []
+    for bucket in sorted(layout.buckets, key=lambda b: -b.layers[0]):
+        if len(bucket.ranks) < 2:
+            continue
+        peer = {node_of[r]: i for i, r in enumerate(bucket.ranks)}
+        pieces: list[Piece] = []
+        for layer in sorted(bucket.layers, reverse=True):
+            names = by_layer.get(layer, [])
+            cuts = aligned_cuts([sizes[n] for n in names], owned[layer].slices)
+            for j, nodes in enumerate(owned[layer].owners):
+                others = [n for n in peer if n not in nodes]
+                for k, sender in enumerate(nodes):
+                    lo = cuts[j] + (cuts[j + 1] - cuts[j]) * k // len(nodes)
+                    hi = cuts[j] + (cuts[j + 1] - cuts[j]) * (k + 1) // len(nodes)
+                    for name, a, b in _spans(names, sizes, lo, hi):
+                        if sender == layout.node:
+                            pieces.extend(Piece("send", name, a, b, peer[n]) for n in others)
+                        elif layout.node in others:
+                            pieces.append(Piece("recv", name, a, b, peer[sender]))
+        if pieces:
+            out.append(GatherGroup(ranks=bucket.ranks, tag=GATHER_TAG + bucket.layers[0], pieces=tuple(pieces)))
+    return out
+
+
+def gather_params(plan: list[GatherGroup], params: Mapping[str, torch.Tensor], groups: ParallelGroups) -> int:
+    """Run the gather `plan` over `params` (name -> tensor, written in place where received):
+    every group posted, then waited, abortably. Bytes sent."""
+    handles = []
+    sent = 0
+    with torch.no_grad():
+        for group in plan:
+            comm = groups.bucket_group(group.ranks)
+            assert comm is not None
+            ops = [P2P(p.kind, params[p.name].view(-1)[p.start : p.stop], p.peer, group.tag) for p in group.pieces]
+            sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "send")
+            handles.append(groups.post(comm, ops))
+        for handle in handles:
+            groups.wait(handle)
+    return sent
