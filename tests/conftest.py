@@ -59,6 +59,7 @@ def client(etcd_server: EtcdServer) -> Iterator[Any]:
 
 PARALLEL_SAFE = frozenset({
     "tests/comm/test_real_paths.py", "tests/engine/test_equivalence.py", "tests/engine/test_memory_model.py",
+    "tests/engine/test_sharded_optimizer.py",
     "tests/model/test_model.py", "tests/model/test_tensor_parallel.py", "tests/transfer/test_collective.py",
     "tests/bench/test_nccl_smoke.py", "tests/comm/test_abandon.py", "tests/model/test_recompute.py",
     "tests/bench/test_recompute_bench.py", "tests/engine/test_saved_activations.py",

@@ -151,6 +151,10 @@ def register(subparsers: Any) -> None:
                         help="split the activations between the tensor-parallel regions (LayerNorms, residual, "
                         "dropout) along the sequence, and what crosses between stages with them (default: on with "
                         "--gpus-per-node > 1); the same function, summed in another order (within 1e-5)")
+    parser.add_argument("--shard-optimizer", choices=("off", "on", "auto"), default="auto",
+                        help="shard AdamW's moments across each layer's holders, f+1 copies of every slice: each "
+                        "keeps (f+1)/P of them and updates only its slice; bit-identical (default auto: off for now; "
+                        "elastic/engine/optim_shards.py)")
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "
@@ -199,7 +203,8 @@ def _recomputing(spec: JobSpec) -> str:
     interleaved = f", interleaved v={'/'.join(map(str, vs))}" if vs else ""
     deep = any(len(p.stages) > 1 for p in spec.plan.pipelines)
     split = ", scatter/gather" if spec.boundary_split > 1 and deep else ""
-    return (f", recomputing {' and '.join(modes)}" if modes else "") + sp + interleaved + split
+    sharded = ", optimizer sharded" if spec.sharded_optimizer else ""
+    return (f", recomputing {' and '.join(modes)}" if modes else "") + sp + interleaved + split + sharded
 
 
 def _run(args: argparse.Namespace) -> int:

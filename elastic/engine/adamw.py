@@ -41,6 +41,9 @@ class ParamState:
     """Second moment estimate (fp32)."""
     step: int = 0
     """Updates applied to this parameter."""
+    span: tuple[int, int] | None = None
+    """Elements [start, stop) of the flattened parameter the moments are of (the sharded
+    optimizer's slice); None: all of it."""
 
 
 FUSED_DEVICES = ("cpu", "cuda")
@@ -101,6 +104,7 @@ class MasterAdamW:
             if st.exp_avg.numel() != (p.numel() if size is None else size):
                 raise ValueError(f"optimizer state of {name} has {st.exp_avg.numel()} elements, this worker "
                                  f"updates {p.numel() if size is None else size} of it")
+            st.span = self.owned.get(name)
             self.state[name] = st
 
     def _view(self, name: str, t: torch.Tensor) -> torch.Tensor:

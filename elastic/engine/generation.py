@@ -28,6 +28,7 @@ from elastic.engine.adamw import MasterAdamW, ParamState
 from elastic.engine.device import backend_for, bind
 from elastic.engine.graveyard import Graveyard
 from elastic.engine.optim import build_optimizer
+from elastic.engine.optim_repair import repair_moments
 from elastic.engine.optim_shards import gather_plan, owned_ranges
 from elastic.engine.replay_sums import step_replay
 from elastic.engine.shard_gather import gather
@@ -178,7 +179,7 @@ class GenerationBuilder:
         except BaseException:
             graveyard.bury(groups)  # an operation of it may be pending: never destroyed
             raise
-        module, optimizer, served = self._stage(layout, groups, skeleton, needed, held, fetched)
+        module, optimizer, served, repaired = self._stage(layout, groups, skeleton, needed, held, fetched)
         if previous is not None:
             previous.transaction.accum.remove()  # kept parameters must not feed the old buffers
         transaction = self._transaction(layout, groups, module, optimizer, first_step, accum)
@@ -187,12 +188,13 @@ class GenerationBuilder:
         _log(
             f"generation {generation}: rank {layout.rank} (pipeline {layout.pipeline} stage {layout.stage} "
             f"tp {layout.tp_rank}{_recomputes(module.recompute)}) kept {len(needed) - len(missing)} shards, fetched {len(fetched)} "
-            f"({shard_bytes(fetched)} B) in {t2 - t1:.3f} s, groups in {t1 - t0:.3f} s, stage in "
+            f"({shard_bytes(fetched)} B) in {t2 - t1:.3f} s, groups in {t1 - t0:.3f} s, "
+            + (f"optimizer slices {repaired} B, " if self.spec.sharded_optimizer else "") + "stage in "
             f"{t3 - t2:.3f} s{_replayed(step, first_step)}"
         )
         timings = ReconfigTimings(
-            transfer_s=t2 - t1, rebuild_s=(t1 - t0) + (t3 - t2), bytes_fetched=shard_bytes(fetched),
-            bytes_collective=shard_bytes({k: v for k, v in fetched.items() if k in over_group}),
+            transfer_s=t2 - t1, rebuild_s=(t1 - t0) + (t3 - t2), bytes_fetched=shard_bytes(fetched) + repaired,
+            bytes_collective=shard_bytes({k: v for k, v in fetched.items() if k in over_group}) + repaired,
         )
         return Joined(generation=Generation(layout, groups, module, optimizer, transaction), served=served,
                       keeper=keeper, timings=timings)
@@ -236,14 +238,16 @@ class GenerationBuilder:
     def _stage(
         self, layout: ParallelLayout, groups: ParallelGroups, skeleton: GPTStage, needed: list[ShardKey],
         held: Held, fetched: dict[ShardKey, ShardState],
-    ) -> tuple[GPTStage, MasterAdamW, Held]:
-        """The generation's stage module and optimizer, and the shards they serve.
+    ) -> tuple[GPTStage, MasterAdamW, Held, int]:
+        """The generation's stage module and optimizer, the shards they serve, and the bytes of
+        optimizer slices received (the sharded optimizer's repair, optim_repair.py).
 
         Only a worker that starts from nothing initialises from the seed. Otherwise the stage is
         `skeleton` (built on the meta device: no memory, no initialisation) with every parameter
         replaced by a kept tensor (the same object, with its AdamW state) or a fetched one
         (adopted as it is when it already has the parameter's device and dtype).
         """
+        repaired = 0
         if not held and not fetched:
             module = GPTStage(self.cfg, chunks=layout.stage_plan.ranges, tp=groups.tp, device=self.device,
                               recompute=self._recompute(layout),
@@ -251,20 +255,27 @@ class GenerationBuilder:
             optimizer = build_optimizer(module, self.spec.optim, owned=self._owned(layout, module))
         else:
             module = skeleton
+            sharded = self.spec.sharded_optimizer
             states: dict[str, ParamState] = {}
             for name, meta in list(module.named_parameters()):
                 key = ShardKey(self.layer_of(name), layout.tp_rank)
                 if key in held:
                     param, states[name] = held[key][name]
                 else:
-                    param, states[name] = adopt(key, name, meta, fetched[key], self.device)
+                    param, states[name] = adopt(key, name, meta, fetched[key], self.device, sliced=sharded)
                 _set_parameter(module, name, param)
-            optimizer = build_optimizer(module, self.spec.optim, state=states, owned=self._owned(layout, module))
+            owned = self._owned(layout, module)
+            if owned is not None:  # every new owner gets what it lacks of its slices (optim_repair.py)
+                sources = {n: entry for shard in held.values() for n, entry in shard.items()}
+                sources.update({n: (p, states[n]) for n, p in module.named_parameters()})
+                states, repaired = repair_moments(layout, groups, sources=sources, owned=owned,
+                                                  layer_of=self.layer_of)
+            optimizer = build_optimizer(module, self.spec.optim, state=states, owned=owned)
         module.train()
         served: Held = {k: {} for k in needed}
         for name, param in optimizer.params:
             served[ShardKey(self.layer_of(name), layout.tp_rank)][name] = (param, optimizer.state[name])
-        return module, optimizer, served
+        return module, optimizer, served, repaired
 
     def _owned(self, layout: ParallelLayout, module: GPTStage) -> dict[str, tuple[int, int]] | None:
         """The elements of each parameter my optimizer updates when it is sharded (else None)."""

@@ -63,7 +63,7 @@ def layer_params(sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> di
     return out
 
 
-def _spans(names: list[str], sizes: Mapping[str, int], lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
+def spans(names: list[str], sizes: Mapping[str, int], lo: int, hi: int) -> Iterator[tuple[str, int, int]]:
     """Elements [lo, hi) of the flattened layer of `names`, as (name, start, stop) per parameter."""
     offset = 0
     for name in names:
@@ -86,7 +86,7 @@ def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Cal
             raise ValueError(f"node {layout.node} holds layer {layer} but owns none of its optimizer slices")
         lo, hi = own.bounds(j, [sizes[n] for n in names])
         out.update(dict.fromkeys(names, (0, 0)))
-        out.update({name: (a, b) for name, a, b in _spans(names, sizes, lo, hi)})
+        out.update({name: (a, b) for name, a, b in spans(names, sizes, lo, hi)})
     return out
 
 
@@ -111,7 +111,7 @@ def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Call
                 for k, sender in enumerate(nodes):
                     lo = cuts[j] + (cuts[j + 1] - cuts[j]) * k // len(nodes)
                     hi = cuts[j] + (cuts[j + 1] - cuts[j]) * (k + 1) // len(nodes)
-                    for name, a, b in _spans(names, sizes, lo, hi):
+                    for name, a, b in spans(names, sizes, lo, hi):
                         if sender == layout.node:
                             pieces.extend(Piece("send", name, a, b, peer[n]) for n in others)
                         elif layout.node in others:

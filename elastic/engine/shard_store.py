@@ -39,10 +39,13 @@ def shard_bytes(shards: dict[ShardKey, ShardState]) -> int:
 
 
 def adopt(
-    key: ShardKey, name: str, skeleton: nn.Parameter, shard: ShardState, device: torch.device
+    key: ShardKey, name: str, skeleton: nn.Parameter, shard: ShardState, device: torch.device,
+    *, sliced: bool = False,
 ) -> tuple[nn.Parameter, ParamState]:
     """The parameter `name` and its AdamW state made from a fetched shard: its tensors are used
-    as they are when they already have the device, dtype and layout (no copy), else copied."""
+    as they are when they already have the device, dtype and layout (no copy), else copied.
+    `sliced` (the sharded optimizer): moments of another shape are a sharded holder's slice,
+    whose place the shard does not say: they are dropped (span (0, 0): of no elements)."""
     if "step" not in shard:
         raise ValueError(f"fetched shard {key} has no 'step' count")
     tensors = []
@@ -50,7 +53,9 @@ def adopt(
         src = shard.get(f"{kind}/{name}")
         if src is None:
             raise ValueError(f"fetched shard {key} lacks {kind}/{name}")
-        if tuple(src.shape) != tuple(skeleton.shape):
+        if kind != "param" and sliced and tuple(src.shape) != tuple(skeleton.shape) and src.dim() == 1:
+            src = src.new_zeros(0)
+        elif tuple(src.shape) != tuple(skeleton.shape):
             raise ValueError(
                 f"fetched shard {key}: {kind}/{name} has shape {tuple(src.shape)}, expected {tuple(skeleton.shape)}"
             )
@@ -59,7 +64,8 @@ def adopt(
         tensors.append(src.detach())
     param = nn.Parameter(tensors[0])
     param.__dict__.update(skeleton.__dict__)  # tensor-parallel attributes (tp_dim, full_shape)
-    return param, ParamState(exp_avg=tensors[1], exp_avg_sq=tensors[2], step=int(shard["step"]))
+    span = (0, 0) if tensors[1].numel() != tensors[0].numel() else None
+    return param, ParamState(exp_avg=tensors[1], exp_avg_sq=tensors[2], step=int(shard["step"]), span=span)
 
 
 def export_held(key: ShardKey, entries: HeldShard, *, copy: bool) -> ShardState:

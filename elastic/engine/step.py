@@ -227,9 +227,10 @@ class StepTransaction:
         """v > 1: the last backward is not where the last buckets finish (chunks finish in turn),
         so buckets are launched together after the schedule, in the global order."""
         self.gather = gather
-        self.behind = False
-        """Sharded: a step committed here since the last gather, so the parameters outside my
-        slices are one update behind (`sync`)."""
+        self.behind = gather is not None
+        """Sharded: the parameters outside my slices may be an update behind (a step committed
+        here since the last gather, or the generation's shards came from other holders) until
+        the next gather (`sync`)."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
         self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1

@@ -383,7 +383,8 @@ class Leader:
         fallback = step.fallback
         if checkpoint is None:
             raise FallbackImpossible(
-                f"{fallback.what}: shards {fallback.gaps} have no live holder and no complete checkpoint exists in "
+                f"{fallback.what}: {fallback.cause or f'shards {fallback.gaps} have no live holder'} and no complete "
+                f"checkpoint exists in "
                 f"{self.config.checkpoint_path}; the job cannot continue"
             )
         plan, reason = fallback_plan(self.tset, s.record.plan, fallback, checkpoint=checkpoint,

@@ -210,7 +210,8 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
         return (Finish(why="the job's last step was committed first"),)
     if planned is None:
         live = sorted(n for n, inc in s.members.items() if s.record.incarnations.get(n) == inc or n in joined)
-        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined)
+        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined,
+                           sharded=config.spec.sharded_optimizer)
         if isinstance(got, Fallback):
             return (PublishFallback(fallback=got, members=dict(s.members), lost=lost, joined=joined),)
         planned = got

@@ -28,6 +28,7 @@ from elastic.records.sync import SyncReport
 from elastic.roles.leader_snapshot import Holdings, Snapshot
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
+from templates.optim_slices import lost_slices, plan_owners
 from templates.plan import Plan
 from templates.replanning import replan
 from templates.template_set import PlanningError, TemplateSet
@@ -47,6 +48,8 @@ class Fallback:
     """Shards without a live holder (empty: the shards are there, but too few nodes for f+1 pipelines)."""
     live: list[int]
     """The nodes of the next generation."""
+    cause: str = ""
+    """Why no plan keeps the state, when neither of `gaps`' reasons (a lost optimizer slice)."""
 
 
 NODE_LIST_MAX = 16
@@ -91,8 +94,10 @@ def holdings_gaps(holdings: Holdings, plan: Plan, live: set[int]) -> list[ShardK
 
 
 def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdings, *, lost: list[int],
-                 joined: list[int]) -> tuple[Plan, str] | Fallback:
-    """The plan of g+1 over `live` and its reason, or a Fallback (module doc)."""
+                 joined: list[int], sharded: bool = False) -> tuple[Plan, str] | Fallback:
+    """The plan of g+1 over `live` and its reason, or a Fallback (module doc). `sharded`: the
+    optimizer's moments are sharded (issue 55): a slice whose every owner is lost is a Fallback
+    too, named in its cause."""
     what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
     f = plan.fault_tolerance
     # What live workers report holding decides, not the plan: a reconfiguration cut short by
@@ -100,6 +105,11 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
     gaps = holdings_gaps(holdings, plan, set(live))
     if gaps is None:
         gaps = [] if surviving_holders_cover(plan, set(live)) else [ShardKey(-1, -1)]
+    if not gaps and sharded:
+        gone = lost_slices(plan_owners(plan), set(plan.nodes) - set(live))
+        if gone:
+            more = f" (and {len(gone) - 1} more slices)" if len(gone) > 1 else ""
+            return Fallback(what=what, gaps=[], live=live, cause=f"{gone[0]}{more}")
     if not gaps and lost and len(joined) == len(lost) and not set(joined) & set(plan.nodes):
         # Hot spares replace every lost node: the same instantiation, each spare in a lost
         # node's stage (elastic/planning/spares.py); it fetches that node's shards.
@@ -128,7 +138,7 @@ def fallback_plan(tset: TemplateSet, plan: Plan, fallback: Fallback, *, checkpoi
         except PlanningError:
             continue
         relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
-        why = f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines"
+        why = fallback.cause or (f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines")
         return new, (
             f"{fallback.what}: {why}; "
             f"CHECKPOINT FALLBACK: restoring step {checkpoint} of {steps} on nodes {live}{relaxed}"

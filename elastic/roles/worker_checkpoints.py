@@ -52,6 +52,9 @@ class WorkerCheckpoints:
         """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
         from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 
+        if trainer.spec.sharded_optimizer:  # each holder has a slice of the moments: no shard is whole here
+            worker_log(f"no checkpoint of step {trainer.step}: the sharded optimizer does not write checkpoints yet")
+            return
         mine = checkpoint_writer_shards(layout)
         if mine:
             self.writer.save_async(trainer.step, {k: trainer.export_shard(*k) for k in mine})
