@@ -1,23 +1,21 @@
 """One optimizer step as a transaction: it commits everywhere or changes nothing.
 
-The step runs the pipeline schedule over this pipeline's slice of step s's global batch,
-reduces gradients across pipelines, and agrees with every worker (one world all-reduce that
-also carries the gradient norm and loss). Only then may it commit: set the learning rate of
-step s and apply AdamW (the caller advances its step counter). Preparing and committing are
-two calls, so a control plane can act between them. Any error before the world all-reduce
-(a peer that died, a timeout, an abort) or a non-finite gradient anywhere discards the step:
-gradients are cleared, and the parameters, optimizer moments and step counts are exactly as
-they were, so the same step can be replayed with the same samples. An error in the wait of the
-world all-reduce itself (the vote) keeps the reduced gradients as the pending step
-(VoteCutShort): a peer may have seen the vote complete and committed, and then `complete()`
-commits the same step here with the vote's outcome, bit-identically.
+The step runs the pipeline schedule over this pipeline's slice of step s's global batch, reduces gradients
+across pipelines, and agrees with every worker (one world all-reduce that also carries the gradient norm
+and loss). Only then may it commit: set the learning rate of step s and apply AdamW (the caller advances
+its step counter). Preparing and committing are two calls, so a control plane can act between them. Any
+error before the world all-reduce (a peer that died, a timeout, an abort) or a non-finite gradient
+anywhere discards the step: gradients are cleared, and the parameters, optimizer moments and step counts
+are exactly as they were, so the same step can be replayed with the same samples. An error in the wait of
+the world all-reduce itself (the vote) keeps the reduced gradients as the pending step (VoteCutShort): a
+peer may have seen the vote complete and committed, and then `complete()` commits the same step here with
+the vote's outcome, bit-identically.
 
-Partial replay (elastic/records/partial.py): the cross-pipeline reduction writes its result
-beside the gradient sums, never into them, so when a step is abandoned after its schedule
-finished here, the worker copies its own sums then (`partial`, a `KeptGrads`) and the copy
-survives into the next generation; a step that commits copies nothing. That generation's first step
-may be a `StepReplay`: this pipeline computes only the listed microbatches, and a keeper adds
-its kept sums (and their loss) before the reduction.
+Partial replay (elastic/records/partial.py): the cross-pipeline reduction writes its result beside the
+gradient sums, never into them, so when a step is abandoned after its schedule finished here, the worker
+copies its own sums then (`partial`, a `KeptGrads`) and the copy survives into the next generation; a step
+that commits copies nothing. That generation's first step may be a `StepReplay`: this pipeline computes
+only the listed microbatches, and a keeper adds its kept sums (and their loss) before the reduction.
 """
 
 from __future__ import annotations
@@ -224,13 +222,10 @@ class StepTransaction:
         self.spec = stage_spec(layout, module, batch=plan.microbatch_size, seq_len=dataset.seq_len, d_model=d_model,
                                device=device, split=split)
         self.interleaved = self.spec.chunks > 1
-        """v > 1: the last backward is not where the last buckets finish (chunks finish in turn),
-        so buckets are launched together after the schedule, in the global order."""
+        """v > 1: buckets are launched together after the schedule, in the global order."""
         self.gather = gather
         self.behind = gather is not None
-        """Sharded: the parameters outside my slices may be an update behind (a step committed
-        here since the last gather, or the generation's shards came from other holders) until
-        the next gather (`sync`)."""
+        """Sharded: parameters outside my slices may be an update behind until the next `sync`."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
         self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
@@ -356,9 +351,8 @@ class StepTransaction:
         )
 
     def sync(self) -> None:
-        """Sharded: bring every parameter up to the last commit (the gather, collective over
-        the holders of my layers; idempotent, so a failed one is repeated). Nothing to do
-        unsharded, or when nothing committed since the last."""
+        """Sharded: bring every parameter up to the last commit (the gather over the holders
+        of my layers; a failed one is repeated). Nothing to do unsharded or when up to date."""
         if self.gather is not None and self.behind:
             gather_params(self.gather, dict(self.module.named_parameters()), self.groups)
             self.behind = False
