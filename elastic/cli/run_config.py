@@ -184,13 +184,9 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
     try:
         injections = [parse_injection(text) for text in args.inject]
         check_injections(injections, nodes=max(plan.nodes) + 1, steps=args.steps)
-        sharded = spec.sharded_optimizer
-        every = (0 if sharded else 5) if args.checkpoint_every is None else args.checkpoint_every
+        every = 5 if args.checkpoint_every is None else args.checkpoint_every
         if every < 0:
             raise ValueError(f"--checkpoint-every must be >= 0, got {every}")
-        if sharded and every:
-            raise ValueError("--shard-optimizer on does not write checkpoints yet (issue 55): its moments are spread "
-                             "over the holders; use --checkpoint-every 0 (its default there)")
         if args.lease_ttl < 2:
             raise ValueError(f"--lease-ttl must be >= 2 (etcd's minimum), got {args.lease_ttl}")
         cluster = ClusterSpec(

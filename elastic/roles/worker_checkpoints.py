@@ -52,12 +52,16 @@ class WorkerCheckpoints:
         """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
         from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 
-        if trainer.spec.sharded_optimizer:  # each holder has a slice of the moments: no shard is whole here
-            worker_log(f"no checkpoint of step {trainer.step}: the sharded optimizer does not write checkpoints yet")
-            return
         mine = checkpoint_writer_shards(layout)
-        if mine:
-            self.writer.save_async(trainer.step, {k: trainer.export_shard(*k) for k in mine})
+        try:  # sharded: collective, the writers gather the moments' slices they lack
+            shards = trainer.checkpoint_shards(mine)
+        except Exception as exc:  # a peer failed meanwhile: the generation change comes next
+            if not trainer.spec.sharded_optimizer:
+                raise
+            worker_log(f"no checkpoint of step {trainer.step}: gathering the optimizer's slices failed: {exc}")
+            return
+        if shards:
+            self.writer.save_async(trainer.step, shards)
 
     def flush(self) -> None:
         """Wait until every queued save is on disk (or has failed)."""

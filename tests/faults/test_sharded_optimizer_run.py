@@ -5,8 +5,10 @@ as 4 one-stage pipelines at f = 1, so each layer's moments are 2 slices of 2 own
 - Node 3 SIGKILLed at step 9: the survivors re-slice (3 pipelines: one slice, every holder an
   owner) from the live owners, and the run ends bit for bit as the unsharded run without a failure.
 - Nodes 2 and 3 killed at step 9, one owner of each slice: the same.
-- Nodes 0 and 2 killed, both owners of slice 1: the leader says which slice is lost and, with
-  no checkpoint (the sharded optimizer does not write them yet), the job ends with that error.
+- Nodes 0 and 2 killed, both owners of slice 1: the leader says which slice is lost and falls
+  back to the checkpoint, whose writers gathered the slices they lacked; the run still ends as the
+  unsharded one. Without a checkpoint the job ends with that error.
+- A checkpoint written sharded resumes unsharded and the other way round, bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.faults.cli_runs import CliResult, run_cli, same_bits
 
@@ -52,7 +55,26 @@ def test_losing_every_owner_of_a_slice_names_it(tmp_path: Path) -> None:
     assert "layer 0, optimizer slice 1 of 2: every owner lost (nodes 0, 2)" in proc.stdout + proc.stderr
 
 
-def test_checkpoints_are_refused_with_a_sharded_optimizer(tmp_path: Path) -> None:
-    cmd = [*RUN[:-2], "--checkpoint-every", "4", "--shard-optimizer", "on", "--run-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "does not write checkpoints yet" in proc.stderr, proc.stderr[-2000:]
+def test_losing_every_owner_of_a_slice_falls_back_to_the_checkpoint(unsharded: CliResult, tmp_path: Path) -> None:
+    cmd = [*RUN[:-2], "--checkpoint-every", "4", "--shard-optimizer", "on", *_kills(0, 2)]
+    got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[0, 2]], timeout=150)
+    (recovery,) = got[0]["recoveries"]
+    # node 0 writes every shard: step 8's may still have been on its way to disk at the kill
+    assert recovery["restore_checkpoint"] in (4, 8), recovery
+    assert "optimizer slice 1 of 2: every owner lost (nodes 0, 2)" in got[2], got[2][-3000:]
+    same_bits(got, unsharded, "sharded, both owners of a slice killed, checkpoint fallback")
+
+
+@pytest.mark.parametrize(("before", "after"), [("on", "off"), ("off", "on")])
+def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Path, before: str,
+                                              after: str) -> None:
+    first = tmp_path / "first"
+    cmd = [*RUN[:RUN.index("--steps")], "--steps", "6", *RUN[RUN.index("--steps") + 2:-2], "--checkpoint-every", "3",
+           "--shard-optimizer", before, "--run-dir", str(first)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = run_cli([*RUN, "--shard-optimizer", after, "--resume", str(first)], tmp_path / "resumed",
+                  committed=STEPS - 6, lost=[], timeout=150)
+    assert got[0]["losses"][-1] == unsharded[0]["losses"][-1]
+    differ = [name for name in got[1] if not torch.equal(got[1][name], unsharded[1][name])]
+    assert not differ, f"{before} -> {after}: final parameters differ in {differ}"
