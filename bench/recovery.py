@@ -4,6 +4,7 @@
     .venv/bin/python bench/recovery.py --models gpt2-124m --steps 4 --kill-step 3 --microbatch 1 --microbatches 4 \
         --kill-at 0 0.5 --whole-step
     .venv/bin/python bench/recovery.py --device cuda --models gpt2-124m --steps 8 --kill-step 4 --kill-at 0.5
+    .venv/bin/python bench/recovery.py --models tiny small --pipelines 4 --shard-optimizer both
 
 For each model: a failure-free elastic run (4 nodes, 2 pipelines x 2 stages, so a lost node's
 layers must move), then the same run with `kill:node=2,step=K,at=F` for each `--kill-at` F (the
@@ -15,6 +16,10 @@ steps), its cold start (launcher start -> first commit: what restarting the whol
 before any checkpoint restore) and, with `--whole-step`, the same kill with partial replay off
 (the whole interrupted step is replayed: the runtime before issue 14). Every run must end with
 the failure-free losses (checked).
+
+`--pipelines 4` lays the 4 nodes as 4 one-stage pipelines instead (f = 1), where each layer's
+optimizer state is 2 slices of 2 owners when sharded; `--shard-optimizer both` runs every case
+without and with it (issue 55: the sharded run's survivors fetch the moment slices they now own).
 
 `--device cuda`: the workers run on GPUs (NCCL, bf16 autocast: `elastic.engine.device`), one
 device per worker as the engine assigns them; `--device cpu` (the default): gloo, fp32.
@@ -58,6 +63,8 @@ def run(
     partial_replay: bool = True,
     spares: int = 0,
     device: str = "cpu",
+    pipelines: int = 2,
+    shard_optimizer: str = "off",
 ) -> RunSummary:
     """One elastic run: `nodes` nodes as 2 pipelines (f = 1), the given `--inject` values, node
     leases of `lease_ttl` s. Setting `stop` ends it early (launch_elastic raises JobFailed).
@@ -67,19 +74,21 @@ def run(
     the first plan is the planner's own (as `elastic run` makes it), so that the leader's
     re-plans stay in the same regime (a small budget keeps every pipeline multi-stage). `spares`:
     hot spare nodes beside them (`elastic run --spares`). `device`: the workers' device ("cpu",
-"cuda" or "auto", as `elastic run --device`)."""
+"cuda" or "auto", as `elastic run --device`). `pipelines`: of the even first plan;
+`shard_optimizer`: as `elastic run --shard-optimizer`."""
     layers = get_preset(model).num_layers
     cluster = ClusterSpec(
         model=model, nodes=nodes, fault_tolerance=1, global_batch=microbatch * microbatches, microbatch=microbatch,
         device_memory_gib=DEFAULT_MEMORY_GIB if device_memory_gib is None else device_memory_gib,
     )
     if device_memory_gib is None:
-        plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=2,
+        plan = even_plan(num_layers=layers, nodes=list(range(nodes)), num_pipelines=pipelines,
                          global_microbatches=microbatches, microbatch_size=microbatch, fault_tolerance=1)
     else:
         plan = initial_plan(cluster, cluster_templates(cluster))
     spec = JobSpec(model=model, plan=plan, steps=steps, run_dir=str(run_dir), optim=OptimConfig(eps=1e-6),
-                   device=device, collective_timeout_s=300.0, partial_replay=partial_replay)
+                   device=device, collective_timeout_s=300.0, partial_replay=partial_replay,
+                   shard_optimizer=shard_optimizer)
     config = ElasticConfig(spec=spec, cluster=cluster, injections=tuple(parse_injection(i) for i in inject),
                            checkpoint_every=0, lease_ttl=lease_ttl, spares=spares)
     return launch_elastic(config, quiet=True, timeout_s=1200.0, stop=stop)
@@ -102,6 +111,9 @@ def main() -> None:
     parser.add_argument("--lease-ttl", type=int, default=3, help="node lease TTL in seconds (failure detection bound)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="workers' device: cuda (NCCL, bf16 autocast) or cpu (gloo, fp32; default)")
+    parser.add_argument("--pipelines", type=int, default=2, help="pipelines of the even first plan (f = 1)")
+    parser.add_argument("--shard-optimizer", choices=("off", "on", "both"), default="off",
+                        help="the optimizer's moments sharded over each layer's holders; both: every case twice")
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="keep the runs' logs here (default: a temp dir)"
     )
@@ -109,18 +121,21 @@ def main() -> None:
     rows = []
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     print(f"runs under {root}", file=sys.stderr)
+    modes = ("off", "on") if args.shard_optimizer == "both" else (args.shard_optimizer,)
     for model in args.models:
-        batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl,
-                 "device": args.device}
-        base = run(model, args.nodes, args.steps, (), root / f"{model}-base", **batch)
-        for at in args.kill_at:
-            for partial in (True, False) if args.whole_step else (True,):
-                kill = f"kill:node=2,step={args.kill_step}" + (f",at={at:g}" if at else "")
-                name = f"{model}-kill-at{at:g}" + ("" if partial else "-whole")
-                hit = run(model, args.nodes, args.steps, (kill,), root / name, partial_replay=partial, **batch)
-                row = _row(model, args, base, hit, at=at, partial=partial)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for mode in modes:
+            batch = {"microbatch": args.microbatch, "microbatches": args.microbatches, "lease_ttl": args.lease_ttl,
+                     "device": args.device, "pipelines": args.pipelines, "shard_optimizer": mode}
+            tag = f"{model}-shard-{mode}"
+            base = run(model, args.nodes, args.steps, (), root / f"{tag}-base", **batch)
+            for at in args.kill_at:
+                for partial in (True, False) if args.whole_step else (True,):
+                    kill = f"kill:node=2,step={args.kill_step}" + (f",at={at:g}" if at else "")
+                    name = f"{tag}-kill-at{at:g}" + ("" if partial else "-whole")
+                    hit = run(model, args.nodes, args.steps, (kill,), root / name, partial_replay=partial, **batch)
+                    row = {**_row(model, args, base, hit, at=at, partial=partial), "shard_optimizer": mode}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
 
 
 def _row(model: str, args: argparse.Namespace, base: RunSummary, hit: RunSummary, *, at: float,
