@@ -14,8 +14,10 @@ each slice's updated parameters from its owners to the holders that do not own i
 of a slice sends an even share of it (split by element, in owner order), so f + 1 owners send
 a slice's bytes once between them. The gather is idempotent (it copies committed values), so
 one cut short by a failure is simply repeated. It posts one group per gradient bucket's holder
-set, in descending layer order: the exchange's one global order, so every communicator sees the
-same sequence of groups on every holder (NCCL's rules, elastic/comm/communicator.py).
+set, in descending layer order, on the world communicator, from the training thread: the bucket
+communicators are the exchange thread's, and NCCL's group state is per thread, so a communicator
+is posted from one thread only (elastic/comm/nccl_model.py found it). Both sides of a pair list
+its pieces in the same order.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ GATHER_TAG = 1 << 24
 @dataclass(frozen=True)
 class Piece:
     """Elements [start, stop) of parameter `name` (flattened) sent to or received from `peer`
-    (the holder's index in its bucket's communicator)."""
+    (the holder's rank in the generation's world group)."""
 
     kind: str
     name: str
@@ -101,7 +103,7 @@ def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Call
     for bucket in sorted(layout.buckets, key=lambda b: -b.layers[0]):
         if len(bucket.ranks) < 2:
             continue
-        peer = {node_of[r]: i for i, r in enumerate(bucket.ranks)}
+        peer = {node_of[r]: r for r in bucket.ranks}
         pieces: list[Piece] = []
         for layer in sorted(bucket.layers, reverse=True):
             names = by_layer.get(layer, [])
@@ -128,11 +130,9 @@ def gather_params(plan: list[GatherGroup], params: Mapping[str, torch.Tensor], g
     sent = 0
     with torch.no_grad():
         for group in plan:
-            comm = groups.bucket_group(group.ranks)
-            assert comm is not None
             ops = [P2P(p.kind, params[p.name].view(-1)[p.start : p.stop], p.peer, group.tag) for p in group.pieces]
             sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "send")
-            handles.append(groups.post(comm, ops))
+            handles.append(groups.p2p(ops))
         for handle in handles:
             groups.wait(handle)
     return sent

@@ -44,8 +44,9 @@ def adopt(
 ) -> tuple[nn.Parameter, ParamState]:
     """The parameter `name` and its AdamW state made from a fetched shard: its tensors are used
     as they are when they already have the device, dtype and layout (no copy), else copied.
-    `sliced` (the sharded optimizer): moments of another shape are a sharded holder's slice,
-    whose place the shard does not say: they are dropped (span (0, 0): of no elements)."""
+    `sliced` (the sharded optimizer): flat moments are a sharded holder's slice; as many
+    elements as the parameter are all of it, fewer say not where they lie: they are dropped
+    (span (0, 0): of no elements)."""
     if "step" not in shard:
         raise ValueError(f"fetched shard {key} has no 'step' count")
     tensors = []
@@ -54,7 +55,8 @@ def adopt(
         if src is None:
             raise ValueError(f"fetched shard {key} lacks {kind}/{name}")
         if kind != "param" and sliced and tuple(src.shape) != tuple(skeleton.shape) and src.dim() == 1:
-            src = src.new_zeros(0)
+            # a slice as long as the parameter is all of it; a shorter one says not where it lies
+            src = src.view(skeleton.shape) if src.numel() == skeleton.numel() else src.new_zeros(0)
         elif tuple(src.shape) != tuple(skeleton.shape):
             raise ValueError(
                 f"fetched shard {key}: {kind}/{name} has shape {tuple(src.shape)}, expected {tuple(skeleton.shape)}"

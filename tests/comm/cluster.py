@@ -15,6 +15,7 @@ fraction of a second.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.comm import Event, Recorder
+from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 from elastic.engine.optim import OptimConfig
 from elastic.engine.trainer import Trainer
 from elastic.model.config import GPTConfig
@@ -65,6 +67,12 @@ class Case:
     scatter_gather: bool = True
     """With TP 2 and no sequence parallelism, whether each rank sends half of every boundary
     tensor and the receiving node all-gathers it (elastic/parallel/executor.py)."""
+    shard_optimizer: bool = False
+    """Whether the AdamW moments are sharded over each layer's holders (elastic/engine/optim_shards.py):
+    each step starts with the gather of the parameters the other owners updated, generation 2
+    re-slices over its world group (optim_repair.py), and the end state is read through the
+    checkpoint writers' gather (optim_checkpoint.py). With a failure, plan 1 has f = 1, so that the
+    loss of one pipeline's nodes leaves every slice an owner; otherwise f = 0: P slices of one owner."""
 
 
 @dataclass
@@ -126,9 +134,13 @@ def random_case(seed: int) -> Case:
     plan2 = random_plan(rng, survivors + spares, tp=tp, microbatches=plan1.global_microbatches)
     partial = bool(failed) and rng.random() < 0.6
     evaluate = rng.random() < 0.3
+    recompute, sequence_parallel = rng.choice(("none", "none", "selective", "full")), rng.random() < 0.5
+    scatter_gather, sharded = rng.random() < 0.7, rng.random() < 0.35
+    if sharded and failed:  # f = 1: the lost pipeline leaves every slice an owner
+        plan1 = dataclasses.replace(plan1, fault_tolerance=1)
     return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
-                recompute=rng.choice(("none", "none", "selective", "full")), sequence_parallel=rng.random() < 0.5,
-                scatter_gather=rng.random() < 0.7)
+                recompute=recompute, sequence_parallel=sequence_parallel, scatter_gather=scatter_gather,
+                shard_optimizer=sharded)
 
 
 Worker = tuple[int, int]
@@ -150,7 +162,7 @@ class _Job:
         self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
                             device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3,
                             recompute=case.recompute, sequence_parallel=case.sequence_parallel,
-                            scatter_gather=case.scatter_gather)
+                            scatter_gather=case.scatter_gather, shard_optimizer="on" if case.shard_optimizer else "off")
         self.workers = sorted({(n, r) for n in (*case.plan1.nodes, *case.plan2.nodes) for r in range(tp)})
         self.recorders = {w: Recorder(rank=w[0] * tp + w[1]) for w in self.workers}
         self.trainers: dict[Worker, Trainer] = {}
@@ -229,6 +241,10 @@ class _Job:
         with self.lock:
             self.out.steps[w] = t.step
             self.out.shards[w] = {k: t.export_shard(*k) for k in t.holdings()}
+        if self.case.shard_optimizer:  # holders keep slices of the moments: the writers' whole shards
+            shards = t.checkpoint_shards(checkpoint_writer_shards(t.layout))
+            with self.lock:
+                self.out.shards[w] = shards
 
     def _on_threads(self, fn: Callable[[Worker], None], workers: list[Worker]) -> None:
         def run(w: Worker) -> None:

@@ -4,6 +4,7 @@ plans and its workers' logs: the coverage that issue 31's list of cases asks for
 from __future__ import annotations
 
 from elastic.comm import Event
+from templates.optim_slices import plan_owners
 from tests.comm.cluster import Case
 
 FRAME = 64 << 10
@@ -21,6 +22,8 @@ WANTED = frozenset({
     "sequence parallel with tp=2", "reduce-scatter", "recompute full with sequence parallel",
     "interleaved v=2", "interleaved v=3", "interleaved beside another depth", "re-plan changes v",
     "interleaved with tp=2", "scatter/gather with tp=2", "interleaved partial failure",
+    "sharded optimizer", "sharded optimizer through a failure", "sharded optimizer partial failure",
+    "sharded optimizer with tp=2",
 })
 
 
@@ -44,7 +47,7 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("sequence parallel with tp=2")
         if case.recompute == "full":
             out.add("recompute full with sequence parallel")  # the backward gathers and scatters again
-    out |= _schedules(case)
+    out |= _schedules(case) | _sharding(case)
     if set(case.plan2.nodes) - set(case.plan1.nodes):
         out.add("spare takes a stage")
     sends: set[tuple[int, int]] = set()
@@ -87,6 +90,20 @@ def _schedules(case: Case) -> set[str]:
         out.add("re-plan changes v")
     if tp > 1 and case.scatter_gather and not case.sequence_parallel:
         out.add("scatter/gather with tp=2")
+    return out
+
+
+def _sharding(case: Case) -> set[str]:
+    """The sharded optimizer's patterns: where some layer has 2 slices or more (a gather)."""
+    if not case.shard_optimizer or all(o.slices < 2 for p in (case.plan1, case.plan2) for o in plan_owners(p).values()):
+        return set()
+    out = {"sharded optimizer"}
+    if case.failed:
+        out.add("sharded optimizer through a failure")
+        if case.partial:
+            out.add("sharded optimizer partial failure")
+    if case.plan1.gpus_per_node > 1:
+        out.add("sharded optimizer with tp=2")
     return out
 
 

@@ -3,7 +3,9 @@
 evaluation, a full-state gather, a failure with or without partial replay, a re-plan with shards
 moved between survivors and to spares, kept sums moved with their layers, and two more steps,
 each job with a recompute mode (none, selective or full: full reposts a block's tensor-parallel
-all-reduces inside the backward).
+all-reduces inside the backward), and about a third with the optimizer sharded (each step's
+gather of parameters, generation 2's re-slicing of moments, the checkpoint writers' gather of
+moment slices; their end state read through the writers).
 Every job's logs replay under NCCL's rules without a deadlock or any other problem, every job
 ends with the state of a one-process run bit for bit (the step's summation tree makes every plan,
 failure and replay the same step), and the generated set covers every pattern issue 31 lists

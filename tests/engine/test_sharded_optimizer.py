@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from elastic.engine.optim_shards import gather_plan, layer_params, owned_ranges
+from elastic.engine.shard_store import adopt
 from elastic.model.config import get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.naming import layer_of
@@ -25,6 +26,7 @@ from elastic.parallel.layout import ParallelLayout, assign_ranks
 from elastic.records.job import JobSpec
 from elastic.records.summary import RunSummary, load_final_state
 from elastic.roles.static_launcher import launch
+from elastic.transfer.shards import ShardKey
 from templates.optim_slices import aligned_cuts, plan_owners
 from templates.plan import Plan, even_plan
 from tests.engine.plans import TINY_LAYERS, hetero, two_by_two
@@ -102,3 +104,22 @@ def test_owned_ranges_tile_each_layer_once_per_slice_and_the_gather_fills_the_re
                 alone = len(owners[layer].owners) == 1 and len(owners[layer].owners[0]) == 1
                 assert received[n] == [0 if a <= i < b or alone else 1 for i in range(sizes[n])], n
                 offset += sizes[n]
+
+
+def test_a_fetched_slice_as_long_as_its_parameter_is_all_of_it() -> None:
+    """A sharded holder's moments are flat: one that owns a whole 2-D parameter serves them as
+    (n,), which the new holder takes as the whole state (found by the generated jobs, whose
+    re-slicing saw a layer's coverage broken where only the biases had been kept); a shorter
+    slice says not where it lies and is dropped."""
+    skeleton = torch.nn.Parameter(torch.zeros(4, 32))
+    whole = {"param/w": torch.randn(4, 32), "exp_avg/w": torch.randn(128), "exp_avg_sq/w": torch.rand(128),
+             "step": torch.tensor(3)}
+    param, state = adopt(ShardKey(0, 0), "w", skeleton, whole, torch.device("cpu"), sliced=True)
+    assert state.span is None and state.step == 3
+    assert torch.equal(state.exp_avg, whole["exp_avg/w"].view(4, 32))
+    assert torch.equal(state.exp_avg_sq, whole["exp_avg_sq/w"].view(4, 32))
+    part = {**whole, "exp_avg/w": torch.randn(64), "exp_avg_sq/w": torch.rand(64)}
+    _, state = adopt(ShardKey(0, 0), "w", skeleton, part, torch.device("cpu"), sliced=True)
+    assert state.span == (0, 0) and state.exp_avg.numel() == 0
+    with pytest.raises(ValueError, match="shape"):
+        adopt(ShardKey(0, 0), "w", skeleton, part, torch.device("cpu"), sliced=False)
