@@ -86,10 +86,23 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
+MOMENT_GRID_BYTES = 8 * 64 * 16
+"""What a holder's slice of a layer's moments may exceed 1/S of them by: slices are cut on a
+64-element grid of each parameter (`templates.optim_slices.aligned_cuts`), 8 bytes an element,
+for layers of up to 16 parameter tensors (a GPT block has 12)."""
+
+
+def moment_bytes(optimizer_bytes: float, slices: int) -> float:
+    """A holder's bytes of a layer's moments when they are cut into `slices` (1: all of them)."""
+    return float(optimizer_bytes) if slices == 1 else min(float(optimizer_bytes), optimizer_bytes / slices + MOMENT_GRID_BYTES)
+
+
 class StageCosts:
     """Stage times and memory for every layer range and position, as numpy arrays."""
 
-    def __init__(self, profile: Profile, gpus_per_node: int, recompute: str = "none") -> None:
+    def __init__(self, profile: Profile, gpus_per_node: int, recompute: str = "none", moment_slices: int = 1) -> None:
+        if moment_slices < 1:
+            raise ValueError(f"moment_slices must be >= 1, got {moment_slices}")
         if gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
         if recompute not in PLANNED_RECOMPUTE:
@@ -106,7 +119,10 @@ class StageCosts:
         """Bytes for the stage's layers: G devices' budget less the workers' fixed buffers."""
         layers = profile.layers
         grad_per_weight_byte = profile.memory.grad_bytes_per_param / WEIGHT_BYTES
-        state = np.array([ly.param_bytes * (1.0 + grad_per_weight_byte) + ly.optimizer_bytes for ly in layers])
+        self.moment_slices = moment_slices
+        """S: the sharded optimizer's slices of every layer's moments (1: each holder keeps all)."""
+        state = np.array([ly.param_bytes * (1.0 + grad_per_weight_byte) + moment_bytes(ly.optimizer_bytes, moment_slices)
+                          for ly in layers])
         n = self.num_layers + 1
         self._valid = np.triu(np.ones((n, n), dtype=bool), k=1)  # i < j
         self._state = _range_sums(state)

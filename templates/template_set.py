@@ -75,6 +75,9 @@ class TemplateSet:
     virtual_stages: int = 1
     """v forced on every template of 2 or more nodes where it fits (templates/interleave.py);
     1: plain 1F1B; 0 (auto): each template's fastest v."""
+    moment_slices: int = 1
+    """S: the slices each layer's optimizer moments were counted in (the sharded optimizer: a
+    holder keeps 1/S of them); 1: whole."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
     memo: SizesMemo = field(default_factory=SizesMemo, init=False, repr=False, compare=False)
@@ -111,11 +114,13 @@ def build_templates(
     max_nodes: int | None = None,
     recompute: str = "none",
     virtual_stages: int = 1,
+    moment_slices: int = 1,
 ) -> TemplateSet:
     """Templates for pipelines of n0 .. n_max nodes for a cluster of `num_nodes` nodes, each
     stage recomputing as `recompute` says ("auto": the planner's choice per stage), with
     `virtual_stages` model chunks per node where the pipeline has 2 or more nodes (0: the
-    fastest that fits, per template)."""
+    fastest that fits, per template), each holder keeping 1/`moment_slices` of its layers'
+    optimizer moments (the sharded optimizer; 1: all of them)."""
     if virtual_stages < 0:
         raise PlanningError(f"virtual stages must be >= 1, or 0 (auto), got {virtual_stages}")
     if num_nodes < 1:
@@ -127,7 +132,7 @@ def build_templates(
             f"{global_microbatches} microbatches cannot feed the {fault_tolerance + 1} pipelines "
             f"fault tolerance {fault_tolerance} needs"
         )
-    costs = StageCosts(profile, gpus_per_node, recompute)
+    costs = StageCosts(profile, gpus_per_node, recompute, moment_slices)
     feasible = feasible_stage_counts(costs, profile.num_layers)
     if not feasible:
         budget = profile.device.budget_bytes - profile.memory.worker_bytes
@@ -152,6 +157,7 @@ def build_templates(
         max_nodes=n_max,
         recompute=recompute,
         virtual_stages=virtual_stages,
+        moment_slices=moment_slices,
         templates={n: best_interleaving(t, costs, virtual_stages)
                    for n, t in search_templates(costs, shares).items()},
     )

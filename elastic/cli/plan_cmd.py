@@ -16,20 +16,25 @@ import json
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_recompute_flag, add_schedule_flag, add_shape_flags, model_from_flags
+from elastic.cli.model_flags import (
+    add_recompute_flag,
+    add_schedule_flag,
+    add_shape_flags,
+    add_shard_optimizer_flag,
+    model_from_flags,
+)
 from elastic.model.config import PRESETS, RECOMPUTE_MODES, GPTConfig, describe_model
 from elastic.planning.cluster import (
     DEFAULT_MEMORY_GIB,
     DEFAULT_TFLOPS,
+    ChosenPlan,
     ClusterSpec,
-    cluster_templates,
-    initial_plan,
+    choose_plan,
     memory_gib,
 )
 from elastic.planning.footprint import DEVICE_TYPES
 from templates.plan import Plan, describe_ranges
 from templates.search import PipelineTemplate
-from templates.template_set import TemplateSet
 
 
 def register(subparsers: Any) -> None:
@@ -59,6 +64,7 @@ def register(subparsers: Any) -> None:
                         help="device type the workers compute on (cuda: bf16 activations, a reserve per device)")
     add_recompute_flag(parser)
     add_schedule_flag(parser)
+    add_shard_optimizer_flag(parser)
     parser.set_defaults(func=_run)
 
 
@@ -85,18 +91,43 @@ def _run(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             virtual_stages=args.virtual_stages,
         )
-        tset = cluster_templates(spec)
-        plan = initial_plan(spec, tset)
+        chosen = choose_plan(spec, args.shard_optimizer)
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps(_as_json(args, cfg, tset, plan), indent=2))
+        print(json.dumps(_as_json(args, cfg, chosen), indent=2))
     else:
-        print(_as_table(args, cfg, tset, plan))
+        print(_as_table(args, cfg, chosen))
     return 0
 
 
-def _as_json(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: Plan) -> dict[str, Any]:
+def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:
+    """How the plan's optimizer state is kept (`optimizer` of --json)."""
+    f = chosen.plan.fault_tolerance
+    return {
+        "shard_optimizer": args.shard_optimizer,
+        "sharded": chosen.sharded,
+        "slices": chosen.slices,
+        "owners_per_slice": len(chosen.plan.pipelines) // chosen.slices,
+        "moment_share": 1.0 / chosen.slices,
+        "fault_tolerance": f,
+        "unsharded_iteration_time": chosen.unsharded_time,
+    }
+
+
+def _optimizer_summary(args: argparse.Namespace, chosen: ChosenPlan) -> str:
+    """The table's line on the optimizer state: sharded or not, and why for auto."""
+    head = f"optimizer {args.shard_optimizer}: "
+    if not chosen.sharded:
+        why = " (auto: sharding lays no faster plan here, or f = 0)" if args.shard_optimizer == "auto" else ""
+        return head + f"every holder keeps its layers' whole AdamW moments{why}"
+    p, s = len(chosen.plan.pipelines), chosen.slices
+    return (head + f"sharded: each layer's moments in {s} slice(s) over its {p} holders, {p // s}+ owners each; a "
+            f"holder keeps 1/{s} of them (unsharded plan {chosen.unsharded_time:.6g} s an iteration)")
+
+
+def _as_json(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dict[str, Any]:
+    tset, plan = chosen.tset, chosen.plan
     return {
         "model": args.model,
         "shape": cfg.as_dict(),
@@ -110,6 +141,7 @@ def _as_json(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: 
         "max_nodes": tset.max_nodes,
         "templates": tset.to_list(),
         "plan": plan.to_dict(),
+        "optimizer": _optimizer(args, chosen),
     }
 
 
@@ -142,7 +174,8 @@ def _recompute_summary(plan: Plan) -> str:
     return f"stages of the plan: {counts} (marked +selective / +full below; unmarked stages keep everything)"
 
 
-def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan: Plan) -> str:
+def _as_table(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> str:
+    tset, plan = chosen.tset, chosen.plan
     lines = [
         f"model {describe_model(args.model, cfg)}: {tset.num_layers} planning layers; profile {tset.profile.source} "
         f"({tset.profile.notes.split(';')[0]})",
@@ -151,6 +184,7 @@ def _as_table(args: argparse.Namespace, cfg: GPTConfig, tset: TemplateSet, plan:
         f"templates for n in [{tset.min_nodes}, {tset.max_nodes}] (n0 = {tset.min_nodes}: fewest nodes that hold the model)",
         f"recompute {args.recompute}: {_recompute_summary(plan)}",
         _schedule_summary(args, plan),
+        _optimizer_summary(args, chosen),
         "",
         f"{'nodes':>5}  {'v':>2}  {'mbs':>5}  {'slowest stage s':>15}  {'iteration s':>12}  {'vs v=1':>6}  "
         "stages (layers)",

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
-from elastic.cli.model_flags import add_recompute_flag, add_schedule_flag, add_shape_flags, model_for_data
+from elastic.cli.model_flags import (
+    add_recompute_flag,
+    add_schedule_flag,
+    add_shape_flags,
+    add_shard_optimizer_flag,
+    model_for_data,
+)
 from elastic.cli.run_config import (
     build_plan,
     check_flags,
@@ -151,10 +157,7 @@ def register(subparsers: Any) -> None:
                         help="split the activations between the tensor-parallel regions (LayerNorms, residual, "
                         "dropout) along the sequence, and what crosses between stages with them (default: on with "
                         "--gpus-per-node > 1); the same function, summed in another order (within 1e-5)")
-    parser.add_argument("--shard-optimizer", choices=("off", "on", "auto"), default="auto",
-                        help="shard AdamW's moments across each layer's holders, f+1 copies of every slice: each "
-                        "keeps (f+1)/P of them and updates only its slice; bit-identical (default auto: off for now; "
-                        "elastic/engine/optim_shards.py)")
+    add_shard_optimizer_flag(parser)
     # ---- evaluation on a held-out split (elastic/engine/eval.py) ----
     parser.add_argument("--eval-every", type=int, default=0, metavar="N",
                         help="validation loss on held-out data after every N committed steps and after the last "

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import GPTConfig
-from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan, memory_gib
+from elastic.planning.cluster import ClusterSpec, choose_plan, memory_gib
 from elastic.planning.stragglers import StragglerConfig
 from templates.plan import Plan, PlanError
 
@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | None = None) -> Plan:
     """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
-    (for the model `shape`; None: the --model preset's)."""
+    (for the model `shape`; None: the --model preset's), with the optimizer sharded or not as
+    `--shard-optimizer` says (`auto` is resolved here, in `args`: on where the planner chose it;
+    with --plan FILE, off)."""
     if args.plan is not None:
         try:
             plan = Plan.from_json(args.plan.read_text())
@@ -44,6 +46,8 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
                 f"the plan has {len(plan.pipelines)} pipelines; --fault-tolerance {args.fault_tolerance} needs "
                 f"{args.fault_tolerance + 1}"
             )
+        if args.shard_optimizer == "auto":  # a given plan: the planner chose nothing
+            args.shard_optimizer = "off"
         return plan
     try:
         spec = ClusterSpec(
@@ -61,9 +65,11 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
             recompute=args.recompute,
             virtual_stages=args.virtual_stages,
         )
-        return initial_plan(spec, cluster_templates(spec))
+        chosen = choose_plan(spec, args.shard_optimizer)
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
+    args.shard_optimizer = "on" if chosen.sharded else "off"  # auto resolved: the JobSpec's
+    return chosen.plan
 
 
 def _device_type(args: argparse.Namespace) -> str:

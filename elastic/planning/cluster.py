@@ -261,8 +261,9 @@ def cluster_profile(spec: ClusterSpec) -> Profile:
     return dataclasses.replace(profile, memory=memory_model(spec))
 
 
-def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> TemplateSet:
-    """Templates for every pipeline size the cluster can use (PlanningError if none fits)."""
+def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None, moment_slices: int = 1) -> TemplateSet:
+    """Templates for every pipeline size the cluster can use (PlanningError if none fits), each
+    holder keeping 1/`moment_slices` of its optimizer moments (the sharded optimizer)."""
     return build_templates(
         cluster_profile(spec),
         gpus_per_node=spec.gpus_per_node,
@@ -272,6 +273,7 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None) -> Tem
         max_nodes=max_nodes,
         recompute=spec.recompute,
         virtual_stages=spec.virtual_stages,
+        moment_slices=moment_slices,
     )
 
 
@@ -284,8 +286,79 @@ def initial_plan(spec: ClusterSpec, tset: TemplateSet) -> Plan:
     if tset.recompute != "auto" or all(st.recompute == "none" for pipe in plan.pipelines for st in pipe.stages):
         return plan
     try:
-        plain = instantiate(cluster_templates(dataclasses.replace(spec, recompute="none")), nodes,
+        plain = instantiate(cluster_templates(dataclasses.replace(spec, recompute="none"),
+                                              moment_slices=tset.moment_slices), nodes,
                             global_microbatches=spec.global_microbatches, fault_tolerance=spec.fault_tolerance)
     except PlanningError:  # nothing fits without recomputation
         return plan
     return plain if plain.iteration_time <= plan.iteration_time * (1 + 1e-9) else plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChosenPlan:
+    """The plan of a run and whether its optimizer is sharded (`choose_plan`)."""
+
+    tset: TemplateSet
+    plan: Plan
+    sharded: bool
+    unsharded_time: float
+    """The unsharded plan's estimated iteration time (the comparison `auto` made)."""
+
+    @property
+    def slices(self) -> int:
+        """S: slices of every layer's moments (1 unsharded)."""
+        return len(self.plan.pipelines) // (self.plan.fault_tolerance + 1) if self.sharded else 1
+
+
+def slice_candidates(most: int) -> list[int]:
+    """The slice counts `sharded_plan` tries: 1, 2, 3, then powers of two and their 1.5x up to
+    `most` (about 2 log2 of it)."""
+    out, k = {1, 2, 3}, 4
+    while k <= most:
+        out |= {k, k * 3 // 2}
+        k *= 2
+    return sorted(n for n in out if n <= max(1, most))
+
+
+def sharded_plan(spec: ClusterSpec) -> tuple[TemplateSet, Plan]:
+    """The fastest plan whose holders keep 1/S of the moments, S = P // (f + 1) of the plan
+    itself. For each candidate S (`slice_candidates`) the templates count 1/S of the moments and
+    the plan is kept if it has the P it assumed (P // (f + 1) >= S); at S = 1 every plan does
+    (the unsharded one). Ties go to the fewer slices."""
+    f = spec.fault_tolerance
+    best: tuple[TemplateSet, Plan] | None = None
+    for slices in slice_candidates(spec.nodes // (f + 1)):
+        try:
+            tset = cluster_templates(spec, moment_slices=slices)
+            plan = initial_plan(spec, tset)
+        except PlanningError:
+            if slices == 1:
+                raise
+            continue
+        if len(plan.pipelines) // (f + 1) < slices:
+            continue
+        if best is None or plan.iteration_time < best[1].iteration_time * (1 - 1e-9):
+            best = (tset, plan)
+    assert best is not None  # S = 1 is always kept
+    return best
+
+
+def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
+    """The run's plan: unsharded (`off`), sharded (`on`, `sharded_plan`), or (`auto`) the sharded
+    one where it has 2 slices or more, f >= 1, and is predicted faster (the freed memory laid
+    fewer stages or less recomputation). `auto` never shards at f = 0: every slice would have one
+    owner, so any loss would fall back to the checkpoint where full replicas might have lived on. PlanningError (a ValueError) if nothing fits unsharded: the leader
+    re-plans after a failure with unsharded templates, the bound that holds whatever S the new
+    plan has, so a model that fits only sharded would have no re-plan."""
+    if shard_optimizer not in ("off", "on", "auto"):
+        raise ValueError(f"--shard-optimizer must be off, on or auto, got {shard_optimizer!r}")
+    tset = cluster_templates(spec)
+    plain = initial_plan(spec, tset)
+    if shard_optimizer == "off":
+        return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
+    stset, splan = sharded_plan(spec)
+    faster = (spec.fault_tolerance >= 1 and len(splan.pipelines) // (spec.fault_tolerance + 1) > 1
+              and splan.iteration_time < plain.iteration_time * (1 - 1e-9))
+    if shard_optimizer == "on" or faster:
+        return ChosenPlan(tset=stset, plan=splan, sharded=True, unsharded_time=plain.iteration_time)
+    return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
