@@ -1,0 +1,72 @@
+"""The planner with the optimizer sharded (issue 55): templates that count 1/S of each layer's
+moments, plans that keep the S they assumed, and `auto` choosing sharding only where it lays a
+faster plan at f >= 1. Each sharded plan is checked against the unsharded plan of the same
+cluster, computed on its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic.cli.main import main
+from elastic.planning.cluster import ClusterSpec, choose_plan, cluster_templates, initial_plan, sharded_plan
+from templates.cost import MOMENT_GRID_BYTES, StageCosts, moment_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+GPT3_CPU = ClusterSpec(model="gpt3-6.7b", nodes=64, gpus_per_node=1, fault_tolerance=1, global_batch=1024,
+                       microbatch=4, device_memory_gib=80, device_tflops=300)
+"""A cluster where the memory sharding frees lays shorter pipelines (fp32 activations on 80 GiB)."""
+
+
+def test_a_holder_counts_its_slice_of_the_moments() -> None:
+    assert moment_bytes(8000.0, 1) == 8000.0
+    assert moment_bytes(8e6, 4) == 2e6 + MOMENT_GRID_BYTES
+    assert moment_bytes(100.0, 4) == 100.0  # never more than the whole
+    whole = StageCosts(cluster_templates(GPT3_CPU).profile, 1)
+    half = StageCosts(whole.profile, 1, moment_slices=2)
+    layers = whole.profile.layers
+    freed = sum(ly.optimizer_bytes - moment_bytes(ly.optimizer_bytes, 2) for ly in layers)
+    assert whole.state_bytes(0, len(layers)) - half.state_bytes(0, len(layers)) == pytest.approx(freed, rel=1e-12)
+    with pytest.raises(ValueError, match="moment_slices"):
+        StageCosts(whole.profile, 1, moment_slices=0)
+
+
+def test_the_sharded_plan_keeps_the_slices_it_assumed_and_beats_the_unsharded_one() -> None:
+    tset, plan = sharded_plan(GPT3_CPU)
+    f = GPT3_CPU.fault_tolerance
+    assert len(plan.pipelines) // (f + 1) >= tset.moment_slices > 1
+    plain = initial_plan(GPT3_CPU, cluster_templates(GPT3_CPU))
+    assert plan.iteration_time < plain.iteration_time
+    assert len(plan.pipelines) > len(plain.pipelines)  # the freed memory laid shorter pipelines
+    assert cluster_templates(GPT3_CPU, moment_slices=tset.moment_slices).min_nodes < cluster_templates(GPT3_CPU).min_nodes
+    chosen = choose_plan(GPT3_CPU, "auto")
+    assert chosen.sharded and chosen.plan == plan and chosen.unsharded_time == plain.iteration_time
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_f0_is_never_sharded_by_auto_and_off_is_the_unsharded_plan(mode: str) -> None:
+    spec = ClusterSpec(model="gpt3-6.7b", nodes=64, gpus_per_node=1, fault_tolerance=0, global_batch=1024,
+                       microbatch=4, device_memory_gib=80, device_tflops=300)
+    chosen = choose_plan(spec, mode)
+    assert chosen.sharded == (mode == "on")
+    if mode != "on":
+        assert chosen.plan == initial_plan(spec, cluster_templates(spec))
+    with pytest.raises(ValueError, match="--shard-optimizer"):
+        choose_plan(spec, "sometimes")
+
+
+def test_auto_leaves_a_plan_that_memory_does_not_bind(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--model", "gpt3-350m", "--nodes", "8", "--fault-tolerance", "1", "--global-batch", "64",
+            "--microbatch", "2", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["optimizer"]["sharded"] is False and data["optimizer"]["slices"] == 1
+    assert data["optimizer"]["unsharded_iteration_time"] == data["plan"]["iteration_time"]
+    assert main([*argv[:-1], "--shard-optimizer", "on", "--json"]) == 0
+    on = json.loads(capsys.readouterr().out)["optimizer"]
+    pipelines = len(data["plan"]["pipelines"])
+    assert on["sharded"] is True and on["slices"] == pipelines // 2 and on["owners_per_slice"] == 2
+    assert main([*argv[:-1], "--shard-optimizer", "on"]) == 0
+    assert f"sharded: each layer's moments in {pipelines // 2} slice(s)" in capsys.readouterr().out
