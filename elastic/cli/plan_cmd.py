@@ -112,6 +112,7 @@ def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:
         "moment_share": 1.0 / chosen.slices,
         "fault_tolerance": f,
         "unsharded_iteration_time": chosen.unsharded_time,
+        "gather_time": chosen.gather_time,
     }
 
 
@@ -123,7 +124,8 @@ def _optimizer_summary(args: argparse.Namespace, chosen: ChosenPlan) -> str:
         return head + f"every holder keeps its layers' whole AdamW moments{why}"
     p, s = len(chosen.plan.pipelines), chosen.slices
     return (head + f"sharded: each layer's moments in {s} slice(s) over its {p} holders, {p // s}+ owners each; a "
-            f"holder keeps 1/{s} of them (unsharded plan {chosen.unsharded_time:.6g} s an iteration)")
+            f"holder keeps 1/{s} of them; its parameter gather {chosen.gather_time:.3g} s a step on top (unsharded plan "
+            f"{chosen.unsharded_time:.6g} s an iteration)")
 
 
 def _as_json(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dict[str, Any]:

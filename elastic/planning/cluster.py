@@ -303,6 +303,9 @@ class ChosenPlan:
     sharded: bool
     unsharded_time: float
     """The unsharded plan's estimated iteration time (the comparison `auto` made)."""
+    gather_time: float = 0.0
+    """The sharded plan's parameter gather a step (`gather_time`): counted on top of its
+    iteration time when `auto` compares; 0 unsharded."""
 
     @property
     def slices(self) -> int:
@@ -343,10 +346,23 @@ def sharded_plan(spec: ClusterSpec) -> tuple[TemplateSet, Plan]:
     return best
 
 
+def gather_time(tset: TemplateSet, plan: Plan) -> float:
+    """Seconds a step of `plan`, sharded, spends in the parameter gather before its first
+    forward (elastic/engine/optim_shards.py: not overlapped yet): the slowest node receives the
+    (S - 1) / S of its stage's parameters it does not own (S = P // (f + 1)) over its link."""
+    slices = len(plan.pipelines) // (plan.fault_tolerance + 1)
+    if slices < 2:
+        return 0.0
+    layers, device = tset.profile.layers, tset.profile.device
+    most = max(sum(layers[i].param_bytes for a, b in st.ranges for i in range(a, b))
+               for pipe in plan.pipelines for st in pipe.stages)
+    return device.p2p_time(most * (slices - 1) / slices)
+
+
 def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
     """The run's plan: unsharded (`off`), sharded (`on`, `sharded_plan`), or (`auto`) the sharded
-    one where it has 2 slices or more, f >= 1, and is predicted faster (the freed memory laid
-    fewer stages or less recomputation). `auto` never shards at f = 0: every slice would have one
+    one where it has 2 slices or more, f >= 1, and is predicted faster with its parameter gather
+    counted (`gather_time`; the freed memory laid fewer stages or less recomputation). `auto` never shards at f = 0: every slice would have one
     owner, so any loss would fall back to the checkpoint where full replicas might have lived on. PlanningError (a ValueError) if nothing fits unsharded: the leader
     re-plans after a failure with unsharded templates, the bound that holds whatever S the new
     plan has, so a model that fits only sharded would have no re-plan."""
@@ -357,8 +373,10 @@ def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
     if shard_optimizer == "off":
         return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
     stset, splan = sharded_plan(spec)
+    gather = gather_time(stset, splan)
     faster = (spec.fault_tolerance >= 1 and len(splan.pipelines) // (spec.fault_tolerance + 1) > 1
-              and splan.iteration_time < plain.iteration_time * (1 - 1e-9))
+              and splan.iteration_time + gather < plain.iteration_time * (1 - 1e-9))
     if shard_optimizer == "on" or faster:
-        return ChosenPlan(tset=stset, plan=splan, sharded=True, unsharded_time=plain.iteration_time)
+        return ChosenPlan(tset=stset, plan=splan, sharded=True, unsharded_time=plain.iteration_time,
+                          gather_time=gather)
     return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
