@@ -45,6 +45,12 @@ class ParamState:
     """Elements [start, stop) of the flattened parameter the moments are of (the sharded
     optimizer's slice); None: all of it."""
 
+    def elements(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of both moments at elements [start, stop) of the flattened parameter (inside
+        `span`)."""
+        s0 = 0 if self.span is None else self.span[0]
+        return self.exp_avg.view(-1)[start - s0 : stop - s0], self.exp_avg_sq.view(-1)[start - s0 : stop - s0]
+
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Device types torch's fused AdamW kernel runs on."""

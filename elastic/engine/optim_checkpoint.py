@@ -57,9 +57,7 @@ def whole_moments(layout: ParallelLayout, groups: ParallelGroups, state: Mapping
                 continue
             for name, a, b in spans(names, sizes, cuts[j], cuts[j + 1]):
                 if layout.rank == src:
-                    st = state[name]
-                    s0 = 0 if st.span is None else st.span[0]
-                    mine = (st.exp_avg.view(-1)[a - s0 : b - s0], st.exp_avg_sq.view(-1)[a - s0 : b - s0])
+                    mine = state[name].elements(a, b)
                     if src == writer:
                         full[name][0][a:b].copy_(mine[0])
                         full[name][1][a:b].copy_(mine[1])

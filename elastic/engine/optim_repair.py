@@ -118,15 +118,9 @@ def repair_moments(layout: ParallelLayout, groups: ParallelGroups, *, sources: M
             for name, a, b in spans(names, sizes, move.start, move.stop):
                 param, st = sources[name]
                 if move.src == layout.rank:
-                    s0 = 0 if st.span is None else st.span[0]
-                    moments = (st.exp_avg.view(-1)[a - s0 : b - s0], st.exp_avg_sq.view(-1)[a - s0 : b - s0])
-                    kind, peer = "send", move.dst
+                    moments, kind, peer = st.elements(a, b), "send", move.dst
                 else:
-                    new = fresh[name]
-                    assert new.span is not None
-                    moments = (new.exp_avg[a - new.span[0] : b - new.span[0]],
-                               new.exp_avg_sq[a - new.span[0] : b - new.span[0]])
-                    kind, peer = "recv", move.src
+                    moments, kind, peer = fresh[name].elements(a, b), "recv", move.src
                 ops.extend(P2P(kind, t, peer, REPAIR_TAG) for t in (param.detach().view(-1)[a:b], *moments))
     _copy_kept(fresh, sources)
     if ops:

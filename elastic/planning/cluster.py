@@ -27,6 +27,7 @@ from elastic.planning.footprint import DEVICE_TYPES, reserve_bytes
 from elastic.planning.planner_figures import planner_figures
 from templates.derive import DeviceSpeed, LayerCounts, RecomputeCounts, derive_profile
 from templates.instantiation import instantiate
+from templates.optim_slices import slice_count
 from templates.plan import Plan
 from templates.profile import PLANNED_RECOMPUTE, MemoryModel, Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
@@ -310,7 +311,12 @@ class ChosenPlan:
     @property
     def slices(self) -> int:
         """S: slices of every layer's moments (1 unsharded)."""
-        return len(self.plan.pipelines) // (self.plan.fault_tolerance + 1) if self.sharded else 1
+        return plan_slices(self.plan) if self.sharded else 1
+
+
+def plan_slices(plan: Plan) -> int:
+    """S of `plan` sharded: its P holders of every layer over f + 1 (`optim_slices.slice_count`)."""
+    return slice_count(len(plan.pipelines), plan.fault_tolerance)
 
 
 def slice_candidates(most: int) -> list[int]:
@@ -323,26 +329,20 @@ def slice_candidates(most: int) -> list[int]:
     return sorted(n for n in out if n <= max(1, most))
 
 
-def sharded_plan(spec: ClusterSpec) -> tuple[TemplateSet, Plan]:
+def sharded_plan(spec: ClusterSpec, unsharded: tuple[TemplateSet, Plan]) -> tuple[TemplateSet, Plan]:
     """The fastest plan whose holders keep 1/S of the moments, S = P // (f + 1) of the plan
-    itself. For each candidate S (`slice_candidates`) the templates count 1/S of the moments and
-    the plan is kept if it has the P it assumed (P // (f + 1) >= S); at S = 1 every plan does
-    (the unsharded one). Ties go to the fewer slices."""
-    f = spec.fault_tolerance
-    best: tuple[TemplateSet, Plan] | None = None
-    for slices in slice_candidates(spec.nodes // (f + 1)):
+    itself. For each candidate S > 1 (`slice_candidates`) the templates count 1/S of the moments
+    and the plan is kept if it has the P it assumed (P // (f + 1) >= S); at S = 1 every plan
+    does: `unsharded`, the caller's templates and plan. Ties go to the fewer slices."""
+    best = unsharded
+    for slices in slice_candidates(spec.nodes // (spec.fault_tolerance + 1))[1:]:
         try:
             tset = cluster_templates(spec, moment_slices=slices)
             plan = initial_plan(spec, tset)
         except PlanningError:
-            if slices == 1:
-                raise
             continue
-        if len(plan.pipelines) // (f + 1) < slices:
-            continue
-        if best is None or plan.iteration_time < best[1].iteration_time * (1 - 1e-9):
+        if plan_slices(plan) >= slices and plan.iteration_time < best[1].iteration_time * (1 - 1e-9):
             best = (tset, plan)
-    assert best is not None  # S = 1 is always kept
     return best
 
 
@@ -350,7 +350,7 @@ def gather_time(tset: TemplateSet, plan: Plan) -> float:
     """Seconds a step of `plan`, sharded, spends in the parameter gather before its first
     forward (elastic/engine/optim_shards.py: not overlapped yet): the slowest node receives the
     (S - 1) / S of its stage's parameters it does not own (S = P // (f + 1)) over its link."""
-    slices = len(plan.pipelines) // (plan.fault_tolerance + 1)
+    slices = plan_slices(plan)
     if slices < 2:
         return 0.0
     layers, device = tset.profile.layers, tset.profile.device
@@ -362,19 +362,20 @@ def gather_time(tset: TemplateSet, plan: Plan) -> float:
 def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
     """The run's plan: unsharded (`off`), sharded (`on`, `sharded_plan`), or (`auto`) the sharded
     one where it has 2 slices or more, f >= 1, and is predicted faster with its parameter gather
-    counted (`gather_time`; the freed memory laid fewer stages or less recomputation). `auto` never shards at f = 0: every slice would have one
-    owner, so any loss would fall back to the checkpoint where full replicas might have lived on. PlanningError (a ValueError) if nothing fits unsharded: the leader
-    re-plans after a failure with unsharded templates, the bound that holds whatever S the new
-    plan has, so a model that fits only sharded would have no re-plan."""
+    counted (`gather_time`; the freed memory laid fewer stages or less recomputation). `auto`
+    never shards at f = 0: every slice would have one owner, so any loss would fall back to the
+    checkpoint where full replicas might have lived on. PlanningError (a ValueError) if nothing
+    fits unsharded: the leader re-plans after a failure with unsharded templates, the bound that
+    holds whatever S the new plan has, so a model that fits only sharded would have no re-plan."""
     if shard_optimizer not in ("off", "on", "auto"):
         raise ValueError(f"--shard-optimizer must be off, on or auto, got {shard_optimizer!r}")
     tset = cluster_templates(spec)
     plain = initial_plan(spec, tset)
     if shard_optimizer == "off":
         return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
-    stset, splan = sharded_plan(spec)
+    stset, splan = sharded_plan(spec, (tset, plain))
     gather = gather_time(stset, splan)
-    faster = (spec.fault_tolerance >= 1 and len(splan.pipelines) // (spec.fault_tolerance + 1) > 1
+    faster = (spec.fault_tolerance >= 1 and plan_slices(splan) > 1
               and splan.iteration_time + gather < plain.iteration_time * (1 - 1e-9))
     if shard_optimizer == "on" or faster:
         return ChosenPlan(tset=stset, plan=splan, sharded=True, unsharded_time=plain.iteration_time,

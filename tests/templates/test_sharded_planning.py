@@ -41,10 +41,11 @@ def test_a_holder_counts_its_slice_of_the_moments() -> None:
 
 
 def test_the_sharded_plan_keeps_the_slices_it_assumed_and_beats_the_unsharded_one() -> None:
-    tset, plan = sharded_plan(GPT3_CPU)
+    whole = cluster_templates(GPT3_CPU)
+    plain = initial_plan(GPT3_CPU, whole)
+    tset, plan = sharded_plan(GPT3_CPU, (whole, plain))
     f = GPT3_CPU.fault_tolerance
     assert len(plan.pipelines) // (f + 1) >= tset.moment_slices > 1
-    plain = initial_plan(GPT3_CPU, cluster_templates(GPT3_CPU))
     assert plan.iteration_time < plain.iteration_time
     assert plan != plain  # the freed memory laid another layout
     recomputing = [sum(st.recompute != "none" for pipe in p.pipelines for st in pipe.stages) for p in (plan, plain)]
