@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from .client import etcd_unreachable
 from .etcd_api import EtcdClient
 from .events import record_event
 from .jsonrecord import JsonRecord
@@ -191,9 +192,15 @@ class Membership:
             return None
         self.lease = lease
         self.lost.clear()
-        record_event(self.client, self.keys, who=self.identity.node_id, kind="rejoined",
-                     incarnation=self.identity.incarnation, old_lease=old.id if old is not None else None,
-                     lease=lease.id)
+        try:  # registered: an event that etcd does not take (it stalls again) must not make the caller try again
+            record_event(self.client, self.keys, who=self.identity.node_id, kind="rejoined",
+                         incarnation=self.identity.incarnation, old_lease=old.id if old is not None else None,
+                         lease=lease.id)
+        except Exception as exc:
+            if not etcd_unreachable(exc):
+                raise
+            log.warning("%s: registered again under lease %x; the event was not written: etcd did not answer (%s)",
+                        self.identity.node_id, lease.id, type(exc).__name__)
         return lease.id
 
     @property

@@ -76,6 +76,11 @@ def _keep_place(agent: Agent) -> bool:
         procs = list(agent.procs.values())
         if agent.exit_code is not None or not procs or any(p.poll() is not None for p in procs):
             return False
+    current = agent.membership.lease
+    if current is not None and not current.lost.is_set():
+        # an earlier call registered again meanwhile: this one was called by a lease that it replaced
+        # (one that expired while that call waited on etcd), and the node's place is kept
+        return True
     old = agent.membership.lease_id
     try:
         new = _through_stall(agent.membership.rejoin, who=agent.who, what="registering again")

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 CliResult = tuple[dict[str, Any], dict[str, torch.Tensor], str]
@@ -22,7 +24,7 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     lost `lost` (the nodes of each recovery)."""
     final = run_dir / "final_state.pt"
     full = [*cmd, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json")]
-    proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    proc = _run(full, run_dir, timeout)
     assert proc.returncode == 0, f"{cmd[4:]}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_committed"] == committed and summary["worker_restarts"] == 0
@@ -30,6 +32,29 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     assert isinstance(recoveries, list)
     assert [r["lost_nodes"] for r in recoveries] == lost, recoveries
     return summary, torch.load(final), proc.stdout
+
+
+def _run(full: list[str], run_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`full` to its end within `timeout` s; past it, the launcher and every process under it
+    (etcd, agents, workers) are SIGKILLed by PID and the failure shows where the run stood: its
+    output and the end of each log in `run_dir`."""
+    with subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree: list[psutil.Process] = []
+            with contextlib.suppress(psutil.NoSuchProcess):
+                launcher = psutil.Process(proc.pid)
+                tree = [launcher, *launcher.children(recursive=True)]
+            for member in tree:  # psutil's handles: a pid reused meanwhile is not signalled
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    member.kill()
+            out, err = proc.communicate()
+            logs = "".join(f"\n--- {log.relative_to(run_dir)} (end)\n{log.read_text(errors='replace')[-1500:]}"
+                           for log in sorted(run_dir.rglob("*.log")))
+            raise AssertionError(f"{full[4:]}: still running after {timeout} s (killed with {len(tree)} "
+                                 f"processes)\n{out[-2000:]}\n{err[-2000:]}{logs[-12000:]}") from None
+    return subprocess.CompletedProcess(full, proc.returncode, out, err)
 
 
 def same_bits(got: CliResult, want: CliResult, what: str) -> None:

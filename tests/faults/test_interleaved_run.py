@@ -43,7 +43,7 @@ Result = CliResult
 
 
 def _run(run_dir: Path, *extra: str, committed: int = STEPS) -> Result:
-    return run_cli([*RUN, *extra], run_dir, committed=committed, lost=[[3]] if KILL[1] in extra else [], timeout=150)
+    return run_cli([*RUN, *extra], run_dir, committed=committed, lost=[[3]] if KILL[1] in extra else [], timeout=200)
 
 
 @pytest.fixture(scope="module")
@@ -112,5 +112,5 @@ def test_resume_between_plain_and_interleaved(plain: Result, tmp_path: Path, bef
 def _run_partly(run_dir: Path, steps: int, *extra: str) -> None:
     cmd = [*RUN[:RUN.index("--steps")], "--steps", str(steps), *RUN[RUN.index("--steps") + 2:],
            "--run-dir", str(run_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

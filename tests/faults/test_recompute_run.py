@@ -39,7 +39,7 @@ Result = CliResult
 
 def _run(run_dir: Path, mode: str, *extra: str) -> Result:
     return run_cli([*RUN, "--recompute", mode, *extra], run_dir, committed=STEPS,
-                   lost=[[3]] if KILL[1] in extra else [], timeout=130)
+                   lost=[[3]] if KILL[1] in extra else [], timeout=200)
 
 
 @pytest.fixture(scope="module")

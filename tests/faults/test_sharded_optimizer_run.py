@@ -37,27 +37,27 @@ def _kills(*nodes: int) -> list[str]:
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory: pytest.TempPathFactory) -> CliResult:
     return run_cli([*RUN, "--shard-optimizer", "off"], tmp_path_factory.mktemp("off"), committed=STEPS, lost=[],
-                   timeout=150)
+                   timeout=200)
 
 
 @pytest.mark.parametrize("killed", [(3,), (2, 3)])
 def test_sharded_run_recovers_bit_for_bit(unsharded: CliResult, tmp_path: Path, killed: tuple[int, ...]) -> None:
     got = run_cli([*RUN, "--shard-optimizer", "on", *_kills(*killed)], tmp_path, committed=STEPS,
-                  lost=[list(killed)], timeout=150)
+                  lost=[list(killed)], timeout=200)
     assert "optimizer sharded" in got[2].splitlines()[0]
     same_bits(got, unsharded, f"sharded, nodes {killed} killed")
 
 
 def test_losing_every_owner_of_a_slice_names_it(tmp_path: Path) -> None:
     proc = subprocess.run([*RUN, "--shard-optimizer", "on", *_kills(0, 2), "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=150)
+                          capture_output=True, text=True, timeout=200)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "layer 0, optimizer slice 1 of 2: every owner lost (nodes 0, 2)" in proc.stdout + proc.stderr
 
 
 def test_losing_every_owner_of_a_slice_falls_back_to_the_checkpoint(unsharded: CliResult, tmp_path: Path) -> None:
     cmd = [*RUN[:-2], "--checkpoint-every", "4", "--shard-optimizer", "on", *_kills(0, 2)]
-    got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[0, 2]], timeout=150)
+    got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[0, 2]], timeout=200)
     (recovery,) = got[0]["recoveries"]
     # node 0 writes every shard: step 8's may still have been on its way to disk at the kill
     assert recovery["restore_checkpoint"] in (4, 8), recovery
@@ -71,10 +71,10 @@ def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Pa
     first = tmp_path / "first"
     cmd = [*RUN[:RUN.index("--steps")], "--steps", "6", *RUN[RUN.index("--steps") + 2:-2], "--checkpoint-every", "3",
            "--shard-optimizer", before, "--run-dir", str(first)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = run_cli([*RUN, "--shard-optimizer", after, "--resume", str(first)], tmp_path / "resumed",
-                  committed=STEPS - 6, lost=[], timeout=150)
+                  committed=STEPS - 6, lost=[], timeout=200)
     assert got[0]["losses"][-1] == unsharded[0]["losses"][-1]
     differ = [name for name in got[1] if not torch.equal(got[1][name], unsharded[1][name])]
     assert not differ, f"{before} -> {after}: final parameters differ in {differ}"

@@ -24,7 +24,7 @@ def test_tensor_parallel_matches_unsharded_reference(degree: int, tmp_path: Path
         ctx.Process(target=tp_worker.main, args=(r, degree, str(tmp_path / "init"), str(out)), daemon=True)
         for r in range(degree)
     ]
-    run_processes(procs, timeout=150)
+    run_processes(procs, timeout=240)
 
     from elastic.model import TensorParallel
 
