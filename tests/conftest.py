@@ -63,7 +63,7 @@ PARALLEL_SAFE = frozenset({
     "tests/model/test_model.py", "tests/model/test_tensor_parallel.py", "tests/transfer/test_collective.py",
     "tests/bench/test_nccl_smoke.py", "tests/comm/test_abandon.py", "tests/model/test_recompute.py",
     "tests/bench/test_recompute_bench.py", "tests/engine/test_saved_activations.py",
-    "tests/comm/test_scatter_gather.py",
+    "tests/comm/test_scatter_gather.py", "tests/model/test_llama.py",
 })
 """Slow modules that start no job, etcd or timed fault: compute and gloo on threads or processes
 of their own, with no deadline nearer than their timeouts."""

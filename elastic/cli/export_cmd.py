@@ -1,5 +1,6 @@
 """`elastic export RUN_DIR --format hf OUT [--step S]`: a run's trained model as a Hugging Face
-`transformers` GPT-2 checkpoint (elastic/ops/export.py says what maps to what).
+`transformers` checkpoint: GPT2LMHeadModel, or LlamaForCausalLM for a model of arch llama
+(elastic/ops/export.py and elastic/ops/hf_llama.py say what maps to what).
 
 The final state by default, or the checkpoint of step S. Exit codes: 0 written; 1 the run
 directory lacks that state or the model has no GPT-2 form; 2 bad flags.
@@ -20,13 +21,13 @@ FORMATS = ("hf",)
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "export",
-        help="write a run's trained model as a Hugging Face transformers GPT-2 checkpoint",
+        help="write a run's trained model as a Hugging Face transformers checkpoint (GPT-2 or Llama)",
         description="Write the final state of the run in RUN_DIR (or its checkpoint of step S) into OUT "
         "as config.json + model.safetensors (+ tokenizer.json when the run's data came with one), "
-        "loadable with transformers' GPT2LMHeadModel.from_pretrained(OUT).",
+        "loadable with transformers' GPT2LMHeadModel.from_pretrained(OUT) (LlamaForCausalLM for --model llama-*).",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="an `elastic run` run directory")
-    parser.add_argument("--format", required=True, choices=FORMATS, help="hf: a transformers GPT-2 checkpoint")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="hf: a transformers checkpoint")
     parser.add_argument("out", type=Path, metavar="OUT", help="directory to write (created if absent)")
     add_state_arguments(parser)
     parser.set_defaults(func=_run)
@@ -59,7 +60,7 @@ def load_run(args: argparse.Namespace) -> tuple[Any, dict[str, Any], str]:
 
 def _run(args: argparse.Namespace) -> int:
     from elastic.engine.checkpoint.files import CheckpointError
-    from elastic.ops.export import ExportError, write_hf_gpt2
+    from elastic.ops.export import ExportError, write_hf
     from elastic.ops.run_state import RunStateError, data_tokenizer
 
     if args.out.exists() and not args.out.is_dir():
@@ -67,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         spec, state, source = load_run(args)
         tokenizer = data_tokenizer(spec)
-        written = write_hf_gpt2(args.out, state, spec.model_config, tokenizer=tokenizer, source=source)
+        written = write_hf(args.out, state, spec.model_config, tokenizer=tokenizer, source=source)
     except (RunStateError, CheckpointError, ExportError) as exc:
         print(f"elastic export: error: {exc}", file=sys.stderr)
         return 1

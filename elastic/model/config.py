@@ -1,8 +1,13 @@
 """GPT configuration and named presets.
 
-The model is GPT-2 shaped: learned positions, pre-LayerNorm blocks, a GELU MLP of 4x width,
-and an untied output head (so that embedding and head may live on different pipeline stages
-without a cross-stage weight tie).
+Two architectures (`arch`), both with an untied output head (so that embedding and head may live
+on different pipeline stages without a cross-stage weight tie):
+
+- `gpt2`: learned positions, pre-LayerNorm blocks with biases, a GELU MLP of 4x width,
+  multi-head attention (model/gpt.py);
+- `llama`: the Llama family's decoder (model/llama.py): RMSNorm, rotary position embeddings of
+  base `rope_theta`, a SwiGLU MLP of `ffn_hidden` and grouped-query attention over `n_kv_heads`
+  key/value heads, no biases.
 """
 
 from __future__ import annotations
@@ -44,6 +49,17 @@ class GPTConfig:
     """Dropout probability on attention weights, residual branches and embeddings."""
     init_seed: int = 1234
     """Base seed; every parameter's initial value derives from it and its canonical name."""
+    arch: str = "gpt2"
+    """`gpt2` or `llama` (module doc)."""
+    n_kv_heads: int = 0
+    """Key/value heads of grouped-query attention (`llama`); 0: as many as `n_head`."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embeddings (`llama`)."""
+    ffn_hidden: int = 0
+    """Hidden width of the MLP; 0: 4 x d_model (`gpt2`), or Llama's 8/3 x d_model rounded up to
+    a multiple of 256 (`llama`)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms (LayerNorm, RMSNorm)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -53,13 +69,41 @@ class GPTConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch is one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.n_kv_heads < 0 or self.ffn_hidden < 0:
+            raise ValueError(f"n_kv_heads and ffn_hidden must be >= 0 (0: the default), got {self.n_kv_heads}, "
+                             f"{self.ffn_hidden}")
+        if self.arch == "gpt2" and (self.n_kv_heads not in (0, self.n_head) or self.ffn_hidden not in (0, 4 * self.d_model)):
+            raise ValueError("arch gpt2 has n_kv_heads = n_head and ffn_hidden = 4 x d_model; grouped-query "
+                             "attention and other MLP widths are arch llama's")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_heads={self.kv_heads}")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads (`n_kv_heads`, or `n_head` where it is 0)."""
+        return self.n_kv_heads or self.n_head
+
+    @property
+    def qkv_width(self) -> int:
+        """Output width of the fused q, k, v projection: n_head + 2 x kv_heads heads."""
+        return (self.n_head + 2 * self.kv_heads) * self.head_dim
+
+    @property
     def d_ff(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.arch == "llama":
+            return -(-(8 * self.d_model // 3) // 256) * 256
         return 4 * self.d_model
 
     @property
@@ -81,6 +125,13 @@ class GPTConfig:
         """Number of (full) parameters of planning layer `index`."""
         kind = self.layer_kind(index)
         d = self.d_model
+        if self.arch == "llama":
+            if kind == "embedding":
+                return self.vocab_size * d
+            if kind == "head":
+                return d + self.vocab_size * d  # final RMSNorm + untied head
+            # ln1 + qkv + proj + ln2 + fc (gate and up) + proj (down)
+            return d + self.qkv_width * d + d * d + d + 2 * self.d_ff * d + self.d_ff * d
         if kind == "embedding":
             return self.vocab_size * d + self.seq_len * d
         if kind == "head":
@@ -99,7 +150,8 @@ class GPTConfig:
             return 0.0
         if kind == "head":
             return 2.0 * d * self.vocab_size
-        matmul = 2.0 * (3 * d * d + d * d + 2 * d * self.d_ff)
+        mlp = (3 if self.arch == "llama" else 2) * d * self.d_ff  # SwiGLU: gate, up and down
+        matmul = 2.0 * (self.qkv_width * d + d * d + mlp)
         return matmul + self.core_flops_per_token()
 
     def core_flops_per_token(self) -> float:
@@ -119,6 +171,9 @@ class GPTConfig:
         `by` names the degree in the message (default "the tensor-parallel degree N")."""
         for what, size in (("n_head", self.n_head), ("vocab_size", self.vocab_size)):
             tp_split(size, degree, what, by=by)
+        if self.arch == "llama":  # each rank holds whole key/value groups (replicated KV heads: not yet)
+            for what, size in (("n_kv_heads", self.kv_heads), ("ffn_hidden", self.d_ff)):
+                tp_split(size, degree, what, by=by)
 
 
 def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> int:
@@ -129,6 +184,8 @@ def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> in
         raise ValueError(f"{what}={value} is not divisible by {by or f'the tensor-parallel degree {degree}'}")
     return value // degree
 
+
+ARCHS = ("gpt2", "llama")
 
 PRESETS: dict[str, GPTConfig] = {
     # ~0.86M parameters, byte-level vocabulary: for tests.
@@ -142,6 +199,19 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-1.3b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=24, n_head=16, d_model=2048),
     "gpt3-2.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
     "gpt3-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
+    # Llama family (arch llama). llama-tiny and llama-small mirror tiny and small, with grouped-query
+    # attention; the others are the published shapes (Llama 3.2 1B and Llama 3 8B / 70B: head_dim
+    # 64 / 128, 8 KV heads, theta 500000, 128256-token vocabulary), for planning and simulation.
+    "llama-tiny": GPTConfig(arch="llama", vocab_size=256, seq_len=64, n_layer=4, n_head=8, n_kv_heads=4,
+                            d_model=128, ffn_hidden=384),
+    "llama-small": GPTConfig(arch="llama", vocab_size=256, seq_len=256, n_layer=8, n_head=8, n_kv_heads=4,
+                             d_model=512, ffn_hidden=1536),
+    "llama3.2-1b": GPTConfig(arch="llama", vocab_size=128256, seq_len=2048, n_layer=16, n_head=32, n_kv_heads=8,
+                             d_model=2048, ffn_hidden=8192, rope_theta=500000.0),
+    "llama3-8b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_heads=8,
+                           d_model=4096, ffn_hidden=14336, rope_theta=500000.0),
+    "llama3-70b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_heads=8,
+                            d_model=8192, ffn_hidden=28672, rope_theta=500000.0),
 }
 
 
@@ -154,7 +224,10 @@ def get_preset(name: str) -> GPTConfig:
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
 
 
-SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model")
+FLOAT_FIELDS = ("dropout", "rope_theta", "norm_eps")
+"""The GPTConfig fields that are numbers rather than integers (`arch` is a string)."""
+
+SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_heads", "ffn_hidden")
 """The GPTConfig fields the command line can override one by one (--vocab-size, --seq-len, ...)."""
 
 
@@ -172,7 +245,12 @@ def config_from_dict(data: object, *, base: GPTConfig, where: str) -> GPTConfig:
         raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(fields)}")
     changes: dict[str, object] = {}
     for name, value in data.items():
-        floating = name == "dropout"
+        if name == "arch":
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: arch must be a string ({', '.join(ARCHS)}), got {value!r}")
+            changes[name] = value
+            continue
+        floating = name in FLOAT_FIELDS
         ok = isinstance(value, (int, float) if floating else int) and not isinstance(value, bool)
         if not ok:
             raise ValueError(f"{where}: {name} must be {'a number' if floating else 'an integer'}, got {value!r}")

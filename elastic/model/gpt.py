@@ -1,4 +1,5 @@
-"""GPT-2 as an ordered list of planning layers, any contiguous range of which is a stage.
+"""GPT-2 as an ordered list of planning layers, any contiguous range of which is a stage (and the
+stage of either architecture, `GPTStage`: the Llama family's layers are model/llama.py's).
 
 Planning layers: 0 = embedding (tokens + learned positions), 1..n_layer = transformer blocks
 (pre-LayerNorm attention and 4x GELU MLP), n_layer+1 = final LayerNorm + output head.
@@ -37,6 +38,7 @@ from elastic.model.collectives import copy_params_to_tp, copy_to_tp
 from elastic.model.config import GPTConfig, check_recompute
 from elastic.model.dropout import apply_dropout, dropout_mask
 from elastic.model.init import full_initial_value, shard_tensor
+from elastic.model.llama import LlamaBlock, LlamaEmbedding, LlamaHead, recomputing, seq_shard
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.model.tp_layers import (
     ColumnParallelLinear,
@@ -45,11 +47,6 @@ from elastic.model.tp_layers import (
     sharded_parameter,
     vocab_parallel_cross_entropy,
 )
-
-
-def _recomputing(mode: str, wanted: str) -> bool:
-    """Whether to checkpoint here: `mode` is `wanted` and autograd records (not in evaluation)."""
-    return mode == wanted and torch.is_grad_enabled()
 
 
 class LayerNorm(nn.Module):
@@ -69,11 +66,6 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
 
 
-def _seq_shard(tp: TensorParallel, sequence_parallel: bool) -> tuple[int, int]:
-    """(rank, shards) of the sequence a rank holds between tensor-parallel regions."""
-    return (tp.rank, tp.size) if sequence_parallel else (0, 1)
-
-
 class Embedding(nn.Module):
     """Planning layer 0: vocab-parallel token embedding + learned positions."""
 
@@ -88,7 +80,7 @@ class Embedding(nn.Module):
         if seq > self.cfg.seq_len:
             raise ValueError(f"sequence of {seq} tokens exceeds the model's seq_len={self.cfg.seq_len}")
         positions = self.wpe[:seq]
-        shard = _seq_shard(self.tp, self.sequence_parallel)
+        shard = seq_shard(self.tp, self.sequence_parallel)
         if self.sequence_parallel:  # this rank's positions; their gradient summed over the ranks
             width = self.tp.divide(seq, "sequence length")
             positions = copy_to_tp(positions, self.tp)[shard[0] * width:(shard[0] + 1) * width]
@@ -113,7 +105,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, key: int, proj_bias: torch.Tensor | None = None) -> torch.Tensor:
         """`proj_bias`: the output projection's bias to use instead of its own (`RowParallelLinear`)."""
         qkv = self.qkv(x)  # (batch, seq, 3 x local width)
-        if _recomputing(self.recompute, "selective"):
+        if recomputing(self.recompute, "selective"):
             y = checkpoint(self.core, qkv, key, use_reentrant=False)
         else:
             y = self.core(qkv, key)
@@ -163,7 +155,7 @@ class Block(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.site = cfg, site
-        self.shard = _seq_shard(tp, sequence_parallel)
+        self.shard = seq_shard(tp, sequence_parallel)
         self.tp, self.sequence_parallel = tp, sequence_parallel
         self.ln1 = LayerNorm(cfg.d_model, tp=tp)
         self.attn = Attention(cfg, tp=tp, site=site, recompute=recompute, sequence_parallel=sequence_parallel)
@@ -248,12 +240,14 @@ class GPTStage(nn.Module):
             self.tp.divide(cfg.seq_len, "seq_len")
         self.seq_shards = self.tp.size if sp else 1
         """Shards of the sequence a stage's input and output activations are split into."""
-        self.embed = Embedding(cfg, tp=self.tp, sequence_parallel=sp) if held[0] == 0 else None
+        llama = cfg.arch == "llama"
+        embedding, block, head = (LlamaEmbedding, LlamaBlock, LlamaHead) if llama else (Embedding, Block, Head)
+        self.embed = embedding(cfg, tp=self.tp, sequence_parallel=sp) if held[0] == 0 else None
         block_ids = [layer - 1 for layer in held if 1 <= layer <= cfg.n_layer]
-        self.blocks = nn.ModuleDict({str(k): Block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute,
+        self.blocks = nn.ModuleDict({str(k): block(cfg, tp=self.tp, site=f"blocks.{k}", recompute=recompute,
                                                    sequence_parallel=sp)
                                      for k in block_ids})
-        self.head = Head(cfg, tp=self.tp, sequence_parallel=sp) if held[-1] == cfg.num_layers - 1 else None
+        self.head = head(cfg, tp=self.tp, sequence_parallel=sp) if held[-1] == cfg.num_layers - 1 else None
         if initialise:
             self._initialise()
         if device is not None:
@@ -273,7 +267,7 @@ class GPTStage(nn.Module):
             x = self.embed(x, key)
         for k in range(max(lo, 1) - 1, min(hi, self.cfg.n_layer + 1) - 1):
             block = self.blocks[str(k)]
-            x = checkpoint(block, x, key, use_reentrant=False) if _recomputing(self.recompute, "full") else block(x, key)
+            x = checkpoint(block, x, key, use_reentrant=False) if recomputing(self.recompute, "full") else block(x, key)
         if hi == self.cfg.num_layers and self.head is not None:
             x = self.head(x)
         return x

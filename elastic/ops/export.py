@@ -1,4 +1,5 @@
-"""This project's GPT as a Hugging Face `transformers` GPT-2 checkpoint (`elastic export --format hf`).
+"""This project's GPT as a Hugging Face `transformers` GPT-2 checkpoint (`elastic export --format hf`;
+the Llama family's model is written as a LlamaForCausalLM: elastic/ops/hf_llama.py).
 
 What is written: `config.json` (a `GPT2Config`, `architectures: ["GPT2LMHeadModel"]`),
 `model.safetensors` (fp32) and, when the run's data came with one, `tokenizer.json`. Only
@@ -36,6 +37,7 @@ import torch
 
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
+from elastic.ops.hf_llama import hf_llama_config, to_hf_llama
 
 LAYER_NORM_EPS = 1e-5
 """elastic/model/gpt.py's LayerNorm epsilon."""
@@ -82,15 +84,20 @@ def _qkv_rows_to_hf(t: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     return heads.transpose(0, 1).reshape(3 * cfg.d_model, *rest)  # (3 * d_model, ...)
 
 
-def to_hf_gpt2(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict from canonical names -> full tensors (fp32, contiguous).
-    ExportError if `state` is not exactly this model's parameters."""
+def _check_state(state: dict[str, torch.Tensor], cfg: GPTConfig) -> None:
+    """ExportError unless `state` is exactly the parameters of model `cfg`."""
     with torch.device("meta"):
         expected = {n: tuple(p.shape) for n, p in GPTStage(cfg, initialise=False).named_parameters()}
     got = {n: tuple(t.shape) for n, t in state.items()}
     if got != expected:
         odd = sorted(n for n in got.keys() | expected.keys() if got.get(n) != expected.get(n))
         raise ExportError(f"the state does not fit model {cfg}: parameters {odd[:4]} differ in name or shape")
+
+
+def to_hf_gpt2(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's state dict from canonical names -> full tensors (fp32, contiguous).
+    ExportError if `state` is not exactly this model's parameters."""
+    _check_state(state, cfg)
     s = {n: t.detach().float() for n, t in state.items()}
     out = {
         "transformer.wte.weight": s["embed.wte.weight"],
@@ -119,14 +126,18 @@ def to_hf_gpt2(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torc
     return {n: t.contiguous() for n, t in out.items()}
 
 
-def write_hf_gpt2(out: Path, state: dict[str, torch.Tensor], cfg: GPTConfig, *, tokenizer: Path | None,
-                  source: str) -> list[Path]:
-    """Write `config.json`, `model.safetensors` (and a copy of `tokenizer`) into `out`; the
+def write_hf(out: Path, state: dict[str, torch.Tensor], cfg: GPTConfig, *, tokenizer: Path | None,
+             source: str) -> list[Path]:
+    """Write `config.json`, `model.safetensors` (and a copy of `tokenizer`) into `out`: a
+    GPT2LMHeadModel, or for `arch = "llama"` a LlamaForCausalLM (elastic/ops/hf_llama.py); the
     files written. `source` (e.g. "runs/demo, final state") goes into the safetensors metadata."""
     from safetensors.torch import save_file
 
-    config = hf_gpt2_config(cfg)
-    tensors = to_hf_gpt2(state, cfg)
+    if cfg.arch == "llama":
+        _check_state(state, cfg)
+        config, tensors = hf_llama_config(cfg), to_hf_llama({n: t.detach().float() for n, t in state.items()}, cfg)
+    else:
+        config, tensors = hf_gpt2_config(cfg), to_hf_gpt2(state, cfg)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "config.json", out / "model.safetensors"]
     written[0].write_text(json.dumps(config, indent=2) + "\n")

@@ -68,6 +68,8 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
         return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d / shard, cast_params=0)
     if kind == "embedding":
         return Saved(elements_per_token=0.0, bytes_per_token=8 + 1 + dropped, cast_params=0)
+    if cfg.arch == "llama" and kind != "embedding":
+        return _llama_saved(cfg, kind, tp, recompute, sp)
     if kind == "head":
         if sp:
             return Saved(elements_per_token=0.0, bytes_per_token=4.0 * (2 * d + 2) / sp, cast_params=0,
@@ -87,6 +89,49 @@ def layer_saved(cfg: GPTConfig, index: int, tp: int = 1, recompute: str = "none"
                      cast_params=5 * d * d // tp)
     return Saved(elements_per_token=2.0 * d + 12.0 * d / tp + attention, bytes_per_token=4.0 * (2 * d + 4) + extra,
                  cast_params=12 * d * d // tp)
+
+
+def _llama_saved(cfg: GPTConfig, kind: str, tp: int, recompute: str, sp: int) -> Saved:
+    """`layer_saved` of a Llama-family block or head (model/llama.py; measured as GPT-2's are).
+
+    Each RMSNorm keeps in fp32 its input, its normalised input (for the weight's gradient) and
+    its rstd (2d + 1); the column-parallel layer after it, the norm's output (d in the compute
+    dtype, or with sequence parallelism its fp32 shard). Attention keeps the fused q/k/v output
+    (which the value heads are views of), the rotated queries and keys (the rotation itself
+    keeps nothing: model/llama.py `_Rotate`), the output and the log-sum-exp (fp32); with
+    dropout instead the rotated queries, the keys and values repeated to every query head, the
+    probabilities, their mask, the masked product and the output (the fused q/k/v output is
+    then not kept); under `selective` only the fused q/k/v output and the output. SwiGLU keeps
+    the fused gate/up output (2f / tp), silu(gate) and the product (f / tp each); a residual
+    dropout its mask in the compute dtype (no output bias widens the branch to fp32 as GPT-2's
+    does). Everything else is GPT-2's: `full` keeps the block's fp32 input, the head the
+    vocabulary-wide workspace of the loss."""
+    d, f, shard = cfg.d_model, cfg.d_ff, sp or 1
+    # a residual dropout's mask, in the compute dtype (GPT-2's output bias widens it to fp32; no bias here)
+    dropped = d / shard if cfg.dropout > 0 else 0.0
+    norm = 4.0 * (2 * d + 1)  # fp32: the input, the normalised input, rstd
+    if kind == "head":
+        if sp:
+            return Saved(elements_per_token=0.0, bytes_per_token=(norm + 4.0 * d) / sp, cast_params=0,
+                         workspace_per_token=cfg.vocab_size / tp)
+        return Saved(elements_per_token=float(d), bytes_per_token=norm, cast_params=cfg.vocab_size // tp * d,
+                     workspace_per_token=cfg.vocab_size / tp)
+    if recompute == "full":
+        return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d / shard, cast_params=0)
+    heads, kv = cfg.n_head / tp, cfg.kv_heads * cfg.head_dim / tp
+    fused = 4.0 * heads if cfg.dropout == 0 and recompute != "selective" else 0.0  # the log-sum-exp
+    if recompute == "selective":
+        attention = cfg.qkv_width / tp + d / tp
+    elif cfg.dropout > 0:
+        attention = 4.0 * d / tp + 3.0 * heads * cfg.seq_len
+    else:
+        attention = cfg.qkv_width / tp + 2.0 * d / tp + kv
+    kept = attention + 4.0 * f / tp + 2 * dropped  # and SwiGLU's, and the residual dropouts' masks
+    if sp:  # the norms' fp32 outputs sharded (the column-parallel inputs); only the row-parallel weights copied
+        return Saved(elements_per_token=kept, bytes_per_token=2 * (norm + 4.0 * d) / sp + fused,
+                     cast_params=(d + f) * d // tp)
+    return Saved(elements_per_token=2.0 * d + kept, bytes_per_token=2 * norm + fused,
+                 cast_params=(cfg.qkv_width + d + 3 * f) * d // tp)
 
 
 def rerun_allreduces(recompute: str) -> int:

@@ -287,6 +287,13 @@ def layer_param_sizes(cfg: GPTConfig, index: int, tp: int = 1) -> list[int]:
     up to `layer_elements`."""
     cfg.check_tensor_parallel(tp)
     d, f, v, kind = cfg.d_model, cfg.d_ff, cfg.vocab_size // tp, cfg.layer_kind(index)
+    if cfg.arch == "llama":  # model/llama.py: no biases, no positions, RMSNorm weights only
+        if kind == "embedding":
+            return [v * d]  # embed.wte.weight
+        if kind == "head":
+            return [v * d, d]  # head.lm_head.weight, head.ln_f.weight
+        # attn.proj, attn.qkv, ln1, ln2, mlp.fc (gate and up), mlp.proj
+        return [d * d // tp, cfg.qkv_width // tp * d, d, d, 2 * f // tp * d, d * f // tp]
     if kind == "embedding":
         return [cfg.seq_len * d, v * d]  # embed.wpe, embed.wte.weight
     if kind == "head":
@@ -314,6 +321,8 @@ def layer_elements(cfg: GPTConfig, index: int, tp: int = 1) -> int:
     LayerNorms, positions and row-parallel biases are replicated, the rest is split)."""
     cfg.check_tensor_parallel(tp)
     d, kind = cfg.d_model, cfg.layer_kind(index)
+    if cfg.arch == "llama":
+        return sum(layer_param_sizes(cfg, index, tp))
     if kind == "embedding":
         return cfg.vocab_size // tp * d + cfg.seq_len * d
     if kind == "head":

@@ -91,7 +91,9 @@ class ResumeSource:
         return text
 
 
-_SHAPE_FIELDS = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model")
+_SHAPE_FIELDS = ("arch", "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps")
+_DERIVED = (("kv_heads", "n_head"), ("d_ff", "d_model"))
+"""Shape figures that follow another field by default: named only where that field is the same."""
 
 
 def compare_runs(earlier: CheckpointManifest, resumed: CheckpointManifest) -> tuple[list[str], list[str]]:
@@ -101,6 +103,8 @@ def compare_runs(earlier: CheckpointManifest, resumed: CheckpointManifest) -> tu
     refusals, notes = [], []
     a, b = earlier.model_config, resumed.model_config
     shape = [f"{f} {getattr(a, f)} -> {getattr(b, f)}" for f in _SHAPE_FIELDS if getattr(a, f) != getattr(b, f)]
+    shape += [f"{f} {getattr(a, f)} -> {getattr(b, f)}" for f, base in _DERIVED
+              if getattr(a, f) != getattr(b, f) and getattr(a, base) == getattr(b, base)]
     if shape:
         refusals.append(f"the checkpoint is of another model shape ({', '.join(shape)})")
     for what, old, new in (("global batch", earlier.global_batch, resumed.global_batch),

@@ -163,7 +163,10 @@ def test_a_resumed_run_must_keep_the_samples_of_every_step() -> None:
     assert compare_runs(earlier, earlier) == ([], [])
     for change, word in (({"global_batch": 16}, "global batch"), ({"data_seed": 1}, "data seed"),
                          ({"data_path": "x.bin"}, "data (--data)"),
-                         ({"model_config": CFG.with_overrides(n_head=8)}, "another model shape (n_head 4 -> 8)")):
+                         ({"model_config": CFG.with_overrides(n_head=8)}, "another model shape (n_head 4 -> 8)"),
+                         ({"model_config": CFG.with_overrides(arch="llama")}, "(arch gpt2 -> llama)"),
+                         ({"model_config": CFG.with_overrides(arch="llama", ffn_hidden=512, n_kv_heads=2)},
+                          "(arch gpt2 -> llama, kv_heads 4 -> 2)")):
         refusals, _ = compare_runs(earlier, dataclasses.replace(earlier, **change))  # type: ignore[arg-type]
         assert len(refusals) == 1 and word in refusals[0], refusals
     refusals, notes = compare_runs(earlier, dataclasses.replace(earlier, optim=OptimConfig(lr=3e-4)))

@@ -195,6 +195,21 @@ def test_tiny_engine_bytes_equal_the_model(tmp_path: Path, split: list[int], tp:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("split", "tp"), [([4, 4], 1), ([4, 4], 2)])
+def test_llama_tiny_engine_bytes_equal_the_model(tmp_path: Path, split: list[int], tp: int) -> None:
+    """Issue 58: the Llama-family model (no biases, RMSNorm weights, fused q/k/v of grouped-query
+    attention, fused gate/up) is counted to the byte too, tensor-parallel or not."""
+    assert_same_bytes("llama-tiny", pipelines(get_preset("llama-tiny").num_layers, split, mbs=2, tp=tp), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_small_engine_bytes_equal_the_model(tmp_path: Path, tp: int) -> None:
+    assert_same_bytes("llama-small", pipelines(get_preset("llama-small").num_layers, [2, 2], mbs=1, tp=tp), tmp_path)
+
+
+@pytest.mark.timeout(120)
 def test_a_multi_stage_plan_counts_each_stage(tmp_path: Path) -> None:
     """Two pipelines of two stages: each worker holds half the layers, buckets of its own."""
     plan = even_plan(num_layers=TINY, nodes=[0, 1, 2, 3], num_pipelines=2, global_microbatches=8, microbatch_size=2)

@@ -100,10 +100,11 @@ LAYOUTS = [(1, False), (2, False), (2, True)]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("tp", "sp"), LAYOUTS)
 @pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
-def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int, sp: bool) -> None:
-    cfg = get_preset("tiny")
-    counts = measured("tiny", tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path, sp=sp)
-    expected = modelled("tiny", tp=tp, recompute=recompute, tokens=cfg.seq_len, sp=sp)
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int, sp: bool, model: str) -> None:
+    cfg = get_preset(model)
+    counts = measured(model, tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path, sp=sp)
+    expected = modelled(model, tp=tp, recompute=recompute, tokens=cfg.seq_len, sp=sp)
     for rank, per_forward in counts.items():
         assert per_forward == [expected] * 2, f"tensor-parallel rank {rank}"
 
@@ -146,12 +147,13 @@ def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) ->
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index", range(get_preset("tiny").num_layers))
-def test_each_sequence_parallel_layer_saves_what_the_model_counts(dtype: torch.dtype, index: int) -> None:
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_each_sequence_parallel_layer_saves_what_the_model_counts(dtype: torch.dtype, index: int, model: str) -> None:
     """Layer by layer at TP 2 with sequence parallelism (ranks as threads over real gloo
     communicators), in fp32 and under bf16 autocast (where the column-parallel layers keep
     their fp32 input shard and no weight copy)."""
-    cfg = get_preset("tiny")
-    comms = gloo_comms(2, name=f"sp-saved-{index}-{dtype}")
+    cfg = get_preset(model)
+    comms = gloo_comms(2, name=f"sp-saved-{model}-{index}-{dtype}")
 
     def saved(rank: int) -> int:
         torch.manual_seed(0)

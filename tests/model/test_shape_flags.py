@@ -44,6 +44,16 @@ def test_flags_apply_over_the_file_over_the_preset(tmp_path: Path) -> None:
     assert model_from_flags(_args("--model-config", str(config)), defaults={"vocab_size": 1000}).vocab_size == 640
 
 
+def test_a_llama_shape_from_a_file_and_flags(tmp_path: Path) -> None:
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({"arch": "llama", "n_kv_heads": 2, "rope_theta": 500000, "norm_eps": 1e-6}))
+    cfg = model_from_flags(_args("--model-config", str(config), "--ffn-hidden", "320"))
+    assert (cfg.arch, cfg.kv_heads, cfg.d_ff, cfg.rope_theta, cfg.norm_eps) == ("llama", 2, 320, 500000.0, 1e-6)
+    plan = even_plan(num_layers=cfg.num_layers, nodes=[0], num_pipelines=1, global_microbatches=2, microbatch_size=2)
+    spec = JobSpec(model="tiny", plan=plan, steps=3, run_dir="/r", shape=cfg)
+    assert JobSpec.from_json(spec.to_json()).model_config == cfg
+
+
 def test_the_job_spec_carries_the_shape() -> None:
     cfg = GPTConfig(vocab_size=300, seq_len=32, n_layer=2, n_head=2, d_model=64)
     plan = even_plan(num_layers=cfg.num_layers, nodes=[0], num_pipelines=1, global_microbatches=2, microbatch_size=2)
@@ -93,6 +103,12 @@ def test_planner_profile_and_simulator_follow_the_shape(tmp_path: Path, capsys: 
         ([], [2, 64], "expected a JSON object of GPTConfig fields"),
         ([], "{not json", "not valid JSON"),
         (["--model", "nope"], None, "unknown model preset 'nope'"),
+        ([], {"arch": "bert"}, "arch is one of gpt2, llama, got 'bert'"),
+        ([], {"arch": 2}, "arch must be a string (gpt2, llama), got 2"),
+        (["--n-kv-heads", "2"], None, "grouped-query attention and other MLP widths are arch llama's"),
+        ([], {"arch": "llama", "n_kv_heads": 3}, "n_head=4 is not divisible by n_kv_heads=3"),
+        (["--model", "llama-tiny", "--gpus-per-node", "8"], None, "n_kv_heads=4 is not divisible by --gpus-per-node 8"),
+        ([], {"arch": "llama", "rope_theta": "high"}, "rope_theta must be a number, got 'high'"),
     ],
 )
 def test_bad_shapes_are_one_line_exit_2(

@@ -1,0 +1,120 @@
+"""The Llama-family model (`arch = "llama"`, elastic/model/llama.py) as Hugging Face `transformers`'
+`LlamaForCausalLM` tensors, both ways: `to_hf_llama` for `elastic export --format hf`,
+`from_hf_llama` for a checkpoint read in.
+
+| here | LlamaForCausalLM |
+| --- | --- |
+| `embed.wte.weight` | `model.embed_tokens.weight` |
+| `blocks.k.ln1.weight`, `ln2.weight` (RMSNorm, eps `norm_eps`) | `model.layers.k.input_layernorm`, `post_attention_layernorm` |
+| `blocks.k.attn.qkv.weight`, rows group-major (n_kv_heads, n_head / n_kv_heads + 2, head_dim) | `self_attn.q_proj`, `k_proj`, `v_proj` (no biases) |
+| `blocks.k.attn.proj.weight` | `self_attn.o_proj` |
+| `blocks.k.mlp.fc.weight`, rows (ffn_hidden, 2): gate, up | `mlp.gate_proj`, `mlp.up_proj` |
+| `blocks.k.mlp.proj.weight` | `mlp.down_proj` |
+| `head.ln_f.weight`, `head.lm_head.weight` | `model.norm.weight`, `lm_head.weight` (tie_word_embeddings false) |
+
+Rotary embeddings: rotate-half, `rope_theta`, no scaling (`rope_scaling` none). Attention and MLP
+have no biases (`attention_bias`, `mlp_bias` false).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elastic.model.config import GPTConfig
+
+
+class HfLlamaError(ValueError):
+    """The tensors or the config do not fit the model (one line for the user)."""
+
+
+def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
+    """The `config.json` of a LlamaForCausalLM with `cfg`'s shape."""
+    if cfg.arch != "llama":
+        raise HfLlamaError(f"model arch {cfg.arch!r} has no LlamaForCausalLM form")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": cfg.dropout,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    d, hd, groups = cfg.d_model, cfg.head_dim, cfg.kv_heads
+    rep = cfg.n_head // groups
+    parts = (q.reshape(groups, rep, hd, d), k.reshape(groups, 1, hd, d), v.reshape(groups, 1, hd, d))
+    return torch.cat(parts, dim=1).reshape(cfg.qkv_width, d)
+
+
+def _split_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    d, hd, groups = cfg.d_model, cfg.head_dim, cfg.kv_heads
+    rep = cfg.n_head // groups
+    grouped = qkv.reshape(groups, rep + 2, hd, d)
+    return (grouped[:, :rep].reshape(cfg.n_head * hd, d), grouped[:, rep].reshape(groups * hd, d),
+            grouped[:, rep + 1].reshape(groups * hd, d))
+
+
+def _names(cfg: GPTConfig) -> list[tuple[str, str]]:
+    """(ours, transformers') for every tensor that maps one to one."""
+    pairs = [("embed.wte.weight", "model.embed_tokens.weight"), ("head.ln_f.weight", "model.norm.weight"),
+             ("head.lm_head.weight", "lm_head.weight")]
+    for k in range(cfg.n_layer):
+        ours, hf = f"blocks.{k}.", f"model.layers.{k}."
+        pairs += [(ours + "ln1.weight", hf + "input_layernorm.weight"),
+                  (ours + "ln2.weight", hf + "post_attention_layernorm.weight"),
+                  (ours + "attn.proj.weight", hf + "self_attn.o_proj.weight"),
+                  (ours + "mlp.proj.weight", hf + "mlp.down_proj.weight")]
+    return pairs
+
+
+def to_hf_llama(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's state dict from canonical names -> full tensors (contiguous)."""
+    out = {hf: state[ours] for ours, hf in _names(cfg)}
+    for k in range(cfg.n_layer):
+        ours, hf = f"blocks.{k}.", f"model.layers.{k}.self_attn."
+        q, kk, v = _split_qkv(state[ours + "attn.qkv.weight"], cfg)
+        out.update({hf + "q_proj.weight": q, hf + "k_proj.weight": kk, hf + "v_proj.weight": v})
+        both = state[ours + "mlp.fc.weight"].reshape(cfg.d_ff, 2, cfg.d_model)
+        out[f"model.layers.{k}.mlp.gate_proj.weight"] = both[:, 0]
+        out[f"model.layers.{k}.mlp.up_proj.weight"] = both[:, 1]
+    return {n: t.detach().contiguous() for n, t in out.items()}
+
+
+def from_hf_llama(tensors: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """Canonical names -> full tensors from LlamaForCausalLM's state dict; HfLlamaError naming
+    the first missing tensor (rotary `inv_freq` buffers, if present, are ignored)."""
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise HfLlamaError(f"the checkpoint has no tensor {name!r}")
+        return tensors[name]
+
+    out = {ours: take(hf) for ours, hf in _names(cfg)}
+    for k in range(cfg.n_layer):
+        hf = f"model.layers.{k}."
+        out[f"blocks.{k}.attn.qkv.weight"] = _fused_qkv(take(hf + "self_attn.q_proj.weight"),
+                                                         take(hf + "self_attn.k_proj.weight"),
+                                                         take(hf + "self_attn.v_proj.weight"), cfg)
+        gate, up = take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")
+        out[f"blocks.{k}.mlp.fc.weight"] = torch.stack((gate, up), dim=1).reshape(2 * cfg.d_ff, cfg.d_model)
+    return out

@@ -1,0 +1,181 @@
+"""The Llama-family decoder (`arch = "llama"`, model/llama.py) against its references.
+
+- transformers' `LlamaForCausalLM` (random weights, grouped-query attention with n_kv_heads <
+  n_head, untied head), its tensors mapped by elastic/ops/hf_llama.py: the same logits and loss,
+  to 1e-5 in fp32 and 1e-10 in fp64, for the whole model and two stages, at tensor-parallel
+  degree 1 and 2 (ranks as threads over real gloo communicators). transformers' RMSNorm computes
+  in fp32 whatever its input: the fp64 case lifts that cast (and runs its SDPA attention, whose
+  eager form takes the softmax in fp32 too), so that 1e-10 compares the same function.
+- The whole unsharded model: at tensor-parallel degree 2 and 4, with and without sequence
+  parallelism and dropout, the loss and every gathered gradient equal it to 1e-5; each
+  recomputation mode gives the same loss and gradients bit for bit.
+- Both directions of the mapping are each other's inverse, and export's config is one that
+  transformers reads back into the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elastic.model import TensorParallel
+from elastic.model.config import RECOMPUTE_MODES, GPTConfig
+from elastic.model.gpt import GPTStage
+from elastic.model.init import shard_tensor
+from elastic.model.state import gather_full
+from elastic.ops.hf_llama import HfLlamaError, from_hf_llama, hf_llama_config, to_hf_llama
+from tests.comm.support import gloo_comms, on_threads
+from tests.model.reference import max_rel_diff
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(180)
+
+CFG = GPTConfig(arch="llama", vocab_size=256, seq_len=32, n_layer=3, n_head=8, n_kv_heads=4, d_model=64,
+                ffn_hidden=160, rope_theta=5000.0, norm_eps=1e-6)
+BATCH = 2
+
+
+def _tokens(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g),
+            torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=g))
+
+
+def _hf_model(cfg: GPTConfig, dtype: torch.dtype) -> torch.nn.Module:
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"})
+    config._attn_implementation = "sdpa"  # "eager" takes its softmax in fp32 whatever the dtype
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():  # norms off their initial 1 so that a norm weight applied wrongly shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def exact_hf_rmsnorm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """transformers' RMSNorm in its input's dtype (it casts to fp32 otherwise: module doc)."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    yield
+
+
+def _ours(cfg: GPTConfig, state: dict[str, torch.Tensor], tp: TensorParallel, cut: int | None,
+          dtype: torch.dtype, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full logits, loss) of the model with `state`, as one stage or two (`cut`), on `tp`."""
+    bounds = [(0, cfg.num_layers)] if cut is None else [(0, cut), (cut, cfg.num_layers)]
+    stages = [GPTStage(cfg, first=a, last=b, tp=tp, initialise=False).to(dtype).eval() for a, b in bounds]
+    with torch.no_grad():
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                p.copy_(shard_tensor(state[name], p.tp_dim, tp.rank, tp.size))  # type: ignore[attr-defined]
+    x: torch.Tensor = tokens
+    with torch.no_grad():
+        for stage in stages:
+            x = stage(x, dropout_key=0)
+        loss = stages[-1].loss(x, targets)
+    return gather_full(x, 2, tp), loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_same_function_as_transformers(dtype: torch.dtype, exact_hf_rmsnorm: None, request: pytest.FixtureRequest) -> None:
+    if dtype == torch.float32:
+        request.getfixturevalue("monkeypatch").undo()  # fp32: transformers exactly as it ships
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    hf = _hf_model(CFG, dtype)
+    tokens, targets = _tokens(CFG)
+    with torch.no_grad():
+        want = hf(tokens).logits
+    want_loss = F.cross_entropy(want.reshape(-1, CFG.vocab_size), targets.reshape(-1))
+    state = from_hf_llama(hf.state_dict(), CFG)
+    for degree in (1, 2):
+        comms = gloo_comms(degree, name=f"llama-hf-{degree}-{dtype}")
+        for cut in (None, 2):
+            def one(r: int, comms: list = comms, degree: int = degree, cut: int | None = cut) -> object:  # type: ignore[type-arg]
+                return _ours(CFG, state, TensorParallel(group=comms[r], rank=r, size=degree), cut, dtype, tokens, targets)
+
+            got = on_threads(degree, one)
+            for rank, result in enumerate(got):
+                assert not isinstance(result, BaseException), result
+                logits, loss = result
+                assert logits.dtype == dtype
+                what = f"TP {degree}, cut {cut}, rank {rank}, {dtype}"
+                assert max_rel_diff(logits, want) <= tol, (what, max_rel_diff(logits, want))
+                assert max_rel_diff(loss, want_loss) <= tol, (what, loss.item(), want_loss.item())
+        for c in comms:
+            c.shutdown()
+
+
+def test_the_mapping_both_ways_and_the_config() -> None:
+    hf = _hf_model(CFG, torch.float32)
+    theirs = {n: t for n, t in hf.state_dict().items() if "rotary" not in n}
+    back = to_hf_llama(from_hf_llama(theirs, CFG), CFG)
+    assert back.keys() == theirs.keys()
+    assert all(torch.equal(back[n], theirs[n]) for n in theirs)
+    config = transformers.LlamaConfig(**hf_llama_config(CFG))
+    assert (config.num_key_value_heads, config.intermediate_size, config.head_dim) == (CFG.kv_heads, CFG.d_ff, CFG.head_dim)
+    del theirs["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(HfLlamaError, match="model.layers.1.self_attn.k_proj.weight"):
+        from_hf_llama(theirs, CFG)
+
+
+def _step(cfg: GPTConfig, tp: TensorParallel, *, sp: bool, mode: str) -> dict[str, torch.Tensor]:
+    """One training forward and backward of the whole model as two stages: loss and every
+    gathered (full) gradient."""
+    tokens, targets = _tokens(cfg)
+    stages = [GPTStage(cfg, first=a, last=b, tp=tp, recompute=mode, sequence_parallel=sp).train()
+              for a, b in ((0, 2), (2, cfg.num_layers))]
+    x: torch.Tensor = tokens
+    for stage in stages:
+        x = stage(x, dropout_key=5)
+    loss = stages[-1].loss(x, targets)
+    loss.backward()
+    out = {"loss": loss.detach()}
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            assert p.grad is not None, name
+            out[name] = gather_full(p.grad, p.tp_dim, tp)  # type: ignore[attr-defined]
+    return out
+
+
+def _run(cfg: GPTConfig, degree: int, *, sp: bool = False, mode: str = "none") -> list[dict[str, torch.Tensor]]:
+    comms = gloo_comms(degree, name=f"llama-{degree}-{sp}-{mode}-{cfg.dropout}")
+    results = on_threads(degree, lambda r: _step(cfg, TensorParallel(group=comms[r], rank=r, size=degree), sp=sp,
+                                                 mode=mode))
+    for c in comms:
+        c.shutdown()
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return results
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float) -> None:
+    cfg = dataclasses.replace(CFG, dropout=dropout)
+    (whole,) = _run(cfg, 1)
+    for degree in (2, 4):
+        for sp in (False, True):
+            for rank, got in enumerate(_run(cfg, degree, sp=sp)):
+                assert got.keys() == whole.keys()
+                for name, want in whole.items():
+                    rel = max_rel_diff(got[name], want)
+                    assert rel <= 1e-5, (f"TP {degree} sp {sp} rank {rank} dropout {dropout}: {name}", rel)
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_recomputation_is_bit_for_bit(degree: int) -> None:
+    cfg = dataclasses.replace(CFG, dropout=0.1)
+    plain = _run(cfg, degree, sp=degree > 1)
+    for mode in RECOMPUTE_MODES:
+        for want, got in zip(plain, _run(cfg, degree, sp=degree > 1, mode=mode), strict=True):
+            assert all(torch.equal(got[n], want[n]) for n in want), mode
