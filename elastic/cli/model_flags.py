@@ -90,11 +90,33 @@ def model_from_flags(args: argparse.Namespace, *, defaults: dict[str, int] | Non
     try:
         base = get_preset(args.model)
         from_file = {} if args.model_config is None else read_config_file(args.model_config)
+        if getattr(args, "init_from", None) is not None:  # the checkpoint's shape, under the file's
+            from elastic.model.hf_import import hf_shape
+
+            from_file = {**hf_shape(args.init_from), **from_file}
         overrides = shape_overrides(args)
         derived = {k: v for k, v in (defaults or {}).items() if k not in from_file and k not in overrides}
         where = "model shape" if args.model_config is None else f"model config {args.model_config}"
         return config_from_dict({**from_file, **derived, **overrides}, base=base, where=where)
     except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def check_init_from(args: argparse.Namespace, cfg: GPTConfig) -> None:
+    """`--init-from DIR`: UsageError (one line, exit 2) unless its tensors are exactly model
+    `cfg`'s (names, shapes, dtypes: read from the safetensors headers alone) and, for GPT-2, its
+    learned positions cover seq_len."""
+    if getattr(args, "init_from", None) is None:
+        return
+    from elastic.model.hf_import import HfCheckpoint, HfImportError, hf_positions
+
+    try:
+        positions = hf_positions(args.init_from)
+        if positions is not None and cfg.seq_len > positions:
+            raise HfImportError(f"--init-from {args.init_from}: its n_positions={positions} is shorter than "
+                                f"seq_len={cfg.seq_len} (--seq-len {positions} at most)")
+        HfCheckpoint(args.init_from).check(cfg)
+    except HfImportError as exc:
         raise UsageError(str(exc)) from None
 
 

@@ -23,6 +23,7 @@ from elastic.cli.model_flags import (
     add_schedule_flag,
     add_shape_flags,
     add_shard_optimizer_flag,
+    check_init_from,
     model_for_data,
 )
 from elastic.cli.run_config import (
@@ -93,6 +94,12 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="data order seed")
     parser.add_argument("--data", default=None, help="corpus file (default: built-in corpus)")
+    parser.add_argument(
+        "--init-from", type=Path, default=None, metavar="DIR",
+        help="start from a Hugging Face checkpoint (config.json + model.safetensors, sharded or not) of a "
+        "GPT2LMHeadModel or LlamaForCausalLM: its config sets the model's shape (before --model-config and the "
+        "shape flags), every worker reads only its own shards; DIR must be readable on every node",
+    )
     parser.add_argument(
         "--run-dir", type=Path, default=None, help="logs and per-worker outputs (default: temp)"
     )
@@ -245,7 +252,8 @@ def _run_job(args: argparse.Namespace) -> int:
     from elastic.roles.launcher import launch_elastic
     from elastic.roles.static_launcher import launch
 
-    cfg = model_for_data(args)  # preset + --model-config + --n-layer ...; prepared --data: its vocabulary
+    cfg = model_for_data(args)  # preset + --init-from + --model-config + --n-layer ...; prepared --data: its vocabulary
+    check_init_from(args, cfg)
     token = check_flags(args)
     check_spares(args)
     resume_defaults(args)
@@ -262,7 +270,7 @@ def _run_job(args: argparse.Namespace) -> int:
     shape = " + ".join(f"{len(p.stages)}-stage x {p.microbatches} mb" for p in plan.pipelines) + _recomputing(spec)
     print(
         f"elastic run: {describe_model(args.model, cfg)}, {len(plan.nodes)} nodes x {plan.gpus_per_node} workers, pipelines: {shape}, "
-        f"global batch {plan.global_batch}, run dir {run_dir}",
+        f"global batch {plan.global_batch}, run dir {run_dir}" + (f", weights from {spec.init_from}" if spec.init_from else ""),
         flush=True,
     )
     elastic = not args.static

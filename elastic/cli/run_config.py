@@ -152,6 +152,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
             sequence_parallel=args.sequence_parallel,
             scatter_gather=args.scatter_gather,
             shard_optimizer=args.shard_optimizer,
+            init_from=None if getattr(args, "init_from", None) is None else str(Path(args.init_from).resolve()),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -35,6 +35,7 @@ from elastic.engine.shard_gather import gather
 from elastic.engine.shard_store import FetchFn, Held, ShardState, adopt, shard_bytes
 from elastic.engine.step import KeptGrads, StepReplay, StepTransaction
 from elastic.model.gpt import GPTStage
+from elastic.model.hf_import import load_hf_shards
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups, build_groups
@@ -242,7 +243,8 @@ class GenerationBuilder:
         """The generation's stage module and optimizer, the shards they serve, and the bytes of
         optimizer slices received (the sharded optimizer's repair, optim_repair.py).
 
-        Only a worker that starts from nothing initialises from the seed. Otherwise the stage is
+        Only a worker that starts from nothing initialises: from the seed, or with `--init-from`
+        from its own shards of that checkpoint. Otherwise the stage is
         `skeleton` (built on the meta device: no memory, no initialisation) with every parameter
         replaced by a kept tensor (the same object, with its AdamW state) or a fetched one
         (adopted as it is when it already has the parameter's device and dtype).
@@ -250,8 +252,10 @@ class GenerationBuilder:
         repaired = 0
         if not held and not fetched:
             module = GPTStage(self.cfg, chunks=layout.stage_plan.ranges, tp=groups.tp, device=self.device,
-                              recompute=self._recompute(layout),
+                              recompute=self._recompute(layout), initialise=self.spec.init_from is None,
                               sequence_parallel=self.spec.sequence_parallel_on)
+            if self.spec.init_from is not None:  # my own shards of a Hugging Face checkpoint
+                load_hf_shards(module, self.spec.init_from, tp_rank=layout.tp_rank, tp_size=layout.tp_size)
             optimizer = build_optimizer(module, self.spec.optim, owned=self._owned(layout, module))
         else:
             module = skeleton

@@ -1,6 +1,6 @@
 """The Llama-family model (`arch = "llama"`, elastic/model/llama.py) as Hugging Face `transformers`'
-`LlamaForCausalLM` tensors, both ways: `to_hf_llama` for `elastic export --format hf`,
-`from_hf_llama` for a checkpoint read in.
+`LlamaForCausalLM` tensors (`to_hf_llama`, for `elastic export --format hf`; the way in, slice by
+slice, is elastic/model/hf_import.py's).
 
 | here | LlamaForCausalLM |
 | --- | --- |
@@ -26,7 +26,7 @@ from elastic.model.config import GPTConfig
 
 
 class HfLlamaError(ValueError):
-    """The tensors or the config do not fit the model (one line for the user)."""
+    """The config does not fit the model (one line for the user)."""
 
 
 def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
@@ -58,13 +58,6 @@ def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
         "use_cache": True,
         "dtype": "float32",
     }
-
-
-def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    d, hd, groups = cfg.d_model, cfg.head_dim, cfg.kv_heads
-    rep = cfg.n_head // groups
-    parts = (q.reshape(groups, rep, hd, d), k.reshape(groups, 1, hd, d), v.reshape(groups, 1, hd, d))
-    return torch.cat(parts, dim=1).reshape(cfg.qkv_width, d)
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,22 +92,3 @@ def to_hf_llama(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
         out[f"model.layers.{k}.mlp.gate_proj.weight"] = both[:, 0]
         out[f"model.layers.{k}.mlp.up_proj.weight"] = both[:, 1]
     return {n: t.detach().contiguous() for n, t in out.items()}
-
-
-def from_hf_llama(tensors: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """Canonical names -> full tensors from LlamaForCausalLM's state dict; HfLlamaError naming
-    the first missing tensor (rotary `inv_freq` buffers, if present, are ignored)."""
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise HfLlamaError(f"the checkpoint has no tensor {name!r}")
-        return tensors[name]
-
-    out = {ours: take(hf) for ours, hf in _names(cfg)}
-    for k in range(cfg.n_layer):
-        hf = f"model.layers.{k}."
-        out[f"blocks.{k}.attn.qkv.weight"] = _fused_qkv(take(hf + "self_attn.q_proj.weight"),
-                                                         take(hf + "self_attn.k_proj.weight"),
-                                                         take(hf + "self_attn.v_proj.weight"), cfg)
-        gate, up = take(hf + "mlp.gate_proj.weight"), take(hf + "mlp.up_proj.weight")
-        out[f"blocks.{k}.mlp.fc.weight"] = torch.stack((gate, up), dim=1).reshape(2 * cfg.d_ff, cfg.d_model)
-    return out

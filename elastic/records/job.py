@@ -93,6 +93,9 @@ class JobSpec(JsonRecord):
     eval_batches: int = 8
     """Held-out microbatches (of the plan's microbatch size) each evaluation averages over."""
     # ---- model shape (--model-config, --n-layer, ...) ---------------------------------------
+    init_from: str | None = None
+    """`--init-from DIR`: a Hugging Face checkpoint directory every worker that starts from nothing
+    reads its own shards from (elastic/model/hf_import.py), instead of the seeded initialisation."""
     shape: GPTConfig | None = None
     """The model's resolved shape when it is not the preset's; None: the preset `model`. Every
     worker, checkpoint and summary reads the shape through `model_config`."""

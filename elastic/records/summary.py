@@ -71,6 +71,9 @@ class RunSummary:
     `checkpoint_dir`, `step`, `tp_degree` (the degree it was written at), `skipped` (newer
     checkpoints that were incomplete or corrupt: `step`, `why`) and `text` ("resumed from step N
     of RUN_DIR", with the skipped ones). None for a run that started from the seed."""
+    init_from: str | None = None
+    """`elastic run --init-from DIR`: the Hugging Face checkpoint its weights started from (None:
+    from the seed, or from a checkpoint of this runtime with `--resume`)."""
 
     # Not a JsonRecord: summary.json is the run's output (`elastic run --summary`), read as a
     # plain object by `elastic report` and people, and never read back into this type; it
@@ -102,6 +105,7 @@ def collect_summary(spec: JobSpec) -> RunSummary:
         step_committed_at=[float(x) for x in result.get("step_committed_at", [])],
         eval_losses=[[int(step), float(loss)] for step, loss in result.get("eval_losses", [])],
         model=model_fields(spec),
+        init_from=spec.init_from,
     )
 
 

@@ -303,6 +303,7 @@ def elastic_summary(config: ElasticConfig, progress: Progress, *, started_at: fl
         model=model_fields(spec),
         first_step=results[0].step if results else 0,
         resumed_from=None if config.resume is None else {**to_data(config.resume), "text": config.resume.describe()},
+        init_from=spec.init_from,
     )
 
 

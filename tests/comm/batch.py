@@ -17,20 +17,22 @@ from pathlib import Path
 import torch
 
 from elastic.comm.nccl_model import check
+from elastic.model.config import GPTConfig
 from elastic.transfer.shards import ShardKey
 from tests.comm.cluster import Case, Outcome, random_case, reference_shards, run_case
 from tests.comm.patterns import features
 
 
 @functools.cache
-def _reference(tp: int, microbatches: int, sp: bool, root: Path) -> dict[ShardKey, dict[str, torch.Tensor]]:
-    return reference_shards(tp, microbatches, root / f"ref-tp{tp}-m{microbatches}-sp{sp:d}", sequence_parallel=sp)
+def _reference(tp: int, microbatches: int, sp: bool, root: Path, shape: GPTConfig) -> dict[ShardKey, dict[str, torch.Tensor]]:
+    return reference_shards(tp, microbatches, root / f"ref-{shape.arch}-tp{tp}-m{microbatches}-sp{sp:d}",
+                            sequence_parallel=sp, shape=shape)
 
 
 def differences(case: Case, outcome: Outcome, root: Path) -> list[str]:
     """Where the shards every worker holds after the job differ from the one-process run's."""
     want = _reference(case.plan1.gpus_per_node, case.plan1.global_microbatches,
-                      case.sequence_parallel and case.plan1.gpus_per_node > 1, root)
+                      case.sequence_parallel and case.plan1.gpus_per_node > 1, root, case.shape)
     held = {key for mine in outcome.shards.values() for key in mine}
     if held != set(want):
         return [f"shards held {sorted(held)}, want {sorted(want)}"]

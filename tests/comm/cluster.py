@@ -41,6 +41,10 @@ from templates.plan import PipelinePlan, Plan, StagePlan
 SHAPE = GPTConfig(vocab_size=256, seq_len=8, n_layer=4, n_head=2, d_model=16)
 """6 planning layers (up to 4 stages, or 3 stages of 2 chunks, 2 of 3), a few thousand
 parameters: a step takes milliseconds."""
+LLAMA_SHAPE = GPTConfig(arch="llama", vocab_size=256, seq_len=8, n_layer=4, n_head=4, n_kv_heads=2, d_model=16,
+                        ffn_hidden=32)
+"""The Llama family's decoder (model/llama.py) at the same 6 planning layers: grouped-query
+attention split by key/value group at TP 2, the fused gate/up, no biases (issue 58)."""
 LAYERS = SHAPE.num_layers
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, eps=1e-6)
 
@@ -73,6 +77,8 @@ class Case:
     re-slices over its world group (optim_repair.py), and the end state is read through the
     checkpoint writers' gather (optim_checkpoint.py). With a failure, plan 1 has f = 1, so that the
     loss of one pipeline's nodes leaves every slice an owner; otherwise f = 0: P slices of one owner."""
+    shape: GPTConfig = SHAPE
+    """The model: GPT-2's `SHAPE` or the Llama family's `LLAMA_SHAPE`."""
 
 
 @dataclass
@@ -138,9 +144,10 @@ def random_case(seed: int) -> Case:
     scatter_gather, sharded = rng.random() < 0.7, rng.random() < 0.35
     if sharded and failed:  # f = 1: the lost pipeline leaves every slice an owner
         plan1 = dataclasses.replace(plan1, fault_tolerance=1)
+    shape = LLAMA_SHAPE if rng.random() < 0.3 else SHAPE  # drawn last: the earlier draws stay each seed's
     return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
                 recompute=recompute, sequence_parallel=sequence_parallel, scatter_gather=scatter_gather,
-                shard_optimizer=sharded)
+                shard_optimizer=sharded, shape=shape)
 
 
 Worker = tuple[int, int]
@@ -159,7 +166,7 @@ class _Job:
     def __init__(self, case: Case, run_dir: Path, timeout_s: float) -> None:
         self.case, self.timeout_s = case, timeout_s
         tp = case.plan1.gpus_per_node
-        self.spec = JobSpec(model="tiny", shape=SHAPE, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
+        self.spec = JobSpec(model="tiny", shape=case.shape, plan=case.plan1, steps=4, run_dir=str(run_dir), optim=OPTIM,
                             device="cpu", collective_timeout_s=timeout_s, eval_every=100, eval_batches=3,
                             recompute=case.recompute, sequence_parallel=case.sequence_parallel,
                             scatter_gather=case.scatter_gather, shard_optimizer="on" if case.shard_optimizer else "off")
@@ -258,13 +265,13 @@ class _Job:
 
 
 def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 3,
-                     sequence_parallel: bool = True) -> dict[ShardKey, dict[str, torch.Tensor]]:
+                     sequence_parallel: bool = True, shape: GPTConfig = SHAPE) -> dict[ShardKey, dict[str, torch.Tensor]]:
     """Every shard after `steps` steps of one pipeline of one stage on one node (`tp` workers,
     sequence-parallel or not): what any plan, failure and replay must end with, bit for bit
     (the step's summation tree)."""
     plan = Plan(num_layers=LAYERS, microbatch_size=1, gpus_per_node=tp, fault_tolerance=0,
                 pipelines=(PipelinePlan(stages=(StagePlan(node=0, layers=(0, LAYERS)),), microbatches=microbatches),))
-    spec = JobSpec(model="tiny", shape=SHAPE, plan=plan, steps=4, run_dir=str(run_dir), optim=OPTIM, device="cpu",
+    spec = JobSpec(model="tiny", shape=shape, plan=plan, steps=4, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    eval_every=100, eval_batches=3, sequence_parallel=sequence_parallel)
     store = dist.HashStore()
     out: dict[ShardKey, dict[str, torch.Tensor]] = {}

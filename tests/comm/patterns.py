@@ -23,7 +23,7 @@ WANTED = frozenset({
     "interleaved v=2", "interleaved v=3", "interleaved beside another depth", "re-plan changes v",
     "interleaved with tp=2", "scatter/gather with tp=2", "interleaved partial failure",
     "sharded optimizer", "sharded optimizer through a failure", "sharded optimizer partial failure",
-    "sharded optimizer with tp=2",
+    "sharded optimizer with tp=2", "llama", "llama with tp=2",
 })
 
 
@@ -37,6 +37,8 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("heterogeneous plan")
     if case.plan1.gpus_per_node > 1:
         out.add("tp=2")
+    if case.shape.arch == "llama":  # grouped-query attention, SwiGLU: the same collectives, other sizes
+        out.add("llama" + (" with tp=2" if case.plan1.gpus_per_node > 1 else ""))
     if case.evaluate:
         out.add("evaluation")
     if case.partial:

@@ -1,7 +1,7 @@
 """The Llama-family decoder (`arch = "llama"`, model/llama.py) against its references.
 
 - transformers' `LlamaForCausalLM` (random weights, grouped-query attention with n_kv_heads <
-  n_head, untied head), its tensors mapped by elastic/ops/hf_llama.py: the same logits and loss,
+  n_head, untied head), its tensors mapped by elastic/model/hf_import.py: the same logits and loss,
   to 1e-5 in fp32 and 1e-10 in fp64, for the whole model and two stages, at tensor-parallel
   degree 1 and 2 (ranks as threads over real gloo communicators). transformers' RMSNorm computes
   in fp32 whatever its input: the fp64 case lifts that cast (and runs its SDPA attention, whose
@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from elastic.model import TensorParallel
 from elastic.model.config import RECOMPUTE_MODES, GPTConfig
 from elastic.model.gpt import GPTStage
+from elastic.model.hf_import import HfImportError, canonical_state
 from elastic.model.init import shard_tensor
 from elastic.model.state import gather_full
-from elastic.ops.hf_llama import HfLlamaError, from_hf_llama, hf_llama_config, to_hf_llama
+from elastic.ops.hf_llama import hf_llama_config, to_hf_llama
 from tests.comm.support import gloo_comms, on_threads
 from tests.model.reference import max_rel_diff
 
@@ -98,7 +99,7 @@ def test_the_same_function_as_transformers(dtype: torch.dtype, exact_hf_rmsnorm:
     with torch.no_grad():
         want = hf(tokens).logits
     want_loss = F.cross_entropy(want.reshape(-1, CFG.vocab_size), targets.reshape(-1))
-    state = from_hf_llama(hf.state_dict(), CFG)
+    state = canonical_state(hf.state_dict(), CFG)
     for degree in (1, 2):
         comms = gloo_comms(degree, name=f"llama-hf-{degree}-{dtype}")
         for cut in (None, 2):
@@ -120,14 +121,14 @@ def test_the_same_function_as_transformers(dtype: torch.dtype, exact_hf_rmsnorm:
 def test_the_mapping_both_ways_and_the_config() -> None:
     hf = _hf_model(CFG, torch.float32)
     theirs = {n: t for n, t in hf.state_dict().items() if "rotary" not in n}
-    back = to_hf_llama(from_hf_llama(theirs, CFG), CFG)
+    back = to_hf_llama(canonical_state(theirs, CFG), CFG)
     assert back.keys() == theirs.keys()
     assert all(torch.equal(back[n], theirs[n]) for n in theirs)
     config = transformers.LlamaConfig(**hf_llama_config(CFG))
     assert (config.num_key_value_heads, config.intermediate_size, config.head_dim) == (CFG.kv_heads, CFG.d_ff, CFG.head_dim)
     del theirs["model.layers.1.self_attn.k_proj.weight"]
-    with pytest.raises(HfLlamaError, match="model.layers.1.self_attn.k_proj.weight"):
-        from_hf_llama(theirs, CFG)
+    with pytest.raises(HfImportError, match="model.layers.1.self_attn.k_proj.weight"):
+        canonical_state(theirs, CFG)
 
 
 def _step(cfg: GPTConfig, tp: TensorParallel, *, sp: bool, mode: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,191 @@
+"""`elastic run --init-from DIR` (issue 58 item 4): Hugging Face checkpoints made here with
+transformers (`from_config`, `save_pretrained`), a sharded LlamaForCausalLM with grouped-query
+attention and an untied head, and a tied GPT2LMHeadModel whose positions outnumber the run's.
+
+- Read slice by slice (elastic/model/hf_import.py), every stage of every layout is the checkpoint's
+  model: the logits of transformers' model to 1e-5 (fp32), at tensor-parallel degree 1 and 2
+  (ranks as threads over real gloo communicators), as one stage and as two.
+- A real elastic run (4 nodes x 2 workers, f = 1) from the Llama checkpoint: its first step's loss
+  is transformers' loss on that step's samples, node 3 SIGKILLed at step 9 ends bit for bit as the
+  failure-free run, and the summary says where the weights came from.
+- Bad checkpoints: a missing tensor, a wrong shape, a vocabulary smaller than the data's
+  tokenizer's and a truncated safetensors file are each one line and exit code 2, before any
+  process starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elastic.cli.main import main
+from elastic.data.dataset import TokenDataset, step_sample_indices
+from elastic.model import TensorParallel
+from elastic.model.config import GPTConfig, get_preset
+from elastic.model.gpt import GPTStage
+from elastic.model.hf_import import load_hf_shards
+from elastic.model.state import gather_full
+from elastic.ops.hf_llama import hf_llama_config
+from tests.comm.support import gloo_comms, on_threads
+from tests.faults.cli_runs import run_cli, same_bits
+from tests.model.reference import max_rel_diff
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(300)
+
+LLAMA = get_preset("llama-tiny")
+GPT2 = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64)
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    with torch.no_grad():  # norms and biases off their initial values, so that a misplaced one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(LLAMA).items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM(config)
+    _perturb(model)
+    model.save_pretrained(str(path), max_shard_size="300KB")  # several files and an index
+    assert (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf-gpt2")
+    torch.manual_seed(1)
+    config = transformers.GPT2Config(vocab_size=GPT2.vocab_size, n_positions=128, n_embd=GPT2.d_model,
+                                     n_layer=GPT2.n_layer, n_head=GPT2.n_head, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)  # tied: no lm_head.weight in the file
+    _perturb(model)
+    model.save_pretrained(str(path))
+    return path
+
+
+def _theirs(path: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _ours(cfg: GPTConfig, path: Path, tp: TensorParallel, cut: int | None, tokens: torch.Tensor) -> torch.Tensor:
+    bounds = [(0, cfg.num_layers)] if cut is None else [(0, cut), (cut, cfg.num_layers)]
+    x = tokens
+    for first, last in bounds:
+        stage = GPTStage(cfg, first=first, last=last, tp=tp, initialise=False).eval()
+        load_hf_shards(stage, path, tp_rank=tp.rank, tp_size=tp.size)
+        with torch.no_grad():
+            x = stage(x, dropout_key=0)
+    return gather_full(x, 2, tp)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_layout_reads_the_checkpoints_model(arch: str, llama_dir: Path, gpt2_dir: Path) -> None:
+    cfg, path = (LLAMA, llama_dir) if arch == "llama" else (GPT2, gpt2_dir)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(4))
+    want = _theirs(path, tokens)
+    for degree in (1, 2):
+        comms = gloo_comms(degree, name=f"init-from-{arch}-{degree}")
+        for cut in (None, 2):
+            def one(r: int, comms: list = comms, degree: int = degree, cut: int | None = cut) -> object:  # type: ignore[type-arg]
+                return _ours(cfg, path, TensorParallel(group=comms[r], rank=r, size=degree), cut, tokens)
+
+            for rank, got in enumerate(on_threads(degree, one)):
+                assert isinstance(got, torch.Tensor), got
+                assert max_rel_diff(got, want) <= 1e-5, (arch, degree, cut, rank, max_rel_diff(got, want))
+        for c in comms:
+            c.shutdown()
+
+
+RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "llama-tiny", "--nodes", "4", "--gpus-per-node", "2",
+       "--fault-tolerance", "1", "--global-batch", "8", "--microbatch", "1", "--steps", "10", "--device", "cpu",
+       "--checkpoint-every", "0", "--lease-ttl", "30"]
+
+
+@pytest.mark.slow
+def test_a_run_from_the_checkpoint_through_a_failure(llama_dir: Path, tmp_path: Path) -> None:
+    start = ["--init-from", str(llama_dir)]
+    killed = run_cli([*RUN, *start, "--inject", "kill:node=3,step=9"], tmp_path / "killed", committed=10,
+                     lost=[[3]], timeout=200)
+    clean = run_cli([*RUN, *start], tmp_path / "clean", committed=10, lost=[], timeout=200)
+    same_bits(killed, clean, "llama-tiny from a checkpoint, node 3 killed at step 9")
+    assert killed[0]["init_from"] == str(llama_dir.resolve())
+    inputs, targets = TokenDataset(seq_len=LLAMA.seq_len).batch(step_sample_indices(0, 8))
+    logits = _theirs(llama_dir, inputs)
+    want = F.cross_entropy(logits.reshape(-1, LLAMA.vocab_size), targets.reshape(-1)).item()
+    assert abs(killed[0]["losses"][0] - want) <= 1e-5 * want, (killed[0]["losses"][0], want)
+
+
+def _refused(tmp_path: Path, path: Path, *extra: str) -> str:
+    code, _, err = _cli("run", "--model", "llama-tiny", "--nodes", "2", "--steps", "1", "--device", "cpu",
+                        "--run-dir", str(tmp_path / "run"), "--init-from", str(path), *extra)
+    assert code == 2 and len(err.strip().splitlines()) == 1, (code, err)
+    assert not (tmp_path / "run").exists(), "nothing is started on a refusal"
+    return err
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_bad_checkpoints_are_one_line_and_exit_2(llama_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    missing = _copy(llama_dir, tmp_path / "missing")
+    tensors = load_file(str(missing / "model.safetensors"))
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(missing / "model.safetensors"))
+    assert "no tensor 'model.layers.2.mlp.up_proj.weight'" in _refused(tmp_path / "a", missing)
+
+    shape = _copy(llama_dir, tmp_path / "shape")
+    config = json.loads((shape / "config.json").read_text())
+    config["intermediate_size"] = 256
+    (shape / "config.json").write_text(json.dumps(config))
+    assert "mlp.gate_proj.weight has shape [384, 128], model llama needs [256, 128]" in _refused(tmp_path / "b", shape)
+
+    truncated = _copy(llama_dir, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert "not a readable safetensors file" in _refused(tmp_path / "c", truncated)
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the model trains on nodes and fails and trains again; " * 400)
+    code, _, err = _cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"), "--vocab-size", "300")
+    assert code == 0, err
+    err = _refused(tmp_path / "d", llama_dir, "--data", str(tmp_path / "data"))
+    assert "vocab_size=256 does not cover the tokenizer" in err, err
+
+    other = _copy(llama_dir, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    config["model_type"] = "bert"
+    (other / "config.json").write_text(json.dumps(config))
+    assert "model_type 'bert' is not supported" in _refused(tmp_path / "e", other)
