@@ -71,7 +71,8 @@ def add_shape_flags(parser: Any) -> None:
         default=None,
         metavar="FILE",
         help="JSON object of GPTConfig fields (vocab_size, seq_len, n_layer, n_head, d_model, dropout, "
-        "init_seed; arch gpt2|llama, n_kv_heads, ffn_hidden, rope_theta, norm_eps) replacing the preset's",
+        "init_seed; arch gpt2|llama, n_kv_heads, ffn_hidden, rope_theta, norm_eps, rope_factor, rope_low_freq_factor, "
+        "rope_high_freq_factor, rope_original_context) replacing the preset's",
     )
     for name in SHAPE_FIELDS:
         group.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"the model's {name}")

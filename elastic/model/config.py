@@ -60,6 +60,13 @@ class GPTConfig:
     a multiple of 256 (`llama`)."""
     norm_eps: float = 1e-5
     """Epsilon of the norms (LayerNorm, RMSNorm)."""
+    rope_factor: float = 0.0
+    """Llama 3.1's rotary frequency scaling (`llama`): 0, none; else the factor the low
+    frequencies are divided by, with `rope_low_freq_factor`, `rope_high_freq_factor` and
+    `rope_original_context` placing the smooth band between (model/llama.py `rotary`)."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -83,6 +90,11 @@ class GPTConfig:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, {self.norm_eps}")
+        if self.rope_factor and (self.rope_factor < 1 or self.rope_original_context <= 0
+                                 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError("rope scaling needs rope_factor >= 1, rope_original_context > 0 and "
+                             f"0 < rope_low_freq_factor < rope_high_freq_factor, got {self.rope_factor}, "
+                             f"{self.rope_original_context}, {self.rope_low_freq_factor}, {self.rope_high_freq_factor}")
 
     @property
     def head_dim(self) -> int:
@@ -200,14 +212,15 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-2.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
     "gpt3-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     # Llama family (arch llama). llama-tiny and llama-small mirror tiny and small, with grouped-query
-    # attention; the others are the published shapes (Llama 3.2 1B and Llama 3 8B / 70B: head_dim
-    # 64 / 128, 8 KV heads, theta 500000, 128256-token vocabulary), for planning and simulation.
+    # attention; the others are the published shapes (Llama 3.2 1B, with its rope scaling, and Llama 3
+    # 8B / 70B: head_dim 64 / 128, 8 KV heads, theta 500000, 128256-token vocabulary), for planning
+    # and simulation.
     "llama-tiny": GPTConfig(arch="llama", vocab_size=256, seq_len=64, n_layer=4, n_head=8, n_kv_heads=4,
                             d_model=128, ffn_hidden=384),
     "llama-small": GPTConfig(arch="llama", vocab_size=256, seq_len=256, n_layer=8, n_head=8, n_kv_heads=4,
                              d_model=512, ffn_hidden=1536),
     "llama3.2-1b": GPTConfig(arch="llama", vocab_size=128256, seq_len=2048, n_layer=16, n_head=32, n_kv_heads=8,
-                             d_model=2048, ffn_hidden=8192, rope_theta=500000.0),
+                             d_model=2048, ffn_hidden=8192, rope_theta=500000.0, rope_factor=32.0),
     "llama3-8b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_heads=8,
                            d_model=4096, ffn_hidden=14336, rope_theta=500000.0),
     "llama3-70b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_heads=8,
@@ -224,7 +237,7 @@ def get_preset(name: str) -> GPTConfig:
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
 
 
-FLOAT_FIELDS = ("dropout", "rope_theta", "norm_eps")
+FLOAT_FIELDS = ("dropout", "rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
 """The GPTConfig fields that are numbers rather than integers (`arch` is a string)."""
 
 SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_heads", "ffn_hidden")

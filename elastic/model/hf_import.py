@@ -47,13 +47,20 @@ def _config(path: Path) -> dict[str, Any]:
         raise HfImportError(f"--init-from {path}: {exc}") from None
 
 
-def _rope_theta(c: dict[str, Any], where: str) -> float:
+def _rope(c: dict[str, Any], where: str) -> dict[str, object]:
+    """The rotary fields: theta, and Llama 3.1's `llama3` scaling (transformers 4's `rope_scaling`
+    beside `rope_theta`, or 5's `rope_parameters`); HfImportError for another scaling."""
     params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or ({} if params.get("rope_type", "default") == "default" else params)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise HfImportError(f"{where}: rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported "
-                            "(plain rotary embeddings only)")
-    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    scaling = c.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    out: dict[str, object] = {"rope_theta": float(params.get("rope_theta", c.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        out.update(rope_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                   rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                   rope_original_context=int(scaling["original_max_position_embeddings"]))
+    elif kind != "default":
+        raise HfImportError(f"{where}: rope scaling {kind!r} is not supported (none, or Llama 3.1's llama3)")
+    return out
 
 
 def hf_shape(path: Path) -> dict[str, object]:
@@ -78,8 +85,8 @@ def _shape(c: dict[str, Any], where: str) -> dict[str, object]:
             raise HfImportError(f"{where}: head_dim {c.get('head_dim')} x {heads} heads != hidden_size {width}")
         return {"arch": "llama", "vocab_size": int(c["vocab_size"]), "n_layer": int(c["num_hidden_layers"]),
                 "n_head": heads, "n_kv_heads": int(c.get("num_key_value_heads") or heads), "d_model": width,
-                "ffn_hidden": int(c["intermediate_size"]), "rope_theta": _rope_theta(c, where),
-                "norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+                "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+                **_rope(c, where)}
     if kind == "gpt2":
         if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise HfImportError(f"{where}: activation {c.get('activation_function')!r} is not GPT-2's tanh GELU")

@@ -67,14 +67,31 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight if weight is None else weight, eps=self.eps)
 
 
+def inverse_frequencies(cfg: GPTConfig, device: torch.device) -> torch.Tensor:
+    """The rotary inverse frequencies (head_dim / 2, fp32), with Llama 3.1's scaling where
+    `rope_factor` is set: wavelengths under rope_original_context / rope_high_freq_factor kept,
+    over rope_original_context / rope_low_freq_factor divided by the factor, the band between
+    interpolated (as transformers' `llama3` rope type computes them)."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if not cfg.rope_factor:
+        return inv_freq
+    factor, low, high, context = (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                                  cfg.rope_original_context)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 @functools.lru_cache(maxsize=16)
-def rotary(head_dim: int, theta: float, seq: int, device: torch.device,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(cfg: GPTConfig, seq: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the rotary angles of positions [0, seq), each (seq, head_dim): computed in
     fp32 (as transformers does), then cast to `dtype`. One table per shape, device and dtype,
     shared by every layer and microbatch: a constant, not an activation."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = inverse_frequencies(cfg, device)
     angles = torch.outer(torch.arange(seq, device=device).float(), inv_freq)
     both = torch.cat((angles, angles), dim=-1)
     return both.cos().to(dtype), both.sin().to(dtype)
@@ -109,7 +126,7 @@ class _Rotate(torch.autograd.Function):
 
 def rotate(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
     """x (batch, heads, seq, head_dim) rotated by its positions' angles (rotate-half convention)."""
-    cos, sin = rotary(cfg.head_dim, cfg.rope_theta, x.shape[-2], x.device, x.dtype)
+    cos, sin = rotary(cfg, x.shape[-2], x.device, x.dtype)
     return _Rotate.apply(x, cos, sin)
 
 

@@ -12,7 +12,8 @@ slice, is elastic/model/hf_import.py's).
 | `blocks.k.mlp.proj.weight` | `mlp.down_proj` |
 | `head.ln_f.weight`, `head.lm_head.weight` | `model.norm.weight`, `lm_head.weight` (tie_word_embeddings false) |
 
-Rotary embeddings: rotate-half, `rope_theta`, no scaling (`rope_scaling` none). Attention and MLP
+Rotary embeddings: rotate-half, `rope_theta`, and Llama 3.1's `llama3` frequency scaling where
+`rope_factor` is set (`rope_scaling` none otherwise). Attention and MLP
 have no biases (`attention_bias`, `mlp_bias` false).
 """
 
@@ -45,7 +46,9 @@ def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
         "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.seq_len,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if not cfg.rope_factor else {
+            "rope_type": "llama3", "factor": cfg.rope_factor, "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor, "original_max_position_embeddings": cfg.rope_original_context},
         "rms_norm_eps": cfg.norm_eps,
         "hidden_act": "silu",
         "attention_bias": False,

@@ -91,7 +91,8 @@ class ResumeSource:
         return text
 
 
-_SHAPE_FIELDS = ("arch", "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps")
+_SHAPE_FIELDS = ("arch", "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps", "rope_factor",
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
 _DERIVED = (("kv_heads", "n_head"), ("d_ff", "d_model"))
 """Shape figures that follow another field by default: named only where that field is the same."""
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -38,6 +39,10 @@ pytestmark = pytest.mark.timeout(180)
 
 CFG = GPTConfig(arch="llama", vocab_size=256, seq_len=32, n_layer=3, n_head=8, n_kv_heads=4, d_model=64,
                 ffn_hidden=160, rope_theta=5000.0, norm_eps=1e-6)
+SCALED = dataclasses.replace(CFG, rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                             rope_original_context=64)
+"""Llama 3.1's rope scaling, its wavelength bands (16 and 64 positions) inside head_dim 8's
+wavelengths (6 to 3,300): some frequencies kept, some divided, some interpolated."""
 BATCH = 2
 
 
@@ -89,22 +94,26 @@ def _ours(cfg: GPTConfig, state: dict[str, torch.Tensor], tp: TensorParallel, cu
     return gather_full(x, 2, tp), loss
 
 
+@pytest.mark.parametrize("cfg", [CFG, SCALED], ids=["plain-rope", "llama3-rope"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_same_function_as_transformers(dtype: torch.dtype, exact_hf_rmsnorm: None, request: pytest.FixtureRequest) -> None:
+def test_the_same_function_as_transformers(dtype: torch.dtype, cfg: GPTConfig, exact_hf_rmsnorm: None,
+                                           request: pytest.FixtureRequest) -> None:
     if dtype == torch.float32:
         request.getfixturevalue("monkeypatch").undo()  # fp32: transformers exactly as it ships
     tol = 1e-5 if dtype == torch.float32 else 1e-10
-    hf = _hf_model(CFG, dtype)
-    tokens, targets = _tokens(CFG)
+    hf = _hf_model(cfg, dtype)
+    if cfg.rope_factor:  # the scaling reached transformers (its config holds it in either form)
+        assert "llama3" in json.dumps(hf.config.to_dict())
+    tokens, targets = _tokens(cfg)
     with torch.no_grad():
         want = hf(tokens).logits
-    want_loss = F.cross_entropy(want.reshape(-1, CFG.vocab_size), targets.reshape(-1))
-    state = canonical_state(hf.state_dict(), CFG)
+    want_loss = F.cross_entropy(want.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+    state = canonical_state(hf.state_dict(), cfg)
     for degree in (1, 2):
         comms = gloo_comms(degree, name=f"llama-hf-{degree}-{dtype}")
         for cut in (None, 2):
             def one(r: int, comms: list = comms, degree: int = degree, cut: int | None = cut) -> object:  # type: ignore[type-arg]
-                return _ours(CFG, state, TensorParallel(group=comms[r], rank=r, size=degree), cut, dtype, tokens, targets)
+                return _ours(cfg, state, TensorParallel(group=comms[r], rank=r, size=degree), cut, dtype, tokens, targets)
 
             got = on_threads(degree, one)
             for rank, result in enumerate(got):

@@ -189,3 +189,23 @@ def test_bad_checkpoints_are_one_line_and_exit_2(llama_dir: Path, tmp_path: Path
     config["model_type"] = "bert"
     (other / "config.json").write_text(json.dumps(config))
     assert "model_type 'bert' is not supported" in _refused(tmp_path / "e", other)
+
+
+def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
+    from elastic.model.hf_import import HfImportError, hf_shape
+    from elastic.ops.hf_llama import hf_llama_config
+
+    cfg = get_preset("llama3.2-1b")  # Llama 3.2's own scaling: factor 32, bands 1 and 4 of 8192 positions
+    transformers.LlamaConfig(**hf_llama_config(cfg)).save_pretrained(str(tmp_path / "scaled"))
+    shape = hf_shape(tmp_path / "scaled")
+    assert {k: shape[k] for k in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                  "rope_original_context")} == {
+        "rope_theta": 500000.0, "rope_factor": 32.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+        "rope_original_context": 8192}
+    config = json.loads((tmp_path / "scaled" / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            config[key] = {**config[key], "rope_type": "yarn"}
+    (tmp_path / "scaled" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HfImportError, match="rope scaling 'yarn' is not supported"):
+        hf_shape(tmp_path / "scaled")
