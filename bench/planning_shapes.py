@@ -1,9 +1,9 @@
 """The planner on published model shapes, GPT-3 beside the Llama family (issue 58): for each
 (model, nodes x GPUs) the plan `elastic plan --json` lays out (its pipelines, their stages, the
-step time it predicts) and the largest worker memory of that plan by the memory model
-(`elastic.planning.memory.worker_memory`: bf16 autocast on CUDA, 1F1B in-flight microbatches,
-sequence parallelism at TP > 1, the stage's recomputation). Predictions of the cost model on a
-nominal device, not measurements.
+step time it predicts) and the largest worker memory of that plan, as `elastic plan` reports it
+(`elastic.planning.memory.plan_memory`: bf16 autocast on CUDA, the schedule's in-flight
+microbatches, sequence parallelism at TP > 1, the stage's recomputation, partial replay's copy of
+the sums). Predictions of the cost model on a nominal device, not measurements.
 
     PYTHONPATH=. .venv/bin/python bench/planning_shapes.py                 # the table of bench/README.md
     PYTHONPATH=. .venv/bin/python bench/planning_shapes.py --case llama3-8b:16 --json out.json
@@ -19,11 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from elastic.cli.main import main as elastic_main
 from elastic.model.config import get_preset
-from elastic.planning.memory import worker_memory
 
 CASES = ("gpt3-6.7b:16", "llama3-8b:16", "gpt3-6.7b:64", "llama3-70b:64")
 GIB = 1024**3
@@ -42,24 +39,10 @@ def plan_json(model: str, nodes: int, args: argparse.Namespace) -> dict[str, Any
     return dict(json.loads(out.getvalue()))
 
 
-def largest_worker(model: str, plan: dict[str, Any], tp: int) -> tuple[float, str]:
-    """(GiB, where) of the plan's largest worker by the memory model."""
-    cfg = get_preset(model)
-    pipes = plan["pipelines"]
-    counts = [p["microbatches"] for p in pipes]
-    best = (0.0, "")
-    for index, pipe in enumerate(pipes):
-        stages = pipe["stages"]
-        for s, stage in enumerate(stages):
-            estimate = worker_memory(cfg, layers=tuple(stage["layers"]), microbatch_size=plan["microbatch_size"],
-                                     in_flight=min(len(stages) - s, pipe["microbatches"]), tp=tp, holders=len(pipes),
-                                     compute_dtype=torch.bfloat16, device_type="cuda", microbatches=counts,
-                                     pipeline=index, recompute=stage.get("recompute", "none"),
-                                     sequence_parallel=tp > 1)
-            gib = estimate.total / GIB
-            if gib > best[0]:
-                best = (gib, f"pipeline {index} stage {s} layers {stage['layers']}")
-    return best
+def largest_worker(model: str, out: dict[str, Any]) -> tuple[float, str]:
+    """(GiB, where) of the plan's largest worker: `elastic plan`'s own `memory` figure."""
+    m = out["memory"]
+    return m["largest_worker_bytes"] / GIB, f"pipeline {m['pipeline']} stage {m['stage']} (node {m['node']})"
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +51,7 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     out = plan_json(model, int(nodes), args)
     planned = time.perf_counter() - start
     plan = out["plan"]
-    gib, where = largest_worker(model, plan, args.gpus_per_node)
+    gib, where = largest_worker(model, out)
     stages = sorted({len(p["stages"]) for p in plan["pipelines"]})
     return {"model": model, "nodes": int(nodes), "params_b": get_preset(model).num_params() / 1e9,
             "pipelines": len(plan["pipelines"]), "stages": stages, "iteration_s": plan["iteration_time"],

@@ -95,10 +95,30 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps(_as_json(args, cfg, chosen), indent=2))
+        print(json.dumps({**_as_json(args, cfg, chosen), "memory": _memory(args, cfg, chosen)}, indent=2))
     else:
         print(_as_table(args, cfg, chosen))
+        print(_memory_line(args, cfg, chosen))
     return 0
+
+
+def _memory(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dict[str, Any]:
+    """The plan's largest worker by the memory model (`planning.memory.plan_memory`), in bytes."""
+    from elastic.planning.memory import plan_memory
+
+    peak = plan_memory(cfg, chosen.plan, device_type=args.device, sharded_optimizer=chosen.sharded)
+    e = peak.estimate
+    return {"largest_worker_bytes": e.total, "params_and_state": e.params_and_state, "activations": e.activations,
+            "head": e.head, "reserve": e.reserve, "pipeline": peak.pipeline, "stage": peak.stage, "node": peak.node,
+            "device_memory_bytes": int(_memory_gib(args) * 2**30)}
+
+
+def _memory_line(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> str:
+    m, gib = _memory(args, cfg, chosen), 2**30
+    return (f"\nmemory: largest worker {m['largest_worker_bytes'] / gib:.2f} GiB of {m['device_memory_bytes'] / gib:g} GiB "
+            f"(pipeline {m['pipeline']} stage {m['stage']}, node {m['node']}): parameters and state "
+            f"{m['params_and_state'] / gib:.2f}, activations {m['activations'] / gib:.2f}, loss {m['head'] / gib:.2f}, "
+            f"reserve {m['reserve'] / gib:.2f}")
 
 
 def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:

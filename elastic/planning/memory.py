@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from elastic.model.config import GPTConfig
-from elastic.planning.activation_memory import head_bytes, layer_saved, recompute_workspace, saved_bytes
+from elastic.planning.activation_memory import (
+    compute_bytes,
+    head_bytes,
+    layer_saved,
+    recompute_workspace,
+    saved_bytes,
+)
 from elastic.planning.cluster import DEFAULT_MEMORY_GIB
 from elastic.planning.footprint import (
     AUTOCAST_DEVICE_TYPES,
@@ -27,8 +33,14 @@ from elastic.planning.footprint import (
     StateBytes,
     layer_elements,
     reserve_bytes,
+    sharded_moment_elements,
     state_bytes,
 )
+from templates.interleave import in_flight as interleaved_in_flight
+from templates.plan import Plan
+
+if TYPE_CHECKING:  # torch loads where a dtype or a device is asked for, not here: `elastic plan` runs without it
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +71,7 @@ def worker_memory(
     in_flight: int,
     tp: int = 1,
     holders: int = 1,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
     partial_replay: bool = False,
     device_type: str = "cpu",
     microbatches: int | Sequence[int] = 1,
@@ -81,7 +93,7 @@ def worker_memory(
     with `pipeline`, my index among them, they fix the blocks of the step's summation tree each
     holder sums (a step without replay). `partial_replay`: the engine keeps a copy of its sums
     when a step is abandoned (only with more than one pipeline). `compute_dtype`: the forward's
-    dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere). `tp_rank`: rank 0 also
+    dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere; None: fp32). `tp_rank`: rank 0 also
     measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
     backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
     activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
@@ -107,7 +119,7 @@ def worker_memory(
                                                           for first, last in ranges],
                         moment_elements=moment_elements)
     tokens = microbatch_size * cfg.seq_len
-    element = compute_dtype.itemsize
+    element = 4 if compute_dtype is None else compute_dtype.itemsize
     activations = max(recompute_workspace(cfg, rng, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,
                                           sequence_parallel=sequence_parallel) for rng in ranges)
     for (first, last), count in zip(ranges, counts, strict=True):
@@ -124,12 +136,62 @@ def worker_memory(
 def compute_dtype(device: torch.device) -> torch.dtype:
     """The dtype the engine's forward computes in on `device` (`engine/device.py`
     compute_precision: bf16 autocast on CUDA, fp32 elsewhere)."""
+    import torch
+
     return torch.bfloat16 if device.type in AUTOCAST_DEVICE_TYPES else torch.float32
+
+
+class _Elements:
+    """A compute dtype by its size alone (what `worker_memory` reads of one), without torch."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanMemory:
+    """The largest worker of a plan by `worker_memory`, and where it is."""
+
+    estimate: MemoryEstimate
+    pipeline: int
+    stage: int
+    node: int
+
+
+def plan_memory(cfg: GPTConfig, plan: Plan, *, device_type: str = "cpu", sequence_parallel: bool = True,
+                sharded_optimizer: bool = False, partial_replay: bool = True) -> PlanMemory:
+    """Every worker of `plan` by `worker_memory` (its stage's layers or chunks, its schedule's
+    microbatches in flight at the peak: 1F1B's p - s, the interleaved table's per chunk; the
+    compute dtype of `device_type`; sequence parallelism at TP > 1 unless told otherwise; the
+    sharded optimizer's slices), and the largest. Runs without torch (`elastic plan`)."""
+    tp, counts = plan.gpus_per_node, [p.microbatches for p in plan.pipelines]
+    element = _Elements(compute_bytes(device_type))
+    best: PlanMemory | None = None
+    for index, pipe in enumerate(plan.pipelines):
+        depth = len(pipe.stages)
+        for s, stage in enumerate(pipe.stages):
+            chunks = stage.ranges if pipe.virtual_stages > 1 else ()
+            flights = interleaved_in_flight(depth, s, pipe.virtual_stages) if chunks else ()
+            held = [i for first, last in stage.ranges for i in range(first, last)]
+            moments = (sharded_moment_elements(cfg, plan, node=stage.node, layers=held, tp=tp)
+                       if sharded_optimizer else None)
+            estimate = worker_memory(
+                cfg, layers=stage.layers, chunks=chunks, chunks_in_flight=flights,
+                microbatch_size=plan.microbatch_size, in_flight=min(depth - s, pipe.microbatches), tp=tp,
+                holders=len(plan.pipelines), compute_dtype=element, partial_replay=partial_replay,  # type: ignore[arg-type]
+                device_type=device_type, microbatches=counts, pipeline=index, recompute=stage.recompute,
+                sequence_parallel=sequence_parallel and tp > 1, moment_elements=moments)
+            if best is None or estimate.total > best.estimate.total:
+                best = PlanMemory(estimate=estimate, pipeline=index, stage=s, node=stage.node)
+    assert best is not None
+    return best
 
 
 def device_memory_bytes(device: torch.device) -> int:
     """Memory of `device`: an accelerator's total memory (of which `reserve_bytes` hold the
     context and communicators), the host's RAM for the CPU."""
+    import torch
+
     if device.type == "cpu":
         return int(psutil.virtual_memory().total)
     return int(torch.get_device_module(device.type).get_device_properties(device).total_memory)
@@ -140,6 +202,8 @@ def default_memory_gib(device_type: str) -> float:
     accelerator's (its reserve comes off it in the profile), else the nominal DEFAULT_MEMORY_GIB
     (always on the CPU, whose host memory is no device budget)."""
     if device_type != "cpu":
+        import torch
+
         module = torch.get_device_module(device_type)
         if module.is_available():
             return device_memory_bytes(torch.device(device_type, 0)) / 2**30

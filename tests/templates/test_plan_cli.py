@@ -110,3 +110,30 @@ def test_a_plan_for_cuda_workers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "2-byte activations" in cuda["profile"]["notes"] and "4-byte activations" in cpu["profile"]["notes"]
     code, out, err = run([*BASE, "--microbatch", "2", "--device", "cuda", "--json"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--model", "llama3-8b", "--nodes", "16", "--gpus-per-node", "8", "--device", "cuda", "--device-memory-gib", "80",
+      "--global-batch", "512", "--microbatch", "1"], "llama, 2-stage pipelines"),
+    (["--model", "llama3-70b", "--nodes", "64", "--gpus-per-node", "8", "--device", "cuda", "--device-memory-gib", "80",
+      "--global-batch", "512", "--microbatch", "1"], "heterogeneous pipelines of 17-24 stages, recomputation"),
+    (["--model", "gpt3-6.7b", "--nodes", "24", "--gpus-per-node", "1", "--device-memory-gib", "80", "--global-batch",
+      "96", "--microbatch", "4"], "fp32, TP 1, full recomputation on some stages"),
+    (["--model", "gpt3-1.3b", "--nodes", "8", "--device-memory-gib", "40", "--global-batch", "64", "--microbatch", "2",
+      "--virtual-stages", "2"], "interleaved: 2 pipelines of 4 nodes, v = 2"),
+    (["--model", "gpt3-1.3b", "--nodes", "32", "--device-memory-gib", "24", "--global-batch", "64", "--microbatch", "2",
+      "--shard-optimizer", "on"], "the sharded optimizer"),
+])
+def test_the_plans_largest_worker_fits_the_device(argv: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`elastic plan`'s memory figure is the memory model's (`worker_memory`, equal to a real
+    Trainer's bytes: tests/engine/test_memory_model.py) for the plan's every worker; the templates
+    were chosen by the profile's memory check, a bound on the same model: the two agree that every
+    worker fits, and the table prints the same figure."""
+    code, out, err = run(["plan", *argv, "--fault-tolerance", "1", "--json"], capsys)
+    assert code == 0, err
+    memory = json.loads(out)["memory"]
+    assert 0 < memory["largest_worker_bytes"] <= memory["device_memory_bytes"], (why, memory)
+    assert memory["largest_worker_bytes"] == sum(memory[k] for k in ("params_and_state", "activations", "head", "reserve"))
+    code, out, err = run(["plan", *argv, "--fault-tolerance", "1"], capsys)
+    assert f"memory: largest worker {memory['largest_worker_bytes'] / 2**30:.2f} GiB" in out
