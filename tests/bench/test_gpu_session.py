@@ -1,0 +1,30 @@
+"""bench/gpu_session.sh, the one command a lent GPU's session runs, rehearsed on the CPU (`--cpu`:
+tiny, gloo) so that it cannot rot where no GPU runs it: every stage ends with exit 0, and what
+comes back fits the device tool's limits (at most 8 files, no deeper than two folders)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_session_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "--cpu"], env=env, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env_txt = (out / "env.txt").read_text()
+    for stage in ("nccl_smoke", "gpu_check_124m", "gpu_check_350m"):
+        assert f"stage {stage}: exit 0" in env_txt, env_txt
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert len(files) <= 8 and all(f.count("/") <= 2 for f in files), files
+    assert {"env.txt", "session.log", "nccl_smoke.json", "gpu_check_124m.json", "gpu_check_350m.json"} <= set(files)
