@@ -7,7 +7,7 @@
   not train (another model type, rope scaling, biases on a Llama, another activation).
 - `HfCheckpoint(dir)` reads only the safetensors headers when it opens: `check(cfg)` refuses a
   missing or unexpected tensor, a wrong shape or a non-floating dtype, one line each.
-- `HfCheckpoint.shard(name, tp_dim, rank, size)`: this runtime's parameter `name` (canonical
+- `HfCheckpoint.shard(name, cfg, rank, size)`: this runtime's parameter `name` (canonical
   name), as tensor-parallel rank `rank` of `size` holds it, read through safetensors' memory map
   slice by slice: a worker reads the rows or columns of its own shards and nothing else.
 
@@ -134,8 +134,9 @@ class HfTensors:
             if name not in self.headers:
                 raise HfImportError(f"{where}: the checkpoint has no tensor {name!r}")
             got, dtype = self.headers[name]
-            wrong = got[:1] < shape[:1] if name.endswith("wpe.weight") else got != shape
-            if wrong or (name.endswith("wpe.weight") and got[1:] != shape[1:]):
+            # GPT-2's positions: at least seq_len rows (the run reads the first seq_len); the rest exactly
+            wrong = got[0] < shape[0] or got[1:] != shape[1:] if name.endswith("wpe.weight") else got != shape
+            if wrong:
                 raise HfImportError(f"{where}: {name} has shape {list(got)}, model {cfg.arch} needs {list(shape)}")
             if dtype not in ("F32", "F16", "BF16", "F64"):
                 raise HfImportError(f"{where}: {name} has dtype {dtype}, not a floating-point type")
@@ -144,11 +145,11 @@ class HfTensors:
             raise HfImportError(f"{where}: unexpected tensor(s) {extra[:3]} for model {cfg.arch} "
                                 f"({len(extra)} in all)")
 
-    def shard(self, name: str, cfg: GPTConfig, tp_dim: int | None, rank: int, size: int) -> torch.Tensor:
+    def shard(self, name: str, cfg: GPTConfig, rank: int, size: int) -> torch.Tensor:
         """This runtime's parameter `name` as tensor-parallel rank `rank` of `size` holds it (in the checkpoint's dtype)."""
         part: Callable[[int], tuple[int, int]] = lambda n: (rank * n // size, (rank + 1) * n // size)  # noqa: E731
         read = _llama_shard if cfg.arch == "llama" else _gpt2_shard
-        return read(self, name, cfg, tp_dim, part).contiguous()
+        return read(self, name, cfg, part).contiguous()
 
 
 class HfCheckpoint(HfTensors):
@@ -196,8 +197,7 @@ def _head_name(ckpt: HfTensors, embedding: str) -> str:
     return embedding if ckpt.tied() else "lm_head.weight"
 
 
-def _llama_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, tp_dim: int | None,
-                 part: Callable[[int], tuple[int, int]]) -> torch.Tensor:
+def _llama_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, part: Callable[[int], tuple[int, int]]) -> torch.Tensor:
     d, hd = cfg.d_model, cfg.head_dim
     if name == "embed.wte.weight":
         return ckpt._read("model.embed_tokens.weight", rows=part(cfg.vocab_size))
@@ -227,8 +227,7 @@ def _llama_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, tp_dim: int | None,
     raise HfImportError(f"no Llama tensor maps to parameter {name!r}")
 
 
-def _gpt2_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, tp_dim: int | None,
-                part: Callable[[int], tuple[int, int]]) -> torch.Tensor:
+def _gpt2_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, part: Callable[[int], tuple[int, int]]) -> torch.Tensor:
     d, hd = cfg.d_model, cfg.head_dim
     if name == "embed.wte.weight":
         return ckpt._read("transformer.wte.weight", rows=part(cfg.vocab_size))
@@ -297,7 +296,7 @@ def load_hf_shards(module: torch.nn.Module, path: str | Path, *, tp_rank: int, t
     cfg: GPTConfig = module.cfg  # type: ignore[assignment]
     with torch.no_grad():
         for name, param in module.named_parameters():
-            value = ckpt.shard(name, cfg, param.tp_dim, tp_rank, tp_size)  # type: ignore[attr-defined]
+            value = ckpt.shard(name, cfg, tp_rank, tp_size)
             if value.shape != param.shape:
                 raise HfImportError(f"--init-from {path}: {name} reads as {list(value.shape)}, the stage holds "
                                     f"{list(param.shape)}")
@@ -313,4 +312,4 @@ def canonical_state(tensors: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[st
         from elastic.model.gpt import GPTStage
 
         names = [n for n, _ in GPTStage(cfg, initialise=False).named_parameters()]
-    return {n: source.shard(n, cfg, None, 0, 1) for n in names}
+    return {n: source.shard(n, cfg, 0, 1) for n in names}

@@ -94,11 +94,9 @@ def _check_state(state: dict[str, torch.Tensor], cfg: GPTConfig) -> None:
         raise ExportError(f"the state does not fit model {cfg}: parameters {odd[:4]} differ in name or shape")
 
 
-def to_hf_gpt2(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict from canonical names -> full tensors (fp32, contiguous).
-    ExportError if `state` is not exactly this model's parameters."""
-    _check_state(state, cfg)
-    s = {n: t.detach().float() for n, t in state.items()}
+def to_hf_gpt2(s: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's state dict from canonical names -> full tensors (contiguous); `s` is the
+    model's state, checked and in fp32 (`write_hf`)."""
     out = {
         "transformer.wte.weight": s["embed.wte.weight"],
         "transformer.wpe.weight": s["embed.wpe"],
@@ -133,11 +131,12 @@ def write_hf(out: Path, state: dict[str, torch.Tensor], cfg: GPTConfig, *, token
     files written. `source` (e.g. "runs/demo, final state") goes into the safetensors metadata."""
     from safetensors.torch import save_file
 
+    _check_state(state, cfg)  # ExportError unless `state` is exactly this model's parameters
+    full = {n: t.detach().float() for n, t in state.items()}
     if cfg.arch == "llama":
-        _check_state(state, cfg)
-        config, tensors = hf_llama_config(cfg), to_hf_llama({n: t.detach().float() for n, t in state.items()}, cfg)
+        config, tensors = hf_llama_config(cfg), to_hf_llama(full, cfg)
     else:
-        config, tensors = hf_gpt2_config(cfg), to_hf_gpt2(state, cfg)
+        config, tensors = hf_gpt2_config(cfg), to_hf_gpt2(full, cfg)
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "config.json", out / "model.safetensors"]
     written[0].write_text(json.dumps(config, indent=2) + "\n")

@@ -93,7 +93,8 @@ def worker_memory(
     with `pipeline`, my index among them, they fix the blocks of the step's summation tree each
     holder sums (a step without replay). `partial_replay`: the engine keeps a copy of its sums
     when a step is abandoned (only with more than one pipeline). `compute_dtype`: the forward's
-    dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere; None: fp32). `tp_rank`: rank 0 also
+    dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere; None: `device_type`'s, as
+    the planner's profile counts it). `tp_rank`: rank 0 also
     measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
     backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
     activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
@@ -119,7 +120,7 @@ def worker_memory(
                                                           for first, last in ranges],
                         moment_elements=moment_elements)
     tokens = microbatch_size * cfg.seq_len
-    element = 4 if compute_dtype is None else compute_dtype.itemsize
+    element = compute_bytes(device_type) if compute_dtype is None else compute_dtype.itemsize
     activations = max(recompute_workspace(cfg, rng, tp=tp, recompute=recompute, tokens=tokens, element_bytes=element,
                                           sequence_parallel=sequence_parallel) for rng in ranges)
     for (first, last), count in zip(ranges, counts, strict=True):
@@ -141,13 +142,6 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type in AUTOCAST_DEVICE_TYPES else torch.float32
 
 
-class _Elements:
-    """A compute dtype by its size alone (what `worker_memory` reads of one), without torch."""
-
-    def __init__(self, itemsize: int) -> None:
-        self.itemsize = itemsize
-
-
 @dataclass(frozen=True, kw_only=True)
 class PlanMemory:
     """The largest worker of a plan by `worker_memory`, and where it is."""
@@ -165,7 +159,6 @@ def plan_memory(cfg: GPTConfig, plan: Plan, *, device_type: str = "cpu", sequenc
     compute dtype of `device_type`; sequence parallelism at TP > 1 unless told otherwise; the
     sharded optimizer's slices), and the largest. Runs without torch (`elastic plan`)."""
     tp, counts = plan.gpus_per_node, [p.microbatches for p in plan.pipelines]
-    element = _Elements(compute_bytes(device_type))
     best: PlanMemory | None = None
     for index, pipe in enumerate(plan.pipelines):
         depth = len(pipe.stages)
@@ -178,7 +171,7 @@ def plan_memory(cfg: GPTConfig, plan: Plan, *, device_type: str = "cpu", sequenc
             estimate = worker_memory(
                 cfg, layers=stage.layers, chunks=chunks, chunks_in_flight=flights,
                 microbatch_size=plan.microbatch_size, in_flight=min(depth - s, pipe.microbatches), tp=tp,
-                holders=len(plan.pipelines), compute_dtype=element, partial_replay=partial_replay,  # type: ignore[arg-type]
+                holders=len(plan.pipelines), partial_replay=partial_replay,
                 device_type=device_type, microbatches=counts, pipeline=index, recompute=stage.recompute,
                 sequence_parallel=sequence_parallel and tp > 1, moment_elements=moments)
             if best is None or estimate.total > best.estimate.total:

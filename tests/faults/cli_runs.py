@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import subprocess
 from collections.abc import Sequence
@@ -63,3 +64,13 @@ def same_bits(got: CliResult, want: CliResult, what: str) -> None:
     assert got[1].keys() == want[1].keys()
     differ = [name for name in got[1] if not torch.equal(got[1][name], want[1][name])]
     assert not differ, f"{what}: final parameters differ in {differ}"
+
+
+def cli_in_process(*argv: str) -> tuple[int, str, str]:
+    """`elastic ARGV...` in this process (`elastic.cli.main.main`): its exit code, stdout and stderr."""
+    from elastic.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()

@@ -6,18 +6,15 @@ loads in transformers' LlamaForCausalLM with this project's logits (1e-5 of thei
 
 from __future__ import annotations
 
-import contextlib
-import io
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic.cli.main import main
 from elastic.model.config import get_preset
 from elastic.ops.sample import load_model
-from tests.faults.cli_runs import CliResult, run_cli, same_bits
+from tests.faults.cli_runs import CliResult, cli_in_process, run_cli, same_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -30,13 +27,6 @@ RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "llama-tiny", "--n
        "--checkpoint-every", "0", "--lease-ttl", "30"]
 """As tests/faults/test_recompute_run.py's job (a long lease: the node's own monitor sees the kill)."""
 KILL = ("--inject", "kill:node=3,step=9")
-
-
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +44,7 @@ def test_a_failure_ends_as_the_failure_free_run(killed: tuple[CliResult, Path], 
 
 def test_the_export_is_this_model_in_transformers(killed: tuple[CliResult, Path], tmp_path: Path) -> None:
     (_, state, _), run_dir = killed
-    code, out, err = _cli("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))
+    code, out, err = cli_in_process("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))
     assert code == 0, err
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert hf.config.num_key_value_heads == CFG.kv_heads < hf.config.num_attention_heads
@@ -70,6 +60,6 @@ def test_the_export_is_this_model_in_transformers(killed: tuple[CliResult, Path]
         for _ in range(new):
             tokens.append(int(hf(torch.tensor([tokens[-CFG.seq_len:]])).logits[0, -1].argmax()))
     want_text = prompt + bytes(tokens[len(prompt):]).decode("utf-8", "replace")
-    code, out, err = _cli("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", str(new), "--top-k", "1")
+    code, out, err = cli_in_process("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", str(new), "--top-k", "1")
     assert code == 0, err
     assert out == want_text + "\n", (out, want_text)

@@ -10,16 +10,14 @@ a tokenizer.json (`--tokenizer`) is used to encode and decode. Bad input: one li
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import pytest
 import torch
 
-from elastic.cli.main import main
 from elastic.model.config import get_preset
 from elastic.ops.sample import load_model
+from tests.faults.cli_runs import cli_in_process
 from tests.faults.runs import run_elastic, static_reference
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,13 +25,6 @@ pytestmark = pytest.mark.timeout(300)
 TINY = get_preset("tiny")
 SEQUENCES = [list(range(0, 64)), [ord(c) for c in "def elastic(nodes):\n    return nodes"], [255, 0, 17, 32, 101]]
 TOLERANCE = 1e-5
-
-
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +63,7 @@ def test_export_final_state_loads_in_transformers_with_the_same_logits(run_dir: 
 
     from elastic.ops.run_state import final_state, read_spec
 
-    code, out, err = _cli("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))
+    code, out, err = cli_in_process("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))
     assert code == 0, err
     assert "config.json, model.safetensors" in out and "no tokenizer" in out
     state = final_state(read_spec(run_dir))
@@ -84,7 +75,7 @@ def test_export_final_state_loads_in_transformers_with_the_same_logits(run_dir: 
 
 @pytest.mark.slow
 def test_export_of_a_checkpoint_step_is_that_step(run_dir: Path, tmp_path: Path) -> None:
-    code, out, err = _cli("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"), "--step", "5")
+    code, out, err = cli_in_process("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"), "--step", "5")
     assert code == 0, err
     assert "checkpoint of step 5" in out
     _, after_5 = static_reference(tmp_path / "reference", steps=5)
@@ -94,11 +85,11 @@ def test_export_of_a_checkpoint_step_is_that_step(run_dir: Path, tmp_path: Path)
 @pytest.mark.slow
 def test_export_refuses_bad_input_with_one_line(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    code, _, err = _cli("export", str(tmp_path / "absent"), "--format", "hf", str(out))
+    code, _, err = cli_in_process("export", str(tmp_path / "absent"), "--format", "hf", str(out))
     assert code == 2 and err.count("\n") == 1 and "does not exist" in err
-    code, _, err = _cli("export", str(tmp_path), "--format", "hf", str(out))
+    code, _, err = cli_in_process("export", str(tmp_path), "--format", "hf", str(out))
     assert code == 1 and err.count("\n") == 1 and "holds no job spec" in err, err
-    code, _, err = _cli("export", str(run_dir), "--format", "hf", str(out), "--step", "3")
+    code, _, err = cli_in_process("export", str(run_dir), "--format", "hf", str(out), "--step", "3")
     assert code == 1 and err.count("\n") == 1 and "no checkpoint of step 3" in err and "[5]" in err, err
     assert not out.exists(), "nothing is written on a refusal"
 
@@ -118,15 +109,15 @@ def _greedy_hf(model_dir: Path, prompt: list[int], new: int) -> list[int]:
 
 @pytest.mark.slow
 def test_greedy_sample_equals_a_reference_greedy_decode(run_dir: Path, tmp_path: Path) -> None:
-    assert _cli("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))[0] == 0
+    assert cli_in_process("export", str(run_dir), "--format", "hf", str(tmp_path / "hf"))[0] == 0
     prompt, new = "def main(", 90  # 9 + 90 tokens: past the 64-token window
     want = prompt + bytes(_greedy_hf(tmp_path / "hf", list(prompt.encode()), new)).decode("utf-8", "replace")
     for flags in (["--top-k", "1"], ["--temperature", "0"]):
-        code, out, err = _cli("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", str(new), *flags)
+        code, out, err = cli_in_process("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", str(new), *flags)
         assert code == 0, err
         assert out == want + "\n", (out, want)
     # Top-k sampling: the seed decides, and it is not the greedy text.
-    drawn = [_cli("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", "40", "--top-k", "20",
+    drawn = [cli_in_process("sample", str(run_dir), "--prompt", prompt, "--max-new-tokens", "40", "--top-k", "20",
                   "--temperature", "1.5", "--seed", str(s))[1] for s in (1, 1, 2)]
     assert drawn[0] == drawn[1] != drawn[2]
 
@@ -147,7 +138,7 @@ def test_sample_encodes_and_decodes_with_a_tokenizer(run_dir: Path, tmp_path: Pa
     with torch.no_grad():
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids]), dropout_key=0)[0, -1].argmax()))
-    code, out, err = _cli("sample", str(run_dir), "--prompt", "the model trains", "--max-new-tokens", "12",
+    code, out, err = cli_in_process("sample", str(run_dir), "--prompt", "the model trains", "--max-new-tokens", "12",
                           "--top-k", "1", "--tokenizer", str(path))
     assert code == 0, err
     assert out == "the model trains" + tok.decode(ids[len(prompt):]) + "\n"
@@ -162,5 +153,5 @@ def _our_state(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_sample_refuses_bad_flags_with_one_line(tmp_path: Path) -> None:
     for flags, words in ((["--top-k", "0"], "--top-k"), (["--temperature", "-1"], "--temperature"),
                          (["--max-new-tokens", "-2"], "--max-new-tokens"), (["--tokenizer", "nope.json"], "nope")):
-        code, _, err = _cli("sample", str(tmp_path), "--prompt", "x", *flags)
+        code, _, err = cli_in_process("sample", str(tmp_path), "--prompt", "x", *flags)
         assert code == 2 and err.count("\n") == 1 and words in err, err

@@ -15,8 +15,6 @@ attention and an untied head, and a tied GPT2LMHeadModel whose positions outnumb
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -25,7 +23,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from elastic.cli.main import main
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.model import TensorParallel
 from elastic.model.config import GPTConfig, get_preset
@@ -34,7 +31,7 @@ from elastic.model.hf_import import load_hf_shards
 from elastic.model.state import gather_full
 from elastic.ops.hf_llama import hf_llama_config
 from tests.comm.support import gloo_comms, on_threads
-from tests.faults.cli_runs import run_cli, same_bits
+from tests.faults.cli_runs import cli_in_process, run_cli, same_bits
 from tests.model.reference import max_rel_diff
 
 transformers = pytest.importorskip("transformers")
@@ -43,13 +40,6 @@ pytestmark = pytest.mark.timeout(300)
 
 LLAMA = get_preset("llama-tiny")
 GPT2 = GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=64)
-
-
-def _cli(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
 
 
 def _perturb(model: torch.nn.Module) -> None:
@@ -138,7 +128,7 @@ def test_a_run_from_the_checkpoint_through_a_failure(llama_dir: Path, tmp_path: 
 
 
 def _refused(tmp_path: Path, path: Path, *extra: str) -> str:
-    code, _, err = _cli("run", "--model", "llama-tiny", "--nodes", "2", "--steps", "1", "--device", "cpu",
+    code, _, err = cli_in_process("run", "--model", "llama-tiny", "--nodes", "2", "--steps", "1", "--device", "cpu",
                         "--run-dir", str(tmp_path / "run"), "--init-from", str(path), *extra)
     assert code == 2 and len(err.strip().splitlines()) == 1, (code, err)
     assert not (tmp_path / "run").exists(), "nothing is started on a refusal"
@@ -179,7 +169,7 @@ def test_bad_checkpoints_are_one_line_and_exit_2(llama_dir: Path, tmp_path: Path
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the model trains on nodes and fails and trains again; " * 400)
-    code, _, err = _cli("prepare-data", str(corpus), "--out", str(tmp_path / "data"), "--vocab-size", "300")
+    code, _, err = cli_in_process("prepare-data", str(corpus), "--out", str(tmp_path / "data"), "--vocab-size", "300")
     assert code == 0, err
     err = _refused(tmp_path / "d", llama_dir, "--data", str(tmp_path / "data"))
     assert "vocab_size=256 does not cover the tokenizer" in err, err
