@@ -307,6 +307,7 @@ class GenerationBuilder:
             replay=replay,
             accum=accum,
             split=self.spec.boundary_split,
+            tied=self.cfg.tie_embeddings,
             gather=gather_plan(layout, {n: p.numel() for n, p in module.named_parameters()}, self.layer_of)
             if self.spec.sharded_optimizer else None,
         )

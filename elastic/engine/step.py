@@ -196,11 +196,14 @@ class StepTransaction:
         accum: GradAccumulator | None = None,
         split: int = 1,
         gather: list[GatherGroup] | None = None,
+        tied: bool = False,
     ) -> None:
         """`accum`: gradient buffers allocated beforehand for this stage's parameters and
         buckets (`StepTransaction.buffers_for`); attached here. `split`: parts each boundary
         tensor travels in (scatter/gather, `JobSpec.boundary_split`). `gather`: the sharded
-        optimizer's gather (`optim_shards.gather_plan`); None when it is not sharded."""
+        optimizer's gather (`optim_shards.gather_plan`); None when it is not sharded. `tied`: the
+        model ties its embedding and head (elastic/parallel/tied.py)."""
+        self.tied = tied
         self.module, self.optimizer = module, optimizer
         self.layout, self.groups = layout, groups
         self.dataset, self.optim, self.layer_of = dataset, optim, layer_of
@@ -446,4 +449,5 @@ class StepTransaction:
             halt=halt,
             reducer=reducer,
             phases=phases,
+            tied=self.tied,
         )

@@ -67,6 +67,10 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    tie_embeddings: bool = False
+    """One matrix for the token embedding and the output head (Llama 3.2 1B and 3B, GPT-2): the
+    head's stage keeps a copy whose gradient is summed with the embedding's every step
+    (elastic/parallel/tied.py)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -110,6 +114,17 @@ class GPTConfig:
         """Output width of the fused q, k, v projection: n_head + 2 x kv_heads heads."""
         return (self.n_head + 2 * self.kv_heads) * self.head_dim
 
+    def kv_replicas(self, tp: int) -> int:
+        """Tensor-parallel ranks that share each key/value head at degree `tp` (1: none shared;
+        model/kv_layout.py); ValueError where the degree cannot split the heads."""
+        return kv_replicas(self.kv_heads, self.n_head, tp)
+
+    def qkv_rows(self, tp: int) -> int:
+        """Rows of one tensor-parallel rank's fused q, k, v weight at degree `tp`: its n_head / tp
+        query heads and the key/value heads it holds (whole, or a replica of one)."""
+        kv = 1 if self.kv_replicas(tp) > 1 else self.kv_heads // tp
+        return (tp_split(self.n_head, tp, "n_head") + 2 * kv) * self.head_dim
+
     @property
     def d_ff(self) -> int:
         if self.ffn_hidden:
@@ -152,7 +167,9 @@ class GPTConfig:
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * self.d_ff + self.d_ff) + (self.d_ff * d + d)
 
     def num_params(self) -> int:
-        return sum(self.layer_param_count(i) for i in range(self.num_layers))
+        """Parameters of the model (a tied matrix once; `layer_param_count` counts the head's copy)."""
+        tied = self.vocab_size * self.d_model if self.tie_embeddings else 0
+        return sum(self.layer_param_count(i) for i in range(self.num_layers)) - tied
 
     def layer_flops_per_token(self, index: int) -> float:
         """Forward FLOPs per token of planning layer `index` (2 per multiply-add)."""
@@ -183,9 +200,9 @@ class GPTConfig:
         `by` names the degree in the message (default "the tensor-parallel degree N")."""
         for what, size in (("n_head", self.n_head), ("vocab_size", self.vocab_size)):
             tp_split(size, degree, what, by=by)
-        if self.arch == "llama":  # each rank holds whole key/value groups (replicated KV heads: not yet)
-            for what, size in (("n_kv_heads", self.kv_heads), ("ffn_hidden", self.d_ff)):
-                tp_split(size, degree, what, by=by)
+        if self.arch == "llama":  # whole key/value heads, or replicas of one (model/kv_layout.py)
+            tp_split(self.d_ff, degree, "ffn_hidden", by=by)
+            kv_replicas(self.kv_heads, self.n_head, degree, by=by)
 
 
 def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> int:
@@ -195,6 +212,19 @@ def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> in
     if value % degree:
         raise ValueError(f"{what}={value} is not divisible by {by or f'the tensor-parallel degree {degree}'}")
     return value // degree
+
+
+def kv_replicas(kv_heads: int, n_head: int, degree: int, *, by: str | None = None) -> int:
+    """Ranks that share each of `kv_heads` key/value heads at tensor-parallel degree `degree`: 1
+    where the degree divides them, degree / kv_heads where they divide it (each replica then
+    holding an equal part of the group's n_head / kv_heads query heads); ValueError otherwise."""
+    if kv_heads % degree == 0:
+        return 1
+    if degree % kv_heads:
+        raise ValueError(f"n_kv_heads={kv_heads} and {by or f'the tensor-parallel degree {degree}'} do not divide "
+                         "one another (each rank holds whole key/value heads, or one shared by the same number of ranks)")
+    tp_split(n_head, degree, "n_head", by=by)
+    return degree // kv_heads
 
 
 ARCHS = ("gpt2", "llama")
@@ -212,7 +242,8 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-2.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=2560),
     "gpt3-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     # Llama family (arch llama). llama-tiny and llama-small mirror tiny and small, with grouped-query
-    # attention; the others are the published shapes (Llama 3.2 1B, with its rope scaling, and Llama 3
+    # attention; the others are the published shapes (Llama 3.2 1B, with its rope scaling and tied
+    # embeddings, and Llama 3
     # 8B / 70B: head_dim 64 / 128, 8 KV heads, theta 500000, 128256-token vocabulary), for planning
     # and simulation.
     "llama-tiny": GPTConfig(arch="llama", vocab_size=256, seq_len=64, n_layer=4, n_head=8, n_kv_heads=4,
@@ -220,7 +251,8 @@ PRESETS: dict[str, GPTConfig] = {
     "llama-small": GPTConfig(arch="llama", vocab_size=256, seq_len=256, n_layer=8, n_head=8, n_kv_heads=4,
                              d_model=512, ffn_hidden=1536),
     "llama3.2-1b": GPTConfig(arch="llama", vocab_size=128256, seq_len=2048, n_layer=16, n_head=32, n_kv_heads=8,
-                             d_model=2048, ffn_hidden=8192, rope_theta=500000.0, rope_factor=32.0),
+                             d_model=2048, ffn_hidden=8192, rope_theta=500000.0, rope_factor=32.0,
+                             tie_embeddings=True),
     "llama3-8b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_heads=8,
                            d_model=4096, ffn_hidden=14336, rope_theta=500000.0),
     "llama3-70b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_heads=8,
@@ -238,7 +270,8 @@ def get_preset(name: str) -> GPTConfig:
 
 
 FLOAT_FIELDS = ("dropout", "rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-"""The GPTConfig fields that are numbers rather than integers (`arch` is a string)."""
+"""The GPTConfig fields that are numbers rather than integers (`arch` is a string, `tie_embeddings`
+true or false)."""
 
 SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_heads", "ffn_hidden")
 """The GPTConfig fields the command line can override one by one (--vocab-size, --seq-len, ...)."""
@@ -261,6 +294,11 @@ def config_from_dict(data: object, *, base: GPTConfig, where: str) -> GPTConfig:
         if name == "arch":
             if not isinstance(value, str):
                 raise ValueError(f"{where}: arch must be a string ({', '.join(ARCHS)}), got {value!r}")
+            changes[name] = value
+            continue
+        if name == "tie_embeddings":
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: tie_embeddings must be true or false, got {value!r}")
             changes[name] = value
             continue
         floating = name in FLOAT_FIELDS

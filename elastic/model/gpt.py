@@ -257,7 +257,8 @@ class GPTStage(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 full = full_initial_value(name, param.full_shape, self.cfg)  # type: ignore[attr-defined]
-                param.copy_(shard_tensor(full, param.tp_dim, self.tp.rank, self.tp.size))  # type: ignore[attr-defined]
+                param.copy_(shard_tensor(full, param.tp_dim, self.tp.rank, self.tp.size,  # type: ignore[attr-defined]
+                                         layout=param.tp_layout))  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, *, dropout_key: int | None = None, chunk: int = 0) -> torch.Tensor:
         """Run model chunk `chunk`'s layers (the whole stage without interleaving)."""

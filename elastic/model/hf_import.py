@@ -13,8 +13,10 @@
 
 The layouts are elastic/ops/export.py's (GPT-2: Conv1D transposed, qkv columns (3, n_head,
 head_dim) to head-major rows) and elastic/ops/hf_llama.py's (q/k/v by key/value group, gate/up
-interleaved). A tied checkpoint (no `lm_head.weight`: GPT-2's, Llama 3.2's) starts the untied
-head as a copy of the embedding; from there the two train apart. GPT-2's learned positions are
+interleaved). A tied checkpoint (no `lm_head.weight`: GPT-2's, Llama 3.2's) sets `tie_embeddings`
+(its config.json's `tie_word_embeddings`), and the head's copy starts as the embedding
+(elastic/parallel/tied.py keeps them one); a model config that sets it false unties them, and
+the two train apart from there. A checkpoint with its own head cannot be tied. GPT-2's learned positions are
 cut to the run's `seq_len` (at most its `n_positions`).
 """
 
@@ -86,7 +88,7 @@ def _shape(c: dict[str, Any], where: str) -> dict[str, object]:
         return {"arch": "llama", "vocab_size": int(c["vocab_size"]), "n_layer": int(c["num_hidden_layers"]),
                 "n_head": heads, "n_kv_heads": int(c.get("num_key_value_heads") or heads), "d_model": width,
                 "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-                **_rope(c, where)}
+                "tie_embeddings": bool(c.get("tie_word_embeddings", False)), **_rope(c, where)}
     if kind == "gpt2":
         if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise HfImportError(f"{where}: activation {c.get('activation_function')!r} is not GPT-2's tanh GELU")
@@ -95,7 +97,7 @@ def _shape(c: dict[str, Any], where: str) -> dict[str, object]:
             raise HfImportError(f"{where}: a GPT-2 with n_inner {c.get('n_inner')} or layer_norm_epsilon "
                                 f"{c.get('layer_norm_epsilon')} is not supported (4 x n_embd, 1e-5)")
         return {"arch": "gpt2", "vocab_size": int(c["vocab_size"]), "n_layer": int(c["n_layer"]),
-                "n_head": int(c["n_head"]), "d_model": width}
+                "n_head": int(c["n_head"]), "d_model": width, "tie_embeddings": bool(c.get("tie_word_embeddings", True))}
     raise HfImportError(f"{where}: model_type {kind!r} is not supported (gpt2 or llama)")
 
 
@@ -130,6 +132,9 @@ class HfTensors:
         """HfImportError unless the tensors are exactly model `cfg`'s (names, shapes, floating dtypes)."""
         expected = _expected(cfg, tied=self.tied())
         where = self.where
+        if cfg.tie_embeddings and not self.tied():
+            raise HfImportError(f"{where}: the model ties its embedding and head (tie_embeddings) but the checkpoint "
+                                "has an lm_head.weight of its own")
         for name, shape in expected.items():
             if name not in self.headers:
                 raise HfImportError(f"{where}: the checkpoint has no tensor {name!r}")
@@ -217,13 +222,15 @@ def _llama_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, part: Callable[[int
         units = part(cfg.d_ff)
         gate, up = ckpt._read(hf + "mlp.gate_proj.weight", rows=units), ckpt._read(hf + "mlp.up_proj.weight", rows=units)
         return torch.stack((gate, up), dim=1).reshape(2 * (units[1] - units[0]), d)
-    if leaf == "attn.qkv.weight":
-        g0, g1 = part(cfg.kv_heads)
-        rep, groups = cfg.n_head // cfg.kv_heads, g1 - g0
-        q = ckpt._read(hf + "self_attn.q_proj.weight", rows=(g0 * rep * hd, g1 * rep * hd)).reshape(groups, rep, hd, d)
+    if leaf == "attn.qkv.weight":  # my query heads, and the key/value heads they use (whole, or shared: kv_layout)
+        h0, h1 = part(cfg.n_head)
+        per = cfg.n_head // cfg.kv_heads
+        g0, g1 = h0 // per, -(-h1 // per)
+        groups = g1 - g0
+        q = ckpt._read(hf + "self_attn.q_proj.weight", rows=(h0 * hd, h1 * hd)).reshape(groups, (h1 - h0) // groups, hd, d)
         kk = ckpt._read(hf + "self_attn.k_proj.weight", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, d)
         v = ckpt._read(hf + "self_attn.v_proj.weight", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, d)
-        return torch.cat((q, kk, v), dim=1).reshape(groups * (rep + 2) * hd, d)
+        return torch.cat((q, kk, v), dim=1).reshape(-1, d)
     raise HfImportError(f"no Llama tensor maps to parameter {name!r}")
 
 
@@ -306,7 +313,12 @@ def load_hf_shards(module: torch.nn.Module, path: str | Path, *, tp_rank: int, t
 def canonical_state(tensors: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """This runtime's full parameters (canonical names) of model `cfg` from transformers' tensors
     (a `state_dict()`); HfImportError as `HfTensors.check`."""
-    source = HfTensors({n: t for n, t in tensors.items() if not n.endswith(IGNORED)})
+    kept = {n: t for n, t in tensors.items() if not n.endswith(IGNORED)}
+    if cfg.tie_embeddings and "lm_head.weight" in kept:  # a tied model's state_dict lists the matrix twice
+        embedding = kept["model.embed_tokens.weight" if cfg.arch == "llama" else "transformer.wte.weight"]
+        if torch.equal(kept["lm_head.weight"], embedding):
+            del kept["lm_head.weight"]
+    source = HfTensors(kept)
     source.check(cfg)
     with torch.device("meta"):
         from elastic.model.gpt import GPTStage

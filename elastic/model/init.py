@@ -13,6 +13,7 @@ import math
 import torch
 
 from elastic.model.config import GPTConfig, tp_split
+from elastic.model.kv_layout import KvGroups
 
 STD = 0.02
 """GPT-2's standard deviation for weights."""
@@ -25,7 +26,9 @@ def name_seed(base_seed: int, name: str) -> int:
 
 
 def full_initial_value(name: str, shape: tuple[int, ...], cfg: GPTConfig) -> torch.Tensor:
-    """The full fp32 initial value of parameter `name` (CPU)."""
+    """The full fp32 initial value of parameter `name` (CPU); a tied head starts as the embedding."""
+    if cfg.tie_embeddings and name == "head.lm_head.weight":
+        name = "embed.wte.weight"
     leaf = name.rsplit(".", 1)[-1]
     if ".ln" in name:  # LayerNorms: weight 1, bias 0
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
@@ -38,9 +41,13 @@ def full_initial_value(name: str, shape: tuple[int, ...], cfg: GPTConfig) -> tor
     return torch.randn(shape, generator=generator) * std
 
 
-def shard_tensor(full: torch.Tensor, tp_dim: int | None, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous shard of `full` along `tp_dim` (the whole tensor if None)."""
+def shard_tensor(full: torch.Tensor, tp_dim: int | None, rank: int, size: int, *,
+                 layout: KvGroups | None = None) -> torch.Tensor:
+    """Rank `rank`'s contiguous shard of `full` along `tp_dim` (the whole tensor if None); a
+    parameter's `tp_layout` where it has one (`KvGroups.shard`)."""
     if tp_dim is None or size == 1:
         return full
+    if layout is not None:
+        return layout.shard(full, rank, size)
     tp_split(full.shape[tp_dim], size, f"dimension {tp_dim} of shape {tuple(full.shape)}")
     return full.chunk(size, dim=tp_dim)[rank]

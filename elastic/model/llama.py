@@ -7,13 +7,14 @@ RMSNorm + untied output head. The parameter names are GPT-2's where the part is 
 `head.ln_f`, `head.lm_head`), so naming, initialisation, checkpoints and shard transfer need
 nothing of their own.
 
-Two fused layouts keep each tensor-parallel rank's share one contiguous row range, whatever the
-degree t (which must divide n_kv_heads and ffn_hidden; KV heads replicated where it does not is
-not built yet):
+Two fused layouts keep each tensor-parallel rank's share one row range, whatever the degree t
+(which must divide ffn_hidden, and divide n_kv_heads or be a multiple of it):
 
 - `attn.qkv` rows are group-major: for each of the n_kv_heads key/value groups, its n_head /
   n_kv_heads query heads, then its key head, then its value head (each head_dim rows). Query head
-  h belongs to group h // (n_head / n_kv_heads), as in Hugging Face's `repeat_kv`.
+  h belongs to group h // (n_head / n_kv_heads), as in Hugging Face's `repeat_kv`. Where t
+  exceeds n_kv_heads, t / n_kv_heads ranks share each key/value head, each with its part of the
+  group's queries, and sum the head's gradient (model/kv_layout.py).
 - `mlp.fc` rows interleave the gate and up projections: row 2i is gate unit i, row 2i+1 up unit i.
 
 Rotary embeddings use the rotate-half convention (Hugging Face's Llama), with inverse
@@ -35,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from elastic.model.collectives import copy_params_to_tp
 from elastic.model.config import GPTConfig
 from elastic.model.dropout import apply_dropout, dropout_mask
+from elastic.model.kv_layout import KvGroups, sum_replica_grads
 from elastic.model.tensor_parallel import TensorParallel
 from elastic.model.tp_layers import (
     ColumnParallelLinear,
@@ -131,20 +133,23 @@ def rotate(x: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Causal grouped-query self-attention; this rank computes n_kv_heads / tp of the groups."""
+    """Causal grouped-query self-attention; this rank computes n_kv_heads / tp of the groups, or
+    its part of one group's queries where ranks share a key/value head."""
 
     def __init__(self, cfg: GPTConfig, *, tp: TensorParallel, site: str, recompute: str = "none",
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.cfg, self.tp, self.site, self.recompute = cfg, tp, site, recompute
-        self.local_groups = tp.divide(cfg.kv_heads, "n_kv_heads")
-        self.group_size = cfg.n_head // cfg.kv_heads
+        self.layout = KvGroups.of(cfg)
+        self.local_groups = self.layout.local_groups(tp.size)
+        self.group_size = self.layout.local_queries(tp.size)
         self.local_heads = self.local_groups * self.group_size
-        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.qkv_width, tp=tp, bias=False, sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.qkv_width, tp=tp, bias=False, sequence_parallel=sequence_parallel,
+                                        layout=self.layout)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp, bias=False, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        qkv = self.qkv(x)  # (batch, seq, local qkv width)
+        qkv = self.qkv(x, sum_replica_grads(self.qkv.weight, self.layout, self.tp))  # (batch, seq, local qkv width)
         if recomputing(self.recompute, "selective"):
             y = checkpoint(self.core, qkv, key, use_reentrant=False)
         else:

@@ -1,8 +1,10 @@
 """Megatron-style tensor-parallel layers, built from the four collectives.
 
-Each parameter carries two attributes used by initialisation, checkpointing and shard transfer:
-`tp_dim` (the dimension split across tensor-parallel ranks, or None when replicated) and
-`full_shape` (its unsharded shape).
+Each parameter carries three attributes used by initialisation, checkpointing and shard transfer:
+`tp_dim` (the dimension split across tensor-parallel ranks, or None when replicated),
+`full_shape` (its unsharded shape) and `tp_layout` (None: contiguous chunks of `tp_dim`; a
+`KvGroups`: grouped-query attention's qkv rows, key/value heads replicated where the degree
+exceeds their number, model/kv_layout.py).
 
 With `sequence_parallel` (Korthikanti et al., 2022) the activations between the tensor-parallel
 regions are split along the sequence: a column-parallel layer all-gathers its input shard (and
@@ -27,17 +29,24 @@ from elastic.model.collectives import (
     reduce_scatter_seq,
     seq_parallel_linear,
 )
+from elastic.model.kv_layout import KvGroups
 from elastic.model.tensor_parallel import TensorParallel
 
 
-def sharded_parameter(full_shape: tuple[int, ...], tp_dim: int | None, tp: TensorParallel) -> nn.Parameter:
-    """An uninitialised parameter holding this rank's shard of a `full_shape` tensor."""
+def sharded_parameter(full_shape: tuple[int, ...], tp_dim: int | None, tp: TensorParallel,
+                      layout: KvGroups | None = None) -> nn.Parameter:
+    """An uninitialised parameter holding this rank's shard of a `full_shape` tensor (`layout`:
+    the rows of a grouped qkv weight, split along dimension 0)."""
     shape = list(full_shape)
-    if tp_dim is not None:
+    if layout is not None:
+        assert tp_dim == 0, "a KvGroups layout splits rows"
+        shape[0] = layout.local_rows(tp.size)
+    elif tp_dim is not None:
         shape[tp_dim] = tp.divide(shape[tp_dim], f"dimension {tp_dim} of {full_shape}")
     param = nn.Parameter(torch.empty(shape))
     param.tp_dim = tp_dim  # type: ignore[attr-defined]
     param.full_shape = tuple(full_shape)  # type: ignore[attr-defined]
+    param.tp_layout = layout  # type: ignore[attr-defined]
     return param
 
 
@@ -50,20 +59,25 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(
         self, in_features: int, out_features: int, *, tp: TensorParallel, bias: bool = True, gather_output: bool = False,
-        sequence_parallel: bool = False,
+        sequence_parallel: bool = False, layout: KvGroups | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        self.weight = sharded_parameter((out_features, in_features), 0, tp)
+        if layout is not None and bias:
+            raise ValueError("a grouped qkv layout has no bias")
+        self.weight = sharded_parameter((out_features, in_features), 0, tp, layout)
         self.bias = sharded_parameter((out_features,), 0, tp) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`: a stand-in for the weight (one whose gradient the caller treats, as
+        `kv_layout.sum_replica_grads`); by default the weight itself."""
+        w = self.weight if weight is None else weight
         if self.sequence_parallel:
-            y = seq_parallel_linear(x, self.weight, self.bias, self.tp)
+            y = seq_parallel_linear(x, w, self.bias, self.tp)
         else:
-            y = F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+            y = F.linear(copy_to_tp(x, self.tp), w, self.bias)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 

@@ -69,7 +69,7 @@ def hf_gpt2_config(cfg: GPTConfig) -> dict[str, Any]:
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": None,
         "use_cache": True,
@@ -102,8 +102,9 @@ def to_hf_gpt2(s: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Te
         "transformer.wpe.weight": s["embed.wpe"],
         "transformer.ln_f.weight": s["head.ln_f.weight"],
         "transformer.ln_f.bias": s["head.ln_f.bias"],
-        "lm_head.weight": s["head.lm_head.weight"],
     }
+    if not cfg.tie_embeddings:  # tied: transformers reads the head from the embedding
+        out["lm_head.weight"] = s["head.lm_head.weight"]
     for k in range(cfg.n_layer):
         ours, hf = f"blocks.{k}.", f"transformer.h.{k}."
         out.update({

@@ -10,7 +10,7 @@ slice, is elastic/model/hf_import.py's).
 | `blocks.k.attn.proj.weight` | `self_attn.o_proj` |
 | `blocks.k.mlp.fc.weight`, rows (ffn_hidden, 2): gate, up | `mlp.gate_proj`, `mlp.up_proj` |
 | `blocks.k.mlp.proj.weight` | `mlp.down_proj` |
-| `head.ln_f.weight`, `head.lm_head.weight` | `model.norm.weight`, `lm_head.weight` (tie_word_embeddings false) |
+| `head.ln_f.weight`, `head.lm_head.weight` | `model.norm.weight`, `lm_head.weight` (none where `tie_embeddings`: tie_word_embeddings) |
 
 Rotary embeddings: rotate-half, `rope_theta`, and Llama 3.1's `llama3` frequency scaling where
 `rope_factor` is set (`rope_scaling` none otherwise). Attention and MLP
@@ -54,7 +54,7 @@ def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
         "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": cfg.dropout,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": 0.02,
         "bos_token_id": None,
         "eos_token_id": None,
@@ -73,8 +73,9 @@ def _split_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.T
 
 def _names(cfg: GPTConfig) -> list[tuple[str, str]]:
     """(ours, transformers') for every tensor that maps one to one."""
-    pairs = [("embed.wte.weight", "model.embed_tokens.weight"), ("head.ln_f.weight", "model.norm.weight"),
-             ("head.lm_head.weight", "lm_head.weight")]
+    pairs = [("embed.wte.weight", "model.embed_tokens.weight"), ("head.ln_f.weight", "model.norm.weight")]
+    if not cfg.tie_embeddings:  # tied: transformers reads the head from the embedding
+        pairs.append(("head.lm_head.weight", "lm_head.weight"))
     for k in range(cfg.n_layer):
         ours, hf = f"blocks.{k}.", f"model.layers.{k}."
         pairs += [(ours + "ln1.weight", hf + "input_layernorm.weight"),

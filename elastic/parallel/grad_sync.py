@@ -15,7 +15,8 @@ global-batch mean. Then:
    tensor-parallel ranks (each gradient element counted once: a bucket the tree exchange
    reduced is measured by every holder, each its own slice of the result; any
    other bucket by its lowest-rank holder; replicated parameters only on tensor-parallel rank
-   0, so on the other TP ranks it is measured per parameter after the reduction), the loss, a
+   0, so on the other TP ranks it is measured per parameter after the reduction, a shared
+   key/value head on its first replica only: model/kv_layout.py), the loss, a
    failure count and a halt count. A
    worker that sees it complete knows that every worker finished its reductions, so it may
    commit without asking anyone (see elastic/records/sync.py). If the vote's wait fails
@@ -43,6 +44,7 @@ from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.phase_clock import StepPhases
+from elastic.parallel.tied import EMBEDDING, HEAD, sum_tied_grads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +84,7 @@ def finalize_grads(
     halt: bool | Callable[[], bool] = False,
     reducer: BucketReducer | None = None,
     phases: StepPhases | Callable[[], StepPhases] = _UNMEASURED,
+    tied: bool = False,
 ) -> GradStats:
     """Reduce, measure and clip the accumulated gradients of this worker's stage, in place.
 
@@ -97,40 +100,21 @@ def finalize_grads(
     `phases`: this worker's forward, backward and wait seconds of the step (or what reads them,
     right before the vote: an accelerator's timing events are waited for then); the vote carries
     three slots per plan node (tensor-parallel rank 0 fills its node's), 24 bytes a node, and
-    every worker learns them all.
+    every worker learns them all. `tied`: the model ties its embedding and head (tied.py): their
+    reduced gradients are summed before the norm, which counts the matrix once.
     """
-    grads = accum.grads
-    params = dict(accum.named)
-
     # 1. Cross-pipeline bucket reduction: launch what the backward did not, wait for all.
     if reducer is None:
         reducer = BucketReducer(accum=accum, layout=layout, groups=groups, layer_of=layer_of)
     reducer.launch_all()
     reducer.wait()
-    buckets = reducer.buckets
+
+    if tied:
+        sum_tied_grads(accum, layout=layout, groups=groups)
 
     # 2. Global norm (each element once), loss and the ok flag in one world all-reduce.
-    device = next(iter(grads.values())).device
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    wide = accum.scratch.get((-1, "norm", 0))
-    if wide is None and device.type == "cpu":
-        wide = accum.scratch[(-1, "norm", 0)] = torch.empty(_NORM_CHUNK, dtype=torch.float64, device=device)
-    for bucket, names in buckets:
-        if not names:
-            continue
-        k = accum.group_of(names[0])
-        measured = reducer.measured.get(k)
-        if measured is not None:  # my slice, measured by the exchange (every holder adds its own)
-            sq += measured
-            continue
-        if not layout.counts_layer_for_norm(bucket.layers[0]):
-            continue
-        if layout.tp_rank == 0:
-            sq += sum_of_squares(accum.reduced[k], wide)
-        else:  # replicated parameters are counted on TP rank 0 only
-            for name in names:
-                if getattr(params[name], "tp_dim", None) is not None:
-                    sq += sum_of_squares(grads[name], wide)
+    sq = _my_sum_of_squares(accum, reducer, layout, tied=tied)
+    device = sq.device
     loss_t = torch.as_tensor(loss_sum, dtype=torch.float64, device=device)
     failed = (~torch.isfinite(loss_t)).to(torch.float64) if ok else torch.ones((), dtype=torch.float64, device=device)
     nodes = layout.plan.nodes
@@ -150,6 +134,49 @@ def finalize_grads(
         clip_grads(accum, grad_norm=norm, grad_clip=grad_clip)
     seconds = {n: StepPhases(*timed_all[3 * i : 3 * i + 3]) for i, n in enumerate(nodes)}
     return GradStats(grad_norm=norm, loss=loss, ok=usable, halt=halts > 0, phases=seconds)
+
+
+def _my_sum_of_squares(accum: GradAccumulator, reducer: BucketReducer, layout: ParallelLayout, *,
+                       tied: bool) -> torch.Tensor:
+    """This worker's part of the global norm's sum of squares (float64, on the gradients' device):
+    each element of the model counted by one worker (module doc, step 2); with `tied`, the head's
+    copy of the tied matrix by none, and the buckets the tied sum changed after their exchange
+    measured them measured again."""
+    grads, params = accum.grads, dict(accum.named)
+    device = next(iter(grads.values())).device
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    wide = accum.scratch.get((-1, "norm", 0))
+    if wide is None and device.type == "cpu":
+        wide = accum.scratch[(-1, "norm", 0)] = torch.empty(_NORM_CHUNK, dtype=torch.float64, device=device)
+    for bucket, names in reducer.buckets:
+        if not names:
+            continue
+        k = accum.group_of(names[0])
+        changed = tied and any(n in (EMBEDDING, HEAD) for n in names)
+        measured = None if changed else reducer.measured.get(k)
+        if measured is not None:  # my slice, measured by the exchange (every holder adds its own)
+            sq += measured
+            continue
+        if not layout.counts_layer_for_norm(bucket.layers[0]):
+            continue
+        if layout.tp_rank == 0 and not changed:
+            sq += sum_of_squares(accum.reduced[k], wide)
+            continue
+        for name in names:
+            counted = _counted_part(params[name], grads[name], layout)
+            if counted is not None and not (tied and name == HEAD):
+                sq += sum_of_squares(counted, wide)
+    return sq
+
+
+def _counted_part(param: torch.Tensor, grad: torch.Tensor, layout: ParallelLayout) -> torch.Tensor | None:
+    """What of a parameter's gradient this tensor-parallel rank counts in the norm: a replicated
+    parameter's on rank 0 only, a shared key/value head's on its first replica only
+    (model/kv_layout.py), every other shard whole."""
+    if getattr(param, "tp_dim", None) is None:
+        return grad if layout.tp_rank == 0 else None
+    kv = getattr(param, "tp_layout", None)
+    return grad if kv is None else kv.unique_rows(grad, layout.tp_rank, layout.tp_size)
 
 
 def _phase_slots(layout: ParallelLayout, phases: StepPhases | Callable[[], StepPhases]) -> torch.Tensor:

@@ -118,20 +118,21 @@ def _llama_saved(cfg: GPTConfig, kind: str, tp: int, recompute: str, sp: int) ->
                      workspace_per_token=cfg.vocab_size / tp)
     if recompute == "full":
         return Saved(elements_per_token=0.0, bytes_per_token=4.0 * d / shard, cast_params=0)
-    heads, kv = cfg.n_head / tp, cfg.kv_heads * cfg.head_dim / tp
+    qkv = cfg.qkv_rows(tp)  # this rank's query heads and the key/value heads they use (whole where shared)
+    heads, kv = cfg.n_head / tp, (qkv - cfg.d_model // tp) / 2
     fused = 4.0 * heads if cfg.dropout == 0 and recompute != "selective" else 0.0  # the log-sum-exp
     if recompute == "selective":
-        attention = cfg.qkv_width / tp + d / tp
+        attention = qkv + d / tp
     elif cfg.dropout > 0:
         attention = 4.0 * d / tp + 3.0 * heads * cfg.seq_len
     else:
-        attention = cfg.qkv_width / tp + 2.0 * d / tp + kv
+        attention = qkv + 2.0 * d / tp + kv
     kept = attention + 4.0 * f / tp + 2 * dropped  # and SwiGLU's, and the residual dropouts' masks
     if sp:  # the norms' fp32 outputs sharded (the column-parallel inputs); only the row-parallel weights copied
         return Saved(elements_per_token=kept, bytes_per_token=2 * (norm + 4.0 * d) / sp + fused,
                      cast_params=(d + f) * d // tp)
     return Saved(elements_per_token=2.0 * d + kept, bytes_per_token=2 * norm + fused,
-                 cast_params=(cfg.qkv_width + d + 3 * f) * d // tp)
+                 cast_params=(qkv + (d + 3 * f) // tp) * d)
 
 
 def rerun_allreduces(recompute: str) -> int:

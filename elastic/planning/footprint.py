@@ -293,7 +293,7 @@ def layer_param_sizes(cfg: GPTConfig, index: int, tp: int = 1) -> list[int]:
         if kind == "head":
             return [v * d, d]  # head.lm_head.weight, head.ln_f.weight
         # attn.proj, attn.qkv, ln1, ln2, mlp.fc (gate and up), mlp.proj
-        return [d * d // tp, cfg.qkv_width // tp * d, d, d, 2 * f // tp * d, d * f // tp]
+        return [d * d // tp, cfg.qkv_rows(tp) * d, d, d, 2 * f // tp * d, d * f // tp]  # qkv: shared KV heads whole
     if kind == "embedding":
         return [cfg.seq_len * d, v * d]  # embed.wpe, embed.wte.weight
     if kind == "head":

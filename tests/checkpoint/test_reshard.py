@@ -17,7 +17,7 @@ from elastic.engine.checkpoint.load import load_shards
 from elastic.engine.checkpoint.reshard import KINDS, CheckpointMismatch, layer_parameters, load_resharded
 from elastic.engine.checkpoint.resume import find_resume_point
 from elastic.engine.checkpoint.writers import CheckpointWriter
-from elastic.model.config import get_preset
+from elastic.model.config import GPTConfig, get_preset
 from elastic.model.gpt import GPTStage
 from elastic.model.init import shard_tensor
 from elastic.model.naming import layer_of
@@ -29,34 +29,36 @@ CFG = get_preset("tiny")
 LAYERS = CFG.num_layers
 
 
-def full_state(seed: int) -> dict[str, torch.Tensor]:
+def full_state(seed: int, cfg: GPTConfig = CFG) -> dict[str, torch.Tensor]:
     """Every canonical tensor of tiny's shards at full size: initial parameters, random moments,
     and one AdamW step count per layer."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
-    for name, p in GPTStage(CFG).named_parameters():
+    for name, p in GPTStage(cfg).named_parameters():
         out[f"param/{name}"] = p.detach().clone()
         out[f"exp_avg/{name}"] = torch.randn(p.shape, generator=g)
         out[f"exp_avg_sq/{name}"] = torch.rand(p.shape, generator=g)
     return out
 
 
-def shards_at(full: dict[str, torch.Tensor], degree: int, *, step: int) -> dict[ShardKey, dict[str, torch.Tensor]]:
+def shards_at(full: dict[str, torch.Tensor], degree: int, *, step: int,
+              cfg: GPTConfig = CFG) -> dict[ShardKey, dict[str, torch.Tensor]]:
     """The (layer, tp_rank) shards of `full` at `degree`, cut with the model's slicing."""
     out: dict[ShardKey, dict[str, torch.Tensor]] = {}
-    for layer in range(LAYERS):
+    for layer in range(cfg.num_layers):
         for t in range(degree):
             shard = {"step": torch.tensor(step + layer, dtype=torch.int64)}
-            for name, (_, tp_dim) in layer_parameters(CFG, layer).items():
+            for name, split in layer_parameters(cfg, layer).items():
                 for kind in KINDS:
-                    shard[f"{kind}/{name}"] = shard_tensor(full[f"{kind}/{name}"], tp_dim, t, degree).clone()
+                    shard[f"{kind}/{name}"] = shard_tensor(full[f"{kind}/{name}"], split.tp_dim, t, degree,
+                                                           layout=split.layout).clone()
             out[ShardKey(layer, t)] = shard
     return out
 
 
-def write(directory: Path, step: int, degree: int, full: dict[str, torch.Tensor]) -> None:
-    w = CheckpointWriter(directory, num_layers=LAYERS, tp_degree=degree, keep=5)
-    w.save_async(step, shards_at(full, degree, step=step))
+def write(directory: Path, step: int, degree: int, full: dict[str, torch.Tensor], cfg: GPTConfig = CFG) -> None:
+    w = CheckpointWriter(directory, num_layers=cfg.num_layers, tp_degree=degree, keep=5)
+    w.save_async(step, shards_at(full, degree, step=step, cfg=cfg))
     w.close()
 
 
@@ -80,6 +82,24 @@ def test_a_checkpoint_reads_at_any_degree_as_the_model_would_slice_it(tmp_path: 
     some = load_resharded(tmp_path, 10, [ShardKey(3, 0)], cfg=CFG, tp_degree=read)[ShardKey(3, 0)]
     assert int(some["step"]) == 13
     assert {layer_of(n.split("/", 1)[1], CFG) for n in some if n != "step"} == {3}
+
+
+SHARED_KV = get_preset("llama-tiny").with_overrides(n_kv_heads=2)
+"""Two key/value heads for eight query heads: shared by two ranks each at degree 4 (model/kv_layout.py)."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("written", "read"), [(4, 1), (1, 4), (4, 2), (2, 4)])
+def test_shared_key_value_heads_reshard_to_any_degree(tmp_path: Path, written: int, read: int) -> None:
+    full = full_state(1, SHARED_KV)
+    write(tmp_path, 10, written, full, SHARED_KV)
+    keys = [ShardKey(layer, t) for layer in range(SHARED_KV.num_layers) for t in range(read)]
+    got = load_resharded(tmp_path, 10, keys, cfg=SHARED_KV, tp_degree=read)
+    assert_equal(got, shards_at(full, read, step=10, cfg=SHARED_KV))
+    if read == 4:  # the replicas of a key/value head hold the same rows, the query rows differ
+        qkv = [got[ShardKey(1, t)]["param/blocks.0.attn.qkv.weight"] for t in range(4)]
+        kv = slice(SHARED_KV.n_head // 4 * SHARED_KV.head_dim, None)
+        assert torch.equal(qkv[0][kv], qkv[1][kv]) and not torch.equal(qkv[1][kv], qkv[2][kv])
 
 
 def flip_bytes(directory: Path, step: int, key: ShardKey) -> Path:
@@ -166,7 +186,8 @@ def test_a_resumed_run_must_keep_the_samples_of_every_step() -> None:
                          ({"model_config": CFG.with_overrides(n_head=8)}, "another model shape (n_head 4 -> 8)"),
                          ({"model_config": CFG.with_overrides(arch="llama")}, "(arch gpt2 -> llama)"),
                          ({"model_config": CFG.with_overrides(arch="llama", ffn_hidden=512, n_kv_heads=2)},
-                          "(arch gpt2 -> llama, kv_heads 4 -> 2)")):
+                          "(arch gpt2 -> llama, kv_heads 4 -> 2)"),
+                         ({"model_config": CFG.with_overrides(tie_embeddings=True)}, "(tie_embeddings False -> True)")):
         refusals, _ = compare_runs(earlier, dataclasses.replace(earlier, **change))  # type: ignore[arg-type]
         assert len(refusals) == 1 and word in refusals[0], refusals
     refusals, notes = compare_runs(earlier, dataclasses.replace(earlier, optim=OptimConfig(lr=3e-4)))

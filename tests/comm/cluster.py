@@ -45,6 +45,8 @@ LLAMA_SHAPE = GPTConfig(arch="llama", vocab_size=256, seq_len=8, n_layer=4, n_he
                         ffn_hidden=32)
 """The Llama family's decoder (model/llama.py) at the same 6 planning layers: grouped-query
 attention split by key/value group at TP 2, the fused gate/up, no biases (issue 58)."""
+SHARED_KV_SHAPE = dataclasses.replace(LLAMA_SHAPE, n_kv_heads=1)
+"""One key/value head: at TP 2 both ranks hold it and sum its gradient (model/kv_layout.py)."""
 LAYERS = SHAPE.num_layers
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, eps=1e-6)
 
@@ -125,7 +127,8 @@ def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatch
 def random_case(seed: int) -> Case:
     """A case drawn from `seed`: plans of up to 4 nodes (8 workers with TP 2), a failure of one
     pipeline's nodes or of none, spares, partial replay, evaluation, a recompute mode, sequence
-    parallelism on or off."""
+    parallelism on or off, GPT-2 or Llama (shared key/value heads at TP 2 in some), tied
+    embeddings or not."""
     rng = random.Random(seed)
     tp = rng.choice((1, 1, 2))
     nodes = list(range(rng.randint(1, 4 if tp == 1 else 3)))
@@ -144,7 +147,11 @@ def random_case(seed: int) -> Case:
     scatter_gather, sharded = rng.random() < 0.7, rng.random() < 0.35
     if sharded and failed:  # f = 1: the lost pipeline leaves every slice an owner
         plan1 = dataclasses.replace(plan1, fault_tolerance=1)
-    shape = LLAMA_SHAPE if rng.random() < 0.3 else SHAPE  # drawn last: the earlier draws stay each seed's
+    shape = SHAPE  # drawn last: the earlier draws stay each seed's
+    if rng.random() < 0.3:
+        shape = LLAMA_SHAPE if rng.random() < 0.5 else SHARED_KV_SHAPE
+    if rng.random() < 0.25:  # the embedding and the head one matrix: their gradients summed across stages
+        shape = dataclasses.replace(shape, tie_embeddings=True)
     return Case(name=f"seed{seed}", plan1=plan1, plan2=plan2, failed=failed, partial=partial, evaluate=evaluate,
                 recompute=recompute, sequence_parallel=sequence_parallel, scatter_gather=scatter_gather,
                 shard_optimizer=sharded, shape=shape)

@@ -23,7 +23,8 @@ WANTED = frozenset({
     "interleaved v=2", "interleaved v=3", "interleaved beside another depth", "re-plan changes v",
     "interleaved with tp=2", "scatter/gather with tp=2", "interleaved partial failure",
     "sharded optimizer", "sharded optimizer through a failure", "sharded optimizer partial failure",
-    "sharded optimizer with tp=2", "llama", "llama with tp=2",
+    "sharded optimizer with tp=2", "llama", "llama with tp=2", "llama sharing key/value heads with tp=2",
+    "tied embeddings in one stage", "tied embeddings across stages", "tied embeddings across stages with tp=2",
 })
 
 
@@ -39,6 +40,12 @@ def features(case: Case, logs: dict[tuple[int, int], list[Event]]) -> set[str]:
         out.add("tp=2")
     if case.shape.arch == "llama":  # grouped-query attention, SwiGLU: the same collectives, other sizes
         out.add("llama" + (" with tp=2" if case.plan1.gpus_per_node > 1 else ""))
+        if case.shape.kv_heads < case.plan1.gpus_per_node:  # the shared head's gradient: one more all-reduce
+            out.add("llama sharing key/value heads with tp=2")
+    if case.shape.tie_embeddings:  # the tied sum: local in a one-stage pipeline, point to point across stages
+        deep = any(len(p.stages) > 1 for p in pipelines)
+        out.add("tied embeddings " + ("across stages" if deep else "in one stage")
+                + (" with tp=2" if deep and case.plan1.gpus_per_node > 1 else ""))
     if case.evaluate:
         out.add("evaluation")
     if case.partial:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.engine.trainer import Trainer
-from elastic.model.config import get_preset
+from elastic.model.config import GPTConfig, get_preset
 from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.planning.footprint import sharded_moment_elements
 from elastic.planning.memory import MemoryEstimate, worker_memory
@@ -93,6 +93,16 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+SHAPES = {"llama-tiny-kv1": ("llama-tiny", get_preset("llama-tiny").with_overrides(n_kv_heads=1))}
+"""Test shapes beside the presets (name -> (preset, shape)): one key/value head, shared by every
+tensor-parallel rank (model/kv_layout.py)."""
+
+
+def shape_of(model: str) -> GPTConfig:
+    """A preset's or a test shape's config (`SHAPES`)."""
+    return SHAPES[model][1] if model in SHAPES else get_preset(model)
+
+
 def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", sequence_parallel: bool | None = None,
             around: Callable[[Trainer], AbstractContextManager[object]] | None = None,
             shard_optimizer: str = "off") -> dict[tuple[int, int], Trainer]:
@@ -100,7 +110,8 @@ def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", s
     (one gloo world on a HashStore), with the partial-replay copy of its sums made as an
     abandoned step makes it (`StepTransaction._keep_partial` -> `accum.snapshot()`); the step
     runs inside `around(trainer)` on the worker's thread when given."""
-    spec = JobSpec(model=model, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu",
+    preset, shape = SHAPES.get(model, (model, None))
+    spec = JobSpec(model=preset, shape=shape, plan=plan, steps=1, run_dir=str(run_dir), optim=OPTIM, device="cpu",
                    recompute=recompute, sequence_parallel=sequence_parallel, shard_optimizer=shard_optimizer)
     store = dist.HashStore()
     out: dict[tuple[int, int], Trainer | BaseException] = {}
@@ -134,9 +145,9 @@ def modelled(model: str, plan: Plan, trainer: Trainer) -> MemoryEstimate:
     """The memory model's count for `trainer`'s worker, from the plan and the shape alone."""
     layout = trainer.layout
     held = [i for first, last in layout.stage_plan.ranges for i in range(first, last)]
-    sharded = sharded_moment_elements(get_preset(model), plan, node=layout.node, layers=held, tp=plan.gpus_per_node)
+    sharded = sharded_moment_elements(shape_of(model), plan, node=layout.node, layers=held, tp=plan.gpus_per_node)
     return worker_memory(
-        get_preset(model), layers=layout.stage_plan.layers, chunks=layout.stage_plan.chunks,
+        shape_of(model), layers=layout.stage_plan.layers, chunks=layout.stage_plan.chunks,
         microbatch_size=plan.microbatch_size, in_flight=1,
         tp=plan.gpus_per_node, holders=len(plan.pipelines), partial_replay=trainer.spec.partial_replay,
         microbatches=[p.microbatches for p in plan.pipelines], pipeline=layout.pipeline, tp_rank=layout.tp_rank,
@@ -195,11 +206,12 @@ def test_tiny_engine_bytes_equal_the_model(tmp_path: Path, split: list[int], tp:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("split", "tp"), [([4, 4], 1), ([4, 4], 2)])
-def test_llama_tiny_engine_bytes_equal_the_model(tmp_path: Path, split: list[int], tp: int) -> None:
+@pytest.mark.parametrize(("model", "tp"), [("llama-tiny", 1), ("llama-tiny", 2), ("llama-tiny-kv1", 2)])
+def test_llama_tiny_engine_bytes_equal_the_model(tmp_path: Path, model: str, tp: int) -> None:
     """Issue 58: the Llama-family model (no biases, RMSNorm weights, fused q/k/v of grouped-query
-    attention, fused gate/up) is counted to the byte too, tensor-parallel or not."""
-    assert_same_bytes("llama-tiny", pipelines(get_preset("llama-tiny").num_layers, split, mbs=2, tp=tp), tmp_path)
+    attention, fused gate/up) is counted to the byte too, tensor-parallel or not, and with a
+    key/value head that both ranks hold."""
+    assert_same_bytes(model, pipelines(shape_of(model).num_layers, [4, 4], mbs=2, tp=tp), tmp_path)
 
 
 @pytest.mark.slow

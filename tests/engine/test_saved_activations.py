@@ -33,14 +33,14 @@ from elastic.planning.activation_memory import layer_saved, saved_bytes
 from elastic.planning.cluster import ClusterSpec, cluster_profile
 from elastic.planning.profiler import forward_counting_saved
 from tests.comm.support import gloo_comms, on_threads
-from tests.engine.test_memory_model import pipelines, trained
+from tests.engine.test_memory_model import pipelines, shape_of, trained
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def modelled(model: str, *, tp: int, recompute: str, tokens: int, sp: bool = False) -> int:
     """The memory model's activation bytes of one microbatch of a whole-model stage (fp32)."""
-    cfg = get_preset(model)
+    cfg = shape_of(model)
     return sum(saved_bytes(layer_saved(cfg, i, tp, recompute, sp), tokens=tokens, element_bytes=4)
                for i in range(cfg.num_layers))
 
@@ -80,7 +80,7 @@ def counting(per_forward: list[int]) -> object:
 def measured(model: str, *, tp: int, recompute: str, microbatches: int, run_dir: Path,
              sp: bool = False) -> dict[int, list[int]]:
     """Per tensor-parallel rank, the bytes each microbatch's forward saved in one real step."""
-    cfg = get_preset(model)
+    cfg = shape_of(model)
     plan = pipelines(cfg.num_layers, [microbatches], mbs=1, tp=tp)
     counts: dict[int, list[int]] = {rank: [] for rank in range(tp)}
     arounds = {rank: counting(counts[rank]) for rank in range(tp)}
@@ -100,9 +100,9 @@ LAYOUTS = [(1, False), (2, False), (2, True)]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("tp", "sp"), LAYOUTS)
 @pytest.mark.parametrize("recompute", RECOMPUTE_MODES)
-@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny", "llama-tiny-kv1"])
 def test_tiny_saves_what_the_model_counts(tmp_path: Path, recompute: str, tp: int, sp: bool, model: str) -> None:
-    cfg = get_preset(model)
+    cfg = shape_of(model)
     counts = measured(model, tp=tp, recompute=recompute, microbatches=2, run_dir=tmp_path, sp=sp)
     expected = modelled(model, tp=tp, recompute=recompute, tokens=cfg.seq_len, sp=sp)
     for rank, per_forward in counts.items():
@@ -137,7 +137,7 @@ def measured_apart(model: str, *, tp: int, recompute: str, sp: bool, run_dir: Pa
 def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) -> None:
     """small and gpt2-124m (sequence 1024), every mode, TP 1 and 2, sequence parallelism on and
     off: one microbatch each, each in a process of its own."""
-    cfg = get_preset(model)
+    cfg = shape_of(model)
     for tp, sp in LAYOUTS:
         for recompute in RECOMPUTE_MODES:
             counts = measured_apart(model, tp=tp, recompute=recompute, sp=sp, run_dir=tmp_path / f"{tp}-{sp}-{recompute}")
@@ -147,12 +147,12 @@ def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) ->
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index", range(get_preset("tiny").num_layers))
-@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny", "llama-tiny-kv1"])
 def test_each_sequence_parallel_layer_saves_what_the_model_counts(dtype: torch.dtype, index: int, model: str) -> None:
     """Layer by layer at TP 2 with sequence parallelism (ranks as threads over real gloo
     communicators), in fp32 and under bf16 autocast (where the column-parallel layers keep
     their fp32 input shard and no weight copy)."""
-    cfg = get_preset(model)
+    cfg = shape_of(model)
     comms = gloo_comms(2, name=f"sp-saved-{model}-{index}-{dtype}")
 
     def saved(rank: int) -> int:

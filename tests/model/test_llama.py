@@ -7,8 +7,10 @@
   in fp32 whatever its input: the fp64 case lifts that cast (and runs its SDPA attention, whose
   eager form takes the softmax in fp32 too), so that 1e-10 compares the same function.
 - The whole unsharded model: at tensor-parallel degree 2 and 4, with and without sequence
-  parallelism and dropout, the loss and every gathered gradient equal it to 1e-5; each
-  recomputation mode gives the same loss and gradients bit for bit.
+  parallelism and dropout, the loss and every gathered gradient equal it to 1e-5, also where
+  ranks share key/value heads (fewer of them than ranks; each replica's gathered gradient is
+  compared, so a replica that missed its peers' part fails); each recomputation mode gives the
+  same loss and gradients bit for bit.
 - Both directions of the mapping are each other's inverse, and export's config is one that
   transformers reads back into the same shape.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +46,8 @@ SCALED = dataclasses.replace(CFG, rope_factor=8.0, rope_low_freq_factor=1.0, rop
                              rope_original_context=64)
 """Llama 3.1's rope scaling, its wavelength bands (16 and 64 positions) inside head_dim 8's
 wavelengths (6 to 3,300): some frequencies kept, some divided, some interpolated."""
+TIED = dataclasses.replace(CFG, tie_embeddings=True)
+"""One matrix for the embedding and the head, as Llama 3.2 1B and 3B."""
 BATCH = 2
 
 
@@ -85,7 +90,7 @@ def _ours(cfg: GPTConfig, state: dict[str, torch.Tensor], tp: TensorParallel, cu
     with torch.no_grad():
         for stage in stages:
             for name, p in stage.named_parameters():
-                p.copy_(shard_tensor(state[name], p.tp_dim, tp.rank, tp.size))  # type: ignore[attr-defined]
+                p.copy_(shard_tensor(state[name], p.tp_dim, tp.rank, tp.size, layout=p.tp_layout))  # type: ignore[attr-defined]
     x: torch.Tensor = tokens
     with torch.no_grad():
         for stage in stages:
@@ -94,7 +99,7 @@ def _ours(cfg: GPTConfig, state: dict[str, torch.Tensor], tp: TensorParallel, cu
     return gather_full(x, 2, tp), loss
 
 
-@pytest.mark.parametrize("cfg", [CFG, SCALED], ids=["plain-rope", "llama3-rope"])
+@pytest.mark.parametrize("cfg", [CFG, SCALED, TIED], ids=["plain-rope", "llama3-rope", "tied"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_same_function_as_transformers(dtype: torch.dtype, cfg: GPTConfig, exact_hf_rmsnorm: None,
                                            request: pytest.FixtureRequest) -> None:
@@ -140,6 +145,25 @@ def test_the_mapping_both_ways_and_the_config() -> None:
         canonical_state(theirs, CFG)
 
 
+def test_a_tied_model_maps_both_ways(tmp_path: Path) -> None:
+    """transformers' tied model (its head is its embedding) reads as both copies of one matrix;
+    the export writes no head of its own, and transformers loads it back tied, the same logits."""
+    from elastic.model.hf_import import hf_shape
+    from elastic.ops.export import write_hf
+
+    hf = _hf_model(TIED, torch.float32)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    state = canonical_state(hf.state_dict(), TIED)
+    assert torch.equal(state["head.lm_head.weight"], state["embed.wte.weight"])
+    write_hf(tmp_path, state, TIED, tokenizer=None, source="test")
+    assert hf_shape(tmp_path)["tie_embeddings"] is True
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    tokens, _ = _tokens(TIED)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
 def _step(cfg: GPTConfig, tp: TensorParallel, *, sp: bool, mode: str) -> dict[str, torch.Tensor]:
     """One training forward and backward of the whole model as two stages: loss and every
     gathered (full) gradient."""
@@ -155,7 +179,11 @@ def _step(cfg: GPTConfig, tp: TensorParallel, *, sp: bool, mode: str) -> dict[st
     for stage in stages:
         for name, p in stage.named_parameters():
             assert p.grad is not None, name
-            out[name] = gather_full(p.grad, p.tp_dim, tp)  # type: ignore[attr-defined]
+            out[name] = gather_full(p.grad, p.tp_dim, tp, layout=p.tp_layout)  # type: ignore[attr-defined]
+            shared = p.tp_layout  # type: ignore[attr-defined]
+            if shared is not None and tp.size > 1:  # every replica of a key/value head holds its whole gradient
+                held = gather_full(p.grad, 0, tp)
+                assert torch.equal(held, shared.expand(out[name], tp.size)), name
     return out
 
 
@@ -169,9 +197,11 @@ def _run(cfg: GPTConfig, degree: int, *, sp: bool = False, mode: str = "none") -
     return results
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["kv4", "kv2-shared-at-4", "kv1-shared"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float) -> None:
-    cfg = dataclasses.replace(CFG, dropout=dropout)
+def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float, kv_heads: int) -> None:
+    """With fewer key/value heads than ranks (kv2 at TP 4, kv1 at TP 2 and 4) they are shared."""
+    cfg = dataclasses.replace(CFG, dropout=dropout, n_kv_heads=kv_heads)
     (whole,) = _run(cfg, 1)
     for degree in (2, 4):
         for sp in (False, True):
@@ -182,9 +212,9 @@ def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float) -> N
                     assert rel <= 1e-5, (f"TP {degree} sp {sp} rank {rank} dropout {dropout}: {name}", rel)
 
 
-@pytest.mark.parametrize("degree", [1, 2])
-def test_recomputation_is_bit_for_bit(degree: int) -> None:
-    cfg = dataclasses.replace(CFG, dropout=0.1)
+@pytest.mark.parametrize(("degree", "kv_heads"), [(1, 4), (2, 4), (2, 1)])
+def test_recomputation_is_bit_for_bit(degree: int, kv_heads: int) -> None:
+    cfg = dataclasses.replace(CFG, dropout=0.1, n_kv_heads=kv_heads)
     plain = _run(cfg, degree, sp=degree > 1)
     for mode in RECOMPUTE_MODES:
         for want, got in zip(plain, _run(cfg, degree, sp=degree > 1, mode=mode), strict=True):

@@ -107,7 +107,8 @@ def test_planner_profile_and_simulator_follow_the_shape(tmp_path: Path, capsys: 
         ([], {"arch": 2}, "arch must be a string (gpt2, llama), got 2"),
         (["--n-kv-heads", "2"], None, "grouped-query attention and other MLP widths are arch llama's"),
         ([], {"arch": "llama", "n_kv_heads": 3}, "n_head=4 is not divisible by n_kv_heads=3"),
-        (["--model", "llama-tiny", "--gpus-per-node", "8"], None, "n_kv_heads=4 is not divisible by --gpus-per-node 8"),
+        (["--model", "llama-tiny", "--n-head", "6", "--n-kv-heads", "3", "--d-model", "96", "--gpus-per-node", "2"], None,
+         "n_kv_heads=3 and --gpus-per-node 2 do not divide one another"),
         ([], {"arch": "llama", "rope_theta": "high"}, "rope_theta must be a number, got 'high'"),
     ],
 )

@@ -28,7 +28,7 @@ def full_grad_dict(module: nn.Module, tp: TensorParallel) -> dict[str, torch.Ten
     out = {}
     for name, p in module.named_parameters():
         if p.grad is not None:
-            out[name] = gather_full(p.grad, p.tp_dim, tp).float().cpu()  # type: ignore[attr-defined]
+            out[name] = gather_full(p.grad, p.tp_dim, tp, layout=p.tp_layout).float().cpu()  # type: ignore[attr-defined]
     return out
 
 
@@ -41,7 +41,7 @@ def load_full_state(module: nn.Module, state: dict[str, torch.Tensor], tp: Tenso
             full = state[name]
             if tuple(full.shape) != tuple(p.full_shape):  # type: ignore[attr-defined]
                 raise ValueError(f"{name}: state shape {tuple(full.shape)} != model shape {p.full_shape}")  # type: ignore[attr-defined]
-            p.copy_(shard_tensor(full, p.tp_dim, tp.rank, tp.size))  # type: ignore[attr-defined]
+            p.copy_(shard_tensor(full, p.tp_dim, tp.rank, tp.size, layout=p.tp_layout))  # type: ignore[attr-defined]
 
 
 def perturbation(name: str, shape: torch.Size) -> torch.Tensor:

@@ -4,7 +4,8 @@ attention and an untied head, and a tied GPT2LMHeadModel whose positions outnumb
 
 - Read slice by slice (elastic/model/hf_import.py), every stage of every layout is the checkpoint's
   model: the logits of transformers' model to 1e-5 (fp32), at tensor-parallel degree 1 and 2
-  (ranks as threads over real gloo communicators), as one stage and as two.
+  (ranks as threads over real gloo communicators), as one stage and as two; Llama also at 8,
+  where two ranks share each of its four key/value heads.
 - A real elastic run (4 nodes x 2 workers, f = 1) from the Llama checkpoint: its first step's loss
   is transformers' loss on that step's samples, node 3 SIGKILLed at step 9 ends bit for bit as the
   failure-free run, and the summary says where the weights came from.
@@ -95,7 +96,7 @@ def test_every_layout_reads_the_checkpoints_model(arch: str, llama_dir: Path, gp
     cfg, path = (LLAMA, llama_dir) if arch == "llama" else (GPT2, gpt2_dir)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(4))
     want = _theirs(path, tokens)
-    for degree in (1, 2):
+    for degree in (1, 2, 8) if arch == "llama" else (1, 2):  # 8: two ranks share each key/value head
         comms = gloo_comms(degree, name=f"init-from-{arch}-{degree}")
         for cut in (None, 2):
             def one(r: int, comms: list = comms, degree: int = degree, cut: int | None = cut) -> object:  # type: ignore[type-arg]
@@ -174,6 +175,12 @@ def test_bad_checkpoints_are_one_line_and_exit_2(llama_dir: Path, tmp_path: Path
     err = _refused(tmp_path / "d", llama_dir, "--data", str(tmp_path / "data"))
     assert "vocab_size=256 does not cover the tokenizer" in err, err
 
+    untied = _copy(llama_dir, tmp_path / "untied")  # its own lm_head.weight, its config claiming a tie
+    config = json.loads((untied / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (untied / "config.json").write_text(json.dumps(config))
+    assert "has an lm_head.weight of its own" in _refused(tmp_path / "f", untied)
+
     other = _copy(llama_dir, tmp_path / "other")
     config = json.loads((other / "config.json").read_text())
     config["model_type"] = "bert"
@@ -192,6 +199,7 @@ def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
                                   "rope_original_context")} == {
         "rope_theta": 500000.0, "rope_factor": 32.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
         "rope_original_context": 8192}
+    assert shape["tie_embeddings"] is True  # Llama 3.2's head is its embedding
     config = json.loads((tmp_path / "scaled" / "config.json").read_text())
     for key in ("rope_scaling", "rope_parameters"):
         if isinstance(config.get(key), dict):

@@ -2,8 +2,8 @@
 
 Shards on disk are per (layer, tp_rank) (files.py). A run at degree T' reads a step
 written at degree T by merging, for each layer it needs, the T shards of every tensor into the
-full canonical tensor (concatenated along the parameter's `tp_dim`; replicated tensors are taken
-from rank 0) and slicing the full tensor for its own rank with the model's own slicing
+full canonical tensor (concatenated along the parameter's `tp_dim`, a grouped qkv weight's rows
+read back by its `tp_layout`; replicated tensors are taken from rank 0) and slicing the full tensor for its own rank with the model's own slicing
 (`elastic.model.init.shard_tensor`, the one initialisation uses), so a resharded shard is the
 shard the model would hold had it been trained at T' (up to the rounding of TP's sums). The
 AdamW moments are sharded exactly like their parameters and are resharded the same way; the
@@ -16,6 +16,7 @@ the layer's stage built on the meta device (no memory, no initialisation).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +26,7 @@ from elastic.engine.checkpoint.writers import Shards
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
 from elastic.model.init import shard_tensor
+from elastic.model.kv_layout import KvGroups
 from elastic.transfer.shards import ShardKey
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -35,12 +37,40 @@ class CheckpointMismatch(CheckpointError):
     """A checkpoint of another model shape than the one asked for."""
 
 
-def layer_parameters(cfg: GPTConfig, layer: int) -> dict[str, tuple[tuple[int, ...], int | None]]:
-    """Canonical name -> (full shape, tensor-parallel dimension or None) of every parameter of
-    planning layer `layer`, from the model's own layers built on the meta device."""
+class Split(NamedTuple):
+    """How a parameter is split across tensor-parallel ranks (model/tp_layers.py)."""
+
+    full: tuple[int, ...]
+    tp_dim: int | None
+    layout: KvGroups | None
+
+    def shard_shape(self, size: int) -> tuple[int, ...] | None:
+        """One of `size` shards' shape (None if the split does not divide)."""
+        if self.tp_dim is None:
+            return self.full
+        try:
+            rows = self.layout.local_rows(size) if self.layout is not None else None
+        except ValueError:
+            return None
+        if rows is None and self.full[self.tp_dim] % size:
+            return None
+        return tuple((rows or d // size) if i == self.tp_dim else d for i, d in enumerate(self.full))
+
+    def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard, in rank order."""
+        if self.tp_dim is None:
+            return parts[0]
+        whole = torch.cat(parts, dim=self.tp_dim)
+        return whole if self.layout is None else self.layout.collapse(whole, len(parts))
+
+
+def layer_parameters(cfg: GPTConfig, layer: int) -> dict[str, Split]:
+    """Canonical name -> split (full shape, tensor-parallel dimension or None, layout) of every
+    parameter of planning layer `layer`, from the model's own layers built on the meta device."""
     with torch.device("meta"):
         stage = GPTStage(cfg, first=layer, last=layer + 1, initialise=False)
-    return {name: (tuple(p.full_shape), p.tp_dim) for name, p in stage.named_parameters()}  # type: ignore[attr-defined]
+    return {name: Split(tuple(p.full_shape), p.tp_dim, p.tp_layout)  # type: ignore[attr-defined]
+            for name, p in stage.named_parameters()}
 
 
 def step_layout(directory: Path, step: int) -> tuple[int, int]:
@@ -85,23 +115,14 @@ def check_shapes(directory: Path, step: int, cfg: GPTConfig) -> int:
             if set(meta) != want:
                 odd = sorted(set(meta) ^ want)[:3]
                 raise CheckpointMismatch(f"{where} is of another model: layer {layer} has other tensors ({odd})")
-            for name, (full, tp_dim) in params.items():
-                expected = _shard_shape(full, tp_dim, tp_degree)
+            for name, split in params.items():
+                expected = split.shard_shape(tp_degree)
                 got = meta[f"param/{name}"][0]
                 if got != expected:
                     raise CheckpointMismatch(
                         f"{where} is of another model shape: {name} is {got} at tensor-parallel degree "
-                        f"{tp_degree}, this model needs {expected} (full {full})")
+                        f"{tp_degree}, this model needs {expected} (full {split.full})")
     return tp_degree
-
-
-def _shard_shape(full: tuple[int, ...], tp_dim: int | None, size: int) -> tuple[int, ...] | None:
-    """The shape of one of `size` shards of a `full` tensor split along `tp_dim` (None if it does not divide)."""
-    if tp_dim is None:
-        return full
-    if full[tp_dim] % size:
-        return None
-    return tuple(d // size if i == tp_dim else d for i, d in enumerate(full))
 
 
 def merge_layer(shards: dict[int, dict[str, torch.Tensor]], cfg: GPTConfig, layer: int) -> dict[str, torch.Tensor]:
@@ -114,13 +135,12 @@ def merge_layer(shards: dict[int, dict[str, torch.Tensor]], cfg: GPTConfig, laye
     if len(steps) != 1:
         raise CheckpointError(f"layer {layer}: its shards disagree on the AdamW step count {sorted(steps)}")
     out = {"step": shards[0]["step"].clone()}
-    for name, (full_shape, tp_dim) in layer_parameters(cfg, layer).items():
+    for name, split in layer_parameters(cfg, layer).items():
         for kind in KINDS:
-            parts = [shards[t][f"{kind}/{name}"] for t in range(degree)]
-            full = parts[0] if tp_dim is None else torch.cat(parts, dim=tp_dim)
-            if tuple(full.shape) != full_shape:
+            full = split.merge([shards[t][f"{kind}/{name}"] for t in range(degree)])
+            if tuple(full.shape) != split.full:
                 raise CheckpointMismatch(f"layer {layer}: {kind}/{name} merges to {tuple(full.shape)}, "
-                                         f"the model's is {full_shape}")
+                                         f"the model's is {split.full}")
             out[f"{kind}/{name}"] = full
     return out
 
@@ -128,10 +148,11 @@ def merge_layer(shards: dict[int, dict[str, torch.Tensor]], cfg: GPTConfig, laye
 def slice_layer(full: dict[str, torch.Tensor], cfg: GPTConfig, layer: int, *, rank: int, size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s shard (of `size`) of one layer's full tensors (`merge_layer`'s output)."""
     out = {"step": full["step"].clone()}
-    for name, (_, tp_dim) in layer_parameters(cfg, layer).items():
+    for name, split in layer_parameters(cfg, layer).items():
         for kind in KINDS:
             key = f"{kind}/{name}"
-            out[key] = shard_tensor(full[key], tp_dim, rank, size).clone(memory_format=torch.contiguous_format)
+            out[key] = shard_tensor(full[key], split.tp_dim, rank, size,
+                                    layout=split.layout).clone(memory_format=torch.contiguous_format)
     return out
 
 
