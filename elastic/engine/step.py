@@ -439,15 +439,6 @@ class StepTransaction:
                                        grads={}, loss_sum=0.0, finite=True)
             self._loss = loss_sum
         return finalize_grads(
-            self.accum,
-            layout=layout,
-            groups=self.groups,
-            layer_of=self.layer_of,
-            loss_sum=loss_sum,
-            grad_clip=self.optim.grad_clip,
-            ok=ok,
-            halt=halt,
-            reducer=reducer,
-            phases=phases,
-            tied=self.tied,
+            self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of, loss_sum=loss_sum,
+            grad_clip=self.optim.grad_clip, ok=ok, halt=halt, reducer=reducer, phases=phases, tied=self.tied,
         )

@@ -6,9 +6,11 @@ attention and an untied head, and a tied GPT2LMHeadModel whose positions outnumb
   model: the logits of transformers' model to 1e-5 (fp32), at tensor-parallel degree 1 and 2
   (ranks as threads over real gloo communicators), as one stage and as two; Llama also at 8,
   where two ranks share each of its four key/value heads.
-- A real elastic run (4 nodes x 2 workers, f = 1) from the Llama checkpoint: its first step's loss
-  is transformers' loss on that step's samples, node 3 SIGKILLed at step 9 ends bit for bit as the
-  failure-free run, and the summary says where the weights came from.
+- A real elastic run (4 nodes x 2 workers, f = 1) from the Llama checkpoint on data prepared here
+  (`prepare-data`, a BPE tokenizer): its first step's loss is transformers' loss on that step's
+  samples, node 3 SIGKILLed at step 9 ends bit for bit as the failure-free run, the summary says
+  where the weights came from, and the export loads in transformers, whose greedy continuation
+  is `elastic sample`'s.
 - Bad checkpoints: a missing tensor, a wrong shape, a vocabulary smaller than the data's
   tokenizer's and a truncated safetensors file are each one line and exit code 2, before any
   process starts.
@@ -114,18 +116,64 @@ RUN = [sys.executable, "-m", "elastic.cli", "run", "--model", "llama-tiny", "--n
        "--checkpoint-every", "0", "--lease-ttl", "30"]
 
 
+WIDE = LLAMA.with_overrides(vocab_size=320)
+"""llama-tiny with room for a tokenizer of 300 ids (a byte-level BPE needs 258 at least)."""
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hf-llama-wide")
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(WIDE).items() if k != "model_type"})
+    model = transformers.LlamaForCausalLM(config)
+    _perturb(model)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Training data of the user's own: a byte-level BPE tokenizer of 300 ids over text made here."""
+    root = tmp_path_factory.mktemp("prepared")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"def node_{i}(step):\n    return step * {i} + {i % 7}  # elastic pipelines fail and recover\n"
+                              for i in range(400)))
+    code, _, err = cli_in_process("prepare-data", str(corpus), "--out", str(root / "data"), "--vocab-size", "300")
+    assert code == 0, err
+    return root / "data"
+
+
 @pytest.mark.slow
-def test_a_run_from_the_checkpoint_through_a_failure(llama_dir: Path, tmp_path: Path) -> None:
-    start = ["--init-from", str(llama_dir)]
+def test_a_run_from_the_checkpoint_through_a_failure(wide_dir: Path, prepared: Path, tmp_path: Path) -> None:
+    """Issue 58's "training from it": `--init-from DIR --data DIR`, a kill at step 9 ending as the
+    failure-free run, the export loaded in transformers, whose greedy continuation is `elastic sample`'s."""
+    start = ["--init-from", str(wide_dir), "--data", str(prepared)]
     killed = run_cli([*RUN, *start, "--inject", "kill:node=3,step=9"], tmp_path / "killed", committed=10,
                      lost=[[3]], timeout=200)
     clean = run_cli([*RUN, *start], tmp_path / "clean", committed=10, lost=[], timeout=200)
     same_bits(killed, clean, "llama-tiny from a checkpoint, node 3 killed at step 9")
-    assert killed[0]["init_from"] == str(llama_dir.resolve())
-    inputs, targets = TokenDataset(seq_len=LLAMA.seq_len).batch(step_sample_indices(0, 8))
-    logits = _theirs(llama_dir, inputs)
-    want = F.cross_entropy(logits.reshape(-1, LLAMA.vocab_size), targets.reshape(-1)).item()
+    assert killed[0]["init_from"] == str(wide_dir.resolve()) and killed[0]["model"]["vocab_size"] == WIDE.vocab_size
+    inputs, targets = TokenDataset(seq_len=WIDE.seq_len, path=str(prepared)).batch(step_sample_indices(0, 8))
+    logits = _theirs(wide_dir, inputs)
+    want = F.cross_entropy(logits.reshape(-1, WIDE.vocab_size), targets.reshape(-1)).item()
     assert abs(killed[0]["losses"][0] - want) <= 1e-5 * want, (killed[0]["losses"][0], want)
+
+    from tokenizers import Tokenizer
+
+    code, _, err = cli_in_process("export", str(tmp_path / "killed"), "--format", "hf", str(tmp_path / "hf"))
+    assert code == 0, err
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokenizer = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    prompt, new = "def node_3(step):", 40
+    ids = tokenizer.encode(prompt).ids
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(hf(torch.tensor([ids[-LLAMA.seq_len:]])).logits[0, -1].argmax()))
+    code, out, err = cli_in_process("sample", str(tmp_path / "killed"), "--prompt", prompt, "--max-new-tokens", str(new),
+                                    "--top-k", "1")
+    assert code == 0, err
+    prompted = len(tokenizer.encode(prompt).ids)
+    assert out == prompt + tokenizer.decode(ids[prompted:]) + "\n", (out, tokenizer.decode(ids))  # the prompt, then the new text
 
 
 def _refused(tmp_path: Path, path: Path, *extra: str) -> str:
