@@ -243,9 +243,8 @@ PRESETS: dict[str, GPTConfig] = {
     "gpt3-6.7b": GPTConfig(vocab_size=50304, seq_len=2048, n_layer=32, n_head=32, d_model=4096),
     # Llama family (arch llama). llama-tiny and llama-small mirror tiny and small, with grouped-query
     # attention; the others are the published shapes (Llama 3.2 1B, with its rope scaling and tied
-    # embeddings, and Llama 3
-    # 8B / 70B: head_dim 64 / 128, 8 KV heads, theta 500000, 128256-token vocabulary), for planning
-    # and simulation.
+    # embeddings, and Llama 3 8B / 70B: head_dim 64 / 128, 8 KV heads, theta 500000, 128256-token
+    # vocabulary), for planning and simulation.
     "llama-tiny": GPTConfig(arch="llama", vocab_size=256, seq_len=64, n_layer=4, n_head=8, n_kv_heads=4,
                             d_model=128, ffn_hidden=384),
     "llama-small": GPTConfig(arch="llama", vocab_size=256, seq_len=256, n_layer=8, n_head=8, n_kv_heads=4,
