@@ -114,16 +114,9 @@ class GPTConfig:
         """Output width of the fused q, k, v projection: n_head + 2 x kv_heads heads."""
         return (self.n_head + 2 * self.kv_heads) * self.head_dim
 
-    def kv_replicas(self, tp: int) -> int:
-        """Tensor-parallel ranks that share each key/value head at degree `tp` (1: none shared;
-        model/kv_layout.py); ValueError where the degree cannot split the heads."""
-        return kv_replicas(self.kv_heads, self.n_head, tp)
-
     def qkv_rows(self, tp: int) -> int:
-        """Rows of one tensor-parallel rank's fused q, k, v weight at degree `tp`: its n_head / tp
-        query heads and the key/value heads it holds (whole, or a replica of one)."""
-        kv = 1 if self.kv_replicas(tp) > 1 else self.kv_heads // tp
-        return (tp_split(self.n_head, tp, "n_head") + 2 * kv) * self.head_dim
+        """Rows of one tensor-parallel rank's fused q, k, v weight at degree `tp` (`qkv_shard_rows`)."""
+        return qkv_shard_rows(self.kv_heads, self.n_head, self.head_dim, tp)
 
     @property
     def d_ff(self) -> int:
@@ -225,6 +218,13 @@ def kv_replicas(kv_heads: int, n_head: int, degree: int, *, by: str | None = Non
                          "one another (each rank holds whole key/value heads, or one shared by the same number of ranks)")
     tp_split(n_head, degree, "n_head", by=by)
     return degree // kv_heads
+
+
+def qkv_shard_rows(kv_heads: int, n_head: int, head_dim: int, degree: int) -> int:
+    """Rows of one of `degree` tensor-parallel ranks' fused q, k, v weight: its n_head / degree
+    query heads and the key/value heads they use, whole or a replica of one (model/kv_layout.py)."""
+    queries = n_head // kv_heads // kv_replicas(kv_heads, n_head, degree)
+    return max(1, kv_heads // degree) * (queries + 2) * head_dim
 
 
 ARCHS = ("gpt2", "llama")

@@ -14,6 +14,7 @@ import torch
 
 from elastic.model.config import GPTConfig, tp_split
 from elastic.model.kv_layout import KvGroups
+from elastic.model.naming import EMBEDDING, HEAD
 
 STD = 0.02
 """GPT-2's standard deviation for weights."""
@@ -27,8 +28,8 @@ def name_seed(base_seed: int, name: str) -> int:
 
 def full_initial_value(name: str, shape: tuple[int, ...], cfg: GPTConfig) -> torch.Tensor:
     """The full fp32 initial value of parameter `name` (CPU); a tied head starts as the embedding."""
-    if cfg.tie_embeddings and name == "head.lm_head.weight":
-        name = "embed.wte.weight"
+    if cfg.tie_embeddings and name == HEAD:
+        name = EMBEDDING
     leaf = name.rsplit(".", 1)[-1]
     if ".ln" in name:  # LayerNorms: weight 1, bias 0
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
@@ -39,6 +40,26 @@ def full_initial_value(name: str, shape: tuple[int, ...], cfg: GPTConfig) -> tor
         std = STD / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections by depth
     generator = torch.Generator(device="cpu").manual_seed(name_seed(cfg.init_seed, name))
     return torch.randn(shape, generator=generator) * std
+
+
+def shard_shape(full: tuple[int, ...], tp_dim: int | None, size: int, *,
+                layout: KvGroups | None = None) -> tuple[int, ...]:
+    """The shape of one of `size` shards of a `full`-shaped tensor (`shard_tensor`'s); ValueError
+    naming the dimension where the split does not divide."""
+    if tp_dim is None:
+        return tuple(full)
+    rows = layout.local_rows(size) if layout is not None else tp_split(
+        full[tp_dim], size, f"dimension {tp_dim} of {tuple(full)}")
+    return tuple(rows if i == tp_dim else d for i, d in enumerate(full))
+
+
+def join_shards(parts: list[torch.Tensor], tp_dim: int | None, *, layout: KvGroups | None = None) -> torch.Tensor:
+    """The full tensor from every rank's shard, in rank order (`shard_tensor`'s inverse; a
+    replicated tensor is rank 0's)."""
+    if tp_dim is None:
+        return parts[0]
+    whole = torch.cat(parts, dim=tp_dim)
+    return whole if layout is None else layout.collapse(whole, len(parts))
 
 
 def shard_tensor(full: torch.Tensor, tp_dim: int | None, rank: int, size: int, *,

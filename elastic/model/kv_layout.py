@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from elastic.model.config import GPTConfig, kv_replicas
+from elastic.model.config import GPTConfig, kv_replicas, qkv_shard_rows
 from elastic.model.tensor_parallel import TensorParallel
 
 
@@ -57,8 +57,8 @@ class KvGroups:
         return self.queries // self.replicas(size)
 
     def local_rows(self, size: int) -> int:
-        """Rows of one rank's shard at degree `size`."""
-        return self.local_groups(size) * (self.local_queries(size) + 2) * self.head_dim
+        """Rows of one rank's shard at degree `size` (`config.qkv_shard_rows`)."""
+        return qkv_shard_rows(self.groups, self.groups * self.queries, self.head_dim, size)
 
     def expand(self, full: torch.Tensor, size: int) -> torch.Tensor:
         """The rows of every rank at degree `size`, in rank order (the canonical `full` itself

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from elastic.model.config import GPTConfig
 
+EMBEDDING = "embed.wte.weight"
+HEAD = "head.lm_head.weight"
+"""The token embedding and the output head's weight: the two copies of one matrix where the model
+ties them (`GPTConfig.tie_embeddings`, elastic/parallel/tied.py)."""
+
 
 def layer_of(name: str, cfg: GPTConfig) -> int:
     """Planning layer that holds the canonical parameter `name`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from elastic.model.init import join_shards
 from elastic.model.kv_layout import KvGroups
 from elastic.model.tensor_parallel import TensorParallel
 
@@ -17,8 +18,7 @@ def gather_full(shard: torch.Tensor, tp_dim: int | None, tp: TensorParallel, *,
         return shard.detach().clone()
     parts = [torch.empty_like(shard) for _ in range(tp.size)]
     tp.all_gather(parts, shard.detach().contiguous())
-    whole = torch.cat(parts, dim=tp_dim)
-    return whole if layout is None else layout.collapse(whole, tp.size)
+    return join_shards(parts, tp_dim, layout=layout)
 
 
 def full_state_dict(module: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor]:

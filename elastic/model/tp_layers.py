@@ -29,6 +29,7 @@ from elastic.model.collectives import (
     reduce_scatter_seq,
     seq_parallel_linear,
 )
+from elastic.model.init import shard_shape
 from elastic.model.kv_layout import KvGroups
 from elastic.model.tensor_parallel import TensorParallel
 
@@ -37,13 +38,8 @@ def sharded_parameter(full_shape: tuple[int, ...], tp_dim: int | None, tp: Tenso
                       layout: KvGroups | None = None) -> nn.Parameter:
     """An uninitialised parameter holding this rank's shard of a `full_shape` tensor (`layout`:
     the rows of a grouped qkv weight, split along dimension 0)."""
-    shape = list(full_shape)
-    if layout is not None:
-        assert tp_dim == 0, "a KvGroups layout splits rows"
-        shape[0] = layout.local_rows(tp.size)
-    elif tp_dim is not None:
-        shape[tp_dim] = tp.divide(shape[tp_dim], f"dimension {tp_dim} of {full_shape}")
-    param = nn.Parameter(torch.empty(shape))
+    assert layout is None or tp_dim == 0, "a KvGroups layout splits rows"
+    param = nn.Parameter(torch.empty(shard_shape(full_shape, tp_dim, tp.size, layout=layout)))
     param.tp_dim = tp_dim  # type: ignore[attr-defined]
     param.full_shape = tuple(full_shape)  # type: ignore[attr-defined]
     param.tp_layout = layout  # type: ignore[attr-defined]

@@ -39,12 +39,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from elastic.model.naming import EMBEDDING, HEAD
 from elastic.parallel.bucket_reducer import BucketReducer
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.phase_clock import StepPhases
-from elastic.parallel.tied import EMBEDDING, HEAD, sum_tied_grads
+from elastic.parallel.tied import sum_tied_grads
 
 
 @dataclass(frozen=True, kw_only=True)

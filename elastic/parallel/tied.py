@@ -14,7 +14,7 @@ rank, so the same vocabulary rows) exchange their reduced gradients point to poi
 communicator and each adds the other's: a + b on one side, b + a on the other, equal bits.
 Where one worker holds both (a pipeline of one stage), it adds them itself. The result is the
 same bits on every plan. The global gradient norm counts the matrix once: the head's copy is
-left out of it (grad_sync.py).
+left out of it (grad_sync.py): HEAD's copy.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from __future__ import annotations
 import torch
 
 from elastic.comm import P2P
+from elastic.model.naming import EMBEDDING, HEAD
 from elastic.parallel import plan_ranks
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 
-EMBEDDING = "embed.wte.weight"
-HEAD = "head.lm_head.weight"
-"""The two copies of a tied matrix; HEAD is the one the gradient norm leaves out."""
 TIED_TAG = 1 << 23
 """The exchange's tag on the world communicator: apart from the activations', the kept sums'
 (elastic/engine/replay_sums.py) and the sharded optimizer's gather (1 << 24 and up)."""

@@ -52,15 +52,20 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.add_(0.1 * torch.randn_like(p))
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hf-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(LLAMA).items() if k != "model_type"})
+def _save_llama(path: Path, cfg: GPTConfig, *, seed: int, **save: str) -> Path:
+    """A random LlamaForCausalLM of shape `cfg`, its norms perturbed, saved into `path`."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"})
     model = transformers.LlamaForCausalLM(config)
     _perturb(model)
-    model.save_pretrained(str(path), max_shard_size="300KB")  # several files and an index
-    assert (path / "model.safetensors.index.json").is_file()
+    model.save_pretrained(str(path), **save)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = _save_llama(tmp_path_factory.mktemp("hf-llama"), LLAMA, seed=0, max_shard_size="300KB")
+    assert (path / "model.safetensors.index.json").is_file()  # several files and an index
     return path
 
 
@@ -122,13 +127,7 @@ WIDE = LLAMA.with_overrides(vocab_size=320)
 
 @pytest.fixture(scope="module")
 def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hf-llama-wide")
-    torch.manual_seed(2)
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(WIDE).items() if k != "model_type"})
-    model = transformers.LlamaForCausalLM(config)
-    _perturb(model)
-    model.save_pretrained(str(path))
-    return path
+    return _save_llama(tmp_path_factory.mktemp("hf-llama-wide"), WIDE, seed=2)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from elastic.engine.checkpoint.load import load_shards, shard_metadata
 from elastic.engine.checkpoint.writers import Shards
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
-from elastic.model.init import shard_tensor
+from elastic.model.init import join_shards, shard_shape, shard_tensor
 from elastic.model.kv_layout import KvGroups
 from elastic.transfer.shards import ShardKey
 
@@ -46,22 +46,14 @@ class Split(NamedTuple):
 
     def shard_shape(self, size: int) -> tuple[int, ...] | None:
         """One of `size` shards' shape (None if the split does not divide)."""
-        if self.tp_dim is None:
-            return self.full
         try:
-            rows = self.layout.local_rows(size) if self.layout is not None else None
+            return shard_shape(self.full, self.tp_dim, size, layout=self.layout)
         except ValueError:
             return None
-        if rows is None and self.full[self.tp_dim] % size:
-            return None
-        return tuple((rows or d // size) if i == self.tp_dim else d for i, d in enumerate(self.full))
 
     def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard, in rank order."""
-        if self.tp_dim is None:
-            return parts[0]
-        whole = torch.cat(parts, dim=self.tp_dim)
-        return whole if self.layout is None else self.layout.collapse(whole, len(parts))
+        return join_shards(parts, self.tp_dim, layout=self.layout)
 
 
 def layer_parameters(cfg: GPTConfig, layer: int) -> dict[str, Split]:
