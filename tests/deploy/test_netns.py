@@ -107,11 +107,14 @@ def partitioned_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _launch(run_dir: Path, steps: int, *flags: str) -> dict[str, Any]:
     """Run launch.py (3 nodes, f=1) to the end; its exit code, output, summary, final state,
-    partitions.json, netns.json and step logs."""
+    partitions.json, netns.json and step logs. Stragglers are reported, not acted on: the nodes
+    share one machine, so a node's slow steps are the machine's noise (on a loaded CI machine, the
+    one-way run once published two more generations that lost no node, as a rebalance does);
+    tests/faults/test_stragglers.py has the rebalance."""
     summary, final = run_dir / "summary.json", run_dir / "final.pt"
     cmd = [sys.executable, str(LAUNCH), "--nodes", "3", "--fault-tolerance", "1", "--steps", str(steps),
            "--run-dir", str(run_dir), "--summary", str(summary), "--final-state", str(final),
-           "--timeout", "240", "--lease-ttl", str(LONG_TTL), *flags]
+           "--timeout", "240", "--lease-ttl", str(LONG_TTL), "--straggler-policy", "report", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=270)
@@ -176,6 +179,11 @@ def _check_against_failure_free(run: dict[str, Any], reference: dict[str, Any]) 
     assert f"netns-{prefix}" not in procs and f"{prefix}h" not in procs  # no agent, worker or relay left
 
 
+def _reasons(summary: dict[str, Any]) -> list[tuple[int, list[int], list[int], str]]:
+    """Each generation change of a run: (generation, lost, joined, reason), for a failure's message."""
+    return [(r["generation"], r["lost_nodes"], r["joined_nodes"], r["reason"]) for r in summary["recoveries"]]
+
+
 def _committed_once(logs: dict[str, list[StepResult]], generations: list[int], *, fenced: str | None = None) -> None:
     """Each step was committed by one generation only, the one the summary names, and every log
     that holds a step holds the same loss for it: no step committed twice or by a fenced node.
@@ -207,7 +215,7 @@ def _committed_once(logs: dict[str, list[StepResult]], generations: list[int], *
 def test_sick_link_causes_no_false_failure(sick_run: dict[str, Any], sick_reference: dict[str, Any]) -> None:
     _check_against_failure_free(sick_run, sick_reference)
     summary = sick_run["summary"]
-    assert summary["recoveries"] == [], summary["recoveries"]  # no node lost, no generation change
+    assert summary["recoveries"] == [], _reasons(summary)  # no node lost, no generation change
     assert summary["step_generations"] == [1] * SICK_STEPS
     _committed_once(sick_run["logs"], summary["step_generations"])
     (sick,) = sick_run["partitions"]
@@ -227,7 +235,7 @@ def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], failure
     (cut,) = one_way_run["partitions"]
     assert cut["node"] == ONE_WAY["node"] and cut["mode"] == "oneway"
     # Lost once, while its packets to etcd were dropped; the survivors re-planned and trained on.
-    assert len(summary["recoveries"]) == 1, summary["recoveries"]
+    assert len(summary["recoveries"]) == 1, _reasons(summary)
     (recovery,) = summary["recoveries"]
     assert recovery["lost_nodes"] == [ONE_WAY["node"]] and recovery["generation"] == 2
     assert cut["down_at"] < recovery["detected_at"] < cut["up_at"]
