@@ -22,9 +22,12 @@ CliResult = tuple[dict[str, Any], dict[str, torch.Tensor], str]
 def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[list[int]], timeout: float) -> CliResult:
     """Run `cmd` (an `elastic run` command line) into `run_dir` with its final state and summary
     written there; it must exit 0 having committed `committed` steps, restarted no worker and
-    lost `lost` (the nodes of each recovery)."""
+    lost `lost` (the nodes of each recovery). Stragglers are reported, not acted on (unless `cmd`
+    names a policy): a rebalance for a node slowed by a loaded test machine would add a generation
+    (tests/faults/runs.py's jobs do the same; the policies have tests of their own)."""
     final = run_dir / "final_state.pt"
-    full = [*cmd, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json")]
+    policy = [] if "--straggler-policy" in cmd else ["--straggler-policy", "report"]
+    full = [*cmd, *policy, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json")]
     proc = _run(full, run_dir, timeout)
     assert proc.returncode == 0, f"{cmd[4:]}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
