@@ -71,6 +71,9 @@ class GPTConfig:
     """One matrix for the token embedding and the output head (Llama 3.2 1B and 3B, GPT-2): the
     head's stage keeps a copy whose gradient is summed with the embedding's every step
     (elastic/parallel/tied.py)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (`llama`; Qwen2's attention). Sharded with the
+    fused q, k, v rows; not with key/value heads shared by tensor-parallel ranks."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -90,6 +93,8 @@ class GPTConfig:
                              "attention and other MLP widths are arch llama's")
         if self.n_head % self.kv_heads:
             raise ValueError(f"n_head={self.n_head} is not divisible by n_kv_heads={self.kv_heads}")
+        if self.qkv_bias and self.arch != "llama":
+            raise ValueError("qkv_bias is arch llama's (arch gpt2 has every bias)")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -150,8 +155,9 @@ class GPTConfig:
                 return self.vocab_size * d
             if kind == "head":
                 return d + self.vocab_size * d  # final RMSNorm + untied head
-            # ln1 + qkv + proj + ln2 + fc (gate and up) + proj (down)
-            return d + self.qkv_width * d + d * d + d + 2 * self.d_ff * d + self.d_ff * d
+            # ln1 + qkv (+ its bias) + proj + ln2 + fc (gate and up) + proj (down)
+            qkv = self.qkv_width * (d + 1 if self.qkv_bias else d)
+            return d + qkv + d * d + d + 2 * self.d_ff * d + self.d_ff * d
         if kind == "embedding":
             return self.vocab_size * d + self.seq_len * d
         if kind == "head":
@@ -195,7 +201,10 @@ class GPTConfig:
             tp_split(size, degree, what, by=by)
         if self.arch == "llama":  # whole key/value heads, or replicas of one (model/kv_layout.py)
             tp_split(self.d_ff, degree, "ffn_hidden", by=by)
-            kv_replicas(self.kv_heads, self.n_head, degree, by=by)
+            if kv_replicas(self.kv_heads, self.n_head, degree, by=by) > 1 and self.qkv_bias:
+                raise ValueError(f"qkv_bias with n_kv_heads={self.kv_heads} below "
+                                 f"{by or f'the tensor-parallel degree {degree}'} (key/value heads shared by "
+                                 "ranks) is not supported")
 
 
 def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> int:
@@ -256,6 +265,11 @@ PRESETS: dict[str, GPTConfig] = {
                            d_model=4096, ffn_hidden=14336, rope_theta=500000.0),
     "llama3-70b": GPTConfig(arch="llama", vocab_size=128256, seq_len=8192, n_layer=80, n_head=64, n_kv_heads=8,
                             d_model=8192, ffn_hidden=28672, rope_theta=500000.0),
+    # Qwen2.5 0.5B (a Llama with biases on q, k and v, tied, theta 1e6, 151936-token vocabulary;
+    # 14 query heads and 2 key/value heads: tensor-parallel degree 1 or 2), at 4096 tokens.
+    "qwen2.5-0.5b": GPTConfig(arch="llama", vocab_size=151936, seq_len=4096, n_layer=24, n_head=14, n_kv_heads=2,
+                              d_model=896, ffn_hidden=4864, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True,
+                              qkv_bias=True),
 }
 
 
@@ -269,8 +283,9 @@ def get_preset(name: str) -> GPTConfig:
 
 
 FLOAT_FIELDS = ("dropout", "rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-"""The GPTConfig fields that are numbers rather than integers (`arch` is a string, `tie_embeddings`
-true or false)."""
+"""The GPTConfig fields that are numbers rather than integers (`arch` is a string, BOOL_FIELDS true
+or false)."""
+BOOL_FIELDS = ("tie_embeddings", "qkv_bias")
 
 SHAPE_FIELDS: tuple[str, ...] = ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "n_kv_heads", "ffn_hidden")
 """The GPTConfig fields the command line can override one by one (--vocab-size, --seq-len, ...)."""
@@ -295,9 +310,9 @@ def config_from_dict(data: object, *, base: GPTConfig, where: str) -> GPTConfig:
                 raise ValueError(f"{where}: arch must be a string ({', '.join(ARCHS)}), got {value!r}")
             changes[name] = value
             continue
-        if name == "tie_embeddings":
+        if name in BOOL_FIELDS:
             if not isinstance(value, bool):
-                raise ValueError(f"{where}: tie_embeddings must be true or false, got {value!r}")
+                raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
             changes[name] = value
             continue
         floating = name in FLOAT_FIELDS

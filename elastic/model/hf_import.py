@@ -1,10 +1,11 @@
 """A Hugging Face model directory read in (`elastic run --init-from DIR`): `config.json` plus
-`model.safetensors`, or its shards (`model.safetensors.index.json`), of a `GPT2LMHeadModel` or a
-`LlamaForCausalLM`.
+`model.safetensors`, or its shards (`model.safetensors.index.json`), of a `GPT2LMHeadModel`, a
+`LlamaForCausalLM` or a `Qwen2ForCausalLM` (a Llama with biases on q, k and v: `qkv_bias`).
 
 - `hf_shape(dir)`: the GPTConfig fields of its `config.json` (what `--init-from` sets before
   `--model-config` and the single-field flags); `HfImportError` for a model this runtime does
-  not train (another model type, rope scaling, biases on a Llama, another activation).
+  not train (another model type, rope scaling, biases on a Llama, another activation, Qwen2's
+  sliding window).
 - `HfCheckpoint(dir)` reads only the safetensors headers when it opens: `check(cfg)` refuses a
   missing or unexpected tensor, a wrong shape or a non-floating dtype, one line each.
 - `HfCheckpoint.shard(name, cfg, rank, size)`: this runtime's parameter `name` (canonical
@@ -79,16 +80,19 @@ def hf_shape(path: Path) -> dict[str, object]:
 
 def _shape(c: dict[str, Any], where: str) -> dict[str, object]:
     kind = c.get("model_type")
-    if kind == "llama":
+    if kind in ("llama", "qwen2"):
         if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
             raise HfImportError(f"{where}: a Llama with biases or activation {c.get('hidden_act')!r} is not supported")
+        if c.get("use_sliding_window"):
+            raise HfImportError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
         heads, width = int(c["num_attention_heads"]), int(c["hidden_size"])
         if int(c.get("head_dim") or width // heads) * heads != width:
             raise HfImportError(f"{where}: head_dim {c.get('head_dim')} x {heads} heads != hidden_size {width}")
         return {"arch": "llama", "vocab_size": int(c["vocab_size"]), "n_layer": int(c["num_hidden_layers"]),
                 "n_head": heads, "n_kv_heads": int(c.get("num_key_value_heads") or heads), "d_model": width,
                 "ffn_hidden": int(c["intermediate_size"]), "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-                "tie_embeddings": bool(c.get("tie_word_embeddings", False)), **_rope(c, where)}
+                "tie_embeddings": bool(c.get("tie_word_embeddings", False)), "qkv_bias": kind == "qwen2",
+                **_rope(c, where)}
     if kind == "gpt2":
         if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise HfImportError(f"{where}: activation {c.get('activation_function')!r} is not GPT-2's tanh GELU")
@@ -98,7 +102,7 @@ def _shape(c: dict[str, Any], where: str) -> dict[str, object]:
                                 f"{c.get('layer_norm_epsilon')} is not supported (4 x n_embd, 1e-5)")
         return {"arch": "gpt2", "vocab_size": int(c["vocab_size"]), "n_layer": int(c["n_layer"]),
                 "n_head": int(c["n_head"]), "d_model": width, "tie_embeddings": bool(c.get("tie_word_embeddings", True))}
-    raise HfImportError(f"{where}: model_type {kind!r} is not supported (gpt2 or llama)")
+    raise HfImportError(f"{where}: model_type {kind!r} is not supported (gpt2, llama or qwen2)")
 
 
 def hf_positions(path: Path) -> int | None:
@@ -222,15 +226,16 @@ def _llama_shard(ckpt: HfTensors, name: str, cfg: GPTConfig, part: Callable[[int
         units = part(cfg.d_ff)
         gate, up = ckpt._read(hf + "mlp.gate_proj.weight", rows=units), ckpt._read(hf + "mlp.up_proj.weight", rows=units)
         return torch.stack((gate, up), dim=1).reshape(2 * (units[1] - units[0]), d)
-    if leaf == "attn.qkv.weight":  # my query heads, and the key/value heads they use (whole, or shared: kv_layout)
+    if leaf in ("attn.qkv.weight", "attn.qkv.bias"):
+        # my query heads, and the key/value heads they use (whole, or shared: kv_layout); a bias's rows alike
         h0, h1 = part(cfg.n_head)
         per = cfg.n_head // cfg.kv_heads
         g0, g1 = h0 // per, -(-h1 // per)
-        groups = g1 - g0
-        q = ckpt._read(hf + "self_attn.q_proj.weight", rows=(h0 * hd, h1 * hd)).reshape(groups, (h1 - h0) // groups, hd, d)
-        kk = ckpt._read(hf + "self_attn.k_proj.weight", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, d)
-        v = ckpt._read(hf + "self_attn.v_proj.weight", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, d)
-        return torch.cat((q, kk, v), dim=1).reshape(-1, d)
+        groups, kind, rest = g1 - g0, leaf.rsplit(".", 1)[1], (d,) if leaf.endswith("weight") else ()
+        q = ckpt._read(hf + f"self_attn.q_proj.{kind}", rows=(h0 * hd, h1 * hd))
+        kk = ckpt._read(hf + f"self_attn.k_proj.{kind}", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, *rest)
+        v = ckpt._read(hf + f"self_attn.v_proj.{kind}", rows=(g0 * hd, g1 * hd)).reshape(groups, 1, hd, *rest)
+        return torch.cat((q.reshape(groups, (h1 - h0) // groups, hd, *rest), kk, v), dim=1).reshape(-1, *rest)
     raise HfImportError(f"no Llama tensor maps to parameter {name!r}")
 
 
@@ -281,6 +286,9 @@ def _expected(cfg: GPTConfig, *, tied: bool) -> dict[str, tuple[int, ...]]:
                         p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
                         p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                         p + "mlp.down_proj.weight": (d, f)})
+            if cfg.qkv_bias:
+                out.update({p + "self_attn.q_proj.bias": (d,), p + "self_attn.k_proj.bias": (kv,),
+                            p + "self_attn.v_proj.bias": (kv,)})
     else:
         out = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (cfg.seq_len, d),
                "transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)}

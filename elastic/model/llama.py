@@ -1,7 +1,8 @@
 """The Llama family's decoder (`arch = "llama"`), as planning layers like GPT-2's (model/gpt.py).
 
 Planning layers: 0 = token embedding (no positions), 1..n_layer = blocks (pre-RMSNorm grouped-
-query attention with rotary embeddings, pre-RMSNorm SwiGLU MLP, no biases), n_layer+1 = final
+query attention with rotary embeddings, pre-RMSNorm SwiGLU MLP, no biases but Qwen2's on q, k
+and v where `qkv_bias`), n_layer+1 = final
 RMSNorm + untied output head. The parameter names are GPT-2's where the part is the same
 (`embed.wte`, `blocks.<k>.ln1`, `attn.qkv`, `attn.proj`, `ln2`, `mlp.fc`, `mlp.proj`,
 `head.ln_f`, `head.lm_head`), so naming, initialisation, checkpoints and shard transfer need
@@ -14,7 +15,8 @@ Two fused layouts keep each tensor-parallel rank's share one row range, whatever
   n_kv_heads query heads, then its key head, then its value head (each head_dim rows). Query head
   h belongs to group h // (n_head / n_kv_heads), as in Hugging Face's `repeat_kv`. Where t
   exceeds n_kv_heads, t / n_kv_heads ranks share each key/value head, each with its part of the
-  group's queries, and sum the head's gradient (model/kv_layout.py).
+  group's queries, and sum the head's gradient (model/kv_layout.py). A qkv bias has the
+  weight's rows (not with shared key/value heads: `GPTConfig.check_tensor_parallel`).
 - `mlp.fc` rows interleave the gate and up projections: row 2i is gate unit i, row 2i+1 up unit i.
 
 Rotary embeddings use the rotate-half convention (Hugging Face's Llama), with inverse
@@ -144,8 +146,8 @@ class LlamaAttention(nn.Module):
         self.local_groups = self.layout.local_groups(tp.size)
         self.group_size = self.layout.local_queries(tp.size)
         self.local_heads = self.local_groups * self.group_size
-        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.qkv_width, tp=tp, bias=False, sequence_parallel=sequence_parallel,
-                                        layout=self.layout)
+        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.qkv_width, tp=tp, bias=cfg.qkv_bias,
+                                        sequence_parallel=sequence_parallel, layout=self.layout)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp, bias=False, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:

@@ -61,10 +61,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
-        if layout is not None and bias:
-            raise ValueError("a grouped qkv layout has no bias")
         self.weight = sharded_parameter((out_features, in_features), 0, tp, layout)
-        self.bias = sharded_parameter((out_features,), 0, tp) if bias else None
+        self.bias = sharded_parameter((out_features,), 0, tp, layout) if bias else None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight`: a stand-in for the weight (one whose gradient the caller treats, as

@@ -1,12 +1,12 @@
 """The Llama-family model (`arch = "llama"`, elastic/model/llama.py) as Hugging Face `transformers`'
-`LlamaForCausalLM` tensors (`to_hf_llama`, for `elastic export --format hf`; the way in, slice by
-slice, is elastic/model/hf_import.py's).
+`LlamaForCausalLM` tensors, or `Qwen2ForCausalLM`'s where `qkv_bias` (`to_hf_llama`, for `elastic
+export --format hf`; the way in, slice by slice, is elastic/model/hf_import.py's).
 
 | here | LlamaForCausalLM |
 | --- | --- |
 | `embed.wte.weight` | `model.embed_tokens.weight` |
 | `blocks.k.ln1.weight`, `ln2.weight` (RMSNorm, eps `norm_eps`) | `model.layers.k.input_layernorm`, `post_attention_layernorm` |
-| `blocks.k.attn.qkv.weight`, rows group-major (n_kv_heads, n_head / n_kv_heads + 2, head_dim) | `self_attn.q_proj`, `k_proj`, `v_proj` (no biases) |
+| `blocks.k.attn.qkv.weight`, rows group-major (n_kv_heads, n_head / n_kv_heads + 2, head_dim); `attn.qkv.bias` alike (`qkv_bias`) | `self_attn.q_proj`, `k_proj`, `v_proj` (their biases: Qwen2) |
 | `blocks.k.attn.proj.weight` | `self_attn.o_proj` |
 | `blocks.k.mlp.fc.weight`, rows (ffn_hidden, 2): gate, up | `mlp.gate_proj`, `mlp.up_proj` |
 | `blocks.k.mlp.proj.weight` | `mlp.down_proj` |
@@ -14,7 +14,8 @@ slice, is elastic/model/hf_import.py's).
 
 Rotary embeddings: rotate-half, `rope_theta`, and Llama 3.1's `llama3` frequency scaling where
 `rope_factor` is set (`rope_scaling` none otherwise). Attention and MLP
-have no biases (`attention_bias`, `mlp_bias` false).
+have no biases (`attention_bias`, `mlp_bias` false), but Qwen2's on q, k and v (`qkv_bias`:
+model_type qwen2, no sliding window).
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
     """The `config.json` of a LlamaForCausalLM with `cfg`'s shape."""
     if cfg.arch != "llama":
         raise HfLlamaError(f"model arch {cfg.arch!r} has no LlamaForCausalLM form")
+    if cfg.qkv_bias and cfg.rope_factor:
+        raise HfLlamaError("a model with qkv biases (Qwen2) and Llama 3.1's rope scaling has no transformers form")
+    qwen = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        **(qwen if cfg.qkv_bias else {}),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -64,11 +69,12 @@ def hf_llama_config(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def _split_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d, hd, groups = cfg.d_model, cfg.head_dim, cfg.kv_heads
+    """q, k and v of a fused qkv weight (rows, d_model) or bias (rows,)."""
+    hd, groups, rest = cfg.head_dim, cfg.kv_heads, qkv.shape[1:]
     rep = cfg.n_head // groups
-    grouped = qkv.reshape(groups, rep + 2, hd, d)
-    return (grouped[:, :rep].reshape(cfg.n_head * hd, d), grouped[:, rep].reshape(groups * hd, d),
-            grouped[:, rep + 1].reshape(groups * hd, d))
+    grouped = qkv.reshape(groups, rep + 2, hd, *rest)
+    return (grouped[:, :rep].reshape(cfg.n_head * hd, *rest), grouped[:, rep].reshape(groups * hd, *rest),
+            grouped[:, rep + 1].reshape(groups * hd, *rest))
 
 
 def _names(cfg: GPTConfig) -> list[tuple[str, str]]:
@@ -92,6 +98,9 @@ def to_hf_llama(state: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, tor
         ours, hf = f"blocks.{k}.", f"model.layers.{k}.self_attn."
         q, kk, v = _split_qkv(state[ours + "attn.qkv.weight"], cfg)
         out.update({hf + "q_proj.weight": q, hf + "k_proj.weight": kk, hf + "v_proj.weight": v})
+        if cfg.qkv_bias:
+            q, kk, v = _split_qkv(state[ours + "attn.qkv.bias"], cfg)
+            out.update({hf + "q_proj.bias": q, hf + "k_proj.bias": kk, hf + "v_proj.bias": v})
         both = state[ours + "mlp.fc.weight"].reshape(cfg.d_ff, 2, cfg.d_model)
         out[f"model.layers.{k}.mlp.gate_proj.weight"] = both[:, 0]
         out[f"model.layers.{k}.mlp.up_proj.weight"] = both[:, 1]

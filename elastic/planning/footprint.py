@@ -287,13 +287,14 @@ def layer_param_sizes(cfg: GPTConfig, index: int, tp: int = 1) -> list[int]:
     up to `layer_elements`."""
     cfg.check_tensor_parallel(tp)
     d, f, v, kind = cfg.d_model, cfg.d_ff, cfg.vocab_size // tp, cfg.layer_kind(index)
-    if cfg.arch == "llama":  # model/llama.py: no biases, no positions, RMSNorm weights only
+    if cfg.arch == "llama":  # model/llama.py: no biases (but Qwen2's qkv), no positions, RMSNorm weights only
         if kind == "embedding":
             return [v * d]  # embed.wte.weight
         if kind == "head":
             return [v * d, d]  # head.lm_head.weight, head.ln_f.weight
-        # attn.proj, attn.qkv, ln1, ln2, mlp.fc (gate and up), mlp.proj
-        return [d * d // tp, cfg.qkv_rows(tp) * d, d, d, 2 * f // tp * d, d * f // tp]  # qkv: shared KV heads whole
+        # attn.proj, attn.qkv (bias, weight), ln1, ln2, mlp.fc (gate and up), mlp.proj
+        qkv = [cfg.qkv_rows(tp), cfg.qkv_rows(tp) * d] if cfg.qkv_bias else [cfg.qkv_rows(tp) * d]
+        return [d * d // tp, *qkv, d, d, 2 * f // tp * d, d * f // tp]  # qkv: shared KV heads whole
     if kind == "embedding":
         return [cfg.seq_len * d, v * d]  # embed.wpe, embed.wte.weight
     if kind == "head":

@@ -92,7 +92,8 @@ class ResumeSource:
 
 
 _SHAPE_FIELDS = ("arch", "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "rope_theta", "norm_eps", "rope_factor",
-                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "tie_embeddings")
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "tie_embeddings",
+                 "qkv_bias")
 _DERIVED = (("kv_heads", "n_head"), ("d_ff", "d_model"))
 """Shape figures that follow another field by default: named only where that field is the same."""
 

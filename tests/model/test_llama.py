@@ -13,6 +13,8 @@
   same loss and gradients bit for bit.
 - Both directions of the mapping are each other's inverse, and export's config is one that
   transformers reads back into the same shape.
+- Qwen2 (`qkv_bias`: biases on q, k and v, tied, rope base 1e6) against transformers'
+  `Qwen2ForCausalLM` the same ways, its biases split with their weight's rows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ SCALED = dataclasses.replace(CFG, rope_factor=8.0, rope_low_freq_factor=1.0, rop
 wavelengths (6 to 3,300): some frequencies kept, some divided, some interpolated."""
 TIED = dataclasses.replace(CFG, tie_embeddings=True)
 """One matrix for the embedding and the head, as Llama 3.2 1B and 3B."""
+QWEN2 = dataclasses.replace(CFG, qkv_bias=True, rope_theta=1e6, tie_embeddings=True)
+"""Qwen2's attention (biases on q, k and v), tied as Qwen2.5 0.5B and 1.5B: transformers'
+`Qwen2ForCausalLM`."""
 BATCH = 2
 
 
@@ -58,13 +63,16 @@ def _tokens(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _hf_model(cfg: GPTConfig, dtype: torch.dtype) -> torch.nn.Module:
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"})
+    """transformers' model of `cfg`: a LlamaForCausalLM, or Qwen2ForCausalLM where `qkv_bias`."""
+    fields = {k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"}
+    config = (transformers.Qwen2Config if cfg.qkv_bias else transformers.LlamaConfig)(**fields)
     config._attn_implementation = "sdpa"  # "eager" takes its softmax in fp32 whatever the dtype
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():  # norms off their initial 1 so that a norm weight applied wrongly shows
+    model = (transformers.Qwen2ForCausalLM if cfg.qkv_bias else transformers.LlamaForCausalLM)(config)
+    model = model.to(dtype).eval()
+    with torch.no_grad():  # norms off their initial 1, biases off 0: one applied wrongly shows
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -73,12 +81,14 @@ def _hf_model(cfg: GPTConfig, dtype: torch.dtype) -> torch.nn.Module:
 def exact_hf_rmsnorm(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """transformers' RMSNorm in its input's dtype (it casts to fp32 otherwise: module doc)."""
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
 
     def forward(self: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         variance = hidden.pow(2).mean(-1, keepdim=True)
         return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+    monkeypatch.setattr(modeling_qwen2.Qwen2RMSNorm, "forward", forward)
     yield
 
 
@@ -99,7 +109,7 @@ def _ours(cfg: GPTConfig, state: dict[str, torch.Tensor], tp: TensorParallel, cu
     return gather_full(x, 2, tp), loss
 
 
-@pytest.mark.parametrize("cfg", [CFG, SCALED, TIED], ids=["plain-rope", "llama3-rope", "tied"])
+@pytest.mark.parametrize("cfg", [CFG, SCALED, TIED, QWEN2], ids=["plain-rope", "llama3-rope", "tied", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_same_function_as_transformers(dtype: torch.dtype, cfg: GPTConfig, exact_hf_rmsnorm: None,
                                            request: pytest.FixtureRequest) -> None:
@@ -132,34 +142,41 @@ def test_the_same_function_as_transformers(dtype: torch.dtype, cfg: GPTConfig, e
             c.shutdown()
 
 
-def test_the_mapping_both_ways_and_the_config() -> None:
-    hf = _hf_model(CFG, torch.float32)
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(QWEN2, tie_embeddings=False)], ids=["llama", "qwen2"])
+def test_the_mapping_both_ways_and_the_config(cfg: GPTConfig) -> None:
+    hf = _hf_model(cfg, torch.float32)
     theirs = {n: t for n, t in hf.state_dict().items() if "rotary" not in n}
-    back = to_hf_llama(canonical_state(theirs, CFG), CFG)
+    back = to_hf_llama(canonical_state(theirs, cfg), cfg)
     assert back.keys() == theirs.keys()
     assert all(torch.equal(back[n], theirs[n]) for n in theirs)
-    config = transformers.LlamaConfig(**hf_llama_config(CFG))
-    assert (config.num_key_value_heads, config.intermediate_size, config.head_dim) == (CFG.kv_heads, CFG.d_ff, CFG.head_dim)
-    del theirs["model.layers.1.self_attn.k_proj.weight"]
-    with pytest.raises(HfImportError, match="model.layers.1.self_attn.k_proj.weight"):
-        canonical_state(theirs, CFG)
+    config = transformers.AutoConfig.for_model(**hf_llama_config(cfg))
+    assert type(config).__name__ == ("Qwen2Config" if cfg.qkv_bias else "LlamaConfig")
+    assert (config.num_key_value_heads, config.intermediate_size, config.head_dim) == (cfg.kv_heads, cfg.d_ff, cfg.head_dim)
+    for gone in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.k_proj.bias"):
+        if gone in theirs:
+            missing = {n: t for n, t in theirs.items() if n != gone}
+            with pytest.raises(HfImportError, match=gone):
+                canonical_state(missing, cfg)
 
 
-def test_a_tied_model_maps_both_ways(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cfg", [TIED, QWEN2], ids=["llama", "qwen2"])
+def test_a_tied_model_maps_both_ways(tmp_path: Path, cfg: GPTConfig) -> None:
     """transformers' tied model (its head is its embedding) reads as both copies of one matrix;
-    the export writes no head of its own, and transformers loads it back tied, the same logits."""
+    the export writes no head of its own, and transformers loads it back tied (as a Qwen2 where
+    there are qkv biases), the same logits."""
     from elastic.model.hf_import import hf_shape
     from elastic.ops.export import write_hf
 
-    hf = _hf_model(TIED, torch.float32)
+    hf = _hf_model(cfg, torch.float32)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
-    state = canonical_state(hf.state_dict(), TIED)
+    state = canonical_state(hf.state_dict(), cfg)
     assert torch.equal(state["head.lm_head.weight"], state["embed.wte.weight"])
-    write_hf(tmp_path, state, TIED, tokenizer=None, source="test")
-    assert hf_shape(tmp_path)["tie_embeddings"] is True
-    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path)).eval()
+    write_hf(tmp_path, state, cfg, tokenizer=None, source="test")
+    assert hf_shape(tmp_path)["tie_embeddings"] is True and hf_shape(tmp_path)["qkv_bias"] is cfg.qkv_bias
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(back) is type(hf)
     assert back.lm_head.weight is back.model.embed_tokens.weight
-    tokens, _ = _tokens(TIED)
+    tokens, _ = _tokens(cfg)
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
 
@@ -197,11 +214,13 @@ def _run(cfg: GPTConfig, degree: int, *, sp: bool = False, mode: str = "none") -
     return results
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["kv4", "kv2-shared-at-4", "kv1-shared"])
+@pytest.mark.parametrize(("kv_heads", "qkv_bias"), [(4, False), (2, False), (1, False), (4, True)],
+                         ids=["kv4", "kv2-shared-at-4", "kv1-shared", "kv4-qkv-bias"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float, kv_heads: int) -> None:
-    """With fewer key/value heads than ranks (kv2 at TP 4, kv1 at TP 2 and 4) they are shared."""
-    cfg = dataclasses.replace(CFG, dropout=dropout, n_kv_heads=kv_heads)
+def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float, kv_heads: int, qkv_bias: bool) -> None:
+    """With fewer key/value heads than ranks (kv2 at TP 4, kv1 at TP 2 and 4) they are shared;
+    Qwen2's qkv biases are split with the rows of their weight."""
+    cfg = dataclasses.replace(CFG, dropout=dropout, n_kv_heads=kv_heads, qkv_bias=qkv_bias)
     (whole,) = _run(cfg, 1)
     for degree in (2, 4):
         for sp in (False, True):

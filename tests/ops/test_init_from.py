@@ -14,6 +14,9 @@ attention and an untied head, and a tied GPT2LMHeadModel whose positions outnumb
 - Bad checkpoints: a missing tensor, a wrong shape, a vocabulary smaller than the data's
   tokenizer's and a truncated safetensors file are each one line and exit code 2, before any
   process starts.
+- Qwen2 (a Llama with biases on q, k and v, `qkv_bias`): every layout reads it (TP 1, 2, 4), a
+  run from it starts at transformers' loss and exports a Qwen2ForCausalLM that continues as
+  `elastic sample` does; its sliding window, and ranks sharing a key/value head, are refused.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.model import TensorParallel
 from elastic.model.config import GPTConfig, get_preset
 from elastic.model.gpt import GPTStage
-from elastic.model.hf_import import load_hf_shards
+from elastic.model.hf_import import hf_shape, load_hf_shards
 from elastic.model.state import gather_full
 from elastic.ops.hf_llama import hf_llama_config
 from tests.comm.support import gloo_comms, on_threads
@@ -53,10 +56,14 @@ def _perturb(model: torch.nn.Module) -> None:
 
 
 def _save_llama(path: Path, cfg: GPTConfig, *, seed: int, **save: str) -> Path:
-    """A random LlamaForCausalLM of shape `cfg`, its norms perturbed, saved into `path`."""
+    """A random LlamaForCausalLM of shape `cfg` (Qwen2ForCausalLM where `qkv_bias`), its norms
+    and biases perturbed, saved into `path`."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"})
-    model = transformers.LlamaForCausalLM(config)
+    fields = {k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"}
+    if cfg.qkv_bias:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     _perturb(model)
     model.save_pretrained(str(path), **save)
     return path
@@ -67,6 +74,14 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = _save_llama(tmp_path_factory.mktemp("hf-llama"), LLAMA, seed=0, max_shard_size="300KB")
     assert (path / "model.safetensors.index.json").is_file()  # several files and an index
     return path
+
+
+QWEN2 = LLAMA.with_overrides(qkv_bias=True, rope_theta=1e6)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save_llama(tmp_path_factory.mktemp("hf-qwen2"), QWEN2, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -98,12 +113,15 @@ def _ours(cfg: GPTConfig, path: Path, tp: TensorParallel, cut: int | None, token
     return gather_full(x, 2, tp)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_every_layout_reads_the_checkpoints_model(arch: str, llama_dir: Path, gpt2_dir: Path) -> None:
-    cfg, path = (LLAMA, llama_dir) if arch == "llama" else (GPT2, gpt2_dir)
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_every_layout_reads_the_checkpoints_model(arch: str, llama_dir: Path, gpt2_dir: Path, qwen2_dir: Path) -> None:
+    cfg, path = {"llama": (LLAMA, llama_dir), "gpt2": (GPT2, gpt2_dir), "qwen2": (QWEN2, qwen2_dir)}[arch]
+    assert {k: v for k, v in hf_shape(path).items() if k in ("arch", "qkv_bias")} == {
+        "arch": cfg.arch, **({"qkv_bias": cfg.qkv_bias} if cfg.arch == "llama" else {})}
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(4))
     want = _theirs(path, tokens)
-    for degree in (1, 2, 8) if arch == "llama" else (1, 2):  # 8: two ranks share each key/value head
+    # 8: two ranks share each key/value head (not with Qwen2's biases); 4: one each
+    for degree in {"llama": (1, 2, 8), "gpt2": (1, 2), "qwen2": (1, 2, 4)}[arch]:
         comms = gloo_comms(degree, name=f"init-from-{arch}-{degree}")
         for cut in (None, 2):
             def one(r: int, comms: list = comms, degree: int = degree, cut: int | None = cut) -> object:  # type: ignore[type-arg]
@@ -235,6 +253,16 @@ def test_bad_checkpoints_are_one_line_and_exit_2(llama_dir: Path, tmp_path: Path
     assert "model_type 'bert' is not supported" in _refused(tmp_path / "e", other)
 
 
+def test_qwen2_sliding_window_and_shared_key_value_heads_are_refused(qwen2_dir: Path, tmp_path: Path) -> None:
+    sliding = _copy(qwen2_dir, tmp_path / "sliding")
+    config = json.loads((sliding / "config.json").read_text())
+    config["use_sliding_window"] = True
+    (sliding / "config.json").write_text(json.dumps(config))
+    assert "sliding-window attention (use_sliding_window) is not supported" in _refused(tmp_path / "a", sliding)
+    err = _refused(tmp_path / "b", qwen2_dir, "--gpus-per-node", "8")  # 4 key/value heads, 8 ranks
+    assert "qkv_bias with n_kv_heads=4 below --gpus-per-node 8" in err, err
+
+
 def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
     from elastic.model.hf_import import HfImportError, hf_shape
     from elastic.ops.hf_llama import hf_llama_config
@@ -254,3 +282,37 @@ def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
     (tmp_path / "scaled" / "config.json").write_text(json.dumps(config))
     with pytest.raises(HfImportError, match="rope scaling 'yarn' is not supported"):
         hf_shape(tmp_path / "scaled")
+
+
+@pytest.mark.slow
+def test_a_run_from_a_qwen2_checkpoint(prepared: Path, tmp_path: Path) -> None:
+    """A Qwen2 checkpoint (biases on q, k and v, tied) through `elastic run` at TP 2 on two
+    pipelines: the first step's loss is transformers' on the same batch, and the export loads as
+    a Qwen2ForCausalLM with the run's final weights (its greedy continuation `elastic sample`'s)."""
+    shape = WIDE.with_overrides(qkv_bias=True, rope_theta=1e6, tie_embeddings=True)
+    path = _save_llama(tmp_path / "qwen2", shape, seed=5)
+    run = [*RUN[:7], "2", *RUN[8:]]  # 2 nodes x 2 ranks
+    summary, _, _ = run_cli([*run, "--steps", "3", "--init-from", str(path), "--data", str(prepared)],
+                            tmp_path / "run", committed=3, lost=[], timeout=200)
+    assert {k: summary["model"][k] for k in ("qkv_bias", "tie_embeddings")} == {"qkv_bias": True, "tie_embeddings": True}
+    inputs, targets = TokenDataset(seq_len=shape.seq_len, path=str(prepared)).batch(step_sample_indices(0, 8))
+    logits = _theirs(path, inputs)
+    want = F.cross_entropy(logits.reshape(-1, shape.vocab_size), targets.reshape(-1)).item()
+    assert abs(summary["losses"][0] - want) <= 1e-5 * want, (summary["losses"][0], want)
+    code, _, err = cli_in_process("export", str(tmp_path / "run"), "--format", "hf", str(tmp_path / "hf"))
+    assert code == 0, err
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    prompt, new = "def node_5(step):", 12
+    ids = tokenizer.encode(prompt).ids
+    prompted = len(ids)
+    with torch.no_grad():
+        for _ in range(new):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    code, out, err = cli_in_process("sample", str(tmp_path / "run"), "--prompt", prompt, "--max-new-tokens", str(new),
+                                    "--top-k", "1")
+    assert code == 0, err
+    assert out == prompt + tokenizer.decode(ids[prompted:]) + "\n", (out, tokenizer.decode(ids))
