@@ -72,8 +72,8 @@ class GPTConfig:
     head's stage keeps a copy whose gradient is summed with the embedding's every step
     (elastic/parallel/tied.py)."""
     qkv_bias: bool = False
-    """Biases on the query, key and value projections (`llama`; Qwen2's attention). Sharded with the
-    fused q, k, v rows; not with key/value heads shared by tensor-parallel ranks."""
+    """Biases on the query, key and value projections (`llama`; Qwen2's attention), sharded with the
+    fused q, k, v rows (model/kv_layout.py)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -201,10 +201,7 @@ class GPTConfig:
             tp_split(size, degree, what, by=by)
         if self.arch == "llama":  # whole key/value heads, or replicas of one (model/kv_layout.py)
             tp_split(self.d_ff, degree, "ffn_hidden", by=by)
-            if kv_replicas(self.kv_heads, self.n_head, degree, by=by) > 1 and self.qkv_bias:
-                raise ValueError(f"qkv_bias with n_kv_heads={self.kv_heads} below "
-                                 f"{by or f'the tensor-parallel degree {degree}'} (key/value heads shared by "
-                                 "ranks) is not supported")
+            kv_replicas(self.kv_heads, self.n_head, degree, by=by)
 
 
 def tp_split(value: int, degree: int, what: str, *, by: str | None = None) -> int:

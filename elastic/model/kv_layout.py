@@ -13,8 +13,8 @@ with its m-th of the queries and the whole key and value: `expand` writes those 
 first replica. Global query head h stays on rank h t / n_head, as without replication, so
 attention dropout's per-head masks select the same heads.
 
-The replicas of a key/value head compute with the same weights; their gradients are summed
-over the replicas in the backward (`sum_replica_grads`) so that every replica holds the whole
+The replicas of a key/value head compute with the same weights (and, with `qkv_bias`, biases);
+their gradients are summed over the replicas in the backward (`sum_replica_grads`) so that every replica holds the whole
 gradient, takes the same optimizer step and stays identical. The gradient norm counts a
 replicated head once (`unique_rows`).
 """

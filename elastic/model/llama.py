@@ -15,8 +15,8 @@ Two fused layouts keep each tensor-parallel rank's share one row range, whatever
   n_kv_heads query heads, then its key head, then its value head (each head_dim rows). Query head
   h belongs to group h // (n_head / n_kv_heads), as in Hugging Face's `repeat_kv`. Where t
   exceeds n_kv_heads, t / n_kv_heads ranks share each key/value head, each with its part of the
-  group's queries, and sum the head's gradient (model/kv_layout.py). A qkv bias has the
-  weight's rows (not with shared key/value heads: `GPTConfig.check_tensor_parallel`).
+  group's queries, and sum the head's gradient (model/kv_layout.py). A qkv bias (Qwen2) has the
+  weight's rows, and its shared key/value rows' gradient is summed likewise.
 - `mlp.fc` rows interleave the gate and up projections: row 2i is gate unit i, row 2i+1 up unit i.
 
 Rotary embeddings use the rotate-half convention (Hugging Face's Llama), with inverse
@@ -151,7 +151,8 @@ class LlamaAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp=tp, bias=False, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, key: int) -> torch.Tensor:
-        qkv = self.qkv(x, sum_replica_grads(self.qkv.weight, self.layout, self.tp))  # (batch, seq, local qkv width)
+        bias = None if self.qkv.bias is None else sum_replica_grads(self.qkv.bias, self.layout, self.tp)
+        qkv = self.qkv(x, sum_replica_grads(self.qkv.weight, self.layout, self.tp), bias)  # (batch, seq, local qkv width)
         if recomputing(self.recompute, "selective"):
             y = checkpoint(self.core, qkv, key, use_reentrant=False)
         else:

@@ -64,14 +64,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_parameter((out_features, in_features), 0, tp, layout)
         self.bias = sharded_parameter((out_features,), 0, tp, layout) if bias else None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """`weight`: a stand-in for the weight (one whose gradient the caller treats, as
-        `kv_layout.sum_replica_grads`); by default the weight itself."""
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight`, `bias`: stand-ins for the parameters (ones whose gradient the caller treats, as
+        `kv_layout.sum_replica_grads`); by default the parameters themselves."""
         w = self.weight if weight is None else weight
+        b = self.bias if bias is None else bias
         if self.sequence_parallel:
-            y = seq_parallel_linear(x, w, self.bias, self.tp)
+            y = seq_parallel_linear(x, w, b, self.tp)
         else:
-            y = F.linear(copy_to_tp(x, self.tp), w, self.bias)
+            y = F.linear(copy_to_tp(x, self.tp), w, b)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
 

@@ -94,7 +94,8 @@ def _filled(cell: Any) -> bool:
 
 
 SHAPES = {"llama-tiny-kv1": ("llama-tiny", get_preset("llama-tiny").with_overrides(n_kv_heads=1)),
-          "qwen2-tiny": ("llama-tiny", get_preset("llama-tiny").with_overrides(qkv_bias=True))}
+          "qwen2-tiny": ("llama-tiny", get_preset("llama-tiny").with_overrides(qkv_bias=True)),
+          "qwen2-tiny-kv1": ("llama-tiny", get_preset("llama-tiny").with_overrides(qkv_bias=True, n_kv_heads=1))}
 """Test shapes beside the presets (name -> (preset, shape)): one key/value head, shared by every
 tensor-parallel rank (model/kv_layout.py); Qwen2's biases on q, k and v."""
 
@@ -208,7 +209,7 @@ def test_tiny_engine_bytes_equal_the_model(tmp_path: Path, split: list[int], tp:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("model", "tp"), [("llama-tiny", 1), ("llama-tiny", 2), ("llama-tiny-kv1", 2),
-                                           ("qwen2-tiny", 1), ("qwen2-tiny", 2)])
+                                           ("qwen2-tiny", 1), ("qwen2-tiny", 2), ("qwen2-tiny-kv1", 2)])
 def test_llama_tiny_engine_bytes_equal_the_model(tmp_path: Path, model: str, tp: int) -> None:
     """Issue 58: the Llama-family model (no biases, RMSNorm weights, fused q/k/v of grouped-query
     attention, fused gate/up) is counted to the byte too, tensor-parallel or not, with a

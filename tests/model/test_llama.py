@@ -14,7 +14,8 @@
 - Both directions of the mapping are each other's inverse, and export's config is one that
   transformers reads back into the same shape.
 - Qwen2 (`qkv_bias`: biases on q, k and v, tied, rope base 1e6) against transformers'
-  `Qwen2ForCausalLM` the same ways, its biases split with their weight's rows.
+  `Qwen2ForCausalLM` the same ways, its biases split with their weight's rows (shared with a
+  shared key/value head, their gradient summed over its replicas).
 """
 
 from __future__ import annotations
@@ -214,12 +215,12 @@ def _run(cfg: GPTConfig, degree: int, *, sp: bool = False, mode: str = "none") -
     return results
 
 
-@pytest.mark.parametrize(("kv_heads", "qkv_bias"), [(4, False), (2, False), (1, False), (4, True)],
-                         ids=["kv4", "kv2-shared-at-4", "kv1-shared", "kv4-qkv-bias"])
+@pytest.mark.parametrize(("kv_heads", "qkv_bias"), [(4, False), (2, False), (1, False), (4, True), (1, True)],
+                         ids=["kv4", "kv2-shared-at-4", "kv1-shared", "kv4-qkv-bias", "kv1-shared-qkv-bias"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_tensor_and_sequence_parallel_equal_the_whole_model(dropout: float, kv_heads: int, qkv_bias: bool) -> None:
     """With fewer key/value heads than ranks (kv2 at TP 4, kv1 at TP 2 and 4) they are shared;
-    Qwen2's qkv biases are split with the rows of their weight."""
+    Qwen2's qkv biases are split with the rows of their weight, shared rows' gradients summed alike."""
     cfg = dataclasses.replace(CFG, dropout=dropout, n_kv_heads=kv_heads, qkv_bias=qkv_bias)
     (whole,) = _run(cfg, 1)
     for degree in (2, 4):

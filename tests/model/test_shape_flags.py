@@ -112,8 +112,6 @@ def test_planner_profile_and_simulator_follow_the_shape(tmp_path: Path, capsys: 
         ([], {"arch": "llama", "rope_theta": "high"}, "rope_theta must be a number, got 'high'"),
         ([], {"qkv_bias": True}, "qkv_bias is arch llama's"),
         ([], {"arch": "llama", "qkv_bias": 1}, "qkv_bias must be true or false, got 1"),
-        (["--model", "llama-tiny", "--n-kv-heads", "1", "--gpus-per-node", "2"], {"qkv_bias": True},
-         "qkv_bias with n_kv_heads=1 below --gpus-per-node 2 (key/value heads shared by ranks) is not supported"),
     ],
 )
 def test_bad_shapes_are_one_line_exit_2(
