@@ -45,8 +45,9 @@ LLAMA_SHAPE = GPTConfig(arch="llama", vocab_size=256, seq_len=8, n_layer=4, n_he
                         ffn_hidden=32)
 """The Llama family's decoder (model/llama.py) at the same 6 planning layers: grouped-query
 attention split by key/value group at TP 2, the fused gate/up, no biases (issue 58)."""
-SHARED_KV_SHAPE = dataclasses.replace(LLAMA_SHAPE, n_kv_heads=1)
-"""One key/value head: at TP 2 both ranks hold it and sum its gradient (model/kv_layout.py)."""
+SHARED_KV_SHAPE = dataclasses.replace(LLAMA_SHAPE, n_kv_heads=1, qkv_bias=True)
+"""One key/value head, with Qwen2's q, k and v biases: at TP 2 both ranks hold it and sum its
+weight's and its biases' gradients, one all-reduce each (model/kv_layout.py)."""
 LAYERS = SHAPE.num_layers
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=1, eps=1e-6)
 
