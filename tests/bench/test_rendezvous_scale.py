@@ -1,7 +1,7 @@
 """bench/rendezvous_scale.py at 64 ranks, against a real etcd: spreading the ranks over 4
 processes serves etcd the requests one process's threads make (every set exactly; a read a wait
 and none for the get after it, up to a re-read and a read more when a wait joins a watch opened
-after its own read; at most one Watch stream a process, each process opening its own client),
+after its own read; one Watch stream a process at a time, each process opening its own client),
 with a client a rank a put's watch events reach only the waits on its key, a node's store relay
 makes at most half the requests of its ranks without it (the same run's reference), and no key of
 the rendezvous outlives it."""
@@ -24,6 +24,11 @@ RECHECKS = 8
 the shared watch it joins started after its read (elastic/coordinator/store_waits.py), and the get
 after it then reads too (that watch may have missed a put: it keeps nothing). Runs here saw 0 or 1
 such waits, at rest and beside two busy cores: up to 4 are allowed."""
+REOPENS = 4
+"""Extra Watch streams allowed over one a process: a process's stream closes with its last watch
+(elastic/coordinator/watch_stream.py), so a wait that read its key before the put and opens its
+watch only after every earlier wait was satisfied opens the stream again (a loaded CI machine
+once saw 2 in the one-process nccl run)."""
 
 
 def _floor(pattern: str) -> dict[str, int]:
@@ -47,7 +52,7 @@ def test_processes_make_the_requests_threads_make(etcd_server: EtcdServer, clien
         assert set(by_method) <= {"Txn", "Range", "Watch"}, by_method
         assert by_method["Txn"] == floor["Txn"], by_method
         assert floor["Range"] <= by_method["Range"] <= floor["Range"] + RECHECKS, by_method
-        assert by_method.get("Watch", 0) <= procs, by_method  # one client, one Watch stream a process
+        assert by_method.get("Watch", 0) <= procs + REOPENS, by_method  # one client, a Watch stream a process at a time
         assert row["requests_per_rank"] == sum(by_method.values()) / WORLD
     one, four = rows[1]["requests_by_method"], rows[4]["requests_by_method"]
     assert abs(one["Range"] - four["Range"]) <= RECHECKS, (one, four)
