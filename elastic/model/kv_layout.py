@@ -14,8 +14,8 @@ first replica. Global query head h stays on rank h t / n_head, as without replic
 attention dropout's per-head masks select the same heads.
 
 The replicas of a key/value head compute with the same weights (and, with `qkv_bias`, biases);
-their gradients are summed over the replicas in the backward (`sum_replica_grads`) so that every replica holds the whole
-gradient, takes the same optimizer step and stays identical. The gradient norm counts a
+their gradients are summed over the replicas in the backward (`sum_replica_grads`) so that every
+replica holds the whole gradient, takes the same optimizer step and stays identical. The gradient norm counts a
 replicated head once (`unique_rows`).
 """
 

@@ -64,13 +64,13 @@ def _tokens(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _hf_model(cfg: GPTConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' model of `cfg`: a LlamaForCausalLM, or Qwen2ForCausalLM where `qkv_bias`."""
-    fields = {k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"}
-    config = (transformers.Qwen2Config if cfg.qkv_bias else transformers.LlamaConfig)(**fields)
+    """transformers' model of `cfg`, the class export's config names: a LlamaForCausalLM, or
+    Qwen2ForCausalLM where `qkv_bias`."""
+    config = transformers.AutoConfig.for_model(**hf_llama_config(cfg))
     config._attn_implementation = "sdpa"  # "eager" takes its softmax in fp32 whatever the dtype
     torch.manual_seed(0)
-    model = (transformers.Qwen2ForCausalLM if cfg.qkv_bias else transformers.LlamaForCausalLM)(config)
-    model = model.to(dtype).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    assert model.config._attn_implementation == "sdpa"
     with torch.no_grad():  # norms off their initial 1, biases off 0: one applied wrongly shows
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -59,11 +59,7 @@ def _save_llama(path: Path, cfg: GPTConfig, *, seed: int, **save: str) -> Path:
     """A random LlamaForCausalLM of shape `cfg` (Qwen2ForCausalLM where `qkv_bias`), its norms
     and biases perturbed, saved into `path`."""
     torch.manual_seed(seed)
-    fields = {k: v for k, v in hf_llama_config(cfg).items() if k != "model_type"}
-    if cfg.qkv_bias:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**fields))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_llama_config(cfg)))
     _perturb(model)
     model.save_pretrained(str(path), **save)
     return path
