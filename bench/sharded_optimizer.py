@@ -26,8 +26,9 @@ from templates.plan import even_plan
 
 def one_run(args: argparse.Namespace, mode: str, run_dir: Path) -> float:
     """The median step time of one run, in seconds."""
-    plan = even_plan(num_layers=get_preset(args.model).num_layers, nodes=[0, 1, 2, 3], num_pipelines=4, global_microbatches=8,
-                     microbatch_size=1, fault_tolerance=1)
+    plan = even_plan(num_layers=get_preset(args.model).num_layers, nodes=list(range(args.pipelines)),
+                     num_pipelines=args.pipelines, global_microbatches=8, microbatch_size=1,
+                     fault_tolerance=args.fault_tolerance)
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), device="cpu",
                    optim=OptimConfig(lr=1e-3, warmup_steps=2, eps=1e-6), shard_optimizer=mode)
     summary = launch(spec, quiet=True, timeout_s=1800)
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pipelines", type=int, default=4, help="one-stage pipelines, one node each (P)")
+    parser.add_argument("--fault-tolerance", type=int, default=1, help="f: slices are P // (f + 1)")
     args = parser.parse_args()
     times: dict[str, list[float]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="bench-shard-") as tmp:
@@ -48,7 +51,7 @@ def main() -> None:
                 times[mode].append(one_run(args, mode, Path(tmp) / f"{mode}{r}"))
                 print(f"round {r} {mode}: {times[mode][-1] * 1e3:.1f} ms", flush=True)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    print(f"{args.model}: off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, on / off {on / off:.3f}")
+    print(f"{args.model}, P = {args.pipelines}, f = {args.fault_tolerance}: off {off * 1e3:.1f} ms, on {on * 1e3:.1f} ms, on / off {on / off:.3f}")
 
 
 if __name__ == "__main__":

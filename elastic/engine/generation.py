@@ -29,7 +29,7 @@ from elastic.engine.device import backend_for, bind
 from elastic.engine.graveyard import Graveyard
 from elastic.engine.optim import build_optimizer
 from elastic.engine.optim_repair import repair_moments
-from elastic.engine.optim_shards import gather_plan, owned_ranges
+from elastic.engine.optim_shards import owned_ranges
 from elastic.engine.replay_sums import step_replay
 from elastic.engine.shard_gather import gather
 from elastic.engine.shard_store import FetchFn, Held, ShardState, adopt, shard_bytes
@@ -308,8 +308,7 @@ class GenerationBuilder:
             accum=accum,
             split=self.spec.boundary_split,
             tied=self.cfg.tie_embeddings,
-            gather=gather_plan(layout, {n: p.numel() for n, p in module.named_parameters()}, self.layer_of)
-            if self.spec.sharded_optimizer else None,
+            sharded=self.spec.sharded_optimizer,
         )
 
 

@@ -34,7 +34,8 @@ from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
-from elastic.engine.optim_shards import GatherGroup, gather_params
+from elastic.engine.optim_shards import gather_params
+from elastic.engine.shard_reduce import sharded_paths
 from elastic.engine.stage_links import stage_actions, stage_spec, tp_gather
 from elastic.parallel.abort import StepAborted
 from elastic.parallel.blocks import Block, decompose
@@ -195,13 +196,13 @@ class StepTransaction:
         replay: StepReplay | None = None,
         accum: GradAccumulator | None = None,
         split: int = 1,
-        gather: list[GatherGroup] | None = None,
+        sharded: bool = False,
         tied: bool = False,
     ) -> None:
         """`accum`: gradient buffers allocated beforehand for this stage's parameters and
         buckets (`StepTransaction.buffers_for`); attached here. `split`: parts each boundary
-        tensor travels in (scatter/gather, `JobSpec.boundary_split`). `gather`: the sharded
-        optimizer's gather (`optim_shards.gather_plan`); None when it is not sharded. `tied`: the
+        tensor travels in (scatter/gather, `JobSpec.boundary_split`). `sharded`: the optimizer is
+        sharded (`shard_reduce.sharded_paths`). `tied`: the
         model ties its embedding and head (elastic/parallel/tied.py)."""
         self.tied = tied
         self.module, self.optimizer = module, optimizer
@@ -226,8 +227,9 @@ class StepTransaction:
                                device=device, split=split)
         self.interleaved = self.spec.chunks > 1
         """v > 1: buckets are launched together after the schedule, in the global order."""
-        self.gather = gather
-        self.behind = gather is not None
+        self.gather, self.sharded = sharded_paths(layout, module, self.buckets, layer_of, on=sharded, tree=tree, tied=tied)
+        """Sharded: the parameter gather (`optim_shards`), the exchange's second phases (`shard_reduce`)."""
+        self.behind = sharded
         """Sharded: parameters outside my slices may be an update behind until the next `sync`."""
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
@@ -390,7 +392,8 @@ class StepTransaction:
         blocks_of = self.plan_blocks if replay is None else replay.blocks.__getitem__
         self.accum.begin(blocks_of(layout.rank))
         reducer = BucketReducer(accum=self.accum, layout=layout, groups=self.groups, layer_of=self.layer_of,
-                                known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of)
+                                known=self.buckets, exchange=self.exchange, tree=self.tree, blocks_of=blocks_of,
+                                sharded=self.sharded)
         losses = MicrobatchResult()
         # A failure in another pipeline lets this one finish (and keep) its microbatches; a
         # replayed step keeps nothing, so any abort ends it.

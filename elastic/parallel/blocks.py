@@ -152,3 +152,18 @@ def combine(
             w = wide[: end - begin]
             w.copy_(chunk)
             norm.add_(torch.dot(w, w))
+
+
+def sum_of_squares(t: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:
+    """The sum of `t`'s squared elements accumulated in float64, one chunk at a time through the
+    float64 scratch `wide`: no full-size temporary (whose page faults cost more than the sum),
+    and unlike a float32 dot product no float32 accumulator. Without `wide` (an accelerator):
+    one float64 norm over the whole tensor, one kernel."""
+    if wide is None:
+        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for chunk in t.reshape(-1).split(wide.numel()):
+        w = wide[: chunk.numel()]
+        w.copy_(chunk)
+        total += torch.dot(w, w)
+    return total

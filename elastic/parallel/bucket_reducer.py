@@ -23,7 +23,7 @@ measured: bench/README.md, "Engine vs DDP").
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from elastic.comm import Handle
 from elastic.parallel.blocks import Block, CombineProgram, combine, decompose
 from elastic.parallel.buckets import BucketLayout, accum_buckets
-from elastic.parallel.exchange import SUM_CHUNK, TreeBucket, TreeExchange
+from elastic.parallel.exchange import SUM_CHUNK, SecondPhase, TreeBucket, TreeExchange
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
@@ -75,6 +75,11 @@ class BucketReducer:
     blocks_of: Callable[[int], tuple[Block, ...]] | None = None
     """World rank -> the blocks it sends this step (every worker computes the same lists);
     None: those of the plan's pipelines (`plan_blocks`), a step without replay."""
+    sharded: Mapping[tuple[str, ...], SecondPhase] | None = None
+    """The sharded optimizer's second phases, by bucket (its parameter names, in flat order):
+    each bucket named sends each element of my slice of its result only to the holders that
+    update it, and receives only what I update (`optim_shards.second_phases`); a bucket not
+    named, or None, is all-gathered."""
     buckets: BucketLayout = field(init=False)
     """My buckets, ascending by layer."""
     order: list[int] = field(init=False)
@@ -87,8 +92,9 @@ class BucketReducer:
     _next: int = 0
     measured: dict[int, torch.Tensor] = field(default_factory=dict)
     """Accumulator group -> the sum of squares of my slice of its reduced gradient, measured by
-    the exchange (valid once `wait()` returned): tensor-parallel rank 0 only, where every
-    element of a bucket counts in the norm."""
+    the exchange (valid once `wait()` returned): tensor-parallel rank 0, where every element of
+    a bucket counts in the norm, and any rank of a bucket with a sharded second phase (its
+    counted runs only)."""
     _reduced: set[int] = field(default_factory=set)
     _works: list[Handle] = field(default_factory=list)
 
@@ -151,7 +157,8 @@ class BucketReducer:
         chunk = torch.Size([_chunk(length, reduced.device)])
         program = _program(tuple(b for theirs in holders for b in theirs))
         norm = wide = None
-        if self.layout.tp_rank == 0:
+        second = None if self.sharded is None else self.sharded.get(self.accum.flats[k][0])
+        if self.layout.tp_rank == 0 or (second is not None and second.counted is not None):
             norm = self.measured[k] = self._scratch(k, "norm", 0, torch.Size(), torch.float64)
             if reduced.device.type == "cpu":  # elsewhere the norm is one kernel, no buffer
                 wide = self._scratch(k, "wide", 0, chunk, torch.float64)
@@ -163,6 +170,7 @@ class BucketReducer:
                            for j, theirs in enumerate(holders)),
             scratch=tuple(self._scratch(k, "tmp", t, chunk, self.accum.dtype) for t in range(program.scratch)),
             wide=wide, norm=norm, program=program,
+            second=None if second is None else second.spans, counted=None if second is None else second.counted,
         ))
 
     def _combine_mine(self, k: int, sums: list[torch.Tensor]) -> None:

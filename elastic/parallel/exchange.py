@@ -36,6 +36,10 @@ its buffers again: the thread checks that under a lock before every pass over th
 training thread takes the lock to abandon it. A thread left blocked on a dead peer's transfer
 ends when that transfer fails (its communicator aborted or closed).
 
+With the optimizer sharded, phase 2 sends each element of my slice only to the holders that
+update it, as runs of the result (`TreeBucket.second`, elastic/engine/shard_reduce.py), and a
+tensor-parallel rank above 0 measures only the runs it counts in the norm (`counted`).
+
 With a recording group (elastic/comm/record.py) the thread records in a lane of its own, and
 the hand-overs are logged as signals: a bucket's posts come after its `submit`, and `finish`
 goes on after the thread's round.
@@ -54,7 +58,25 @@ import torch
 from elastic.comm import P2P, Communicator, Handle, Recorder, lane_as
 from elastic.comm.device import bind_thread, mark, on_stream, side_stream, wait_mark
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_event
-from elastic.parallel.blocks import Block, CombineProgram, combine
+from elastic.parallel.blocks import Block, CombineProgram, combine, sum_of_squares
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements [start, stop) of a bucket's result sent to, or received from, holder `peer`."""
+
+    kind: str
+    peer: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SecondPhase:
+    """A bucket's second phase under the sharded optimizer (`TreeBucket.second`, `.counted`)."""
+
+    spans: tuple[Span, ...]
+    counted: tuple[tuple[int, int], ...] | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +108,14 @@ class TreeBucket:
     """My rank in the bucket group."""
     tag: int
     """Tag of the first phase; the second uses tag + 1."""
+    second: tuple[Span, ...] | None = None
+    """The sharded optimizer's second phase (issue 55): what of the result I send to and receive
+    from whom, in posting order, each span a run of the result's elements; None: my slice to
+    every other holder and theirs from each (an all-gather)."""
+    counted: tuple[tuple[int, int], ...] | None = None
+    """Runs of the result's elements that `norm` counts (None: all of my slice): with a second
+    phase that leaves most of the result unreceived, a tensor-parallel rank above 0 measures its
+    unique elements here, not after the reduction."""
 
     @property
     def holders(self) -> int:
@@ -292,11 +322,21 @@ class TreeExchange:
             blocks.extend(theirs)
             parts.extend(bufs)
         result = job.result.chunk(job.holders)[job.me]
-        combine(blocks, parts, result, job.scratch, program=job.program, norm=job.norm, wide=job.wide)
+        counted = job.counted
+        combine(blocks, parts, result, job.scratch, program=job.program, norm=None if counted else job.norm,
+                wide=job.wide)
+        if counted is not None and job.norm is not None:  # the runs within my slice, measured again
+            job.norm.zero_()
+            lo, hi = job.me * result.numel(), (job.me + 1) * result.numel()
+            for a, b in counted:
+                if max(a, lo) < min(b, hi):
+                    job.norm.add_(sum_of_squares(job.result[max(a, lo) : min(b, hi)], job.wide))
 
     @staticmethod
     def _post_second(job: TreeBucket) -> Handle:
         """One group: my slice of the result to each other holder; theirs into their slices of it."""
+        if job.second is not None:
+            return job.group.post([P2P(s.kind, job.result[s.start : s.stop], s.peer, job.tag + 1) for s in job.second])
         results = job.result.chunk(job.holders)
         ops: list[P2P] = []
         for j in range(job.holders):

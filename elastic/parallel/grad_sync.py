@@ -40,12 +40,15 @@ from dataclasses import dataclass, field
 import torch
 
 from elastic.model.naming import EMBEDDING, HEAD
+from elastic.parallel.blocks import sum_of_squares
 from elastic.parallel.bucket_reducer import BucketReducer
 from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from elastic.parallel.phase_clock import StepPhases
 from elastic.parallel.tied import sum_tied_grads
+
+__all__ = ["GradStats", "VoteInterrupted", "clip_grads", "counted_span", "finalize_grads", "sum_of_squares"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +183,14 @@ def _counted_part(param: torch.Tensor, grad: torch.Tensor, layout: ParallelLayou
     return grad if kv is None else kv.unique_rows(grad, layout.tp_rank, layout.tp_size)
 
 
+def counted_span(param: torch.Tensor, layout: ParallelLayout) -> tuple[int, int]:
+    """The elements of `param`'s flattened gradient this tensor-parallel rank counts in the norm
+    (`_counted_part`'s, always a leading run): what the sharded optimizer's exchange measures."""
+    with torch.no_grad():  # the parameter itself: its tensor-parallel attributes say what counts
+        part = _counted_part(param, param, layout)
+    return 0, 0 if part is None else part.numel()
+
+
 def _phase_slots(layout: ParallelLayout, phases: StepPhases | Callable[[], StepPhases]) -> torch.Tensor:
     """The vote's three slots per plan node (forward, backward, wait), this node's filled on its
     tensor-parallel rank 0 (read there, right before the vote), every other slot 0."""
@@ -201,18 +212,3 @@ def clip_grads(accum: GradAccumulator, *, grad_norm: float, grad_clip: float) ->
 
 _NORM_CHUNK = 1 << 18
 """Elements widened to float64 at a time for a sum of squares (a 2 MiB scratch)."""
-
-
-def sum_of_squares(t: torch.Tensor, wide: torch.Tensor | None) -> torch.Tensor:
-    """The sum of `t`'s squared elements accumulated in float64, one chunk at a time through the
-    float64 scratch `wide`: no full-size temporary (whose page faults cost more than the sum),
-    and unlike a float32 dot product no float32 accumulator. Without `wide` (an accelerator):
-    one float64 norm over the whole tensor, one kernel."""
-    if wide is None:
-        return torch.linalg.vector_norm(t, dtype=torch.float64).square()
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for chunk in t.reshape(-1).split(wide.numel()):
-        w = wide[: chunk.numel()]
-        w.copy_(chunk)
-        total += torch.dot(w, w)
-    return total

@@ -20,8 +20,8 @@ What a worker holding parameters keeps from step to step (`state_bytes`):
 - the tree exchange's receive buffers (`BucketReducer._scratch`): one slice (1/P of the padded
   bucket) per block of every other holder (R blocks in all);
 - work buffers: per bucket the combine's scratch (as many as its program needs: on the CPU
-  SUM_CHUNK elements each, on an accelerator one slice each), on tensor-parallel rank 0 the
-  exchange's 0-dim float64 norm (and on the CPU its float64 chunk), per worker on the CPU the
+  SUM_CHUNK elements each, on an accelerator one slice each), on tensor-parallel rank 0 (any
+  rank, with the optimizer sharded) the exchange's 0-dim float64 norm (and on the CPU its float64 chunk), per worker on the CPU the
   float64 chunk of the gradient norm, AdamW's step count and, with partial replay, the step's
   loss share.
 
@@ -145,19 +145,22 @@ class GradShare:
     snapshot: bool = False
     """Whether a copy of the sums is kept for partial replay (on, with more than one pipeline)."""
     measures: bool = True
-    """Whether it measures its slices of the gradient norm in the exchange (tensor-parallel rank 0)."""
+    """Whether it measures its slices of the gradient norm in the exchange (tensor-parallel rank 0,
+    and every rank with the optimizer sharded: `engine/shard_reduce.py`)."""
 
     @classmethod
     def of_split(
-        cls, microbatches: Sequence[int], *, me: int = 0, partial_replay: bool = False, tp_rank: int = 0
+        cls, microbatches: Sequence[int], *, me: int = 0, partial_replay: bool = False, tp_rank: int = 0,
+        sharded: bool = False,
     ) -> GradShare:
         """The share of pipeline `me` when the pipelines compute `microbatches[p]` consecutive
-        microbatches each, in plan order (a step without replay)."""
+        microbatches each, in plan order (a step without replay); `sharded`: the optimizer is."""
         if not microbatches or min(microbatches) < 1 or not 0 <= me < len(microbatches):
             raise ValueError(f"pipeline {me} of microbatch split {list(microbatches)}")
         starts = list(itertools.accumulate(microbatches, initial=0))[:-1]
         holders = tuple(tree_blocks(s, m) for s, m in zip(starts, microbatches, strict=True))
-        return cls(holders=holders, me=me, snapshot=partial_replay and len(microbatches) > 1, measures=tp_rank == 0)
+        return cls(holders=holders, me=me, snapshot=partial_replay and len(microbatches) > 1,
+                   measures=tp_rank == 0 or sharded)
 
     @property
     def pipelines(self) -> int:

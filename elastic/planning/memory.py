@@ -94,8 +94,8 @@ def worker_memory(
     holder sums (a step without replay). `partial_replay`: the engine keeps a copy of its sums
     when a step is abandoned (only with more than one pipeline). `compute_dtype`: the forward's
     dtype (bf16 under the engine's autocast on CUDA, fp32 elsewhere; None: `device_type`'s, as
-    the planner's profile counts it). `tp_rank`: rank 0 also
-    measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
+    the planner's profile counts it). `tp_rank`: rank 0 (any rank
+    with the optimizer sharded) also measures its slices of the gradient norm in the exchange. `recompute`: what the stage's
     backward recomputes (model/gpt.py): its saved activations, and under `full` one block's
     activations living again during its backward (`recompute_workspace`). `sequence_parallel`:
     the stages split the sequence between the tensor-parallel regions (and send their shard).
@@ -114,7 +114,8 @@ def worker_memory(
     split = [microbatches] * holders if isinstance(microbatches, int) else list(microbatches)
     if len(split) != holders:
         raise ValueError(f"{len(split)} microbatch counts for {holders} holders")
-    share = GradShare.of_split(split, me=pipeline, partial_replay=partial_replay, tp_rank=tp_rank)
+    share = GradShare.of_split(split, me=pipeline, partial_replay=partial_replay, tp_rank=tp_rank,
+                               sharded=moment_elements is not None)
     held = sorted(i for first, last in ranges for i in range(first, last))
     state = state_bytes([], share, device_type, chunks=[[layer_elements(cfg, i, tp) for i in range(first, last)]
                                                           for first, last in ranges],
