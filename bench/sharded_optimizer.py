@@ -1,13 +1,15 @@
 """The sharded optimizer's step time against the unsharded one (issue 55).
 
     PYTHONPATH=. .venv/bin/python bench/sharded_optimizer.py --model tiny --steps 12 --rounds 5
+    PYTHONPATH=. .venv/bin/python bench/sharded_optimizer.py --model tiny --pipelines 2 --fault-tolerance 0
 
-Each run is the static launcher (no control plane) of 4 one-stage pipelines on 4 nodes (f = 1, so
-P = 4 holders of every layer, each owning half of its moments), m = 8 microbatches of 1, with
+Each run is the static launcher (no control plane) of P one-stage pipelines on P nodes (default
+4 at f = 1: every layer has 4 holders, each owning half of its moments), m = 8 microbatches of 1, with
 `shard_optimizer` off or on; the two alternate within each round, so a slow spell of the machine
 lands on both. A run's figure is the median of its steps' times after the first two; per side the
-median over rounds; the ratio is on's over off's. With sharding, a step does the gather of the
-parameters the others updated (un-overlapped today) besides half the AdamW work.
+median over rounds; the ratio is on's over off's. With sharding, a step sends each reduced
+gradient element to its owners only (elastic/engine/shard_reduce.py), does half the AdamW work,
+and gathers the parameters the others updated before its next forward (un-overlapped today).
 """
 
 from __future__ import annotations
