@@ -79,18 +79,13 @@ def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Cal
                  owners: Mapping[int, SliceOwnership] | None = None) -> dict[str, tuple[int, int]]:
     """Per parameter of my stage (`sizes`: name -> elements), the elements I update: my node's
     slice of its layer, cut where `aligned_cuts` cuts; (0, 0) for a parameter my slice misses."""
-    return node_ranges(layout.node, sizes, layer_of, plan_owners(layout.plan) if owners is None else owners)
-
-
-def node_ranges(node: int, sizes: Mapping[str, int], layer_of: Callable[[str], int],
-                owned: Mapping[int, SliceOwnership]) -> dict[str, tuple[int, int]]:
-    """`owned_ranges` of plan node `node`, for parameters of whole layers it holds (`sizes`)."""
+    owned = plan_owners(layout.plan) if owners is None else owners
     out: dict[str, tuple[int, int]] = {}
     for layer, names in layer_params(sizes, layer_of).items():
         own = owned[layer]
-        j = own.slice_of(node)
+        j = own.slice_of(layout.node)
         if j is None:
-            raise ValueError(f"node {node} holds layer {layer} but owns none of its optimizer slices")
+            raise ValueError(f"node {layout.node} holds layer {layer} but owns none of its optimizer slices")
         lo, hi = own.bounds(j, [sizes[n] for n in names])
         out.update(dict.fromkeys(names, (0, 0)))
         out.update({name: (a, b) for name, a, b in spans(names, sizes, lo, hi)})

@@ -30,13 +30,13 @@ from itertools import accumulate
 
 import torch
 
-from elastic.engine.optim_shards import GatherGroup, gather_plan, node_ranges
+from elastic.engine.optim_shards import GatherGroup, gather_plan, layer_params, spans
 from elastic.model.naming import EMBEDDING, HEAD
 from elastic.parallel.buckets import BucketLayout
 from elastic.parallel.exchange import SecondPhase, Span
 from elastic.parallel.grad_sync import counted_span
 from elastic.parallel.layout import ParallelLayout
-from templates.optim_slices import SliceOwnership, plan_owners
+from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
 
 Run = tuple[int, int]
 
@@ -64,17 +64,15 @@ def second_phases(
         if any(n in whole for n in names):  # every holder wants all of it: the all-gather, as runs
             runs = [((0, holders * length),)] * holders
         else:
-            runs = [_merged((offsets[n] + a, offsets[n] + b)
-                            for n, (a, b) in node_ranges(node_of[r], mine, layer_of, owned).items())
-                    for r in bucket.ranks]
+            runs = _owner_runs(mine, offsets, layer_of, owned, [node_of[r] for r in bucket.ranks])
         me = bucket.ranks.index(layout.rank)
-        spans = [Span("send", i, a, b) for i in range(holders) if i != me
+        posts = [Span("send", i, a, b) for i in range(holders) if i != me
                  for a, b in _within(runs[i], me * length, (me + 1) * length)]
-        spans += [Span("recv", j, a, b) for j in range(holders) if j != me
+        posts += [Span("recv", j, a, b) for j in range(holders) if j != me
                   for a, b in _within(runs[me], j * length, (j + 1) * length)]
         measured = None if counted is None else _merged(
             (offsets[n] + a, offsets[n] + b) for n in names for a, b in [counted(n)])
-        out[names] = SecondPhase(spans=tuple(spans), counted=measured)
+        out[names] = SecondPhase(spans=tuple(posts), counted=measured)
     return out
 
 
@@ -82,21 +80,36 @@ def sharded_paths(layout: ParallelLayout, module: torch.nn.Module, buckets: Buck
                   layer_of: Callable[[str], int], *, on: bool, tree: bool, tied: bool,
                   ) -> tuple[list[GatherGroup] | None, dict[tuple[str, ...], SecondPhase] | None]:
     """A step transaction's transfers with the optimizer sharded (`on`; else none): the parameter
-    gather (`optim_shards.gather_plan`), and (with the summation tree) the exchange's second
-    phase of each bucket (`stage_phases`)."""
+    gather (`optim_shards.gather_plan`), and with the summation tree the exchange's second
+    phase of each bucket of my stage `module` (`second_phases`; `tied`: its embedding and head
+    are tied)."""
     if not on:
         return None, None
-    gather = gather_plan(layout, {n: p.numel() for n, p in module.named_parameters()}, layer_of)
-    return gather, stage_phases(layout, module, buckets, layer_of, tied=tied) if tree else None
-
-
-def stage_phases(layout: ParallelLayout, module: torch.nn.Module, buckets: BucketLayout,
-                 layer_of: Callable[[str], int], *, tied: bool) -> dict[tuple[str, ...], SecondPhase]:
-    """`second_phases` of my stage `module` (`tied`: its embedding and head are tied)."""
     params = dict(module.named_parameters())
-    return second_phases(layout, buckets, {n: p.numel() for n, p in params.items()}, layer_of,
-                         counted=None if layout.tp_rank == 0 else lambda name: counted_span(params[name], layout),
-                         whole=(EMBEDDING, HEAD) if tied else ())
+    sizes = {n: p.numel() for n, p in params.items()}
+    phases = second_phases(
+        layout, buckets, sizes, layer_of, whole=(EMBEDDING, HEAD) if tied else (),
+        counted=None if layout.tp_rank == 0 else lambda name: counted_span(params[name], layout)) if tree else None
+    return gather_plan(layout, sizes, layer_of), phases
+
+
+def _owner_runs(sizes: Mapping[str, int], offsets: Mapping[str, int], layer_of: Callable[[str], int],
+                owned: Mapping[int, SliceOwnership], nodes: list[int]) -> list[tuple[Run, ...]]:
+    """Per holder (`nodes`, in bucket order), the runs of the bucket's flat buffer it updates:
+    its slice of each of the bucket's layers (`sizes`: whole layers), each slice's runs cut once."""
+    per_node: dict[int, list[Run]] = {}
+    for layer, names in layer_params(sizes, layer_of).items():
+        own = owned[layer]
+        cuts = aligned_cuts([sizes[n] for n in names], own.slices)
+        for j, owners in enumerate(own.owners):
+            runs = [(offsets[n] + a, offsets[n] + b) for n, a, b in spans(names, sizes, cuts[j], cuts[j + 1])]
+            for node in owners:
+                per_node.setdefault(node, []).extend(runs)
+        owning = {node for owners in own.owners for node in owners}
+        lacking = [node for node in nodes if node not in owning]
+        if lacking:
+            raise ValueError(f"node {lacking[0]} holds layer {layer} but owns none of its optimizer slices")
+    return [_merged(per_node.get(node, ())) for node in nodes]
 
 
 def _merged(runs: Iterable[Run]) -> tuple[Run, ...]:

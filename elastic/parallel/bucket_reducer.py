@@ -78,7 +78,7 @@ class BucketReducer:
     sharded: Mapping[tuple[str, ...], SecondPhase] | None = None
     """The sharded optimizer's second phases, by bucket (its parameter names, in flat order):
     each bucket named sends each element of my slice of its result only to the holders that
-    update it, and receives only what I update (`optim_shards.second_phases`); a bucket not
+    update it, and receives only what I update (`engine/shard_reduce.py` `second_phases`); a bucket not
     named, or None, is all-gathered."""
     buckets: BucketLayout = field(init=False)
     """My buckets, ascending by layer."""

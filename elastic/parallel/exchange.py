@@ -323,9 +323,9 @@ class TreeExchange:
             parts.extend(bufs)
         result = job.result.chunk(job.holders)[job.me]
         counted = job.counted
-        combine(blocks, parts, result, job.scratch, program=job.program, norm=None if counted else job.norm,
-                wide=job.wide)
-        if counted is not None and job.norm is not None:  # the runs within my slice, measured again
+        combine(blocks, parts, result, job.scratch, program=job.program,
+                norm=job.norm if counted is None else None, wide=job.wide)
+        if counted is not None and job.norm is not None:  # only the runs within my slice
             job.norm.zero_()
             lo, hi = job.me * result.numel(), (job.me + 1) * result.numel()
             for a, b in counted:

@@ -21,10 +21,11 @@ import pytest
 from elastic.comm import Event
 from elastic.comm.nccl_model import check
 from elastic.engine.optim_shards import GATHER_TAG
+from elastic.model.config import GPTConfig
 from elastic.parallel.tied import TIED_TAG
 from templates.optim_slices import plan_owners
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
-from tests.comm.cluster import LAYERS, SHARED_KV_SHAPE, Case, Outcome, run_case
+from tests.comm.cluster import LAYERS, SHAPE, SHARED_KV_SHAPE, Case, Outcome, run_case
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -36,9 +37,11 @@ def _four_pipelines() -> Plan:
                      microbatch_size=1, fault_tolerance=1)
 
 
-def _run(tmp_path: Path, sharded: bool, plan: Plan, **case: object) -> Outcome:
+def _run(tmp_path: Path, sharded: bool, plan: Plan, *, shape: GPTConfig = SHAPE, sequence_parallel: bool = True,
+         ) -> Outcome:
     assert {o.slices for o in plan_owners(plan).values()} == {2}
-    job = Case(name=f"sharded{sharded:d}", plan1=plan, plan2=plan, shard_optimizer=sharded, **case)  # type: ignore[arg-type]
+    job = Case(name=f"sharded{sharded:d}", plan1=plan, plan2=plan, shard_optimizer=sharded, shape=shape,
+               sequence_parallel=sequence_parallel)
     out = run_case(job, tmp_path / job.name)
     assert not out.errors, out.errors
     report = check(out.logs)
