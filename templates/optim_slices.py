@@ -9,7 +9,8 @@ holders allow it. Any f lost nodes leave every slice an owner; losing every owne
 needs f + 1 nodes, which with full replicas (S = 1) would need all P.
 
 After a re-plan `layer_owners(..., previous=...)` keeps each surviving holder on the slice that
-overlaps most what it owned, so `slice_moves` lists only the element ranges a new owner lacks,
+overlaps most what it owned (the leader does so, and the generation record carries the result:
+`owner_rows`, `owners_from_rows`), so `slice_moves` lists only the element ranges a new owner lacks,
 each from a live old owner; `SliceLost` names a slice none of whose owners lived.
 
 Pure: no torch, nothing of elastic; the planner's memory model, the simulator and the engine
@@ -195,6 +196,34 @@ def plan_owners(plan: Plan, *, domains: Mapping[int, str] | None = None,
         if key not in done:
             done[key] = layer_owners(plan, layer, domains=domains, previous=prev.get(layer))
         out[layer] = SliceOwnership(layer=layer, owners=done[key].owners)
+    return out
+
+
+OwnerRows = list[list[list[int]]]
+"""Every layer's owners as a record stores them: `rows[layer][j]`, the nodes owning slice j."""
+
+
+def owner_rows(owned: Mapping[int, SliceOwnership]) -> OwnerRows:
+    """`owned` (every layer's ownership, by layer) as rows (`OwnerRows`)."""
+    return [[list(nodes) for nodes in owned[layer].owners] for layer in sorted(owned)]
+
+
+def owners_from_rows(plan: Plan, rows: Sequence[Sequence[Sequence[int]]]) -> dict[int, SliceOwnership]:
+    """The ownership `rows` states for `plan`, by layer; ValueError naming the layer when it is not
+    an ownership of the plan: for each layer, `slice_count` slices whose owners are the layer's
+    holders, each holder once, at least f + 1 owners a slice (all holders when fewer)."""
+    if len(rows) != plan.num_layers:
+        raise ValueError(f"slice owners name {len(rows)} layers, the plan has {plan.num_layers}")
+    out: dict[int, SliceOwnership] = {}
+    for layer, slices in enumerate(rows):
+        holders = sorted(layer_holders(plan, layer))
+        want = slice_count(len(holders), plan.fault_tolerance)
+        least = min(plan.fault_tolerance + 1, len(holders))
+        if (len(slices) != want or sorted(n for nodes in slices for n in nodes) != holders
+                or any(len(nodes) < least for nodes in slices)):
+            raise ValueError(f"layer {layer}: slice owners {[list(nodes) for nodes in slices]} are not {want} "
+                             f"slices of at least {least} of its holders {holders}, each holder once")
+        out[layer] = SliceOwnership(layer=layer, owners=tuple(tuple(sorted(nodes)) for nodes in slices))
     return out
 
 

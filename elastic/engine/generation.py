@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Generic, Protocol, TypeVar, overload
@@ -45,6 +45,7 @@ from elastic.records.partial import ReplayRecord
 from elastic.records.recovery_timings import ReconfigTimings
 from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
+from templates.optim_slices import SliceOwnership
 from templates.plan import Plan
 
 
@@ -153,14 +154,14 @@ class GenerationBuilder:
     def join(
         self, *, plan: Plan, generation: int, store: torch.distributed.Store, abort: AbortSignal | None,
         fetch: FetchFn | None, step: int, replay: ReplayRecord | None, moves: Sequence[ShardMove] | None,
-        previous: Generation | None, held: Held, kept: KeptGrads | None,
+        owners: Mapping[int, SliceOwnership] | None, previous: Generation | None, held: Held, kept: KeptGrads | None,
         serve: Callable[[ShardKey], ShardState], graveyard: Graveyard,
     ) -> Joined:
         """Generation `generation` of `plan` as this worker joins it at `step` (the arguments of
         `Trainer.start`), from the generation it leaves (`previous`), the shards it holds (`held`;
         `serve` exports them to peers) and its kept gradient sums (`kept`). The new groups go to
         `graveyard` if the join fails after they are built."""
-        layout = self._layout(plan, generation, step, previous)
+        layout = self._layout(plan, generation, step, previous, owners)
         needed = [ShardKey(layer, layout.tp_rank) for layer in layout.stage_plan.held]
         missing = [k for k in needed if k not in held]
 
@@ -200,7 +201,8 @@ class GenerationBuilder:
         return Joined(generation=Generation(layout, groups, module, optimizer, transaction), served=served,
                       keeper=keeper, timings=timings)
 
-    def _layout(self, plan: Plan, generation: int, step: int, previous: Generation | None) -> ParallelLayout:
+    def _layout(self, plan: Plan, generation: int, step: int, previous: Generation | None,
+                owners: Mapping[int, SliceOwnership] | None) -> ParallelLayout:
         """My layout in `plan`, after checking that joining generation `generation` at `step` is valid."""
         old = None if previous is None else previous.layout
         if old is not None and generation <= old.generation:
@@ -212,7 +214,8 @@ class GenerationBuilder:
             )
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank)
+        return ParallelLayout(plan=plan, generation=generation, node=self.node, local_rank=self.local_rank,
+                              owners=None if owners is None else tuple(owners[n] for n in range(plan.num_layers)))
 
     def _open(
         self, layout: ParallelLayout, store: torch.distributed.Store, abort: AbortSignal | None

@@ -25,7 +25,7 @@ from elastic.engine.adamw import ParamState
 from elastic.engine.optim_shards import layer_params, spans
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
-from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
+from templates.optim_slices import aligned_cuts
 
 CHECKPOINT_TAG = 1 << 26
 """Tag of the checkpoint gather's messages: apart from the step's, the gather's and the repair's."""
@@ -35,12 +35,11 @@ Moments = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def whole_moments(layout: ParallelLayout, groups: ParallelGroups, state: Mapping[str, ParamState],
-                  sizes: Mapping[str, int], layer_of: Callable[[str], int],
-                  owners: Mapping[int, SliceOwnership] | None = None) -> Moments:
+                  sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> Moments:
     """The whole moments of the parameters of the layers I write (empty where I write none), as
     host tensors; I send my slices to the writers that lack them. `state` and `sizes`: my
     optimizer's state and each parameter's elements. Collective over the world group."""
-    owned = plan_owners(layout.plan) if owners is None else owners
+    owned = layout.slice_owners
     node_of = {w.rank: w.node for w in layout.workers}
     out: Moments = {}
     for layer, names in sorted(layer_params(sizes, layer_of).items()):

@@ -1,9 +1,10 @@
 """The sharded optimizer's part of a worker's stage (issue 55): which elements it updates, and the
 gather that brings it every other owner's updates.
 
-A layer's AdamW state is cut into the slices of `templates.optim_slices` (`plan_owners`: a pure
-function of the plan), each owned by f + 1 or more of the layer's holders in different
-pipelines. The flattened layer is its parameters in name order (the order of
+A layer's AdamW state is cut into the slices of `templates.optim_slices`, each owned by f + 1 or
+more of the layer's holders in different pipelines (`ParallelLayout.slice_owners`: the
+generation record's owners, which the leader chose to keep survivors on their slices, or the
+plan's own). The flattened layer is its parameters in name order (the order of
 `aligned_cuts`' sizes), at this worker's tensor-parallel rank; every rank of a node owns the
 same slice of its own shard. An owner keeps moments of its slice only and updates only its
 slice's parameters (`MasterAdamW(owned=...)`): the commit stays local, so a step still commits
@@ -30,7 +31,7 @@ import torch
 from elastic.comm import P2P
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
-from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
+from templates.optim_slices import aligned_cuts
 
 GATHER_TAG = 1 << 24
 """Tags of the gather's messages start here: apart from the exchange's (2 x layer, 2 x layer + 1)."""
@@ -75,11 +76,10 @@ def spans(names: list[str], sizes: Mapping[str, int], lo: int, hi: int) -> Itera
         offset += sizes[name]
 
 
-def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int],
-                 owners: Mapping[int, SliceOwnership] | None = None) -> dict[str, tuple[int, int]]:
+def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> dict[str, tuple[int, int]]:
     """Per parameter of my stage (`sizes`: name -> elements), the elements I update: my node's
     slice of its layer, cut where `aligned_cuts` cuts; (0, 0) for a parameter my slice misses."""
-    owned = plan_owners(layout.plan) if owners is None else owners
+    owned = layout.slice_owners
     out: dict[str, tuple[int, int]] = {}
     for layer, names in layer_params(sizes, layer_of).items():
         own = owned[layer]
@@ -92,11 +92,10 @@ def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Cal
     return out
 
 
-def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int],
-                owners: Mapping[int, SliceOwnership] | None = None) -> list[GatherGroup]:
+def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> list[GatherGroup]:
     """My part of the gather: per bucket holder set of mine (descending layer order), the pieces
     I send (my share of my slice, to each holder that does not own it) and receive."""
-    owned = plan_owners(layout.plan) if owners is None else owners
+    owned = layout.slice_owners
     by_layer = layer_params(sizes, layer_of)
     node_of = {w.rank: w.node for w in layout.workers}
     out: list[GatherGroup] = []

@@ -25,7 +25,7 @@ sends the other is the k-th it receives (one group per bucket, as before: NCCL's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import accumulate
 
 import torch
@@ -36,7 +36,7 @@ from elastic.parallel.buckets import BucketLayout
 from elastic.parallel.exchange import SecondPhase, Span
 from elastic.parallel.grad_sync import counted_span
 from elastic.parallel.layout import ParallelLayout
-from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
+from templates.optim_slices import SliceOwnership, aligned_cuts
 
 Run = tuple[int, int]
 
@@ -44,13 +44,12 @@ Run = tuple[int, int]
 def second_phases(
     layout: ParallelLayout, buckets: BucketLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int], *,
     counted: Callable[[str], Run] | None = None, whole: Collection[str] = (),
-    owners: Mapping[int, SliceOwnership] | None = None,
 ) -> dict[tuple[str, ...], SecondPhase]:
     """My second phase of every bucket I share (`buckets`: (bucket, its names in flat order)),
     by the bucket's names. `counted`: name -> the elements of its flattened gradient this rank
     counts in the norm (None: all, tensor-parallel rank 0). A bucket holding a name of `whole`
     is all-gathered (every holder wants every element), with the same norm runs."""
-    owned = plan_owners(layout.plan) if owners is None else owners
+    owned = layout.slice_owners
     node_of = {w.rank: w.node for w in layout.workers}
     out: dict[tuple[str, ...], SecondPhase] = {}
     for bucket, names in buckets:
@@ -94,7 +93,7 @@ def sharded_paths(layout: ParallelLayout, module: torch.nn.Module, buckets: Buck
 
 
 def _owner_runs(sizes: Mapping[str, int], offsets: Mapping[str, int], layer_of: Callable[[str], int],
-                owned: Mapping[int, SliceOwnership], nodes: list[int]) -> list[tuple[Run, ...]]:
+                owned: Sequence[SliceOwnership], nodes: list[int]) -> list[tuple[Run, ...]]:
     """Per holder (`nodes`, in bucket order), the runs of the bucket's flat buffer it updates:
     its slice of each of the bucket's layers (`sizes`: whole layers), each slice's runs cut once."""
     per_node: dict[int, list[Run]] = {}

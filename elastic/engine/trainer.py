@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -41,6 +41,7 @@ from elastic.records.progress import StepResult
 from elastic.records.recovery_timings import ReconfigTimings
 from elastic.transfer.moves import ShardMove
 from elastic.transfer.shards import ShardKey
+from templates.optim_slices import SliceOwnership
 from templates.plan import Plan
 
 
@@ -119,6 +120,7 @@ class Trainer:
         step: int,
         replay: ReplayRecord | None = None,
         moves: Sequence[ShardMove] | None = None,
+        owners: Mapping[int, SliceOwnership] | None = None,
     ) -> ReconfigTimings:
         """Join generation `generation` of `plan` and make `step` the next step to run.
 
@@ -129,12 +131,13 @@ class Trainer:
         reuses microbatches kept from its interrupted run (elastic/records/partial.py).
         `moves`: shards moved between the generation's workers over its world group first (every
         worker of the generation is given the same list: elastic/parallel/shard_moves.py); `fetch` gets the rest (shards held
-        outside the generation, or that arrived damaged).
+        outside the generation, or that arrived damaged). `owners`: the sharded optimizer's
+        slice owners of every layer, by layer (the record's `slice_owners`; None: the plan's own).
         """
         previous = self._current
         new = self._builder.join(
             plan=plan, generation=generation, store=store, abort=abort, fetch=fetch, step=step, replay=replay,
-            moves=moves, previous=previous, held=self._shards.held(), kept=self._kept,
+            moves=moves, owners=owners, previous=previous, held=self._shards.held(), kept=self._kept,
             serve=lambda key: self._shards.export(key, copy=False),  # nothing updates them meanwhile
             graveyard=self._graveyard,
         )

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.coordinator.jsonrecord import JsonRecord
+from elastic.coordinator.jsonrecord import JsonRecord, RecordError
 from elastic.parallel.shard_moves import MoveRow
 from elastic.records.partial import ReplayRecord
+from templates.optim_slices import OwnerRows, SliceOwnership, owners_from_rows, plan_owners
 from templates.plan import Plan
 
 
@@ -62,6 +63,25 @@ class GenerationRecord(JsonRecord):
     (layer, tp rank, sending rank, receiving rank) in this plan's ranks, planned by the leader from
     the holdings every worker reported; None when that path is not taken (the gRPC shard path, a
     checkpoint restore, the first generation). Every worker carries out the same list."""
+
+    slice_owners: OwnerRows | None = None
+    """The sharded optimizer's owners of every layer's slices under this plan (`rows[layer][j]`:
+    the nodes owning slice j, templates/optim_slices.py), chosen by the leader to keep each
+    surviving owner on its slice (`plan_owners(..., previous=)`); None: the plan's own
+    (`plan_owners(plan)`), as after a start or a checkpoint restore, or when not sharded."""
+
+    def __post_init__(self) -> None:
+        if self.slice_owners is not None:
+            try:
+                owners_from_rows(self.plan, self.slice_owners)
+            except ValueError as exc:
+                raise RecordError(f"GenerationRecord.slice_owners: {exc}") from None
+
+    def owners(self) -> dict[int, SliceOwnership]:
+        """Every layer's slice owners under this generation (`slice_owners`, else the plan's own)."""
+        if self.slice_owners is None:
+            return plan_owners(self.plan)
+        return owners_from_rows(self.plan, self.slice_owners)
 
     @property
     def replayed_fraction(self) -> float | None:

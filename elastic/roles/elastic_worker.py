@@ -245,9 +245,9 @@ class ElasticWorker:
 
     def _reconfigure(self, generation: int) -> ParallelLayout:
         record, seen_at = self.generations.get(generation)
-        layout = ParallelLayout(
-            plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank
-        )
+        owners = None if record.slice_owners is None else record.owners()
+        layout = ParallelLayout(plan=record.plan, generation=generation, node=self.node, local_rank=self.local_rank,
+                                owners=None if owners is None else tuple(owners.values()))
         last = self.trainer.last_report
         abort = AbortSignal(local_grace_s=_local_grace(last.seconds if last else None))
         self._abort = abort
@@ -281,8 +281,7 @@ class ElasticWorker:
             fetch=fetch,
             step=record.resume_step if record.restore_checkpoint is None else record.restore_checkpoint,
             replay=record.replay if record.restore_checkpoint is None else None,
-            moves=collective_moves(record),
-        )
+            moves=collective_moves(record), owners=owners)
         self._pending_recovery = (seen_at, timings, time.time())
         worker_log(
             f"generation {generation}: rank {layout.rank} pipeline {layout.pipeline} stage {layout.stage} "

@@ -67,6 +67,7 @@ from elastic.roles.leader_replan import (
 )
 from elastic.roles.leader_snapshot import Snapshot
 from elastic.roles.straggler_decisions import DrainStraggler, Resplit, straggler_decision
+from templates.optim_slices import owner_rows, plan_owners
 from templates.plan import Plan
 from templates.template_set import TemplateSet
 
@@ -211,7 +212,7 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     if planned is None:
         live = sorted(n for n, inc in s.members.items() if s.record.incarnations.get(n) == inc or n in joined)
         got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined,
-                           sharded=config.spec.sharded_optimizer)
+                           owners=s.record.owners() if config.spec.sharded_optimizer else None)
         if isinstance(got, Fallback):
             return (PublishFallback(fallback=got, members=dict(s.members), lost=lost, joined=joined),)
         planned = got
@@ -223,7 +224,10 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     if config.spec.shard_transport == "collective":  # planned here once, not by every worker
         workers = assign_ranks(plan)
         moves = move_rows(plan_moves(plan, ranked_holdings(plan, s.holdings or {}, workers=workers), workers=workers))
+    owners = None  # sharded: each surviving owner kept on its slice, so that few moments move
+    if config.spec.sharded_optimizer:
+        owners = owner_rows(plan_owners(plan, previous=s.record.owners()))
     return (Publish(record=GenerationRecord(
         plan=plan, resume_step=resume, incarnations={n: s.members[n] for n in plan.nodes}, lost=lost,
         joined=joined, drained=drained or [], reason=reason, completed_vote=vote, replay=replay,
-        balanced_for=balanced_for or [], moves=moves)),)
+        balanced_for=balanced_for or [], moves=moves, slice_owners=owners)),)

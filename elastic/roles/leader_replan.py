@@ -17,6 +17,7 @@ search of the checkpoint directory for a fallback (files only, never etcd).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from elastic.records.sync import SyncReport
 from elastic.roles.leader_snapshot import Holdings, Snapshot
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
-from templates.optim_slices import lost_slices, plan_owners
+from templates.optim_slices import SliceOwnership, lost_slices
 from templates.plan import Plan
 from templates.replanning import replan
 from templates.template_set import PlanningError, TemplateSet
@@ -94,10 +95,10 @@ def holdings_gaps(holdings: Holdings, plan: Plan, live: set[int]) -> list[ShardK
 
 
 def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdings, *, lost: list[int],
-                 joined: list[int], sharded: bool = False) -> tuple[Plan, str] | Fallback:
-    """The plan of g+1 over `live` and its reason, or a Fallback (module doc). `sharded`: the
-    optimizer's moments are sharded (issue 55): a slice whose every owner is lost is a Fallback
-    too, named in its cause."""
+                 joined: list[int], owners: Mapping[int, SliceOwnership] | None = None) -> tuple[Plan, str] | Fallback:
+    """The plan of g+1 over `live` and its reason, or a Fallback (module doc). `owners`: the
+    sharded optimizer's slice owners under `plan` (issue 55; None: not sharded): a slice whose
+    every owner is lost is a Fallback too, named in its cause."""
     what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
     f = plan.fault_tolerance
     # What live workers report holding decides, not the plan: a reconfiguration cut short by
@@ -105,8 +106,8 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
     gaps = holdings_gaps(holdings, plan, set(live))
     if gaps is None:
         gaps = [] if surviving_holders_cover(plan, set(live)) else [ShardKey(-1, -1)]
-    if not gaps and sharded:
-        gone = lost_slices(plan_owners(plan), set(plan.nodes) - set(live))
+    if not gaps and owners is not None:
+        gone = lost_slices(owners, set(plan.nodes) - set(live))
         if gone:
             more = f" (and {len(gone) - 1} more slices)" if len(gone) > 1 else ""
             return Fallback(what=what, gaps=[], live=live, cause=f"{gone[0]}{more}")

@@ -36,6 +36,7 @@ from elastic.parallel.shard_moves import plan_moves
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, resolve_replay
 from elastic.transfer.shards import ShardKey
+from templates.optim_slices import plan_owners
 from templates.plan import PipelinePlan, Plan, StagePlan
 
 SHAPE = GPTConfig(vocab_size=256, seq_len=8, n_layer=4, n_head=2, d_model=16)
@@ -80,6 +81,9 @@ class Case:
     re-slices over its world group (optim_repair.py), and the end state is read through the
     checkpoint writers' gather (optim_checkpoint.py). With a failure, plan 1 has f = 1, so that the
     loss of one pipeline's nodes leaves every slice an owner; otherwise f = 0: P slices of one owner."""
+    keep_owners: bool = True
+    """Sharded: generation 2's slice owners are the leader's, each survivor kept on the slice that
+    overlaps most what it owned (`plan_owners(plan2, previous=...)`); False: plan 2's own."""
     shape: GPTConfig = SHAPE
     """The model: GPT-2's `SHAPE` or the Llama family's `LLAMA_SHAPE`."""
 
@@ -93,6 +97,9 @@ class Outcome:
     steps: dict[tuple[int, int], int] = field(default_factory=dict)
     shards: dict[tuple[int, int], dict[ShardKey, dict[str, torch.Tensor]]] = field(default_factory=dict)
     """Worker -> the shards it holds at the end (parameters, AdamW state, step count)."""
+    received: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Worker -> the bytes it received over generation 2's world group as it joined (shard moves
+    and the sharded optimizer's repair: `ReconfigTimings.bytes_collective`)."""
 
 
 def random_plan(rng: random.Random, nodes: Sequence[int], *, tp: int, microbatches: int | None = None) -> Plan:
@@ -246,9 +253,14 @@ class _Job:
 
     def generation2(self, w: Worker) -> None:
         """Shards moved, step 1 (replayed, with `partial`) and step 2, an evaluation."""
-        t = self.trainer(w)
-        t.start(plan=self.case.plan2, generation=2, store=self.stores[1], abort=AbortSignal(), fetch=None, step=1,
-                replay=self.replay, moves=plan_moves(self.case.plan2, self.holdings))
+        t, case = self.trainer(w), self.case
+        owners = None
+        if case.shard_optimizer and case.keep_owners:  # as the leader chooses them (leader_decisions.py)
+            owners = plan_owners(case.plan2, previous=plan_owners(case.plan1))
+        timings = t.start(plan=case.plan2, generation=2, store=self.stores[1], abort=AbortSignal(), fetch=None, step=1,
+                          replay=self.replay, moves=plan_moves(case.plan2, self.holdings), owners=owners)
+        with self.lock:
+            self.out.received[w] = timings.bytes_collective
         t.commit(t.prepare_step())
         t.commit(t.prepare_step())
         if self.case.evaluate:
@@ -270,6 +282,17 @@ class _Job:
                     self.out.errors.append(f"worker {w}: {type(exc).__name__}: {exc}")
 
         _on_threads([(run, w) for w in workers], self.timeout_s)
+
+
+def same_end_state(off: Outcome, on: Outcome) -> None:
+    """Every shard (parameters, moments, step count) bit for bit, read sharded from each
+    shard's checkpoint writer (each shard once, whole)."""
+    written = {key: state for mine in on.shards.values() for key, state in mine.items()}
+    assert written.keys() == {key for mine in off.shards.values() for key in mine}
+    for worker, mine in off.shards.items():
+        for key, state in mine.items():
+            for name, tensor in state.items():
+                assert written[key][name].equal(tensor), f"{worker} {key} {name}"
 
 
 def reference_shards(tp: int, microbatches: int, run_dir: Path, *, steps: int = 3,

@@ -25,7 +25,7 @@ from elastic.model.config import GPTConfig
 from elastic.parallel.tied import TIED_TAG
 from templates.optim_slices import plan_owners
 from templates.plan import PipelinePlan, Plan, StagePlan, even_plan
-from tests.comm.cluster import LAYERS, SHAPE, SHARED_KV_SHAPE, Case, Outcome, run_case
+from tests.comm.cluster import LAYERS, SHAPE, SHARED_KV_SHAPE, Case, Outcome, run_case, same_end_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -80,7 +80,7 @@ def test_the_sharded_step_sends_the_bytes_of_the_unsharded_one(tmp_path: Path) -
     assert gathers % 2 == 0
     total_on = second_on + gathers // 2
     assert second_off * 0.95 <= total_on <= second_off * HOLDERS / (HOLDERS - 1), (total_on, second_off)
-    _same_end_state(off, on)
+    same_end_state(off, on)
 
 
 def test_tied_and_shared_heads_at_tp2_end_as_unsharded(tmp_path: Path) -> None:
@@ -95,15 +95,4 @@ def test_tied_and_shared_heads_at_tp2_end_as_unsharded(tmp_path: Path) -> None:
     shape = dataclasses.replace(SHARED_KV_SHAPE, tie_embeddings=True)
     off = _run(tmp_path, False, plan, shape=shape, sequence_parallel=False)
     on = _run(tmp_path, True, plan, shape=shape, sequence_parallel=False)
-    _same_end_state(off, on)
-
-
-def _same_end_state(off: Outcome, on: Outcome) -> None:
-    """Every shard (parameters, moments, step count) bit for bit, read sharded from each
-    shard's checkpoint writer (each shard once, whole)."""
-    written = {key: state for mine in on.shards.values() for key, state in mine.items()}
-    assert written.keys() == {key for mine in off.shards.values() for key in mine}
-    for worker, mine in off.shards.items():
-        for key, state in mine.items():
-            for name, tensor in state.items():
-                assert written[key][name].equal(tensor), f"{worker} {key} {name}"
+    same_end_state(off, on)

@@ -84,9 +84,9 @@ def test_owned_ranges_tile_each_layer_once_per_slice_and_the_gather_fills_the_re
         layout = ParallelLayout(plan=plan, generation=0, node=w.node, local_rank=w.local_rank)
         held = set(layout.stage_plan.held)
         sizes = {n: p.numel() for n, p in whole.named_parameters() if of(n) in held}
-        owned = owned_ranges(layout, sizes, of, owners)
+        owned = owned_ranges(layout, sizes, of)
         received = {n: [0] * size for n, size in sizes.items()}
-        for group in gather_plan(layout, sizes, of, owners):
+        for group in gather_plan(layout, sizes, of):
             for piece in group.pieces:
                 if piece.kind == "recv":
                     for i in range(piece.start, piece.stop):

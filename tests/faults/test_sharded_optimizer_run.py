@@ -5,6 +5,8 @@ as 4 one-stage pipelines at f = 1, so each layer's moments are 2 slices of 2 own
 - Node 3 SIGKILLed at step 9: the survivors re-slice (3 pipelines: one slice, every holder an
   owner) from the live owners, and the run ends bit for bit as the unsharded run without a failure.
 - Nodes 2 and 3 killed at step 9, one owner of each slice: the same.
+- 5 pipelines (slices of 3 and 2 owners), node 2 killed: every survivor keeps its slice (the
+  leader's `slice_owners`), so the recovery moves no byte, and the run ends as the unsharded one.
 - Nodes 0 and 2 killed, both owners of slice 1: the leader says which slice is lost and falls
   back to the checkpoint, whose writers gathered the slices they lacked; the run still ends as the
   unsharded one. Without a checkpoint the job ends with that error.
@@ -46,6 +48,19 @@ def test_sharded_run_recovers_bit_for_bit(unsharded: CliResult, tmp_path: Path, 
                   lost=[list(killed)], timeout=200)
     assert "optimizer sharded" in got[2].splitlines()[0]
     same_bits(got, unsharded, f"sharded, nodes {killed} killed")
+
+
+def test_survivors_keep_their_slices_so_a_loss_moves_no_moments(unsharded: CliResult, tmp_path: Path) -> None:
+    """5 one-stage pipelines: nodes 0, 2 and 4 own slice 1, nodes 1 and 3 slice 2. Node 2 killed:
+    the leader keeps every survivor on its slice (the generation record's `slice_owners`), so the
+    recovery moves no byte (the plan's own owners of pipelines 0, 1, 3, 4 dealt in turn, (0, 3)
+    and (1, 4), would swap nodes 3 and 4 and move both their slices)."""
+    cmd = [*RUN, "--shard-optimizer", "on", *_kills(2)]
+    cmd[cmd.index("--nodes") + 1] = "5"
+    got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[2]], timeout=200)
+    (recovery,) = got[0]["recoveries"]
+    assert recovery["bytes_moved"] == 0, recovery
+    same_bits(got, unsharded, "sharded, 5 pipelines, node 2 killed")
 
 
 def test_losing_every_owner_of_a_slice_names_it(tmp_path: Path) -> None:

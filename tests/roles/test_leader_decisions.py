@@ -38,7 +38,9 @@ from elastic.roles.leader_replan import surviving_holders_cover
 from elastic.roles.leader_snapshot import Snapshot
 from elastic.transfer.shards import ShardKey
 from templates.instantiation import instantiate
+from templates.optim_slices import plan_owners, slice_moves
 from templates.plan import Plan
+from templates.template_set import TemplateSet
 
 SPEC = ClusterSpec(model="tiny", nodes=5, fault_tolerance=1, global_batch=32, microbatch=2, device_memory_gib=0.03)
 TSET = cluster_templates(dataclasses.replace(SPEC, fault_tolerance=0))  # a pipeline needs at least 2 nodes
@@ -177,6 +179,60 @@ def test_a_layer_without_a_live_holder_falls_back_to_a_checkpoint() -> None:
     fallback = steps[2]
     assert fallback.fallback.live == [1, 3] and fallback.lost == [0, 2] and fallback.joined == []
     assert fallback.fallback.gaps == [ShardKey(layer, 0) for layer in range(3)]
+
+
+SPEC6 = dataclasses.replace(SPEC, nodes=6, global_batch=24, device_memory_gib=8)
+PLAN6 = instantiate(cluster_templates(dataclasses.replace(SPEC6, fault_tolerance=0)), list(range(6)),
+                    global_microbatches=12, fault_tolerance=1)  # six one-node pipelines: 3 slices of 2 owners
+
+
+def _sharded(plan: Plan) -> tuple[ElasticConfig, TemplateSet]:
+    config = _config(plan)
+    spec = dataclasses.replace(config.spec, shard_optimizer="on")
+    cluster = dataclasses.replace(SPEC6, nodes=len(plan.nodes))
+    return (dataclasses.replace(config, spec=spec, cluster=cluster),
+            cluster_templates(dataclasses.replace(cluster, fault_tolerance=0)))
+
+
+def test_a_sharded_loss_keeps_every_surviving_owner_on_its_slice_and_records_it() -> None:
+    """Node 0 lost of 6 one-node pipelines: 3 slices become 2. The record carries owners under
+    which the survivors lack fewer elements than under the new plan's own (node 0 owned slice 1,
+    so the plan's own would shift every survivor), and every slice keeps f + 1 owners."""
+    survivors = [1, 2, 3, 4, 5]
+    config, tset = _sharded(PLAN6)
+    reports = [_report(n, 5, vote_of=4) for n in survivors]
+    steps = decide_round(_snapshot(_record(PLAN6), members=dict.fromkeys(survivors, 0), reports=reports,
+                                   holdings=_holdings(PLAN6, survivors)), config, tset)
+    publish = steps[-1]
+    assert isinstance(publish, Publish) and publish.record.slice_owners is not None
+    new = publish.record
+    assert sorted(new.plan.nodes) == survivors and len(new.plan.pipelines) == 5
+    before, after, own = plan_owners(PLAN6), new.owners(), plan_owners(new.plan)
+    assert after != own
+    sizes = [1 << 20]
+    lacked = {name: sum(m.stop - m.start for layer in range(PLAN6.num_layers)
+                        for m in slice_moves(before[layer], owned[layer], sizes=sizes, live=survivors))
+              for name, owned in (("recorded", after), ("plan's own", own))}
+    assert lacked["recorded"] < lacked["plan's own"], lacked
+    assert all(len(nodes) >= 2 for o in after.values() for nodes in o.owners)
+    unsharded = decide_round(_snapshot(_record(PLAN6), members=dict.fromkeys(survivors, 0), reports=reports,
+                                       holdings=_holdings(PLAN6, survivors)), _config(PLAN6), tset)
+    assert isinstance(unsharded[-1], Publish) and unsharded[-1].record.slice_owners is None
+
+
+def test_a_sharded_loss_of_every_owner_the_record_names_falls_back() -> None:
+    """The record's owners decide which slice is lost, not the plan's own: nodes 0 and 1 own
+    slice 1 together only under the recorded owners."""
+    survivors = [2, 3, 4, 5]
+    config, tset = _sharded(PLAN6)
+    rows = [[[0, 1], [2, 3], [4, 5]] for _ in range(PLAN6.num_layers)]
+    reports = [_report(n, 5, vote_of=4) for n in survivors]
+    for record, lost_slice in ((_record(PLAN6, slice_owners=rows), True), (_record(PLAN6), False)):
+        steps = decide_round(_snapshot(record, members=dict.fromkeys(survivors, 0), reports=reports,
+                                       holdings=_holdings(PLAN6, survivors)), config, tset)
+        assert isinstance(steps[-1], PublishFallback if lost_slice else Publish), steps[-1]
+        if isinstance(steps[-1], PublishFallback):
+            assert "layer 0, optimizer slice 1 of 3: every owner lost (nodes 0, 1)" in (steps[-1].fallback.cause or "")
 
 
 def test_a_loss_after_every_survivor_committed_the_last_step_finishes() -> None:
