@@ -22,7 +22,7 @@ import torch
 
 from elastic.comm import P2P
 from elastic.engine.adamw import ParamState
-from elastic.engine.optim_shards import layer_params, spans
+from elastic.engine.optim_shards import layer_params, slice_owners, spans
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from templates.optim_slices import aligned_cuts
@@ -39,7 +39,7 @@ def whole_moments(layout: ParallelLayout, groups: ParallelGroups, state: Mapping
     """The whole moments of the parameters of the layers I write (empty where I write none), as
     host tensors; I send my slices to the writers that lack them. `state` and `sizes`: my
     optimizer's state and each parameter's elements. Collective over the world group."""
-    owned = layout.slice_owners
+    owned = slice_owners(layout)
     node_of = {w.rank: w.node for w in layout.workers}
     out: Moments = {}
     for layer, names in sorted(layer_params(sizes, layer_of).items()):

@@ -4,9 +4,9 @@ gets what it lacks of it from a worker that has it, over the new generation's wo
 Each worker says which elements of each layer it has moments of (its old slice of a kept
 shard, all of a shard fetched from a checkpoint or an unsharded holder, nothing of a shard
 fetched from a sharded holder): one all-gather of a (layers x 2) table. From the tables and the
-new owners (`ParallelLayout.slice_owners`) every worker computes the same moves (`_pieces`): for each holder of a layer, the
-elements of its new slice it lacks, each taken from a worker of the same tensor-parallel rank
-that has them, chosen among those by the holder's rank (so the sends spread without a global
+new owners (`optim_shards.slice_owners`) every worker computes the same moves (`_pieces`): for
+each holder of a layer, the elements of its new slice it lacks, each taken from a worker of the
+same tensor-parallel rank that has them, chosen among those by the holder's rank (so the sends spread without a global
 tally). A move carries the parameters too: the sender had those elements in its slice, so its
 parameters there are the committed ones; the receiver's other parameters may be an update
 behind and are brought up by the next step's gather (`StepTransaction.behind`). All sends and
@@ -23,7 +23,7 @@ import torch
 
 from elastic.comm import P2P
 from elastic.engine.adamw import ParamState
-from elastic.engine.optim_shards import layer_params, spans
+from elastic.engine.optim_shards import layer_params, slice_owners, spans
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 
@@ -69,7 +69,7 @@ def _subtract(a: int, b: int, lo: int, hi: int) -> list[tuple[int, int]]:
 def _pieces(layout: ParallelLayout, tables: list[list[tuple[int, int]]], layer: int, names: list[str],
             sizes: Mapping[str, int]) -> Iterator[_Move]:
     """Every move of `layer` between workers of my tensor-parallel rank, in one order for all."""
-    own = layout.slice_owners[layer]
+    own = slice_owners(layout)[layer]
     peers = [w for w in layout.workers if w.tp_rank == layout.tp_rank]
     for w in sorted(layout.workers, key=lambda w: w.rank):
         if w.tp_rank != layout.tp_rank or not layout.plan.pipelines[w.pipeline].stages[w.stage].holds(layer):

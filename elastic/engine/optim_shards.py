@@ -2,7 +2,7 @@
 gather that brings it every other owner's updates.
 
 A layer's AdamW state is cut into the slices of `templates.optim_slices`, each owned by f + 1 or
-more of the layer's holders in different pipelines (`ParallelLayout.slice_owners`: the
+more of the layer's holders in different pipelines (`slice_owners`: the
 generation record's owners, which the leader chose to keep survivors on their slices, or the
 plan's own). The flattened layer is its parameters in name order (the order of
 `aligned_cuts`' sizes), at this worker's tensor-parallel rank; every rank of a node owns the
@@ -23,7 +23,7 @@ its pieces in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from elastic.comm import P2P
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
-from templates.optim_slices import aligned_cuts
+from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
 
 GATHER_TAG = 1 << 24
 """Tags of the gather's messages start here: apart from the exchange's (2 x layer, 2 x layer + 1)."""
@@ -58,6 +58,15 @@ class GatherGroup:
     pieces: tuple[Piece, ...]
 
 
+def slice_owners(layout: ParallelLayout) -> Sequence[SliceOwnership]:
+    """Every layer's slice owners in `layout`'s generation, by layer: the record's
+    (`layout.owners`), else the plan's own."""
+    if layout.owners is not None:
+        return layout.owners
+    owned = plan_owners(layout.plan)
+    return [owned[layer] for layer in range(layout.plan.num_layers)]
+
+
 def layer_params(sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> dict[int, list[str]]:
     """Layer -> its parameters' names in name order (the order slices are cut in)."""
     out: dict[int, list[str]] = {}
@@ -79,7 +88,7 @@ def spans(names: list[str], sizes: Mapping[str, int], lo: int, hi: int) -> Itera
 def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> dict[str, tuple[int, int]]:
     """Per parameter of my stage (`sizes`: name -> elements), the elements I update: my node's
     slice of its layer, cut where `aligned_cuts` cuts; (0, 0) for a parameter my slice misses."""
-    owned = layout.slice_owners
+    owned = slice_owners(layout)
     out: dict[str, tuple[int, int]] = {}
     for layer, names in layer_params(sizes, layer_of).items():
         own = owned[layer]
@@ -95,7 +104,7 @@ def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Cal
 def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> list[GatherGroup]:
     """My part of the gather: per bucket holder set of mine (descending layer order), the pieces
     I send (my share of my slice, to each holder that does not own it) and receive."""
-    owned = layout.slice_owners
+    owned = slice_owners(layout)
     by_layer = layer_params(sizes, layer_of)
     node_of = {w.rank: w.node for w in layout.workers}
     out: list[GatherGroup] = []

@@ -30,7 +30,7 @@ from itertools import accumulate
 
 import torch
 
-from elastic.engine.optim_shards import GatherGroup, gather_plan, layer_params, spans
+from elastic.engine.optim_shards import GatherGroup, gather_plan, layer_params, slice_owners, spans
 from elastic.model.naming import EMBEDDING, HEAD
 from elastic.parallel.buckets import BucketLayout
 from elastic.parallel.exchange import SecondPhase, Span
@@ -49,7 +49,7 @@ def second_phases(
     by the bucket's names. `counted`: name -> the elements of its flattened gradient this rank
     counts in the norm (None: all, tensor-parallel rank 0). A bucket holding a name of `whole`
     is all-gathered (every holder wants every element), with the same norm runs."""
-    owned = layout.slice_owners
+    owned = slice_owners(layout)
     node_of = {w.rank: w.node for w in layout.workers}
     out: dict[tuple[str, ...], SecondPhase] = {}
     for bucket, names in buckets:

@@ -10,12 +10,11 @@ A new generation means a new layout; nothing here is ever patched in place.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 from elastic.parallel import plan_ranks
 from elastic.parallel.plan_ranks import GradBucket
-from templates.optim_slices import SliceOwnership, plan_owners
+from templates.optim_slices import SliceOwnership
 from templates.plan import Plan, PlanError, StagePlan
 
 
@@ -65,7 +64,8 @@ class ParallelLayout:
     """Worker index inside the node (= tensor-parallel rank)."""
     owners: tuple[SliceOwnership, ...] | None = field(default=None, repr=False)
     """The sharded optimizer's slice owners of every layer, by layer (the generation record's
-    `slice_owners`); None: the plan's own (`plan_owners`). Read through `slice_owners`."""
+    `slice_owners`); None: the plan's own (`plan_owners`). Read through
+    `elastic.engine.optim_shards.slice_owners`."""
     workers: tuple[WorkerCoord, ...] = field(init=False, repr=False)
     """Every worker of the plan, indexed by global rank."""
 
@@ -78,14 +78,6 @@ class ParallelLayout:
             )
         self.plan.locate(self.node)  # PlanError if the node is not in the plan
         object.__setattr__(self, "workers", assign_ranks(self.plan))
-
-    @functools.cached_property
-    def slice_owners(self) -> tuple[SliceOwnership, ...]:
-        """Every layer's slice owners, by layer (`owners`, else `plan_owners(plan)`)."""
-        if self.owners is not None:
-            return self.owners
-        owned = plan_owners(self.plan)
-        return tuple(owned[layer] for layer in range(self.plan.num_layers))
 
     @classmethod
     def for_rank(cls, plan: Plan, generation: int, rank: int) -> ParallelLayout:
