@@ -7,7 +7,7 @@
 #
 #   bash bench/gpu_check.sh                                       # gpt2-124m, bf16, on the GPU
 #   bash bench/gpu_check.sh --model gpt3-350m --microbatch 4 --global-batch 16 --profile-trace "$OUT/trace"
-#   bash bench/gpu_check.sh --device cpu --model tiny --steps 8   # CI (tests/bench/test_gpu_check.py)
+#   bash bench/gpu_check.sh --device cpu --model tiny --steps 8   # CI (tests/bench/test_gpu_session.py, through gpu_session.sh --cpu)
 #
 # The interpreter: $PYTHON, else the repository's .venv, else python3.
 set -euo pipefail

@@ -72,9 +72,9 @@ else
     large=(--model gpt3-350m --global-batch 16 --microbatch 4)
 fi
 stage nccl_smoke 140 "$python" -m bench.nccl_smoke "${smoke[@]}" --json "$out/nccl_smoke.json" --timeout 60
-stage gpu_check_124m 280 bash bench/gpu_check.sh "${small[@]}" --run-dir /tmp/gc-124m \
+stage gpu_check_124m 280 bash bench/gpu_check.sh "${small[@]}" --run-dir "$logs/gc-124m" \
     --json "$out/gpu_check_124m.json" --phase-timeout 100 --profile-trace "$out/trace"
-stage gpu_check_350m 150 bash bench/gpu_check.sh "${large[@]}" --run-dir /tmp/gc-350m \
+stage gpu_check_350m 150 bash bench/gpu_check.sh "${large[@]}" --run-dir "$logs/gc-350m" \
     --json "$out/gpu_check_350m.json" --phase-timeout 100
 cat "$stages"
 cat "$logs/head.txt" "$stages" >"$out/env.txt"

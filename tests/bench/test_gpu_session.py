@@ -1,9 +1,12 @@
 """bench/gpu_session.sh, the one command a lent GPU's session runs, rehearsed on the CPU (`--cpu`:
-tiny, gloo) so that it cannot rot where no GPU runs it: every stage ends with exit 0, and what
-comes back fits the device tool's limits (at most 8 files, no deeper than two folders)."""
+tiny, gloo) so that it cannot rot where no GPU runs it: every stage ends with exit 0, what comes
+back fits the device tool's limits (at most 8 files, no deeper than two folders), and the first
+bench/gpu_check.sh stage's report (with its profile) says what a CPU run must
+(tests/bench/test_gpu_check.py `check_cpu_report`)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench.test_gpu_check import check_cpu_report
+
 REPO = Path(__file__).resolve().parents[2]
+CPU_STEPS = 8
+"""Steps of each bench/gpu_check.sh stage under `--cpu` (bench/gpu_session.sh)."""
 
 
 @pytest.mark.slow
@@ -28,3 +35,7 @@ def test_the_session_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert len(files) <= 8 and all(f.count("/") <= 2 for f in files), files
     assert {"env.txt", "session.log", "nccl_smoke.json", "gpu_check_124m.json", "gpu_check_350m.json"} <= set(files)
+    check_cpu_report(json.loads((out / "gpu_check_124m.json").read_text()), CPU_STEPS)
+    assert json.loads((out / "gpu_check_350m.json").read_text())["passed"] is True
+    log = (out / "session.log").read_text()
+    assert "engine --static" in log and "PASSED" in log
