@@ -6,8 +6,8 @@ shard, all of a shard fetched from a checkpoint or an unsharded holder, nothing 
 fetched from a sharded holder): one all-gather of a (layers x 2) table. From the tables and the
 new owners (`optim_shards.slice_owners`) every worker computes the same moves (`_pieces`): for
 each holder of a layer, the elements of its new slice it lacks, each taken from a worker of the
-same tensor-parallel rank that has them, chosen among those by the holder's rank (so the sends spread without a global
-tally). A move carries the parameters too: the sender had those elements in its slice, so its
+same tensor-parallel rank that has them, chosen among those by the holder's rank (so the sends
+spread without a global tally). A move carries the parameters too: the sender had those elements in its slice, so its
 parameters there are the committed ones; the receiver's other parameters may be an update
 behind and are brought up by the next step's gather (`StepTransaction.behind`). All sends and
 receives are one group on the world communicator. A range that no live worker has raises

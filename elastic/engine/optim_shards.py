@@ -2,11 +2,10 @@
 gather that brings it every other owner's updates.
 
 A layer's AdamW state is cut into the slices of `templates.optim_slices`, each owned by f + 1 or
-more of the layer's holders in different pipelines (`slice_owners`: the
-generation record's owners, which the leader chose to keep survivors on their slices, or the
-plan's own). The flattened layer is its parameters in name order (the order of
-`aligned_cuts`' sizes), at this worker's tensor-parallel rank; every rank of a node owns the
-same slice of its own shard. An owner keeps moments of its slice only and updates only its
+more of the layer's holders in different pipelines (`slice_owners`: the generation record's
+owners, which the leader chose to keep survivors on their slices, or the plan's own). The
+flattened layer is its parameters in name order (the order of `aligned_cuts`' sizes), at this
+worker's tensor-parallel rank; every rank of a node owns the same slice of its own shard. An owner keeps moments of its slice only and updates only its
 slice's parameters (`MasterAdamW(owned=...)`): the commit stays local, so a step still commits
 everywhere or changes nothing.
 
