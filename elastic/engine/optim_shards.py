@@ -5,9 +5,10 @@ A layer's AdamW state is cut into the slices of `templates.optim_slices`, each o
 more of the layer's holders in different pipelines (`slice_owners`: the generation record's
 owners, which the leader chose to keep survivors on their slices, or the plan's own). The
 flattened layer is its parameters in name order (the order of `aligned_cuts`' sizes), at this
-worker's tensor-parallel rank; every rank of a node owns the same slice of its own shard. An owner keeps moments of its slice only and updates only its
-slice's parameters (`MasterAdamW(owned=...)`): the commit stays local, so a step still commits
-everywhere or changes nothing.
+worker's tensor-parallel rank; every rank of a node owns the same slice of its own shard. An
+owner keeps moments of its slice only and updates only its slice's parameters
+(`MasterAdamW(owned=...)`): the commit stays local, so a step still commits everywhere or
+changes nothing.
 
 The other parameters are one update behind until the next step begins: `gather_params` sends
 each slice's updated parameters from its owners to the holders that do not own it. Each owner
