@@ -26,6 +26,7 @@ from elastic.engine.adamw import ParamState
 from elastic.engine.optim_shards import layer_params, slice_owners, spans
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
+from templates.optim_slices import SliceOwnership
 
 REPAIR_TAG = 1 << 25
 """The tag of the repair's messages (apart from the gather's and the exchange's)."""
@@ -66,10 +67,10 @@ def _subtract(a: int, b: int, lo: int, hi: int) -> list[tuple[int, int]]:
     return [(x, y) for x, y in ((a, min(b, lo)), (max(a, hi), b)) if x < y] if lo < hi else ([(a, b)] if a < b else [])
 
 
-def _pieces(layout: ParallelLayout, tables: list[list[tuple[int, int]]], layer: int, names: list[str],
-            sizes: Mapping[str, int]) -> Iterator[_Move]:
-    """Every move of `layer` between workers of my tensor-parallel rank, in one order for all."""
-    own = slice_owners(layout)[layer]
+def _pieces(layout: ParallelLayout, tables: list[list[tuple[int, int]]], layer: int, own: SliceOwnership,
+            names: list[str], sizes: Mapping[str, int]) -> Iterator[_Move]:
+    """Every move of `layer` (its owners `own`) between workers of my tensor-parallel rank, in one
+    order for all."""
     peers = [w for w in layout.workers if w.tp_rank == layout.tp_rank]
     for w in sorted(layout.workers, key=lambda w: w.rank):
         if w.tp_rank != layout.tp_rank or not layout.plan.pipelines[w.pipeline].stages[w.stage].holds(layer):
@@ -110,8 +111,9 @@ def repair_moments(layout: ParallelLayout, groups: ParallelGroups, *, sources: M
     fresh = {n: ParamState(exp_avg=sources[n][0].new_zeros(b - a), exp_avg_sq=sources[n][0].new_zeros(b - a),
                            step=sources[n][1].step, span=(a, b)) for n, (a, b) in owned.items()}
     ops: list[P2P] = []
+    owned_by = slice_owners(layout)  # once: each call derives the plan's own when the record names none
     for layer, names in sorted(by_layer.items()):
-        for move in _pieces(layout, tables, layer, names, sizes):
+        for move in _pieces(layout, tables, layer, owned_by[layer], names, sizes):
             if layout.rank not in (move.src, move.dst):
                 continue
             for name, a, b in spans(names, sizes, move.start, move.stop):

@@ -209,10 +209,10 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     resume, vote = resume_point(s.record, s.reports)
     if resume >= config.spec.steps:
         return (Finish(why="the job's last step was committed first"),)
+    current = s.record.owners() if config.spec.sharded_optimizer else None  # the slice owners under g
     if planned is None:
         live = sorted(n for n, inc in s.members.items() if s.record.incarnations.get(n) == inc or n in joined)
-        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined,
-                           owners=s.record.owners() if config.spec.sharded_optimizer else None)
+        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined, owners=current)
         if isinstance(got, Fallback):
             return (PublishFallback(fallback=got, members=dict(s.members), lost=lost, joined=joined),)
         planned = got
@@ -224,9 +224,8 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     if config.spec.shard_transport == "collective":  # planned here once, not by every worker
         workers = assign_ranks(plan)
         moves = move_rows(plan_moves(plan, ranked_holdings(plan, s.holdings or {}, workers=workers), workers=workers))
-    owners = None  # sharded: each surviving owner kept on its slice, so that few moments move
-    if config.spec.sharded_optimizer:
-        owners = owner_rows(plan_owners(plan, previous=s.record.owners()))
+    # sharded: each surviving owner kept on its slice, so that few moments move
+    owners = None if current is None else owner_rows(plan_owners(plan, previous=current))
     return (Publish(record=GenerationRecord(
         plan=plan, resume_step=resume, incarnations={n: s.members[n] for n in plan.nodes}, lost=lost,
         joined=joined, drained=drained or [], reason=reason, completed_vote=vote, replay=replay,

@@ -36,7 +36,7 @@ from elastic.parallel.shard_moves import plan_moves
 from elastic.records.job import JobSpec
 from elastic.records.partial import ReplayRecord, resolve_replay
 from elastic.transfer.shards import ShardKey
-from templates.optim_slices import plan_owners
+from templates.optim_slices import SliceOwnership, plan_owners
 from templates.plan import PipelinePlan, Plan, StagePlan
 
 SHAPE = GPTConfig(vocab_size=256, seq_len=8, n_layer=4, n_head=2, d_model=16)
@@ -197,6 +197,7 @@ class _Job:
         self.failing = threading.Barrier(max(1, len(self.survivors)), timeout=timeout_s)
         self.replay: ReplayRecord | None = None
         self.holdings: dict[int, list[ShardKey]] = {}
+        self.owners: dict[int, SliceOwnership] | None = None
         self.lock = threading.Lock()
         self.out = Outcome()
 
@@ -239,7 +240,8 @@ class _Job:
         raise AssertionError(f"worker {w}: step 1 was not abandoned")
 
     def between(self) -> None:
-        """What the leader decides: which microbatches are kept, who holds what."""
+        """What the leader decides: which microbatches are kept, who holds what, who owns which
+        optimizer slice."""
         case = self.case
         if case.partial:
             kept = {w: t.kept for w, t in self.trainers.items()}
@@ -250,15 +252,14 @@ class _Job:
         assert held == want, f"{case.name}: shards {sorted(want - held)} have no surviving holder"
         ranks = {(c.node, c.local_rank): c.rank for c in assign_ranks(case.plan2)}
         self.holdings = {ranks[w]: self.trainers[w].holdings() if w in self.trainers else [] for w in self.live2}
+        if case.shard_optimizer and case.keep_owners:  # as the leader chooses them (leader_decisions.py)
+            self.owners = plan_owners(case.plan2, previous=plan_owners(case.plan1))
 
     def generation2(self, w: Worker) -> None:
         """Shards moved, step 1 (replayed, with `partial`) and step 2, an evaluation."""
         t, case = self.trainer(w), self.case
-        owners = None
-        if case.shard_optimizer and case.keep_owners:  # as the leader chooses them (leader_decisions.py)
-            owners = plan_owners(case.plan2, previous=plan_owners(case.plan1))
         timings = t.start(plan=case.plan2, generation=2, store=self.stores[1], abort=AbortSignal(), fetch=None, step=1,
-                          replay=self.replay, moves=plan_moves(case.plan2, self.holdings), owners=owners)
+                          replay=self.replay, moves=plan_moves(case.plan2, self.holdings), owners=self.owners)
         with self.lock:
             self.out.received[w] = timings.bytes_collective
         t.commit(t.prepare_step())

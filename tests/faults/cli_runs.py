@@ -28,7 +28,7 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     final = run_dir / "final_state.pt"
     policy = [] if "--straggler-policy" in cmd else ["--straggler-policy", "report"]
     full = [*cmd, *policy, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json")]
-    proc = _run(full, run_dir, timeout)
+    proc = run_to_end(full, run_dir, timeout)
     assert proc.returncode == 0, f"{cmd[4:]}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_committed"] == committed and summary["worker_restarts"] == 0
@@ -38,7 +38,7 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     return summary, torch.load(final), proc.stdout
 
 
-def _run(full: list[str], run_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_to_end(full: Sequence[str], run_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """`full` to its end within `timeout` s; past it, the launcher and every process under it
     (etcd, agents, workers) are SIGKILLed by PID and the failure shows where the run stood: its
     output and the end of each log in `run_dir`."""

@@ -15,14 +15,13 @@ as 4 one-stage pipelines at f = 1, so each layer's moments are 2 slices of 2 own
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.faults.cli_runs import CliResult, run_cli, same_bits
+from tests.faults.cli_runs import CliResult, run_cli, run_to_end, same_bits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -64,8 +63,7 @@ def test_survivors_keep_their_slices_so_a_loss_moves_no_moments(unsharded: CliRe
 
 
 def test_losing_every_owner_of_a_slice_names_it(tmp_path: Path) -> None:
-    proc = subprocess.run([*RUN, "--shard-optimizer", "on", *_kills(0, 2), "--run-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=200)
+    proc = run_to_end([*RUN, "--shard-optimizer", "on", *_kills(0, 2), "--run-dir", str(tmp_path)], tmp_path, 200)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "layer 0, optimizer slice 1 of 2: every owner lost (nodes 0, 2)" in proc.stdout + proc.stderr
 
@@ -86,7 +84,7 @@ def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Pa
     first = tmp_path / "first"
     cmd = [*RUN[:RUN.index("--steps")], "--steps", "6", *RUN[RUN.index("--steps") + 2:-2], "--checkpoint-every", "3",
            "--shard-optimizer", before, "--run-dir", str(first)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    proc = run_to_end(cmd, first, 200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = run_cli([*RUN, "--shard-optimizer", after, "--resume", str(first)], tmp_path / "resumed",
                   committed=STEPS - 6, lost=[], timeout=200)
