@@ -64,7 +64,7 @@ PARALLEL_SAFE = frozenset({
     "tests/bench/test_nccl_smoke.py", "tests/comm/test_abandon.py", "tests/model/test_recompute.py",
     "tests/bench/test_recompute_bench.py", "tests/engine/test_saved_activations.py",
     "tests/comm/test_scatter_gather.py", "tests/model/test_llama.py", "tests/comm/test_sharded_bytes.py",
-    "tests/comm/test_slice_owners.py",
+    "tests/comm/test_slice_owners.py", "tests/comm/test_sliced_checkpoint.py",
 })
 """Slow modules that start no job, etcd or timed fault: compute and gloo on threads or processes
 of their own, with no deadline nearer than their timeouts."""

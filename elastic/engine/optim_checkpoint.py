@@ -1,70 +1,59 @@
-"""The sharded optimizer's checkpoints (issue 55): each shard's writer gathers the moments it
-lacks from their owners, so a checkpoint keeps one format whatever the optimizer.
+"""The sharded optimizer's checkpoints (issue 55): each slice of a layer's state is written once, by
+one of its owners, with no gather (the format: `checkpoint/slices.py`).
 
-A checkpoint shard is written by one holder (`checkpoint/policy.py`: the lowest-numbered
-pipeline's). Sharded, that holder owns one slice of each of its layers' moments; for every other
-slice, the slice's first owner sends it its moments (the same layer's slice at the same
-tensor-parallel rank), over the generation's world group, one group a layer in ascending layer
-order (both sides list the same pieces in the same order), so the writer holds one layer's
-whole moments at a time on its device besides its own slices. The shard it writes has whole
-moments, as an unsharded run's: `--resume` and the checkpoint fallback read it into any layout,
-sharded or not (a new owner keeps its slice of a whole source: `optim_repair.py`).
-
-The gathered moments are the committed ones (they change only at a commit, on the training
-thread, which is the caller). Every worker of the generation calls it at the same point.
+A shard's checkpoint writer (`checkpoint/policy.py`: the holder of the lowest-numbered pipeline)
+writes its head: the AdamW step count and the parameters' shapes. Slice j of the shard (the
+slices of `templates.optim_slices`, cut where `aligned_cuts` cuts the flattened layer at this
+worker's tensor-parallel rank) is written by the shard's writer when it owns the slice, else by
+the slice's first owner: the parameters' and both moments' elements of the slice, which its
+owners updated at the last commit. Every worker calls it after its own commit, alone: a
+checkpoint is no collective, as unsharded, so it never waits on a peer and a peer's failure
+cannot cut it short (it leaves the step incomplete instead).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Sequence
 
-import torch
-
-from elastic.comm import P2P
-from elastic.engine.adamw import ParamState
-from elastic.engine.optim_shards import layer_params, slice_owners, spans
-from elastic.parallel.groups import ParallelGroups
+from elastic.engine.checkpoint.slices import CheckpointPart, head_part, slice_part
+from elastic.engine.optim_shards import slice_owners, spans
+from elastic.engine.shard_store import Held
 from elastic.parallel.layout import ParallelLayout
+from elastic.transfer.shards import ShardKey
 from templates.optim_slices import aligned_cuts
 
-CHECKPOINT_TAG = 1 << 26
-"""Tag of the checkpoint gather's messages: apart from the step's, the gather's and the repair's."""
 
-Moments = dict[str, tuple[torch.Tensor, torch.Tensor]]
-"""Parameter name -> its whole (exp_avg, exp_avg_sq), flattened, on the host."""
-
-
-def whole_moments(layout: ParallelLayout, groups: ParallelGroups, state: Mapping[str, ParamState],
-                  sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> Moments:
-    """The whole moments of the parameters of the layers I write (empty where I write none), as
-    host tensors; I send my slices to the writers that lack them. `state` and `sizes`: my
-    optimizer's state and each parameter's elements. Collective over the world group."""
+def sliced_parts(layout: ParallelLayout, held: Held, writes: Sequence[ShardKey]) -> list[CheckpointPart]:
+    """My parts of a checkpoint of the committed step: the head of each shard of `writes` (those
+    I write, `checkpoint_writer_shards`) and every slice of my shards that I write. The tensors
+    are views of the held ones: copy them before the next commit (the checkpoint writer does)."""
     owned = slice_owners(layout)
     node_of = {w.rank: w.node for w in layout.workers}
-    out: Moments = {}
-    for layer, names in sorted(layer_params(sizes, layer_of).items()):
-        holders = layout.holders(layer)
-        writer = holders[0]
+    out: list[CheckpointPart] = []
+    for key, entries in sorted(held.items()):
+        names = sorted(entries)
+        sizes = {n: entries[n][0].numel() for n in names}
+        own = owned[key.layer]
+        if key in writes:
+            steps = {state.step for _, state in entries.values()}
+            if len(steps) != 1:
+                raise ValueError(f"shard {tuple(key)}: parameters disagree on the AdamW step count {sorted(steps)}")
+            out.append(head_part(key, step=steps.pop(), shapes={n: entries[n][0].shape for n in names},
+                                 slices=own.slices))
+        holders = layout.holders(key.layer, key.tp_rank)
         rank_of = {node_of[r]: r for r in holders}
-        full = {n: (torch.zeros(sizes[n], device=groups.device), torch.zeros(sizes[n], device=groups.device))
-                for n in names} if writer == layout.rank else {}
-        ops: list[P2P] = []
-        cuts = aligned_cuts([sizes[n] for n in names], owned[layer].slices)
-        for j, nodes in enumerate(owned[layer].owners):
-            src = writer if node_of[writer] in nodes else rank_of[nodes[0]]
-            if layout.rank not in (src, writer):
+        cuts = aligned_cuts([sizes[n] for n in names], own.slices)
+        for j, nodes in enumerate(own.owners):
+            writer = holders[0] if node_of[holders[0]] in nodes else rank_of[nodes[0]]
+            if writer != layout.rank:
                 continue
+            pieces = {}
             for name, a, b in spans(names, sizes, cuts[j], cuts[j + 1]):
-                if layout.rank == src:
-                    mine = state[name].elements(a, b)
-                    if src == writer:
-                        full[name][0][a:b].copy_(mine[0])
-                        full[name][1][a:b].copy_(mine[1])
-                    else:
-                        ops.extend(P2P("send", t, writer, CHECKPOINT_TAG) for t in mine)
-                else:
-                    ops.extend(P2P("recv", t[a:b], src, CHECKPOINT_TAG) for t in full[name])
-        if ops:
-            groups.wait(groups.post(groups.world, ops))
-        out.update({n: (groups.fetch(m).cpu(), groups.fetch(v).cpu()) for n, (m, v) in full.items()})
+                param, state = entries[name]
+                span = (0, sizes[name]) if state.span is None else state.span
+                if not span[0] <= a < b <= span[1]:
+                    raise ValueError(f"shard {tuple(key)}: {name}'s moments hold [{span[0]}, {span[1]}), "
+                                     f"not slice {j}'s [{a}, {b})")
+                pieces[name] = (a, (param.detach().view(-1)[a:b], *state.elements(a, b)))
+            out.append(slice_part(key, index=j, slices=own.slices, pieces=pieces))
     return out

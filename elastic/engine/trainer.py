@@ -22,11 +22,12 @@ import torch
 from elastic.comm import Recorder
 from elastic.data.dataset import TokenDataset
 from elastic.engine.adamw import MasterAdamW
+from elastic.engine.checkpoint.slices import CheckpointPart
 from elastic.engine.device import bind, select_device
 from elastic.engine.eval import eval_due, evaluate
 from elastic.engine.generation import Generation, GenerationBuilder, Part, joined
 from elastic.engine.graveyard import Graveyard
-from elastic.engine.optim_checkpoint import whole_moments
+from elastic.engine.optim_checkpoint import sliced_parts
 from elastic.engine.shard_store import FetchFn, ShardState, ShardStore
 from elastic.engine.step import KeptGrads, PreparedStep, StepDiscarded
 from elastic.model.gpt import GPTStage
@@ -162,23 +163,16 @@ class Trainer:
         bind(self.device)  # gRPC's threads call this: no CUDA call of theirs may land on device 0
         return self._shards.export(ShardKey(layer, tp_rank), copy=True)
 
-    def checkpoint_shards(self, keys: Sequence[ShardKey]) -> dict[ShardKey, ShardState]:
-        """The committed state of the shards `keys` (those I write, `checkpoint_writer_shards`)
-        as CPU tensors with whole moments. With the optimizer sharded, collective over the
-        generation: every worker calls it at the same committed step, with its own keys (or
-        none), and the writers gather the slices they lack (optim_checkpoint.py)."""
+    def checkpoint_parts(self, keys: Sequence[ShardKey]) -> list[CheckpointPart]:
+        """My parts of a checkpoint of the committed step, `keys` being the shards I write
+        (`checkpoint_writer_shards`): those shards whole or, with the optimizer sharded, their
+        heads and every slice I write (optim_checkpoint.py). The tensors are the held ones (or
+        views of them), on their device: copy them before the next commit, on this thread (the
+        checkpoint writer's `save_parts` does, on CUDA without blocking). Never collective."""
         current = joined(self._current)
         if not self.spec.sharded_optimizer:
-            return {k: self.export_shard(*k) for k in keys}
-        current.transaction.sync()
-        sizes = {n: p.numel() for n, p in current.optimizer.params}
-        whole = whole_moments(current.layout, current.groups, current.optimizer.state, sizes, self.layer_of)
-        out = {k: self.export_shard(*k) for k in keys}
-        for shard in out.values():
-            for name in [n.removeprefix("param/") for n in shard if n.startswith("param/")]:
-                shape = shard[f"param/{name}"].shape
-                shard[f"exp_avg/{name}"], shard[f"exp_avg_sq/{name}"] = (m.view(shape) for m in whole[name])
-        return out
+            return [CheckpointPart(key=k, tensors=self._shards.export(k, copy=False)) for k in keys]
+        return sliced_parts(current.layout, self._shards.held(), keys)
 
     # ---- steps ---------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """An elastic worker's checkpoints (`--checkpoint-every`): the shards it writes at each due step
-(`checkpoint_writer_shards`: one writer a shard), through a writer thread that saves while
+(`checkpoint_writer_shards`: one writer a shard; with the optimizer sharded, the heads of those
+and the slices it writes: elastic/engine/optim_checkpoint.py), through a writer thread that saves while
 training goes on, and the report of a save that failed (a full or failing disk): an event and the
 worker's `checkpoint-failures/` record (elastic/records/checkpoint_failures.py)."""
 
@@ -52,16 +53,9 @@ class WorkerCheckpoints:
         """Queue this worker's checkpoint shards of the committed step (`checkpoint_writer_shards`)."""
         from elastic.engine.checkpoint.policy import checkpoint_writer_shards
 
-        mine = checkpoint_writer_shards(layout)
-        try:  # sharded: collective, the writers gather the moments' slices they lack
-            shards = trainer.checkpoint_shards(mine)
-        except Exception as exc:  # a peer failed meanwhile: the generation change comes next
-            if not trainer.spec.sharded_optimizer:
-                raise
-            worker_log(f"no checkpoint of step {trainer.step}: gathering the optimizer's slices failed: {exc}")
-            return
-        if shards:
-            self.writer.save_async(trainer.step, shards)
+        parts = trainer.checkpoint_parts(checkpoint_writer_shards(layout))  # sharded: my heads and slices
+        if parts:
+            self.writer.save_parts(trainer.step, parts)
 
     def flush(self) -> None:
         """Wait until every queued save is on disk (or has failed)."""

@@ -19,7 +19,7 @@ import dataclasses
 import random
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from elastic.comm import Event, Recorder
 from elastic.engine.checkpoint.policy import checkpoint_writer_shards
+from elastic.engine.checkpoint.slices import CheckpointPart, assemble_parts
 from elastic.engine.optim import OptimConfig
 from elastic.engine.trainer import Trainer
 from elastic.model.config import GPTConfig
@@ -78,9 +79,10 @@ class Case:
     shard_optimizer: bool = False
     """Whether the AdamW moments are sharded over each layer's holders (elastic/engine/optim_shards.py):
     each step starts with the gather of the parameters the other owners updated, generation 2
-    re-slices over its world group (optim_repair.py), and the end state is read through the
-    checkpoint writers' gather (optim_checkpoint.py). With a failure, plan 1 has f = 1, so that the
-    loss of one pipeline's nodes leaves every slice an owner; otherwise f = 0: P slices of one owner."""
+    re-slices over its world group (optim_repair.py), and the end state is read from the
+    checkpoint's parts (optim_checkpoint.py: each slice written once, by one owner, then
+    assembled). With a failure, plan 1 has f = 1, so that the loss of one pipeline's nodes leaves
+    every slice an owner; otherwise f = 0: P slices of one owner."""
     keep_owners: bool = True
     """Sharded: generation 2's slice owners are the leader's, each survivor kept on the slice that
     overlaps most what it owned (`plan_owners(plan2, previous=...)`); False: plan 2's own."""
@@ -98,6 +100,8 @@ class Outcome:
     shards: dict[tuple[int, int], dict[ShardKey, dict[str, torch.Tensor]]] = field(default_factory=dict)
     """Worker -> the shards it holds at the end (parameters, AdamW state, step count)."""
     received: dict[tuple[int, int], int] = field(default_factory=dict)
+    parts: dict[tuple[int, int], list[CheckpointPart]] = field(default_factory=dict)
+    """Sharded: worker -> its parts of a checkpoint of the end state (heads and slices it writes)."""
     """Worker -> the bytes it received over generation 2's world group as it joined (shard moves
     and the sharded optimizer's repair: `ReconfigTimings.bytes_collective`)."""
 
@@ -206,6 +210,10 @@ class _Job:
         if not self.out.errors:
             self.between()
             self._on_threads(self.generation2, self.live2)
+        if self.out.parts and not self.out.errors:  # each shard whole, as its head's writer would read it back
+            whole = assemble_parts([p for mine in self.out.parts.values() for p in mine])
+            self.out.shards = {w: {p.key: whole[p.key] for p in mine if p.sliced is not None and p.sliced.index is None}
+                               for w, mine in self.out.parts.items()}
         self.out.logs = {w: self.recorders[w].snapshot() for w in self.workers}
         for t in self.trainers.values():  # abandoned operations would keep gloo's loops busy
             t.shutdown()
@@ -269,10 +277,11 @@ class _Job:
         with self.lock:
             self.out.steps[w] = t.step
             self.out.shards[w] = {k: t.export_shard(*k) for k in t.holdings()}
-        if self.case.shard_optimizer:  # holders keep slices of the moments: the writers' whole shards
-            shards = t.checkpoint_shards(checkpoint_writer_shards(t.layout))
+        if self.case.shard_optimizer:  # holders keep slices of the moments: the checkpoint's parts
+            parts = [replace(p, tensors={n: v.clone() for n, v in p.tensors.items()})
+                     for p in t.checkpoint_parts(checkpoint_writer_shards(t.layout))]
             with self.lock:
-                self.out.shards[w] = shards
+                self.out.parts[w] = parts
 
     def _on_threads(self, fn: Callable[[Worker], None], workers: list[Worker]) -> None:
         def run(w: Worker) -> None:
@@ -286,8 +295,8 @@ class _Job:
 
 
 def same_end_state(off: Outcome, on: Outcome) -> None:
-    """Every shard (parameters, moments, step count) bit for bit, read sharded from each
-    shard's checkpoint writer (each shard once, whole)."""
+    """Every shard (parameters, moments, step count) bit for bit, read sharded from the
+    checkpoint's parts (each shard once, assembled from its head and slices, each slice once)."""
     written = {key: state for mine in on.shards.values() for key, state in mine.items()}
     assert written.keys() == {key for mine in off.shards.values() for key in mine}
     for worker, mine in off.shards.items():

@@ -8,9 +8,10 @@ as 4 one-stage pipelines at f = 1, so each layer's moments are 2 slices of 2 own
 - 5 pipelines (slices of 3 and 2 owners), node 2 killed: every survivor keeps its slice (the
   leader's `slice_owners`), so the recovery moves no byte, and the run ends as the unsharded one.
 - Nodes 0 and 2 killed, both owners of slice 1: the leader says which slice is lost and falls
-  back to the checkpoint, whose writers gathered the slices they lacked; the run still ends as the
-  unsharded one. Without a checkpoint the job ends with that error.
-- A checkpoint written sharded resumes unsharded and the other way round, bit for bit.
+  back to the checkpoint (each slice written once, by one of its owners: the readers assemble it);
+  the run still ends as the unsharded one. Without a checkpoint the job ends with that error.
+- A checkpoint written sharded (a head and 2 slices a shard) resumes unsharded and the other way
+  round, bit for bit.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def test_losing_every_owner_of_a_slice_falls_back_to_the_checkpoint(unsharded: C
     cmd = [*RUN[:-2], "--checkpoint-every", "4", "--shard-optimizer", "on", *_kills(0, 2)]
     got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[0, 2]], timeout=200)
     (recovery,) = got[0]["recoveries"]
-    # node 0 writes every shard: step 8's may still have been on its way to disk at the kill
+    # node 0 writes every head and node 1 slice 1 of each: step 8's may still have been on its way
+    # to disk at the kill
     assert recovery["restore_checkpoint"] in (4, 8), recovery
     assert "optimizer slice 1 of 2: every owner lost (nodes 0, 2)" in got[2], got[2][-3000:]
     same_bits(got, unsharded, "sharded, both owners of a slice killed, checkpoint fallback")
@@ -86,6 +88,11 @@ def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Pa
            "--shard-optimizer", before, "--run-dir", str(first)]
     proc = run_to_end(cmd, first, 200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # sharded, each shard of step 6 is a head and its 2 slices (4 holders, f = 1), each slice
+    # written once by one of its owners (tests/comm/test_sliced_checkpoint.py); unsharded, whole
+    step6 = first / "checkpoints" / "step-00000006"
+    heads, slices = sorted(step6.glob("layer-*-tp-00.done")), sorted(step6.glob("layer-*-slice-*-of-002.done"))
+    assert heads and len(slices) == (2 * len(heads) if before == "on" else 0), [p.name for p in step6.iterdir()]
     got = run_cli([*RUN, "--shard-optimizer", after, "--resume", str(first)], tmp_path / "resumed",
                   committed=STEPS - 6, lost=[], timeout=200)
     assert got[0]["losses"][-1] == unsharded[0]["losses"][-1]

@@ -3,6 +3,8 @@
     <directory>/step-<step:08d>/                 one optimizer step
         layer-<LLLL>-tp-<TT>.<token>/            one shard's data, written by torch.distributed.checkpoint
         layer-<LLLL>-tp-<TT>.done                marker: JSON naming the data directory, written last
+        layer-<LLLL>-tp-<TT>-slice-<J>-of-<S>.*  with the optimizer sharded: one slice of the
+                                                 shard, data and marker (`slices.py`)
 
 Every write of a shard goes to a fresh data directory (unique token), and the marker is written
 to a temporary name, fsynced and renamed over the final name: the rename is the commit point. A
@@ -14,6 +16,9 @@ The marker (`ShardMarker`, version 2) also names the model's layer count and ten
 degree, so a step directory describes itself (a resumed run reshards it), and the CRC-32 of
 every file of the data directory, so a reader detects a corrupt shard before it uses it.
 Version-1 markers (no degree, no checksums) are still read; their shards are not verified.
+Version 3 is the sharded optimizer's: a head (the shard's AdamW step count, its parameters'
+shapes and its slice count) and one marker per slice (`slices.py`); a step is complete only when
+every slice of every head is committed too.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import re
 import shutil
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic.coordinator.jsonrecord import JsonRecord, RecordError
@@ -32,7 +37,9 @@ from elastic.transfer.shards import ShardKey
 
 _STEP_RE = re.compile(r"^step-(\d{8})$")
 _MARKER_RE = re.compile(r"^layer-(\d{4})-tp-(\d{2})\.done$")
-MARKER_VERSION = 2
+MARKER_VERSION = 3
+WHOLE_VERSION = 2
+"""The version of a marker of a shard written whole (what readers before version 3 read)."""
 _CHUNK = 1 << 20
 
 
@@ -61,9 +68,24 @@ class ShardMarker(JsonRecord):
     checksums: dict[str, int] | None = None
     """CRC-32 of every file of the data directory, by relative path (None: a version-1 marker,
     not verified)."""
-    version: int = MARKER_VERSION
-    """Marker format: 1 (data and names only) or 2 (with the model's layers and degree, and
-    checksums). The field predates the JSON records' schema version and stays the marker's own."""
+    slices: int | None = None
+    """Version 3, a head or a slice: the number of slices the shard was written in."""
+    index: int | None = None
+    """Version 3, a slice: its number, 0 to `slices` - 1 (None: a head or a whole shard)."""
+    shapes: dict[str, list[int]] | None = None
+    """Version 3, a head: the shape of each parameter of the shard, by canonical name."""
+    offsets: dict[str, int] | None = None
+    """Version 3, a slice: the first element (flattened) of each parameter it holds part of."""
+    version: int = WHOLE_VERSION
+    """Marker format: 1 (data and names only), 2 (with the model's layers and degree, and
+    checksums) or 3 (a head or a slice of a shard written sliced). The field predates the JSON
+    records' schema version and stays the marker's own."""
+
+    @property
+    def stem(self) -> str:
+        """The name of its marker file without `.done`."""
+        key = ShardKey(self.layer, self.tp_rank)
+        return shard_stem(key) if self.index is None else slice_stem(key, self.index, self.slices or 0)
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -75,13 +97,18 @@ def shard_stem(key: ShardKey) -> str:
     return f"layer-{layer:04d}-tp-{tp_rank:02d}"
 
 
+def slice_stem(key: ShardKey, index: int, slices: int) -> str:
+    """The name of slice `index` of `slices` of a shard (its data directory's and marker's)."""
+    return f"{shard_stem(key)}-slice-{index:03d}-of-{slices:03d}"
+
+
 def marker_path(directory: Path, step: int, key: ShardKey) -> Path:
     return step_dir(directory, step) / f"{shard_stem(key)}.done"
 
 
-def new_data_dir(directory: Path, step: int, key: ShardKey) -> Path:
-    """A data directory name no earlier write of this shard has used."""
-    return step_dir(directory, step) / f"{shard_stem(key)}.{uuid.uuid4().hex[:12]}"
+def new_data_dir(directory: Path, step: int, stem: str) -> Path:
+    """A data directory name no earlier write of this shard (or slice: `stem`) has used."""
+    return step_dir(directory, step) / f"{stem}.{uuid.uuid4().hex[:12]}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -106,14 +133,12 @@ def data_checksums(data_dir: Path) -> dict[str, int]:
     return {p.relative_to(data_dir).as_posix(): file_crc32(p) for p in sorted(data_dir.rglob("*")) if p.is_file()}
 
 
-def write_marker(
-    directory: Path, step: int, key: ShardKey, data_dir: Path, names: list[str], *, num_layers: int, tp_degree: int
-) -> None:
-    """Commit one shard: checksums of its data, temp file, fsync, atomic rename, fsync of the
-    step directory."""
-    final = marker_path(directory, step, key)
-    marker = ShardMarker(step=step, layer=key[0], tp_rank=key[1], data=data_dir.name, names=sorted(names),
-                         num_layers=num_layers, tp_degree=tp_degree, checksums=data_checksums(data_dir))
+def write_marker(directory: Path, marker: ShardMarker, data_dir: Path) -> None:
+    """Commit one shard or slice (`marker`, its `data` and `checksums` filled in here from
+    `data_dir`): checksums of its data, temp file, fsync, atomic rename, fsync of the step
+    directory."""
+    marker = replace(marker, data=data_dir.name, names=sorted(marker.names), checksums=data_checksums(data_dir))
+    final = step_dir(directory, marker.step) / f"{marker.stem}.done"
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -128,10 +153,12 @@ def write_marker(
     _fsync_dir(final.parent)
 
 
-def read_marker(directory: Path, step: int, key: ShardKey) -> ShardMarker | None:
-    """The marker of one shard, or None when the shard was never committed (CheckpointError
-    when it cannot be read)."""
-    path = marker_path(directory, step, key)
+def read_marker(directory: Path, step: int, key: ShardKey, *, index: int | None = None,
+                slices: int = 0) -> ShardMarker | None:
+    """The marker of one shard (or of its slice `index` of `slices`), or None when it was never
+    committed (CheckpointError when it cannot be read)."""
+    path = marker_path(directory, step, key) if index is None else \
+        step_dir(directory, step) / f"{slice_stem(key, index, slices)}.done"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -153,7 +180,7 @@ def verify_data(directory: Path, marker: ShardMarker) -> None:
     if marker.checksums is None:
         return
     data = step_dir(directory, marker.step) / marker.data
-    where = f"shard {shard_stem(ShardKey(marker.layer, marker.tp_rank))} of step {marker.step} in {directory}"
+    where = f"{'shard' if marker.index is None else 'slice'} {marker.stem} of step {marker.step} in {directory}"
     for rel, want in sorted(marker.checksums.items()):
         path = data / rel
         try:
@@ -192,8 +219,22 @@ def all_keys(num_layers: int, tp_degree: int) -> list[ShardKey]:
 
 
 def missing_shards(directory: Path, step: int, keys: list[ShardKey]) -> list[ShardKey]:
-    """The shards of `keys` that have no marker in `step`."""
-    return [k for k in keys if not marker_path(directory, step, k).is_file()]
+    """The shards of `keys` that have no marker in `step`, or whose head names a slice that has
+    none (an unreadable head counts as present: its reader says what is wrong)."""
+    return [k for k in keys if not marker_path(directory, step, k).is_file() or missing_slices(directory, step, k)]
+
+
+def missing_slices(directory: Path, step: int, key: ShardKey) -> list[int]:
+    """The slices of a shard written sliced that have no marker in `step` (none for a shard
+    written whole, or one whose head is missing or cannot be read)."""
+    try:
+        head = read_marker(directory, step, key)
+    except CheckpointError:
+        return []
+    if head is None or head.slices is None or head.index is not None:
+        return []
+    base = step_dir(directory, step)
+    return [j for j in range(head.slices) if not (base / f"{slice_stem(key, j, head.slices)}.done").is_file()]
 
 
 def complete_steps(directory: Path, *, num_layers: int, tp_degree: int) -> list[int]:

@@ -11,14 +11,17 @@ import torch
 
 from elastic.engine.checkpoint.files import (
     CheckpointError,
+    ShardMarker,
     complete_steps,
     list_steps,
     missing_shards,
+    missing_slices,
     read_marker,
     shard_stem,
     step_dir,
     verify_data,
 )
+from elastic.engine.checkpoint.slices import assemble
 from elastic.engine.checkpoint.writers import Shards
 from elastic.transfer.shards import ShardKey
 
@@ -40,7 +43,7 @@ def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
         )
     missing = missing_shards(directory, step, keys)
     if missing:
-        named = ", ".join(f"(layer {layer}, tp {t})" for layer, t in missing)
+        named = ", ".join(_missing(directory, step, key) for key in missing)
         raise CheckpointError(
             f"checkpoint step {step} in {directory} lacks committed shards {named}: "
             "their writer did not finish"
@@ -51,15 +54,59 @@ def load_shards(directory: Path, step: int, keys: list[ShardKey]) -> Shards:
     return out
 
 
+def _missing(directory: Path, step: int, key: ShardKey) -> str:
+    """One shard of `missing_shards`, named: its slices that were not committed, if any."""
+    layer, tp_rank = key
+    lost = missing_slices(directory, step, key)
+    if not lost:
+        return f"(layer {layer}, tp {tp_rank})"
+    head = read_marker(directory, step, key)
+    return f"(layer {layer}, tp {tp_rank}; its slice{'s' * (len(lost) > 1)} " \
+           f"{', '.join(map(str, lost))} of {head.slices if head else '?'})"
+
+
 def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor of one committed shard, from its DCP metadata alone
-    (no tensor is read); CheckpointError if the shard is not committed or its metadata is unreadable
-    or disagrees with the marker."""
+    (no tensor is read; a shard written sliced: its head's shapes and its slices' dtypes);
+    CheckpointError if the shard is not committed or its metadata is unreadable or disagrees with
+    the marker."""
+    head = _marker(directory, step, key)
+    out = _data_metadata(directory, head)
+    if head.slices is None:
+        return out
+    for marker in _slice_markers(directory, head):
+        for name, (_, dtype) in _data_metadata(directory, marker).items():
+            kind, _, param = name.partition("/")
+            if head.shapes is None or param not in head.shapes:
+                raise CheckpointError(f"slice {marker.stem} of step {step} in {directory} holds {name}, "
+                                      "which its head does not name")
+            out.setdefault(name, (tuple(head.shapes[param]), dtype))
+    return out
+
+
+def _marker(directory: Path, step: int, key: ShardKey) -> ShardMarker:
     marker = read_marker(directory, step, key)
-    where = f"shard {shard_stem(key)} of step {step} in {directory}"
     if marker is None:
-        raise CheckpointError(f"{where} is not committed")
-    data = step_dir(directory, step) / marker.data
+        raise CheckpointError(f"shard {shard_stem(key)} of step {step} in {directory} is not committed")
+    return marker
+
+
+def _slice_markers(directory: Path, head: ShardMarker) -> list[ShardMarker]:
+    """The markers of a head's slices, in order (CheckpointError naming the first missing)."""
+    out = []
+    for j in range(head.slices or 0):
+        marker = read_marker(directory, head.step, ShardKey(head.layer, head.tp_rank), index=j, slices=head.slices or 0)
+        if marker is None or marker.index != j or marker.slices != head.slices:
+            raise CheckpointError(f"slice {j} of {head.slices} of shard {head.stem} of step {head.step} in "
+                                  f"{directory} is not committed: its owner did not finish")
+        out.append(marker)
+    return out
+
+
+def _data_metadata(directory: Path, marker: ShardMarker) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the tensors of one marker's data directory."""
+    where = f"{marker.stem} of step {marker.step} in {directory}"
+    data = step_dir(directory, marker.step) / marker.data
     import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
 
     try:
@@ -76,17 +123,29 @@ def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple
     return out
 
 
-def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
-    marker = read_marker(directory, step, key)
-    assert marker is not None  # checked by the caller
+def _read_data(directory: Path, marker: ShardMarker) -> dict[str, torch.Tensor]:
+    """The tensors of one marker's data directory, its files checked against their CRC-32 first."""
     verify_data(directory, marker)
-    shapes = shard_metadata(directory, step, key)
-    data = step_dir(directory, step) / marker.data
+    shapes = _data_metadata(directory, marker)
+    data = step_dir(directory, marker.step) / marker.data
     tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
     import torch.distributed.checkpoint as dcp  # on first use (see the module docstring)
 
     try:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(data), no_dist=True)
     except Exception as e:
-        raise CheckpointError(f"shard {shard_stem(key)} of step {step} in {directory}: cannot read {data}: {e}") from e
+        raise CheckpointError(f"{marker.stem} of step {marker.step} in {directory}: cannot read {data}: {e}") from e
     return tensors
+
+
+def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tensor]:
+    head = _marker(directory, step, key)
+    tensors = _read_data(directory, head)
+    if head.slices is None:
+        return tensors
+    if head.shapes is None or set(tensors) != {"step"}:
+        raise CheckpointError(f"shard {head.stem} of step {step} in {directory}: a head needs the shapes and the "
+                              f"step count alone, has {sorted(tensors)}")
+    slices = [(m.offsets or {}, _read_data(directory, m)) for m in _slice_markers(directory, head)]
+    return assemble(f"shard {head.stem} of step {step} in {directory}", step=tensors["step"], shapes=head.shapes,
+                    slices=slices)

@@ -22,15 +22,13 @@ import torch
 
 from elastic.engine.checkpoint.files import CheckpointError, committed_keys, read_marker, shard_stem, step_dir
 from elastic.engine.checkpoint.load import load_shards, shard_metadata
+from elastic.engine.checkpoint.slices import KINDS
 from elastic.engine.checkpoint.writers import Shards
 from elastic.model.config import GPTConfig
 from elastic.model.gpt import GPTStage
 from elastic.model.init import join_shards, shard_shape, shard_tensor
 from elastic.model.kv_layout import KvGroups
 from elastic.transfer.shards import ShardKey
-
-KINDS = ("param", "exp_avg", "exp_avg_sq")
-"""The per-parameter tensors of a shard (Trainer.export_shard): the parameter and its AdamW moments."""
 
 
 class CheckpointMismatch(CheckpointError):

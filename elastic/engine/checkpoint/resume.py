@@ -41,6 +41,11 @@ def verify_crcs(directory: Path, step: int) -> None:
         marker = read_marker(directory, step, key)
         assert marker is not None
         verify_data(directory, marker)
+        for j in range(marker.slices or 0):  # a shard written sliced: its slices too
+            piece = read_marker(directory, step, key, index=j, slices=marker.slices or 0)
+            if piece is None:
+                raise CheckpointError(f"slice {j} of shard {marker.stem} of step {step} in {directory} is not committed")
+            verify_data(directory, piece)
 
 
 def find_resume_point(run_dir: Path, cfg: GPTConfig, *, checkpoint_dir: Path | None = None) -> ResumeSource:

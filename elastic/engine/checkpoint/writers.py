@@ -30,7 +30,8 @@ import shutil
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ import torch
 
 from elastic.comm.device import host_copy, mark, settle
 from elastic.engine.checkpoint.files import (
+    MARKER_VERSION,
     CheckpointError,
+    ShardMarker,
     all_keys,
     complete_steps,
     new_data_dir,
@@ -46,6 +49,7 @@ from elastic.engine.checkpoint.files import (
     step_dir,
     write_marker,
 )
+from elastic.engine.checkpoint.slices import CheckpointPart
 from elastic.transfer.shards import ShardKey
 
 Shards = dict[ShardKey, dict[str, torch.Tensor]]
@@ -67,7 +71,7 @@ class SaveRecord:
     step: int
     """Step the shards belong to."""
     shards: int
-    """Number of (layer, tp_rank) shards written."""
+    """Number of parts written: whole (layer, tp_rank) shards, or heads and slices of sliced ones."""
     bytes: int
     """Tensor bytes written."""
     copy_s: float
@@ -89,7 +93,7 @@ class FailedSave:
 @dataclass(frozen=True)
 class _Job:
     step: int
-    shards: Shards
+    parts: list[CheckpointPart]
     copy_s: float
     ready: Any = None
     """CUDA: the event after the copies into pinned host memory, waited for by the writer
@@ -119,27 +123,32 @@ class CheckpointWriter:
 
     def save_async(self, step: int, shards: Shards) -> None:
         """Copy `shards` (the caller may change its tensors as soon as this returns), then
-        write them as part of `step` on the background thread. On CUDA the copies go to pinned
-        host memory behind the current stream, and the writer thread waits for them: the training
-        thread does not block."""
+        write them as part of `step` on the background thread, each whole (`save_parts`)."""
+        self.save_parts(step, [CheckpointPart(key=ShardKey(*key), tensors=tensors) for key, tensors in shards.items()])
+
+    def save_parts(self, step: int, parts: Sequence[CheckpointPart]) -> None:
+        """Copy `parts` (whole shards, or heads and slices of shards written sliced: `slices.py`),
+        then write them as part of `step` on the background thread. On CUDA the copies go to
+        pinned host memory behind the current stream, and the writer thread waits for them: the
+        training thread does not block."""
         self._raise_pending()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         start = time.perf_counter()
-        copied: Shards = {}
-        for key, tensors in shards.items():
-            self._check_key(key)
-            if not tensors:
-                raise ValueError(f"shard {key} has no tensors")
+        copied: list[CheckpointPart] = []
+        for part in parts:
+            self._check_key(part.key)
+            if not part.tensors and part.sliced is None:
+                raise ValueError(f"shard {part.key} has no tensors")
             copy = {}
-            for name, t in tensors.items():
+            for name, t in part.tensors.items():
                 if not isinstance(t, torch.Tensor):
-                    raise ValueError(f"shard {key} entry {name!r} is a {type(t).__name__}, not a tensor")
+                    raise ValueError(f"shard {part.key} entry {name!r} is a {type(t).__name__}, not a tensor")
                 copy[name] = host_copy(t)
-            copied[key] = copy
-        devices = {t.device for tensors in shards.values() for t in tensors.values()}
+            copied.append(replace(part, key=ShardKey(*part.key), tensors=copy))
+        devices = {t.device for part in parts for t in part.tensors.values()}
         ready = mark(devices.pop()) if len(devices) == 1 else None
-        job = _Job(step=step, shards=copied, copy_s=time.perf_counter() - start, ready=ready)
+        job = _Job(step=step, parts=copied, copy_s=time.perf_counter() - start, ready=ready)
         self._ensure_thread()
         self._queue.put(job)
 
@@ -240,24 +249,26 @@ class CheckpointWriter:
 
         start = time.perf_counter()
         nbytes = 0
-        for key in sorted(job.shards):
-            tensors = job.shards[key]
-            data = new_data_dir(self.directory, job.step, key)
+        for part in job.parts:
+            info = part.sliced
+            marker = ShardMarker(step=job.step, layer=part.key.layer, tp_rank=part.key.tp_rank, data="",
+                                 names=list(part.tensors), num_layers=self.num_layers, tp_degree=self.tp_degree,
+                                 **({} if info is None else {**asdict(info), "version": MARKER_VERSION}))
+            data = new_data_dir(self.directory, job.step, marker.stem)
             try:
                 data.parent.mkdir(parents=True, exist_ok=True)
-                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
-                write_marker(self.directory, job.step, key, data, list(tensors), num_layers=self.num_layers,
-                             tp_degree=self.tp_degree)
+                dcp.save(part.tensors, storage_writer=dcp.FileSystemWriter(data, sync_files=True), no_dist=True)
+                write_marker(self.directory, marker, data)
             except BaseException:
                 with contextlib.suppress(OSError):  # no marker points to it: free the space
                     shutil.rmtree(data)
                 raise
             _remove_stale_data(data)
-            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            nbytes += sum(t.numel() * t.element_size() for t in part.tensors.values())
         prune(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree, keep=self.keep)
         record = SaveRecord(
             step=job.step,
-            shards=len(job.shards),
+            shards=len(job.parts),
             bytes=nbytes,
             copy_s=job.copy_s,
             write_s=time.perf_counter() - start,
