@@ -11,8 +11,11 @@ checks that gloo and gRPC work between namespaces (probe.py), then runs the job 
 `launch_elastic`: each node's agent (and so its workers) runs under `ip netns exec`, with
 ELASTIC_HOST = the node's address and GLOO_SOCKET_IFNAME = its interface. Whatever happens
 (success, failure, Ctrl-C, SIGTERM) it stops every process it started, by PID, and deletes the
-namespaces, veths and bridge. Exit codes: 0 done, 1 the job or the check failed, 2 bad flags or
-no root / no `ip netns`, 130 interrupted.
+namespaces, veths and bridge. A stop that `elastic drain --all` asks for (the job's etcd is
+on the bridge address) ends the job at a step boundary with a checkpoint there, as under `elastic
+run`: the summary is written, and the final state is that checkpoint's parameters. Exit codes: 0
+done, 1 the job or the check failed, 2 bad flags or no root / no `ip netns`, 3 stopped on
+request, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ def _fault_setter(topo: Topology, etcd_host: str) -> Callable[[PartitionSpec, bo
 
 def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
     from elastic.coordinator import EtcdServer
+    from elastic.roles.job_stop import JobStopped
     from elastic.roles.launch_errors import JobFailed
     from elastic.roles.launcher import launch_elastic
 
@@ -183,6 +187,7 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
     topo = Topology(nodes=max(plan.nodes) + 1)
     etcd: EtcdServer | None = None
     partitioner: Partitioner | None = None
+    stopped = None
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -214,6 +219,8 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
 
         summary = launch_elastic(config, etcd_endpoint=etcd.endpoint, timeout_s=args.timeout, job=job,
                                  placement=placement)
+    except JobStopped as exc:  # `elastic drain --all`: at a step boundary, with a checkpoint there
+        summary, stopped = exc.summary, exc.outcome
     except (JobFailed, TimeoutError, RuntimeError) as exc:
         print(f"deploy/netns/launch.py: error: {exc}", file=sys.stderr)
         return 1
@@ -228,16 +235,33 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
         print(f"deploy/netns/launch.py: error: the partition failed: {partitioner.error}", file=sys.stderr)
         return 1
     say(f"netns: {summary.steps_committed} steps committed, final loss "
-        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {len(summary.recoveries)} recoveries")
+        f"{summary.losses[-1] if summary.losses else float('nan'):.4f}, {len(summary.recoveries)} recoveries"
+        + ("" if stopped is None else f"; stopped on request after step {stopped.step}, checkpoint "
+           f"{'complete' if stopped.complete else 'INCOMPLETE'} in {stopped.checkpoint_dir}"))
     if args.summary is not None:
         args.summary.write_text(summary.to_json())
     if args.final_state is not None:
+        if stopped is not None and not stopped.complete:
+            print("deploy/netns/launch.py: error: the stop's checkpoint is incomplete: no final state", file=sys.stderr)
+            return 1
         import torch
 
+        torch.save(_final_state(config, stopped), args.final_state)
+    return 0 if stopped is None else 3
+
+
+def _final_state(config: Any, stopped: Any) -> dict[str, Any]:
+    """Canonical name -> fp32 tensor of the final parameters: what pipeline 0 wrote at the end, or
+    the parameters of the stop's checkpoint."""
+    if stopped is None:
         from elastic.records.summary import load_final_state
 
-        torch.save(load_final_state(config.spec), args.final_state)
-    return 0
+        return load_final_state(config.spec)
+    from elastic.engine.checkpoint.params import checkpoint_params
+
+    plan = config.spec.plan
+    return checkpoint_params(Path(stopped.checkpoint_dir), stopped.step, config.spec.model_config,
+                             tp_degree=plan.gpus_per_node)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,13 @@ LAUNCH = REPO / "deploy" / "netns" / "launch.py"
 STEPS = 8
 PARTITION = {"node": 2, "step": 3, "seconds": 6}
 LONG_STEPS = 600
-"""Steps of the one-way run: even at 0.05 s a step (an idle machine), training goes on well past
-the node's loss after the one-way cut at step 4: its lease expires within the TTL (6 s), and a
+"""Steps the one-way run may take: even at 0.05 s a step (an idle machine), training goes on well
+past the node's loss after the one-way cut at step 4: its lease expires within the TTL (6 s), and a
 node that answers the leader's probe but cannot reach etcd is lost two TTLs later
-(elastic/roles/leader_suspects.py)."""
+(elastic/roles/leader_suspects.py). The test stops it (`elastic drain --all`) once generation 2
+has committed TRAINED_ON steps, and compares it with a failure-free run of as many steps."""
+TRAINED_ON = 3
+"""Steps generation 2 (the survivors, without the fenced node) commits before the one-way run is stopped."""
 SICK_STEPS = 40
 """Steps of the sick-link run: the job all but stalls while the link is sick (about a step in 4 s
 on this machine: gloo's connections wait out TCP retransmissions), so 40 steps end well after it."""
@@ -105,21 +108,27 @@ def partitioned_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _launch(run_dir: Path, steps: int, *flags: str) -> dict[str, Any]:
-    """Run launch.py (3 nodes, f=1) to the end; its exit code, output, summary, final state,
+def _launch(run_dir: Path, steps: int, *flags: str, stop_after_gen2: int | None = None) -> dict[str, Any]:
+    """Run launch.py (3 nodes, f=1) to the end, or (`stop_after_gen2`) until generation 2 has
+    committed that many steps, then stop it as an operator would (`elastic drain --all`: at a step
+    boundary, with a checkpoint, exit 3); its exit code, output, summary, final state,
     partitions.json, netns.json and step logs. Stragglers are reported, not acted on: the nodes
     share one machine, so a node's slow steps are the machine's noise (on a loaded CI machine, the
     one-way run once published two more generations that lost no node, as a rebalance does);
     tests/faults/test_stragglers.py has the rebalance."""
-    summary, final = run_dir / "summary.json", run_dir / "final.pt"
+    summary, final, output = run_dir / "summary.json", run_dir / "final.pt", run_dir / "launch.out"
     cmd = [sys.executable, str(LAUNCH), "--nodes", "3", "--fault-tolerance", "1", "--steps", str(steps),
            "--run-dir", str(run_dir), "--summary", str(summary), "--final-state", str(final),
            "--timeout", "240", "--lease-ttl", str(LONG_TTL), "--straggler-policy", "report", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=270)
-    finally:
-        _stop(proc)
+    with output.open("w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            if stop_after_gen2 is not None:
+                _stop_once_trained_on(proc, run_dir, stop_after_gen2)
+            proc.wait(timeout=270)
+        finally:
+            _stop(proc)
+    out = output.read_text()
     parts = run_dir / "partitions.json"
     return {
         "code": proc.returncode, "out": out,
@@ -131,24 +140,37 @@ def _launch(run_dir: Path, steps: int, *flags: str) -> dict[str, Any]:
     }
 
 
+def _stop_once_trained_on(proc: subprocess.Popen[Any], run_dir: Path, steps: int) -> None:
+    """Once some worker's log holds `steps` commits of generation 2, ask for the job's stop."""
+    def trained_on() -> bool:
+        time.sleep(0.5)  # the logs are read whole: not 50 times a second beside the job
+        if proc.poll() is not None:
+            return True  # ended by itself: the test says what went wrong
+        return any(sum(r.generation == 2 for r in log) >= steps for log in step_logs(run_dir).values())
+
+    wait_for(trained_on, timeout=240, what=f"{steps} steps of generation 2")
+    if proc.poll() is None:
+        drain = subprocess.run([sys.executable, "-m", "elastic.cli", "drain", "--all", "--run-dir", str(run_dir),
+                                "--wait", "0"], capture_output=True, text=True, timeout=60, check=False)
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+
+
 def _flag(fault: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in fault.items())
 
 
-@pytest.fixture(scope="module")
-def failure_free_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def _failure_free(factory: pytest.TempPathFactory, steps: int) -> dict[str, Any]:
     """The failure-free result of the same job (tiny, global batch 8 in microbatches of 2, the CLI's
-    optimizer): one worker stands for any plan (DESIGN.md invariant 1), and the run is shared with
-    the fault tests of as many steps."""
-    summary, state = reference_run(tmp_path_factory, steps=LONG_STEPS)
+    optimizer) after `steps` steps: one worker stands for any plan (DESIGN.md invariant 1), and the
+    run is shared with the fault tests of as many steps."""
+    summary, state = reference_run(factory, steps=steps)
     return {"summary": {"losses": summary.losses}, "state": state}
 
 
 @pytest.fixture(scope="module")
 def sick_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """`failure_free_run` of SICK_STEPS steps."""
-    summary, state = reference_run(tmp_path_factory, steps=SICK_STEPS)
-    return {"summary": {"losses": summary.losses}, "state": state}
+    """`_failure_free` of SICK_STEPS steps."""
+    return _failure_free(tmp_path_factory, SICK_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +180,14 @@ def sick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_way_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _launch(tmp_path_factory.mktemp("netns-oneway"), LONG_STEPS, "--partition", _flag(ONE_WAY))
+    return _launch(tmp_path_factory.mktemp("netns-oneway"), LONG_STEPS, "--partition", _flag(ONE_WAY),
+                   stop_after_gen2=TRAINED_ON)
 
 
-def _check_against_failure_free(run: dict[str, Any], reference: dict[str, Any]) -> None:
+def _check_against_failure_free(run: dict[str, Any], reference: dict[str, Any], *, code: int = 0) -> None:
     """Every step committed, the same losses and final parameters as the failure-free launch (1e-5),
-    no worker restarted, and nothing of the launch left behind."""
-    assert run["code"] == 0, run["out"][-3000:]
+    no worker restarted, and nothing of the launch left behind; exit `code` (3: stopped on request)."""
+    assert run["code"] == code, run["out"][-3000:]
     summary, ref = run["summary"], reference["summary"]
     steps = len(reference["summary"]["losses"])
     assert summary["steps_committed"] == steps and len(summary["losses"]) == steps
@@ -229,9 +252,11 @@ def test_sick_link_causes_no_false_failure(sick_run: dict[str, Any], sick_refere
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], failure_free_run: dict[str, Any]) -> None:
-    _check_against_failure_free(one_way_run, failure_free_run)
+def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
     summary = one_way_run["summary"]
+    assert summary is not None, one_way_run["out"][-3000:]
+    assert "stopped on request after step" in one_way_run["out"], one_way_run["out"][-3000:]
+    _check_against_failure_free(one_way_run, _failure_free(tmp_path_factory, summary["steps_committed"]), code=3)
     (cut,) = one_way_run["partitions"]
     assert cut["node"] == ONE_WAY["node"] and cut["mode"] == "oneway"
     # Lost once, while its packets to etcd were dropped; the survivors re-planned and trained on.
@@ -240,7 +265,7 @@ def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], failure
     assert recovery["lost_nodes"] == [ONE_WAY["node"]] and recovery["generation"] == 2
     assert cut["down_at"] < recovery["detected_at"] < cut["up_at"]
     gens = summary["step_generations"]
-    assert gens == sorted(gens) and set(gens) == {1, 2} and gens.count(2) >= 2, gens
+    assert gens == sorted(gens) and set(gens) == {1, 2} and gens.count(2) >= TRAINED_ON, gens
     _committed_once(one_way_run["logs"], gens, fenced=f"node{ONE_WAY['node']}.worker0.jsonl")
     # It still heard its peers: it committed steps of generation 1 after the cut (gloo did not need
     # etcd), and nothing once the survivors trained on without it. The step in flight when the
