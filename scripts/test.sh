@@ -6,8 +6,9 @@
 # background lane (compute-only modules and pure units, no deadline near their timeouts) under
 # `nice`, beside mypy: they use the core that the live tests leave idle (the live lane alone keeps
 # about one of two cores busy) and yield it whenever a live test wants it. Their output follows the
-# live lane's. With arguments (or ELASTIC_TEST_SERIAL=1), mypy and then one pytest session with
-# those arguments, as before.
+# live lane's, each with its slowest tests (--durations: where the suite's time goes). With
+# arguments (or ELASTIC_TEST_SERIAL=1), mypy and then one pytest session with those arguments, as
+# before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -20,13 +21,13 @@ fi
 logs=$(mktemp -d)
 nice -n 19 .venv/bin/mypy >"$logs/mypy" 2>&1 &
 mypy_pid=$!
-ELASTIC_TEST_LANE=background nice -n 10 .venv/bin/python -m pytest -p no:cacheprovider >"$logs/background" 2>&1 &
+ELASTIC_TEST_LANE=background nice -n 10 .venv/bin/python -m pytest -p no:cacheprovider --durations=15 >"$logs/background" 2>&1 &
 background_pid=$!
 stop_lanes() { kill -INT "$background_pid" 2>/dev/null || true; kill "$mypy_pid" 2>/dev/null || true; }
 trap 'stop_lanes; exit 130' INT
 trap 'stop_lanes; exit 143' TERM
 set +e
-ELASTIC_TEST_LANE=live .venv/bin/python -m pytest
+ELASTIC_TEST_LANE=live .venv/bin/python -m pytest --durations=25
 live_rc=$?
 wait "$background_pid"
 background_rc=$?
