@@ -76,7 +76,7 @@ def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple
         return out
     for marker in _slice_markers(directory, head):
         for name, (_, dtype) in _data_metadata(directory, marker).items():
-            kind, _, param = name.partition("/")
+            param = name.partition("/")[2]
             if head.shapes is None or param not in head.shapes:
                 raise CheckpointError(f"slice {marker.stem} of step {step} in {directory} holds {name}, "
                                       "which its head does not name")
