@@ -102,8 +102,10 @@ def slice_stem(key: ShardKey, index: int, slices: int) -> str:
     return f"{shard_stem(key)}-slice-{index:03d}-of-{slices:03d}"
 
 
-def marker_path(directory: Path, step: int, key: ShardKey) -> Path:
-    return step_dir(directory, step) / f"{shard_stem(key)}.done"
+def marker_path(directory: Path, step: int, key: ShardKey, *, index: int | None = None, slices: int = 0) -> Path:
+    """The marker of one shard, or of its slice `index` of `slices`."""
+    stem = shard_stem(key) if index is None else slice_stem(key, index, slices)
+    return step_dir(directory, step) / f"{stem}.done"
 
 
 def new_data_dir(directory: Path, step: int, stem: str) -> Path:
@@ -138,7 +140,8 @@ def write_marker(directory: Path, marker: ShardMarker, data_dir: Path) -> None:
     `data_dir`): checksums of its data, temp file, fsync, atomic rename, fsync of the step
     directory."""
     marker = replace(marker, data=data_dir.name, names=sorted(marker.names), checksums=data_checksums(data_dir))
-    final = step_dir(directory, marker.step) / f"{marker.stem}.done"
+    final = marker_path(directory, marker.step, ShardKey(marker.layer, marker.tp_rank), index=marker.index,
+                        slices=marker.slices or 0)
     tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -157,8 +160,7 @@ def read_marker(directory: Path, step: int, key: ShardKey, *, index: int | None 
                 slices: int = 0) -> ShardMarker | None:
     """The marker of one shard (or of its slice `index` of `slices`), or None when it was never
     committed (CheckpointError when it cannot be read)."""
-    path = marker_path(directory, step, key) if index is None else \
-        step_dir(directory, step) / f"{slice_stem(key, index, slices)}.done"
+    path = marker_path(directory, step, key, index=index, slices=slices)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -233,8 +235,7 @@ def missing_slices(directory: Path, step: int, key: ShardKey) -> list[int]:
         return []
     if head is None or head.slices is None or head.index is not None:
         return []
-    base = step_dir(directory, step)
-    return [j for j in range(head.slices) if not (base / f"{slice_stem(key, j, head.slices)}.done").is_file()]
+    return [j for j in range(head.slices) if not marker_path(directory, step, key, index=j, slices=head.slices).is_file()]
 
 
 def complete_steps(directory: Path, *, num_layers: int, tp_degree: int) -> list[int]:

@@ -74,7 +74,7 @@ def shard_metadata(directory: Path, step: int, key: ShardKey) -> dict[str, tuple
     out = _data_metadata(directory, head)
     if head.slices is None:
         return out
-    for marker in _slice_markers(directory, head):
+    for marker in slice_markers(directory, head):
         for name, (_, dtype) in _data_metadata(directory, marker).items():
             param = name.partition("/")[2]
             if head.shapes is None or param not in head.shapes:
@@ -91,7 +91,7 @@ def _marker(directory: Path, step: int, key: ShardKey) -> ShardMarker:
     return marker
 
 
-def _slice_markers(directory: Path, head: ShardMarker) -> list[ShardMarker]:
+def slice_markers(directory: Path, head: ShardMarker) -> list[ShardMarker]:
     """The markers of a head's slices, in order (CheckpointError naming the first missing)."""
     out = []
     for j in range(head.slices or 0):
@@ -146,6 +146,6 @@ def _load_one(directory: Path, step: int, key: ShardKey) -> dict[str, torch.Tens
     if head.shapes is None or set(tensors) != {"step"}:
         raise CheckpointError(f"shard {head.stem} of step {step} in {directory}: a head needs the shapes and the "
                               f"step count alone, has {sorted(tensors)}")
-    slices = [(m.offsets or {}, _read_data(directory, m)) for m in _slice_markers(directory, head)]
+    slices = [(m.offsets or {}, _read_data(directory, m)) for m in slice_markers(directory, head)]
     return assemble(f"shard {head.stem} of step {step} in {directory}", step=tensors["step"], shapes=head.shapes,
                     slices=slices)

@@ -17,6 +17,7 @@ from elastic.engine.checkpoint.files import (
     read_marker,
     verify_data,
 )
+from elastic.engine.checkpoint.load import slice_markers
 from elastic.engine.checkpoint.reshard import CheckpointMismatch, check_shapes
 from elastic.model.config import GPTConfig
 from elastic.records.resume import ResumeSource, SkippedCheckpoint
@@ -41,10 +42,7 @@ def verify_crcs(directory: Path, step: int) -> None:
         marker = read_marker(directory, step, key)
         assert marker is not None
         verify_data(directory, marker)
-        for j in range(marker.slices or 0):  # a shard written sliced: its slices too
-            piece = read_marker(directory, step, key, index=j, slices=marker.slices or 0)
-            if piece is None:
-                raise CheckpointError(f"slice {j} of shard {marker.stem} of step {step} in {directory} is not committed")
+        for piece in slice_markers(directory, marker):  # a shard written sliced: its slices too
             verify_data(directory, piece)
 
 
