@@ -33,13 +33,21 @@ _LADDER = np.array([0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0])
 def instantiate(
     tset: TemplateSet, nodes: Sequence[int], *, global_microbatches: int, fault_tolerance: int
 ) -> Plan:
-    """The fastest plan over `nodes` (ids) with at least fault_tolerance + 1 pipelines."""
+    """The fastest plan over `nodes` (ids) with at least `tset.pipelines_needed(fault_tolerance)`
+    pipelines (f + 1; S (f + 1) from templates counting 1/S of the moments); from
+    `tset.fallback`'s templates where these have none."""
     node_list = sorted(set(nodes))
     if len(node_list) != len(nodes):
         raise PlanningError("node ids must be distinct")
-    sizes = choose_sizes(
-        tset, len(node_list), global_microbatches=global_microbatches, fault_tolerance=fault_tolerance
-    )
+    try:
+        sizes = choose_sizes(
+            tset, len(node_list), global_microbatches=global_microbatches, fault_tolerance=fault_tolerance
+        )
+    except PlanningError:
+        if tset.fallback is None:
+            raise
+        return instantiate(tset.fallback, nodes, global_microbatches=global_microbatches,
+                           fault_tolerance=fault_tolerance)
     groups = []
     start = 0
     for size in sizes:
@@ -67,18 +75,17 @@ def choose_sizes(
 
 
 def _fastest_sizes(tset: TemplateSet, num_nodes: int, global_microbatches: int, fault_tolerance: int) -> list[int]:
-    need = fault_tolerance + 1
     if fault_tolerance < 0:
         raise PlanningError(f"fault tolerance must be >= 0, got {fault_tolerance}")
+    need = tset.pipelines_needed(fault_tolerance)
+    why = f"fault tolerance {fault_tolerance}" + (
+        f" with each holder keeping 1/{tset.moment_slices} of its moments" if tset.moment_slices > 1 else "")
     if global_microbatches < need:
-        raise PlanningError(
-            f"{global_microbatches} microbatches cannot feed the {need} pipelines fault tolerance "
-            f"{fault_tolerance} needs"
-        )
+        raise PlanningError(f"{global_microbatches} microbatches cannot feed the {need} pipelines {why} needs")
     if not tset.templates or num_nodes < need * tset.min_nodes:
         missing = need * tset.min_nodes - num_nodes
         raise PlanningError(
-            f"{num_nodes} nodes cannot form {need} pipelines for fault tolerance {fault_tolerance}: "
+            f"{num_nodes} nodes cannot form {need} pipelines for {why}: "
             f"each needs at least {tset.min_nodes} nodes, so {need * tset.min_nodes} are needed "
             f"({missing} missing)"
         )

@@ -62,7 +62,9 @@ def replan(
     fault_tolerance: int | None = None,
     tolerance: float = 0.05,
 ) -> Replan:
-    """Re-plan `current` for the live node set `nodes` (lost nodes absent, new ones added)."""
+    """Re-plan `current` for the live node set `nodes` (lost nodes absent, new ones added): with
+    at least `tset.pipelines_needed(f)` pipelines, from `tset.fallback`'s templates where these
+    have no plan."""
     if current.num_layers != tset.num_layers:
         raise PlanningError(f"the plan has {current.num_layers} layers but the templates {tset.num_layers}")
     if tolerance < 0:
@@ -76,7 +78,12 @@ def replan(
     survivors, stage_of, lost, gained = _survey(current, alive)
     _check_survivors(current, stage_of, alive, lost)
 
-    fastest_sizes = choose_sizes(tset, len(live), global_microbatches=mbs, fault_tolerance=f)
+    try:
+        fastest_sizes = choose_sizes(tset, len(live), global_microbatches=mbs, fault_tolerance=f)
+    except PlanningError:
+        if tset.fallback is None:
+            raise
+        return replan(tset.fallback, current, nodes, global_microbatches=mbs, fault_tolerance=f, tolerance=tolerance)
     prefix = list(itertools.accumulate((tset.profile.layer_bytes(i) for i in range(tset.num_layers)), initial=0))
     builder = _Builder(tset, current, stage_of, prefix, mbs, f)
     options: list[tuple[str, list[list[int]]]] = []
@@ -87,7 +94,7 @@ def replan(
 
     built = []
     for rank, (label, groups) in enumerate(options):
-        if not f + 1 <= len(groups) <= mbs:
+        if not tset.pipelines_needed(f) <= len(groups) <= mbs:
             continue
         built.append((builder.evaluate(groups), label, rank))
     best_time = min(c.iteration_time for c, _, _ in built)

@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from templates.cost import StageCosts
 from templates.interleave import best_interleaving
 from templates.profile import Profile
 from templates.search import PipelineTemplate, feasible_stage_counts, search_templates
+
+if TYPE_CHECKING:
+    from templates.plan import Plan
 
 
 class PlanningError(ValueError):
@@ -77,7 +80,12 @@ class TemplateSet:
     1: plain 1F1B; 0 (auto): each template's fastest v."""
     moment_slices: int = 1
     """S: the slices each layer's optimizer moments were counted in (the sharded optimizer: a
-    holder keeps 1/S of them); 1: whole."""
+    holder keeps 1/S of them); 1: whole. A plan from these templates has at least S (f + 1)
+    pipelines (`pipelines_needed`): with fewer, its holders would keep more than 1/S."""
+    fallback: TemplateSet | None = None
+    """The templates to plan with where these have no plan (`instantiate`, `replan`): a leader's
+    templates counting whole moments behind those counting 1/S of them, for the node counts
+    too small for S (f + 1) pipelines; None: no other (a model that fits only sharded)."""
     templates: Mapping[int, PipelineTemplate] = field(default_factory=dict)
     """Best template per node count in [min_nodes, max_nodes] (sizes with no layout are absent)."""
     memo: SizesMemo = field(default_factory=SizesMemo, init=False, repr=False, compare=False)
@@ -99,6 +107,18 @@ class TemplateSet:
             raise PlanningError(
                 f"no pipeline template for {num_nodes} nodes (templates exist for {self.sizes})"
             ) from None
+
+    def pipelines_needed(self, fault_tolerance: int) -> int:
+        """The fewest pipelines of a plan from these templates at fault tolerance f: f + 1, times
+        S (`moment_slices`): a layer's P holders keep its moments in P // (f + 1) slices
+        (`optim_slices.slice_count`), so 1/S each only where P >= S (f + 1)."""
+        return (fault_tolerance + 1) * self.moment_slices
+
+    def serving(self, plan: Plan) -> TemplateSet:
+        """The templates `plan` can have come from: these, or (too few pipelines for these) the fallback's."""
+        if self.fallback is None or len(plan.pipelines) >= self.pipelines_needed(plan.fault_tolerance):
+            return self
+        return self.fallback.serving(plan)
 
     def to_list(self) -> list[dict[str, Any]]:
         return [self.templates[n].to_dict() for n in self.sizes]

@@ -33,7 +33,7 @@ def add_recompute_flag(parser: Any) -> None:
 def add_shard_optimizer_flag(parser: Any) -> None:
     """`--shard-optimizer off|on|auto`: AdamW's moments sharded over each layer's holders, f + 1
     copies of every slice (elastic/engine/optim_shards.py), and the planner counting it
-    (`planning.cluster.choose_plan`)."""
+    (`planning.optimizer_choice.choose_plan`)."""
     parser.add_argument("--shard-optimizer", choices=("off", "on", "auto"), default="auto",
                         help="shard AdamW's moments across each layer's holders, f+1 copies of every slice: each "
                         "keeps (f+1)/P of them and updates only its slice; bit-identical. auto (default): on where "

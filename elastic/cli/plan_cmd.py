@@ -24,15 +24,9 @@ from elastic.cli.model_flags import (
     model_from_flags,
 )
 from elastic.model.config import PRESETS, RECOMPUTE_MODES, GPTConfig, describe_model
-from elastic.planning.cluster import (
-    DEFAULT_MEMORY_GIB,
-    DEFAULT_TFLOPS,
-    ChosenPlan,
-    ClusterSpec,
-    choose_plan,
-    memory_gib,
-)
+from elastic.planning.cluster import DEFAULT_MEMORY_GIB, DEFAULT_TFLOPS, ClusterSpec, memory_gib
 from elastic.planning.footprint import DEVICE_TYPES
+from elastic.planning.optimizer_choice import ChosenPlan, choose_plan
 from templates.plan import Plan, describe_ranges
 from templates.search import PipelineTemplate
 
@@ -128,6 +122,7 @@ def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:
         "shard_optimizer": args.shard_optimizer,
         "sharded": chosen.sharded,
         "slices": chosen.slices,
+        "counted_slices": chosen.counted_slices,
         "owners_per_slice": len(chosen.plan.pipelines) // chosen.slices,
         "moment_share": 1.0 / chosen.slices,
         "fault_tolerance": f,
@@ -143,9 +138,12 @@ def _optimizer_summary(args: argparse.Namespace, chosen: ChosenPlan) -> str:
         why = " (auto: sharding lays no faster plan here, or f = 0)" if args.shard_optimizer == "auto" else ""
         return head + f"every holder keeps its layers' whole AdamW moments{why}"
     p, s = len(chosen.plan.pipelines), chosen.slices
+    plain = ("no plan fits with whole moments" if chosen.unsharded_time is None
+             else f"unsharded plan {chosen.unsharded_time:.6g} s an iteration")
     return (head + f"sharded: each layer's moments in {s} slice(s) over its {p} holders, {p // s}+ owners each; a "
-            f"holder keeps 1/{s} of them; its parameter gather {chosen.gather_time:.3g} s a step on top (unsharded plan "
-            f"{chosen.unsharded_time:.6g} s an iteration)")
+            f"holder keeps 1/{s} of them; its parameter gather {chosen.gather_time:.3g} s a step on top ({plain}; "
+            f"the leader's re-plans count 1/{chosen.counted_slices} wherever the live nodes form "
+            f"{chosen.counted_slices * (chosen.plan.fault_tolerance + 1)} pipelines)")
 
 
 def _as_json(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dict[str, Any]:

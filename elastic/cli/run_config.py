@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.cli.main import UsageError
 from elastic.model.config import GPTConfig
-from elastic.planning.cluster import ClusterSpec, choose_plan, memory_gib
+from elastic.planning.cluster import ClusterSpec, memory_gib
+from elastic.planning.optimizer_choice import choose_plan
 from elastic.planning.stragglers import StragglerConfig
 from templates.plan import Plan, PlanError
 
@@ -48,6 +49,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
             )
         if args.shard_optimizer == "auto":  # a given plan: the planner chose nothing
             args.shard_optimizer = "off"
+        args.moment_slices = 1  # a given plan: counted with whole moments, the bound for any S
         return plan
     try:
         spec = ClusterSpec(
@@ -69,6 +71,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     args.shard_optimizer = "on" if chosen.sharded else "off"  # auto resolved: the JobSpec's
+    args.moment_slices = chosen.counted_slices if chosen.sharded else 1  # the leader's re-plans keep it
     return chosen.plan
 
 
@@ -210,6 +213,7 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             shape=spec.model_config,
             recompute=spec.recompute,
             virtual_stages=args.virtual_stages,
+            moment_slices=getattr(args, "moment_slices", 1),
         )
         stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
                                      steps=args.straggler_steps)

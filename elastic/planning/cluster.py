@@ -27,7 +27,6 @@ from elastic.planning.footprint import DEVICE_TYPES, reserve_bytes
 from elastic.planning.planner_figures import planner_figures
 from templates.derive import DeviceSpeed, LayerCounts, RecomputeCounts, derive_profile
 from templates.instantiation import instantiate
-from templates.optim_slices import slice_count
 from templates.plan import Plan
 from templates.profile import PLANNED_RECOMPUTE, MemoryModel, Profile
 from templates.template_set import PlanningError, TemplateSet, build_templates
@@ -99,6 +98,10 @@ class ClusterSpec:
     """v, model chunks per node of pipelines of 2 or more nodes (`--virtual-stages`): a count
     forces it where it fits (templates/interleave.py); 0 (auto, the default) is the planner's
     choice per template, the fastest v that fits."""
+    moment_slices: int = 1
+    """S, the slices the run's plan counted each layer's optimizer moments in (the sharded
+    optimizer: a holder keeps 1/S; `optimizer_choice.choose_plan`); 1: whole. The leader's
+    re-plans keep S (f + 1) pipelines where the live nodes allow (`replan_templates`)."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
@@ -106,6 +109,8 @@ class ClusterSpec:
             raise ValueError(f"--recompute must be one of {', '.join(PLANNED_RECOMPUTE)}, got {self.recompute!r}")
         if self.virtual_stages < 0:
             raise ValueError(f"--virtual-stages must be auto or >= 1, got {self.virtual_stages}")
+        if self.moment_slices < 1:
+            raise ValueError(f"moment slices must be >= 1, got {self.moment_slices}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
         for flag, value in (
@@ -278,6 +283,22 @@ def cluster_templates(spec: ClusterSpec, *, max_nodes: int | None = None, moment
     )
 
 
+def replan_templates(spec: ClusterSpec) -> TemplateSet:
+    """The leader's templates: every pipeline size up to N (f = 0: relaxing f may need the longer
+    ones), counting 1/S of the moments (S = `spec.moment_slices`, the run's plan's), and behind
+    them, for node counts too small for S (f + 1) pipelines, those counting whole moments: so a
+    re-plan keeps the memory the sharded plan freed wherever it can, and holds whatever S it
+    gets. PlanningError if no template fits at all."""
+    spec = dataclasses.replace(spec, fault_tolerance=0)
+    if spec.moment_slices == 1:
+        return cluster_templates(spec)
+    try:
+        whole: TemplateSet | None = cluster_templates(spec)
+    except PlanningError:  # the model fits only with its moments sharded
+        whole = None
+    return dataclasses.replace(cluster_templates(spec, moment_slices=spec.moment_slices), fallback=whole)
+
+
 def initial_plan(spec: ClusterSpec, tset: TemplateSet) -> Plan:
     """The fastest plan over nodes 0..N-1 with at least f+1 pipelines. With `auto`
     recomputation, a plan that recomputes somewhere gives way to the best plan without any
@@ -293,91 +314,3 @@ def initial_plan(spec: ClusterSpec, tset: TemplateSet) -> Plan:
     except PlanningError:  # nothing fits without recomputation
         return plan
     return plain if plain.iteration_time <= plan.iteration_time * (1 + 1e-9) else plan
-
-
-@dataclass(frozen=True, kw_only=True)
-class ChosenPlan:
-    """The plan of a run and whether its optimizer is sharded (`choose_plan`)."""
-
-    tset: TemplateSet
-    plan: Plan
-    sharded: bool
-    unsharded_time: float
-    """The unsharded plan's estimated iteration time (the comparison `auto` made)."""
-    gather_time: float = 0.0
-    """The sharded plan's parameter gather a step (`gather_time`): counted on top of its
-    iteration time when `auto` compares; 0 unsharded."""
-
-    @property
-    def slices(self) -> int:
-        """S: slices of every layer's moments (1 unsharded)."""
-        return plan_slices(self.plan) if self.sharded else 1
-
-
-def plan_slices(plan: Plan) -> int:
-    """S of `plan` sharded: its P holders of every layer over f + 1 (`optim_slices.slice_count`)."""
-    return slice_count(len(plan.pipelines), plan.fault_tolerance)
-
-
-def slice_candidates(most: int) -> list[int]:
-    """The slice counts `sharded_plan` tries: 1, 2, 3, then powers of two and their 1.5x up to
-    `most` (about 2 log2 of it)."""
-    out, k = {1, 2, 3}, 4
-    while k <= most:
-        out |= {k, k * 3 // 2}
-        k *= 2
-    return sorted(n for n in out if n <= max(1, most))
-
-
-def sharded_plan(spec: ClusterSpec, unsharded: tuple[TemplateSet, Plan]) -> tuple[TemplateSet, Plan]:
-    """The fastest plan whose holders keep 1/S of the moments, S = P // (f + 1) of the plan
-    itself. For each candidate S > 1 (`slice_candidates`) the templates count 1/S of the moments
-    and the plan is kept if it has the P it assumed (P // (f + 1) >= S); at S = 1 every plan
-    does: `unsharded`, the caller's templates and plan. Ties go to the fewer slices."""
-    best = unsharded
-    for slices in slice_candidates(spec.nodes // (spec.fault_tolerance + 1))[1:]:
-        try:
-            tset = cluster_templates(spec, moment_slices=slices)
-            plan = initial_plan(spec, tset)
-        except PlanningError:
-            continue
-        if plan_slices(plan) >= slices and plan.iteration_time < best[1].iteration_time * (1 - 1e-9):
-            best = (tset, plan)
-    return best
-
-
-def gather_time(tset: TemplateSet, plan: Plan) -> float:
-    """Seconds a step of `plan`, sharded, spends in the parameter gather before its first
-    forward (elastic/engine/optim_shards.py: not overlapped yet): the slowest node receives the
-    (S - 1) / S of its stage's parameters it does not own (S = P // (f + 1)) over its link."""
-    slices = plan_slices(plan)
-    if slices < 2:
-        return 0.0
-    layers, device = tset.profile.layers, tset.profile.device
-    most = max(sum(layers[i].param_bytes for a, b in st.ranges for i in range(a, b))
-               for pipe in plan.pipelines for st in pipe.stages)
-    return device.p2p_time(most * (slices - 1) / slices)
-
-
-def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
-    """The run's plan: unsharded (`off`), sharded (`on`, `sharded_plan`), or (`auto`) the sharded
-    one where it has 2 slices or more, f >= 1, and is predicted faster with its parameter gather
-    counted (`gather_time`; the freed memory laid fewer stages or less recomputation). `auto`
-    never shards at f = 0: every slice would have one owner, so any loss would fall back to the
-    checkpoint where full replicas might have lived on. PlanningError (a ValueError) if nothing
-    fits unsharded: the leader re-plans after a failure with unsharded templates, the bound that
-    holds whatever S the new plan has, so a model that fits only sharded would have no re-plan."""
-    if shard_optimizer not in ("off", "on", "auto"):
-        raise ValueError(f"--shard-optimizer must be off, on or auto, got {shard_optimizer!r}")
-    tset = cluster_templates(spec)
-    plain = initial_plan(spec, tset)
-    if shard_optimizer == "off":
-        return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)
-    stset, splan = sharded_plan(spec, (tset, plain))
-    gather = gather_time(stset, splan)
-    faster = (spec.fault_tolerance >= 1 and plan_slices(splan) > 1
-              and splan.iteration_time + gather < plain.iteration_time * (1 - 1e-9))
-    if shard_optimizer == "on" or faster:
-        return ChosenPlan(tset=stset, plan=splan, sharded=True, unsharded_time=plain.iteration_time,
-                          gather_time=gather)
-    return ChosenPlan(tset=tset, plan=plain, sharded=False, unsharded_time=plain.iteration_time)

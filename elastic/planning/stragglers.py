@@ -226,7 +226,7 @@ def template_stage_times(tset: TemplateSet, plan: Plan) -> dict[int, float]:
     out: dict[int, float] = {}
     for pipe in plan.pipelines:
         try:
-            template = tset.template(len(pipe.stages))
+            template = tset.serving(plan).template(len(pipe.stages))
             same = tuple(s.ranges for s in pipe.stages) == (template.chunks or tuple((r,) for r in template.stages))
             times = list(template.stage_times) if same else []
         except PlanningError:  # no template of that size

@@ -83,8 +83,9 @@ class JobSpec(JsonRecord):
     """Shard AdamW's moments across each layer's holders, f + 1 copies of every slice
     (`elastic run --shard-optimizer off|on|auto`, issue 55, elastic/engine/optim_shards.py):
     each holder keeps (f + 1) / P of a layer's moments and updates only its slice, and the
-    other parameters reach it at the start of the next step. Bit-identical to "off". "auto"
-    (default) is off for now."""
+    other parameters reach it at the start of the next step. Bit-identical to "off". `elastic run`
+    resolves "auto" (the default) to the planner's choice before writing the spec
+    (`planning.optimizer_choice.choose_plan`); a spec that still says "auto" is not sharded."""
     # ---- evaluation (`elastic run --eval-every N --eval-batches K`, elastic/engine/eval.py) ----
     eval_every: int = 0
     """Compute the validation loss after every this many committed steps and after the last

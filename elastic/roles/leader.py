@@ -30,7 +30,7 @@ from elastic.coordinator.generations import GenerationConflict, Generations
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.prefix_mirror import PrefixMirror
 from elastic.coordinator.watch import PrefixWatch, WatchEvent
-from elastic.planning.cluster import cluster_templates
+from elastic.planning.cluster import replan_templates
 from elastic.planning.stragglers import ACTING
 from elastic.records.config import ElasticConfig
 from elastic.records.generation import GenerationRecord, HaltRecord
@@ -134,8 +134,7 @@ class Leader:
         self.client, self.keys, self.rk = client, keys, RunKeys(keys)
         self.config, self.election, self.who = config, election, who
         self.generations = Generations(client, keys)
-        # Templates for every pipeline size up to N (f = 0): relaxing f may need the longer ones.
-        self.tset: TemplateSet = cluster_templates(dataclasses.replace(config.cluster, fault_tolerance=0))
+        self.tset: TemplateSet = replan_templates(config.cluster)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._detected: float | None = None

@@ -94,6 +94,16 @@ def holdings_gaps(holdings: Holdings, plan: Plan, live: set[int]) -> list[ShardK
     ]
 
 
+def whole_moments(tset: TemplateSet, plan: Plan) -> str:
+    """What a reason adds when `plan` came from the templates counting whole moments behind the
+    run's sharded ones (too few nodes for the pipelines that keep 1/S of them): else nothing."""
+    if tset.serving(plan) is tset:
+        return ""
+    need = tset.pipelines_needed(plan.fault_tolerance)
+    return (f"; {len(plan.pipelines)} pipelines, fewer than the {need} that keep 1/{tset.moment_slices} of "
+            f"the optimizer's moments a holder: planned with whole moments")
+
+
 def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdings, *, lost: list[int],
                  joined: list[int], owners: Mapping[int, SliceOwnership] | None = None) -> tuple[Plan, str] | Fallback:
     """The plan of g+1 over `live` and its reason, or a Fallback (module doc). `owners`: the
@@ -124,7 +134,7 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
             except PlanningError:
                 continue
             relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
-            return new, f"{what}: re-planned over nodes {node_list(live)}{relaxed}"
+            return new, f"{what}: re-planned over nodes {node_list(live)}{relaxed}{whole_moments(tset, new)}"
     return Fallback(what=what, gaps=gaps, live=live)
 
 
@@ -139,6 +149,7 @@ def fallback_plan(tset: TemplateSet, plan: Plan, fallback: Fallback, *, checkpoi
         except PlanningError:
             continue
         relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
+        relaxed += whole_moments(tset, new).replace(";", ",")
         why = fallback.cause or (f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines")
         return new, (
             f"{fallback.what}: {why}; "

@@ -5,6 +5,8 @@ as 4 one-stage pipelines at f = 1, so each layer's moments are 2 slices of 2 own
 - Node 3 SIGKILLed at step 9: the survivors re-slice (3 pipelines: one slice, every holder an
   owner) from the live owners, and the run ends bit for bit as the unsharded run without a failure.
 - Nodes 2 and 3 killed at step 9, one owner of each slice: the same.
+- A device whose memory fits one-stage pipelines only sharded: node 3 killed, the leader re-plans
+  with templates counting the slices, keeping one-stage pipelines.
 - 5 pipelines (slices of 3 and 2 owners), node 2 killed: every survivor keeps its slice (the
   leader's `slice_owners`), so the recovery moves no byte, and the run ends as the unsharded one.
 - Nodes 0 and 2 killed, both owners of slice 1: the leader says which slice is lost and falls
@@ -61,6 +63,21 @@ def test_survivors_keep_their_slices_so_a_loss_moves_no_moments(unsharded: CliRe
     (recovery,) = got[0]["recoveries"]
     assert recovery["bytes_moved"] == 0, recovery
     same_bits(got, unsharded, "sharded, 5 pipelines, node 2 killed")
+
+
+def test_a_replan_keeps_the_layout_the_slices_bought(unsharded: CliResult, tmp_path: Path) -> None:
+    """At 0.032 GiB a one-stage pipeline of tiny fits only with half its moments (two stages fit
+    whole): `auto` shards, 4 one-stage pipelines. Node 3 killed: 3 nodes form neither 4 pipelines
+    nor 2 of two stages, and the leader's templates count the slices (`replan_templates`): 3
+    one-stage pipelines, f relaxed to 0 (templates counting whole moments, the leader's before,
+    made one pipeline of 3 stages). The run ends bit for bit as the unsharded one."""
+    got = run_cli([*RUN, "--device-memory-gib", "0.032", *_kills(3)], tmp_path, committed=STEPS, lost=[[3]],
+                  timeout=200)
+    assert "4 nodes x 1 workers, pipelines: 1-stage x 2 mb + 1-stage x 2 mb + 1-stage x 2 mb + 1-stage x 2 mb" in got[2]
+    assert "optimizer sharded" in got[2].splitlines()[0]
+    (recovery,) = got[0]["recoveries"]
+    assert got[0]["pipelines"] == 3 and "fault tolerance relaxed from 1 to 0" in recovery["reason"], recovery
+    same_bits(got, unsharded, "sharded at 0.032 GiB, node 3 killed, re-planned on its slices")
 
 
 def test_losing_every_owner_of_a_slice_names_it(tmp_path: Path) -> None:

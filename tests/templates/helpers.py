@@ -144,3 +144,7 @@ class FakeTemplates:
         self.sizes = sorted(templates)
         self.min_nodes = self.sizes[0]
         self.memo = SizesMemo()
+        self.moment_slices = 1
+
+    def pipelines_needed(self, fault_tolerance: int) -> int:
+        return fault_tolerance + 1

@@ -10,14 +10,8 @@ import json
 import pytest
 
 from elastic.cli.main import main
-from elastic.planning.cluster import (
-    ClusterSpec,
-    choose_plan,
-    cluster_templates,
-    gather_time,
-    initial_plan,
-    sharded_plan,
-)
+from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan
+from elastic.planning.optimizer_choice import choose_plan, gather_time, sharded_plan
 from templates.cost import MOMENT_GRID_BYTES, StageCosts, moment_bytes
 
 pytestmark = pytest.mark.timeout(120)
