@@ -104,7 +104,8 @@ def _memory(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dic
     e = peak.estimate
     return {"largest_worker_bytes": e.total, "params_and_state": e.params_and_state, "activations": e.activations,
             "head": e.head, "reserve": e.reserve, "pipeline": peak.pipeline, "stage": peak.stage, "node": peak.node,
-            "device_memory_bytes": int(_memory_gib(args) * 2**30)}
+            "device_memory_bytes": int(_memory_gib(args) * 2**30),
+            "fits": e.total <= int(_memory_gib(args) * 2**30)}
 
 
 def _memory_line(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> str:
@@ -112,7 +113,13 @@ def _memory_line(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -
     return (f"\nmemory: largest worker {m['largest_worker_bytes'] / gib:.2f} GiB of {m['device_memory_bytes'] / gib:g} GiB "
             f"(pipeline {m['pipeline']} stage {m['stage']}, node {m['node']}): parameters and state "
             f"{m['params_and_state'] / gib:.2f}, activations {m['activations'] / gib:.2f}, loss {m['head'] / gib:.2f}, "
-            f"reserve {m['reserve'] / gib:.2f}")
+            f"reserve {m['reserve'] / gib:.2f}" + ("" if m["fits"] else OVER_DEVICE))
+
+
+OVER_DEVICE = ("\nmemory: WARNING: the largest worker exceeds the device by the memory model. The planner's "
+               "gradient-buffer figure bounds even batch splits; this plan splits its batch unevenly between "
+               "pipelines of different depths, and a holder whose share of the summation tree has more "
+               "blocks keeps more gradient sums. Try another --global-batch, or more --device-memory-gib headroom.")
 
 
 def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:

@@ -128,8 +128,9 @@ def test_a_plan_for_cuda_workers(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_plans_largest_worker_fits_the_device(argv: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
     """`elastic plan`'s memory figure is the memory model's (`worker_memory`, equal to a real
     Trainer's bytes: tests/engine/test_memory_model.py) for the plan's every worker; the templates
-    were chosen by the profile's memory check, a bound on the same model: the two agree that every
-    worker fits, and the table prints the same figure."""
+    were chosen by the profile's memory check, a bound on the same model for even batch splits
+    (these plans'): the two agree that every worker fits, and the table prints the same figure
+    (with no warning)."""
     code, out, err = run(["plan", *argv, "--fault-tolerance", "1", "--json"], capsys)
     assert code == 0, err
     memory = json.loads(out)["memory"]
@@ -137,3 +138,21 @@ def test_the_plans_largest_worker_fits_the_device(argv: list[str], why: str, cap
     assert memory["largest_worker_bytes"] == sum(memory[k] for k in ("params_and_state", "activations", "head", "reserve"))
     code, out, err = run(["plan", *argv, "--fault-tolerance", "1"], capsys)
     assert f"memory: largest worker {memory['largest_worker_bytes'] / 2**30:.2f} GiB" in out
+    assert memory["fits"] and "WARNING" not in out
+
+
+@pytest.mark.timeout(60)
+def test_a_plan_over_the_device_by_the_memory_model_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny on 5 nodes at 0.034 GiB: pipelines of 3 and 2 nodes take 3 and 5 of the 8 microbatches;
+    the second's share of the summation tree is 2 blocks (the even split's, which the planner's
+    gradient figure bounds, 1), and its last stage exceeds the device by the memory model."""
+    argv = ["plan", "--model", "tiny", "--nodes", "5", "--fault-tolerance", "1", "--global-batch", "8",
+            "--microbatch", "1", "--device", "cpu", "--device-memory-gib", "0.034", "--shard-optimizer", "off"]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    data = json.loads(out)
+    memory = data["memory"]
+    assert sorted(p["microbatches"] for p in data["plan"]["pipelines"]) == [3, 5]
+    assert memory["largest_worker_bytes"] > memory["device_memory_bytes"] and not memory["fits"], memory
+    code, out, err = run(argv, capsys)
+    assert "memory: WARNING: the largest worker exceeds the device by the memory model" in out
