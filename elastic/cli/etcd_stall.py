@@ -64,7 +64,7 @@ def run_stall(args: argparse.Namespace) -> int:
     return 0
 
 
-RECORD_WITHIN_S = 15.0
+RECORD_WITHIN_S = 30.0
 """How long the `etcd-stall` event is tried for: a continued etcd may first answer slowly (it
 revokes the leases that expired meanwhile)."""
 
@@ -74,6 +74,7 @@ def _record(args: argparse.Namespace, *, member: int, pid: int, start: float, en
     from elastic.cli.inject_cmd import JobError, OperatorJob
     from elastic.coordinator.client import etcd_unreachable
     from elastic.coordinator.events import record_event
+    from elastic.ops.job_target import EtcdOutOfReach
 
     deadline = time.monotonic() + RECORD_WITHIN_S
     while True:
@@ -86,7 +87,9 @@ def _record(args: argparse.Namespace, *, member: int, pid: int, start: float, en
             finally:
                 job.close()
         except Exception as exc:  # noqa: BLE001 - the stall happened; only its record is missing
-            if not isinstance(exc, (JobError, UsageError)) and etcd_unreachable(exc) and time.monotonic() < deadline:
+            out = isinstance(exc.__cause__, EtcdOutOfReach) or (
+                not isinstance(exc, (JobError, UsageError)) and etcd_unreachable(exc))
+            if out and time.monotonic() < deadline:
                 time.sleep(0.2)
                 continue
             print(f"elastic inject: the stall is not recorded: {exc}", file=sys.stderr, flush=True)

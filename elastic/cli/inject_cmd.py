@@ -68,12 +68,12 @@ class OperatorJob:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         except OpsError as exc:
-            raise JobError(str(exc)) from None
+            raise JobError(str(exc)) from exc  # the cause says whether etcd was only out of reach
         try:
             self.keys = find_job(self.client, target)
         except OpsError as exc:
             self.client.close()
-            raise JobError(str(exc)) from None
+            raise JobError(str(exc)) from exc
         self.rk = RunKeys(self.keys)
         value, _ = self.client.get(self.rk.config)
         stored, _ = self.client.get(self.keys.token)

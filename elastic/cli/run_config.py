@@ -107,6 +107,9 @@ def check_flags(args: argparse.Namespace) -> str | None:
         token = os.environ.get("ELASTIC_JOB_TOKEN") or None
         if args.static or args.etcd is None or args.job is None or token is None:
             raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
+    if args.rejoin_fenced < 0 or (args.rejoin_fenced and (args.static or args.agents == "external")):
+        raise UsageError(f"--rejoin-fenced starts local nodes again: it must be >= 0 (got {args.rejoin_fenced}) and "
+                         "cannot go with --static or --agents external")
     if args.node_cpus is not None and (args.static or args.agents == "external" or not args.node_cpus > 0):
         raise UsageError(f"--node-cpus caps the local agents of an elastic run: it must be > 0 (got {args.node_cpus}) "
                          "and cannot go with --static or --agents external")

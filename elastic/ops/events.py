@@ -201,6 +201,9 @@ def describe(event: HistoryEvent) -> str:
         return f"{event.who} (incarnation {d.get('incarnation')}) got SIGTERM: asked for drain {d.get('id')}"
     if event.kind == "fenced":
         return f"{event.who} (incarnation {d.get('incarnation')}) was fenced: {d.get('reason')}"
+    if event.kind == "fenced-rejoin":  # elastic run --rejoin-fenced (elastic/roles/run_loop.py)
+        return (f"node {d.get('node')} left fenced while it lived (incarnation {d.get('fenced')}): {event.who} "
+                f"started incarnation {d.get('incarnation')}, which joins like a new node")
     if event.kind == "checkpoint-failed":
         return f"node {d.get('node')} worker {d.get('local_rank')} could not save the checkpoint of step {d.get('step')}: {d.get('reason')}"
     if event.kind == "checkpoint-skipped":

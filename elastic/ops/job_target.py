@@ -41,6 +41,11 @@ class OpsError(RuntimeError):
     """The job cannot be read: etcd unreachable, or no such job there (exit code 1)."""
 
 
+class EtcdOutOfReach(OpsError):
+    """etcd did not answer within CONNECT_TIMEOUT_S (a caller that knows it is coming back, such as
+    `elastic inject etcd-stall` after its SIGCONT, tries again)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobTarget:
     """Where a job lives."""
@@ -100,7 +105,7 @@ def open_client(target: JobTarget) -> EtcdClient:
     try:
         return check_access(config, key=JobKeys(target.job).root if target.job is not None else _ROOT, require=True)
     except _UNREACHABLE:
-        raise OpsError(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+        raise EtcdOutOfReach(f"cannot reach etcd at {target.etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
 
 
 def list_jobs(client: EtcdClient, etcd: str) -> list[str]:
@@ -111,7 +116,7 @@ def list_jobs(client: EtcdClient, etcd: str) -> list[str]:
             for _, meta in client.get_prefix(_ROOT, keys_only=True)
         }
     except TRANSIENT_ERRORS:
-        raise OpsError(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+        raise EtcdOutOfReach(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
     return sorted(j for j in jobs if j)
 
 
@@ -120,7 +125,7 @@ def _has_keys(client: EtcdClient, prefix: str, etcd: str) -> bool:
     try:
         return client.get_prefix_response(prefix, count_only=True).count > 0
     except TRANSIENT_ERRORS:
-        raise OpsError(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
+        raise EtcdOutOfReach(f"cannot reach etcd at {etcd} within {CONNECT_TIMEOUT_S:.0f} s") from None
 
 
 def find_job(client: EtcdClient, target: JobTarget) -> JobKeys:

@@ -11,9 +11,10 @@ watching `injections/` (elastic/roles/agent_injections.py): kill (SIGKILL the wo
 (SIGSTOP workers and agent: the lease expires), slow (a SIGSTOP/SIGCONT duty cycle on the
 workers, which the hang detector knows is not a hang) and partition (emulated: keepalives stop,
 the leader steps down and the workers are SIGSTOPped for the given seconds; after the heal the
-node finds itself fenced, kills its workers before they run again and exits 3). An agent that
-finds its own lease expired (a real partition healed, a hang continued) likewise kills its
-workers and exits 3.
+node finds itself fenced, kills its workers before they run again and exits 5, EXIT_FENCED). An
+agent that finds its own lease expired and its place not kept (a real partition healed, a hang
+continued) likewise kills its workers and exits 5 (3 when etcd stayed out of reach); `elastic run
+--rejoin-fenced N` starts such a node's next incarnation (elastic/roles/run_loop.py).
 
 Preemption (elastic/roles/agent_preemption.py): SIGTERM (Kubernetes' and SLURM's notice, or
 torchrun passing its own on) asks the leader for a drain of this node, as `elastic drain` does
@@ -69,6 +70,7 @@ from elastic.roles import cpu_quota
 from elastic.roles.agent_injections import NodeInjections
 from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, Preemption
 from elastic.roles.agent_rejoin import campaign_again, keep_place
+from elastic.roles.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_REFUSED
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
 from elastic.roles.start_phases import start_phases
 from elastic.roles.zygote import SPAWNED_AT_ENV
@@ -89,8 +91,6 @@ ETCD_GIVE_UP_S = 300.0
 """How long etcd may stay unreachable before the agent counts its node lost, stops its workers
 and exits (EXIT_FAILED); $ELASTIC_ETCD_GIVE_UP_S overrides it. etcd extends every lease when it
 comes back, so shorter outages cost nothing."""
-EXIT_FAILED = 3
-EXIT_REFUSED = 4
 _STOPPED_CHECK_S = 0.1
 _SIGNAL_SLICE_S = 0.1
 """Longest the main thread sleeps before it runs a pending signal's handler (`run`)."""
@@ -309,7 +309,7 @@ class Agent:
                 log.warning("%s: could not record the fencing: %s", self.who, exc)
             finally:
                 self.kill_workers()
-                self.finish_failed()
+                self.finish(EXIT_FAILED if reason.startswith("etcd unreachable") else EXIT_FENCED)
 
     def fail(self, reason: str) -> None:
         """Report the node failed (its lease revoked), kill its workers and finish (EXIT_FAILED)."""

@@ -6,7 +6,7 @@ the workers), hang (SIGSTOP workers and agent: the lease expires), slow (a SIGST
 cycle on the workers, which the agent's hang detector knows is not a hang: `throttled`) and
 partition (emulated: keepalives stop, the leader steps down and the workers are SIGSTOPped for
 the given seconds; after the heal the node finds itself fenced, kills its workers before they
-run again and exits 3). Each waits for its step (`InjectionTrigger`) and writes its status.
+run again and exits 5, EXIT_FENCED). Each waits for its step (`InjectionTrigger`) and writes its status.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from elastic.records.injection_requests import (
     write_status,
 )
 from elastic.records.throttle import Throttle
+from elastic.roles.exit_codes import EXIT_FAILED, EXIT_FENCED
 from elastic.roles.injection_trigger import InjectionTrigger
 
 if TYPE_CHECKING:
@@ -193,4 +194,4 @@ class NodeInjections:
             else:  # healed within the TTL, but keepalives stopped: leave cleanly rather than linger
                 a.membership.report_failure(reason=f"partition of {req.seconds:g} s healed; leaving")
                 self._status(req, "done", step, detail="healed before the lease expired; the node left")
-            a.finish_failed()
+            a.finish(EXIT_FENCED if fenced else EXIT_FAILED)

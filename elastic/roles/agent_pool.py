@@ -17,6 +17,7 @@ from typing import IO
 from elastic.coordinator.credentials import ETCD_CREDENTIAL_ENVS
 from elastic.parallel.phase_clock import DEDICATED_CPU_ENV
 from elastic.roles.cpu_quota import CPU_CGROUP_ENV, NodeCpuQuotas
+from elastic.roles.exit_codes import EXIT_FENCED
 from elastic.roles.launch_errors import JobFailed
 from elastic.roles.launcher_feed import Progress
 from elastic.roles.static_launcher import POLL_S, STOP_GRACE_S, device_env, log_tail
@@ -107,6 +108,11 @@ class AgentPool:
     def stop_node(self, node: int) -> None:
         """Stop `node`'s agents that still run."""
         stop_agents([a for a in self.agents if a.node == node and a.proc.poll() is None])
+
+    def fenced(self) -> list[Agent]:
+        """The agents that left fenced while their node lived (EXIT_FENCED), each its node's latest."""
+        latest = {a.node: a for a in self.agents}
+        return [a for a in latest.values() if a.proc.poll() == EXIT_FENCED]
 
     def all_exited(self) -> bool:
         """Whether agents were started and every one of them has exited."""

@@ -66,6 +66,7 @@ from elastic.records.stop import STOPPED
 from elastic.records.sync import COMMIT, SyncReport
 from elastic.records.workers import WorkerInfo
 from elastic.roles.abortable_store import AbortableStore
+from elastic.roles.exit_codes import EXIT_REFUSED
 from elastic.roles.holders import holder_map_reader
 from elastic.roles.node_feed import subscriber
 from elastic.roles.node_relay import put_all, relay_from_env
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         admit(client, keys, token or None)
     except JobAccessError as exc:  # refused before writing anything under the job
         print(f"elastic worker: error: {exc}", file=sys.stderr)
-        return 4  # agent.EXIT_REFUSED
+        return EXIT_REFUSED
     value, _ = client.get(RunKeys(keys).config)
     if value is None:
         raise SystemExit(f"job {args.job} has no config in etcd at {args.etcd}")

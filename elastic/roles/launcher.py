@@ -93,6 +93,7 @@ def launch_elastic(
     etcd_members: int = 1,
     before_etcd_stops: EtcdStopHook | None = None,
     node_cpus: float | None = None,
+    rejoin_fenced: int = 0,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
@@ -102,7 +103,8 @@ def launch_elastic(
     prefix and extra environment for that node's agent (e.g. `ip netns exec NS` and ELASTIC_HOST,
     see deploy/); with `local_agents=False` no agent is started here: agents on other hosts
     (`python -m elastic.roles.agent`) join the job. `node_cpus` caps each local node at that many
-    cores (elastic/roles/cpu_quota.py). `stop` (set from another thread) ends the run with
+    cores (elastic/roles/cpu_quota.py); a local node that leaves fenced while it lives is started
+    again up to `rejoin_fenced` times (elastic/roles/run_loop.py). `stop` (set from another thread) ends the run with
     JobFailed, `job_stop` (asked by a signal handler) with JobStopped at a step boundary, its
     checkpoint complete (StopTimedOut past its grace). Raises JobFailed or TimeoutError; every
     process it started (etcd, agents, their workers) is stopped by PID on the way out, then
@@ -140,7 +142,8 @@ def launch_elastic(
         _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares)
         _announce(say, config, job=job, etcd=etcd_endpoint)
         loop = RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
-                       start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, started_at=started_at)
+                       start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, started_at=started_at,
+                       rejoin_fenced=rejoin_fenced if local_agents else 0)
         loop.follow()
         final_poll(client, keys, config, progress, say, feed)
         return elastic_summary(config, progress, started_at=started_at)

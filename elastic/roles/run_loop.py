@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from elastic.coordinator.client import etcd_unreachable
 from elastic.coordinator.etcd_api import EtcdClient
+from elastic.coordinator.events import record_event
 from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.records.config import ElasticConfig
 from elastic.records.injection_requests import (
@@ -73,6 +74,11 @@ class RunLoop:
     (elastic/roles/job_stop.py); armed here while the job runs."""
     started_at: float = 0.0
     """Wall time of the launch (the origin of a stopped run's summary)."""
+    rejoin_fenced: int = 0
+    """How many times a node that left fenced while it lived (EXIT_FENCED) is started again, as its
+    next incarnation (`elastic run --rejoin-fenced N`; 0: it stays out)."""
+    _fenced_rejoins: dict[int, int] = field(init=False, default_factory=dict)
+    """node -> the fenced rejoins started for it so far."""
     _stopping: StopTracker = field(init=False)
     _stopped: StopOutcome | None = field(init=False, default=None)
     _step_waiter: str | None = field(init=False, default=None)
@@ -116,6 +122,7 @@ class RunLoop:
                                              for r in requests))
                 for req in _due_rejoins(self.client, self.keys, self.progress, requests):
                     self._rejoin(req)
+                self._rejoin_fenced()
                 if self._finished(read_now):
                     break
                 etcd_out = False
@@ -164,6 +171,25 @@ class RunLoop:
         self.pool.spawn(req.node, incarnation)
         status = InjectionStatus(state="done", at=time.time(), detail=f"incarnation {incarnation} started")
         write_status(self.client, self.keys.root, req.id, status)
+
+    def _rejoin_fenced(self) -> None:
+        """Start the next incarnation of each node whose agent left fenced while the node lived, up
+        to `rejoin_fenced` times a node: it registers anew and joins at a step boundary like any new
+        node, fetching its shards (the fenced workers' are steps behind the survivors' by then)."""
+        if not self.rejoin_fenced or self.progress.committed >= self.config.spec.steps:
+            return
+        for agent in self.pool.fenced():
+            done = self._fenced_rejoins.get(agent.node, 0)
+            if done >= self.rejoin_fenced:
+                continue
+            self._fenced_rejoins[agent.node] = done + 1
+            incarnation = self.pool.next_incarnation(agent.node)
+            kill_workers(self.progress, node=agent.node)
+            self.say(f"elastic run: node {agent.node} was fenced while it lived (incarnation {agent.incarnation}); "
+                     f"it rejoins as incarnation {incarnation} ({done + 1} of {self.rejoin_fenced})")
+            record_event(self.client, self.keys, who="launcher", kind="fenced-rejoin", node=agent.node,
+                         incarnation=incarnation, fenced=agent.incarnation)
+            self.pool.spawn(agent.node, incarnation)
 
     def _finished(self, read_now: bool) -> bool:
         """Whether the run finished (True) or goes on (False); raises why it must stop otherwise."""

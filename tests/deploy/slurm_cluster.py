@@ -68,10 +68,13 @@ def binary(name: str) -> str:
 
 
 def free_port(address: str) -> int:
-    """A TCP port free on `address` now."""
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on `address` now, below the kernel's ephemeral range where it can
+    (`etcd_server.free_port`): slurmctld binds it seconds later, and a port of that range can be
+    taken meanwhile by any outgoing connection of the tests beside it (it once was: "Error binding
+    slurm stream socket: Address already in use")."""
+    from elastic.coordinator.etcd_server import free_port as below_ephemeral
+
+    return below_ephemeral(address)
 
 
 def stop_pid(pid: int, *, grace_s: float = 10.0) -> None:

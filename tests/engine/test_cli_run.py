@@ -86,6 +86,8 @@ def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -
         (["--nodes", "1", "--fault-tolerance", "1"], "needs at least 2 nodes"),
         (["--gpus-per-node", "3"], "not divisible by --gpus-per-node 3"),
         (["--plan", "/nonexistent/plan.json"], "cannot read --plan"),
+        (["--rejoin-fenced", "-1"], "--rejoin-fenced starts local nodes again: it must be >= 0 (got -1)"),
+        (["--rejoin-fenced", "1", "--static"], "cannot go with --static or --agents external"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> None:

@@ -141,7 +141,7 @@ class LiveJob:
     and token, so that the test can drive it (CLI, requests) and read its etcd afterwards."""
 
     def __init__(self, config: ElasticConfig, *, etcd: str, job: str | None = None, token: str | None = None,
-                 timeout_s: float = 150.0) -> None:
+                 timeout_s: float = 150.0, rejoin_fenced: int = 0) -> None:
         import secrets
 
         from elastic.coordinator import JobKeys, connect
@@ -156,7 +156,7 @@ class LiveJob:
         self.client = connect(config_from_env(etcd))
         self.summary: RunSummary | None = None
         self.error: BaseException | None = None
-        self._timeout_s = timeout_s
+        self._timeout_s, self._rejoin_fenced = timeout_s, rejoin_fenced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="live-job", daemon=True)
         self.progress_puts: list[tuple[ProgressRecord, int]] = []
@@ -169,7 +169,7 @@ class LiveJob:
         try:
             self.summary = launch_elastic(self.config, etcd_endpoint=self.etcd, quiet=True,
                                           timeout_s=self._timeout_s, job=self.job, token=self.token,
-                                          stop=self._stop)
+                                          stop=self._stop, rejoin_fenced=self._rejoin_fenced)
         except BaseException as exc:  # handed to the test thread by result()
             self.error = exc
 

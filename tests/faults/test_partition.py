@@ -1,7 +1,9 @@
 """One live run: `elastic inject partition` cuts node 2 off for 7 s (lease TTL 3 s), emulated by
 its agent (keepalives stop, workers SIGSTOPped). The survivors re-plan without it and train on;
-the healed node finds itself fenced and leaves without writing anything into the job; the final
-state equals the failure-free run.
+the healed node finds itself fenced, kills its workers before they run again and leaves
+(EXIT_FENCED) without writing anything into the job. The launcher (`rejoin_fenced=1`, `elastic run
+--rejoin-fenced 1`) starts its next incarnation, which joins at a step boundary like a new node;
+the final state equals the failure-free run.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ from .runs import LiveJob, check_same_training, reference_run, step_logs, tiny_c
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-STEPS = 40
+STEPS = 100
+"""Enough for the survivors to train on past the heal and the rejoin (about 10 s after the cut)."""
 PARTITION_S = 7.0
 
 
 @pytest.fixture(scope="module")
 def run(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     config = tiny_config(tmp_path_factory.mktemp("partition"), nodes=4, pipelines=2, steps=STEPS)
-    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
+    job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0, rejoin_fenced=1).start()
     try:
         job.wait_committed(3)
         code, output = job.cli(
@@ -64,8 +67,14 @@ def test_partitioned_node_is_fenced_and_the_job_trains_on(run: dict[str, Any], t
     assert status.state == "fenced" and status.generation >= 2, status
     records = run["records"]
     assert records[2].lost == [2] and 2 not in records[2].plan.nodes
-    assert all(2 not in r.plan.nodes for g, r in records.items() if g >= 2), "the fenced node never came back"
     assert [e for e in run["events"] if e["kind"] == "fenced" and e["who"] == "node2"], "no fenced event"
+    # it came back once, as its next incarnation, through a join (never as the fenced one)
+    (back,) = [g for g, r in records.items() if r.joined]
+    assert records[back].joined == [2] and records[back].incarnations[2] == 1, records[back]
+    assert all(2 not in r.plan.nodes for g, r in records.items() if 2 <= g < back)
+    assert all(r.incarnations.get(2, 1) == 1 for g, r in records.items() if g >= 2)
+    (rejoin,) = [e for e in run["events"] if e["kind"] == "fenced-rejoin"]
+    assert (rejoin["node"], rejoin["fenced"], rejoin["incarnation"]) == (2, 0, 1), rejoin
     reference: tuple[RunSummary, dict[str, torch.Tensor]] = reference_run(tmp_path_factory, steps=STEPS)
     check_same_training(run["summary"], run["state"], reference, steps=STEPS)
 
