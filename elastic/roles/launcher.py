@@ -103,8 +103,7 @@ def launch_elastic(
     prefix and extra environment for that node's agent (e.g. `ip netns exec NS` and ELASTIC_HOST,
     see deploy/); with `local_agents=False` no agent is started here: agents on other hosts
     (`python -m elastic.roles.agent`) join the job. `node_cpus` caps each local node at that many
-    cores (elastic/roles/cpu_quota.py); a local node that leaves fenced while it lives is started
-    again up to `rejoin_fenced` times (elastic/roles/run_loop.py). `stop` (set from another thread) ends the run with
+    cores (elastic/roles/cpu_quota.py); a fenced local node is started again up to `rejoin_fenced` times. `stop` (set from another thread) ends the run with
     JobFailed, `job_stop` (asked by a signal handler) with JobStopped at a step boundary, its
     checkpoint complete (StopTimedOut past its grace). Raises JobFailed or TimeoutError; every
     process it started (etcd, agents, their workers) is stopped by PID on the way out, then
