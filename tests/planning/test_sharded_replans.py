@@ -94,7 +94,7 @@ def test_a_plan_counting_slices_has_the_pipelines_that_make_it_true() -> None:
 def test_a_loss_keeps_the_layout_the_slices_bought() -> None:
     """4 one-stage pipelines (S = 2). Node 3 lost: no 4 pipelines for f = 1, nor 2 of two stages with
     whole moments; the leader relaxes f and keeps 3 one-stage pipelines (S = 3), where templates
-    counting whole moments made one pipeline of 3 stages, a third as fast."""
+    counting whole moments made one pipeline of 3 stages, less than half as fast by the cost model."""
     plan, tset = _leader(FOUR)
     assert [len(p.stages) for p in plan.pipelines] == [1, 1, 1, 1]
     new, why = _replan(tset, plan, (3,))
