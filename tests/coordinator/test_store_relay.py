@@ -59,7 +59,9 @@ def _requests(server: EtcdServer) -> int:
 
 def _held_then_released(server: EtcdServer, calls: list[Callable[[], Any]]) -> list[Any]:
     """Run `calls` in threads, while etcd is stopped: the first, then the others 0.3 s later
-    in order (0.05 s apart), then continue etcd 0.5 s after the last; their results in order."""
+    in order (0.05 s apart), then continue etcd 1.5 s after the last (0.5 s was once too short on
+    a loaded machine: a set reached the relay after the read its batch was cut with); their
+    results in order."""
     results: list[Any] = [None] * len(calls)
 
     def run(i: int) -> None:
@@ -74,7 +76,7 @@ def _held_then_released(server: EtcdServer, calls: list[Callable[[], Any]]) -> l
         for t in threads[1:]:
             t.start()
             time.sleep(0.05)
-        time.sleep(0.5)
+        time.sleep(1.5)
     finally:
         os.kill(server.pid, signal.SIGCONT)
     for t in threads:
