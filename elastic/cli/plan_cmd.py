@@ -101,11 +101,10 @@ def _memory(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dic
     from elastic.planning.memory import plan_memory
 
     peak = plan_memory(cfg, chosen.plan, device_type=args.device, sharded_optimizer=chosen.sharded)
-    e = peak.estimate
+    e, device = peak.estimate, int(_memory_gib(args) * 2**30)
     return {"largest_worker_bytes": e.total, "params_and_state": e.params_and_state, "activations": e.activations,
             "head": e.head, "reserve": e.reserve, "pipeline": peak.pipeline, "stage": peak.stage, "node": peak.node,
-            "device_memory_bytes": int(_memory_gib(args) * 2**30),
-            "fits": e.total <= int(_memory_gib(args) * 2**30)}
+            "device_memory_bytes": device, "fits": e.total <= device}
 
 
 def _memory_line(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> str:

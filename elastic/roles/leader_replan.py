@@ -94,13 +94,13 @@ def holdings_gaps(holdings: Holdings, plan: Plan, live: set[int]) -> list[ShardK
     ]
 
 
-def whole_moments(tset: TemplateSet, plan: Plan) -> str:
-    """What a reason adds when `plan` came from the templates counting whole moments behind the
-    run's sharded ones (too few nodes for the pipelines that keep 1/S of them): else nothing."""
+def whole_moments(tset: TemplateSet, plan: Plan, sep: str) -> str:
+    """What a reason adds (after `sep`) when `plan` came from the templates counting whole moments
+    behind the run's sharded ones (too few nodes for the pipelines that keep 1/S of them): else nothing."""
     if tset.serving(plan) is tset:
         return ""
     need = tset.pipelines_needed(plan.fault_tolerance)
-    return (f"; {len(plan.pipelines)} pipelines, fewer than the {need} that keep 1/{tset.moment_slices} of "
+    return (f"{sep} {len(plan.pipelines)} pipelines, fewer than the {need} that keep 1/{tset.moment_slices} of "
             f"the optimizer's moments a holder: planned with whole moments")
 
 
@@ -134,7 +134,7 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
             except PlanningError:
                 continue
             relaxed = "" if f_now == f else f"; fault tolerance relaxed from {f} to {f_now}"
-            return new, f"{what}: re-planned over nodes {node_list(live)}{relaxed}{whole_moments(tset, new)}"
+            return new, f"{what}: re-planned over nodes {node_list(live)}{relaxed}{whole_moments(tset, new, ';')}"
     return Fallback(what=what, gaps=gaps, live=live)
 
 
@@ -149,7 +149,7 @@ def fallback_plan(tset: TemplateSet, plan: Plan, fallback: Fallback, *, checkpoi
         except PlanningError:
             continue
         relaxed = "" if f_now == f else f", fault tolerance relaxed from {f} to {f_now}"
-        relaxed += whole_moments(tset, new).replace(";", ",")
+        relaxed += whole_moments(tset, new, ",")
         why = fallback.cause or (f"shards {gaps} have no live holder" if gaps else f"too few nodes for {f + 1} pipelines")
         return new, (
             f"{fallback.what}: {why}; "

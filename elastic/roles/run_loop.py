@@ -164,11 +164,8 @@ class RunLoop:
         """Carry out one due rejoin: end what is left of the node, start its next incarnation."""
         self.progress.rejoined.add(req.id)
         self.client.put(RunKeys(self.keys).injected(req.id), repr(time.time()))
-        incarnation = self.pool.next_incarnation(req.node)
-        self.pool.stop_node(req.node)
-        kill_workers(self.progress, node=req.node)
+        incarnation = self._restart(req.node)
         self.say(f"elastic run: node {req.node} rejoins (incarnation {incarnation})")
-        self.pool.spawn(req.node, incarnation)
         status = InjectionStatus(state="done", at=time.time(), detail=f"incarnation {incarnation} started")
         write_status(self.client, self.keys.root, req.id, status)
 
@@ -183,13 +180,19 @@ class RunLoop:
             if done >= self.rejoin_fenced:
                 continue
             self._fenced_rejoins[agent.node] = done + 1
-            incarnation = self.pool.next_incarnation(agent.node)
-            kill_workers(self.progress, node=agent.node)
+            incarnation = self._restart(agent.node)
             self.say(f"elastic run: node {agent.node} was fenced while it lived (incarnation {agent.incarnation}); "
                      f"it rejoins as incarnation {incarnation} ({done + 1} of {self.rejoin_fenced})")
             record_event(self.client, self.keys, who="launcher", kind="fenced-rejoin", node=agent.node,
                          incarnation=incarnation, fenced=agent.incarnation)
-            self.pool.spawn(agent.node, incarnation)
+
+    def _restart(self, node: int) -> int:
+        """End what is left of `node` (its agent, its workers) and start its next incarnation; its number."""
+        incarnation = self.pool.next_incarnation(node)
+        self.pool.stop_node(node)
+        kill_workers(self.progress, node=node)
+        self.pool.spawn(node, incarnation)
+        return incarnation
 
     def _finished(self, read_now: bool) -> bool:
         """Whether the run finished (True) or goes on (False); raises why it must stop otherwise."""

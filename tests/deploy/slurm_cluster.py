@@ -36,6 +36,7 @@ from typing import Any
 
 import psutil
 
+from elastic.coordinator.etcd_server import free_port
 from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,16 +66,6 @@ def binary(name: str) -> str:
     assert path is not None, (f"{name} is not installed: run scripts/install_test_system.sh as root "
                               "(apt-get install slurmctld slurmd slurm-client munge)")
     return path
-
-
-def free_port(address: str) -> int:
-    """A TCP port free on `address` now, below the kernel's ephemeral range where it can
-    (`etcd_server.free_port`): slurmctld binds it seconds later, and a port of that range can be
-    taken meanwhile by any outgoing connection of the tests beside it (it once was: "Error binding
-    slurm stream socket: Address already in use")."""
-    from elastic.coordinator.etcd_server import free_port as below_ephemeral
-
-    return below_ephemeral(address)
 
 
 def stop_pid(pid: int, *, grace_s: float = 10.0) -> None:
@@ -201,6 +192,8 @@ def _write_conf(root: Path, topology: Any) -> None:
     lines = [
         "ClusterName=elastictest",
         f"SlurmctldHost={host}({topology.bridge_address})",
+        # below the kernel's ephemeral range: slurmctld binds it seconds later, and a port of that range
+        # was once taken meanwhile by an outgoing connection of the tests beside it ("Address already in use")
         f"SlurmctldPort={free_port(topology.bridge_address)}",
         "SlurmdPort=6818",  # one slurmd per network namespace: no clash
         "SlurmUser=root", "SlurmdUser=root",
