@@ -33,6 +33,7 @@ from elastic.cli.run_config import (
     check_spares,
     elastic_config,
     job_spec,
+    rejoin_fenced,
     spares_config,
 )
 from elastic.cli.run_resume import resume_config, resume_defaults
@@ -153,10 +154,11 @@ def register(subparsers: Any) -> None:
                         "nodes sharing this host run as separate devices (e.g. 0.4 for 4 nodes on 2 cores, which leaves "
                         "0.4 core to etcd and the agents; needs a writable cgroup cpu controller, i.e. root; "
                         "default: no cap)")
-    parser.add_argument("--rejoin-fenced", type=int, default=0, metavar="N",
+    parser.add_argument("--rejoin-fenced", type=int, default=None, metavar="N",
                         help="elastic: start a local node that the job fenced out while it lived (a partition "
                         "that healed, a stall past the leader's probe) again as its next incarnation, up to N times "
-                        "a node; it joins at a step boundary like a new node (default 0: it stays out)")
+                        "a node; it joins at a step boundary like a new node (default 1 with local agents; "
+                        "0: it stays out)")
     # ---- activation recomputation (elastic/model/gpt.py) ----
     add_recompute_flag(parser)
     add_schedule_flag(parser)
@@ -288,7 +290,7 @@ def _run_job(args: argparse.Namespace) -> int:
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local", job_stop=job_stop,
                                      etcd_members=args.etcd_members, before_etcd_stops=guard.record_history,
-                                     node_cpus=args.node_cpus, rejoin_fenced=args.rejoin_fenced)
+                                     node_cpus=args.node_cpus, rejoin_fenced=rejoin_fenced(args))
         else:
             summary = launch(spec, timeout_s=args.timeout)
     except JobStopped as stopped:  # on request (a signal, `elastic drain --all`), with a checkpoint

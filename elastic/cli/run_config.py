@@ -107,13 +107,23 @@ def check_flags(args: argparse.Namespace) -> str | None:
         token = os.environ.get("ELASTIC_JOB_TOKEN") or None
         if args.static or args.etcd is None or args.job is None or token is None:
             raise UsageError("--agents external needs --etcd, --job and $ELASTIC_JOB_TOKEN, and not --static")
-    if args.rejoin_fenced < 0 or (args.rejoin_fenced and (args.static or args.agents == "external")):
+    if args.rejoin_fenced is not None and (
+            args.rejoin_fenced < 0 or (args.rejoin_fenced and (args.static or args.agents == "external"))):
         raise UsageError(f"--rejoin-fenced starts local nodes again: it must be >= 0 (got {args.rejoin_fenced}) and "
                          "cannot go with --static or --agents external")
     if args.node_cpus is not None and (args.static or args.agents == "external" or not args.node_cpus > 0):
         raise UsageError(f"--node-cpus caps the local agents of an elastic run: it must be > 0 (got {args.node_cpus}) "
                          "and cannot go with --static or --agents external")
     return token
+
+
+def rejoin_fenced(args: argparse.Namespace) -> int:
+    """How many times a local node fenced while it lived is started again: `--rejoin-fenced N`, or 1
+    where the launcher starts the nodes (a fenced node that lives is healthy capacity: a healed
+    partition, a stall past the leader's probe), 0 where it does not (--static, --agents external)."""
+    if args.rejoin_fenced is not None:
+        return int(args.rejoin_fenced)
+    return 0 if args.static or args.agents == "external" else 1
 
 
 def _check_etcd_flags(args: argparse.Namespace) -> None:

@@ -72,7 +72,8 @@ def test_with_a_client_a_rank_a_put_reaches_only_its_waiters(etcd_server: EtcdSe
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("pattern", ["lazy", "nccl"])
+# The lazy pattern is `soak`: NCCL's is the one a job makes.
+@pytest.mark.parametrize("pattern", [pytest.param("lazy", marks=pytest.mark.soak), "nccl"])
 def test_a_node_store_relay_makes_half_the_requests_or_fewer(etcd_server: EtcdServer, pattern: str) -> None:
     """256 ranks as 32 nodes of 8, a client a rank, with and without a store relay a node
     (elastic/coordinator/store_relay.py): with it, a node's sets and reads go to etcd together,

@@ -6,7 +6,7 @@ about recovery; a second, short launch is interrupted with SIGTERM to check the 
 Two more live runs hurt node 2's link in the other ways and are compared
 with the failure-free result of the same job (one worker, `tests.faults.runs.reference_run`):
 a sick link (50 ms delay, 1 % loss each way) causes no failure; a one-way partition (node 2's
-packets to etcd dropped) fences node 2.
+packets to etcd dropped) fences node 2. Those two are `soak` (about a minute each).
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def _committed_once(logs: dict[str, list[StepResult]], generations: list[int], *
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.soak  # about a minute; a slow node's no false failure: tests/faults/test_slow_node.py
 @pytest.mark.timeout(600)
 def test_sick_link_causes_no_false_failure(sick_run: dict[str, Any], sick_reference: dict[str, Any]) -> None:
     _check_against_failure_free(sick_run, sick_reference)
@@ -251,6 +252,7 @@ def test_sick_link_causes_no_false_failure(sick_run: dict[str, Any], sick_refere
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.soak  # about a minute; the one-way case by lease: tests/roles/test_leader_suspects.py, a fence: tests/faults/test_partition.py
 @pytest.mark.timeout(600)
 def test_one_way_partitioned_node_is_fenced(one_way_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
     summary = one_way_run["summary"]

@@ -17,7 +17,8 @@ job (2 simulated nodes on this machine): final parameters within 1e-5, losses to
   `scontrol listpids` has them from that node's slurmstepd, are SIGKILLed when step 8 is in
   flight (timed with the runtime's own step trigger, InjectionTrigger, as `--inject kill` is).
   srun reports the task killed, node 0 trains on in generation 2 without a restart, and the job
-  still ends COMPLETED with the plain run's final state.
+  still ends COMPLETED with the plain run's final state. `soak` (about 45 s): the suite's
+  default runs the first case.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ def _still_listed(cluster: SlurmCluster, step: str, node: str) -> list[int]:
         return []
 
 
+@pytest.mark.soak  # about 45 s; a killed node's recovery under torchrun: tests/coordinator/test_torchrun.py
 @pytest.mark.timeout(300)
 def test_node_step_killed_through_slurm_recovers_without_restarting_the_other(
     slurm: SlurmCluster, plain_run: tuple[dict[str, Any], dict[str, torch.Tensor]], tmp_path: Path

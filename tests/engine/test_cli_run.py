@@ -16,6 +16,8 @@ import psutil
 import pytest
 import torch
 
+from elastic.cli.main import build_parser
+from elastic.cli.run_config import check_flags, rejoin_fenced
 from tests.engine.runs import max_rel_diff
 
 pytestmark = [pytest.mark.slow]
@@ -94,6 +96,19 @@ def test_bad_arguments_exit_2_with_one_line(flags: list[str], message: str) -> N
     out = elastic(*flags, timeout=50)
     assert out.returncode == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "rejoins"),
+    [([], 1), (["--rejoin-fenced", "0"], 0), (["--rejoin-fenced", "3"], 3), (["--static"], 0),
+     (["--agents", "external"], 0)],
+)
+def test_a_fenced_local_node_rejoins_once_by_default(flags: list[str], rejoins: int) -> None:
+    """A node fenced while it lived is healthy capacity: the launcher that started it starts it again."""
+    args = build_parser().parse_args(["run", *flags])
+    if "--agents" not in flags:  # external agents need an etcd, a job and a token to pass the checks
+        check_flags(args)  # the default goes with --static: it raises nothing
+    assert rejoin_fenced(args) == rejoins
 
 
 @pytest.mark.timeout(120)

@@ -133,10 +133,11 @@ def measured_apart(model: str, *, tp: int, recompute: str, sp: bool, run_dir: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["small", "gpt2-124m"])
+@pytest.mark.parametrize("model", ["small", pytest.param("gpt2-124m", marks=pytest.mark.soak)])
 def test_larger_models_save_what_the_model_counts(tmp_path: Path, model: str) -> None:
     """small and gpt2-124m (sequence 1024), every mode, TP 1 and 2, sequence parallelism on and
-    off: one microbatch each, each in a process of its own."""
+    off: one microbatch each, each in a process of its own. gpt2-124m (about 3-5 minutes) is
+    `soak`: small runs the same layers, modes and layouts at a sequence of 256."""
     cfg = shape_of(model)
     for tp, sp in LAYOUTS:
         for recompute in RECOMPUTE_MODES:

@@ -14,12 +14,13 @@ and steps at its usual rate again within 2 s of each stall's end.
 
 The slow-disk case (etcd's fdatasync delayed 1.5 s for 60 s with strace's fault injection, its
 etcd writing with fsync on) and the 3-member case (the etcd leader member SIGSTOPped 10 s) run
-the same checks; they are `soak` (about 2 minutes each on this 2-core machine). Without the
+the same checks. All three are `soak` (1.5 to 2 minutes each on this 2-core machine). Without the
 right to ptrace etcd, the slow-disk case skips and says why.
 
-`elastic inject etcd-stall` itself runs against a job of `elastic run` (its own etcd, PIDs in
-the run's job.json): etcd stopped and continued, an `etcd-stall` event, the job stepping on in
-its first generation. A node killed during a stall: tests/faults/test_etcd_stall_kill.py.
+The default test: `elastic inject etcd-stall` against a job of `elastic run` (its own etcd, PIDs
+in the run's job.json; TTL 3 s, a 4 s stall, so every lease expires): etcd stopped and
+continued, an `etcd-stall` event, the leader's record of a control-plane stall, and the job
+stepping on in its first generation. A node killed during a stall: tests/faults/test_etcd_stall_kill.py.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def _check_no_node_lost(outcome: Outcome) -> None:
     assert all(not e["silent"] for e in verdicts), verdicts
 
 
+@pytest.mark.soak
 def test_sigstopped_etcd_loses_no_node(sigstop: Outcome) -> None:
     _check_no_node_lost(sigstop)
     kinds = [str(e["kind"]) for e in sigstop.events]
@@ -235,6 +237,7 @@ def _suspicion_json(outcome: Outcome) -> dict[str, object]:
     return dict(json.loads(value))
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_the_stall_is_in_status_and_events(sigstop: Outcome) -> None:
     record = _suspicion_json(sigstop)
@@ -282,6 +285,10 @@ def test_inject_etcd_stall_stops_the_jobs_etcd_and_continues_it(tmp_path: Path) 
         after = committed_steps(client, rk)
         wait_for(lambda: committed_steps(client, rk) >= after + 10, 60, "10 more steps after the stall")
         assert Generations(client, JobKeys(job)).current_number() == 1, "a node was lost to the stall"
+        value, _ = client.get(JobKeys(job).suspicion)
+        assert value is not None, "no suspicion recorded: the stall expired no lease"
+        record = json.loads(value)
+        assert record["decision"] == "control-plane stall: no change" and record["silent"] == [], record
     finally:
         if client is not None:
             client.close()

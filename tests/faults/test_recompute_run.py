@@ -57,7 +57,9 @@ def sequence_parallel(tmp_path_factory: pytest.TempPathFactory) -> Result:
 _same = same_bits
 
 
-@pytest.mark.parametrize(("mode", "extra"), [("selective", ()), ("full", ()), ("auto", AUTO_MIXED)])
+# selective through the failure is `soak`: the same run with sequence parallelism is a default test.
+@pytest.mark.parametrize(("mode", "extra"), [pytest.param("selective", (), marks=pytest.mark.soak), ("full", ()),
+                                             ("auto", AUTO_MIXED)])
 def test_recomputation_trains_bit_for_bit_the_same_through_a_failure(
     mode: str, extra: tuple[str, ...], reference: Result, tmp_path: Path
 ) -> None:
@@ -71,7 +73,8 @@ def test_recomputation_trains_bit_for_bit_the_same_through_a_failure(
         assert all(" recompute " not in text for name, text in logs.items() if name.startswith(("node1.", "node3.")))
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+# full with sequence parallelism is `soak`: full without it, and selective with it, are default tests.
+@pytest.mark.parametrize("mode", ["selective", pytest.param("full", marks=pytest.mark.soak)])
 def test_sequence_parallelism_trains_the_same_through_a_failure(
     mode: str, reference: Result, sequence_parallel: Result, tmp_path: Path
 ) -> None:

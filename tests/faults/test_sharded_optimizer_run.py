@@ -97,7 +97,8 @@ def test_losing_every_owner_of_a_slice_falls_back_to_the_checkpoint(unsharded: C
     same_bits(got, unsharded, "sharded, both owners of a slice killed, checkpoint fallback")
 
 
-@pytest.mark.parametrize(("before", "after"), [("on", "off"), ("off", "on")])
+# Sharded into unsharded is `soak`: the default test resumes unsharded into sharded.
+@pytest.mark.parametrize(("before", "after"), [pytest.param("on", "off", marks=pytest.mark.soak), ("off", "on")])
 def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Path, before: str,
                                               after: str) -> None:
     first = tmp_path / "first"
