@@ -89,36 +89,39 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps({**_as_json(args, cfg, chosen), "memory": _memory(args, cfg, chosen)}, indent=2))
+        print(json.dumps({**_as_json(args, cfg, chosen), "memory": _memory(chosen)}, indent=2))
     else:
         print(_as_table(args, cfg, chosen))
-        print(_memory_line(args, cfg, chosen))
+        print(_memory_line(chosen))
     return 0
 
 
-def _memory(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> dict[str, Any]:
+def _memory(chosen: ChosenPlan) -> dict[str, Any]:
     """The plan's largest worker by the memory model (`planning.memory.plan_memory`), in bytes."""
-    from elastic.planning.memory import plan_memory
-
-    peak = plan_memory(cfg, chosen.plan, device_type=args.device, sharded_optimizer=chosen.sharded)
-    e, device = peak.estimate, int(_memory_gib(args) * 2**30)
+    peak = chosen.memory
+    assert peak is not None
+    e = peak.estimate
     return {"largest_worker_bytes": e.total, "params_and_state": e.params_and_state, "activations": e.activations,
             "head": e.head, "reserve": e.reserve, "pipeline": peak.pipeline, "stage": peak.stage, "node": peak.node,
-            "device_memory_bytes": device, "fits": e.total <= device}
+            "device_memory_bytes": chosen.tset.profile.device.memory_bytes, "fits": chosen.fits,
+            "margin_bytes": chosen.margin_bytes}
 
 
-def _memory_line(args: argparse.Namespace, cfg: GPTConfig, chosen: ChosenPlan) -> str:
-    m, gib = _memory(args, cfg, chosen), 2**30
+def _memory_line(chosen: ChosenPlan) -> str:
+    m, gib = _memory(chosen), 2**30
+    margin = (f"\nmemory: planned with {m['margin_bytes'] / 2**20:.2f} MiB held back on every worker: the first "
+              "plan's uneven batch split left a worker over the device" if m["margin_bytes"] else "")
     return (f"\nmemory: largest worker {m['largest_worker_bytes'] / gib:.2f} GiB of {m['device_memory_bytes'] / gib:g} GiB "
             f"(pipeline {m['pipeline']} stage {m['stage']}, node {m['node']}): parameters and state "
             f"{m['params_and_state'] / gib:.2f}, activations {m['activations'] / gib:.2f}, loss {m['head'] / gib:.2f}, "
-            f"reserve {m['reserve'] / gib:.2f}" + ("" if m["fits"] else OVER_DEVICE))
+            f"reserve {m['reserve'] / gib:.2f}" + margin + ("" if m["fits"] else OVER_DEVICE))
 
 
 OVER_DEVICE = ("\nmemory: WARNING: the largest worker exceeds the device by the memory model. The planner's "
                "gradient-buffer figure bounds even batch splits; this plan splits its batch unevenly between "
-               "pipelines of different depths, and a holder whose share of the summation tree has more "
-               "blocks keeps more gradient sums. Try another --global-batch, or more --device-memory-gib headroom.")
+               "pipelines of different depths, a holder whose share of the summation tree has more blocks keeps "
+               "more gradient sums, and no plan holding the excess back on every worker fitted. Try another "
+               "--global-batch, or more --device-memory-gib headroom.")
 
 
 def _optimizer(args: argparse.Namespace, chosen: ChosenPlan) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
         if args.shard_optimizer == "auto":  # a given plan: the planner chose nothing
             args.shard_optimizer = "off"
         args.moment_slices = 1  # a given plan: counted with whole moments, the bound for any S
+        args.memory_margin_bytes = 0
         return plan
     try:
         spec = ClusterSpec(
@@ -72,6 +73,7 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
         raise UsageError(str(exc)) from None
     args.shard_optimizer = "on" if chosen.sharded else "off"  # auto resolved: the JobSpec's
     args.moment_slices = chosen.counted_slices if chosen.sharded else 1  # the leader's re-plans keep it
+    args.memory_margin_bytes = chosen.margin_bytes  # and the memory it held back
     return chosen.plan
 
 
@@ -227,6 +229,7 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             recompute=spec.recompute,
             virtual_stages=args.virtual_stages,
             moment_slices=getattr(args, "moment_slices", 1),
+            memory_margin_bytes=getattr(args, "memory_margin_bytes", 0),
         )
         stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
                                      steps=args.straggler_steps)

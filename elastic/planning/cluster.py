@@ -102,6 +102,10 @@ class ClusterSpec:
     """S, the slices the run's plan counted each layer's optimizer moments in (the sharded
     optimizer: a holder keeps 1/S; `optimizer_choice.choose_plan`); 1: whole. The leader's
     re-plans keep S (f + 1) pipelines where the live nodes allow (`replan_templates`)."""
+    memory_margin_bytes: int = 0
+    """Bytes the templates hold back on every worker beyond the memory model's figures: set by
+    `optimizer_choice.choose_plan` where the plan's uneven batch split left a worker over the
+    device (the figures bound even splits); the leader's re-plans keep it."""
 
     def __post_init__(self) -> None:
         get_preset(self.model)  # ValueError naming the known presets
@@ -111,6 +115,8 @@ class ClusterSpec:
             raise ValueError(f"--virtual-stages must be auto or >= 1, got {self.virtual_stages}")
         if self.moment_slices < 1:
             raise ValueError(f"moment slices must be >= 1, got {self.moment_slices}")
+        if self.memory_margin_bytes < 0:
+            raise ValueError(f"the memory margin must be >= 0 bytes, got {self.memory_margin_bytes}")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"device type must be one of {', '.join(DEVICE_TYPES)}, got {self.device_type!r}")
         for flag, value in (
@@ -227,12 +233,14 @@ def derived_profile(
 
 def memory_model(spec: ClusterSpec) -> MemoryModel:
     """The engine's gradient, exchange and work buffers for `spec`'s plans (1 to min(N, M)
-    pipelines of at least f+1, the batch split evenly, partial replay as the engine's default)."""
+    pipelines of at least f+1, the batch split evenly, partial replay as the engine's default),
+    and the spec's margin on every worker."""
     figures = planner_figures(
         global_microbatches=spec.global_microbatches, min_pipelines=spec.fault_tolerance + 1,
         max_pipelines=spec.nodes, partial_replay=PARTIAL_REPLAY, device_type=spec.device_type,
     )
-    return MemoryModel(grad_bytes_per_param=figures.grad_bytes_per_param, worker_bytes=figures.worker_bytes)
+    return MemoryModel(grad_bytes_per_param=figures.grad_bytes_per_param,
+                       worker_bytes=figures.worker_bytes + spec.memory_margin_bytes)
 
 
 def cluster_profile(spec: ClusterSpec) -> Profile:

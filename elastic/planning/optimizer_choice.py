@@ -5,13 +5,21 @@ whose holders keep 1/S of them (`sharded_plan`: the templates count 1/S, and the
 S (f + 1) pipelines that make it so). The run records the S its plan counted
 (`ClusterSpec.moment_slices`): the leader's re-plans keep it where the live nodes allow
 (`cluster.replan_templates`). A model that fits only sharded is planned sharded.
+
+The chosen plan is then checked worker by worker by the memory model (`memory.plan_memory`, equal
+to a real Trainer's bytes). The templates' check bounds the gradient sums of even batch splits;
+a plan that splits its batch unevenly between pipelines of different depths can leave a worker
+over the device, and is planned again with the excess held back on every worker
+(`ClusterSpec.memory_margin_bytes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan
+from elastic.planning.memory import PlanMemory, plan_memory
 from templates.optim_slices import slice_count
 from templates.plan import Plan
 from templates.template_set import PlanningError, TemplateSet
@@ -30,6 +38,22 @@ class ChosenPlan:
     gather_time: float = 0.0
     """The sharded plan's parameter gather a step (`gather_time`): counted on top of its
     iteration time when `auto` compares; 0 unsharded."""
+    memory: PlanMemory | None = None
+    """The plan's largest worker by the memory model (`choose_plan` sets it)."""
+    margin_bytes: int = 0
+    """Bytes the templates held back on every worker to make the plan fit (`memory_margin_bytes`;
+    0: the first plan fitted)."""
+
+    @property
+    def excess_bytes(self) -> int:
+        """Bytes the largest worker needs beyond the device by the memory model (<= 0: it fits)."""
+        assert self.memory is not None
+        return self.memory.estimate.total - self.tset.profile.device.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the largest worker fits the device by the memory model."""
+        return self.excess_bytes <= 0
 
     @property
     def slices(self) -> int:
@@ -88,7 +112,39 @@ def gather_time(tset: TemplateSet, plan: Plan) -> float:
     return device.p2p_time(most * (slices - 1) / slices)
 
 
+MEMORY_TRIES = 6
+"""Plans `choose_plan` makes again, each holding back the last one's excess on top of its margin."""
+
+
 def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
+    """`choose_optimizer`'s plan, checked by the memory model (`plan_memory`). Where a worker
+    exceeds the device (an uneven batch split: the templates' figures bound even ones), the plan
+    is made again with the excess held back on every worker, and again with the new plan's excess
+    on top, up to MEMORY_TRIES times (a stage's template may have kept more slack than the excess:
+    the plan changes only once the margin passes the whole gap between the figures and the exact
+    bytes, 4 times the first excess in one of the tiny plans of tests/planning/test_memory_fit.py);
+    where no plan fits that way the first stands, and its `fits` is False (`elastic plan` warns)."""
+    first = dataclasses.replace(_with_memory(spec, choose_optimizer(spec, shard_optimizer)),
+                                margin_bytes=spec.memory_margin_bytes)
+    chosen = first
+    for _ in range(MEMORY_TRIES):
+        if chosen.fits:
+            return chosen
+        margin = chosen.margin_bytes + chosen.excess_bytes
+        try:
+            tighter = choose_optimizer(dataclasses.replace(spec, memory_margin_bytes=margin), shard_optimizer)
+        except PlanningError:
+            break
+        chosen = dataclasses.replace(_with_memory(spec, tighter), margin_bytes=margin)
+    return chosen if chosen.fits else first
+
+
+def _with_memory(spec: ClusterSpec, chosen: ChosenPlan) -> ChosenPlan:
+    peak = plan_memory(spec.config, chosen.plan, device_type=spec.device_type, sharded_optimizer=chosen.sharded)
+    return dataclasses.replace(chosen, memory=peak)
+
+
+def choose_optimizer(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
     """The run's plan: unsharded (`off`), sharded (`on`, `sharded_plan`), or (`auto`) the sharded
     one where it has 2 slices or more, f >= 1, and is predicted faster with its parameter gather
     counted (`gather_time`; the freed memory laid fewer stages or less recomputation). `auto`

@@ -2,7 +2,9 @@
 tiny, gloo) so that it cannot rot where no GPU runs it: every stage ends with exit 0, what comes
 back fits the device tool's limits (at most 8 files, no deeper than two folders), and the first
 bench/gpu_check.sh stage's report (with its profile) says what a CPU run must
-(tests/bench/test_gpu_check.py `check_cpu_report`)."""
+(tests/bench/test_gpu_check.py `check_cpu_report`). `soak` (about a minute): run it before a lent
+device's session (`pytest -m soak tests/bench/test_gpu_session.py`); the suite's default checks
+the report's pieces (tests/bench/test_gpu_check.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ CPU_STEPS = 8
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_the_session_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -162,6 +162,7 @@ def test_reconfigure_in_place_equals_unchanged_run(reference: Any, tmp_path: Pat
     check_reconfigured(tmp_path, run_scenario(tmp_path, scenario), ref_out, ref, exact=True)
 
 
+@pytest.mark.soak  # about 15 s; TP 2 through a failure and its re-plan: tests/faults/test_interleaved_run.py
 @pytest.mark.timeout(240)
 def test_reconfigure_in_place_with_tensor_parallelism(reference: Any, tmp_path: Path) -> None:
     ref_out, ref = reference
