@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,9 @@ def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | 
     args.shard_optimizer = "on" if chosen.sharded else "off"  # auto resolved: the JobSpec's
     args.moment_slices = chosen.counted_slices if chosen.sharded else 1  # the leader's re-plans keep it
     args.memory_margin_bytes = chosen.margin_bytes  # and the memory it held back
+    if not chosen.fits:
+        print("elastic run: warning: the plan's largest worker exceeds the device by the memory model (an uneven "
+              "batch split that no plan holding memory back avoids; `elastic plan` shows it)", file=sys.stderr)
     return chosen.plan
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from elastic.cli.main import build_parser
-from elastic.cli.run_config import check_flags, rejoin_fenced
+from elastic.cli.run_config import build_plan, check_flags, rejoin_fenced
 from tests.engine.runs import max_rel_diff
 
 pytestmark = [pytest.mark.slow]
@@ -109,6 +109,20 @@ def test_a_fenced_local_node_rejoins_once_by_default(flags: list[str], rejoins: 
     if "--agents" not in flags:  # external agents need an etcd, a job and a token to pass the checks
         check_flags(args)  # the default goes with --static: it raises nothing
     assert rejoin_fenced(args) == rejoins
+
+
+@pytest.mark.parametrize(("gib", "warned"), [("0.034", False), ("0.022", True)])
+def test_a_plan_over_the_device_is_planned_again_or_said(gib: str, warned: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """`elastic run`'s plan is `elastic plan`'s: made again with memory held back where an uneven
+    batch split left a worker over the device (tiny, 5 nodes, 0.034 GiB), and said on stderr where
+    no plan avoids it (7 nodes, 0.022 GiB, sharded, f = 0; tests/planning/test_memory_fit.py)."""
+    nodes, f, shard, gb = ("5", "1", "off", "8") if not warned else ("7", "0", "on", "16")
+    args = build_parser().parse_args(["run", "--model", "tiny", "--nodes", nodes, "--fault-tolerance", f,
+                                      "--global-batch", gb, "--microbatch", "1", "--device", "cpu",
+                                      "--device-memory-gib", gib, "--shard-optimizer", shard])
+    build_plan(args, 4)
+    assert (args.memory_margin_bytes == 0) == warned
+    assert ("elastic run: warning: the plan's largest worker exceeds the device" in capsys.readouterr().err) == warned
 
 
 @pytest.mark.timeout(120)
