@@ -136,7 +136,7 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     cfg = model_for_data(args)  # --model, --model-config, --n-layer ...; prepared --data: its vocabulary
-    plan = build_plan(args, cfg.num_layers, shape=cfg)
+    plan = build_plan(args, shape=cfg)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-netns-"))
     args.run_dir = run_dir
     optim = OptimConfig(

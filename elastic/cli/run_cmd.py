@@ -263,7 +263,7 @@ def _run_job(args: argparse.Namespace) -> int:
     token = check_flags(args)
     check_spares(args)
     resume_defaults(args)
-    plan = build_plan(args, cfg.num_layers, shape=cfg)
+    plan = build_plan(args, shape=cfg)
     try:
         cfg.check_tensor_parallel(plan.gpus_per_node, by=f"{plan.gpus_per_node} gpus per node")
     except ValueError as exc:

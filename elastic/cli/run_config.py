@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from elastic.records.job import JobSpec
 
 
-def build_plan(args: argparse.Namespace, num_layers: int, *, shape: GPTConfig | None = None) -> Plan:
+def build_plan(args: argparse.Namespace, *, shape: GPTConfig | None = None) -> Plan:
     """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
     (for the model `shape`; None: the --model preset's), with the optimizer sharded or not as
     `--shard-optimizer` says (`auto` is resolved here, in `args`: on where the planner chose it;

@@ -124,8 +124,7 @@ def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
     the plan changes only once the margin passes the whole gap between the figures and the exact
     bytes, 4 times the first excess in one of the tiny plans of tests/planning/test_memory_fit.py);
     where no plan fits that way the first stands, and its `fits` is False (`elastic plan` warns)."""
-    first = dataclasses.replace(_with_memory(spec, choose_optimizer(spec, shard_optimizer)),
-                                margin_bytes=spec.memory_margin_bytes)
+    first = _with_memory(spec, choose_optimizer(spec, shard_optimizer), spec.memory_margin_bytes)
     chosen = first
     for _ in range(MEMORY_TRIES):
         if chosen.fits:
@@ -135,13 +134,14 @@ def choose_plan(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:
             tighter = choose_optimizer(dataclasses.replace(spec, memory_margin_bytes=margin), shard_optimizer)
         except PlanningError:
             break
-        chosen = dataclasses.replace(_with_memory(spec, tighter), margin_bytes=margin)
+        chosen = _with_memory(spec, tighter, margin)
     return chosen if chosen.fits else first
 
 
-def _with_memory(spec: ClusterSpec, chosen: ChosenPlan) -> ChosenPlan:
+def _with_memory(spec: ClusterSpec, chosen: ChosenPlan, margin: int) -> ChosenPlan:
+    """`chosen` with its largest worker by the memory model, planned with `margin` held back."""
     peak = plan_memory(spec.config, chosen.plan, device_type=spec.device_type, sharded_optimizer=chosen.sharded)
-    return dataclasses.replace(chosen, memory=peak)
+    return dataclasses.replace(chosen, memory=peak, margin_bytes=margin)
 
 
 def choose_optimizer(spec: ClusterSpec, shard_optimizer: str) -> ChosenPlan:

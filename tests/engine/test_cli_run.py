@@ -111,16 +111,19 @@ def test_a_fenced_local_node_rejoins_once_by_default(flags: list[str], rejoins: 
     assert rejoin_fenced(args) == rejoins
 
 
-@pytest.mark.parametrize(("gib", "warned"), [("0.034", False), ("0.022", True)])
-def test_a_plan_over_the_device_is_planned_again_or_said(gib: str, warned: bool, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "warned"), [
+    (["--nodes", "5", "--fault-tolerance", "1", "--global-batch", "8", "--device-memory-gib", "0.034",
+      "--shard-optimizer", "off"], False),
+    (["--nodes", "7", "--fault-tolerance", "0", "--global-batch", "16", "--device-memory-gib", "0.022",
+      "--shard-optimizer", "on"], True),
+])
+def test_a_plan_over_the_device_is_planned_again_or_said(flags: list[str], warned: bool,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """`elastic run`'s plan is `elastic plan`'s: made again with memory held back where an uneven
     batch split left a worker over the device (tiny, 5 nodes, 0.034 GiB), and said on stderr where
     no plan avoids it (7 nodes, 0.022 GiB, sharded, f = 0; tests/planning/test_memory_fit.py)."""
-    nodes, f, shard, gb = ("5", "1", "off", "8") if not warned else ("7", "0", "on", "16")
-    args = build_parser().parse_args(["run", "--model", "tiny", "--nodes", nodes, "--fault-tolerance", f,
-                                      "--global-batch", gb, "--microbatch", "1", "--device", "cpu",
-                                      "--device-memory-gib", gib, "--shard-optimizer", shard])
-    build_plan(args, 4)
+    args = build_parser().parse_args(["run", "--model", "tiny", "--microbatch", "1", "--device", "cpu", *flags])
+    build_plan(args)
     assert (args.memory_margin_bytes == 0) == warned
     assert ("elastic run: warning: the plan's largest worker exceeds the device" in capsys.readouterr().err) == warned
 
