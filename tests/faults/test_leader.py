@@ -254,7 +254,8 @@ def test_a_loss_during_the_last_step_aborts_it(world: World) -> None:
     world.ready(1, last, range(2))
     world.members[3].report_failure(reason="test: node 3 lost")
     wait_for(lambda: world.halt(1), 15.0, "the abort halt of generation 1")
-    assert world.decision(1, last) == ABORT
+    # The leader writes the halt, then the decision, in one round: wait for the second write.
+    assert wait_for(lambda: world.decision(1, last), 15.0, "the decision of the last step") == ABORT
     for node in range(3):
         world.sync(1, node, last, vote_of=last - 1)
     new = wait_for(lambda: world.record(2), 15.0, "generation 2")
