@@ -1,14 +1,17 @@
 """Interleaved 1F1B against plain 1F1B on one 4-node pipeline (issue 53).
 
-    .venv/bin/python bench/schedules.py --rounds 5 --node-cpus 0.4
+    .venv/bin/python bench/schedules.py --rounds 5
 
 Each run is `elastic run` (its own etcd, f = 0, no checkpoints) of one 4-node pipeline at m = 8
 microbatches, with `--virtual-stages 1` or `2`; the two alternate within each round (the order
-flips every round), so a slow spell of the machine lands on both. The model (tiny reshaped: 6
-blocks of d_model 192, 128 tokens, 8 planning layers) is sized so that one stage's forward and
-backward of a microbatch takes 20 ms or more on one core; `--node-cpus` caps each node at a
-share of a core (a cgroup quota, needs root), so that a stage that waits really idles, as a
-device would, instead of lending its core to the others.
+flips every round), so a slow spell of the machine lands on both. The model (tiny reshaped: 8
+blocks of d_model 384, 128 tokens, 10 planning layers) is sized so that one stage's forward and
+backward of a microbatch takes 20 ms or more on one core, and so that its stages are even at
+both v: 2 blocks a stage at v = 1 (the embedding and the head ride with the first and the last),
+1 a virtual stage at v = 2. With 6 blocks the middle stages held 2 blocks and the outer ones 1,
+and the slowest stage, not the bubble, set both steps. `--node-cpus` caps each node at a share
+of a core (a cgroup quota, needs root), so that a stage that waits really idles, as a device
+would, instead of lending its core to the others.
 
 Figures: each run's step time is the median of its steps' commit intervals after `--warmup`
 steps; per side the median over rounds; the speedup is v = 1's over v = 2's (and, paired, the
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace, v: int, run_dir: Path) -> dict[str, float]:
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [*ELASTIC, "run", *job_flags(args, v), "--steps", str(args.steps), "--run-dir", str(run_dir),
            "--checkpoint-every", "0", "--summary", str(run_dir / "summary.json")]
-    if args.node_cpus is not None:
+    if args.node_cpus > 0:
         cmd += ["--node-cpus", str(args.node_cpus)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.run_timeout)
     if proc.returncode != 0:
@@ -71,14 +74,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of each run's median")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--n-layer", type=int, default=6)
-    parser.add_argument("--d-model", type=int, default=192)
+    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--device-memory-gib", type=float, default=0.05,
-                        help="the budget at which the planner lays one 4-node pipeline (default 0.05)")
+    parser.add_argument("--device-memory-gib", type=float, default=0.2,
+                        help="the budget at which the planner lays one 4-node pipeline (default 0.2)")
     parser.add_argument("--device-tflops", type=float, default=0.02,
                         help="the nominal speed the planner times stages at: about a core's share here")
-    parser.add_argument("--node-cpus", type=float, default=None)
+    parser.add_argument("--node-cpus", type=float, default=0.5,
+                        help="each node's cap in cores, a cgroup quota that needs root (default 0.5: 4 nodes take "
+                             "the 2 cores of the development machine; 0: no cap, the nodes share the cores)")
     parser.add_argument("--run-timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
