@@ -263,13 +263,14 @@ def _run_job(args: argparse.Namespace) -> int:
     token = check_flags(args)
     check_spares(args)
     resume_defaults(args)
-    plan = build_plan(args, shape=cfg)
+    planned = build_plan(args, shape=cfg)
+    plan = planned.plan
     try:
         cfg.check_tensor_parallel(plan.gpus_per_node, by=f"{plan.gpus_per_node} gpus per node")
     except ValueError as exc:
         raise UsageError(f"model {args.model}'s {exc}") from None
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-run-"))
-    spec = job_spec(args, plan, run_dir, shape=cfg)
+    spec = job_spec(args, planned, run_dir, shape=cfg)
     check_held_out(spec)
     guard = guard_run(run_dir, embedded_etcd=args.etcd is None and not args.static,  # run dir in use: exit 2
                       local_agents=not args.static and args.agents == "local")
@@ -283,7 +284,7 @@ def _run_job(args: argparse.Namespace) -> int:
     job_stop = None
     try:
         if elastic:
-            config = elastic_config(args, spec, plan)
+            config = elastic_config(args, spec, planned)
             config = resume_config(args, config)
             config = spares_config(args, config)
             job_stop = stop_on_signals(config)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves

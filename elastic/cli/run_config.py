@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,11 +23,26 @@ if TYPE_CHECKING:
     from elastic.records.job import JobSpec
 
 
-def build_plan(args: argparse.Namespace, *, shape: GPTConfig | None = None) -> Plan:
+@dataclass(frozen=True, kw_only=True)
+class PlannedRun:
+    """What the planner decided for the run, beyond the plan: the job and the leader's re-plans
+    read it (the JobSpec's optimizer, the elastic config's ClusterSpec)."""
+
+    plan: Plan
+    shard_optimizer: str
+    """"on" or "off": `--shard-optimizer auto` resolved (on where the planner chose it; with
+    --plan FILE, off)."""
+    moment_slices: int = 1
+    """The slices the plan's memory was counted with (`ClusterSpec.moment_slices`): the leader's
+    re-plans keep them. 1 for an unsharded plan and for --plan FILE (the bound for any S)."""
+    memory_margin_bytes: int = 0
+    """Bytes held back on every worker to make the plan fit (`ClusterSpec.memory_margin_bytes`)."""
+
+
+def build_plan(args: argparse.Namespace, *, shape: GPTConfig | None = None) -> PlannedRun:
     """The plan of the run: --plan FILE, or the planner's fastest plan with at least f+1 pipelines
     (for the model `shape`; None: the --model preset's), with the optimizer sharded or not as
-    `--shard-optimizer` says (`auto` is resolved here, in `args`: on where the planner chose it;
-    with --plan FILE, off)."""
+    `--shard-optimizer` says."""
     if args.plan is not None:
         try:
             plan = Plan.from_json(args.plan.read_text())
@@ -48,11 +64,8 @@ def build_plan(args: argparse.Namespace, *, shape: GPTConfig | None = None) -> P
                 f"the plan has {len(plan.pipelines)} pipelines; --fault-tolerance {args.fault_tolerance} needs "
                 f"{args.fault_tolerance + 1}"
             )
-        if args.shard_optimizer == "auto":  # a given plan: the planner chose nothing
-            args.shard_optimizer = "off"
-        args.moment_slices = 1  # a given plan: counted with whole moments, the bound for any S
-        args.memory_margin_bytes = 0
-        return plan
+        # A given plan: the planner chose nothing (auto is off), counted with whole moments.
+        return PlannedRun(plan=plan, shard_optimizer="on" if args.shard_optimizer == "on" else "off")
     try:
         spec = ClusterSpec(
             model=args.model,
@@ -72,13 +85,12 @@ def build_plan(args: argparse.Namespace, *, shape: GPTConfig | None = None) -> P
         chosen = choose_plan(spec, args.shard_optimizer)
     except ValueError as exc:  # bad flags, a malformed profile, or no feasible plan
         raise UsageError(str(exc)) from None
-    args.shard_optimizer = "on" if chosen.sharded else "off"  # auto resolved: the JobSpec's
-    args.moment_slices = chosen.counted_slices if chosen.sharded else 1  # the leader's re-plans keep it
-    args.memory_margin_bytes = chosen.margin_bytes  # and the memory it held back
     if not chosen.fits:
         print("elastic run: warning: the plan's largest worker exceeds the device by the memory model (an uneven "
               "batch split that no plan holding memory back avoids; `elastic plan` shows it)", file=sys.stderr)
-    return chosen.plan
+    return PlannedRun(plan=chosen.plan, shard_optimizer="on" if chosen.sharded else "off",
+                      moment_slices=chosen.counted_slices if chosen.sharded else 1,
+                      memory_margin_bytes=chosen.margin_bytes)
 
 
 def _device_type(args: argparse.Namespace) -> str:
@@ -148,7 +160,8 @@ def _check_etcd_flags(args: argparse.Namespace) -> None:
         raise UsageError("--etcd-members starts a local etcd cluster: it cannot go with --etcd or --static")
 
 
-def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTConfig | None = None) -> JobSpec:
+def job_spec(args: argparse.Namespace, planned: PlannedRun, run_dir: Path, *, shape: GPTConfig | None = None
+             ) -> JobSpec:
     """The JobSpec of the run (model shape, optimizer, data and device from the flags); UsageError
     if invalid."""
     from elastic.records.job import JobSpec
@@ -160,7 +173,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
         )
         return JobSpec(
             model=args.model,
-            plan=plan,
+            plan=planned.plan,
             steps=args.steps,
             run_dir=str(run_dir),
             data_seed=args.seed,
@@ -173,7 +186,7 @@ def job_spec(args: argparse.Namespace, plan: Plan, run_dir: Path, *, shape: GPTC
             recompute=args.recompute,
             sequence_parallel=args.sequence_parallel,
             scatter_gather=args.scatter_gather,
-            shard_optimizer=args.shard_optimizer,
+            shard_optimizer=planned.shard_optimizer,
             init_from=None if getattr(args, "init_from", None) is None else str(Path(args.init_from).resolve()),
         )
     except ValueError as exc:
@@ -205,8 +218,9 @@ def check_held_out(spec: JobSpec) -> None:
         raise UsageError(f"--eval-every: {exc}") from None
 
 
-def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
+def elastic_config(args: argparse.Namespace, spec: Any, planned: PlannedRun) -> Any:
     """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
+    plan = planned.plan
     from elastic.records.config import ElasticConfig
     from elastic.records.injection import check_injections, parse_injection
 
@@ -232,8 +246,8 @@ def elastic_config(args: argparse.Namespace, spec: Any, plan: Plan) -> Any:
             shape=spec.model_config,
             recompute=spec.recompute,
             virtual_stages=args.virtual_stages,
-            moment_slices=getattr(args, "moment_slices", 1),
-            memory_margin_bytes=getattr(args, "memory_margin_bytes", 0),
+            moment_slices=planned.moment_slices,
+            memory_margin_bytes=planned.memory_margin_bytes,
         )
         stragglers = StragglerConfig(policy=args.straggler_policy, threshold=args.straggler_threshold,
                                      steps=args.straggler_steps)

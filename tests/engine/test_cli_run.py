@@ -123,8 +123,7 @@ def test_a_plan_over_the_device_is_planned_again_or_said(flags: list[str], warne
     batch split left a worker over the device (tiny, 5 nodes, 0.034 GiB), and said on stderr where
     no plan avoids it (7 nodes, 0.022 GiB, sharded, f = 0; tests/planning/test_memory_fit.py)."""
     args = build_parser().parse_args(["run", "--model", "tiny", "--microbatch", "1", "--device", "cpu", *flags])
-    build_plan(args)
-    assert (args.memory_margin_bytes == 0) == warned
+    assert (build_plan(args).memory_margin_bytes == 0) == warned
     assert ("elastic run: warning: the plan's largest worker exceeds the device" in capsys.readouterr().err) == warned
 
 
