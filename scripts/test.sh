@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install_test_system.sh
-.venv/bin/ruff check elastic templates tests bench
+.venv/bin/ruff check elastic templates tests bench deploy
 if [ "$#" -gt 0 ] || [ "${ELASTIC_TEST_SERIAL:-0}" = 1 ]; then
     .venv/bin/mypy
     exec .venv/bin/python -m pytest "$@"

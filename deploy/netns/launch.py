@@ -136,15 +136,17 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     if args.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     cfg = model_for_data(args)  # --model, --model-config, --n-layer ...; prepared --data: its vocabulary
-    plan = build_plan(args, shape=cfg)
+    planned = build_plan(args, shape=cfg)
+    plan = planned.plan
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-netns-"))
     args.run_dir = run_dir
     optim = OptimConfig(
         lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
     )
     spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
-                   data_path=args.data, optim=optim, device=args.device, shape=cfg)
-    config = elastic_config(args, spec, plan)
+                   data_path=args.data, optim=optim, device=args.device, shape=cfg,
+                   shard_optimizer=planned.shard_optimizer)
+    config = elastic_config(args, spec, planned)
     partitions = [parse_partition(text) for text in args.partition]
     partitions += [parse_sick_link(text) for text in args.sick_link]
     for p in partitions:

@@ -16,13 +16,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastic.comm.opening import open_communicator
 from elastic.coordinator.client import connect
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.netaddr import LOOPBACK, bind_host
 from elastic.coordinator.store import EtcdStore
-from elastic.parallel.groups import new_group
 from elastic.transfer.client import FetchConfig, fetch_shards
 from elastic.transfer.server import ServerConfig, ShardServer
+from elastic.transfer.shards import ShardKey
 
 _TOKEN = "netns-probe"
 
@@ -35,7 +36,9 @@ def probe(*, etcd: str, prefix: str, rank: int, world: int, timeout_s: float) ->
     client = connect(config_from_env(etcd))
     timeout = timedelta(seconds=timeout_s)
     store = EtcdStore(client, f"netns-probe/{prefix}/", timeout=timeout)
-    group = new_group(store, rank=rank, size=world, timeout=timeout, backend="gloo")
+    comm = open_communicator(store, name="netns-probe", members=list(range(world)), rank=rank, backend="gloo",
+                             device=torch.device("cpu"), timeout=timeout)
+    group = comm.group
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value, group=group)
     want = world * (world + 1) / 2
@@ -48,8 +51,9 @@ def probe(*, etcd: str, prefix: str, rank: int, world: int, timeout_s: float) ->
         address = store.get(f"server/{peer}").decode()
         if address.startswith(LOOPBACK):
             raise RuntimeError(f"rank {peer} advertises a loopback address {address}")
-        got = fetch_shards([(peer, 0)], {address: [(peer, 0)]}, FetchConfig(token=_TOKEN, generation=0))
-        shard = got.shards[(peer, 0)]["w"]
+        key = ShardKey(peer, 0)
+        got = fetch_shards([key], {address: [key]}, FetchConfig(token=_TOKEN, generation=0))
+        shard = got.shards[key]["w"]
         if not torch.equal(shard, torch.full((4,), float(peer))):
             raise RuntimeError(f"shard fetched from {address} holds {shard.tolist()}")
         dist.barrier(group=group)  # keep serving until every rank has fetched

@@ -91,7 +91,8 @@ def partitioned_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     summary = run_dir / "summary.json"
     part = ",".join(f"{k}={v}" for k, v in PARTITION.items())
     cmd = [sys.executable, str(LAUNCH), "--nodes", "3", "--fault-tolerance", "1", "--steps", str(STEPS),
-           "--run-dir", str(run_dir), "--summary", str(summary), "--partition", part, "--timeout", "150"]
+           "--run-dir", str(run_dir), "--summary", str(summary), "--partition", part, "--timeout", "150",
+           "--check"]  # gloo and gRPC probed between the namespaces before the job (deploy/netns/probe.py)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=170)
@@ -306,9 +307,14 @@ def test_partitioned_node_is_lost_and_the_job_commits_every_step(partitioned_run
 def test_addresses_are_the_namespaces_and_everything_is_removed(partitioned_run: dict[str, Any]) -> None:
     netns = partitioned_run["netns"]
     assert netns["etcd"].startswith("10.213.")
-    assert sorted(n["address"] for n in netns["nodes"].values()) == [
-        netns["etcd"].split(":")[0].rsplit(".", 1)[0] + f".{10 + k}" for k in range(3)
-    ]
+    addresses = sorted(n["address"] for n in netns["nodes"].values())
+    assert addresses == [netns["etcd"].split(":")[0].rsplit(".", 1)[0] + f".{10 + k}" for k in range(3)]
+    # --check: each namespace's probe reduced over gloo and fetched a shard over gRPC from its
+    # neighbour's namespace address, before the job started.
+    probes = [line for line in partitioned_run["out"].splitlines() if line.startswith("netns: probe rank")]
+    assert len(probes) == 3, partitioned_run["out"][-3000:]
+    for line in probes:
+        assert "gloo all_reduce 6 ok" in line and "gRPC fetch from 10.213." in line, line
     assert _leftovers(netns["prefix"]) == []
     procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert f"netns-{netns['prefix']}" not in procs  # no agent or worker of the job is left
