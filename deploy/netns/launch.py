@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     """The ElasticConfig of `elastic run` with these flags, and the partitions (ValueError if bad)."""
     from elastic.cli.model_flags import model_for_data
-    from elastic.cli.run_config import build_plan, elastic_config
-    from elastic.engine.optim import OptimConfig
-    from elastic.records.job import JobSpec
+    from elastic.cli.run_config import build_plan, elastic_config, job_spec
 
     if args.static or args.etcd is not None:
         raise ValueError("--static and --etcd do not apply: this launcher runs its own etcd on the bridge")
@@ -140,12 +138,7 @@ def _job_config(args: argparse.Namespace) -> tuple[Any, list[PartitionSpec]]:
     plan = planned.plan
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="elastic-netns-"))
     args.run_dir = run_dir
-    optim = OptimConfig(
-        lr=args.lr, min_lr=min(1e-4, args.lr), warmup_steps=args.warmup_steps, eps=args.adam_eps
-    )
-    spec = JobSpec(model=args.model, plan=plan, steps=args.steps, run_dir=str(run_dir), data_seed=args.seed,
-                   data_path=args.data, optim=optim, device=args.device, shape=cfg,
-                   shard_optimizer=planned.shard_optimizer)
+    spec = job_spec(args, planned, run_dir, shape=cfg)  # elastic run's: every flag of its JobSpec
     config = elastic_config(args, spec, planned)
     partitions = [parse_partition(text) for text in args.partition]
     partitions += [parse_sick_link(text) for text in args.sick_link]

@@ -220,9 +220,10 @@ def check_held_out(spec: JobSpec) -> None:
 
 def elastic_config(args: argparse.Namespace, spec: Any, planned: PlannedRun) -> Any:
     """The control plane's view of the run: planner inputs for re-planning, injections, checkpoints."""
-    plan = planned.plan
     from elastic.records.config import ElasticConfig
     from elastic.records.injection import check_injections, parse_injection
+
+    plan = planned.plan
 
     try:
         injections = [parse_injection(text) for text in args.inject]
