@@ -7,11 +7,13 @@ of the test suite."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -21,6 +23,8 @@ from elastic.model.config import GPTConfig
 from elastic.transfer.shards import ShardKey
 from tests.comm.cluster import Case, Outcome, random_case, reference_shards, run_case
 from tests.comm.patterns import features
+
+JOB_HANG_S = 200
 
 
 @functools.cache
@@ -52,11 +56,32 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp, args.out.open("w") as out:
+    try:
+        _run(args.first, args.count, args.out)
+    except BaseException:  # a job's harness failed (not its checks): say where, and exit at once
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # Skip interpreter teardown, as the runtime's workers do (roles/elastic_worker.py): the jobs'
+    # gloo groups, still alive in their trainers' cycles, may abort the process in their
+    # destructors at exit ("terminate called without an active exception", seen once in CI), or
+    # hang there behind a job's stuck threads.
+    print(f"batch of {args.count} jobs from seed {args.first}: done", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _run(first: int, count: int, path: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp, path.open("w") as out:
         root = Path(tmp)
-        for seed in range(args.first, args.first + args.count):
+        for seed in range(first, first + count):
             case = random_case(seed)
+            print(f"job of seed {seed} (tests.comm.cluster.random_case)", file=sys.stderr, flush=True)
+            # A job bounded by its timeouts ends within about 2 x 60 s; past JOB_HANG_S it hangs
+            # where no timeout reaches: every thread's stack to stderr, and the batch exits.
+            faulthandler.dump_traceback_later(JOB_HANG_S, exit=True)
             outcome = run_case(case, root / case.name, timeout_s=60)
+            faulthandler.cancel_dump_traceback_later()
             report = check(outcome.logs)
             line = {
                 "case": str(case), "errors": outcome.errors, "steps": sorted(set(outcome.steps.values())),
@@ -66,12 +91,6 @@ def main() -> None:
             }
             out.write(json.dumps(line) + "\n")
             out.flush()
-    # Skip interpreter teardown, as the runtime's workers do (roles/elastic_worker.py): the jobs'
-    # gloo groups, still alive in their trainers' cycles, may abort the process in their
-    # destructors at exit ("terminate called without an active exception", seen once in CI).
-    print(f"batch of {args.count} jobs from seed {args.first}: done", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

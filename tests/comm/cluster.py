@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -334,7 +335,8 @@ def _on_threads(jobs: list[tuple[Callable[[Worker], None], Worker]], timeout_s: 
     threads = [threading.Thread(target=fn, args=(w,), name=f"worker{w[0]}.{w[1]}", daemon=True) for fn, w in jobs]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout_s  # one deadline for all: N stuck threads cost timeout_s, not N times it
     for t in threads:
-        t.join(timeout_s)
+        t.join(max(0.0, deadline - time.monotonic()))
     stuck = [t.name for t in threads if t.is_alive()]
     assert not stuck, f"threads still running after {timeout_s} s: {stuck}"

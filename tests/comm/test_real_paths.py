@@ -46,8 +46,12 @@ def _run_batch(batch: int, out: Path) -> subprocess.CompletedProcess[str]:
     count = CASES // BATCHES
     cmd = [sys.executable, "-m", "tests.comm.batch", "--first", str(batch * count), "--count", str(count),
            "--out", str(out)]
-    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=540)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                              text=True, timeout=540)
+    except subprocess.TimeoutExpired as exc:  # the jobs it ran and where it stood, for the report
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        return subprocess.CompletedProcess(cmd, -9, "", f"timed out after 540 s\n{err}")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +72,7 @@ def test_generated_jobs_never_deadlock_under_nccls_rules(
     done = future.result()
     jobs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     assert done.returncode == 0 and len(jobs) == CASES // BATCHES, (
-        f"batch exited {done.returncode} after {len(jobs)} of {CASES // BATCHES} jobs:\n{done.stderr[-3000:]}")
+        f"batch exited {done.returncode} after {len(jobs)} of {CASES // BATCHES} jobs:\n{done.stderr[-12000:]}")
     for job in jobs:
         assert not job["errors"], f"{job['case']}: {job['errors']}"
         assert job["steps"] == [3], f"{job['case']}: steps committed {job['steps']}"
