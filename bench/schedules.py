@@ -4,12 +4,14 @@
 
 Each run is `elastic run` (its own etcd, f = 0, no checkpoints) of one 4-node pipeline at m = 8
 microbatches, with `--virtual-stages 1` or `2`; the two alternate within each round (the order
-flips every round), so a slow spell of the machine lands on both. The model (tiny reshaped: 8
-blocks of d_model 384, 128 tokens, 10 planning layers) is sized so that one stage's forward and
-backward of a microbatch takes 20 ms or more on one core, and so that its stages are even at
-both v: 2 blocks a stage at v = 1 (the embedding and the head ride with the first and the last),
-1 a virtual stage at v = 2. With 6 blocks the middle stages held 2 blocks and the outer ones 1,
-and the slowest stage, not the bubble, set both steps. `--node-cpus` caps each node at a share
+flips every round), so a slow spell of the machine lands on both. The model (tiny reshaped: 16
+blocks of d_model 384, 128 tokens, 18 planning layers) is sized so that one stage's forward and
+backward of a microbatch takes 20 ms or more on one core (about 220 ms at half a core), and so
+that its stages are even at both v: 4 blocks a stage at v = 1 (the embedding and the head ride
+with the first and the last), 2 a virtual stage at v = 2. With 6 blocks the middle stages held 2
+blocks and the outer ones 1, and the slowest stage, not the bubble, set both steps; with 8 (2 a
+stage, `--n-layer 8 --device-memory-gib 0.2`) each of v = 2's twice as many transfers costs as
+much as at 16 against half the computation, and the gain measured 1.06-1.11x (bench/README.md). `--node-cpus` caps each node at a share
 of a core (a cgroup quota, needs root), so that a stage that waits really idles, as a device
 would, instead of lending its core to the others.
 
@@ -74,11 +76,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of each run's median")
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--n-layer", type=int, default=8)
+    parser.add_argument("--n-layer", type=int, default=16)
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--device-memory-gib", type=float, default=0.2,
-                        help="the budget at which the planner lays one 4-node pipeline (default 0.2)")
+    parser.add_argument("--device-memory-gib", type=float, default=0.4,
+                        help="the budget at which the planner lays one 4-node pipeline (default 0.4; 0.2 for "
+                             "--n-layer 8)")
     parser.add_argument("--device-tflops", type=float, default=0.02,
                         help="the nominal speed the planner times stages at: about a core's share here")
     parser.add_argument("--node-cpus", type=float, default=0.5,
