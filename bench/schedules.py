@@ -11,9 +11,9 @@ that its stages are even at both v: 4 blocks a stage at v = 1 (the embedding and
 with the first and the last), 2 a virtual stage at v = 2. With 6 blocks the middle stages held 2
 blocks and the outer ones 1, and the slowest stage, not the bubble, set both steps; with 8 (2 a
 stage, `--n-layer 8 --device-memory-gib 0.2`) each of v = 2's twice as many transfers costs as
-much as at 16 against half the computation, and the gain measured 1.06-1.11x (bench/README.md). `--node-cpus` caps each node at a share
-of a core (a cgroup quota, needs root), so that a stage that waits really idles, as a device
-would, instead of lending its core to the others.
+much as at 16 against half the computation, and the gain measured 1.06-1.11x (bench/README.md).
+`--node-cpus` caps each node at a share of a core (a cgroup quota, needs root), so that a stage
+that waits really idles, as a device would, instead of lending its core to the others.
 
 Figures: each run's step time is the median of its steps' commit intervals after `--warmup`
 steps; per side the median over rounds; the speedup is v = 1's over v = 2's (and, paired, the
