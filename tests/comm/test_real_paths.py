@@ -14,10 +14,8 @@ failure and replay the same step), and the generated set covers every pattern is
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -48,24 +46,9 @@ BATCH_TIMEOUT_S = 540
 """Wall-clock limit of one batch (a batch takes 60-80 s on this machine)."""
 
 
-@functools.cache
-def _plain_policy() -> list[str]:
-    """The prefix that runs a batch under the normal scheduling policy, at the lane's niceness.
-    The background lane runs at the kernel's idle priority (tests/conftest.py), which a live test
-    that keeps both cores busy starves for as long as it runs; the jobs' gloo timeouts and
-    barriers are wall-clock (60 s), so a starved batch would fail or run out its time. A niced
-    process keeps a small share instead. Empty when this process is not at idle priority, or may
-    not leave it (an unprivileged user at a niceness over its RLIMIT_NICE: `chrt` would fail)."""
-    if os.sched_getscheduler(0) != os.SCHED_IDLE or shutil.which("chrt") is None:
-        return []
-    prefix = ["chrt", "--other", "0"]
-    allowed = subprocess.run([*prefix, "true"], capture_output=True).returncode == 0
-    return prefix if allowed else []
-
-
 def _run_batch(batch: int, out: Path) -> subprocess.CompletedProcess[str]:
     count = CASES // BATCHES
-    cmd = [*_plain_policy(), sys.executable, "-m", "tests.comm.batch", "--first", str(batch * count), "--count", str(count),
+    cmd = [sys.executable, "-m", "tests.comm.batch", "--first", str(batch * count), "--count", str(count),
            "--out", str(out)]
     try:
         return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
