@@ -150,7 +150,8 @@ def _optimizer_summary(args: argparse.Namespace, chosen: ChosenPlan) -> str:
     plain = ("no plan fits with whole moments" if chosen.unsharded_time is None
              else f"unsharded plan {chosen.unsharded_time:.6g} s an iteration")
     return (head + f"sharded: each layer's moments in {s} slice(s) over its {p} holders, {p // s}+ owners each; a "
-            f"holder keeps 1/{s} of them; its parameter gather {chosen.gather_time:.3g} s a step on top ({plain}; "
+            f"holder keeps 1/{s} of them; its parameter gather, less what the first forward hides, "
+            f"{chosen.gather_time:.3g} s a step on top ({plain}; "
             f"the leader's re-plans count 1/{chosen.counted_slices} wherever the live nodes form "
             f"{chosen.counted_slices * (chosen.plan.fault_tolerance + 1)} pipelines)")
 

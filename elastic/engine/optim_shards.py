@@ -14,11 +14,12 @@ The other parameters are one update behind until the next step begins: `gather_p
 each slice's updated parameters from its owners to the holders that do not own it. Each owner
 of a slice sends an even share of it (split by element, in owner order), so f + 1 owners send
 a slice's bytes once between them. The gather is idempotent (it copies committed values), so
-one cut short by a failure is simply repeated. It posts one group per gradient bucket's holder
-set, in descending layer order, on the world communicator, from the training thread: the bucket
-communicators are the exchange thread's, and NCCL's group state is per thread, so a communicator
-is posted from one thread only (elastic/comm/nccl_model.py found it). Both sides of a pair list
-its pieces in the same order.
+one cut short by a failure is simply repeated. It posts one group per layer, in ascending layer
+order (the order of a stage's forward: a step waits for each layer's group right before that
+layer's first forward, elastic/engine/param_gather.py), on the world communicator, from the
+training thread: the bucket communicators are the exchange thread's, and NCCL's group state is
+per thread, so a communicator is posted from one thread only (elastic/comm/nccl_model.py found
+it). Both sides of a pair list its pieces in the same order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic.comm import P2P
+from elastic.comm import P2P, Handle
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
 from templates.optim_slices import SliceOwnership, aligned_cuts, plan_owners
@@ -51,8 +52,10 @@ class Piece:
 
 @dataclass(frozen=True, kw_only=True)
 class GatherGroup:
-    """The pieces of one bucket holder set's gather, in posting order (both sides list them alike)."""
+    """The pieces of one layer's gather among its holders `ranks`, in posting order (both sides
+    list them alike)."""
 
+    layer: int
     ranks: tuple[int, ...]
     tag: int
     pieces: tuple[Piece, ...]
@@ -102,18 +105,18 @@ def owned_ranges(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Cal
 
 
 def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Callable[[str], int]) -> list[GatherGroup]:
-    """My part of the gather: per bucket holder set of mine (descending layer order), the pieces
-    I send (my share of my slice, to each holder that does not own it) and receive."""
+    """My part of the gather: per layer of mine held elsewhere too (ascending), the pieces I send
+    (my share of my slice, to each holder that does not own it) and receive."""
     owned = slice_owners(layout)
     by_layer = layer_params(sizes, layer_of)
     node_of = {w.rank: w.node for w in layout.workers}
     out: list[GatherGroup] = []
-    for bucket in sorted(layout.buckets, key=lambda b: -b.layers[0]):
+    for bucket in layout.buckets:
         if len(bucket.ranks) < 2:
             continue
         peer = {node_of[r]: r for r in bucket.ranks}
-        pieces: list[Piece] = []
-        for layer in sorted(bucket.layers, reverse=True):
+        for layer in bucket.layers:
+            pieces: list[Piece] = []
             names = by_layer.get(layer, [])
             cuts = aligned_cuts([sizes[n] for n in names], owned[layer].slices)
             for j, nodes in enumerate(owned[layer].owners):
@@ -126,21 +129,49 @@ def gather_plan(layout: ParallelLayout, sizes: Mapping[str, int], layer_of: Call
                             pieces.extend(Piece("send", name, a, b, peer[n]) for n in others)
                         elif layout.node in others:
                             pieces.append(Piece("recv", name, a, b, peer[sender]))
-        if pieces:
-            out.append(GatherGroup(ranks=bucket.ranks, tag=GATHER_TAG + bucket.layers[0], pieces=tuple(pieces)))
+            if pieces:
+                out.append(GatherGroup(layer=layer, ranks=bucket.ranks, tag=GATHER_TAG + layer, pieces=tuple(pieces)))
     return out
 
 
 def gather_params(plan: list[GatherGroup], params: Mapping[str, torch.Tensor], groups: ParallelGroups) -> int:
     """Run the gather `plan` over `params` (name -> tensor, written in place where received):
     every group posted, then waited, abortably. Bytes sent."""
-    handles = []
+    pending = post_gather(plan, params, groups.p2p)
+    pending.wait_all(groups.wait)
+    return pending.sent
+
+
+@dataclass
+class PendingGather:
+    """A posted gather: each layer's handles until they are waited for."""
+
+    handles: dict[int, list[Handle]]
+    sent: int
+    """Bytes this worker sends."""
+
+    def wait_layer(self, layer: int, wait: Callable[[Handle], None]) -> None:
+        """Wait (with `wait`) for layer `layer`'s group, if it is still pending (a handle is
+        forgotten only once its wait returned)."""
+        handles = self.handles.get(layer, [])
+        while handles:
+            wait(handles[0])
+            handles.pop(0)
+        self.handles.pop(layer, None)
+
+    def wait_all(self, wait: Callable[[Handle], None]) -> None:
+        """Wait for every group still pending, in posting order."""
+        for layer in sorted(self.handles):
+            self.wait_layer(layer, wait)
+
+
+def post_gather(plan: list[GatherGroup], params: Mapping[str, torch.Tensor], post: Callable[[list[P2P]], Handle]) -> PendingGather:
+    """Post every group of the gather `plan` over `params` (in `plan`'s order, with `post`); wait for nothing."""
+    handles: dict[int, list[Handle]] = {}
     sent = 0
     with torch.no_grad():
         for group in plan:
             ops = [P2P(p.kind, params[p.name].view(-1)[p.start : p.stop], p.peer, group.tag) for p in group.pieces]
             sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.kind == "send")
-            handles.append(groups.p2p(ops))
-        for handle in handles:
-            groups.wait(handle)
-    return sent
+            handles.setdefault(group.layer, []).append(post(ops))
+    return PendingGather(handles=handles, sent=sent)

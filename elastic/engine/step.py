@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from elastic.comm import Handle
 from elastic.data.dataset import TokenDataset, step_sample_indices
 from elastic.engine.adamw import MasterAdamW
 from elastic.engine.device import compute_precision
 from elastic.engine.optim import OptimConfig, lr_at
-from elastic.engine.optim_shards import gather_params
+from elastic.engine.optim_shards import gather_params, post_gather
+from elastic.engine.param_gather import layer_modules, waited_on_first_use
 from elastic.engine.shard_reduce import sharded_paths
 from elastic.engine.stage_links import stage_actions, stage_spec, tp_gather
 from elastic.parallel.abort import StepAborted
@@ -47,7 +47,7 @@ from elastic.parallel.grad_accum import GradAccumulator
 from elastic.parallel.grad_sync import GradStats, VoteInterrupted, clip_grads, finalize_grads
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout, assign_ranks
-from elastic.parallel.phase_clock import PhaseClock, StepPhases
+from elastic.parallel.phase_clock import PhaseClock, StepPhases, TimedWait
 from elastic.records.partial import PartialReport, ReplayRecord, split_microbatches
 from elastic.records.progress import StepResult
 from templates.plan import Plan
@@ -155,21 +155,6 @@ class PreparedStep:
     """Each node's forward, backward and wait seconds of the step, from the vote (GradStats.phases)."""
 
 
-class _TimedWait:
-    """A schedule's wait on peers that counts the seconds it blocked (the `wait` phase of
-    elastic/parallel/phase_clock.py)."""
-
-    def __init__(self, wait: Callable[[Handle], None]) -> None:
-        self.wait, self.seconds = wait, 0.0
-
-    def __call__(self, work: Handle) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.wait(work)
-        finally:
-            self.seconds += time.perf_counter() - t0
-
-
 def dropout_key(step: int, global_microbatch: int) -> int:
     """Dropout seed of one microbatch: a function of (step, global microbatch index) only, so
     masks do not depend on the plan."""
@@ -230,7 +215,9 @@ class StepTransaction:
         self.gather, self.sharded = sharded_paths(layout, module, self.buckets, layer_of, on=sharded, tree=tree, tied=tied)
         """Sharded: the parameter gather (`optim_shards`), the exchange's second phases (`shard_reduce`)."""
         self.behind = sharded
-        """Sharded: parameters outside my slices may be an update behind until the next `sync`."""
+        """Sharded: parameters outside my slices may be an update behind until the next `sync`
+        or the next step's gather (waited layer by layer: elastic/engine/param_gather.py)."""
+        self.layer_modules = {} if self.gather is None else layer_modules(module, layer_of)
         self.pending: int | None = None
         """A step whose vote this worker joined but did not see complete (gradients kept)."""
         self.keep_partial = keep_partial and len(layout.plan.pipelines) > 1
@@ -385,7 +372,9 @@ class StepTransaction:
                 cache[m] = self._microbatch(step, mbs[m])
             return cache[m]
 
-        self.sync()
+        pending = None
+        if self.gather is not None and self.behind:
+            pending = post_gather(self.gather, dict(self.module.named_parameters()), self.groups.p2p)
         # A replayed step adds kept sums after its schedule: its buckets are launched after that.
         if self.exchange.abandoned:
             self.exchange = TreeExchange(device=self.device, recorder=self.groups.recorder)
@@ -397,35 +386,40 @@ class StepTransaction:
         losses = MicrobatchResult()
         # A failure in another pipeline lets this one finish (and keep) its microbatches; a
         # replayed step keeps nothing, so any abort ends it.
-        wait = _TimedWait(self.groups.wait_local if replay is None else self.groups.wait)
+        wait = TimedWait(self.groups.wait_local if replay is None else self.groups.wait)
         clock = PhaseClock(self.device) if replay is None else None
+        gather_wait = TimedWait(self.groups.wait)
         try:
-            if mbs:
-                actions = self.actions if replay is None else stage_actions(layout, len(mbs))
-                result = run_schedule(
-                    self.module,
-                    actions,
-                    spec=self.spec,
-                    group=self.groups.world,
-                    wait=wait,
-                    post=self.groups.p2p_local if replay is None else self.groups.p2p,
-                    device=self.device,
-                    tokens=lambda m: batch(m)[0],
-                    targets=lambda m: batch(m)[1],
-                    loss_scale=1.0 / total_mbs,
-                    dropout_key=lambda m: dropout_key(step, mbs[m]),
-                    autocast=lambda: compute_precision(self.device),
-                    before_final_backward=reducer.arm if replay is None and not self.interleaved else None,
-                    before_backward=lambda m: self.accum.leaf(mbs[m]),
-                    clock=clock,
-                    gather=tp_gather(self.groups) if self.spec.split > 1 else None,
-                )
-                losses = result
+            with waited_on_first_use(pending, self.layer_modules, wait=gather_wait, clock=clock):
+                if mbs:
+                    actions = self.actions if replay is None else stage_actions(layout, len(mbs))
+                    result = run_schedule(
+                        self.module,
+                        actions,
+                        spec=self.spec,
+                        group=self.groups.world,
+                        wait=wait,
+                        post=self.groups.p2p_local if replay is None else self.groups.p2p,
+                        device=self.device,
+                        tokens=lambda m: batch(m)[0],
+                        targets=lambda m: batch(m)[1],
+                        loss_scale=1.0 / total_mbs,
+                        dropout_key=lambda m: dropout_key(step, mbs[m]),
+                        autocast=lambda: compute_precision(self.device),
+                        before_final_backward=reducer.arm if replay is None and not self.interleaved else None,
+                        before_backward=lambda m: self.accum.leaf(mbs[m]),
+                        clock=clock,
+                        gather=tp_gather(self.groups) if self.spec.split > 1 else None,
+                    )
+                    losses = result
         except BaseException:
             reducer.abandon()  # buckets handed to its exchange thread must not be written any more
             raise
+        finally:
+            if pending is not None and not pending.handles:
+                self.behind = False
         # A replayed step is no measure of this node's speed (it redoes part of a step): 0, unmeasured.
-        phases = StepPhases() if clock is None else functools.partial(clock.totals, wait=wait.seconds)
+        phases = StepPhases() if clock is None else functools.partial(clock.totals, wait=wait.seconds + gather_wait.seconds)
         counted = layout.is_last_stage and layout.tp_rank == 0
         # The losses stay on the device: their sum is read with the vote (a non-finite one fails it).
         loss_sum = losses.loss_sum(self.device) / total_mbs if counted else torch.zeros(

@@ -26,16 +26,19 @@ a GPU, the device's clock sees what the device did, whatever the host's load.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from elastic.comm import Handle
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
@@ -105,18 +108,19 @@ class PhaseClock:
         self.host = device.type == "cpu"
         self.wall = os.environ.get(DEDICATED_CPU_ENV) == "1"
         self._sums = {"forward": 0.0, "backward": 0.0}
-        self._events: list[tuple[str, torch.Event, torch.Event]] = []
+        self._events: list[tuple[str, torch.Event, torch.Event, float]] = []
 
     @contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
-        """Time one computation of `phase` (forward or backward)."""
+    def timed(self, phase: str, *, sign: float = 1.0) -> Iterator[None]:
+        """Time one computation of `phase` (forward or backward); `sign` -1 takes the span out
+        of `phase` instead (`excluded`)."""
         if self.host:
             t0, q0 = time.perf_counter(), 0.0 if self.wall else run_queue_s()
             try:
                 yield
             finally:
                 waited = 0.0 if self.wall else run_queue_s() - q0
-                self._sums[phase] += max(0.0, (time.perf_counter() - t0) - waited)
+                self._sums[phase] += sign * max(0.0, (time.perf_counter() - t0) - waited)
             return
         import torch  # an accelerator's clock; this module stays importable without torch (`elastic status`)
 
@@ -127,13 +131,33 @@ class PhaseClock:
         finally:
             end = torch.Event(device=self.device, enable_timing=True)
             end.record()
-            self._events.append((phase, start, end))
+            self._events.append((phase, start, end, sign))
+
+    def excluded(self, phase: str) -> contextlib.AbstractContextManager[None]:
+        """A wait on peers inside a computation of `phase` (the sharded optimizer's gather,
+        waited in a layer's first forward: elastic/engine/param_gather.py), taken out of that
+        computation's time by the same clock (on an accelerator, the stream's idle span)."""
+        return self.timed(phase, sign=-1.0)
 
     def totals(self, *, wait: float = 0.0) -> StepPhases:
         """The step's phases so far (an accelerator's events are waited for here), with `wait`."""
         if self._events:
             self._events[-1][2].synchronize()
-            for phase, start, end in self._events:
-                self._sums[phase] += start.elapsed_time(end) / 1e3
+            for phase, start, end, sign in self._events:
+                self._sums[phase] += sign * start.elapsed_time(end) / 1e3
             self._events.clear()
-        return StepPhases(forward=self._sums["forward"], backward=self._sums["backward"], wait=wait)
+        return StepPhases(forward=max(0.0, self._sums["forward"]), backward=max(0.0, self._sums["backward"]), wait=wait)
+
+
+class TimedWait:
+    """A wait on peers that counts the seconds it blocked (the `wait` phase)."""
+
+    def __init__(self, wait: Callable[[Handle], None]) -> None:
+        self.wait, self.seconds = wait, 0.0
+
+    def __call__(self, work: Handle) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.wait(work)
+        finally:
+            self.seconds += time.perf_counter() - t0

@@ -100,16 +100,28 @@ def sharded_plan(spec: ClusterSpec, unsharded: tuple[TemplateSet, Plan] | None) 
 
 
 def gather_time(tset: TemplateSet, plan: Plan) -> float:
-    """Seconds a step of `plan`, sharded, spends in the parameter gather before its first
-    forward (elastic/engine/optim_shards.py: not overlapped yet): the slowest node receives the
-    (S - 1) / S of its stage's parameters it does not own (S = P // (f + 1)) over its link."""
+    """Seconds a step of `plan`, sharded, waits for its parameter gather. Each node receives the
+    (S - 1) / S of each of its layers' parameters it does not own (S = P // (f + 1)) over its
+    link, layer after layer in forward order (posted together: one latency, then the bytes in
+    order), and a layer's first forward waits for its share
+    (elastic/engine/param_gather.py): the wait is what the transfers take beyond the first
+    microbatch's forward of the layers before them, on the slowest stage (each stage timed as if
+    its first forward began with the step, which a later stage's does not)."""
     slices = plan_slices(plan)
     if slices < 2:
         return 0.0
     layers, device = tset.profile.layers, tset.profile.device
-    most = max(sum(layers[i].param_bytes for a, b in st.ranges for i in range(a, b))
-               for pipe in plan.pipelines for st in pipe.stages)
-    return device.p2p_time(most * (slices - 1) / slices)
+    worst = 0.0
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            sent = ready = computed = 0.0  # bytes the gather brought, the first forward's progress, its compute alone
+            for a, b in st.ranges:
+                for i in range(a, b):
+                    sent += layers[i].param_bytes * (slices - 1) / slices
+                    ready = max(ready, device.p2p_time(sent)) + layers[i].forward  # the groups stream back to back
+                    computed += layers[i].forward
+            worst = max(worst, ready - computed)
+    return worst
 
 
 MEMORY_TRIES = 6

@@ -5,6 +5,7 @@ cluster, computed on its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from elastic.cli.main import main
 from elastic.planning.cluster import ClusterSpec, cluster_templates, initial_plan
 from elastic.planning.optimizer_choice import choose_plan, gather_time, sharded_plan
 from templates.cost import MOMENT_GRID_BYTES, StageCosts, moment_bytes
+from templates.template_set import TemplateSet
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,8 +53,8 @@ def test_the_sharded_plan_keeps_the_slices_it_assumed_and_beats_the_unsharded_on
 
 def test_auto_counts_the_gather_against_the_layout_it_buys() -> None:
     """gpt3-6.7b on 64 x 1 fp32 80 GiB: sharded lays 6 pipelines for 4 and predicts a faster
-    iteration, but the un-overlapped gather of (S - 1) / S of a stage's parameters costs more
-    than it saves: `auto` stays unsharded."""
+    iteration, but the gather of (S - 1) / S of a stage's parameters, less what the first forward
+    hides, costs more than it saves: `auto` stays unsharded."""
     spec = ClusterSpec(model="gpt3-6.7b", nodes=64, gpus_per_node=1, fault_tolerance=1, global_batch=1024,
                        microbatch=4, device_memory_gib=80, device_tflops=300)
     on, auto = choose_plan(spec, "on"), choose_plan(spec, "auto")
@@ -85,3 +87,27 @@ def test_auto_leaves_a_plan_that_memory_does_not_bind(capsys: pytest.CaptureFixt
     assert on["sharded"] is True and on["slices"] == pipelines // 2 and on["owners_per_slice"] == 2
     assert main([*argv[:-1], "--shard-optimizer", "on"]) == 0
     assert f"sharded: each layer's moments in {pipelines // 2} slice(s)" in capsys.readouterr().out
+
+
+def test_the_gather_waits_only_for_what_the_first_forward_does_not_hide() -> None:
+    """`gather_time` against its two ends, on the 1.3b plan with its layers' forward times
+    changed: with no forward to hide behind, the whole transfer of the largest stage's (S - 1) / S
+    (the gather waited for whole, as before the overlap); with every layer's forward longer than
+    the whole transfer, only the first layer's share; in between, between the two."""
+    tset, plan = sharded_plan(GPT3_CPU, None) or pytest.fail("no sharded plan")
+    s = len(plan.pipelines) // (GPT3_CPU.fault_tolerance + 1)
+    profile, device = tset.profile, tset.profile.device
+    stages = [[i for a, b in st.ranges for i in range(a, b)] for pipe in plan.pipelines for st in pipe.stages]
+
+    def share(layers: list[int]) -> float:
+        return sum(profile.layers[i].param_bytes for i in layers) * (s - 1) / s
+
+    def with_forward(seconds: float | None) -> TemplateSet:
+        layers = [ly if seconds is None else dataclasses.replace(ly, forward=seconds) for ly in profile.layers]
+        return dataclasses.replace(tset, profile=dataclasses.replace(profile, layers=layers))
+
+    whole = max(device.p2p_time(share(st)) for st in stages)
+    assert gather_time(with_forward(0.0), plan) == pytest.approx(whole, rel=1e-12)
+    first = max(device.p2p_time(share(st[:1])) for st in stages)
+    assert gather_time(with_forward(10 * whole), plan) == pytest.approx(first, rel=1e-12)
+    assert first < gather_time(with_forward(None), plan) < whole
