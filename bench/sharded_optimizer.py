@@ -11,7 +11,9 @@ with `shard_optimizer` off or on; the two alternate within each round, so a slow
 machine lands on both. With `--node-cpus X` (default 0.5, a cgroup quota that needs root) each
 run is `elastic run --plan` with each node capped at X cores, standing for a device a node; with
 0 it is the static launcher (no control plane) and the nodes share the cores. A run's figure is
-the median of its steps' times after the first `--warmup`; per side the median over rounds; the
+the median of its steps' times after the first `--warmup` (under `elastic run`, the intervals
+between the steps' commits, control plane included, as in bench/schedules.py; under the static
+launcher, the steps' own times); per side the median over rounds; the
 ratio is on's over off's (and the median of the rounds' own ratios). With sharding, a step sends
 each reduced gradient element to its owners only (elastic/engine/shard_reduce.py), does half the
 AdamW work, and gathers the parameters the others updated, each layer waited for right before its
