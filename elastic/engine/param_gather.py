@@ -31,11 +31,14 @@ from elastic.parallel.phase_clock import PhaseClock
 
 def layer_modules(module: torch.nn.Module, layer_of: Callable[[str], int]) -> dict[int, list[torch.nn.Module]]:
     """Layer -> the outermost submodules of `module` whose parameters all belong to that layer
-    (a GPT stage's embedding, blocks and head); every parameter lies in one of them."""
+    (a GPT stage's embedding, blocks and head); every parameter lies in one of them. Containers
+    (`ModuleDict`, `ModuleList`) are never called, so their hooks would never run: a stage's
+    only block is hooked itself, not the `blocks` that holds it."""
     out: dict[int, list[torch.nn.Module]] = {}
     taken: list[str] = []
     for prefix, sub in module.named_modules():
-        if not prefix or any(prefix.startswith(t + ".") for t in taken):
+        if (not prefix or isinstance(sub, (torch.nn.ModuleDict, torch.nn.ModuleList))
+                or any(prefix.startswith(t + ".") for t in taken)):
             continue
         layers = {layer_of(f"{prefix}.{name}") for name, _ in sub.named_parameters()}
         if len(layers) == 1:

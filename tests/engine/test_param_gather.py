@@ -41,6 +41,36 @@ def test_every_parameter_lies_in_one_layers_module(model: str) -> None:
         assert sum(len(list(sub.parameters())) for subs in modules.values() for sub in subs) == len(names)
 
 
+@pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
+def test_every_hooked_module_runs_in_a_forward(model: str) -> None:
+    """A hook on a module the forward never calls (a container such as `blocks`) would never
+    wait: that layer's forward would read parameters still being received. Every stage range
+    and an interleaved stage's chunks, each chunk run once, for real."""
+    cfg = get_preset(model)
+    of = functools.partial(layer_of, cfg=cfg)
+    n = cfg.num_layers
+    stages = [((lo, hi),) for lo in range(n) for hi in range(lo + 1, n + 1)]
+    stages += [((0, 2), (3, 5)), ((1, 3), (4, n)), ((2, 3), (5, n))]
+    for ranges in stages:
+        torch.manual_seed(0)
+        stage = GPTStage(cfg, chunks=ranges)
+        modules = layer_modules(stage, of)
+        assert sorted(modules) == sorted(layer for lo, hi in ranges for layer in range(lo, hi))
+        ran: set[int] = set()
+        for sub in (sub for subs in modules.values() for sub in subs):
+            sub.register_forward_pre_hook(functools.partial(_note, ran))
+        with torch.no_grad():
+            for chunk, (lo, _) in enumerate(ranges):
+                x = (torch.zeros(1, cfg.seq_len, dtype=torch.long) if lo == 0
+                     else torch.zeros(1, cfg.seq_len, cfg.d_model))
+                stage(x, dropout_key=0, chunk=chunk)
+        assert ran == {id(sub) for subs in modules.values() for sub in subs}, ranges
+
+
+def _note(ran: set[int], module: torch.nn.Module, _args: object) -> None:
+    ran.add(id(module))
+
+
 def test_each_layer_waits_for_its_gather_right_before_its_first_forward() -> None:
     """The peer sends layer l's piece only once layer l - 1's forward ran: a gather waited for
     whole before the forward would never get it (gloo's timeout ends that wait)."""
