@@ -56,15 +56,16 @@ def test_every_hooked_module_runs_in_a_forward(model: str) -> None:
         stage = GPTStage(cfg, chunks=ranges)
         modules = layer_modules(stage, of)
         assert sorted(modules) == sorted(layer for lo, hi in ranges for layer in range(lo, hi))
+        hooked = [sub for subs in modules.values() for sub in subs]
         ran: set[int] = set()
-        for sub in (sub for subs in modules.values() for sub in subs):
+        for sub in hooked:
             sub.register_forward_pre_hook(functools.partial(_note, ran))
         with torch.no_grad():
             for chunk, (lo, _) in enumerate(ranges):
                 x = (torch.zeros(1, cfg.seq_len, dtype=torch.long) if lo == 0
                      else torch.zeros(1, cfg.seq_len, cfg.d_model))
                 stage(x, dropout_key=0, chunk=chunk)
-        assert ran == {id(sub) for subs in modules.values() for sub in subs}, ranges
+        assert ran == {id(sub) for sub in hooked}, ranges
 
 
 def _note(ran: set[int], module: torch.nn.Module, _args: object) -> None:
