@@ -85,6 +85,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--final-state", type=Path, default=None, help="write the full fp32 parameters here")
     parser.add_argument("--summary", type=Path, default=None, help="write the run summary JSON here")
+    parser.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                        help="draw the run report, RUN_DIR/report.png, at the end (default: on; matplotlib takes "
+                        "about 2 s; `elastic report RUN_DIR` draws it later)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=2, help="linear warmup steps")
     parser.add_argument(
@@ -332,7 +335,8 @@ def _write_outputs(
     (run_dir / "summary.json").write_text(summary_json)
     if args.summary is not None:
         args.summary.write_text(summary_json)
-    _write_report(run_dir)
+    if args.report:
+        _write_report(run_dir)
 
 
 def _write_report(run_dir: Path) -> None:

@@ -40,7 +40,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def elastic_run(*args: str, timeout: float = 200) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "elastic.cli", "run", "--device", "cpu", *args]
+    cmd = [sys.executable, "-m", "elastic.cli", "run", "--device", "cpu", "--no-report", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -75,7 +75,7 @@ def plain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     """A plain `elastic run` of the same job (2 simulated nodes, embedded etcd): summary, final state."""
     run_dir = tmp_path_factory.mktemp("plain") / "run"
     cmd = [str(VENV / "bin" / "elastic"), "run", *RUN_FLAGS.split(), "--nodes", str(NODES),
-           "--gpus-per-node", "1", "--run-dir", str(run_dir), "--final-state", str(run_dir / "final_state.pt")]
+           "--gpus-per-node", "1", "--no-report", "--run-dir", str(run_dir), "--final-state", str(run_dir / "final_state.pt")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)

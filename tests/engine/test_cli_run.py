@@ -61,11 +61,13 @@ def run_cli(tmp: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, tuple[dict
 @pytest.mark.timeout(240)
 def test_node_counts_and_tp_degrees_write_the_same_final_state(tmp_path: Path) -> None:
     runs = run_cli(tmp_path, {
-        "one": ("--nodes", "1"),
+        "one": ("--nodes", "1", "--no-report"),
         # Devices of 12 MiB cannot hold `tiny` alone: the planner must form 2 pipelines of 2 stages.
-        "four": ("--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.023"),
+        "four": ("--nodes", "4", "--fault-tolerance", "1", "--device-memory-gib", "0.023", "--no-report"),
         "tp": ("--nodes", "2", "--gpus-per-node", "2", "--fault-tolerance", "1"),
     })
+    # The run report is drawn by default (tests/ops/test_report.py checks what it draws), and not with --no-report.
+    assert [(tmp_path / name / "report.png").is_file() for name in ("one", "four", "tp")] == [False, False, True]
     (one, one_state), (four, four_state), (tp, tp_state) = runs["one"], runs["four"], runs["tp"]
     for summary in (one, four, tp):
         assert summary["steps_committed"] == 4 and len(summary["losses"]) == 4 and summary["tokens_per_s"] > 0

@@ -15,6 +15,9 @@ from typing import Any
 import psutil
 import torch
 
+from elastic.ops.run_state import read_spec
+from elastic.records.summary import load_final_state
+
 CliResult = tuple[dict[str, Any], dict[str, torch.Tensor], str]
 """(the run's summary, its final state, its stdout)."""
 
@@ -24,10 +27,14 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     written there; it must exit 0 having committed `committed` steps, restarted no worker and
     lost `lost` (the nodes of each recovery). Stragglers are reported, not acted on (unless `cmd`
     names a policy): a rebalance for a node slowed by a loaded test machine would add a generation
-    (tests/faults/runs.py's jobs do the same; the policies have tests of their own)."""
-    final = run_dir / "final_state.pt"
+    (tests/faults/runs.py's jobs do the same; the policies have tests of their own).
+
+    The final state is merged here from the run directory, as `--final-state` merges it (the
+    same `load_final_state`), and no report is drawn: the launcher's `import torch` and
+    matplotlib would add about 3.5 s to every run (tests/engine/test_cli_run.py and
+    tests/ops/test_report.py cover those two)."""
     policy = [] if "--straggler-policy" in cmd else ["--straggler-policy", "report"]
-    full = [*cmd, *policy, "--run-dir", str(run_dir), "--final-state", str(final), "--summary", str(run_dir / "summary.json")]
+    full = [*cmd, *policy, "--no-report", "--run-dir", str(run_dir), "--summary", str(run_dir / "summary.json")]
     proc = run_to_end(full, run_dir, timeout)
     assert proc.returncode == 0, f"{cmd[4:]}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -35,7 +42,7 @@ def run_cli(cmd: Sequence[str], run_dir: Path, *, committed: int, lost: list[lis
     recoveries = summary["recoveries"]
     assert isinstance(recoveries, list)
     assert [r["lost_nodes"] for r in recoveries] == lost, recoveries
-    return summary, torch.load(final), proc.stdout
+    return summary, load_final_state(read_spec(run_dir)), proc.stdout
 
 
 def run_to_end(full: Sequence[str], run_dir: Path, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -195,7 +195,7 @@ def test_elastic_run_etcd_members_3(tmp_path: Path, tmp_path_factory: pytest.Tem
 
     def run(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "2",
-               "--fault-tolerance", "1", "--steps", str(REFERENCE_STEPS), "--run-dir", str(tmp_path / name),
+               "--fault-tolerance", "1", "--steps", str(REFERENCE_STEPS), "--no-report", "--run-dir", str(tmp_path / name),
                "--final-state", str(tmp_path / f"{name}.pt"), *flags]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 

@@ -112,6 +112,6 @@ def test_resume_between_plain_and_interleaved(plain: Result, tmp_path: Path, bef
 
 def _run_partly(run_dir: Path, steps: int, *extra: str) -> None:
     cmd = [*RUN[:RUN.index("--steps")], "--steps", str(steps), *RUN[RUN.index("--steps") + 2:],
-           "--run-dir", str(run_dir), *extra]
+           "--no-report", "--run-dir", str(run_dir), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, f"{extra}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -36,7 +36,7 @@ NEXT_CHECKPOINT = 15
 
 
 def elastic_run(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastic.cli", "run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "elastic.cli", "run", "--no-report", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -64,7 +64,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
     # step (tiny, 2 pipelines of 2 stages: devices of 12 MiB) steps 11-13 may still commit, and
     # the 4 steps before the next checkpoint leave room for that. Node 3 writes no checkpoint
     # shard (pipeline 0's workers do), so freezing it does not hold up the checkpoint of step 10.
-    cmd = [sys.executable, "-m", "elastic.cli", "run", *FLAGS, "--nodes", "4", "--device-memory-gib", "0.023",
+    cmd = [sys.executable, "-m", "elastic.cli", "run", "--no-report", *FLAGS, "--nodes", "4", "--device-memory-gib", "0.023",
            "--run-dir", str(run_dir), "--inject", f"hang:node=3,step={STOP_AFTER + 1}"]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

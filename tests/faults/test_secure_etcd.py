@@ -167,7 +167,7 @@ def test_a_run_on_its_own_etcd_ignores_the_credentials_meant_for_an_external_one
     ELASTIC_ETCD_* settings of the environment (TLS to a plain etcd fails every call)."""
     env = clean_env(**secure.job_env())
     out = _cli("run", "--model", "tiny", "--nodes", "2", "--global-batch", "8", "--microbatch", "2", "--steps", "3",
-               "--device", "cpu", "--fault-tolerance", "0", "--run-dir", str(tmp_path / "run"),
+               "--device", "cpu", "--fault-tolerance", "0", "--no-report", "--run-dir", str(tmp_path / "run"),
                "--summary", str(tmp_path / "summary.json"), env=env, timeout=180)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-2000:])
     assert json.loads((tmp_path / "summary.json").read_text())["steps_committed"] == 3

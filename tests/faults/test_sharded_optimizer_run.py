@@ -103,7 +103,7 @@ def test_resume_between_sharded_and_unsharded(unsharded: CliResult, tmp_path: Pa
                                               after: str) -> None:
     first = tmp_path / "first"
     cmd = [*RUN[:RUN.index("--steps")], "--steps", "6", *RUN[RUN.index("--steps") + 2:-2], "--checkpoint-every", "3",
-           "--shard-optimizer", before, "--run-dir", str(first)]
+           "--shard-optimizer", before, "--no-report", "--run-dir", str(first)]
     proc = run_to_end(cmd, first, 200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     # sharded, each shard of step 6 is a head and its 2 slices (4 holders, f = 1), each slice

@@ -52,8 +52,9 @@ class Launcher:
 
     def __init__(self, *args: str) -> None:
         # a process group of its own, led by the launcher's pid: what a terminal's foreground job is
-        self.proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "run", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "elastic.cli", "run", "--no-report", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         self.pids: set[int] = set()
         self.out = ""
 
@@ -143,7 +144,7 @@ def test_ctrl_c_saves_the_step_boundary_and_a_resume_elsewhere_recomputes_nothin
     finally:
         launcher.clean_up()
     second, state, summary = tmp_path / "second", tmp_path / "second.pt", tmp_path / "second.json"
-    resumed = subprocess.run([sys.executable, "-m", "elastic.cli", "run", *FLAGS, "--steps", str(STEPS), "--nodes", "2",
+    resumed = subprocess.run([sys.executable, "-m", "elastic.cli", "run", "--no-report", *FLAGS, "--steps", str(STEPS), "--nodes", "2",
                               "--resume", str(first), "--run-dir", str(second), "--final-state", str(state),
                               "--summary", str(summary)], capture_output=True, text=True, timeout=150)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -152,7 +153,7 @@ def test_ctrl_c_saves_the_step_boundary_and_a_resume_elsewhere_recomputes_nothin
     assert result["steps_committed"] == STEPS - step and result["world_size"] == 2
     assert f"step {step}/{STEPS}" not in resumed.stdout and f"step {step + 1}/{STEPS}" in resumed.stdout
     ref_state, ref_summary = tmp_path / "ref.pt", tmp_path / "ref.json"
-    reference = subprocess.run([sys.executable, "-m", "elastic.cli", "run", "--static", *SHAPE, "--steps",
+    reference = subprocess.run([sys.executable, "-m", "elastic.cli", "run", "--no-report", "--static", *SHAPE, "--steps",
                                 str(STEPS), "--run-dir", str(tmp_path / "ref"), "--final-state", str(ref_state),
                                 "--summary", str(ref_summary)], capture_output=True, text=True, timeout=150)
     assert reference.returncode == 0, reference.stderr[-3000:]

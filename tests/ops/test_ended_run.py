@@ -31,7 +31,8 @@ from tests.polling import wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ELASTIC = [sys.executable, "-m", "elastic.cli"]
-RUN = ["run", "--model", "tiny", "--nodes", "2", "--global-batch", "8", "--microbatch", "2", "--device", "cpu"]
+RUN = ["run", "--model", "tiny", "--nodes", "2", "--global-batch", "8", "--microbatch", "2", "--device", "cpu",
+       "--no-report"]
 LIVE_STEPS = 3
 """Steps committed before the live history is read."""
 

@@ -23,7 +23,7 @@ from .test_run_lock import HOLD
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 RUN = ["run", "--model", "tiny", "--nodes", "2", "--global-batch", "8", "--microbatch", "2", "--steps", "2",
-       "--device", "cpu"]
+       "--device", "cpu", "--no-report"]
 STARTUP_S = 15.0
 """What the interpreter, torch's import and the planner may take before the launcher's first
 etcd call, on a loaded 2-core machine."""
