@@ -50,6 +50,10 @@ SLOW_AT = 10
 """Committed steps before the throttle starts."""
 SLOW_S = 6.0
 """20 slowed steps or more even where a step takes 0.2 s (0.1 s on an idle 2-core machine)."""
+DETECTOR = StragglerConfig(policy="rebalance", threshold=1.6, clear_below=1.125)
+"""Above this machine's noise: a CI run under the default 1.25 also marked node 0, at 1.33x for
+10 steps, with the background lane's tests beside it (test_straggler_auto.py saw 1.39x). The
+throttled node reads 2.0-2.1x; the clearing point is the default threshold's."""
 
 
 class Outcome:
@@ -79,7 +83,7 @@ def outcome(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -
     config = dataclasses.replace(
         tiny_config(tmp_path_factory.mktemp("stragglers"), nodes=2, pipelines=2, steps=STEPS,
                     global_microbatches=MICROBATCHES),
-        stragglers=StragglerConfig(policy="rebalance"))
+        stragglers=DETECTOR)
     job = LiveJob(config, etcd=etcd_server.endpoint, timeout_s=200.0).start()
     try:
         job.wait_committed(SLOW_AT)
@@ -105,7 +109,8 @@ def test_the_slow_node_is_marked_while_slow_and_cleared_after(outcome: Outcome) 
                                                                ("straggler-cleared", SLOW_NODE)]
     marked, cleared = outcome.marks
     assert outcome.slow_at < marked["time"] < outcome.slow_at + SLOW_S + 1.0, "marked while the node was slow"
-    assert marked["factor"] >= 1.25 and cleared["time"] > outcome.slow_at + SLOW_S and cleared["factor"] < 1.125
+    assert marked["factor"] >= DETECTOR.threshold and cleared["time"] > outcome.slow_at + SLOW_S
+    assert cleared["factor"] < DETECTOR.recovered_below
     print(outcome.shown)
     assert f"stragglers: node {SLOW_NODE} (" in outcome.shown, outcome.shown
     header = [line for line in outcome.shown.splitlines() if line.lstrip().startswith("node  alive")]
