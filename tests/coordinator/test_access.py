@@ -122,3 +122,31 @@ def test_a_job_without_token_refuses_a_node_with_one(client: Any, job: str) -> N
     with pytest.raises(JobAccessError, match="started without a job token"):
         admit(client, keys, "anything")
     admit(client, keys, None)
+
+
+class _LateReader:
+    """The real client, except that its first read of the token key finds nothing: as if another
+    first node installed its record between this node's read and its create-only transaction."""
+
+    def __init__(self, client: Any, key: str) -> None:
+        self._client, self._key, self._missed = client, key, False
+
+    def get(self, key: str) -> Any:
+        if key == self._key and not self._missed:
+            self._missed = True
+            return None, None
+        return self._client.get(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@pytest.mark.timeout(60)
+def test_two_first_nodes_one_record_and_the_loser_is_checked_against_it(client: Any, job: str) -> None:
+    keys = JobKeys(job)
+    admit(client, keys, "s3cret")
+    before = _job_keys(client, keys)
+    with pytest.raises(JobAccessError, match="wrong job token"):  # lost the race with another token
+        admit(_LateReader(client, keys.token), keys, "other")
+    admit(_LateReader(client, keys.token), keys, "s3cret")  # lost the race with the same token
+    assert _job_keys(client, keys) == before  # the winner's record, unchanged
