@@ -56,8 +56,13 @@ SPAWNED_AT_ENV = "ELASTIC_SPAWNED_AT"
 """Wall time at which the parent decided to start this process (phases of a start, `StartPhases`)."""
 FORKED_AT_ENV = "ELASTIC_FORKED_AT"
 """Wall time at which this process was forked from a warm parent (unset for a cold start)."""
-WORKER_PRELOAD = ("elastic.roles.elastic_worker", "elastic.roles.agent", "elastic.roles.static_worker", "torch.distributed.checkpoint")
-"""What a zygote imports for the runtime's processes (torch comes with the worker)."""
+WORKER_PRELOAD = ("elastic.roles.elastic_worker", "elastic.roles.agent", "elastic.roles.static_worker", "torch.distributed.checkpoint",
+                  "elastic.roles.leader", "elastic.ops.metrics", "elastic.engine.checkpoint.writers",
+                  "elastic.engine.checkpoint.policy", "grpc._server")
+"""What a zygote imports for the runtime's processes (torch comes with the worker), with what
+they import only once running: the agent's leader and metrics endpoint (prometheus_client,
+http.server), the workers' checkpoint writers and policy, gRPC's server. Imported after the fork, they
+cost every agent 0.2-0.3 s of a core at its start (tests/roles/test_zygote.py lists them)."""
 TITLE_ROOM = 2048
 """Bytes of room in a zygote's command line for its children's (`_retitle`)."""
 _MAX_MESSAGE = 1 << 20

