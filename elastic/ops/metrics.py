@@ -58,12 +58,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -73,6 +71,7 @@ from elastic.coordinator.keys import JobKeys, RunKeys
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.prefix_mirror import PrefixMirror
 from elastic.ops.metrics_families import families, gauge
+from elastic.ops.metrics_server import MetricsServer
 from elastic.ops.metrics_snapshot import Snapshot, snapshot, spare_members
 from elastic.parallel.phase_clock import STEP_PHASES
 from elastic.records.checkpoint_failures import SaveFailures, save_failures_prefix
@@ -119,8 +118,7 @@ class NodeMetrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self._mirrors: dict[str, PrefixMirror] = {}
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._server: MetricsServer | None = None
         self._seq_len: int | None = None
         self.address: str | None = None
         """`host:port` of the endpoint once started."""
@@ -150,8 +148,8 @@ class NodeMetrics(Collector):
             "save_failures": PrefixMirror(self.client, save_failures_prefix(self.keys), SaveFailures.from_json),
             "suspicion": PrefixMirror(self.client, self.keys.suspicion, SuspicionRecord.from_json),
         }
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        bound_host, bound_port = self._server.server_address[:2]
+        self._server = MetricsServer(self.registry, host=host, port=port)
+        bound_host, bound_port = self._server.address
         self.address = f"{bound_host}:{bound_port}"
         value = json.dumps({"address": self.address})
         if self.lease is not None:
@@ -170,8 +168,7 @@ class NodeMetrics(Collector):
     def stop(self) -> None:
         """Stop serving and watching, and withdraw the published address (if it is still ours)."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
         for mirror in self._mirrors.values():
             mirror.close()

@@ -184,6 +184,8 @@ class Leader:
                     watches = []
                     self._close_mirror()
                     continue
+                if self._stop.is_set():  # stopped while it waited to lead: an agent on its way out
+                    break  # must not start a round (one took 1.1 s of an agent's exit at a job's end)
                 if not watches:
                     self.guard.reset()
                     watches = [PrefixWatch(self.client, p, self._on_events) for p in prefixes]
