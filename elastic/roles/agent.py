@@ -49,8 +49,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import psutil
-
 from elastic.coordinator.access import JobAccessError, admit
 from elastic.coordinator.client import connect, stop_retrying
 from elastic.coordinator.credentials import config_from_env
@@ -72,8 +70,8 @@ from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, P
 from elastic.roles.agent_rejoin import campaign_again, keep_place
 from elastic.roles.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_REFUSED
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
-from elastic.roles.start_phases import start_phases
-from elastic.roles.zygote import SPAWNED_AT_ENV
+from elastic.roles.start_phases import process_start_time, start_phases
+from elastic.roles.zygote import FORKED_AT_ENV, SPAWNED_AT_ENV
 from elastic.roles.zygote_client import WarmProcess, start_process, warm_parent
 
 if TYPE_CHECKING:
@@ -108,7 +106,7 @@ class Agent:
 
     def __init__(self, *, endpoint: str, job: str, node: int, incarnation: int, token: str) -> None:
         self.endpoint, self.node, self.incarnation, self.token = endpoint, node, incarnation, token
-        self.started_at = psutil.Process().create_time()  # a fresh interpreter's imports count too
+        self.started_at = process_start_time()  # a fresh interpreter's imports count too
         # The warm parent of this node's workers: the local launcher's (its socket in
         # $ELASTIC_ZYGOTE), else one of our own, whose imports run while we join the job.
         self.zygote = warm_parent()
@@ -197,6 +195,7 @@ class Agent:
         env[TOKEN_ENV] = self.token
         env[AGENT_PID_ENV] = str(os.getpid())  # the worker dies with this agent (die_with_parent)
         env[SPAWNED_AT_ENV] = repr(time.time())
+        env.pop(FORKED_AT_ENV, None)  # this agent's own: a worker started cold must not read it as its fork
         name = f"elastic-relay-{self.keys.job}-{self.node}.{self.incarnation}-{os.getpid()}"
         self.relay = NodeRelay(self.client, name=name, workers=self.gpus)
         env[RELAY_ENV] = name
