@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import os
+from typing import Any
 
 from .etcd_api import EtcdClient
 from .keys import JobKeys
@@ -52,7 +53,7 @@ def admit(client: EtcdClient, keys: JobKeys, token: str | None) -> None:
     _check(keys, token, json.loads(value))
 
 
-def _check(keys: JobKeys, token: str | None, stored: dict[str, object]) -> None:
+def _check(keys: JobKeys, token: str | None, stored: dict[str, Any]) -> None:
     """JobAccessError unless `token` matches the installed record `stored`."""
     if not stored["hash"]:
         if token:
@@ -63,7 +64,7 @@ def _check(keys: JobKeys, token: str | None, stored: dict[str, object]) -> None:
     if not token:
         raise JobAccessError(f"job {keys.job!r} requires a job token (set ELASTIC_JOB_TOKEN or token=...)")
     digest = hashlib.pbkdf2_hmac(
-        "sha256", token.encode(), bytes.fromhex(str(stored["salt"])), int(str(stored["iterations"]))
+        "sha256", token.encode(), bytes.fromhex(stored["salt"]), stored["iterations"]
     )
-    if not hmac.compare_digest(digest.hex(), str(stored["hash"])):
+    if not hmac.compare_digest(digest.hex(), stored["hash"]):
         raise JobAccessError(f"wrong job token for job {keys.job!r}: this node is not admitted")
