@@ -179,7 +179,7 @@ class GenerationBuilder:
             t2 = time.perf_counter()
             accum = buffers.result()
         except BaseException:
-            graveyard.bury(groups)  # an operation of it may be pending: never destroyed
+            graveyard.bury(groups)  # an operation of it may be pending: kept until closed
             raise
         module, optimizer, served, repaired = self._stage(layout, groups, skeleton, needed, held, fetched)
         if previous is not None:

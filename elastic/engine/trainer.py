@@ -92,7 +92,8 @@ class Trainer:
         trainer's graveyard, for a trainer that replaces `old` (a checkpoint fallback drops the
         newer state). Destroying a gloo group that has an abandoned operation pending blocks the
         destroying thread until the group's timeout (a pending all-reduce held `del` for the
-        whole 20 s timeout of a test group), and an abandoned step leaves such operations."""
+        whole 20 s timeout of a test group), and an abandoned step leaves such operations: they
+        are let go once closed (elastic/engine/graveyard.py)."""
         with old._lock:
             current = [] if old._current is None else [old._current.groups]
             for groups in current:

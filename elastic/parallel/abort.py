@@ -9,7 +9,8 @@ by the AbortSignal, and the caller waits for that thread's completion event whil
 abort flag every couple of milliseconds. When the flag is set the caller raises StepAborted and
 leaves the waiter thread blocked on the abandoned operation; it ends when the operation fails
 (peer gone, the group closed). Each generation has its own AbortSignal, hence its own waiter
-thread, so an abandoned wait never delays the next generation.
+thread, so an abandoned wait never delays the next generation. A waiter with nothing to wait
+for ends after WAITER_IDLE_EXIT_S.
 
 NCCL (CUDA) is the other way round: `wait()` returns at once (the current stream waits), so a
 step's waits are made inline, and the host blocks only where it reads a value back
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 _ABORT_POLL_S = 0.002
 """How often a waiting caller checks the abort flag while the operation is pending."""
+
+WAITER_IDLE_EXIT_S = 5.0
+"""How long the waiter thread waits for a call before it ends: a retired generation's waiter
+does not outlive its last wait by more than that (unless that wait never ends: module doc)."""
 
 
 class StepAborted(RuntimeError):
@@ -156,16 +161,27 @@ class AbortSignal:
             self._queue.put(pending)
         return pending
 
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue[_Pending]) -> None:
+    def _serve(self, jobs: queue.SimpleQueue[_Pending]) -> None:
+        """Run the handed calls in order; end after WAITER_IDLE_EXIT_S without one (the next
+        `_submit` starts a new thread). Between calls the thread holds nothing of the last one:
+        a finished wait's work keeps its group's gloo context, and with it that group's TCP loop
+        thread, alive for as long as anything references it."""
         while True:
-            job = jobs.get()
+            try:
+                job = jobs.get(timeout=WAITER_IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:  # `_submit` puts under the lock: nothing can slip in between
+                    if jobs.empty():
+                        self._queue = None
+                        return
+                continue
             try:
                 with lane_as(job.lane):
                     job.result = job.fn()
             except BaseException as exc:  # handed to the caller, which re-raises it
                 job.error = exc
             job.done.set()
+            del job
 
 
 def _raise_aborted(abort: AbortSignal) -> None:

@@ -252,6 +252,8 @@ class TreeExchange:
 
     def _serve(self) -> None:
         second: list[Handle] = []
+        posted: Handle | None
+        item: _Job | _Round | None
         while True:
             item = self._next()
             if item is None:
@@ -280,6 +282,7 @@ class TreeExchange:
                 second.clear()
             if isinstance(item, _Round):
                 item.done.set()
+            item = posted = None  # idle, the thread holds no work: a work keeps its group's gloo context alive
             if self._abandoned:
                 with self._lock:  # it takes no more work: end now, not after IDLE_EXIT_S
                     if self._jobs.empty():

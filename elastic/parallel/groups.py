@@ -115,13 +115,16 @@ class ParallelGroups:
             if comm.backend != "gloo":
                 comm.shutdown()
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Close every connection of these retired groups, then release their store (a store
-        that keeps itself alive for C++ holders, as EtcdStore does, has a `release`)."""
-        for comm in self.created:
-            comm.shutdown()
+        that keeps itself alive for C++ holders, as EtcdStore does, has a `release`). True when
+        every communicator closed: nothing is pending on them, and they may be destroyed."""
+        closed = all([comm.shutdown() for comm in self.created])
         if isinstance(self.store, Releasable):
             self.store.release()
+        if closed:  # the generation's abort flag holds this list (its hard-abort callback): not them
+            self.created.clear()
+        return closed
 
 
 def group_prefix(generation: int, ranks: tuple[int, ...] | None) -> str:

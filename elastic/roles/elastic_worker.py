@@ -267,7 +267,7 @@ class ElasticWorker:
         if record.restore_checkpoint is not None:
             if self.trainer.holdings():  # restart from the checkpoint: drop the newer state held here
                 fresh = Trainer(self.spec, node=self.node, local_rank=self.local_rank)
-                fresh.inherit_groups(self.trainer)  # never destroyed: an abandoned operation may be pending
+                fresh.inherit_groups(self.trainer)  # kept until closed: an abandoned operation may be pending
                 self.trainer = fresh
             fetch = checkpoint_fetch(generation, record, spec=self.spec, checkpoint_path=self.config.checkpoint_path)
         else:  # the first generation initialises from the seed; later ones fetch what they miss
@@ -439,8 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         worker.run()
     finally:
         worker.close()
-    # Skip interpreter teardown: destructors of old generations' gloo groups (kept alive on
-    # purpose, see the contract) may abort the process on exit.
+    # Skip interpreter teardown: destructors of old generations' gloo groups (kept until closed,
+    # elastic/engine/graveyard.py) may abort the process on exit.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -16,8 +16,10 @@ import torch
 
 from elastic.comm import P2P, Communicator, Handle, Recorder
 from elastic.comm.nccl_model import check
+from elastic.parallel import abort as abort_module
 from elastic.parallel.abort import AbortSignal, StepAborted, wait_work
 from tests.comm.support import gloo_comms
+from tests.leftover_threads import generation_threads, left_behind
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,3 +120,28 @@ def test_a_backend_abort_that_raises_is_logged_on_its_own_thread(caplog: pytest.
     assert isinstance(comm.abort_error, RuntimeError)
     assert any("the backend's abort raised RuntimeError" in r.getMessage() for r in caplog.records)
     base.shutdown()
+
+
+def test_a_generations_waiter_ends_when_idle_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each generation has its own abort flag, and with it a waiter thread for gloo's waits.
+    Once idle it ends, and between waits it holds nothing of the last one: a finished wait's
+    work keeps its group's gloo context, and that context's TCP loop thread, alive (before, every
+    worker kept one such pair a generation for good)."""
+    monkeypatch.setattr(abort_module, "WAITER_IDLE_EXIT_S", 0.3)
+    before = generation_threads()
+    comms = gloo_comms(2, name="g1/world")
+    abort = AbortSignal()
+    handles = [comms[r].post([P2P("send" if r == 0 else "recv", torch.ones(4), 1 - r)]) for r in range(2)]
+    for h in handles:
+        assert h.host_blocking
+        wait_work(h, abort)  # on the waiter thread (gloo)
+    assert generation_threads()["abortable-wait"] == 1 + before["abortable-wait"]
+    del handles, comms, h  # the generation is over: only the flag (held by the worker) lives on
+    left = left_behind(before, within_s=5.0)
+    assert not left, f"still there with the generation's groups dropped: {dict(left)}"
+    again = gloo_comms(2, name="g2/world")  # a flag's waiter starts again for a later wait
+    handles = [again[r].post([P2P("send" if r == 0 else "recv", torch.ones(4), 1 - r)]) for r in range(2)]
+    for h in handles:
+        wait_work(h, abort)
+    for c in again:
+        c.shutdown()

@@ -17,6 +17,7 @@ from elastic.engine.trainer import Trainer
 from elastic.records.job import JobSpec
 from templates.plan import even_plan
 from tests.engine.runs import OPTIM
+from tests.leftover_threads import generation_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,3 +87,31 @@ def test_retired_groups_close_at_the_next_generations_first_commit(tmp_path: Pat
     # The current generation is untouched.
     _both(lambda t: t.train(3), trainers)
     assert [t.step for t in trainers] == [3, 3]
+
+
+def test_a_workers_threads_do_not_grow_with_generations(tmp_path: Path) -> None:
+    """Five generations of the same two trainers, each joined and trained a step: once a
+    generation's first commit has closed the groups left behind, they are let go (the graveyard
+    keeps a group only until it is closed), so gloo's threads are those of the current generation
+    alone. Before, every left group was kept: three threads a group a generation, for good."""
+    plan = even_plan(num_layers=6, nodes=[0, 1], num_pipelines=2, global_microbatches=2, microbatch_size=1)
+    spec = JobSpec(model="tiny", plan=plan, steps=10, run_dir=str(tmp_path), optim=OPTIM, device="cpu",
+                   collective_timeout_s=GROUP_TIMEOUT_S)
+    store = dist.HashStore()
+    trainers = [Trainer(spec, node=n, local_rank=0) for n in range(2)]
+    baseline = generation_threads()
+    counts = []
+    for g in range(1, 6):
+        _both(lambda t, g=g: t.start(plan=plan, generation=g, store=store, abort=None, fetch=None,  # type: ignore[misc]
+                                     step=g - 1), trainers)
+        _both(lambda t, g=g: t.train(g), trainers)  # type: ignore[misc]
+        current = sum(len(t.groups.created) for t in trainers)  # this generation's groups, both workers
+        deadline = time.monotonic() + 5.0  # the closing thread lets them go (0.5 s here)
+        while (loops := generation_threads()["gloo_tcp_loop"] - baseline["gloo_tcp_loop"]) > current:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        counts.append(loops)
+        assert loops == current, f"generation {g}: {current} groups open, TCP loops by generation {counts}"
+    for t in trainers:
+        t.shutdown()
