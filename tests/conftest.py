@@ -14,6 +14,7 @@ from elastic.coordinator import EtcdConfig, EtcdServer, connect
 from elastic.coordinator.etcd_server import NO_FSYNC_ENV
 from elastic.roles.zygote import ZYGOTE_ENV, warm_enabled
 from elastic.roles.zygote_client import Zygote
+from tests.leftover_threads import ModuleThreads
 
 os.environ.setdefault(NO_FSYNC_ENV, "1")
 """Every etcd the suite starts, here or in its `elastic run` subprocesses, skips fsync: a stall
@@ -137,3 +138,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         live = path not in PARALLEL_SAFE and (
             item.get_closest_marker("slow") is not None or "etcd_server" in getattr(item, "fixturenames", ()))
         item.add_marker(pytest.mark.xdist_group("live" if live else path))
+
+
+THREADS = ModuleThreads()
+"""Every module ends with no more gloo or generation threads than it started with
+(tests/leftover_threads.py)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    THREADS.setup(item)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Outermost: the check runs after every other teardown, the logging plugin's too (it keeps
+    the last test's log records, whose errors' tracebacks hold that test's objects, until then)."""
+    yield
+    THREADS.teardown(item, nextitem)

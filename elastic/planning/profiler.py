@@ -223,14 +223,17 @@ def _core_seconds(stage: GPTStage, x: torch.Tensor, key: int, conf: ProfilerConf
 def forward_counting_saved(
     forward: Callable[[], torch.Tensor], params: set[int]
 ) -> tuple[torch.Tensor, int]:
-    """Run `forward`, counting the bytes of the distinct non-parameter storages autograd saves."""
+    """Run `forward`, counting the bytes of the distinct non-parameter storages autograd saves.
+    What the hook keeps is a detached view: a saved output kept as itself would hold its own
+    node, a cycle through autograd's C++ graph that Python's collector cannot free (it kept a
+    forward that no backward followed alive, and the tensor-parallel groups its layers use)."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = forward()

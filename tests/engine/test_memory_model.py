@@ -139,8 +139,12 @@ def trained(model: str, plan: Plan, run_dir: Path, *, recompute: str = "auto", s
     for t in threads:
         t.join(240)
     errors = [v for v in out.values() if isinstance(v, BaseException)]
+    done = {k: v for k, v in out.items() if isinstance(v, Trainer)}
+    if errors or len(out) != len(threads):
+        for trainer in done.values():
+            trainer.shutdown()
     assert not errors and len(out) == len(threads), errors or "a worker did not finish its step"
-    return {k: v for k, v in out.items() if isinstance(v, Trainer)}
+    return done
 
 
 def modelled(model: str, plan: Plan, trainer: Trainer) -> MemoryEstimate:
@@ -162,22 +166,27 @@ def assert_same_bytes(model: str, plan: Plan, run_dir: Path, *, shard_optimizer:
     """Every worker's engine bytes equal the model's; the engine's bytes by worker (and its
     moments' bytes into `moments_out`)."""
     totals = {}
-    for key, trainer in trained(model, plan, run_dir, shard_optimizer=shard_optimizer).items():
-        found = engine_bytes(trainer)
-        engine = sum(nbytes for nbytes, _ in found.values())
-        estimate = modelled(model, plan, trainer)
-        weights = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
-        moments = sum(s.exp_avg.nbytes + s.exp_avg_sq.nbytes for s in trainer.optimizer.state.values())
-        assert estimate.state is not None
-        by_path = collections.Counter[str]()
-        for nbytes, path in found.values():
-            by_path[path.split(".<key>")[0].rsplit("[", 1)[0][:80]] += nbytes
-        detail = f"worker {key}: model {estimate.state}; engine {by_path.most_common(12)}"
-        assert (estimate.state.weights, estimate.state.moments) == (weights, moments), detail
-        assert engine == estimate.params_and_state, detail
-        totals[key] = engine
-        if moments_out is not None:
-            moments_out[key] = moments
+    trainers = trained(model, plan, run_dir, shard_optimizer=shard_optimizer)
+    try:
+        for key, trainer in trainers.items():
+            found = engine_bytes(trainer)
+            engine = sum(nbytes for nbytes, _ in found.values())
+            estimate = modelled(model, plan, trainer)
+            weights = sum(p.numel() * p.element_size() for p in trainer.module.parameters())
+            moments = sum(s.exp_avg.nbytes + s.exp_avg_sq.nbytes for s in trainer.optimizer.state.values())
+            assert estimate.state is not None
+            by_path = collections.Counter[str]()
+            for nbytes, path in found.values():
+                by_path[path.split(".<key>")[0].rsplit("[", 1)[0][:80]] += nbytes
+            detail = f"worker {key}: model {estimate.state}; engine {by_path.most_common(12)}"
+            assert (estimate.state.weights, estimate.state.moments) == (weights, moments), detail
+            assert engine == estimate.params_and_state, detail
+            totals[key] = engine
+            if moments_out is not None:
+                moments_out[key] = moments
+    finally:  # their gloo groups closed, not left to the rest of the session
+        for trainer in trainers.values():
+            trainer.shutdown()
     return totals
 
 

@@ -57,6 +57,9 @@ def make_trainer(tmp_path: Path) -> Iterator[Any]:
         return trainer
 
     yield make
+    for trainer in made:
+        trainer.shutdown()
+    made.clear()  # a world of one has no connection to close: its gloo threads end with the group
 
 
 def test_failed_steps_change_nothing_and_replay_matches(make_trainer: Any) -> None:
