@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from elastic.engine.trainer import Trainer
 from elastic.records.job import JobSpec
 from templates.plan import even_plan
 from tests.engine.runs import OPTIM
-from tests.leftover_threads import generation_threads
+from tests.leftover_threads import generation_threads, left_behind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,19 +100,21 @@ def test_a_workers_threads_do_not_grow_with_generations(tmp_path: Path) -> None:
                    collective_timeout_s=GROUP_TIMEOUT_S)
     store = dist.HashStore()
     trainers = [Trainer(spec, node=n, local_rank=0) for n in range(2)]
-    baseline = generation_threads()
+    baseline = Counter() + left_behind(Counter(), within_s=5.0, kinds=("gloo_tcp_loop",))  # the test before's, gone
     counts = []
-    for g in range(1, 6):
-        _both(lambda t, g=g: t.start(plan=plan, generation=g, store=store, abort=None, fetch=None,  # type: ignore[misc]
-                                     step=g - 1), trainers)
-        _both(lambda t, g=g: t.train(g), trainers)  # type: ignore[misc]
-        current = sum(len(t.groups.created) for t in trainers)  # this generation's groups, both workers
-        deadline = time.monotonic() + 5.0  # the closing thread lets them go (0.5 s here)
-        while (loops := generation_threads()["gloo_tcp_loop"] - baseline["gloo_tcp_loop"]) > current:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        counts.append(loops)
-        assert loops == current, f"generation {g}: {current} groups open, TCP loops by generation {counts}"
-    for t in trainers:
-        t.shutdown()
+    try:
+        for g in range(1, 6):
+            _both(lambda t, g=g: t.start(plan=plan, generation=g, store=store, abort=None, fetch=None,  # type: ignore[misc]
+                                         step=g - 1), trainers)
+            _both(lambda t, g=g: t.train(g), trainers)  # type: ignore[misc]
+            current = sum(len(t.groups.created) for t in trainers)  # this generation's groups, both workers
+            deadline = time.monotonic() + 5.0  # the closing thread lets them go (0.5 s here)
+            while (loops := generation_threads()["gloo_tcp_loop"] - baseline["gloo_tcp_loop"]) > current:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            counts.append(loops)
+            assert loops == current, f"generation {g}: {current} groups open, TCP loops by generation {counts}"
+    finally:
+        for t in trainers:
+            t.shutdown()
