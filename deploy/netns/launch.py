@@ -30,10 +30,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from partition import Partitioner, PartitionSpec, parse_partition, parse_sick_link
 from topology import NetnsUnavailable, Topology, check_available
+
+if TYPE_CHECKING:
+    from elastic.roles.interrupt import Interrupt
 
 PROBE = Path(__file__).with_name("probe.py")
 
@@ -73,8 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _interrupt_on_signals() -> Interrupt:
+    """SIGINT and SIGTERM stop at once (exit 130). While `launch_elastic` runs they only ask its
+    Interrupt, which it raises where no gRPC lock is held (elastic/roles/interrupt.py); before and
+    after, KeyboardInterrupt unwinds through the cleanup of `_run`."""
+    from elastic.roles.interrupt import Interrupt
+
+    interrupt = Interrupt()
+
+    def handler(signum: int, frame: object) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # nothing may cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        if interrupt.live:
+            interrupt.ask(signum)
+            return
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return interrupt
 
 
 def run_probe(topo: Topology, etcd: str, *, timeout_s: float = 90.0) -> list[str]:
@@ -116,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # UsageError is a ValueError
         print(f"deploy/netns/launch.py: error: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupt = _interrupt_on_signals()
     try:
-        return _run(args, config, partitions)
+        return _run(args, config, partitions, interrupt)
     except KeyboardInterrupt:
         print("deploy/netns/launch.py: interrupted; everything stopped and removed", file=sys.stderr)
         return 130
@@ -171,8 +191,9 @@ def _fault_setter(topo: Topology, etcd_host: str) -> Callable[[PartitionSpec, bo
     return set_fault
 
 
-def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec]) -> int:
+def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec], interrupt: Interrupt) -> int:
     from elastic.coordinator import EtcdServer
+    from elastic.roles.interrupt import Interrupted
     from elastic.roles.job_stop import JobStopped
     from elastic.roles.launch_errors import JobFailed
     from elastic.roles.launcher import launch_elastic
@@ -213,7 +234,9 @@ def _run(args: argparse.Namespace, config: Any, partitions: list[PartitionSpec])
             return net.exec_prefix(), net.env()
 
         summary = launch_elastic(config, etcd_endpoint=etcd.endpoint, timeout_s=args.timeout, job=job,
-                                 placement=placement)
+                                 placement=placement, interrupt=interrupt)
+    except Interrupted:
+        raise KeyboardInterrupt from None  # every process of the job is stopped; the rest goes below
     except JobStopped as exc:  # `elastic drain --all`: at a step boundary, with a checkpoint there
         summary, stopped = exc.summary, exc.outcome
     except (JobFailed, TimeoutError, RuntimeError) as exc:

@@ -256,6 +256,7 @@ def _run_job(args: argparse.Namespace) -> int:
     from elastic.cli.run_guard import guard_run
     from elastic.cli.run_stop import report_stop_timed_out, report_stopped, stop_on_signals
     from elastic.coordinator.credentials import EtcdAccessError, EtcdUnreachableError
+    from elastic.roles.interrupt import Interrupt, Interrupted
     from elastic.roles.job_stop import JobStopped, StopTimedOut
     from elastic.roles.launch_errors import JobFailed, StartupError, WorkerFailed
     from elastic.roles.launcher import launch_elastic
@@ -285,18 +286,22 @@ def _run_job(args: argparse.Namespace) -> int:
     )
     elastic = not args.static
     job_stop = None
+    interrupt = Interrupt()
     try:
         if elastic:
             config = elastic_config(args, spec, planned)
             config = resume_config(args, config)
             config = spares_config(args, config)
-            job_stop = stop_on_signals(config)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves
+            job_stop = stop_on_signals(config, interrupt)  # the first Ctrl-C or SIGTERM stops at a step boundary and saves
             summary = launch_elastic(config, etcd_endpoint=args.etcd, timeout_s=args.timeout, job=args.job,
                                      token=token, local_agents=args.agents == "local", job_stop=job_stop,
                                      etcd_members=args.etcd_members, before_etcd_stops=guard.record_history,
-                                     node_cpus=args.node_cpus, rejoin_fenced=rejoin_fenced(args))
+                                     node_cpus=args.node_cpus, rejoin_fenced=rejoin_fenced(args),
+                                     interrupt=interrupt)
         else:
             summary = launch(spec, timeout_s=args.timeout)
+    except Interrupted as exc:  # a signal asked to stop at once: every process is stopped by now
+        raise exc.unwound() from None
     except JobStopped as stopped:  # on request (a signal, `elastic drain --all`), with a checkpoint
         return report_stopped(args, stopped, run_dir)
     except StopTimedOut as exc:

@@ -136,9 +136,12 @@ def ending(exc: BaseException | None, status: JobStatus) -> RunEnd:
 
 def _classify(exc: BaseException | None, status: JobStatus) -> tuple[str, str]:
     """(RunEnd.how, the reason in a few words)."""
+    from elastic.roles.interrupt import Interrupted
     from elastic.roles.job_stop import JobStopped, StopTimedOut
     from elastic.roles.launch_errors import JobFailed, StartupError, WorkerFailed
 
+    if isinstance(exc, Interrupted):  # a signal's stop at once, raised where the launcher could: as the signal's own
+        exc = exc.unwound()
     if exc is None:
         done = status.total_steps is not None and status.committed_steps >= status.total_steps
         return ("finished", "") if done else ("stopped", "the launcher returned before the last step")

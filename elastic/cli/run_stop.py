@@ -8,7 +8,9 @@ processes run in sessions of their own, so a terminal's Ctrl-C reaches the launc
 second Ctrl-C stops every process at once (by PID, no checkpoint), exit 130; a repeated SIGTERM
 changes nothing (`timeout` and schedulers send one each; they follow with SIGKILL). A stop that
 `elastic drain --all` asked for ends the run the same way, with exit code 3. Before the job runs
-or after it ended, or with `--checkpoint-every 0` (nothing to save), both signals stop at once.
+or after it ended, or with `--checkpoint-every 0` (nothing to save), both signals stop at once
+(while `launch_elastic` runs, the launcher raises that stop itself within 0.25 s, where no gRPC
+lock is held: elastic/roles/interrupt.py).
 A stop not done within $ELASTIC_STOP_GRACE_S seconds (default 60) stops every process at once.
 SIGHUP (the terminal closed) stops every process at once: the job's processes, in sessions of
 their own, no longer get it from the terminal themselves.
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
+from elastic.roles.interrupt import Interrupt, Interrupted
 from elastic.roles.job_stop import STOP_GRACE_ENV, STOP_GRACE_S, JobStop, JobStopped, StopTimedOut
 
 EXIT_STOPPED = 3
@@ -38,45 +41,52 @@ _STRIP = ("--resume", "--inject")
 source; injected faults were for the first run)."""
 
 
-def stop_on_signals(config: Any) -> JobStop | None:
+def stop_on_signals(config: Any, interrupt: Interrupt) -> JobStop | None:
     """Install the handlers of the module doc for an elastic run of `config` (ElasticConfig); the
-    JobStop they ask (None with `--checkpoint-every 0`: the signals stop at once, as before)."""
-    signal.signal(signal.SIGHUP, _hang_up)
-    if config.checkpoint_every <= 0:
-        return None
-    try:
-        grace = float(os.environ.get(STOP_GRACE_ENV, STOP_GRACE_S))
-    except ValueError:
-        raise UsageError(f"${STOP_GRACE_ENV} must be seconds, got {os.environ[STOP_GRACE_ENV]!r}") from None
-    job_stop = JobStop(grace_s=grace)
+    JobStop they ask (None with `--checkpoint-every 0`: the signals stop at once). A stop at once
+    asked while `launch_elastic` runs is only recorded in `interrupt`: the launcher raises it
+    where no lock is held (elastic/roles/interrupt.py)."""
+    job_stop = None
+    if config.checkpoint_every > 0:
+        try:
+            grace = float(os.environ.get(STOP_GRACE_ENV, STOP_GRACE_S))
+        except ValueError:
+            raise UsageError(f"${STOP_GRACE_ENV} must be seconds, got {os.environ[STOP_GRACE_ENV]!r}") from None
+        job_stop = JobStop(grace_s=grace)
 
     def handler(signum: int, frame: object) -> None:
-        if job_stop.armed and job_stop.ask("sigint" if signum == signal.SIGINT else "sigterm"):
+        if job_stop is not None and job_stop.armed and job_stop.ask("sigint" if signum == signal.SIGINT else "sigterm"):
             _say_now(
                 f"elastic run: {'Ctrl-C (SIGINT)' if signum == signal.SIGINT else 'terminated (SIGTERM)'}: finishing "
                 "the step in flight, then every worker saves a checkpoint at that step boundary and the job stops "
                 "(Ctrl-C again stops at once, without saving)"
             )
             return
-        if job_stop.armed and signum == signal.SIGTERM:
+        if job_stop is not None and job_stop.armed and signum == signal.SIGTERM:
             return  # a repeated SIGTERM: the stop that saves goes on
-        for sig in (signal.SIGINT, signal.SIGTERM):  # stop at once: nothing may cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        _say_now("elastic run: terminated (SIGTERM); stopping every process of the job")
-        raise SystemExit(128 + signum)
+        if signum == signal.SIGTERM:
+            _say_now("elastic run: terminated (SIGTERM); stopping every process of the job")
+        _stop_at_once(signum, interrupt)
 
+    def hang_up(signum: int, frame: object) -> None:
+        """SIGHUP: unwind at once (the launcher's cleanup stops the job's processes by PID), silently."""
+        _stop_at_once(signum, interrupt)
+
+    signal.signal(signal.SIGHUP, hang_up)
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     return job_stop
 
 
-def _hang_up(signum: int, frame: object) -> None:
-    """SIGHUP: unwind at once (the launcher's cleanup stops the job's processes by PID), silently."""
+def _stop_at_once(signum: int, interrupt: Interrupt) -> None:
+    """Ignore every stopping signal from now on (nothing may cut the cleanup short), then ask
+    `interrupt` while the launcher runs, or raise what the signal would (Interrupted.unwound)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
+    if interrupt.live:
+        interrupt.ask(signum)
+        return
+    raise Interrupted(signum).unwound()
 
 
 def _say_now(line: str) -> None:

@@ -47,6 +47,7 @@ from elastic.records.resume import ResumeSource
 from elastic.records.summary import RunSummary
 from elastic.roles.agent_pool import AgentPlacement, AgentPool, kill_workers, stop_agents, wait_for
 from elastic.roles.cpu_quota import CpuQuotaError, NodeCpuQuotas
+from elastic.roles.interrupt import Interrupt
 from elastic.roles.job_stop import JobStop
 from elastic.roles.launch_errors import StartupError
 from elastic.roles.launcher_feed import JobFeed, Progress, elastic_summary, final_poll
@@ -94,6 +95,7 @@ def launch_elastic(
     before_etcd_stops: EtcdStopHook | None = None,
     node_cpus: float | None = None,
     rejoin_fenced: int = 0,
+    interrupt: Interrupt | None = None,
 ) -> RunSummary:
     """Run `config` with an agent per node (module doc of elastic.roles.agent) and return its summary.
 
@@ -105,59 +107,70 @@ def launch_elastic(
     (`python -m elastic.roles.agent`) join the job. `node_cpus` caps each local node at that many
     cores (elastic/roles/cpu_quota.py); a fenced local node is started again up to `rejoin_fenced` times. `stop` (set from another thread) ends the run with
     JobFailed, `job_stop` (asked by a signal handler) with JobStopped at a step boundary, its
-    checkpoint complete (StopTimedOut past its grace). Raises JobFailed or TimeoutError; every
+    checkpoint complete (StopTimedOut past its grace), `interrupt` (asked by a signal handler: a
+    stop at once, elastic/roles/interrupt.py) with Interrupted. Raises JobFailed or TimeoutError; every
     process it started (etcd, agents, their workers) is stopped by PID on the way out, then
     `before_etcd_stops` runs (EtcdStopHook).
     StartupError, EtcdUnreachableError: no start."""
-    started_at, spec, run_dir = time.time(), config.spec, Path(config.spec.run_dir)
-    job = job or f"run-{secrets.token_hex(4)}"
-    if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
-        check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
-    quotas, zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
-                                             warm=local_agents and placement is None,
-                                             node_cpus=node_cpus if local_agents else None, job=job)
-    etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
-    assert etcd_endpoint is not None
-    token = token or secrets.token_hex(16)
-    pool = AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
-                     threads_per_worker=spec.threads_per_worker, gpus_per_node=spec.plan.gpus_per_node,
-                     placement=placement, local=local_agents,
-                     plain_etcd=server is not None, zygote=zygote, cpu_quotas=quotas)
-    progress = Progress()
-    client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))
-    keys = JobKeys(job)
-    feeds: list[JobFeed] = []
-    start = time.monotonic()
-
-    def say(line: str) -> None:
-        if not quiet:
-            print(line, flush=True)
-
+    interrupt = interrupt if interrupt is not None else Interrupt()
+    interrupt.live = True  # a signal now only asks: interrupt.py
     try:
-        admit(client, keys, token)
-        feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
-        feeds.append(feed)
-        _submit_job(client, keys, config, etcd=etcd_endpoint, token=token, etcd_pids=_etcd_pids(server))
-        _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares)
-        _announce(say, config, job=job, etcd=etcd_endpoint)
-        loop = RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
-                       start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, started_at=started_at,
-                       rejoin_fenced=rejoin_fenced if local_agents else 0)
-        loop.follow()
-        final_poll(client, keys, config, progress, say, feed)
-        return elastic_summary(config, progress, started_at=started_at)
+        started_at, spec, run_dir = time.time(), config.spec, Path(config.spec.run_dir)
+        job = job or f"run-{secrets.token_hex(4)}"
+        if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
+            check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
+        quotas, zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
+                                                 warm=local_agents and placement is None,
+                                                 node_cpus=node_cpus if local_agents else None, job=job)
+        etcd_endpoint = server.endpoint if server is not None else etcd_endpoint
+        assert etcd_endpoint is not None
+        token = token or secrets.token_hex(16)
+        pool = AgentPool(run_dir=run_dir, etcd_endpoint=etcd_endpoint, job=job, token=token,
+                         threads_per_worker=spec.threads_per_worker, gpus_per_node=spec.plan.gpus_per_node,
+                         placement=placement, local=local_agents,
+                         plain_etcd=server is not None, zygote=zygote, cpu_quotas=quotas)
+        progress = Progress()
+        client = connect(config_from_env(etcd_endpoint) if server is None else EtcdConfig(endpoint=etcd_endpoint))
+        keys = JobKeys(job)
+        feeds: list[JobFeed] = []
+        start = time.monotonic()
+
+        def say(line: str) -> None:
+            if not quiet:
+                print(line, flush=True)
+
+        try:
+            interrupt.check()
+            admit(client, keys, token)
+            feed = JobFeed(client, RunKeys(keys))  # before anything is written: every step, plan and worker is seen
+            feeds.append(feed)
+            _submit_job(client, keys, config, etcd=etcd_endpoint, token=token, etcd_pids=_etcd_pids(server))
+            _start_job(client, keys, spec, pool, resume=config.resume, spares=config.spares, interrupt=interrupt)
+            _announce(say, config, job=job, etcd=etcd_endpoint)
+            interrupt.check()
+            loop = RunLoop(config=config, client=client, keys=keys, feed=feed, progress=progress, pool=pool, say=say,
+                           start=start, timeout_s=timeout_s, stop=stop, job_stop=job_stop, interrupt=interrupt,
+                           started_at=started_at,
+                           rejoin_fenced=rejoin_fenced if local_agents else 0)
+            loop.follow()
+            final_poll(client, keys, config, progress, say, feed)
+            summary = elastic_summary(config, progress, started_at=started_at)
+        finally:
+            stop_agents(pool.agents)
+            kill_workers(progress)
+            if zygote is not None:
+                zygote.close()
+            if quotas is not None:
+                quotas.close()
+            for f in feeds:
+                f.close()
+            _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
+            if server is not None:
+                server.stop(timeout=_ETCD_STOP_S)
     finally:
-        stop_agents(pool.agents)
-        kill_workers(progress)
-        if zygote is not None:
-            zygote.close()
-        if quotas is not None:
-            quotas.close()
-        for f in feeds:
-            f.close()
-        _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
-        if server is not None:
-            server.stop(timeout=_ETCD_STOP_S)
+        interrupt.live = False
+    interrupt.check()  # asked during the cleanup of a run that ended well: still stopped at once
+    return summary
 
 
 def _announce(say: Callable[[str], None], config: ElasticConfig, *, job: str, etcd: str) -> None:
@@ -259,23 +272,32 @@ def _prepare_checkpoints(config: ElasticConfig) -> None:
 
 
 def _start_job(client: EtcdClient, keys: JobKeys, spec: JobSpec, pool: AgentPool, *,
-               resume: ResumeSource | None = None, spares: int = 0) -> None:
+               resume: ResumeSource | None = None, spares: int = 0, interrupt: Interrupt) -> None:
     """Start the agents (the first node's alone until it leads), wait for every worker to
     register, and publish generation 1 (which restores `resume`'s checkpoint when given).
     `spares` more agents (nodes after the plan's) start beside them and are up, registered, when
-    generation 1 is published without them: the job's hot spares (elastic/planning/spares.py)."""
+    generation 1 is published without them: the job's hot spares (elastic/planning/spares.py).
+    Interrupted once `interrupt` is asked meanwhile."""
+    rk = RunKeys(keys)
+    world = (len(spec.plan.nodes) + spares) * spec.plan.gpus_per_node
+
+    def led() -> bool:
+        interrupt.check()
+        return current_leader(client, keys) is not None
+
+    def registered() -> bool:
+        interrupt.check()
+        return len(read_registrations(client, rk)) >= world
+
     nodes = sorted(spec.plan.nodes)
     pool.spawn(nodes[0], 0)  # the first node's agent becomes the leader: leader-failure runs can target it
     join_s = 1.0 if pool.local else 30.0  # external agents: pods and hosts take their time to start
-    wait_for(lambda: current_leader(client, keys) is not None, 60.0 * join_s, "no leader elected", pool.agents)
+    wait_for(led, 60.0 * join_s, "no leader elected", pool.agents)
     for node in nodes[1:]:
         pool.spawn(node, 0)
     for node in range(nodes[-1] + 1, nodes[-1] + 1 + spares):  # hot spares: up before generation 1
         pool.spawn(node, 0)
-    world = (len(nodes) + spares) * spec.plan.gpus_per_node
-    rk = RunKeys(keys)
-    wait_for(lambda: len(read_registrations(client, rk)) >= world, 120.0 * join_s, "workers did not register",
-             pool.agents)
+    wait_for(registered, 120.0 * join_s, "workers did not register", pool.agents)
     first = GenerationRecord(plan=spec.plan, resume_step=0, incarnations=dict.fromkeys(nodes, 0),
                              published_at=time.time())
     if resume is not None:

@@ -26,6 +26,7 @@ from elastic.records.injection_requests import (
 )
 from elastic.records.progress import add_step_waiter, committed_steps, drop_step_waiter
 from elastic.roles.agent_pool import AgentPool, kill_workers
+from elastic.roles.interrupt import Interrupt
 from elastic.roles.job_stop import JobStop, JobStopped, StopOutcome, StopTracker
 from elastic.roles.launch_errors import JobFailed
 from elastic.roles.launcher_feed import (
@@ -72,6 +73,8 @@ class RunLoop:
     job_stop: JobStop | None = None
     """Set by `elastic run`'s signal handlers: stop the job at a step boundary with a checkpoint
     (elastic/roles/job_stop.py); armed here while the job runs."""
+    interrupt: Interrupt | None = None
+    """Asked by a signal handler: the loop raises Interrupted at its next turn (interrupt.py)."""
     started_at: float = 0.0
     """Wall time of the launch (the origin of a stopped run's summary)."""
     rejoin_fenced: int = 0
@@ -215,7 +218,10 @@ class RunLoop:
         return False
 
     def _check_limits(self) -> None:
-        """TimeoutError past the run's time limit, JobFailed once stopped on request."""
+        """TimeoutError past the run's time limit, JobFailed once stopped on request, Interrupted once
+        a signal asked to stop at once."""
+        if self.interrupt is not None:
+            self.interrupt.check()
         if self.timeout_s is not None and time.monotonic() - self.start > self.timeout_s:
             raise TimeoutError(f"job did not finish within {self.timeout_s:.0f} s; stopped everything")
         if self.stop is not None and self.stop.is_set():

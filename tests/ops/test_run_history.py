@@ -29,6 +29,7 @@ from elastic.ops.status import JobStatus
 from elastic.records.generation import GenerationRecord
 from elastic.records.run_end import RunEnd
 from elastic.records.summary import RunSummary
+from elastic.roles.interrupt import Interrupted
 from elastic.roles.job_stop import JobStopped, StopOutcome
 from elastic.roles.launch_errors import JobFailed
 from elastic.roles.launcher import write_job_file
@@ -159,6 +160,10 @@ def test_how_a_run_ended_is_named_from_what_ended_it() -> None:
         (KeyboardInterrupt(), status, "interrupted", "Ctrl-C"),
         (SystemExit(128 + signal.SIGTERM), status, "terminated", "SIGTERM"),
         (SystemExit(1), status, "exited", "exit code 1"),
+        # a stop at once that the launcher raised for its signal (elastic/roles/interrupt.py): as the signal's own
+        (Interrupted(signal.SIGINT), status, "interrupted", "Ctrl-C"),
+        (Interrupted(signal.SIGTERM), status, "terminated", "SIGTERM"),
+        (Interrupted(signal.SIGHUP), status, "exited", f"exit code {128 + signal.SIGHUP}"),
         (ValueError("bug"), status, "crashed", "ValueError: bug"),
     ]
     for exc, st, how, says in cases:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import psutil
 import pytest
@@ -31,9 +33,9 @@ def _job_processes(job: str) -> list[psutil.Process]:
     return found
 
 
-def _start(run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _start(run_dir: Path, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "elastic.cli.main", "run", "--model", "tiny", "--nodes", "3",
-           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir)]
+           "--fault-tolerance", "1", "--steps", "1000", "--run-dir", str(run_dir), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -55,9 +57,13 @@ def _clean_up(launcher: subprocess.Popen[str], job: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_stops_every_process_of_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("--checkpoint-every", "0")], ids=["saves", "nothing-to-save"])
+def test_sigterm_stops_every_process_of_the_job(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    """With checkpoints, SIGTERM asks the stop that saves (tests/faults/test_stop_save.py has its
+    checkpoint); without, it stops at once: the launcher raises it from its loop
+    (elastic/roles/interrupt.py). Either way the job's processes are gone and the exit is 143."""
     run_dir = tmp_path / "run"
-    launcher = _start(run_dir)
+    launcher = _start(run_dir, extra=extra)
     job = ""
     try:
         job = _training(run_dir)
@@ -93,3 +99,41 @@ def test_orphaned_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
         assert "etcd unreachable for" in logs, logs[-2000:]
     finally:
         _clean_up(launcher, job)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_at_once_is_only_asked_while_the_launcher_runs(signum: int) -> None:
+    """`elastic run`'s handlers, in this process with real signals: while `launch_elastic` runs
+    (Interrupt.live) a stop at once raises nothing where the signal lands (it could land inside a
+    gRPC lock: interrupt.py) and is recorded for the launcher; outside, it raises what the signal
+    means (KeyboardInterrupt, or SystemExit 128 + the signal). Either way, later signals are ignored."""
+    from elastic.cli.run_stop import stop_on_signals
+    from elastic.roles.interrupt import Interrupt, Interrupted
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    nothing_to_save = SimpleNamespace(checkpoint_every=0)
+    try:
+        interrupt = Interrupt(live=True)
+        assert stop_on_signals(nothing_to_save, interrupt) is None
+        os.kill(os.getpid(), signum)
+        wait_for(lambda: interrupt.signum is not None, 5.0, "the handler to run")
+        os.kill(os.getpid(), signal.SIGINT if signum != signal.SIGINT else signal.SIGTERM)  # ignored now
+        time.sleep(0.1)
+        assert interrupt.signum == signum
+        with pytest.raises(Interrupted) as raised:
+            interrupt.check()
+        expected = KeyboardInterrupt if signum == signal.SIGINT else SystemExit
+        assert isinstance(raised.value.unwound(), expected)
+
+        outside = Interrupt()
+        stop_on_signals(nothing_to_save, outside)
+        with pytest.raises(expected) as unwound:
+            os.kill(os.getpid(), signum)
+            time.sleep(1.0)  # the handler raises here
+        if expected is SystemExit:
+            assert cast(SystemExit, unwound.value).code == 128 + signum
+        assert outside.signum is None
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
