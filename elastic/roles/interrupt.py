@@ -13,7 +13,9 @@ raise as before: nothing there talks to etcd.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -50,3 +52,14 @@ class Interrupt:
         """Raise `Interrupted` once asked; called by the launcher where no lock is held."""
         if self.signum is not None:
             raise Interrupted(self.signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """`live` for the block (`launch_elastic`'s run), then Interrupted if a signal asked meanwhile,
+        its cleanup included; what the block raises goes on unchanged."""
+        self.live = True
+        try:
+            yield
+        finally:
+            self.live = False
+        self.check()

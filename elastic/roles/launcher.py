@@ -113,12 +113,9 @@ def launch_elastic(
     `before_etcd_stops` runs (EtcdStopHook).
     StartupError, EtcdUnreachableError: no start."""
     interrupt = interrupt if interrupt is not None else Interrupt()
-    interrupt.live = True  # a signal now only asks: interrupt.py
-    try:
+    with interrupt.deferred():  # a signal now only asks: interrupt.py
         started_at, spec, run_dir = time.time(), config.spec, Path(config.spec.run_dir)
         job = job or f"run-{secrets.token_hex(4)}"
-        if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
-            check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
         quotas, zygote, server = _start_services(config, etcd_endpoint=etcd_endpoint, etcd_members=etcd_members,
                                                  warm=local_agents and placement is None,
                                                  node_cpus=node_cpus if local_agents else None, job=job)
@@ -135,10 +132,7 @@ def launch_elastic(
         feeds: list[JobFeed] = []
         start = time.monotonic()
 
-        def say(line: str) -> None:
-            if not quiet:
-                print(line, flush=True)
-
+        say = _printer(quiet)
         try:
             interrupt.check()
             admit(client, keys, token)
@@ -158,19 +152,21 @@ def launch_elastic(
         finally:
             stop_agents(pool.agents)
             kill_workers(progress)
-            if zygote is not None:
-                zygote.close()
-            if quotas is not None:
-                quotas.close()
-            for f in feeds:
-                f.close()
+            _stop_services(quotas, zygote, feeds)
             _close_client(client, keys, etcd_endpoint, before_etcd_stops)  # its hook first, with etcd still up
             if server is not None:
                 server.stop(timeout=_ETCD_STOP_S)
-    finally:
-        interrupt.live = False
-    interrupt.check()  # asked during the cleanup of a run that ended well: still stopped at once
     return summary
+
+
+def _printer(quiet: bool) -> Callable[[str], None]:
+    """Prints one line for people, or nothing when `quiet`."""
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(line, flush=True)
+
+    return say
 
 
 def _announce(say: Callable[[str], None], config: ElasticConfig, *, job: str, etcd: str) -> None:
@@ -192,6 +188,8 @@ def _start_services(
     `etcd_endpoint`'s). Nothing is left behind when one of them fails."""
     spec = config.spec
     run_dir = Path(spec.run_dir)
+    if etcd_endpoint is not None:  # an external etcd: a credential it refuses stops the run before anything is written
+        check_access(config_from_env(etcd_endpoint), key=JobKeys(job).root, require=True).close()
     try:
         quotas = NodeCpuQuotas(cpus=node_cpus, job=job) if node_cpus is not None else None
     except CpuQuotaError as exc:
@@ -210,6 +208,16 @@ def _start_services(
             quotas.close()
         raise
     return quotas, zygote, server
+
+
+def _stop_services(quotas: NodeCpuQuotas | None, zygote: ZygoteClient | None, feeds: list[JobFeed]) -> None:
+    """Close what `_start_services` started (its etcd aside) and the launcher's feeds."""
+    if zygote is not None:
+        zygote.close()
+    if quotas is not None:
+        quotas.close()
+    for f in feeds:
+        f.close()
 
 
 def _close_client(client: EtcdClient, keys: JobKeys, endpoint: str, hook: EtcdStopHook | None) -> None:
