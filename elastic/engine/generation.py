@@ -178,10 +178,10 @@ class GenerationBuilder:
                                      device=self.device)
             t2 = time.perf_counter()
             accum = buffers.result()
-        except BaseException:
+            module, optimizer, served, repaired = self._stage(layout, groups, skeleton, needed, held, fetched)
+        except BaseException:  # the sharded optimizer's repair (in _stage) is collective too
             graveyard.bury(groups)  # an operation of it may be pending: kept until closed
             raise
-        module, optimizer, served, repaired = self._stage(layout, groups, skeleton, needed, held, fetched)
         if previous is not None:
             previous.transaction.accum.remove()  # kept parameters must not feed the old buffers
         transaction = self._transaction(layout, groups, module, optimizer, first_step, accum)

@@ -26,6 +26,7 @@ from elastic.engine.adamw import ParamState
 from elastic.engine.optim_shards import layer_params, slice_owners, spans
 from elastic.parallel.groups import ParallelGroups
 from elastic.parallel.layout import ParallelLayout
+from elastic.transfer.shards import ShardKey
 from templates.optim_slices import SliceOwnership
 
 REPAIR_TAG = 1 << 25
@@ -61,6 +62,18 @@ def _covered(names: list[str], sources: Mapping[str, Source]) -> tuple[int, int]
     if total != max(hi - lo, 0):
         raise ValueError(f"the moments of {names[0]}'s layer are not one contiguous range")
     return (lo, hi) if total else (0, 0)
+
+
+def moment_spans(held: Mapping[ShardKey, Mapping[str, Source]]) -> list[tuple[int, int, int, int, int]]:
+    """(layer, tp_rank, lo, hi, total) of each shard in `held` (a trainer's): the elements [lo, hi)
+    of the flattened shard, of `total`, whose moments it has; what its sync report says
+    (SyncReport.moments), for the leader to find elements no live worker has."""
+    out = []
+    for key, shard in sorted(held.items()):
+        names = sorted(shard)  # the order slices are cut in (optim_shards.layer_params)
+        lo, hi = _covered(names, shard)
+        out.append((key.layer, key.tp_rank, lo, hi, sum(param.numel() for param, _ in shard.values())))
+    return out
 
 
 def _subtract(a: int, b: int, lo: int, hi: int) -> list[tuple[int, int]]:

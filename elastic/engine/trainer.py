@@ -28,6 +28,7 @@ from elastic.engine.eval import eval_due, evaluate
 from elastic.engine.generation import Generation, GenerationBuilder, Part, joined
 from elastic.engine.graveyard import Graveyard
 from elastic.engine.optim_checkpoint import sliced_parts
+from elastic.engine.optim_repair import moment_spans
 from elastic.engine.shard_store import FetchFn, ShardState, ShardStore
 from elastic.engine.step import KeptGrads, PreparedStep, StepDiscarded
 from elastic.model.gpt import GPTStage
@@ -108,6 +109,11 @@ class Trainer:
     def holdings(self) -> list[ShardKey]:
         """The (layer, tp_rank) shards this worker holds now, ascending."""
         return self._shards.keys()
+
+    def moment_spans(self) -> list[tuple[int, int, int, int, int]]:
+        """Of each shard held now, the elements whose AdamW moments this worker has
+        (optim_repair.moment_spans): all of them unless the optimizer is sharded."""
+        return moment_spans(self._shards.held())
 
     # ---- joining a generation ------------------------------------------------------------
 

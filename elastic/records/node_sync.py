@@ -35,6 +35,9 @@ class SyncGroup:
     pending: int | None
     last_vote: Vote | None
     partial: PartialReport | None = None
+    moments: list[tuple[int, int, int, int, int]] | None = None
+    """SyncReport.moments (sharded optimizer): a node's workers of other tensor-parallel ranks have
+    other shards, so with it each worker is a group of its own."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,15 +58,17 @@ class NodeSyncReports(JsonRecord):
         by_rank = {r.local_rank: r for r in reports}
         groups: dict[tuple[object, ...], list[int]] = {}
         for lr, r in sorted(by_rank.items()):
-            groups.setdefault((r.committed, r.pending, r.last_vote, r.partial), []).append(lr)
+            moments = None if r.moments is None else tuple(map(tuple, r.moments))
+            groups.setdefault((r.committed, r.pending, r.last_vote, r.partial, moments), []).append(lr)
         return cls(node=nodes.pop(), groups=[
-            SyncGroup(local_ranks=lrs, committed=c, pending=p, last_vote=v, partial=part)  # type: ignore[arg-type]
-            for (c, p, v, part), lrs in groups.items()])
+            SyncGroup(local_ranks=lrs, committed=c, pending=p, last_vote=v, partial=part,  # type: ignore[arg-type]
+                      moments=None if m is None else list(m))  # type: ignore[call-overload]
+            for (c, p, v, part, m), lrs in groups.items()])
 
     def reports(self) -> list[SyncReport]:
         """Every worker's report, by local rank."""
         out = [SyncReport(committed=g.committed, pending=g.pending, last_vote=g.last_vote, node=self.node,
-                          local_rank=lr, partial=g.partial)
+                          local_rank=lr, partial=g.partial, moments=g.moments)
                for g in self.groups for lr in g.local_ranks]
         return sorted(out, key=lambda r: r.local_rank)
 

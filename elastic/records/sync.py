@@ -43,3 +43,9 @@ class SyncReport(JsonRecord):
     partial: PartialReport | None = None
     """Gradient sums it kept of step `committed` (its pipeline finished that step's
     microbatches before the step was abandoned); None if none."""
+    moments: list[tuple[int, int, int, int, int]] | None = None
+    """With the optimizer sharded (issue 55): for each shard it holds, (layer, tp_rank, lo, hi,
+    total): the elements [lo, hi) of the flattened shard (`total` elements) whose AdamW moments it
+    has now, whichever generation's repair last ran; None when not sharded. What the leader judges
+    a lost node's slices by (leader_replan.py `moments_without_holder`): a generation cut short
+    before its repair leaves its new owners without them."""

@@ -52,6 +52,7 @@ from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store_relay import store_relay_from_env
 from elastic.engine.eval import eval_due
+from elastic.engine.optim_repair import MomentsLost
 from elastic.engine.step import NonFiniteStep
 from elastic.engine.trainer import Trainer
 from elastic.parallel.abort import AbortSignal
@@ -84,6 +85,8 @@ from templates.plan import describe_ranges
 
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+"""1 unless given: gloo connects each pair of ranks on first use (a rendezvous costs O(peers talked to)
+store reads per rank, not O(world): bench/rendezvous_scale.py); 0 keeps the eager full mesh."""
 _LOCAL_GRACE_MIN_S = 1.0
 _LOCAL_GRACE_FIRST_S = 5.0
 
@@ -162,6 +165,9 @@ class ElasticWorker:
                 layout = self._reconfigure(generation)
             except Exception as exc:  # aborted by a halt or g+1, or a peer died while groups were built
                 worker_log(f"reconfiguration into generation {generation} failed: {type(exc).__name__}: {exc}")
+                if isinstance(exc, MomentsLost):  # the leader's check of the reports missed it: end the job, not hang
+                    self.client.put(self.keys.fatal, f"worker {self.node}.{self.local_rank}, generation {generation}: {exc}")
+                    raise
                 self._report_halted(generation)
                 generation = self.waiter.next(generation)
                 continue
@@ -180,7 +186,8 @@ class ElasticWorker:
         kept = t.kept
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
-                            partial=None if kept is None else kept.report())
+                            partial=None if kept is None else kept.report(),
+                            moments=t.moment_spans() if self.spec.sharded_optimizer else None)
         held = sorted(t.holdings())  # written when it changed: most workers hold the same from change to change
         write_sync(self.client, self.rk, generation, report, holdings=None if held == self._held_written else held,
                    lease=self.lease, relay=self.relay)
@@ -389,10 +396,8 @@ class ElasticWorker:
         self.client.put(self.rk.worker_done(self.node, self.local_rank), str(self.trainer.step))
 
     def close(self) -> None:
-        self.steps.close()
-        self.generations.close()
-        self.halts.close()
-        self.decisions.close()
+        for feed in (self.steps, self.generations, self.halts, self.decisions):
+            feed.close()
         self.server.stop(grace=1.0)
 
 
@@ -413,13 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         # group kill signal every process, and a worker dying of it would turn the drain into a
         # failure. The agent stops its workers with SIGKILL, and they die with it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if agent_pid:  # an orphan of a SIGKILLed agent would train on unmonitored: die with it
-        die_with_parent(int(agent_pid))
-    # gloo groups connect each pair of ranks on its first use, not all pairs at construction: a
-    # generation's rendezvous costs O(peers talked to) store reads per rank instead of O(world)
-    # (bench/rendezvous_scale.py). The groups keep their store alive, as lazy connection needs.
-    # TORCH_GLOO_LAZY_INIT=0 in the environment keeps the eager full mesh.
-    os.environ.setdefault(GLOO_LAZY_ENV, "1")
+        die_with_parent(int(agent_pid))  # an orphan of a SIGKILLed agent would train on unmonitored: die with it
+    os.environ.setdefault(GLOO_LAZY_ENV, "1")  # see GLOO_LAZY_ENV
     token = os.environ.get(TOKEN_ENV, "")
     client = connect(config_from_env(args.etcd))
     keys = JobKeys(args.job)

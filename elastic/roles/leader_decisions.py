@@ -212,7 +212,9 @@ def next_generation(s: Snapshot, config: ElasticConfig, tset: TemplateSet, *, lo
     current = s.record.owners() if config.spec.sharded_optimizer else None  # the slice owners under g
     if planned is None:
         live = sorted(n for n, inc in s.members.items() if s.record.incarnations.get(n) == inc or n in joined)
-        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined, owners=current)
+        moments = None if current is None else [r.moments for r in s.reports if r.node in live]
+        got = replan_after(tset, s.record.plan, live, s.holdings or {}, lost=lost, joined=joined, owners=current,
+                           moments=moments)
         if isinstance(got, Fallback):
             return (PublishFallback(fallback=got, members=dict(s.members), lost=lost, joined=joined),)
         planned = got

@@ -17,7 +17,7 @@ search of the checkpoint directory for a fallback (files only, never etcd).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +94,47 @@ def holdings_gaps(holdings: Holdings, plan: Plan, live: set[int]) -> list[ShardK
     ]
 
 
+MomentSpans = Sequence[tuple[int, int, int, int, int]]
+"""A worker's report of the moments it has (SyncReport.moments): (layer, tp_rank, lo, hi, total)."""
+
+
+def moments_without_holder(reported: Iterable[MomentSpans | None]) -> list[str] | None:
+    """Each element range of a shard's moments that no report in `reported` (the live workers')
+    has, in words; None when some report carries none (not sharded, or a worker that has not
+    halted yet): the plan's owners decide then. A shard that no one reports is a layer gap
+    (`holdings_gaps`), not this."""
+    have: dict[tuple[int, int], tuple[int, list[tuple[int, int]]]] = {}
+    for spans in reported:
+        if spans is None:
+            return None
+        for layer, tp, lo, hi, total in spans:
+            have.setdefault((layer, tp), (total, []))[1].append((lo, hi))
+    missing = []
+    for (layer, tp), (total, ranges) in sorted(have.items()):
+        at = 0
+        for lo, hi in sorted(r for r in ranges if r[0] < r[1]) + [(total, total)]:
+            if lo > at:
+                missing.append(f"layer {layer}, optimizer elements [{at}, {lo}) of tensor-parallel rank {tp}: "
+                               "no live worker has their moments (lost with their owners before a repair moved them)")
+            at = max(at, hi)
+    return missing
+
+
+def _lost_moments(owners: Mapping[int, SliceOwnership], lost: set[int],
+                  moments: Sequence[MomentSpans | None] | None) -> str:
+    """Why the optimizer's state cannot be kept (a Fallback's cause), or "" when it can. What
+    the live workers report having decides (a generation superseded before its repair left its
+    new owners without their slices); the slices whose every owner is lost name it when the
+    reports show a loss, or decide alone without reports."""
+    gone = [str(x) for x in lost_slices(owners, lost)]
+    missing = None if moments is None else moments_without_holder(moments)
+    if missing is not None and not missing:
+        return ""
+    named = gone or missing or []
+    more = f" (and {len(named) - 1} more)" if len(named) > 1 else ""
+    return f"{named[0]}{more}" if named else ""
+
+
 def whole_moments(tset: TemplateSet, plan: Plan, sep: str) -> str:
     """What a reason adds (after `sep`) when `plan` came from the templates counting whole moments
     behind the run's sharded ones (too few nodes for the pipelines that keep 1/S of them): else nothing."""
@@ -105,10 +146,12 @@ def whole_moments(tset: TemplateSet, plan: Plan, sep: str) -> str:
 
 
 def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdings, *, lost: list[int],
-                 joined: list[int], owners: Mapping[int, SliceOwnership] | None = None) -> tuple[Plan, str] | Fallback:
+                 joined: list[int], owners: Mapping[int, SliceOwnership] | None = None,
+                 moments: Sequence[MomentSpans | None] | None = None) -> tuple[Plan, str] | Fallback:
     """The plan of g+1 over `live` and its reason, or a Fallback (module doc). `owners`: the
-    sharded optimizer's slice owners under `plan` (issue 55; None: not sharded): a slice whose
-    every owner is lost is a Fallback too, named in its cause."""
+    sharded optimizer's slice owners under `plan` (issue 55; None: not sharded), `moments`: what
+    each live worker reports having of them (SyncReport.moments): optimizer elements that no
+    live worker has are a Fallback too, named in its cause (`_lost_moments`)."""
     what = ", ".join([*(f"lost node {n}" for n in lost), *(f"node {n} joined" for n in joined)])
     f = plan.fault_tolerance
     # What live workers report holding decides, not the plan: a reconfiguration cut short by
@@ -117,10 +160,9 @@ def replan_after(tset: TemplateSet, plan: Plan, live: list[int], holdings: Holdi
     if gaps is None:
         gaps = [] if surviving_holders_cover(plan, set(live)) else [ShardKey(-1, -1)]
     if not gaps and owners is not None:
-        gone = lost_slices(owners, set(plan.nodes) - set(live))
-        if gone:
-            more = f" (and {len(gone) - 1} more slices)" if len(gone) > 1 else ""
-            return Fallback(what=what, gaps=[], live=live, cause=f"{gone[0]}{more}")
+        cause = _lost_moments(owners, set(plan.nodes) - set(live), moments)
+        if cause:
+            return Fallback(what=what, gaps=[], live=live, cause=cause)
     if not gaps and lost and len(joined) == len(lost) and not set(joined) & set(plan.nodes):
         # Hot spares replace every lost node: the same instantiation, each spare in a lost
         # node's stage (elastic/planning/spares.py); it fetches that node's shards.

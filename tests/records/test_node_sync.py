@@ -5,6 +5,7 @@ way (elastic/records/node_holdings.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 
@@ -19,7 +20,15 @@ from elastic.records.sync import SyncReport
 
 
 def _report(rng: random.Random, node: int, lr: int) -> SyncReport:
-    """Mostly the node's common report; now and then one that differs (a pending vote, kept sums)."""
+    """Mostly the node's common report; now and then one that differs (a pending vote, kept sums,
+    the moments of its shards under the sharded optimizer)."""
+    report = _kind(rng, node, lr)
+    if rng.random() < 0.3:
+        report = dataclasses.replace(report, moments=[(2, lr % 2, 0, 512, 1024), (3, lr % 2, 512, 1024, 1024)])
+    return report
+
+
+def _kind(rng: random.Random, node: int, lr: int) -> SyncReport:
     kind = rng.random()
     vote = Vote(step=41, grad_norm=1.25, loss=3.5)
     if kind < 0.6:
@@ -44,7 +53,8 @@ def test_a_node_record_gives_back_every_workers_report_whatever_the_folding_orde
         folded = folded.fold(s)
     assert folded == whole, "the folding order changes nothing"
     assert folded.fold(singles[3]) == whole and whole.fold(whole) == whole, "folding again changes nothing"
-    assert len(whole.groups) == len({(r.committed, r.pending, r.last_vote, r.partial) for r in reports})
+    assert len(whole.groups) == len({(r.committed, r.pending, r.last_vote, r.partial, repr(r.moments)) for r in reports})
+    assert any(r.moments for r in reports) or seed not in (0, 1), "some seeds carry moments"
 
 
 def test_equal_reports_share_one_group_of_about_one_reports_size() -> None:

@@ -235,6 +235,42 @@ def test_a_sharded_loss_of_every_owner_the_record_names_falls_back() -> None:
             assert "layer 0, optimizer slice 1 of 3: every owner lost (nodes 0, 1)" in (steps[-1].fallback.cause or "")
 
 
+def _having(node: int, lo: int, hi: int, total: int = 3000) -> SyncReport:
+    """Node `node`'s report when it has the moments of elements [lo, hi) of every layer (of `total`)."""
+    spans = [(layer, 0, lo, hi, total) for layer in range(PLAN6.num_layers)]
+    return dataclasses.replace(_report(node, 5, vote_of=4), moments=spans)
+
+
+def test_a_sharded_loss_is_judged_by_the_moments_the_survivors_report() -> None:
+    """Generation g's record gives slice 1 to {0, 1}, but g was superseded before its repair: the
+    survivors report what they still have (the slices of the generation before). Node 0's loss
+    leaves elements [0, 1000) with no live worker although the record names node 1 their owner:
+    a fallback that names the elements (issue 55's race: the plan alone planned, and the workers'
+    repair found the loss and hung). Conversely, a slice whose recorded owners are all lost is
+    no loss while a survivor reports its elements (their old owner, not yet moved off them)."""
+    survivors = [1, 2, 3, 4, 5]
+    config, tset = _sharded(PLAN6)
+    rows = [[[0, 1], [2, 3], [4, 5]] for _ in range(PLAN6.num_layers)]
+    cut_short = [_having(1, 2000, 3000), _having(2, 1000, 2000), _having(3, 1000, 2000),
+                 _having(4, 2000, 3000), _having(5, 2000, 3000)]
+    steps = decide_round(_snapshot(_record(PLAN6, slice_owners=rows), members=dict.fromkeys(survivors, 0),
+                                   reports=cut_short, holdings=_holdings(PLAN6, survivors)), config, tset)
+    assert isinstance(steps[-1], PublishFallback), steps[-1]
+    cause = steps[-1].fallback.cause or ""
+    assert cause.startswith("layer 0, optimizer elements [0, 1000) of tensor-parallel rank 0: no live worker"), cause
+    assert f"(and {PLAN6.num_layers - 1} more)" in cause
+
+    survivors = [2, 3, 4, 5]
+    still_held = [_having(2, 0, 1000), _having(3, 1000, 2000), _having(4, 2000, 3000), _having(5, 2000, 3000)]
+    steps = decide_round(_snapshot(_record(PLAN6, slice_owners=rows), members=dict.fromkeys(survivors, 0),
+                                   reports=still_held, holdings=_holdings(PLAN6, survivors)), config, tset)
+    assert isinstance(steps[-1], Publish), steps[-1]
+    reports = [_report(n, 5, vote_of=4) for n in survivors]  # no moments reported: the record decides
+    steps = decide_round(_snapshot(_record(PLAN6, slice_owners=rows), members=dict.fromkeys(survivors, 0),
+                                   reports=reports, holdings=_holdings(PLAN6, survivors)), config, tset)
+    assert isinstance(steps[-1], PublishFallback), steps[-1]
+
+
 def test_a_loss_after_every_survivor_committed_the_last_step_finishes() -> None:
     reports = [_report(n, STEPS, vote_of=STEPS - 1) for n in (0, 2, 3)]
     steps = _decide(_snapshot(members={0: 0, 2: 0, 3: 0}, reports=reports, holdings=_holdings(PLAN, [0, 2, 3])))
