@@ -110,11 +110,6 @@ class Trainer:
         """The (layer, tp_rank) shards this worker holds now, ascending."""
         return self._shards.keys()
 
-    def moment_spans(self) -> list[tuple[int, int, int, int, int]]:
-        """Of each shard held now, the elements whose AdamW moments this worker has
-        (optim_repair.moment_spans): all of them unless the optimizer is sharded."""
-        return moment_spans(self._shards.held())
-
     # ---- joining a generation ------------------------------------------------------------
 
     def start(
@@ -303,3 +298,10 @@ class Trainer:
         done = torch.zeros((), device=self.device)
         self.groups.wait(self.groups.world.all_reduce(done))
         self.groups.fetch(done)
+
+
+def held_moments(trainer: Trainer) -> list[tuple[int, int, int, int, int]]:
+    """Of each shard `trainer` holds now, the elements whose AdamW moments it has
+    (optim_repair.moment_spans; all of them unless the optimizer is sharded): its sync report's
+    `moments`."""
+    return moment_spans(trainer._shards.held())

@@ -54,7 +54,7 @@ from elastic.coordinator.store_relay import store_relay_from_env
 from elastic.engine.eval import eval_due
 from elastic.engine.optim_repair import MomentsLost
 from elastic.engine.step import NonFiniteStep
-from elastic.engine.trainer import Trainer
+from elastic.engine.trainer import Trainer, held_moments
 from elastic.parallel.abort import AbortSignal
 from elastic.parallel.layout import ParallelLayout
 from elastic.records.config import ElasticConfig
@@ -187,7 +187,7 @@ class ElasticWorker:
         report = SyncReport(committed=t.step if joined else None, pending=t.pending if joined else None,
                             last_vote=vote, node=self.node, local_rank=self.local_rank,
                             partial=None if kept is None else kept.report(),
-                            moments=t.moment_spans() if self.spec.sharded_optimizer else None)
+                            moments=held_moments(t) if self.spec.sharded_optimizer else None)
         held = sorted(t.holdings())  # written when it changed: most workers hold the same from change to change
         write_sync(self.client, self.rk, generation, report, holdings=None if held == self._held_written else held,
                    lease=self.lease, relay=self.relay)
