@@ -4,8 +4,11 @@ one of its owners, with no gather (the format: `checkpoint/slices.py`).
 A shard's checkpoint writer (`checkpoint/policy.py`: the holder of the lowest-numbered pipeline)
 writes its head: the AdamW step count and the parameters' shapes. Slice j of the shard (the
 slices of `templates.optim_slices`, cut where `aligned_cuts` cuts the flattened layer at this
-worker's tensor-parallel rank) is written by the shard's writer when it owns the slice, else by
-the slice's first owner: the parameters' and both moments' elements of the slice, which its
+worker's tensor-parallel rank) is written by one of its owners other than the shard's writer
+where it has one, dealt by layer and slice, so that the slices spread over the owners (when the
+shard's writer wrote every slice it owned, the lowest pipeline's worker wrote twice the others'
+share and, under load, lagged behind by 7 steps while two of four workers wrote nothing; a
+failure then found no complete checkpoint): the parameters' and both moments' elements of the slice, which its
 owners updated at the last commit. Every worker calls it after its own commit, alone: a
 checkpoint is no collective, as unsharded, so it never waits on a peer and a peer's failure
 cannot cut it short (it leaves the step incomplete instead).
@@ -44,7 +47,8 @@ def sliced_parts(layout: ParallelLayout, held: Held, writes: Sequence[ShardKey])
         rank_of = {node_of[r]: r for r in holders}
         cuts = aligned_cuts([sizes[n] for n in names], own.slices)
         for j, nodes in enumerate(own.owners):
-            writer = holders[0] if node_of[holders[0]] in nodes else rank_of[nodes[0]]
+            others = [n for n in nodes if rank_of[n] != holders[0]] or list(nodes)
+            writer = rank_of[others[(key.layer + j) % len(others)]]
             if writer != layout.rank:
                 continue
             pieces = {}

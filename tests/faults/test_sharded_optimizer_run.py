@@ -104,12 +104,13 @@ def test_losing_every_owner_of_a_slice_falls_back_to_the_checkpoint(unsharded: C
     from what the survivors report having (before: it planned on the record's owners, the workers'
     repair found the loss, and the job hung)."""
     kills = ["--inject", "kill:node=0,step=9", "--inject", f"kill:node=2,{second}"]
-    cmd = [*RUN[:-2], "--checkpoint-every", "4", "--shard-optimizer", "on", *kills]
+    # Checkpoints every 2 steps: the writers (background threads) of a loaded test machine have
+    # lagged more than 5 steps behind (a CI run found step 4's incomplete at the step-9 kill);
+    # the first one now starts 7 steps before it, and whichever is complete is restored.
+    cmd = [*RUN[:-2], "--checkpoint-every", "2", "--shard-optimizer", "on", *kills]
     got = run_cli(cmd, tmp_path, committed=STEPS, lost=[[0, 2]], timeout=200, split_ok=True)
     fallbacks = [r for r in got[0]["recoveries"] if r["restore_checkpoint"] is not None]
-    # node 0 writes every head and node 1 slice 1 of each: step 8's may still have been on its way
-    # to disk at the kill
-    assert len(fallbacks) == 1 and fallbacks[0]["restore_checkpoint"] in (4, 8), got[0]["recoveries"]
+    assert len(fallbacks) == 1 and fallbacks[0]["restore_checkpoint"] in (2, 4, 6, 8), got[0]["recoveries"]
     assert LOST_SLICE.search(got[2]), got[2][-3000:]
     same_bits(got, unsharded, f"sharded, both owners of a slice killed ({second}), checkpoint fallback")
 
