@@ -108,10 +108,13 @@ def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(
     reference: Reference, tmp_path: Path
 ) -> None:
     # Nodes 0 and 2 are the first stages of both pipelines: layers 0-2 lose every holder.
-    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2,
+    # Checkpoints every 2 steps: on a loaded machine the background writers have lagged more
+    # than 3 steps behind (a CI run found step 5's incomplete at the step-8 kill); the first now
+    # starts 6 steps before it, and whichever is complete is restored.
+    summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, checkpoint_every=2,
                                  inject=("kill:node=0,step=8", "kill:node=2,step=8"))
     check_same_training(summary, state, reference)
-    assert summary.recoveries[-1]["restore_checkpoint"] == 5
+    assert summary.recoveries[-1]["restore_checkpoint"] in (2, 4, 6), summary.recoveries
     assert "CHECKPOINT FALLBACK" in summary.recoveries[-1]["reason"]
 
 
