@@ -114,8 +114,10 @@ def test_every_holder_of_a_layer_killed_falls_back_to_the_checkpoint(
     summary, state = run_elastic(tmp_path, nodes=4, pipelines=2, checkpoint_every=2,
                                  inject=("kill:node=0,step=8", "kill:node=2,step=8"))
     check_same_training(summary, state, reference)
-    assert summary.recoveries[-1]["restore_checkpoint"] in (2, 4, 6), summary.recoveries
-    assert "CHECKPOINT FALLBACK" in summary.recoveries[-1]["reason"]
+    # one fallback (a starved machine has also lost a node to its lease after it: a re-plan more)
+    (fallback,) = [r for r in summary.recoveries if r["restore_checkpoint"] is not None]
+    assert fallback["restore_checkpoint"] in (2, 4, 6), summary.recoveries
+    assert "CHECKPOINT FALLBACK" in fallback["reason"]
 
 
 def test_every_holder_lost_without_a_checkpoint_fails_the_job_with_the_leaders_reason(tmp_path: Path) -> None:
