@@ -33,7 +33,7 @@ def test_the_session_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     env_txt = (out / "env.txt").read_text()
-    for stage in ("nccl_smoke", "gpu_check_124m", "gpu_check_350m"):
+    for stage in ("nccl_smoke", "gpu_check_124m", "gpu_check_350m", "sharded_cpu"):
         assert f"stage {stage}: exit 0" in env_txt, env_txt
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert len(files) <= 8 and all(f.count("/") <= 2 for f in files), files
@@ -42,3 +42,4 @@ def test_the_session_script_rehearses_on_the_cpu(tmp_path: Path) -> None:
     assert json.loads((out / "gpu_check_350m.json").read_text())["passed"] is True
     log = (out / "session.log").read_text()
     assert "engine --static" in log and "PASSED" in log
+    assert "on / off" in log
