@@ -85,12 +85,8 @@ def _interrupt_on_signals() -> Interrupt:
     interrupt = Interrupt()
 
     def handler(signum: int, frame: object) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # nothing may cut the cleanup short
-            signal.signal(sig, signal.SIG_IGN)
-        if interrupt.live:
-            interrupt.ask(signum)
-            return
-        raise KeyboardInterrupt(f"signal {signum}")
+        interrupt.stop_at_once(signum, ignore=(signal.SIGINT, signal.SIGTERM),
+                               outside=lambda stop: KeyboardInterrupt(f"signal {stop.signum}"))
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic.cli.main import UsageError
-from elastic.roles.interrupt import Interrupt, Interrupted
+from elastic.roles.interrupt import Interrupt
 from elastic.roles.job_stop import STOP_GRACE_ENV, STOP_GRACE_S, JobStop, JobStopped, StopTimedOut
 
 EXIT_STOPPED = 3
@@ -66,11 +66,11 @@ def stop_on_signals(config: Any, interrupt: Interrupt) -> JobStop | None:
             return  # a repeated SIGTERM: the stop that saves goes on
         if signum == signal.SIGTERM:
             _say_now("elastic run: terminated (SIGTERM); stopping every process of the job")
-        _stop_at_once(signum, interrupt)
+        interrupt.stop_at_once(signum, ignore=_STOPPING)
 
     def hang_up(signum: int, frame: object) -> None:
         """SIGHUP: unwind at once (the launcher's cleanup stops the job's processes by PID), silently."""
-        _stop_at_once(signum, interrupt)
+        interrupt.stop_at_once(signum, ignore=_STOPPING)
 
     signal.signal(signal.SIGHUP, hang_up)
     signal.signal(signal.SIGINT, handler)
@@ -78,15 +78,8 @@ def stop_on_signals(config: Any, interrupt: Interrupt) -> JobStop | None:
     return job_stop
 
 
-def _stop_at_once(signum: int, interrupt: Interrupt) -> None:
-    """Ignore every stopping signal from now on (nothing may cut the cleanup short), then ask
-    `interrupt` while the launcher runs, or raise what the signal would (Interrupted.unwound)."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    if interrupt.live:
-        interrupt.ask(signum)
-        return
-    raise Interrupted(signum).unwound()
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ignored once one of them stops the run at once: nothing may cut the cleanup short."""
 
 
 def _say_now(line: str) -> None:

@@ -101,6 +101,7 @@ class JobKeys:
 
     @property
     def fatal(self) -> str:
+        """Why the job cannot go on: the leader's reason, or `worker_gave_up`'s."""
         return self.key("fatal")
 
     def store(self, scope: str) -> str:
@@ -182,3 +183,16 @@ class RunKeys:
 
     def injected(self, name: str) -> str:
         return self.job.key("injected", name)
+
+
+WORKER_GAVE_UP = "a worker gave up"
+
+
+def worker_gave_up(who: str, generation: int, exc: BaseException) -> str:
+    """The `fatal` value a worker writes (the leader writes its reason alone)."""
+    return f"{WORKER_GAVE_UP} (worker {who}, generation {generation}): {exc}"
+
+
+def why_failed(fatal: str) -> str:
+    """The `fatal` value as people read it: who gave up, then why."""
+    return fatal if fatal.startswith(WORKER_GAVE_UP) else f"the leader gave up: {fatal}"

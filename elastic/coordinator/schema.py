@@ -30,7 +30,7 @@ The table, as `table()` renders it:
 | injected | `injected/{name*}` | none | agent, launcher | status, events, metrics, launcher | wall time an injection was carried out |
 | events | `events/{time_ns:020d}-{who*}` | none | any process (record_event) | `elastic events`, status | the job's append-only event log |
 | token | `token` | none | the first launcher (access.py) | CLI, agents | hash of the job token |
-| fatal | `fatal` | none | leader | launcher, status | why the job cannot go on |
+| fatal | `fatal` | none | leader; a worker whose repair finds moments lost (keys.worker_gave_up) | launcher, status | why the job cannot go on |
 | config | `config` | none | launcher | workers, agents, status, CLI, metrics | ElasticConfig JSON: the job spec |
 | workers | `workers/{node:d}/{local_rank:d}` | node | none since issue 34 (workers fold theirs into node-workers); still read | agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only) | WorkerInfo JSON: pid, transfer address |
 | node-workers | `workers/{node:d}/all` | node | agent (its workers' registrations folded; a worker without one folds its own in) | agent, leader, launcher, status, metrics, workers (holder map: a gRPC fetch only) | NodeWorkers: each of the node's workers' WorkerInfo (pid, transfer address) of its latest incarnation |
@@ -161,7 +161,8 @@ SCHEMA: tuple[Family, ...] = (
     _f("events", "events/{time_ns:020d}-{who*}", "none", "any process (record_event)", "`elastic events`, status",
        "the job's append-only event log"),
     _f("token", "token", "none", "the first launcher (access.py)", "CLI, agents", "hash of the job token"),
-    _f("fatal", "fatal", "none", "leader", "launcher, status", "why the job cannot go on"),
+    _f("fatal", "fatal", "none", "leader; a worker whose repair finds moments lost (keys.worker_gave_up)",
+       "launcher, status", "why the job cannot go on"),
     _f("config", "config", "none", "launcher", "workers, agents, status, CLI, metrics",
        "ElasticConfig JSON: the job spec"),
     _f("workers", "workers/{node:d}/{local_rank:d}", "node",

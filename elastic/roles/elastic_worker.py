@@ -47,7 +47,7 @@ from elastic.coordinator.client import connect, put_through_stall
 from elastic.coordinator.credentials import config_from_env
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.generations import Generations
-from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.coordinator.keys import JobKeys, RunKeys, worker_gave_up
 from elastic.coordinator.monitor import die_with_parent
 from elastic.coordinator.netaddr import bind_host
 from elastic.coordinator.store_relay import store_relay_from_env
@@ -86,7 +86,8 @@ from templates.plan import describe_ranges
 TOKEN_ENV = "ELASTIC_JOB_TOKEN"
 GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 """1 unless given: gloo connects each pair of ranks on first use (a rendezvous costs O(peers talked to)
-store reads per rank, not O(world): bench/rendezvous_scale.py); 0 keeps the eager full mesh."""
+store reads per rank, not O(world): bench/rendezvous_scale.py), so the groups keep their store alive;
+0 keeps the eager full mesh."""
 _LOCAL_GRACE_MIN_S = 1.0
 _LOCAL_GRACE_FIRST_S = 5.0
 
@@ -115,8 +116,7 @@ class ElasticWorker:
         info = WorkerInfo(pid=os.getpid(), transfer_address=self.server.address, incarnation=incarnation,
                           started=worker_stamps(main_at))
         self.lease = lease
-        self.relay = relay_from_env()
-        """This node's agent's relay: a change's reports leave the node as one etcd transaction."""
+        self.relay = relay_from_env()  # the node agent's relay: a change's reports leave the node in one etcd transaction
         self.store_relay = store_relay_from_env()  # and its store relay: a rendezvous's sets and reads
         put_all(client, self.relay, [], [registration(self.rk, node, local_rank, info, lease)])  # one key a node
         self._held_written: list[ShardKey] | None = None  # what it last wrote to its node's holdings/<node>/all
@@ -166,7 +166,7 @@ class ElasticWorker:
             except Exception as exc:  # aborted by a halt or g+1, or a peer died while groups were built
                 worker_log(f"reconfiguration into generation {generation} failed: {type(exc).__name__}: {exc}")
                 if isinstance(exc, MomentsLost):  # the leader's check of the reports missed it: end the job, not hang
-                    self.client.put(self.keys.fatal, f"worker {self.node}.{self.local_rank}, generation {generation}: {exc}")
+                    self.client.put(self.keys.fatal, worker_gave_up(f"{self.node}.{self.local_rank}", generation, exc))
                     raise
                 self._report_halted(generation)
                 generation = self.waiter.next(generation)

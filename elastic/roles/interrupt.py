@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -47,6 +47,20 @@ class Interrupt:
         """Record a stop at once (the first signal stands)."""
         if self.signum is None:
             self.signum = signum
+
+    def stop_at_once(
+        self, signum: int, *, ignore: Iterable[int],
+        outside: Callable[[Interrupted], BaseException] = Interrupted.unwound,
+    ) -> None:
+        """A stopping signal's handler: ignore the signals `ignore` from now on (nothing may cut
+        the cleanup short), then `ask` while the launcher runs, else raise `outside` of it (by
+        default what the signal would have raised: `Interrupted.unwound`)."""
+        for sig in ignore:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.live:
+            self.ask(signum)
+            return
+        raise outside(Interrupted(signum))
 
     def check(self) -> None:
         """Raise `Interrupted` once asked; called by the launcher where no lock is held."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from elastic.coordinator.client import etcd_unreachable
 from elastic.coordinator.etcd_api import EtcdClient
 from elastic.coordinator.events import record_event
-from elastic.coordinator.keys import JobKeys, RunKeys
+from elastic.coordinator.keys import JobKeys, RunKeys, why_failed
 from elastic.records.config import ElasticConfig
 from elastic.records.injection_requests import (
     InjectionRequest,
@@ -157,10 +157,10 @@ class RunLoop:
         poll_progress(self.client, self.keys, self.config, self.progress, self.say, self.feed)
 
     def _read_requests(self) -> list[InjectionRequest]:
-        """The job's injection requests; JobFailed if the leader gave up (its `fatal` key)."""
+        """The job's injection requests; JobFailed if the leader or a worker gave up (the `fatal` key)."""
         fatal, _ = self.client.get(self.keys.fatal)
         if fatal is not None:
-            raise JobFailed(f"the leader gave up: {fatal.decode()}")
+            raise JobFailed(why_failed(fatal.decode()))
         return read_requests(self.client, self.keys.root)
 
     def _rejoin(self, req: InjectionRequest) -> None:

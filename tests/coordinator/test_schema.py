@@ -176,3 +176,15 @@ def test_every_key_a_real_run_writes_is_in_the_table(watched: Watched) -> None:
 def test_the_run_wrote_the_rows_it_must(watched: Watched) -> None:
     seen = {f.name for k in watched.written if (f := schema.family_of(k[len(watched.keys.root):])) is not None}
     assert seen >= MUST_SEE, sorted(MUST_SEE - seen)
+
+
+def test_a_fatal_value_names_who_gave_up() -> None:
+    """The launcher reads the `fatal` key through `why_failed`: the leader's reason is its own, a
+    worker's (a repair that found moments lost, elastic_worker.py) names the worker and generation."""
+    from elastic.coordinator.keys import why_failed, worker_gave_up
+
+    assert why_failed("shards [3] have no live holder") == "the leader gave up: shards [3] have no live holder"
+    told = why_failed(worker_gave_up("2.1", 7, RuntimeError("layer 0, elements [0, 512): no live worker")))
+    assert "leader" not in told
+    assert told.startswith("a worker gave up") and "worker 2.1" in told and "generation 7" in told
+    assert told.endswith("layer 0, elements [0, 512): no live worker")
