@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from elastic.engine.trainer import Trainer
 
 
+SLOW_DISK_S = 1.0
+"""A save that waited this long for the writer (elastic/engine/checkpoint/writers.py) is logged."""
+
+
 class WorkerCheckpoints:
     """This worker's checkpoint writer and the count of its failed saves (module doc)."""
 
@@ -55,7 +59,10 @@ class WorkerCheckpoints:
 
         parts = trainer.checkpoint_parts(checkpoint_writer_shards(layout))  # sharded: my heads and slices
         if parts:
-            self.writer.save_parts(trainer.step, parts)
+            waited = self.writer.save_parts(trainer.step, parts)
+            if waited >= SLOW_DISK_S:
+                worker_log(f"checkpoint of step {trainer.step} waited {waited:.1f} s for the writer to start on the one "
+                           f"before: the disk is slower than --checkpoint-every {self.every} steps of training")
 
     def flush(self) -> None:
         """Wait until every queued save is on disk (or has failed)."""

@@ -183,3 +183,24 @@ def test_a_full_disk_fails_the_save_without_a_marker_reports_it_once_and_the_nex
         assert w.take_failures() == []
         assert latest_complete(mnt / "ckpt", num_layers=LAYERS, tp_degree=TP) == 3
         assert_shards_equal(load_shards(mnt / "ckpt", 3, ALL), make_shards(ALL, step=3, numel=big))
+
+
+@pytest.mark.timeout(120)
+def test_saves_faster_than_the_disk_wait_for_the_writer_and_every_step_is_written(tmp_path: Path) -> None:
+    """Saves made back to back (no training between them, so each write outlasts the interval):
+    each returns only once the writer has started on the step before, so the step before that is
+    on disk already (at most two host copies, a lag of at most one step); every step is written,
+    bit for bit, and the waits are recorded."""
+    numel = 1 << 18  # ~ 1 MiB of fp32 per weight tensor, 6 shards a step
+    steps = range(1, 7)
+    w = writer(tmp_path, keep=len(steps))
+    for s in steps:
+        w.save_async(s, make_shards(ALL, step=s, numel=numel))
+        written = {r.step for r in w.records}
+        assert set(range(1, s - 1)) <= written, f"after the save of step {s}, only steps {sorted(written)} are on disk"
+    w.close()
+    assert [r.step for r in w.records] == list(steps)
+    assert sum(r.waited_s for r in w.records) > 0
+    assert list_steps(tmp_path) == list(steps)
+    for s in steps:
+        assert_shards_equal(load_shards(tmp_path, s, ALL), make_shards(ALL, step=s, numel=numel))

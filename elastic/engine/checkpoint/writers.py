@@ -14,18 +14,17 @@ short write) removes its partial data directory, writes no marker and does not s
 `take_failures()` hands each such `FailedSave` to the training thread once, to report. Only a
 missing checkpoint directory (a configuration error) surfaces as CheckpointError on `flush`.
 
-`torch.distributed.checkpoint` is imported by the writer's background thread as it starts, or by
-the first load (`load.py`), not when this module is imported: it pulls in DTensor and sympy,
-about 0.5 s of CPU that a worker would otherwise spend before it can register, on every start
-and every rejoin.
-A worker starts the thread at once (`warm()`), so the import overlaps its wait for a generation
-and the first save does not pay for it.
+The writer holds one step being written and at most one waiting: a save made while one waits
+first waits for the writer to start on it (`SaveRecord.waited_s`). A disk slower than the
+checkpoint interval then slows training by the difference, as torchtitan's and Megatron's
+asynchronous saves wait for the one before; it no longer costs a host copy a queued step, nor a
+lag that grows step by step (under load an unbounded queue once fell 7 steps behind, and a
+fallback found no complete checkpoint). Every due step is still written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import shutil
 import threading
 import time
@@ -75,7 +74,9 @@ class SaveRecord:
     bytes: int
     """Tensor bytes written."""
     copy_s: float
-    """Seconds `save_async` spent on the calling (training) thread."""
+    """Seconds `save_async` spent on the calling (training) thread copying."""
+    waited_s: float
+    """Seconds it waited before, for the writer to start on the step saved before (module doc)."""
     write_s: float
     """Seconds the background thread spent writing, syncing and committing."""
 
@@ -95,9 +96,62 @@ class _Job:
     step: int
     parts: list[CheckpointPart]
     copy_s: float
+    waited_s: float
     ready: Any = None
     """CUDA: the event after the copies into pinned host memory, waited for by the writer
     thread (None on CPU: the copies are done)."""
+
+
+class _Slot:
+    """The writer thread's work: the job being written and at most one waiting (module doc)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._waiting: _Job | None = None
+        self._busy = False
+        self._closed = False
+
+    def wait_free(self) -> float:
+        """Wait until no job waits (the writer has started on the last one put); the seconds
+        waited. One thread puts, so the slot stays free until its `put`."""
+        start = time.perf_counter()
+        with self._cv:
+            while self._waiting is not None:
+                self._cv.wait()
+        return time.perf_counter() - start
+
+    def put(self, job: _Job) -> None:
+        with self._cv:
+            if self._waiting is not None:
+                raise RuntimeError("a checkpoint job already waits: put after wait_free, from one thread")
+            self._waiting = job
+            self._cv.notify_all()
+
+    def take(self) -> _Job | None:
+        """The next job to write (the writer is busy until `done`); None once closed and empty."""
+        with self._cv:
+            while self._waiting is None and not self._closed:
+                self._cv.wait()
+            job, self._waiting = self._waiting, None
+            self._busy = job is not None
+            self._cv.notify_all()
+            return job
+
+    def done(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Wait until no job waits and none is being written."""
+        with self._cv:
+            while self._busy or self._waiting is not None:
+                self._cv.wait()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
 
 
 class CheckpointWriter:
@@ -114,7 +168,7 @@ class CheckpointWriter:
         self.records: list[SaveRecord] = []
         """One record per finished `save_async`, in order."""
         self._failed: list[FailedSave] = []
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._slot = _Slot()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -126,14 +180,16 @@ class CheckpointWriter:
         write them as part of `step` on the background thread, each whole (`save_parts`)."""
         self.save_parts(step, [CheckpointPart(key=ShardKey(*key), tensors=tensors) for key, tensors in shards.items()])
 
-    def save_parts(self, step: int, parts: Sequence[CheckpointPart]) -> None:
+    def save_parts(self, step: int, parts: Sequence[CheckpointPart]) -> float:
         """Copy `parts` (whole shards, or heads and slices of shards written sliced: `slices.py`),
         then write them as part of `step` on the background thread. On CUDA the copies go to
         pinned host memory behind the current stream, and the writer thread waits for them: the
-        training thread does not block."""
+        training thread does not block, unless an earlier step still waits to be written (module
+        doc): the seconds it waited for that are returned."""
         self._raise_pending()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        waited = self._slot.wait_free()  # before the copy: at most two copies held, whatever the disk
         start = time.perf_counter()
         copied: list[CheckpointPart] = []
         for part in parts:
@@ -148,14 +204,15 @@ class CheckpointWriter:
             copied.append(replace(part, key=ShardKey(*part.key), tensors=copy))
         devices = {t.device for part in parts for t in part.tensors.values()}
         ready = mark(devices.pop()) if len(devices) == 1 else None
-        job = _Job(step=step, parts=copied, copy_s=time.perf_counter() - start, ready=ready)
+        job = _Job(step=step, parts=copied, copy_s=time.perf_counter() - start, ready=ready, waited_s=waited)
         self._ensure_thread()
-        self._queue.put(job)
+        self._slot.put(job)
+        return waited
 
     def flush(self) -> None:
         """Wait until every queued save is on disk; raise CheckpointError if one failed."""
         if self._thread is not None:
-            self._queue.join()
+            self._slot.drain()
         self._raise_pending()
 
     def take_failures(self) -> list[FailedSave]:
@@ -171,9 +228,9 @@ class CheckpointWriter:
             self.flush()
         finally:
             if self._thread is not None:
-                self._queue.put(None)
+                self._slot.close()
                 self._thread.join()
-                self._thread = None
+                self._thread, self._slot = None, _Slot()
 
     def _check_key(self, key: ShardKey) -> None:
         layer, tp_rank = key
@@ -204,23 +261,20 @@ class CheckpointWriter:
     def _run(self) -> None:
         import torch.distributed.checkpoint  # noqa: F401  (here, not on the caller's thread)
 
-        while True:
-            job = self._queue.get()
+        while (job := self._slot.take()) is not None:
             try:
-                if job is None:
-                    return
                 settle(job.ready)
                 self._write(job)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread by flush()
-                if job is not None and self._pruned(job.step):
+                if self._pruned(job.step):
                     continue  # another writer pruned the step: newer complete checkpoints exist
                 with self._lock:
-                    if job is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)) and self.directory.is_dir():
+                    if not isinstance(e, (KeyboardInterrupt, SystemExit)) and self.directory.is_dir():
                         self._failed.append(FailedSave(step=job.step, reason=self._describe(e)))
                     else:  # no checkpoint directory at all: a configuration error, not a disk fault
                         self._error = e
             finally:
-                self._queue.task_done()
+                self._slot.done()
 
     def _describe(self, exc: BaseException) -> str:
         """One line on a failed write: the OSError behind it when there is one (torch reports a
@@ -239,9 +293,14 @@ class CheckpointWriter:
         return text
 
     def _pruned(self, step: int) -> bool:
-        if step_dir(self.directory, step).exists():
+        """Whether another writer pruned `step` (False when the directory cannot be read: the
+        failure is then reported, and the writer thread, which the next save waits on, lives on)."""
+        try:
+            if step_dir(self.directory, step).exists():
+                return False
+            done = complete_steps(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree)
+        except OSError:
             return False
-        done = complete_steps(self.directory, num_layers=self.num_layers, tp_degree=self.tp_degree)
         return len(done) >= self.keep and done[-self.keep] > step
 
     def _write(self, job: _Job) -> None:
@@ -271,6 +330,7 @@ class CheckpointWriter:
             shards=len(job.parts),
             bytes=nbytes,
             copy_s=job.copy_s,
+            waited_s=job.waited_s,
             write_s=time.perf_counter() - start,
         )
         with self._lock:
