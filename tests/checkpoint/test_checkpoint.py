@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 ALL = [(layer, t) for layer in range(LAYERS) for t in range(TP)]
 
 
-def writer(d: Path, **kw: int) -> CheckpointWriter:
+def writer(d: Path, **kw: float) -> CheckpointWriter:
     return CheckpointWriter(d, num_layers=LAYERS, tp_degree=TP, **kw)
 
 
@@ -204,3 +204,35 @@ def test_saves_faster_than_the_disk_wait_for_the_writer_and_every_step_is_writte
     assert list_steps(tmp_path) == list(steps)
     for s in steps:
         assert_shards_equal(load_shards(tmp_path, s, ALL), make_shards(ALL, step=s, numel=numel))
+
+
+@pytest.mark.timeout(120)
+def test_a_save_that_waits_past_max_wait_is_skipped_and_reported_and_the_rest_are_written(tmp_path: Path) -> None:
+    """With no wait allowed (`max_wait_s=0`, a stalled disk's case in miniature), saves made back
+    to back while a step still waits are skipped: each is reported once as a failed save naming
+    the step it waited behind, the steps not skipped are written bit for bit, and the newest
+    complete step is the last one written."""
+    numel = 1 << 18
+    steps = range(1, 7)
+    made = {s: make_shards(ALL, step=s, numel=numel) for s in steps}  # the saves back to back: copies only
+    w = writer(tmp_path, keep=len(steps), max_wait_s=0)
+    for s in steps:
+        w.save_async(s, made[s])
+    w.flush()
+    failed = w.take_failures()
+    w.close()
+    skipped = [f.step for f in failed]
+    written = [r.step for r in w.records]
+    assert skipped, "back-to-back saves of 6 MiB with no wait allowed: some save must find a step waiting"
+    assert sorted(skipped + written) == list(steps)
+    assert all("skipped: step" in f.reason and "waited" in f.reason for f in failed), [f.reason for f in failed]
+    assert w.take_failures() == []
+    assert list_steps(tmp_path) == written
+    assert latest_complete(tmp_path, num_layers=LAYERS, tp_degree=TP) == written[-1]
+    for s in written:
+        assert_shards_equal(load_shards(tmp_path, s, ALL), made[s])
+
+
+def test_max_wait_must_not_be_negative(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_wait_s must be >= 0"):
+        writer(tmp_path, max_wait_s=-1)

@@ -19,7 +19,9 @@ first waits for the writer to start on it (`SaveRecord.waited_s`). A disk slower
 checkpoint interval then slows training by the difference, as torchtitan's and Megatron's
 asynchronous saves wait for the one before; it no longer costs a host copy a queued step, nor a
 lag that grows step by step (under load an unbounded queue once fell 7 steps behind, and a
-fallback found no complete checkpoint). Every due step is still written.
+fallback found no complete checkpoint). Every due step is still written, unless the wait passes
+`max_wait_s` (a stalled disk): that step is then skipped, and reported as a failed save, so a
+hung disk costs checkpoints, not the training.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ warnings.filterwarnings(
     message="torch.distributed is disabled, unavailable or uninitialized",
     category=UserWarning,
 )
+
+
+MAX_WAIT_S = 60.0
+"""A save that waited this long for the writer to start on the step before is skipped (module doc)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,14 +117,13 @@ class _Slot:
         self._busy = False
         self._closed = False
 
-    def wait_free(self) -> float:
-        """Wait until no job waits (the writer has started on the last one put); the seconds
-        waited. One thread puts, so the slot stays free until its `put`."""
-        start = time.perf_counter()
+    def wait_free(self, timeout: float) -> _Job | None:
+        """Wait until no job waits (the writer has started on the last one put), `timeout`
+        seconds at most; the job still waiting then, else None. One thread puts, so a free slot
+        stays free until its `put`."""
         with self._cv:
-            while self._waiting is not None:
-                self._cv.wait()
-        return time.perf_counter() - start
+            self._cv.wait_for(lambda: self._waiting is None, timeout=timeout)
+            return self._waiting
 
     def put(self, job: _Job) -> None:
         with self._cv:
@@ -157,10 +162,15 @@ class _Slot:
 class CheckpointWriter:
     """Writes this worker's shards of a step in the background; one writer per worker process."""
 
-    def __init__(self, directory: Path, *, num_layers: int, tp_degree: int, keep: int = 2) -> None:
+    def __init__(self, directory: Path, *, num_layers: int, tp_degree: int, keep: int = 2,
+                 max_wait_s: float = MAX_WAIT_S) -> None:
         all_keys(num_layers, tp_degree)  # validates both
         if keep < 1:
             raise ValueError(f"keep must be >= 1 complete checkpoint, got {keep}")
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+        """The longest a save waits for the writer before it is skipped (module doc)."""
         self.directory = Path(directory)
         self.num_layers = num_layers
         self.tp_degree = tp_degree
@@ -189,7 +199,15 @@ class CheckpointWriter:
         self._raise_pending()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        waited = self._slot.wait_free()  # before the copy: at most two copies held, whatever the disk
+        start = time.perf_counter()
+        stuck = self._slot.wait_free(self.max_wait_s)  # before the copy: at most two copies held
+        waited = time.perf_counter() - start
+        if stuck is not None:  # a stalled disk: skip this step rather than stall training for good
+            with self._lock:
+                self._failed.append(FailedSave(step=step, reason=(
+                    f"skipped: step {stuck.step} has waited {waited:.0f} s for the writer, still on an earlier "
+                    f"step (a stalled disk in {self.directory}?)")))
+            return waited
         start = time.perf_counter()
         copied: list[CheckpointPart] = []
         for part in parts:
