@@ -69,6 +69,7 @@ from elastic.roles.agent_injections import NodeInjections
 from elastic.roles.agent_preemption import PREEMPT_GRACE_ENV, PREEMPT_GRACE_S, Preemption
 from elastic.roles.agent_rejoin import campaign_again, keep_place
 from elastic.roles.exit_codes import EXIT_FAILED, EXIT_FENCED, EXIT_REFUSED
+from elastic.roles.launcher_watch import LAUNCHER_PID_ENV, watch_launcher
 from elastic.roles.node_relay import RELAY_ENV, NodeRelay
 from elastic.roles.start_phases import process_start_time, start_phases
 from elastic.roles.zygote import FORKED_AT_ENV, SPAWNED_AT_ENV
@@ -424,7 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.preemption.preempt(grace))
     signal.signal(signal.SIGINT, lambda signum, frame: agent.finish_failed())
+    launcher = watch_launcher(agent, os.environ.get(LAUNCHER_PID_ENV))
     code = agent.run()
+    if launcher is not None:
+        launcher.stop()
     log.warning("%s (incarnation %d): exiting with code %d", agent.who, agent.incarnation, code)
     return code
 

@@ -20,6 +20,7 @@ from elastic.roles.cpu_quota import CPU_CGROUP_ENV, NodeCpuQuotas
 from elastic.roles.exit_codes import EXIT_FENCED
 from elastic.roles.launch_errors import JobFailed
 from elastic.roles.launcher_feed import Progress
+from elastic.roles.launcher_watch import LAUNCHER_PID_ENV
 from elastic.roles.static_launcher import POLL_S, STOP_GRACE_S, device_env, log_tail
 from elastic.roles.zygote import ZYGOTE_ENV, ZygoteError
 from elastic.roles.zygote_client import WarmProcess, ZygoteClient
@@ -81,7 +82,7 @@ class AgentPool:
             extra_env = {**extra_env, CPU_CGROUP_ENV: str(self.cpu_quotas.group(node)), DEDICATED_CPU_ENV: "1"}
         env = dict(
             os.environ, ELASTIC_JOB_TOKEN=self.token, OMP_NUM_THREADS=str(self.threads_per_worker),
-            **device_env(node, self.gpus_per_node), **extra_env,
+            **device_env(node, self.gpus_per_node), **extra_env, **{LAUNCHER_PID_ENV: str(os.getpid())},
         )
         for var in ETCD_CREDENTIAL_ENVS if self.plain_etcd else ():
             env.pop(var, None)

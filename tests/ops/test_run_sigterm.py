@@ -1,5 +1,6 @@
 """`elastic run` stopped with SIGTERM (a scheduler, `timeout`) stops every process of its job;
-SIGKILLed (its embedded etcd dies with it), the orphaned agents give up on etcd and leave."""
+SIGKILLed, its agents see it go and stop their nodes at once; with its etcd gone, they give up
+on etcd and leave."""
 
 from __future__ import annotations
 
@@ -79,12 +80,14 @@ def test_sigterm_stops_every_process_of_the_job(tmp_path: Path, extra: tuple[str
         _clean_up(launcher, job)
 
 
-@pytest.mark.timeout(150)
-def test_orphaned_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
-    """SIGKILL the launcher: its etcd dies with it; every agent finds etcd unreachable, gives up
-    after $ELASTIC_ETCD_GIVE_UP_S, stops its workers and exits (before: they retried forever)."""
+@pytest.mark.timeout(120)
+def test_a_sigkilled_launchers_agents_and_workers_stop_at_once(tmp_path: Path) -> None:
+    """SIGKILL the launcher: every agent sees it go (elastic/roles/launcher_watch.py), kills its
+    workers and exits, whoever its parent is (in the suite, the session's shared warm parent: a
+    CI run's agents outlived a launcher killed at a test's timeout, and their workers spun for
+    minutes)."""
     run_dir = tmp_path / "run"
-    launcher = _start(run_dir, env={**os.environ, "ELASTIC_ETCD_GIVE_UP_S": "2"})
+    launcher = _start(run_dir)
     job = ""
     try:
         job = _training(run_dir)
@@ -92,9 +95,32 @@ def test_orphaned_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
         launcher.kill()
         launcher.wait()
         killed_at = time.monotonic()
-        _, alive = psutil.wait_procs(orphans, timeout=60)
-        assert not alive, f"processes of job {job} still there 60 s after etcd went: {[p.pid for p in alive]}"
-        print(f"{len(orphans)} orphaned processes gone {time.monotonic() - killed_at:.1f} s after the launcher")
+        _, alive = psutil.wait_procs(orphans, timeout=30)
+        assert not alive, f"processes of job {job} still there 30 s after the launcher: {[p.pid for p in alive]}"
+        print(f"{len(orphans)} processes of the job gone {time.monotonic() - killed_at:.1f} s after the launcher")
+        logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("agent*.log"))
+        assert f"the launcher (pid {launcher.pid}) is gone" in logs, logs[-2000:]
+    finally:
+        _clean_up(launcher, job)
+
+
+@pytest.mark.timeout(150)
+def test_agents_leave_when_etcd_is_gone(tmp_path: Path) -> None:
+    """SIGKILL the job's etcd, the launcher left alive: every agent finds etcd unreachable, gives
+    up after $ELASTIC_ETCD_GIVE_UP_S, stops its workers and exits (before: they retried forever)."""
+    run_dir = tmp_path / "run"
+    launcher = _start(run_dir, env={**os.environ, "ELASTIC_ETCD_GIVE_UP_S": "2"})
+    job = ""
+    try:
+        job = _training(run_dir)
+        agents = [p for p in _job_processes(job) if "elastic.roles.agent" in " ".join(p.cmdline())]
+        etcd = [p for p in psutil.Process(launcher.pid).children(recursive=True) if p.name() == "etcd"]
+        assert len(agents) == 3 and len(etcd) == 1, (agents, etcd)
+        etcd[0].kill()
+        gone_at = time.monotonic()
+        _, alive = psutil.wait_procs(agents, timeout=60)
+        assert not alive, f"agents of job {job} still there 60 s after etcd went: {[p.pid for p in alive]}"
+        print(f"{len(agents)} agents gone {time.monotonic() - gone_at:.1f} s after etcd")
         logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("agent*.log"))
         assert "etcd unreachable for" in logs, logs[-2000:]
     finally:
