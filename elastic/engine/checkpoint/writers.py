@@ -22,6 +22,13 @@ lag that grows step by step (under load an unbounded queue once fell 7 steps beh
 fallback found no complete checkpoint). Every due step is still written, unless the wait passes
 `max_wait_s` (a stalled disk): that step is then skipped, and reported as a failed save, so a
 hung disk costs checkpoints, not the training.
+
+`torch.distributed.checkpoint` is imported by the writer's background thread as it starts, or by
+the first load (`load.py`), not when this module is imported: it pulls in DTensor and sympy,
+about 0.5 s of CPU that a worker would otherwise spend before it can register, on every start
+and every rejoin.
+A worker starts the thread at once (`warm()`), so the import overlaps its wait for a generation
+and the first save does not pay for it.
 """
 
 from __future__ import annotations
